@@ -1,0 +1,24 @@
+"""Connecting to Ray the way every job does: an existing cluster when one is named (or when
+``ray job submit`` set ``RAY_ADDRESS``), otherwise an embedded local Ray."""
+from __future__ import annotations
+
+import os
+
+
+def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
+    """``ray.init`` once; returns the Ray context. ``address`` ``None`` and no ``RAY_ADDRESS``:
+    start an embedded local cluster on this machine."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # Ray Train's print patch would log every worker line twice on the driver.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(ignore_reinit_error=True, log_to_driver=True)
+    if quiet:
+        kwargs["logging_level"] = "warning"
+    if address:
+        return ray.init(address=address, **kwargs)
+    return ray.init(num_cpus=num_cpus, **kwargs)

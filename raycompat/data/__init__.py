@@ -1,0 +1,36 @@
+"""Data: the built-in glyph data set, upgrade scenarios, user-data readers and
+PyTorch datasets. The torch-based names (``GlyphDataset``, ``ImageRecordDataset``,
+``collate_skip_none``, ``to_tensor``) are imported lazily, so building catalogs and
+scenarios does not import torch."""
+
+from .glyphs import GlyphCatalog, GlyphRenderer, default_catalog
+from .readers import (
+    CorruptImageError,
+    ImageRecord,
+    RecordSet,
+    RevisitedData,
+    load_image,
+    read_gldv2_csv,
+    read_image_folder,
+    read_parquet_images,
+    read_revisited,
+)
+from .scenarios import SCENARIOS, Scenario, Split, build_scenario, catalog_for, format_allocation
+
+_LAZY = {"GlyphDataset", "ImageRecordDataset", "collate_skip_none", "to_tensor"}
+
+__all__ = [
+    "GlyphCatalog", "GlyphRenderer", "default_catalog",
+    "SCENARIOS", "Scenario", "Split", "build_scenario", "catalog_for", "format_allocation",
+    "CorruptImageError", "ImageRecord", "RecordSet", "RevisitedData", "load_image",
+    "read_image_folder", "read_gldv2_csv", "read_revisited", "read_parquet_images",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from . import datasets
+
+        return getattr(datasets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

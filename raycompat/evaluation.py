@@ -1,0 +1,127 @@
+"""Cross-model retrieval evaluation: old-old, new-new and new-old (METHODS.md, Notation).
+
+``M(query embedder, gallery embedder)``: queries are embedded by one model and searched
+(exact cosine, faiss) against a gallery embedded by another. Across models, only the
+first ``D_old`` dims of the new embedding are used (BCT dimension change), and both sides
+are L2-normalised after that cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from raycompat.data import GlyphRenderer, Scenario, catalog_for
+from raycompat.index.search import l2_normalize
+from raycompat.metrics import compatibility_report, evaluate_retrieval
+from raycompat.models import ModelBundle
+from raycompat.train.data import images_to_tensor
+
+PRIMARY_METRIC = "mAP@100"
+
+
+@torch.no_grad()
+def embed_glyphs(bundle: ModelBundle, renderer: GlyphRenderer, labels: np.ndarray,
+                 instances: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    """Raw (un-normalised) float32 embeddings of rendered glyph items, in item order."""
+    bundle.eval()
+    in_chans = int(bundle.manifest.get("in_chans", 1))
+    out = np.empty((len(labels), bundle.embed_dim), np.float32)
+    for start in range(0, len(labels), batch_size):
+        stop = min(start + batch_size, len(labels))
+        images = renderer.render_batch(labels[start:stop], instances[start:stop])
+        out[start:stop] = bundle.embedder(images_to_tensor(images, in_chans)).numpy()
+    return out
+
+
+@dataclass
+class EmbeddedSet:
+    """Query and gallery embeddings of one model."""
+
+    name: str
+    query: np.ndarray
+    gallery: np.ndarray
+    compatible_dim: int
+
+
+def embed_scenario(name: str, bundle: ModelBundle, scenario: Scenario, resolution: int,
+                   data_seed: int = 0) -> EmbeddedSet:
+    renderer = GlyphRenderer(catalog_for(scenario), resolution=resolution, seed=data_seed)
+    query, gallery = scenario_eval_items(scenario)
+    return EmbeddedSet(
+        name=name,
+        query=embed_glyphs(bundle, renderer, *query),
+        gallery=embed_glyphs(bundle, renderer, *gallery),
+        compatible_dim=int(bundle.manifest.get("compatible_dim", bundle.embed_dim)))
+
+
+def scenario_eval_items(scenario: Scenario):
+    """((query labels, instances), (gallery labels, instances)); the gallery includes distractors."""
+    q = scenario.splits["query"]
+    parts = [scenario.splits["gallery"]]
+    if "distractors" in scenario.splits:
+        parts.append(scenario.splits["distractors"])
+    g_labels = np.concatenate([p.labels for p in parts])
+    g_instances = np.concatenate([p.instances for p in parts])
+    return (q.labels, q.instances), (g_labels, g_instances)
+
+
+def evaluate_pair(query: np.ndarray, gallery: np.ndarray, query_labels, gallery_labels,
+                  dims: int | None = None, k: int = 100) -> dict[str, float]:
+    """Metrics of one (query embedder, gallery embedder) pair, optionally on the first ``dims``."""
+    if dims is not None:
+        query, gallery = query[:, :dims], gallery[:, :dims]
+    return evaluate_retrieval(l2_normalize(query), l2_normalize(gallery), query_labels,
+                              gallery_labels, k=k, ks=(1, 5, 10))
+
+
+def cross_evaluate(old: EmbeddedSet, new_sets: Iterable[EmbeddedSet], query_labels,
+                   gallery_labels, paragon: str | None = None, k: int = 100):
+    """Evaluate old-old, and for each new model new-new and new-old.
+
+    Returns ``(evaluations, verdicts)``: evaluations are flat rows ``{model, query, gallery,
+    metric, value}``; verdicts give, per new model, the BCT empirical criterion
+    ``M(n,o) > M(o,o)`` on ``PRIMARY_METRIC`` plus update gain (BCT Eq.9) and DMU's
+    Delta_up/Delta_down, using the ``paragon`` model as new*.
+    """
+    rows: list[dict] = []
+
+    def add(model, q_name, g_name, metrics):
+        for metric, value in metrics.items():
+            if metric.startswith("num_"):
+                continue
+            rows.append(dict(model=model, query=q_name, gallery=g_name, metric=metric,
+                             value=float(value)))
+        return metrics
+
+    oo = add(old.name, old.name, old.name,
+             evaluate_pair(old.query, old.gallery, query_labels, gallery_labels, k=k))
+    results = {}
+    new_sets = list(new_sets)
+    for new in new_sets:
+        if new.compatible_dim > new.query.shape[1]:
+            raise ValueError(f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
+                             f"embedding size {new.query.shape[1]}")
+        nn = add(new.name, new.name, new.name,
+                 evaluate_pair(new.query, new.gallery, query_labels, gallery_labels, k=k))
+        dims = min(new.compatible_dim, old.gallery.shape[1])
+        no = add(new.name, new.name, old.name,
+                 evaluate_pair(new.query[:, :dims], old.gallery[:, :dims], query_labels,
+                               gallery_labels, k=k))
+        results[new.name] = (nn, no)
+    verdicts = []
+    for new in new_sets:
+        nn, no = results[new.name]
+        nstar = results[paragon][0] if paragon in results else nn
+        report = compatibility_report(oo[PRIMARY_METRIC], no[PRIMARY_METRIC], nn[PRIMARY_METRIC],
+                                      nstar[PRIMARY_METRIC])
+        verdicts.append(dict(
+            model=new.name, metric=PRIMARY_METRIC, criterion="M(new, old) > M(old, old)",
+            compatible=bool(report["compatible"]), m_old_old=oo[PRIMARY_METRIC],
+            m_new_old=no[PRIMARY_METRIC], m_new_new=nn[PRIMARY_METRIC],
+            m_paragon=nstar[PRIMARY_METRIC], paragon=paragon,
+            update_gain=report["update_gain"], delta_up=report["delta_up"],
+            delta_down=report["delta_down"]))
+    return rows, verdicts

@@ -1,0 +1,35 @@
+"""Compatible-training methods: one module per method, all behind one registry.
+
+``build_method(name, options, context)`` is the factory the training loop uses.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from raycompat.config import ConfigError, parse_options
+from raycompat.methods import (bct, cl, contrastive, dmu, independent, l2, mcl, ndpp,  # noqa: F401
+                               odpp, p2s, ract, rqt)  # (registration)
+from raycompat.methods.base import (CompatMethod, MethodContext, TrainBatch, TrainingModule,
+                                    available_methods, register_method)
+
+
+def method_class(name: str) -> type[CompatMethod]:
+    methods = available_methods()
+    if name not in methods:
+        raise ConfigError(f"unknown method {name!r}; allowed methods: {sorted(methods)}")
+    return methods[name]
+
+
+def parse_method_options(name: str, options: Mapping[str, Any] | None):
+    return parse_options(method_class(name).Options, options, owner=f"method {name}")
+
+
+def build_method(name: str, options: Mapping[str, Any] | None, context: MethodContext) -> CompatMethod:
+    cls = method_class(name)
+    if cls.needs_old_model and context.old is None:
+        raise ConfigError(f"method {name!r} needs an old model (--old-model PATH)")
+    return cls(parse_method_options(name, options), context)
+
+
+__all__ = ["CompatMethod", "MethodContext", "TrainBatch", "TrainingModule", "available_methods",
+           "register_method", "method_class", "parse_method_options", "build_method"]

@@ -1,0 +1,93 @@
+"""``bct``: Backward-Compatible Training, influence loss (BCT Eq.8; METHODS.md 3).
+
+``L_compat = CE(w_o(phi_n(x)[:D_o]), y)`` through the frozen old classifier, with three
+ways to treat samples whose class the old head does not know:
+
+- ``beta``: drop them (the mean runs over the known samples of the global batch);
+- ``sys`` (default): append synthesised rows to ``w_o``, the class mean of ``phi_o(x)``
+  over the new training set (computed distributed by ``prototypes.class_mean_features``,
+  once, from the frozen old model, so the same whatever the number of workers);
+- ``kd``: ``KL(softmax(s*w_o(phi_o(x))) || softmax(s*w_o(phi_n(x))))``, s=32, for them.
+
+Dimension change: only the first ``D_o`` dims of the new embedding meet the old classifier
+(``compatible_part``); the same subspace is used in cross-model search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raycompat.config import choices, nonnegative, positive
+from raycompat.methods.base import CompatMethod, TrainBatch, register_method
+from raycompat.methods.gathered import global_mean
+from raycompat.methods.prototypes import class_mean_features
+
+__all__ = ["BCT", "class_mean_features"]
+
+
+@register_method
+class BCT(CompatMethod):
+    name = "bct"
+    description = "backward-compatible training: influence loss through the frozen old classifier"
+
+    @dataclass
+    class Options:
+        variant: str = choices("sys", "beta", "kd", default="sys")
+        lambda_compat: float = nonnegative(1.0)
+        kd_scale: float = positive(32.0)
+
+    def __init__(self, options, context):
+        super().__init__(options, context)
+        old_rows = {c: i for i, c in enumerate(context.old_classes)}
+        # new-head target -> old-head row (or -1): unknown classes are the "new classes".
+        mapping = torch.tensor([old_rows.get(c, -1) for c in context.new_classes], dtype=torch.long)
+        self.register_buffer("old_row_of_new_target", mapping, persistent=False)
+        unseen = (mapping < 0).nonzero().flatten()
+        # Synthesised row index (len(old_classes) + j) for the j-th unseen class.
+        synth = torch.full_like(mapping, -1)
+        synth[unseen] = len(context.old_classes) + torch.arange(len(unseen))
+        self.register_buffer("synth_row_of_new_target", synth, persistent=False)
+        self.register_buffer("synth_rows", torch.zeros(len(unseen), self.old.embed_dim))
+        self._synthesised = False
+
+    def on_epoch_start(self, epoch, model):
+        """BCT-sys: the synthesised rows depend on the frozen old model only: computed once."""
+        if self.options.variant != "sys" or self.synth_rows.shape[0] == 0 or self._synthesised:
+            return
+        base = len(self.context.old_classes)
+        sums, counts = class_mean_features(
+            self.context, self.synth_rows.shape[0],
+            lambda t: torch.where(self.synth_row_of_new_target[t] >= 0,
+                                  self.synth_row_of_new_target[t] - base, -1))
+        if (counts == 0).any():
+            missing = int((counts == 0).sum())
+            raise RuntimeError(f"bct-sys: {missing} new classes have no training sample")
+        self.synth_rows.copy_((sums / counts[:, None]).float())
+        self._synthesised = True
+
+    def compat_loss(self, model, batch: TrainBatch, emb):
+        old_head = self.old.head
+        part = self.compatible_part(emb)
+        old_rows = self.old_row_of_new_target[batch.new_targets]
+        known = old_rows >= 0
+        variant = self.options.variant
+        if variant == "sys":
+            weight = torch.cat([old_head.weight, self.synth_rows], dim=0)
+            rows = torch.where(known, old_rows, self.synth_row_of_new_target[batch.new_targets])
+            return {"influence": F.cross_entropy(old_head(part, rows, weight=weight), rows)}
+        # beta (and kd's known part): mean over the known samples of the global batch.
+        safe_rows = old_rows.clamp(min=0)
+        ce = F.cross_entropy(old_head(part, torch.where(known, old_rows, -1)), safe_rows,
+                             reduction="none")
+        terms = {"influence": global_mean(ce, known)}
+        if variant == "kd":
+            unknown = ~known
+            s = self.options.kd_scale
+            teacher = F.softmax(s * old_head.cosine(self.old_features(batch.x_old)), dim=1)
+            student = F.log_softmax(s * old_head.cosine(part), dim=1)
+            kl = F.kl_div(student, teacher, reduction="none").sum(dim=1)
+            # A batch mean in which known samples count as 0.
+            terms["kd"] = torch.where(unknown, kl, torch.zeros_like(kl)).mean()
+        return terms

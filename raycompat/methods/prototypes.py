@@ -1,0 +1,107 @@
+"""Class prototypes computed by a distributed pass over the training set, written once for
+BCT-sys (synthesised old-classifier rows), P2S, NDPP and ODPP (METHODS.md 3 and 7).
+
+Each worker sums the features of its shard per class in float64; the sums and counts are
+all-reduced, so every worker ends with the same prototypes, whatever the number of workers.
+The embedders run in eval mode, so a sample's feature does not depend on its batch.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raycompat.distributed import all_reduce_sum
+
+Features = Callable[["TrainBatch"], torch.Tensor]  # noqa: F821  (a TrainBatch -> [B, D])
+
+
+@contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Evaluate with frozen BatchNorm statistics, then restore each module's mode."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+def class_sums(context, num_rows: int, features: Mapping[str, tuple[Features, int]],
+               row_of_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One pass over the training set (``context.epoch_pass_loader``): per-row sums of every
+    feature function (``name -> (fn, width)``), float64, all-reduced over workers, and the
+    per-row counts. ``row_of_target`` maps a batch's new-head targets to rows (``-1``: skip);
+    default identity.
+    """
+    sums = {name: torch.zeros(num_rows, width, dtype=torch.float64, device=context.device)
+            for name, (_, width) in features.items()}
+    counts = torch.zeros(num_rows, dtype=torch.float64, device=context.device)
+    with torch.no_grad():
+        for batch in context.epoch_pass_loader():
+            rows = batch.new_targets if row_of_target is None else row_of_target(batch.new_targets)
+            keep = rows >= 0
+            if not keep.any():
+                continue
+            rows = rows[keep]
+            counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.float64))
+            for name, (fn, _) in features.items():
+                sums[name].index_add_(0, rows, fn(batch)[keep].double())
+    for tensor in sums.values():
+        all_reduce_sum(tensor)
+    all_reduce_sum(counts)
+    return sums, counts
+
+
+def class_mean_features(context, num_rows: int, row_of_target) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class sums of the frozen old embedding ``phi_o(x)`` (raw, as BCT-sys synthesises
+    classifier rows from it) and the counts; see ``class_sums``."""
+    old = context.old.embedder
+    with eval_mode(old):
+        sums, counts = class_sums(context, num_rows, {"old": (lambda b: old(b.x_old), old.embed_dim)},
+                                  row_of_target)
+    return sums["old"], counts
+
+
+def class_prototypes(context, num_rows: int, features: Mapping[str, tuple[Features, int]],
+                     modules: tuple[nn.Module, ...] = ()) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Prototypes ``p^c = mean_{x in c} f(x)`` (float32) for every ``name -> (fn, width)``, over the
+    rows of the new head (every class of the new training set, classes unseen by the old
+    model included), with ``modules`` in eval mode during the pass; and the per-class counts."""
+    with eval_mode(*modules):
+        sums, counts = class_sums(context, num_rows, features)
+    if (counts == 0).any():
+        missing = [int(i) for i in (counts == 0).nonzero().flatten()[:5]]
+        raise RuntimeError(f"classes (new-head rows) {missing} have no training sample")
+    return {name: (s / counts[:, None]).float() for name, s in sums.items()}, counts
+
+
+def normalised_old_features(context) -> tuple[Features, int]:
+    """``normalize(phi_o(x_old))``: the old-space feature of P2S prototypes (NDPP Eq.2)."""
+    old = context.old.embedder
+    return (lambda batch: F.normalize(old(batch.x_old), dim=1)), old.embed_dim
+
+
+def normalised_new_features(embedder: nn.Module, compatible_dim: int) -> tuple[Features, int]:
+    """``normalize(phi_n(x_new)[:D_o])``: new prototypes in the compatible subspace."""
+    return (lambda batch: F.normalize(embedder(batch.x_new)[:, :compatible_dim], dim=1)), compatible_dim
+
+
+def prototype_logits(emb: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor,
+                     tau: float, positives: torch.Tensor | None = None) -> torch.Tensor:
+    """``cos(e_n, P) / tau`` against every prototype row (P2S, NDPP Eq.2); with ``positives``
+    the target column uses ``cos(e_n, p_hat^y)`` instead and every other column keeps the real
+    prototype (NDPP Eq.6: pseudo-old positive, real old negatives)."""
+    e = F.normalize(emb, dim=1)
+    logits = e @ F.normalize(negatives, dim=1).t()
+    if positives is not None:
+        pos = (e * F.normalize(positives[targets], dim=1)).sum(dim=1, keepdim=True)
+        logits = logits.scatter(1, targets[:, None], pos)
+    return logits / tau

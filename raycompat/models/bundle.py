@@ -1,0 +1,126 @@
+"""Save and load trained models as a folder: one ``<name>.pt`` state_dict per module plus a
+JSON manifest (method, backbone names, dims, classes, data scenario, versions).
+
+Every module carries a ``spec`` dict (its constructor arguments), so a bundle rebuilds
+itself from the manifest alone. Weights are loaded with ``weights_only=True``: nothing is
+unpickled beyond tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from raycompat.models.embedder import Embedder
+from raycompat.models.heads import ClassifierHead
+from raycompat.models.psi import ProjectionMLP
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def build_module(spec: dict[str, Any]) -> nn.Module:
+    """Rebuild a module from its ``spec`` (the inverse of ``module.spec``)."""
+    kwargs = {k: v for k, v in spec.items() if k != "type"}
+    kind = spec.get("type")
+    if kind == "embedder":
+        return Embedder(**kwargs)
+    if kind == "head":
+        return ClassifierHead(**kwargs)
+    if kind == "mlp":
+        return ProjectionMLP(**kwargs)
+    raise ValueError(f"unknown module type {kind!r} in manifest; allowed: embedder, head, mlp")
+
+
+def _versions() -> dict[str, str]:
+    import timm
+
+    import raycompat
+    return {"raycompat": getattr(raycompat, "__version__", "0"), "torch": torch.__version__,
+            "timm": timm.__version__}
+
+
+@dataclass
+class ModelBundle:
+    """A trained model: named modules (``embedder``, ``head``, and e.g. ``psi``) + manifest.
+
+    ``manifest['classes']`` lists the catalog class index of every head row, so labels from
+    any split map onto head rows; ``manifest['compatible_dim']`` is the number of leading
+    embedding dims that are compatible with the predecessor (BCT dimension change).
+    """
+
+    modules: dict[str, nn.Module]
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def embedder(self) -> Embedder:
+        return self.modules["embedder"]
+
+    @property
+    def head(self) -> ClassifierHead:
+        return self.modules["head"]
+
+    @property
+    def embed_dim(self) -> int:
+        return self.embedder.embed_dim
+
+    @property
+    def classes(self) -> list[int]:
+        return list(self.manifest.get("classes", []))
+
+    def eval(self) -> "ModelBundle":
+        for module in self.modules.values():
+            module.eval()
+        return self
+
+    def to(self, device) -> "ModelBundle":
+        for module in self.modules.values():
+            module.to(device)
+        return self
+
+    def freeze(self) -> "ModelBundle":
+        self.eval()
+        for module in self.modules.values():
+            module.requires_grad_(False)
+        return self
+
+    def save(self, path: str) -> str:
+        """Write atomically: a temporary sibling folder renamed into place."""
+        parent = os.path.dirname(os.path.abspath(path)) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".bundle-", dir=parent)
+        manifest = dict(self.manifest)
+        manifest["format_version"] = FORMAT_VERSION
+        manifest["modules"] = {name: m.spec for name, m in self.modules.items()}
+        manifest.setdefault("versions", _versions())
+        for name, module in self.modules.items():
+            torch.save(module.state_dict(), os.path.join(tmp, f"{name}.pt"))
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        self.manifest = manifest
+        return path
+
+    @classmethod
+    def load(cls, path: str, device: str | torch.device = "cpu") -> "ModelBundle":
+        manifest_path = os.path.join(path, MANIFEST)
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"no model bundle at {path!r}: {MANIFEST} is missing")
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        modules: dict[str, nn.Module] = {}
+        for name, spec in manifest.get("modules", {}).items():
+            module = build_module(spec)
+            state = torch.load(os.path.join(path, f"{name}.pt"), map_location=device,
+                               weights_only=True)
+            module.load_state_dict(state)
+            modules[name] = module.to(device).eval()
+        return cls(modules, manifest)

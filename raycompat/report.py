@@ -1,0 +1,48 @@
+"""Writing results a person can open: JSON with every number, markdown tables."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf -> None so the JSON is standard (json.dump would write NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return _clean(value.item())
+    return value
+
+
+def write_json(path: str, obj: Any) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_clean(obj), f, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "n/a"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits: int = 4) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(v, digits) for v in row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""The one training loop every method runs in (Ray Train ``train_loop_per_worker``).
+
+Per worker: build the data shard, the new model and the method; wrap them in DDP
+(gloo on CPU, NCCL on GPU, chosen by Ray Train); resume from the latest checkpoint if
+Ray Train restarted us; then per epoch: the method's distributed pass, the steps, and a
+checkpoint with metrics. The loop knows nothing about any particular method.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from raycompat import distributed
+from raycompat.config import ConfigError
+from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
+from raycompat.models import ClassifierHead, Embedder, ModelBundle
+from raycompat.train.config import TrainConfig
+from raycompat.train.data import EpochPassLoader, build_training_set
+
+TRAIN_STATE = "train_state.pt"
+HISTORY = "history.json"
+BUNDLE_DIR = "model"
+
+
+def learning_rate(cfg: TrainConfig, epoch: int, step: int, steps_per_epoch: int) -> float:
+    """Linear warm-up for ``warmup_epochs``, then cosine decay to 0 (a function of position only,
+    so a resumed run follows the same schedule)."""
+    position = epoch + step / max(1, steps_per_epoch)
+    if position < cfg.warmup_epochs:
+        return cfg.lr * (position + 1.0 / steps_per_epoch) / cfg.warmup_epochs
+    span = max(1e-9, cfg.epochs - cfg.warmup_epochs)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * (position - cfg.warmup_epochs) / span))
+
+
+def build_optimizer(cfg: TrainConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError(f"method {cfg.method!r} has no trainable parameter")
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def parameter_digest(module: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes, in name order: equal across DDP workers iff in sync.
+
+    Buffers (BatchNorm running stats) are left out: DDP broadcasts them from rank 0 at the
+    start of each forward, so after the last step they legitimately differ per worker."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_bundle(cfg: TrainConfig, module: TrainingModule, old: ModelBundle | None,
+                new_classes: list[int], compatible_dim: int, epoch: int) -> ModelBundle:
+    modules = {"embedder": module.embedder, "head": module.head, **module.method.exports()}
+    manifest = {
+        "method": cfg.method,
+        "method_options": cfg.method_options,
+        "backbone": cfg.backbone,
+        "embed_dim": cfg.embed_dim,
+        "in_chans": cfg.in_chans,
+        "resolution": cfg.resolution,
+        "classes": [int(c) for c in new_classes],
+        "compatible_dim": int(compatible_dim),
+        "predecessor": None if old is None else {
+            "path": cfg.old_model, "backbone": old.manifest.get("backbone"),
+            "embed_dim": old.embed_dim, "method": old.manifest.get("method"),
+            "generation": old.manifest.get("generation", 0)},
+        "generation": 0 if old is None else int(old.manifest.get("generation", 0)) + 1,
+        "data": {"scenario": cfg.scenario.get("name"), "seed": cfg.scenario.get("seed"),
+                 "split": cfg.split, "num_items": len(cfg.scenario["splits"][cfg.split]["labels"])},
+        "epochs_trained": epoch + 1,
+        "train_config": {k: v for k, v in cfg.to_dict().items() if k != "scenario"},
+    }
+    return ModelBundle(modules, manifest)
+
+
+def train_loop_per_worker(config: dict) -> list[dict]:
+    import ray.train
+    import ray.train.torch
+
+    cfg = TrainConfig.from_dict(config)
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // context.get_local_world_size())
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    device = ray.train.torch.get_device()
+
+    if cfg.diagnostics_dir:
+        os.makedirs(cfg.diagnostics_dir, exist_ok=True)
+        with open(os.path.join(cfg.diagnostics_dir, f"pid_rank{rank}.txt"), "w") as f:
+            f.write(str(os.getpid()))
+
+    method_cls = method_class(cfg.method)
+    old = ModelBundle.load(cfg.old_model, device).freeze() if cfg.old_model else None
+    train_set = build_training_set(cfg, views=2 if old is not None else 1)
+    new_classes = train_set.classes
+    old_classes = old.classes if old is not None else []
+    if old is not None and old.embed_dim > cfg.embed_dim:
+        raise ConfigError(f"embed_dim {cfg.embed_dim} is smaller than the old model's "
+                          f"{old.embed_dim}: the compatible subspace needs D_new >= D_old")
+    compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
+
+    embedder = Embedder(cfg.backbone, cfg.embed_dim, in_chans=cfg.in_chans,
+                        pretrained_path=cfg.pretrained_path)
+    head = ClassifierHead(cfg.embed_dim, len(new_classes), kind=cfg.head,
+                          scale=cfg.head_scale, margin=cfg.head_margin)
+    if cfg.init_model:
+        init = ModelBundle.load(cfg.init_model)
+        embedder.load_state_dict(init.embedder.state_dict())
+        if init.classes == new_classes:
+            head.load_state_dict(init.head.state_dict())
+
+    new_target = torch.full((max(new_classes) + 1,), -1, dtype=torch.long)
+    new_target[torch.tensor(new_classes)] = torch.arange(len(new_classes))
+    old_target = torch.full_like(new_target, -1)
+    known = [c for c in old_classes if c < len(old_target)]
+    if known:
+        rows = {c: i for i, c in enumerate(old_classes)}
+        old_target[torch.tensor(known)] = torch.tensor([rows[c] for c in known])
+
+    method_context = MethodContext(
+        old=old, new_classes=new_classes, old_classes=old_classes,
+        compatible_dim=compatible_dim, device=device,
+        epoch_pass_loader=EpochPassLoader(train_set, cfg.batch_size // world, new_target, old_target,
+                                          device))
+    method = build_method(cfg.method, cfg.method_options, method_context)
+    module = TrainingModule(embedder, head, method).to(device)
+    ddp_model = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={
+        "find_unused_parameters": False, "broadcast_buffers": True} if world > 1 else None)
+    optimizer = build_optimizer(cfg, module)
+
+    start_epoch, history = 0, []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            state = torch.load(os.path.join(ckpt_dir, TRAIN_STATE), map_location=device,
+                               weights_only=True)
+            module.load_state_dict(state["module"])
+            optimizer.load_state_dict(state["optimizer"])
+            start_epoch = int(state["epoch"]) + 1
+            with open(os.path.join(ckpt_dir, HISTORY)) as f:
+                history = json.load(f)
+        if rank == 0:
+            print(f"[raycompat] resumed {cfg.run_name} from the checkpoint of epoch {start_epoch - 1}",
+                  flush=True)
+
+    per_worker_batch = cfg.batch_size // world
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=per_worker_batch, sampler=sampler, drop_last=True,
+                        num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise ConfigError(f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
+                          f"of {cfg.batch_size}")
+
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)
+        module.method.on_epoch_start(epoch, module)
+        module.train()
+        if not method_cls.trains_embedder:
+            module.embedder.eval()
+            module.head.eval()
+        sums: dict[str, float] = {}
+        step_time, started = 0.0, time.perf_counter()
+        for step, (x_new, x_old, labels) in enumerate(loader):
+            t0 = time.perf_counter()
+            lr = learning_rate(cfg, epoch, step, steps_per_epoch)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            labels = labels.to(device)
+            batch = TrainBatch(
+                x_new=x_new.to(device), labels=labels, new_targets=new_target.to(device)[labels],
+                x_old=None if old is None else x_old.to(device),
+                old_targets=old_target.to(device)[labels])
+            terms = ddp_model(batch)
+            optimizer.zero_grad(set_to_none=True)
+            terms["loss"].backward()
+            optimizer.step()
+            step_time += time.perf_counter() - t0
+            for key, value in terms.items():
+                sums[key] = sums.get(key, 0.0) + float(value.detach())
+            if rank == 0 and (step + 1) % cfg.log_every == 0:
+                print(f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} "
+                      f"step {step + 1}/{steps_per_epoch} loss {float(terms['loss']):.4f} lr {lr:.4g}",
+                      flush=True)
+        wall = time.perf_counter() - started
+        totals = torch.tensor([sums.get(k, 0.0) for k in sorted(sums)] + [step_time, wall],
+                              dtype=torch.float64)
+        distributed.all_reduce_sum(totals)
+        keys = sorted(sums)
+        metrics = {f"loss/{k}": float(totals[i]) / (steps_per_epoch * world) for i, k in enumerate(keys)}
+        metrics.update({
+            "epoch": epoch + 1,
+            "lr": lr,
+            "images_per_s": steps_per_epoch * cfg.batch_size / (float(totals[-1]) / world),
+            "step_images_per_s": steps_per_epoch * cfg.batch_size / (float(totals[-2]) / world),
+            "epoch_time_s": float(totals[-1]) / world,
+            "num_workers": world,
+            "start_epoch": start_epoch,
+        })
+        digest = parameter_digest(module)
+        if cfg.diagnostics_dir:
+            with open(os.path.join(cfg.diagnostics_dir, f"digest_rank{rank}_epoch{epoch + 1}.txt"), "w") as f:
+                f.write(digest)
+        history.append(metrics)
+        if rank == 0:
+            print(f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} done: "
+                  + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)),
+                  flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
+                            "epoch": epoch}, os.path.join(tmp, TRAIN_STATE))
+                with open(os.path.join(tmp, HISTORY), "w") as f:
+                    json.dump(history, f, indent=1)
+                make_bundle(cfg, module, old, new_classes, compatible_dim, epoch).save(
+                    os.path.join(tmp, BUNDLE_DIR))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                                 checkpoint_dir_name=f"epoch_{epoch + 1:04d}")
+            else:
+                ray.train.report(metrics, checkpoint=None)
+    return history

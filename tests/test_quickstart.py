@@ -1,0 +1,48 @@
+"""The main job end to end at a small scale, and the BCT paper's first claim on it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raycompat.quickstart import QuickstartOptions, run_quickstart
+
+SMALL = dict(train_classes=60, images_per_class=24, eval_classes=40, queries_per_class=2,
+             gallery_per_class=6, distractor_classes=40, distractors_per_class=3,
+             backbone="lcnet_050", embed_dim=64, old_epochs=6, new_epochs=6, batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def quickstart_report(ray_cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    report = run_quickstart(QuickstartOptions(out=str(out), **SMALL))
+    return out, report
+
+
+def test_report_files_and_schema(quickstart_report):
+    out, report = quickstart_report
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["evaluations"] == report["evaluations"]
+    pairs = {(e["model"], e["query"], e["gallery"]) for e in on_disk["evaluations"]}
+    assert pairs == {("old", "old", "old"), ("bct", "bct", "bct"), ("bct", "bct", "old"),
+                     ("independent", "independent", "independent"),
+                     ("independent", "independent", "old")}
+    for entry in on_disk["evaluations"]:
+        assert set(entry) == {"model", "query", "gallery", "metric", "value"}
+        assert 0.0 <= entry["value"] <= 1.0
+    assert {e["metric"] for e in on_disk["evaluations"]} >= {"mAP@100", "mAP", "top1"}
+    assert set(on_disk["compatibility"]) == {"bct", "independent"}
+    markdown = (out / "report.md").read_text()
+    assert "## Compatibility" in markdown and "bct" in markdown
+    for name in ("old", "bct", "independent"):
+        assert (out / "models" / name / "manifest.json").is_file()
+
+
+def test_bct_first_claim_holds(quickstart_report):
+    """BCT: M(bct, old) > M(old, old); the independent model is far below M(old, old)."""
+    _, report = quickstart_report
+    verdicts = {v["model"]: v for v in report["verdicts"]}
+    bct, independent = verdicts["bct"], verdicts["independent"]
+    assert bct["compatible"] and bct["m_new_old"] > bct["m_old_old"]
+    assert not independent["compatible"]
+    assert independent["m_new_old"] < 0.5 * independent["m_old_old"]
