@@ -106,6 +106,7 @@ def train_main(argv: list[str] | None = None, *, default_method: str | None = No
     parser.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                         help="a method option, repeatable")
     parser.add_argument("--old-model", help="bundle of the old model (from train_old.py)")
+    parser.add_argument("--init-model", help="bundle to start from; the frozen new model for mcl/rqt/cl")
     parser.add_argument("--split", default=None, help="training split (default: new_train)")
     parser.add_argument("--out", default=None, help="where to export the model bundle")
     parser.add_argument("--run-name", default=None)
@@ -116,7 +117,7 @@ def train_main(argv: list[str] | None = None, *, default_method: str | None = No
         scenario = scenario_from_args(args)
         cfg = train_config(args, scenario, method=args.method, split=args.split or "new_train",
                            method_options=parse_key_values(args.opt), old_model=args.old_model,
-                           run_name=args.run_name or f"{args.method}-{int(time.time())}")
+                           init_model=args.init_model, run_name=args.run_name or f"{args.method}-{int(time.time())}")
     except (ConfigError, ValueError, FileNotFoundError) as err:
         return _fail(str(err))
     return _run_training(args, cfg, args.out or os.path.join(args.storage, "models", cfg.run_name))

@@ -32,8 +32,8 @@ class QuickstartOptions:
     backbone: str = "lcnet_050"
     embed_dim: int = 128
     head: str = "cosface"
-    old_epochs: int = 8
-    new_epochs: int = 8
+    old_epochs: int = 24
+    new_epochs: int = 14
     batch_size: int = 128
     lr: float = 0.1
     workers: int = 1

@@ -1,0 +1,56 @@
+"""Backfill simulator: policies x query modes -> exact retrieval curves during a hot refresh.
+
+Modules (one concept each):
+
+* :mod:`~raycompat.backfill.gallery`   -- :class:`GalleryEmbeddings`, parquet loading, input errors
+* :mod:`~raycompat.backfill.grid`      -- backfill fractions, the rounding rule, segments
+* :mod:`~raycompat.backfill.policies`  -- backfill orders (random, sequential, uncertainty, oracle, learned)
+* :mod:`~raycompat.backfill.modes`     -- query modes as score sides (compatible, adapted, rank_merge, ...)
+* :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU), exact top-k
+* :mod:`~raycompat.backfill.engine`    -- exact curves from one scoring pass per side
+* :mod:`~raycompat.backfill.cost`      -- wall-clock cost model
+* :mod:`~raycompat.backfill.simulator` -- orchestration: curves, AUCs, regression, references
+* :mod:`~raycompat.backfill.plots`, :mod:`~raycompat.backfill.report` -- PNG / JSON / markdown
+"""
+import importlib
+
+_EXPORTS = {
+    "CostModel": "cost", "measure_items_per_s": "cost",
+    "BackfillInputError": "gallery", "GalleryEmbeddings": "gallery", "load_parquet": "gallery",
+    "backfill_counts": "grid", "cold_counts": "grid", "default_grid": "grid",
+    "MODES": "modes", "SideBuilder": "modes", "apply_bundle_modules": "modes",
+    "available_modes": "modes", "mode_spec": "modes",
+    "POLICIES": "policies", "UncertaintyHead": "policies",
+    "Curve": "simulator", "SimulationResult": "simulator", "backfill_curve_rows": "simulator",
+    "simulate_backfill": "simulator",
+}
+
+
+def __getattr__(name):
+    """Lazy exports: ``import raycompat.backfill`` stays light (no torch) until needed."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"raycompat.backfill.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'raycompat.backfill' has no attribute {name!r}")
+
+
+__all__ = [
+    "BackfillInputError",
+    "CostModel",
+    "Curve",
+    "GalleryEmbeddings",
+    "MODES",
+    "POLICIES",
+    "SideBuilder",
+    "SimulationResult",
+    "UncertaintyHead",
+    "apply_bundle_modules",
+    "available_modes",
+    "backfill_counts",
+    "backfill_curve_rows",
+    "cold_counts",
+    "default_grid",
+    "load_parquet",
+    "measure_items_per_s",
+    "mode_spec",
+    "simulate_backfill",
+]

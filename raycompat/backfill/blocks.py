@@ -29,11 +29,51 @@ __all__ = [
     "block_rows",
     "iter_score_blocks",
     "exact_topk",
+    "release_memory",
+    "nonzero_2d",
 ]
 
 #: default memory budget (bytes) of one score block [query chunk, gallery block]
-DEFAULT_BLOCK_BYTES = 32 * 1024 * 1024
+DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
 _U32 = 2.0 ** -24  # unit roundoff of float32
+
+
+_LIBC = None
+
+
+def release_memory() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    The passes allocate and free many medium-sized temporaries per block; glibc
+    keeps them in its heap, so without trimming the resident size creeps up by
+    hundreds of MB over a pass although nothing is live.  Called every few blocks.
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+def nonzero_2d(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` of the True entries of a 2-D bool tensor, row-major.
+
+    On CPU through ``numpy.flatnonzero`` on the flat mask, several times faster
+    than ``torch.nonzero`` on sparse masks; on other devices ``torch.nonzero``.
+    """
+    width = mask.shape[1]
+    if mask.device.type == "cpu":
+        flat = torch.from_numpy(np.flatnonzero(mask.contiguous().numpy()))
+    else:
+        flat = torch.nonzero(mask.reshape(-1)).squeeze(1)
+    rows = torch.div(flat, width, rounding_mode="floor")
+    return rows, flat - rows * width
 
 
 def resolve_device(device=None) -> torch.device:
@@ -83,6 +123,8 @@ def block_rows(n_queries: int, n_items: int, block_bytes: int = DEFAULT_BLOCK_BY
     else:
         qc = max(1, elems // 512)
     gb = max(1, min(max(n_items, 1), elems // qc))
+    if gb > 512:
+        gb -= gb % 256          # whole tiles, and sizes the matmul kernels like
     return qc, gb
 
 
@@ -125,6 +167,76 @@ def _sorted_candidates(scores: torch.Tensor, ids: torch.Tensor):
     return torch.gather(scores, 1, order), torch.gather(ids, 1, order)
 
 
+#: columns per tile of the candidate filter of :func:`exact_topk`
+TOPK_TILE = 128
+
+
+def _block_candidates_full(sub: torch.Tensor, kk: int):
+    """Every entry of each row scoring at least the row's kk-th value (ties included),
+    ordered by column: ``(scores, cols)`` padded with -inf."""
+    kb = min(kk, sub.shape[1])
+    vk = torch.topk(sub, kb, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    keep = sub >= vk
+    width = int(keep.sum(dim=1).max().item())
+    masked = torch.where(keep, sub, torch.full_like(sub, -float("inf")))
+    cand_s, cand_c = torch.topk(masked, width, dim=1, sorted=False)
+    cand_c, perm = torch.sort(cand_c, dim=1)
+    return torch.gather(cand_s, 1, perm), cand_c
+
+
+def _entries_above(S: torch.Tensor, kth: torch.Tensor, use_tiles: bool = True):
+    """Entries strictly above the row's k-th score: ``(rows, cols, values, tile_fraction)``.
+
+    With ``use_tiles`` they are found through tile maxima (only touched tiles are
+    scanned); otherwise the block is scanned directly.  Row-major order, ascending
+    column within a row.  ``tile_fraction`` is ``None`` without tiles.
+    """
+    R, B = S.shape
+    bt = (B // TOPK_TILE) * TOPK_TILE if use_tiles else 0
+    rr, cc, vv = [], [], []
+    frac = None
+    if bt:
+        tiles = S[:, :bt].reshape(R, bt // TOPK_TILE, TOPK_TILE)
+        tr, tc = nonzero_2d(tiles.amax(dim=2) > kth[:, None])
+        frac = tr.numel() / float(R * (bt // TOPK_TILE))
+        if tr.numel():
+            sel = tiles[tr, tc]
+            a, b = nonzero_2d(sel > kth.index_select(0, tr)[:, None])
+            rr.append(tr.index_select(0, a))
+            cc.append(tc.index_select(0, a) * TOPK_TILE + b)
+            vv.append(sel.reshape(-1).index_select(0, a * TOPK_TILE + b))
+    if bt < B:
+        rest = S[:, bt:]
+        a, b = nonzero_2d(rest > kth[:, None])
+        if a.numel():
+            rr.append(a)
+            cc.append(b + bt)
+            vv.append(rest.reshape(-1).index_select(0, a * (B - bt) + b))
+    if not rr:
+        return None, frac
+    if len(rr) == 1:
+        return (rr[0], cc[0], vv[0]), frac
+    r, c, v = torch.cat(rr), torch.cat(cc), torch.cat(vv)
+    o = torch.sort(r * B + c).indices          # tiles + the last partial tile: row-major again
+    return (r.index_select(0, o), c.index_select(0, o), v.index_select(0, o)), frac
+
+
+def _pad_by_row(r: torch.Tensor, ids: torch.Tensor, v: torch.Tensor):
+    """Flat entries grouped by row (rows ascending, ids ascending within a row) ->
+    ``(rows, scores [n, w], ids [n, w])`` padded with -inf."""
+    dev = v.device
+    rows, counts = torch.unique_consecutive(r, return_counts=True)
+    width = int(counts.max().item())
+    start = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(r.numel(), device=dev) - torch.repeat_interleave(start, counts)
+    ridx = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), counts)
+    cs = torch.full((rows.numel(), width), -float("inf"), dtype=v.dtype, device=dev)
+    ci = torch.full((rows.numel(), width), -1, dtype=torch.int64, device=dev)
+    cs[ridx, slot] = v
+    ci[ridx, slot] = ids
+    return rows, cs, ci
+
+
 def exact_topk(
     queries: np.ndarray,
     gallery: np.ndarray,
@@ -140,13 +252,16 @@ def exact_topk(
     descending score, ties by ascending gallery index, padded with ``-inf`` /
     ``-1`` when ``k > N``.
 
-    Per block only the query rows whose block maximum beats their current k-th
-    score are touched (a score equal to the current k-th cannot enter: its index
-    is larger), so after the first blocks the cost is the matrix product plus
-    one max-reduction.  Block candidates are every item scoring at least the
-    block's k-th value (ties included), ordered by index, and merged with the
-    running list by a stable sort -- which keeps ties in index order because
-    the running list holds only items of earlier (lower-index) blocks.
+    Until a query's list holds k items, a block contributes every entry scoring at
+    least the block's own k-th value (ties included), merged by a stable sort.
+    Afterwards only entries strictly above the list's k-th score can enter (an
+    equal score has a larger index).  They are found through per-tile maxima
+    (``TOPK_TILE`` columns; the block is scanned directly while candidates are
+    dense), buffered, and merged every few blocks by insertion: a candidate goes
+    after every list entry scoring at least as much (list entries come from
+    earlier, lower-index blocks), list entries after every candidate scoring
+    strictly more.  A stale k-th score only admits more candidates, never fewer.
+    So the cost of a block is the matrix product plus about one max-reduction.
     """
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
@@ -156,30 +271,95 @@ def exact_topk(
     kk = min(k, n_g)
     best_s = torch.full((n_q, kk), -float("inf"), dtype=torch.float32, device=dev)
     best_i = torch.full((n_q, kk), -1, dtype=torch.int64, device=dev)
+    filled = torch.zeros(n_q, dtype=torch.int64, device=dev)       # real entries in the list
+    tile_frac = 1.0
+    n_blocks = 0
+    pending: list = []            # candidates not merged yet: (query rows, ids, scores)
+    n_pending = 0
+
+    def flush():
+        nonlocal pending, n_pending
+        if not pending:
+            return
+        r = torch.cat([p[0] for p in pending])
+        ids = torch.cat([p[1] for p in pending])
+        v = torch.cat([p[2] for p in pending])
+        o = torch.sort(r, stable=True).indices   # by row; blocks were appended in index order
+        rows, cs, ci = _pad_by_row(r.index_select(0, o), ids.index_select(0, o), v.index_select(0, o))
+        _merge(best_s, best_i, 0, (rows, cs, ci), 0, kk)
+        pending, n_pending = [], 0
+
     with fp32_matmul(), torch.no_grad():
         for q0, q1, g0, g1, S in iter_score_blocks(queries, gallery, device=dev, block_bytes=block_bytes):
-            kth = best_s[q0:q1, -1]
-            rows = torch.nonzero(S.amax(dim=1) > kth).squeeze(1)
-            if rows.numel() == 0:
+            full = filled[q0:q1] >= kk
+            rows_all = None
+            if not bool(full.all()):
+                flush()
+                rows = torch.nonzero(~full).squeeze(1)
+                cs, cc = _block_candidates_full(S.index_select(0, rows), kk)
+                filled[q0 + rows] += (cs > -float("inf")).sum(dim=1)
+                _merge(best_s, best_i, q0, (rows, cs, cc), g0, kk)
+                rows_all = torch.nonzero(full).squeeze(1)
+                if rows_all.numel() == 0:
+                    continue
+                S = S.index_select(0, rows_all)
+            # tiles while candidates are sparse; scan directly while they are dense (retry every 8)
+            use_tiles = tile_frac <= 0.25 or n_blocks % 8 == 0
+            n_blocks += 1
+            if n_blocks % 32 == 0:
+                release_memory()
+            # threshold: the k-th score at the last merge (stale thresholds only admit more)
+            kth = best_s[q0:q1, -1] if rows_all is None else best_s[q0 + rows_all, -1]
+            found, frac = _entries_above(S, kth, use_tiles)
+            if frac is not None:
+                tile_frac = frac
+            if found is None:
                 continue
-            sub = S.index_select(0, rows)
-            kb = min(kk, g1 - g0)
-            vk = torch.topk(sub, kb, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-            masked = torch.where(sub >= vk, sub, torch.full_like(sub, -float("inf")))
-            width = int((sub >= vk).sum(dim=1).max().item())
-            cand_s, cand_c = torch.topk(masked, width, dim=1, sorted=False)
-            # order the block candidates by index, then merge (stable) after the running list
-            cand_c, perm = torch.sort(cand_c, dim=1)
-            cand_s = torch.gather(cand_s, 1, perm)
-            cand_i = cand_c + g0
-            all_s = torch.cat([best_s[q0 + rows], cand_s], dim=1)
-            all_i = torch.cat([best_i[q0 + rows], cand_i], dim=1)
-            all_s, all_i = _sorted_candidates(all_s, all_i)
-            best_s[q0 + rows] = all_s[:, :kk]
-            best_i[q0 + rows] = all_i[:, :kk]
+            r, c, v = found
+            r = q0 + (r if rows_all is None else rows_all.index_select(0, r))
+            pending.append((r, c + g0, v))
+            n_pending += r.numel()
+            # merge every few blocks, or sooner when many candidates wait
+            if n_blocks % 8 == 0 or n_pending >= 2 * kk * (q1 - q0) or q1 < n_q:
+                flush()
+        flush()
     out_s = np.full((n_q, k), -np.inf, dtype=np.float32)
     out_i = np.full((n_q, k), -1, dtype=np.int64)
     out_s[:, :kk] = best_s.cpu().numpy()
     out_i[:, :kk] = best_i.cpu().numpy()
-    # -inf entries of a not-yet-filled list are padding (can only happen when kk > N, excluded)
     return out_s, out_i
+
+
+def _merge(best_s, best_i, q0, cand, g0, kk):
+    """Merge block candidates (ascending index within a row, -inf padded) into the running
+    top-k lists of their rows.
+
+    Rows whose list is not full yet (the first block) are merged by a stable sort of
+    the concatenation.  Full rows are merged by insertion: a candidate goes after
+    every list entry scoring at least as much (list entries come from earlier
+    blocks, so they win ties), a list entry after every candidate scoring strictly
+    more; both positions come from batched sorted searches.
+    """
+    rows, cs, cc = cand
+    g = q0 + rows
+    cur_s, cur_i = best_s[g], best_i[g]
+    ids = cc + g0
+    if bool(torch.isinf(cur_s[:, -1]).any()):
+        all_s, all_i = _sorted_candidates(torch.cat([cur_s, cs], dim=1), torch.cat([cur_i, ids], dim=1))
+        best_s[g] = all_s[:, :kk]
+        best_i[g] = all_i[:, :kk]
+        return
+    w = cs.shape[1]
+    order = torch.sort(cs, dim=1, descending=True, stable=True).indices   # ties keep index order
+    c_s, c_i = torch.gather(cs, 1, order), torch.gather(ids, 1, order)
+    dev = cs.device
+    pos_c = torch.searchsorted(-cur_s, -c_s, right=True) + torch.arange(w, device=dev)
+    pos_b = torch.searchsorted(-c_s, -cur_s, right=False) + torch.arange(kk, device=dev)
+    out_s = torch.empty((rows.numel(), kk + w), dtype=cs.dtype, device=dev)
+    out_i = torch.empty((rows.numel(), kk + w), dtype=torch.int64, device=dev)
+    out_s.scatter_(1, pos_b, cur_s)
+    out_s.scatter_(1, pos_c, c_s)
+    out_i.scatter_(1, pos_b, cur_i)
+    out_i.scatter_(1, pos_c, c_i)
+    best_s[g] = out_s[:, :kk]
+    best_i[g] = out_i[:, :kk]

@@ -23,16 +23,25 @@ point ``j`` is
     rank_j(i) = sum_{s <= j} A_new[s](v) + sum_{s > j} A_old[s](v),
     v = s_n(q, i) if seg(i) <= j else s_o(q, i),
 
-where ``A_side[s](v)`` counts the items of segment ``s`` whose ``side`` score
-precedes the threshold ``(v, i)``.  So one pass over the gallery per score side
-(a blockwise float32 matrix product, :mod:`raycompat.backfill.blocks`) that
-histograms every score against the (few) positive thresholds of its query, per
-segment, gives every grid point at once.  Nothing gallery-sized is kept per
-grid point: the per-grid-point state is ``O(J * (P + Q))`` integers
-(P = number of positive pairs), the output itself being ``J * P`` ranks.
+where ``A_side[s](v)`` counts the items of segment ``s`` (``raycompat.backfill.grid``)
+whose ``side`` score precedes the threshold ``(v, i)``.  So one pass over the
+gallery per score side (a blockwise float32 matrix product,
+:mod:`raycompat.backfill.blocks`) that histograms every score against the (few)
+positive thresholds of its query, per segment, gives every grid point at once;
+the metrics are then rebuilt from the ranks (:func:`metrics_from_ranks`) with
+the same formulas as :mod:`raycompat.metrics`.  No candidate list is truncated,
+so nothing can "run short".  Nothing gallery-sized is kept per grid point: the
+grid-dependent state is ``O(J * (P + Q))`` integers (J grid points, P positive
+pairs, Q queries), about the size of the output itself (``J * P`` ranks).
 
-Only scores at or above a query's lowest threshold can precede a positive, so
-a block row is touched beyond its max-reduction only if it has such a score.
+Cost.  Only scores at or above a query's lowest threshold ("survivors") can
+precede a positive.  A block is filtered with one max-reduction per tile of
+``_TILE`` columns (or scanned directly while survivors are dense), and each
+survivor is located among the thresholds of its query -- all thresholds of
+every side that shares a curve with the pass's side, merged and sorted -- by
+one sorted search, then added to a histogram ``[curve, role, segment, bucket]``.
+A pass costs the matrix product, about one read of each score block, and a few
+tens of nanoseconds per survivor.
 
 Exactness.  Scores are float32 matmul results; a threshold is the float32
 score of a positive computed in the same pass as every other score of its
@@ -42,11 +51,12 @@ compares against float64 estimates ``v64`` with a guaranteed error band
 scores outside the band are decided at once, scores inside it (near-ties and
 exact ties) are kept and resolved after the pass against the exact float32
 value and the index tie rule.  The result is therefore identical to ranking
-the float32 scores of the pass with the tie rule above.
+the float32 scores of the pass with the tie rule above; when scores are exact
+(e.g. quantised vectors) it equals any brute-force masked exact search.
 
 Side passes are shared: curves of several policies and modes that use the same
 score side (same name) are served by one pass, so a simulation costs one
-matrix product per distinct side.
+matrix product per distinct side (policies never add a pass).
 """
 from __future__ import annotations
 
@@ -63,6 +73,8 @@ from raycompat.backfill.blocks import (
     dot_error_bound,
     fp32_matmul,
     iter_score_blocks,
+    nonzero_2d,
+    release_memory,
     resolve_device,
 )
 from raycompat.backfill.grid import segments
@@ -84,8 +96,9 @@ __all__ = [
     "METRIC_NAMES",
 ]
 
-_TWO32 = 1 << 32
-_TWO31 = 1 << 31
+#: columns per tile of the survivor filter (a tile is skipped when its max is below the
+#: query's lowest threshold)
+_TILE = 128
 
 
 def METRIC_NAMES(k: int) -> Tuple[str, str, str, str]:
@@ -189,17 +202,24 @@ def positive_pairs(query_labels, gallery_labels) -> Tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------------- keys
-def _ordered_keys_np(q: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    """int64 key ``q * 2^32 + ord(v)``; ord is a monotone map of float32 onto [0, 2^32)."""
-    v = (np.asarray(vals, dtype=np.float32) + np.float32(0.0)).view(np.int32).astype(np.int64)
-    o = np.where(v >= 0, v + _TWO31, -1 - v)
-    return np.asarray(q, dtype=np.int64) * _TWO32 + o
+# A survivor (query q, score v) is located among the thresholds of all queries at once
+# with one sorted search on the float64 key  fl(q * C + v).  For a fixed q the key is
+# non-decreasing in v (rounding is monotone), and |v| < C/2 keeps queries apart.  Keys
+# may merge two close values; that can only turn a decided comparison into an ambiguous
+# one (resolved exactly after the pass), never into a wrong decision:
+#   key(v) > key(hi)  =>  v > hi;      v >= lo  =>  key(v) >= key(lo).
 
 
-def _ordered_keys_t(q: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    v = (vals + 0.0).view(torch.int32).to(torch.int64)   # +0.0 maps -0.0 to +0.0
-    o = torch.where(v >= 0, v + _TWO31, -1 - v)
-    return q * _TWO32 + o
+def _key_span(norms: Sequence[Tuple[np.ndarray, float]]) -> float:
+    """C: a power of two with every score (and error band) strictly inside (-C/2, C/2).
+
+    ``norms``: per side, (query row norms, an upper bound of the gallery row norms).
+    """
+    bound = 0.0
+    for qn, gmax in norms:
+        bound = max(bound, float(qn.max(initial=0.0)) * gmax)
+    # every score lies within +-bound*(1 + gamma_D) < C/2 - 1 (rounding of the float32 dot)
+    return float(2.0 ** np.ceil(np.log2(2.0 * bound * 1.001 + 4.0)))
 
 
 def _round_f32(x: np.ndarray, direction: str) -> np.ndarray:
@@ -215,7 +235,8 @@ def _round_f32(x: np.ndarray, direction: str) -> np.ndarray:
     return f
 
 
-def _row_norms(a: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+def _row_norms(a: np.ndarray, chunk: int = 8192) -> np.ndarray:
+    """Row L2 norms (float64 result; chunked so the float64 temporaries stay small)."""
     out = np.empty(a.shape[0], dtype=np.float64)
     for s in range(0, a.shape[0], chunk):
         b = a[s:s + chunk].astype(np.float64)
@@ -223,72 +244,156 @@ def _row_norms(a: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
     return out
 
 
-def _max_row_norm(a: np.ndarray, chunk: int = 1 << 16) -> float:
+def _max_row_norm(a: np.ndarray, chunk: int = 8192) -> float:
+    """Largest row norm, as an upper bound (float32 sums, inflated by a safe relative margin)."""
     m = 0.0
     for s in range(0, a.shape[0], chunk):
         b = a[s:s + chunk]
-        m = max(m, float(np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64).max(initial=0.0))))
-    return m
+        m = max(m, float(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
+    # float32 sum of squares: relative error <= D * 2^-24 (< 1e-3 for D < 16000)
+    return float(np.sqrt(m * (1.0 + 1e-3 + a.shape[1] * 2.0 ** -23))) if a.size else 0.0
 
 
 # ----------------------------------------------------------------------------- thresholds
-class _Thresholds:
-    """The positive thresholds of one side Y: for pair p, the score s_Y(q_p, i_p)."""
+class _SideValues:
+    """Threshold values of one side Y: for positive pair p, the score ``s_Y(q_p, i_p)``.
 
-    def __init__(self, name: str, side: Side, pq: np.ndarray, pi: np.ndarray, n_queries: int,
-                 n_items: int, sentinel: np.ndarray, band_scale: float, device: torch.device):
-        self.name = name
+    ``v64`` is a float64 estimate known before the pass, ``delta_q[q]`` a guaranteed
+    bound on ``|canon - v64|`` (2x the float32 dot-product error bound), and
+    ``canon`` the exact float32 score, filled in during Y's own pass.
+    """
+
+    def __init__(self, side: Side, pq: np.ndarray, pi: np.ndarray, sentinel: np.ndarray,
+                 band_scale: float, qn: np.ndarray, gmax: float):
         n_pairs = pq.size
-        real = ~sentinel
-        v64 = np.full(n_pairs, -np.inf)
-        rq, ri = pq[real], pi[real]
-        for s in range(0, rq.size, 1 << 15):
-            a = side.queries[rq[s:s + (1 << 15)]].astype(np.float64)
-            b = side.gallery[ri[s:s + (1 << 15)]].astype(np.float64)
-            v64[np.flatnonzero(real)[s:s + (1 << 15)]] = np.einsum("ij,ij->i", a, b)
-        # error band: |fl32(<a,b>) - v64| <= gamma_D * |a| |b| (+ float64 error), x2 safety
-        qn = _row_norms(side.queries)
-        gmax = _max_row_norm(side.gallery) * (1.0 + 1e-6)
-        delta_q = 2.0 * dot_error_bound(side.queries.shape[1]) * qn * gmax * float(band_scale)
-        delta_q = delta_q + 1e-30
-        delta = np.where(real, delta_q[pq], 0.0)
-        order = np.lexsort((np.arange(n_pairs), v64, pq))      # by query, then value
-        self.perm = order                                        # sorted position -> pair
-        self.inv = np.empty(n_pairs, dtype=np.int64)
-        self.inv[order] = np.arange(n_pairs)
-        sq = pq[order]
-        self.sorted_q = sq
-        self.off = np.zeros(n_queries + 1, dtype=np.int64)
-        np.add.at(self.off, sq + 1, 1)
-        self.off = np.cumsum(self.off)
-        sv = v64[order]
-        sd = delta[order]
-        with np.errstate(invalid="ignore"):
-            lo = np.where(np.isneginf(sv), np.float32(-np.inf), _round_f32(sv - sd, "down"))
-            hi = np.where(np.isneginf(sv), np.float32(-np.inf), _round_f32(sv + sd, "up"))
-        lo = lo.astype(np.float32)
-        hi = hi.astype(np.float32)
-        self.lo_keys = torch.from_numpy(_ordered_keys_np(sq, lo)).to(device)
-        self.hi_keys = torch.from_numpy(_ordered_keys_np(sq, hi)).to(device)
-        lo_min = np.full(n_queries, np.inf, dtype=np.float32)
-        has = self.off[1:] > self.off[:-1]
-        lo_min[has] = lo[self.off[:-1][has]]                     # first (smallest) of each query
-        self.lo_min = lo_min
-        self.sorted_item = pi[order]
-        # exact float32 values, filled during the side's own pass (sentinels: -inf)
+        real = np.flatnonzero(~sentinel)
+        self.v64 = np.full(n_pairs, -np.inf)
+        step = 1 << 15
+        for s in range(0, real.size, step):
+            sel = real[s:s + step]
+            a = side.queries[pq[sel]].astype(np.float64)
+            b = side.gallery[pi[sel]].astype(np.float64)
+            self.v64[sel] = np.einsum("ij,ij->i", a, b)
+        self.delta_q = 2.0 * dot_error_bound(side.queries.shape[1]) * qn * gmax * float(band_scale) + 1e-30
         self.canon = np.full(n_pairs, np.nan, dtype=np.float32)
         self.canon[sentinel] = -np.inf
-        self.width = n_pairs + n_queries                         # histogram buckets
 
 
-@dataclass
-class _Target:
-    curve: int
-    role: int          # 0 = old-state items, 1 = new-state items
-    slot: int          # index of the threshold side in the curve's sides()
-    tname: str         # threshold side name
-    base: int          # offset in the flat histogram
-    nseg: int          # J + 1
+class _Merged:
+    """All thresholds a pass over side X is compared with (those of every side that
+    shares a curve with X), merged per query and sorted by value.
+
+    An item of X's pass is located among them by its score with one sorted search on
+    float64 keys (see _key_span): ``b_hi`` thresholds have an upper edge below the
+    score (decided: the item precedes them), thresholds in ``[b_hi, b_lo)`` are
+    ambiguous (resolved exactly after all passes), the others are decided above it.
+    """
+
+    def __init__(self, ynames: List[str], values: Dict[str, _SideValues], pq: np.ndarray,
+                 n_queries: int, span: float, device: torch.device):
+        n_pairs = pq.size
+        self.ynames = ynames
+        src_y = np.repeat(np.arange(len(ynames)), n_pairs)
+        src_p = np.tile(np.arange(n_pairs), len(ynames))
+        v = np.concatenate([values[y].v64 for y in ynames])
+        # one band half-width per query (the largest of the merged sides), so that the
+        # lower and upper edges are sorted exactly like the values
+        dq = np.max(np.stack([values[y].delta_q for y in ynames]), axis=0)
+        d = np.where(np.isneginf(v), 0.0, dq[pq[src_p]])
+        q = pq[src_p]
+        order = np.lexsort((src_y, src_p, v, q))                 # query, value, pair, side
+        self.src_y, self.src_p = src_y[order], src_p[order]
+        self.sorted_q = q[order]
+        m = order.size
+        self.size = m
+        off = np.zeros(n_queries + 1, dtype=np.int64)
+        np.add.at(off, self.sorted_q + 1, 1)
+        self.off = np.cumsum(off)
+        sv, sd = v[order], d[order]
+        neg = np.isneginf(sv)
+        with np.errstate(invalid="ignore"):
+            lo = np.where(neg, np.float32(-np.inf), _round_f32(sv - sd, "down")).astype(np.float32)
+            hi = np.where(neg, np.float32(-np.inf), _round_f32(sv + sd, "up")).astype(np.float32)
+        self.lo_min = np.full(n_queries, np.inf, dtype=np.float32)
+        has = self.off[1:] > self.off[:-1]
+        self.lo_min[has] = lo[self.off[:-1][has]]
+        self.width = m + n_queries
+        self.rowoff = torch.from_numpy(self.off[:-1] + np.arange(n_queries)).to(device)
+        self.tmax = int((self.off[1:] - self.off[:-1]).max(initial=0))
+        # float64 keys q*C + edge (see _key_span); edges clamped to +-(C/2 - 1), still
+        # beyond every possible score, so a clamped edge decides nothing wrongly
+        lim = span / 2 - 1.0
+        qoff = self.sorted_q.astype(np.float64) * span
+        lo_k = qoff + np.where(np.isneginf(lo), -span / 2, np.clip(lo.astype(np.float64), -lim, lim))
+        hi_k = qoff + np.where(np.isneginf(hi), -span / 2, np.clip(hi.astype(np.float64), -lim, lim))
+        if m and ((np.diff(lo_k) < 0).any() or (np.diff(hi_k) < 0).any()):
+            raise AssertionError("internal error: threshold edges are not sorted")
+        self.lo_keys = torch.from_numpy(lo_k).to(device)
+        self.lo_keys_padded = torch.from_numpy(np.concatenate([lo_k, [np.inf]])).to(device)
+        self.hi_keys = torch.from_numpy(hi_k).to(device)
+        self.span = span
+
+    def locate(self, qg: torch.Tensor, vals: torch.Tensor):
+        """``(bucket, amb, b_hi, b_lo)`` for survivors of query ``qg`` with score ``vals``.
+
+        ``bucket = b_hi + q`` indexes the histogram; ``amb`` lists the survivors with
+        ambiguous thresholds (global merged indices ``[b_hi, b_lo)``), or is ``None``.
+        """
+        keys = vals.to(torch.float64) + qg.to(torch.float64) * self.span
+        b_hi = torch.searchsorted(self.hi_keys, keys, right=False)
+        # ambiguous iff the next threshold's lower edge is <= the score (lower edges are
+        # sorted like the thresholds; the key's query offset keeps the next query out)
+        near = self.lo_keys_padded.index_select(0, b_hi) <= keys
+        bucket = b_hi + qg
+        if not bool(near.any()):
+            return bucket, None, None, None
+        amb = torch.nonzero(near).squeeze(1)
+        b_lo = torch.searchsorted(self.lo_keys, keys.index_select(0, amb), right=True)
+        return bucket, amb, b_hi.index_select(0, amb), b_lo
+
+
+def _survivors(S: torch.Tensor, lm: torch.Tensor, use_tiles: bool = True):
+    """Entries with ``S[r, c] >= lm[r]``: ``(rows, cols, values, tile_fraction)`` or ``None``.
+
+    With ``use_tiles``, tiles of ``_TILE`` columns whose maximum is below the row's
+    bound are skipped (one max-reduction over the block) and only the others are
+    compared and scanned; when most tiles are touched the whole block is scanned
+    directly.  ``tile_fraction`` (the share of touched tiles, or ``None`` without
+    tiles) lets the caller skip the tile pass on dense data.  Entries come out in
+    row-major order.
+    """
+    R, B = S.shape
+    bt = (B // _TILE) * _TILE if use_tiles else 0
+    frac = None
+    if bt:
+        nt = bt // _TILE
+        tiles = S[:, :bt].reshape(R, nt, _TILE)
+        hit = tiles.amax(dim=2) >= lm[:, None]
+        tr, tc = nonzero_2d(hit)
+        frac = tr.numel() / float(R * nt)
+        if frac <= 0.25:
+            parts = []
+            if tr.numel():
+                sel = tiles[tr, tc]                               # [n, TILE] copy
+                a, b = nonzero_2d(sel >= lm.index_select(0, tr)[:, None])
+                parts.append((tr.index_select(0, a), tc.index_select(0, a) * _TILE + b,
+                              sel.view(-1).index_select(0, a * _TILE + b)))
+            if bt < B:
+                rest = S[:, bt:]
+                rr, cc = nonzero_2d(rest >= lm[:, None])
+                if rr.numel():
+                    parts.append((rr, cc + bt, rest[rr, cc]))
+            if not parts:
+                return None
+            if len(parts) == 1:
+                r, c, v = parts[0]
+            else:
+                r, c, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+            return (r, c, v, frac) if r.numel() else None
+    r, c = nonzero_2d(S >= lm[:, None])
+    if r.numel() == 0:
+        return None
+    return r, c, S.reshape(-1).index_select(0, r * B + c), frac
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -327,7 +432,7 @@ def compute_ranks(
     n_q, n_items = ql.shape[0], gl.shape[0]
     if n_items == 0:
         raise ValueError("the gallery is empty")
-    used = []
+    used: List[str] = []
     for c in curves:
         for s in c.sides():
             if s not in sides:
@@ -352,10 +457,11 @@ def compute_ranks(
     sentinel[n_real:] = True
     n_pairs = pq.size
 
-    thr = {s: _Thresholds(s, sides[s], pq, pi, n_q, n_items, sentinel, band_scale, dev) for s in used}
-    W = n_pairs + n_q
+    norms = {s: (_row_norms(sides[s].queries), _max_row_norm(sides[s].gallery)) for s in used}
+    values = {s: _SideValues(sides[s], pq, pi, sentinel, band_scale, *norms[s]) for s in used}
+    span = _key_span(list(norms.values()))
 
-    # segments per curve (shared when order and counts are the same objects/values)
+    # segments per curve (shared when order and counts are the same)
     seg_np: List[np.ndarray] = []
     seg_t: List[torch.Tensor] = []
     cache: Dict[Tuple[int, bytes], int] = {}
@@ -370,27 +476,31 @@ def compute_ranks(
             seg_t.append(torch.from_numpy(seg.astype(np.int64)).to(dev))
         curve_seg.append(cache[key])
 
-    # histogram targets: (curve, role, threshold side)
-    targets_by_side: Dict[str, List[_Target]] = {s: [] for s in used}
-    all_targets: List[_Target] = []
-    base = 0
-    for ci, c in enumerate(curves):
-        nseg = len(c.counts) + 1
-        csides = c.sides()
-        roles = [(0, c.old_side)] + ([(1, c.new_side)] if c.new_side is not None else [])
-        for role, xname in roles:
-            for slot, yname in enumerate(csides):
-                t = _Target(ci, role, slot, yname, base, nseg)
-                base += nseg * W
-                targets_by_side[xname].append(t)
-                all_targets.append(t)
-    acc = torch.zeros(base, dtype=torch.int64, device=dev)
-    # band entries per (X side, Y side): lists of numpy arrays
-    band: Dict[Tuple[str, str], List[Tuple[np.ndarray, ...]]] = {}
+    # per pass side X: merged thresholds and histogram targets (curve, role)
+    merged: Dict[str, _Merged] = {}
+    targets: Dict[str, List[Tuple[int, int, int]]] = {}       # X -> [(curve, role, base)]
+    hist_size = 0
+    for xname in used:
+        ys: List[str] = []
+        for c in curves:
+            if xname in c.sides():
+                for y in c.sides():
+                    if y not in ys:
+                        ys.append(y)
+        merged[xname] = _Merged(ys, values, pq, n_q, span, dev)
+        targets[xname] = []
+        for ci, c in enumerate(curves):
+            for role, name in ((0, c.old_side), (1, c.new_side)):
+                if name == xname:
+                    targets[xname].append((ci, role, hist_size))
+                    hist_size += (len(c.counts) + 1) * merged[xname].width
+    acc = torch.zeros(hist_size, dtype=torch.int64, device=dev)
+    ones = torch.ones(1, dtype=torch.int64, device=dev)
+    band: Dict[str, List[Tuple[np.ndarray, ...]]] = {}
 
     stats: Dict[str, Any] = {"sides": {}, "device": str(dev), "pairs": int(n_real)}
+    sync = dev.type == "cuda"   # stage timings need a synchronised device
     qc, gb = block_rows(n_q, n_items, block_bytes)
-    # pairs are sorted by query: per query chunk, a contiguous range; sort it by item for blocks
     poff = np.zeros(n_q + 1, dtype=np.int64)
     np.add.at(poff, pq[:n_real] + 1, 1)
     poff = np.cumsum(poff)
@@ -399,22 +509,25 @@ def compute_ranks(
         for xname in used:
             t0 = time.perf_counter()
             side = sides[xname]
-            tx = thr[xname]
-            targets = targets_by_side[xname]
-            ynames = []
-            for t in targets:
-                if t.tname not in ynames:
-                    ynames.append(t.tname)
-            lo_min = np.min(np.stack([thr[y].lo_min for y in ynames]), axis=0)
-            lo_min_t = torch.from_numpy(lo_min).to(dev)
-            n_surv = 0
-            n_band = 0
-            rows_touched = 0
+            mx = merged[xname]
+            tg = targets[xname]
+            lo_min_t = torch.from_numpy(mx.lo_min).to(dev)
+            n_surv = n_band = n_blocks = 0
+            tile_frac = 0.0
             canon_parts = []
             cur_chunk = (-1, -1)
             chunk_items = chunk_pids = None
-            for q0, q1, g0, g1, S in iter_score_blocks(side.queries, side.gallery, device=dev,
-                                                       query_rows=qc, gallery_rows=gb):
+            t_mm = t_filter = t_count = 0.0
+            blocks = iter_score_blocks(side.queries, side.gallery, device=dev, query_rows=qc, gallery_rows=gb)
+            while True:
+                tb = time.perf_counter()
+                nxt = next(blocks, None)
+                if nxt is None:
+                    break
+                q0, q1, g0, g1, S = nxt
+                if sync:
+                    torch.cuda.synchronize(dev)
+                t_mm += time.perf_counter() - tb
                 if (q0, q1) != cur_chunk:
                     cur_chunk = (q0, q1)
                     pids = np.arange(poff[q0], poff[q1], dtype=np.int64)
@@ -428,85 +541,87 @@ def compute_ranks(
                     rq = torch.from_numpy(pq[sel] - q0).to(dev)
                     rc = torch.from_numpy(pi[sel] - g0).to(dev)
                     canon_parts.append((sel, S[rq, rc]))
-                lm = lo_min_t[q0:q1]
-                rows = torch.nonzero(S.amax(dim=1) >= lm).squeeze(1)
-                if rows.numel() == 0:
+                tb = time.perf_counter()
+                # tile filter unless the last blocks were dense (then scan directly; retry every 8)
+                use_tiles = tile_frac <= 0.25 or n_blocks % 8 == 0
+                if n_blocks % 4 == 3:
+                    release_memory()
+                n_blocks += 1
+                found = _survivors(S, lo_min_t[q0:q1], use_tiles)
+                t_filter += time.perf_counter() - tb
+                if found is None:
+                    tile_frac = 0.0 if use_tiles else tile_frac
                     continue
-                rows_touched += int(rows.numel())
-                if rows.numel() == S.shape[0]:
-                    sub, lmr = S, lm
-                else:
-                    sub, lmr = S.index_select(0, rows), lm.index_select(0, rows)
-                r, col = torch.nonzero(sub >= lmr[:, None], as_tuple=True)
-                if r.numel() == 0:
-                    continue
-                vals = sub[r, col]
-                qg = (rows.index_select(0, r) + q0).to(torch.int64)
-                xg = (col + g0).to(torch.int64)
+                tb = time.perf_counter()
+                r, col, vals, frac = found
+                if frac is not None:
+                    tile_frac = frac
                 n_surv += int(r.numel())
-                keys = _ordered_keys_t(qg, vals)
-                flats = []
-                for yname in ynames:
-                    ty = thr[yname]
-                    b_hi = torch.searchsorted(ty.hi_keys, keys, right=False)
-                    b_lo = torch.searchsorted(ty.lo_keys, keys, right=True)
-                    bucket = b_hi + qg
-                    for t in targets:
-                        if t.tname == yname:
-                            flats.append(t.base + seg_t[curve_seg[t.curve]].index_select(0, xg) * W + bucket)
-                    amb = torch.nonzero(b_lo > b_hi).squeeze(1)
-                    if amb.numel():
-                        n_band += int(amb.numel())
-                        band.setdefault((xname, yname), []).append(tuple(
-                            z.index_select(0, amb).cpu().numpy()
-                            for z in (qg, xg, vals, b_hi, b_lo)))
-                if flats:
-                    flat = torch.cat(flats) if len(flats) > 1 else flats[0]
-                    acc.index_add_(0, flat, torch.ones_like(flat))
+                qg = r + q0
+                xg = col + g0
+                bucket, amb, a_hi, a_lo = mx.locate(qg, vals)
+                segw = {}
+                for ci, role, base in tg:
+                    si = curve_seg[ci]
+                    if si not in segw:   # the block's segments (a small array) gathered per survivor
+                        segw[si] = (seg_t[si][g0:g1] * mx.width).index_select(0, col) + bucket
+                    flat = segw[si] + base if base else segw[si]
+                    acc.index_add_(0, flat, ones[:1].expand(flat.numel()))
+                if amb is not None:
+                    n_band += int(amb.numel())
+                    band.setdefault(xname, []).append(tuple(
+                        z.cpu().numpy() for z in (xg.index_select(0, amb), vals.index_select(0, amb), a_hi, a_lo)))
+                t_count += time.perf_counter() - tb
                 if progress is not None:
                     progress(xname, (q0 * n_items + (q1 - q0) * g1) / float(n_q * n_items))
             for sel, vals in canon_parts:
-                tx.canon[sel] = vals.cpu().numpy()
+                values[xname].canon[sel] = vals.cpu().numpy()
+            release_memory()
             stats["sides"][xname] = {
                 "seconds": time.perf_counter() - t0, "survivors": n_surv, "band_entries": n_band,
-                "rows_touched": rows_touched, "dim": int(side.queries.shape[1]),
+                "dim": int(side.queries.shape[1]),
+                "thresholds_per_query": mx.tmax,
+                "seconds_matmul": t_mm, "seconds_filter": t_filter, "seconds_count": t_count,
             }
-    if n_real and any(np.isnan(thr[s].canon).any() for s in used):
+    if n_real and any(np.isnan(values[s].canon).any() for s in used):
         raise RuntimeError("internal error: a positive's score was not seen in its side's pass")
 
     # ------------------------------------------------------------ histograms -> counts
     acc_np = acc.cpu().numpy()
     del acc
-    counts_sorted: Dict[int, np.ndarray] = {}   # id(target) -> [nseg, P] in Y-sorted space
-    for t in all_targets:
-        ty = thr[t.tname]
-        H = acc_np[t.base: t.base + t.nseg * W].reshape(t.nseg, W)
-        RC = np.zeros((t.nseg, W + 1), dtype=np.int64)
-        RC[:, :W] = np.cumsum(H[:, ::-1], axis=1)[:, ::-1]
-        tq = ty.sorted_q
-        tpos = np.arange(n_pairs, dtype=np.int64)
-        counts_sorted[id(t)] = RC[:, tpos + tq + 1] - RC[:, ty.off[tq + 1] + tq + 1]
+    counts_m: Dict[Tuple[int, int], np.ndarray] = {}          # (curve, role) -> [nseg, M] int32
+    for xname in used:
+        mx = merged[xname]
+        W = mx.width
+        tq = mx.sorted_q
+        tpos = np.arange(mx.size, dtype=np.int64)
+        for ci, role, base in targets[xname]:
+            nseg = len(curves[ci].counts) + 1
+            H = acc_np[base: base + nseg * W].reshape(nseg, W)
+            RC = np.zeros((nseg, W + 1), dtype=np.int64)
+            RC[:, :W] = np.cumsum(H[:, ::-1], axis=1)[:, ::-1]
+            counts_m[(ci, role)] = (RC[:, tpos + tq + 1] - RC[:, mx.off[tq + 1] + tq + 1]).astype(np.int32)
+            del H, RC
 
-    # ------------------------------------------------------------ band resolution
-    for (xname, yname), parts in band.items():
-        ty = thr[yname]
-        # ambiguous thresholds of an entry: sorted indices [b_hi, b_lo)
-        q_b, x_b, v_b, bhi_b, blo_b = (np.concatenate([p[i] for p in parts]) for i in range(5))
-        n_amb = blo_b - bhi_b
-        rep = np.repeat(np.arange(q_b.size), n_amb)
+    # ------------------------------------------------------------ band resolution (exact)
+    for xname, parts in band.items():
+        mx = merged[xname]
+        x_b, v_b, bhi_b, blo_b = (np.concatenate([p[i] for p in parts]) for i in range(4))
+        n_amb = blo_b - bhi_b                     # ambiguous thresholds: merged indices [b_hi, b_lo)
+        rep = np.repeat(np.arange(x_b.size), n_amb)
         first = np.repeat(np.cumsum(n_amb) - n_amb, n_amb)
-        tsorted = bhi_b[rep] + (np.arange(rep.size) - first)
-        v = ty.canon[ty.perm[tsorted]]
-        item = ty.sorted_item[tsorted]
-        vv = v_b[rep]
-        above = (vv > v) | ((vv == v) & (x_b[rep] < item))
-        xs = x_b[rep][above]
-        ts = tsorted[above]
-        for t in targets_by_side[xname]:
-            if t.tname != yname:
-                continue
-            segs = seg_np[curve_seg[t.curve]][xs]
-            np.add.at(counts_sorted[id(t)], (segs, ts), 1)
+        t = bhi_b[rep] + (np.arange(rep.size) - first)
+        ys = mx.src_y[t]
+        ps = mx.src_p[t]
+        canon = np.empty(t.size, dtype=np.float32)
+        for yi, yname in enumerate(mx.ynames):
+            m = ys == yi
+            canon[m] = values[yname].canon[ps[m]]
+        vv, xx = v_b[rep], x_b[rep]
+        above = (vv > canon) | ((vv == canon) & (xx < pi[ps]))
+        xs, ts = xx[above], t[above]
+        for ci, role, _ in targets[xname]:
+            np.add.at(counts_m[(ci, role)], (seg_np[curve_seg[ci]][xs], ts), 1)
 
     # ------------------------------------------------------------ ranks per curve
     out_curves: List[CurveRanks] = []
@@ -514,23 +629,29 @@ def compute_ranks(
     for ci, c in enumerate(curves):
         seg = seg_np[curve_seg[ci]]
         J = len(c.counts)
-        csides = c.sides()
         per = {}
-        for t in all_targets:
-            if t.curve == ci:
-                per[(t.role, t.slot)] = counts_sorted[id(t)][:, thr[t.tname].inv]   # pair space
-        zero = np.zeros((J + 1, n_pairs), dtype=np.int64)
+        for role, xname in ((0, c.old_side), (1, c.new_side)):
+            if xname is None:
+                continue
+            mx = merged[xname]
+            cm = counts_m[(ci, role)]
+            for yi, yname in enumerate(mx.ynames):
+                sel = np.flatnonzero(mx.src_y == yi)
+                pair_counts = np.zeros((J + 1, n_pairs), dtype=np.int32)
+                pair_counts[:, mx.src_p[sel]] = cm[:, sel]
+                per[(role, yname)] = pair_counts
+        zero = np.zeros((J + 1, n_pairs), dtype=np.int32)
 
-        def rank_with(slot):
-            new_c = per.get((1, slot), zero)
-            old_c = per.get((0, slot), zero)
-            pn = np.cumsum(new_c, axis=0)[:J]                    # sum_{s <= j} new
-            co = np.cumsum(old_c, axis=0)
-            so = co[-1][None, :] - co[:J]                        # sum_{s > j} old
+        def rank_with(yname):
+            new_c = per.get((1, yname), zero)
+            old_c = per.get((0, yname), zero)
+            pn = np.cumsum(new_c, axis=0, dtype=np.int64)[:J]    # sum_{s <= j} new-state items
+            co = np.cumsum(old_c, axis=0, dtype=np.int64)
+            so = co[-1][None, :] - co[:J]                        # sum_{s > j} old-state items
             return pn + so
 
-        r_old = rank_with(csides.index(c.old_side))
-        r_new = rank_with(csides.index(c.new_side)) if c.new_side is not None else r_old
+        r_old = rank_with(c.old_side)
+        r_new = rank_with(c.new_side) if c.new_side is not None else r_old
         pseg = np.where(sentinel, np.iinfo(np.int32).max, seg[np.minimum(pi, n_items - 1)])
         is_new = pseg[None, :] <= np.arange(J)[:, None]
         ranks = np.where(is_new, r_new, r_old)

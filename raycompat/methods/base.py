@@ -63,6 +63,7 @@ class CompatMethod(nn.Module):
     # False: the new embedder and head are frozen (loaded from ``init_model``); only the
     # method's own modules train (RM family: rho, psi_rev).
     trains_embedder: ClassVar[bool] = True
+    # True: meaningless without ``init_model`` (the frozen phi_n); for the config to check.
     needs_init_model: ClassVar[bool] = False
 
     @dataclass

@@ -23,6 +23,7 @@
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ class DMU(CompatMethod):
         psi_hidden: int = positive(1024)
 
     def setup(self, embedder, head):
+        if getattr(head, "kind", "arcface") != "arcface":
+            warnings.warn(f"dmu: the new head is {head.kind!r}; DMU's L_new and L_FA use ArcFace "
+                          "(--head arcface)", stacklevel=2)
         self.psi = PsiMLP(self.old.embed_dim, embedder.embed_dim, hidden_dim=self.options.psi_hidden)
 
     def exports(self):

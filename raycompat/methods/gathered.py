@@ -8,7 +8,9 @@ global batch:
   ``all_gather_with_grad`` (the local slice keeps its gradient), has the same value on every
   worker, and each worker gets the exact partial gradient through its own slice; the sum of
   those is the full gradient, so ``global_batch_loss`` multiplies the gradient (not the value)
-  by the world size to undo DDP's average (contrastive, ract, mcl, cl);
+  by the world size to undo DDP's average (contrastive, ract, mcl, cl). A loss over the local
+  anchors only would not do: the other workers' anchors reach the local keys through
+  gathered constants, so their share of the local keys' gradient would be lost;
 - a sum of per-sample terms over the global batch, of which each worker holds its share:
   ``local_share`` multiplies that share by the world size (bct-beta mean over known samples,
   dmu's batch-softmax weights).

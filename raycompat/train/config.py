@@ -66,6 +66,9 @@ class TrainConfig:
         parse_method_options(self.method, self.method_options)
         if cls.needs_old_model and not self.old_model:
             raise ConfigError(f"method {self.method!r} needs old_model (--old-model PATH)")
+        if getattr(cls, "needs_init_model", False) and not self.init_model:
+            raise ConfigError(f"method {self.method!r} needs init_model "
+                              "(the frozen new model, --init-model PATH)")
         if self.batch_size % self.num_workers:
             raise ConfigError(f"batch_size {self.batch_size} must be divisible by "
                               f"num_workers {self.num_workers}")

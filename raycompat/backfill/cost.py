@@ -1,0 +1,82 @@
+"""Wall-clock cost model of a backfill: simulated time to reach each grid point.
+
+Backfilling item by item at a constant rate of ``items_per_s_per_gpu`` new
+embeddings per second on each of ``num_gpus`` GPUs (or any accelerator/worker),
+reaching ``n(t)`` backfilled items (the grid's rounding rule, see
+:mod:`raycompat.backfill.grid`) takes
+
+    seconds(t) = n(t) / (items_per_s_per_gpu * num_gpus).
+
+The per-GPU rate is either given or measured (:func:`measure_items_per_s`,
+forward passes of the new embedder on random inputs of the model's size).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from raycompat.backfill.gallery import BackfillInputError
+
+__all__ = ["CostModel", "measure_items_per_s"]
+
+
+@dataclass
+class CostModel:
+    """``items_per_s_per_gpu`` x ``num_gpus`` -> seconds to backfill ``n`` items."""
+
+    items_per_s_per_gpu: float
+    num_gpus: int = 1
+    source: str = "given"            # "given" or "measured"
+
+    def __post_init__(self):
+        r = self.items_per_s_per_gpu
+        if r is None or not np.isfinite(r) or r <= 0:
+            raise BackfillInputError(f"items per second per GPU must be > 0, got {r!r}")
+        if int(self.num_gpus) != self.num_gpus or self.num_gpus < 1:
+            raise BackfillInputError(f"number of GPUs must be a positive integer, got {self.num_gpus!r}")
+        self.items_per_s_per_gpu = float(r)
+        self.num_gpus = int(self.num_gpus)
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items_per_s_per_gpu * self.num_gpus
+
+    def seconds(self, counts) -> np.ndarray:
+        """Simulated seconds to backfill ``counts`` items (float64 array)."""
+        return np.asarray(counts, dtype=np.float64) / self.items_per_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["items_per_s"] = self.items_per_s
+        return d
+
+
+def measure_items_per_s(bundle, *, batch_size: int = 32, repeats: int = 2, device: str = "cpu",
+                        warmup: int = 1) -> float:
+    """Items/s of ``bundle.embedder`` on random inputs shaped like its training images.
+
+    Uses ``manifest['in_chans']`` and ``manifest['resolution']`` (defaults 1 and 32).
+    Returns the best rate over ``repeats`` timed batches after ``warmup`` batches.
+    """
+    import torch
+
+    manifest = getattr(bundle, "manifest", {}) or {}
+    c = int(manifest.get("in_chans", 1))
+    r = int(manifest.get("resolution", 32))
+    emb = bundle.embedder.to(device).eval()
+    x = torch.randn(batch_size, c, r, r, device=device)
+    best = 0.0
+    with torch.no_grad():
+        for i in range(warmup + repeats):
+            if device != "cpu" and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            emb(x)
+            if device != "cpu" and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if i >= warmup and dt > 0:
+                best = max(best, batch_size / dt)
+    return best

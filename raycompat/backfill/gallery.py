@@ -1,0 +1,290 @@
+"""Embeddings the simulator runs on: in memory (:class:`GalleryEmbeddings`) or from parquet.
+
+Parquet schema (one row per image; ARCHITECTURE.md "Formats"):
+
+==========  ===============================  ==============================================
+column      type                             meaning
+==========  ===============================  ==============================================
+item_id     int64                            unique id of the image
+label       any (int or string)              class; a query's positives share its label
+split       string                           ``query`` (a query) or ``gallery`` /
+                                             ``distractor`` (a gallery item)
+old         fixed_size_list<float32>[D_old]  phi_o(x), the old model's embedding
+new         fixed_size_list<float32>[D_new]  phi_n(x), the new model's embedding
+adapted     fixed_size_list<float32>[D_new]  optional: psi(phi_o(x)) (DMU forward adaptation)
+==========  ===============================  ==============================================
+
+Plain ``list<float>`` columns with one length per column, and float16/float64
+values, are accepted too.  The path may be a file or a folder of parquet files.
+
+Every problem with the input raises :class:`BackfillInputError` with a
+one-line message naming it: a missing column, a dimension mismatch, an empty
+gallery, NaN/inf embeddings (with the offending item ids), duplicate ids,
+unknown split values.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "BackfillInputError",
+    "GalleryEmbeddings",
+    "load_parquet",
+    "SPLITS",
+    "VECTOR_COLUMNS",
+]
+
+SPLITS = {"query": "query", "gallery": "gallery", "distractor": "gallery", "distractors": "gallery"}
+REQUIRED_COLUMNS = ("item_id", "label", "split", "old", "new")
+VECTOR_COLUMNS = ("old", "new", "adapted")
+
+
+class BackfillInputError(ValueError):
+    """Bad input to the backfill simulator; the message names the problem in one line."""
+
+
+def _ids_preview(ids: np.ndarray, n: int = 5) -> str:
+    ids = np.asarray(ids)
+    shown = ", ".join(str(x) for x in ids[:n].tolist())
+    return f"[{shown}{', ...' if ids.size > n else ''}]"
+
+
+@dataclass
+class GalleryEmbeddings:
+    """Gallery- and query-side embeddings of one upgrade, as float32 arrays.
+
+    Gallery side (``N`` items): ``gallery_old`` phi_o(g) is required;
+    ``gallery_new`` phi_n(g), ``gallery_adapted`` psi(phi_o(g)) and
+    ``gallery_rho`` rho(phi_n(g)) are needed by the modes that use them.
+    Query side (``Q`` queries): ``query_old`` phi_o(q) (naive_merge, cold and the
+    old-old reference for NFR), ``query_new`` phi_n(q), ``query_rho``
+    rho(phi_n(q)) and ``query_rev`` psi_rev(rho(phi_n(q))) (rank_merge).
+
+    ``compatible_dim``: the first ``compatible_dim`` dims of a new embedding
+    form the subspace compatible with the old model (default ``D_old`` when
+    ``D_new >= D_old``).  ``normalized=True`` promises that every vector is
+    already L2-normalised, so the modes skip a normalising copy.
+    """
+
+    gallery_labels: np.ndarray
+    gallery_old: np.ndarray
+    query_labels: np.ndarray
+    query_new: Optional[np.ndarray] = None
+    gallery_new: Optional[np.ndarray] = None
+    query_old: Optional[np.ndarray] = None
+    gallery_adapted: Optional[np.ndarray] = None
+    gallery_rho: Optional[np.ndarray] = None
+    query_rho: Optional[np.ndarray] = None
+    query_rev: Optional[np.ndarray] = None
+    gallery_ids: Optional[np.ndarray] = None
+    query_ids: Optional[np.ndarray] = None
+    compatible_dim: Optional[int] = None
+    normalized: bool = False
+    source: str = "memory"
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.gallery_labels = np.asarray(self.gallery_labels)
+        self.query_labels = np.asarray(self.query_labels)
+        if self.gallery_ids is None:
+            self.gallery_ids = np.arange(self.gallery_labels.shape[0], dtype=np.int64)
+        if self.query_ids is None:
+            self.query_ids = np.arange(self.query_labels.shape[0], dtype=np.int64)
+        self.gallery_ids = np.asarray(self.gallery_ids)
+        self.query_ids = np.asarray(self.query_ids)
+        for name in ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho",
+                     "query_old", "query_new", "query_rho", "query_rev"):
+            a = getattr(self, name)
+            if a is not None:
+                a = np.asarray(a)
+                if a.dtype != np.float32:
+                    if a.dtype.kind not in "fiu":
+                        raise BackfillInputError(f"{name} must be numeric, got dtype {a.dtype}")
+                    a = a.astype(np.float32)
+                setattr(self, name, a)
+        self.validate()
+
+    # ------------------------------------------------------------------ shape info
+    @property
+    def n_items(self) -> int:
+        return int(self.gallery_labels.shape[0])
+
+    @property
+    def n_queries(self) -> int:
+        return int(self.query_labels.shape[0])
+
+    @property
+    def old_dim(self) -> int:
+        return int(self.gallery_old.shape[1])
+
+    @property
+    def new_dim(self) -> Optional[int]:
+        for a in (self.gallery_new, self.query_new):
+            if a is not None:
+                return int(a.shape[1])
+        return None
+
+    @property
+    def compat_dim(self) -> Optional[int]:
+        """The compatible subspace dimension (``compatible_dim`` or ``D_old`` if D_new >= D_old)."""
+        if self.compatible_dim is not None:
+            return int(self.compatible_dim)
+        nd = self.new_dim
+        if nd is not None and nd >= self.old_dim:
+            return self.old_dim
+        return None
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise :class:`BackfillInputError` naming the first problem found."""
+        n, q = self.n_items, self.n_queries
+        if self.gallery_labels.ndim != 1 or self.query_labels.ndim != 1:
+            raise BackfillInputError("labels must be 1-D arrays")
+        if n == 0:
+            raise BackfillInputError("empty gallery: no gallery or distractor items")
+        if q == 0:
+            raise BackfillInputError("no queries: nothing to evaluate")
+        if self.gallery_ids.shape != (n,) or self.query_ids.shape != (q,):
+            raise BackfillInputError(
+                f"item ids do not match the labels: {self.gallery_ids.shape} gallery ids for {n} items, "
+                f"{self.query_ids.shape} query ids for {q} queries")
+        for side, rows, names in (("gallery", n, ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho")),
+                                  ("query", q, ("query_old", "query_new", "query_rho", "query_rev"))):
+            for name in names:
+                a = getattr(self, name)
+                if a is None:
+                    continue
+                if a.ndim != 2 or a.shape[0] != rows:
+                    raise BackfillInputError(f"{name} has shape {a.shape}, expected [{rows}, dim]")
+                if a.shape[1] == 0:
+                    raise BackfillInputError(f"{name} has dimension 0")
+        if self.gallery_old.shape[0] != n:
+            raise BackfillInputError("gallery_old is required")
+        pairs = [("query_old", "gallery_old"), ("query_new", "gallery_new"),
+                 ("gallery_new", "gallery_adapted"), ("query_new", "gallery_adapted"),
+                 ("query_rho", "gallery_rho"), ("query_rev", "gallery_old")]
+        for a_name, b_name in pairs:
+            a, b = getattr(self, a_name), getattr(self, b_name)
+            if a is not None and b is not None and a.shape[1] != b.shape[1]:
+                raise BackfillInputError(
+                    f"dimension mismatch: {a_name} has dim {a.shape[1]} but {b_name} has dim {b.shape[1]}")
+        if self.compatible_dim is not None:
+            nd = self.new_dim
+            if not 0 < int(self.compatible_dim) <= (nd if nd is not None else self.old_dim):
+                raise BackfillInputError(
+                    f"compatible_dim={self.compatible_dim} must be in [1, D_new={nd}]")
+        for name in ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho",
+                     "query_old", "query_new", "query_rho", "query_rev"):
+            a = getattr(self, name)
+            if a is None:
+                continue
+            bad = _nonfinite_rows(a)
+            if bad.any():
+                ids = (self.gallery_ids if name.startswith("gallery") else self.query_ids)[bad]
+                raise BackfillInputError(
+                    f"NaN or inf embeddings in {name} for {int(bad.sum())} item(s), item ids {_ids_preview(ids)}")
+        for what, ids in (("gallery", self.gallery_ids), ("query", self.query_ids)):
+            u, c = np.unique(ids, return_counts=True)
+            if (c > 1).any():
+                raise BackfillInputError(f"duplicate {what} item ids {_ids_preview(u[c > 1])}")
+
+    def require(self, names: Sequence[str], why: str) -> None:
+        """Raise naming the first missing array among ``names`` (``why``: who needs it)."""
+        for name in names:
+            if getattr(self, name) is None:
+                raise BackfillInputError(f"{why} needs {name}, which is missing")
+
+    def with_arrays(self, **arrays) -> "GalleryEmbeddings":
+        """A copy with some arrays added or replaced (validated again)."""
+        return replace(self, **arrays)
+
+
+def _nonfinite_rows(a: np.ndarray, chunk: int = 1 << 15) -> np.ndarray:
+    bad = np.zeros(a.shape[0], dtype=bool)
+    for s in range(0, a.shape[0], chunk):
+        bad[s:s + chunk] = ~np.isfinite(a[s:s + chunk]).all(axis=1)
+    return bad
+
+
+# ----------------------------------------------------------------------------- parquet
+def _vector_column(table, name: str, ids: np.ndarray) -> np.ndarray:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = table.column(name)
+    if col.null_count:
+        mask = pc.is_null(col).to_numpy(zero_copy_only=False)
+        raise BackfillInputError(f"column {name!r} is null for item ids {_ids_preview(ids[mask])}")
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = arr.type
+    if pa.types.is_fixed_size_list(t):
+        dim = t.list_size
+        values = arr.flatten()
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+        if lengths.size and (lengths != lengths[0]).any():
+            bad = np.flatnonzero(lengths != lengths[0])
+            raise BackfillInputError(
+                f"dimension mismatch in column {name!r}: rows have lengths {sorted(set(lengths.tolist()))[:5]}, "
+                f"e.g. item ids {_ids_preview(ids[bad])}")
+        dim = int(lengths[0]) if lengths.size else 0
+        values = arr.flatten()
+    else:
+        raise BackfillInputError(
+            f"column {name!r} must be fixed_size_list<float32> (an embedding), got {t}")
+    if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
+        raise BackfillInputError(f"column {name!r} must hold floats, got {values.type}")
+    out = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    if len(arr) and dim == 0:
+        raise BackfillInputError(f"column {name!r} has dimension 0")
+    return out.reshape(len(arr), dim)
+
+
+def load_parquet(path: str, *, compatible_dim: Optional[int] = None) -> GalleryEmbeddings:
+    """Read embeddings from a parquet file or a folder of parquet files (schema above)."""
+    import pyarrow.parquet as pq
+
+    if not os.path.exists(path):
+        raise BackfillInputError(f"embeddings not found: {path}")
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise BackfillInputError(f"cannot read parquet {path}: {exc}".splitlines()[0]) from exc
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise BackfillInputError(
+            f"missing column(s) {missing} in {path}; found {table.column_names}")
+    ids = table.column("item_id").to_numpy(zero_copy_only=False)
+    if ids.dtype.kind not in "iu":
+        raise BackfillInputError(f"column 'item_id' must be int64, got {table.schema.field('item_id').type}")
+    ids = ids.astype(np.int64)
+    split = np.asarray(table.column("split").to_pylist(), dtype=object)
+    unknown = sorted({str(s) for s in split if s not in SPLITS})
+    if unknown:
+        raise BackfillInputError(
+            f"unknown split value(s) {unknown[:5]} in column 'split'; allowed: query, gallery, distractor")
+    kind = np.array([SPLITS[s] for s in split], dtype=object)
+    is_q = kind == "query"
+    is_g = kind == "gallery"
+    if table.column("label").null_count or table.column("split").null_count or table.column("item_id").null_count:
+        raise BackfillInputError("columns 'item_id', 'label' and 'split' must not have null values")
+    labels = table.column("label").to_numpy(zero_copy_only=False)
+    vecs = {c: _vector_column(table, c, ids) for c in VECTOR_COLUMNS if c in table.column_names}
+    if "adapted" in vecs and vecs["adapted"].shape[1] != vecs["new"].shape[1]:
+        raise BackfillInputError(
+            f"dimension mismatch: column 'adapted' has dim {vecs['adapted'].shape[1]}, "
+            f"column 'new' has dim {vecs['new'].shape[1]}")
+    if not is_g.any():
+        raise BackfillInputError(f"empty gallery: no rows with split 'gallery' or 'distractor' in {path}")
+    if not is_q.any():
+        raise BackfillInputError(f"no queries: no rows with split 'query' in {path}")
+    return GalleryEmbeddings(
+        gallery_labels=labels[is_g], gallery_old=vecs["old"][is_g], gallery_new=vecs["new"][is_g],
+        gallery_adapted=vecs["adapted"][is_g] if "adapted" in vecs else None,
+        query_labels=labels[is_q], query_old=vecs["old"][is_q], query_new=vecs["new"][is_q],
+        gallery_ids=ids[is_g], query_ids=ids[is_q], compatible_dim=compatible_dim,
+        source=os.path.abspath(path))

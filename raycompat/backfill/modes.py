@@ -1,0 +1,247 @@
+"""Query modes: how old-state and new-state gallery items are scored (METHODS.md table).
+
+=============== ========================================== ====================================
+mode            old-state item ``g`` scored with            new-state item ``g`` scored with
+=============== ========================================== ====================================
+``compatible``  ``s(phi_n(q)[:D_old], phi_o(g))``           ``s(phi_n(q), phi_n(g))``   (BCT, RACT, NDPP)
+``adapted``     ``s(phi_n(q), psi(phi_o(g)))``              ``s(phi_n(q), phi_n(g))``   (DMU)
+``rank_merge``  ``-d(psi_rev(rho(q)), phi_o(g))``           ``-d(rho(q), rho(g))``      (RM)
+``naive_merge`` ``s(phi_o(q), phi_o(g))``                   ``s(phi_n(q), phi_n(g))``   (RM naive)
+``cold``        old-old until t = 1, then new-new
+=============== ========================================== ====================================
+
+Every mode reduces to two *score sides* (:class:`raycompat.backfill.engine.Side`):
+float32 query and gallery arrays whose inner product is the score.  ``s`` is
+the cosine, i.e. the inner product of L2-normalised vectors (normalised after
+cutting to the compatible subspace, as in ``raycompat.evaluation``).
+
+``rank_merge`` distance (METHODS.md 6): ``d`` is the squared L2 distance on
+normalised embeddings, so ``-d(a, b) = 2 <a, b> - 2``: a strictly increasing
+function of the cosine, the same for both sides, so the merged ranking and its
+ties are exactly those of the cosine -- the sides are stored as cosines.  With
+``rank_merge_distance="sq_l2_raw"`` (un-normalised squared L2),
+``-d(a, b)/2 = <[a, -|a|^2/2, 1], [b, 1, -|b|^2/2]>`` is written as an inner
+product of augmented vectors (an order-preserving rescaling of ``-d``).
+
+At every grid point each gallery item holds exactly one vector (old-state or
+new-state), see :mod:`raycompat.backfill.grid`.
+
+Side names (shared between modes, so the engine computes each once):
+``old-old``, ``new-old`` (compatible subspace), ``new-new``, ``new-adapted``,
+``rev-old`` and ``rho-rho`` (``:l2raw`` suffix for the raw distance).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import numpy as np
+
+from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
+from raycompat.index.search import l2_normalize
+
+__all__ = [
+    "MODES",
+    "ModeSpec",
+    "mode_spec",
+    "parse_modes",
+    "SideBuilder",
+    "apply_bundle_modules",
+]
+
+MODES = ("compatible", "adapted", "rank_merge", "naive_merge", "cold")
+RANK_MERGE_DISTANCES = ("sq_l2", "sq_l2_raw")
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A mode: the side scoring old-state items, the side scoring new-state items, the schedule."""
+
+    name: str
+    old_side: str
+    new_side: str
+    schedule: str = "hot"          # "hot": policy order; "cold": nothing until t = 1
+
+
+def mode_spec(name: str, rank_merge_distance: str = "sq_l2") -> ModeSpec:
+    if name not in MODES:
+        raise BackfillInputError(f"unknown mode {name!r}; allowed: {', '.join(MODES)}")
+    if rank_merge_distance not in RANK_MERGE_DISTANCES:
+        raise BackfillInputError(
+            f"unknown rank_merge distance {rank_merge_distance!r}; allowed: {', '.join(RANK_MERGE_DISTANCES)}")
+    sfx = ":l2raw" if rank_merge_distance == "sq_l2_raw" else ""
+    return {
+        "compatible": ModeSpec("compatible", "new-old", "new-new"),
+        "adapted": ModeSpec("adapted", "new-adapted", "new-new"),
+        "rank_merge": ModeSpec("rank_merge", "rev-old" + sfx, "rho-rho" + sfx),
+        "naive_merge": ModeSpec("naive_merge", "old-old", "new-new"),
+        "cold": ModeSpec("cold", "old-old", "new-new", schedule="cold"),
+    }[name]
+
+
+def parse_modes(names) -> Tuple[str, ...]:
+    """Comma string or sequence -> validated tuple of mode names (unknown names raise)."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    out = []
+    for n in names:
+        mode_spec(n)
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise BackfillInputError(f"no query mode given; allowed: {', '.join(MODES)}")
+    return tuple(out)
+
+
+def _normalized(a: np.ndarray, name: str, already: bool) -> np.ndarray:
+    if already:
+        return a
+    try:
+        return l2_normalize(a)
+    except ValueError as exc:
+        raise BackfillInputError(f"{name}: {exc}") from exc
+
+
+def _augment(a: np.ndarray, query: bool) -> np.ndarray:
+    """Vectors whose inner products give -d/2 for squared L2 (see module docstring)."""
+    a64 = a.astype(np.float64)
+    sq = np.einsum("ij,ij->i", a64, a64)
+    extra = np.stack([-sq / 2.0, np.ones_like(sq)], axis=1) if query else \
+        np.stack([np.ones_like(sq), -sq / 2.0], axis=1)
+    return np.concatenate([a, extra.astype(np.float32)], axis=1)
+
+
+class SideBuilder:
+    """Builds (and caches) the named score sides of a :class:`GalleryEmbeddings`."""
+
+    def __init__(self, data: GalleryEmbeddings):
+        self.data = data
+        self._cache: Dict[str, object] = {}
+        self._norm: Dict[str, np.ndarray] = {}
+
+    def _n(self, attr: str, why: str) -> np.ndarray:
+        if attr not in self._norm:
+            a = getattr(self.data, attr)
+            if a is None:
+                raise BackfillInputError(f"{why} needs {attr}, which is missing")
+            self._norm[attr] = _normalized(a, attr, self.data.normalized)
+        return self._norm[attr]
+
+    def side(self, name: str):
+        """The named :class:`raycompat.backfill.engine.Side` (built once, then cached)."""
+        from raycompat.backfill.engine import Side
+
+        if name in self._cache:
+            return self._cache[name]
+        d = self.data
+        base, _, raw = name.partition(":")
+        why = f"score side {name!r}"
+        if base == "old-old":
+            s = Side(self._n("query_old", why), self._n("gallery_old", why))
+        elif base == "new-new":
+            s = Side(self._n("query_new", why), self._n("gallery_new", why))
+        elif base == "new-old":
+            if d.query_new is None:
+                raise BackfillInputError(f"{why} needs query_new, which is missing")
+            dc = d.compat_dim
+            if dc is None or dc != d.old_dim:
+                raise BackfillInputError(
+                    f"dimension mismatch: mode 'compatible' compares phi_n(q)[:D_old] with phi_o(g), "
+                    f"needs a compatible subspace of D_old={d.old_dim} dims, new embeddings have "
+                    f"{d.new_dim} dims (compatible_dim={d.compatible_dim})")
+            if dc == d.query_new.shape[1]:
+                q = self._n("query_new", why)
+            else:
+                q = _normalized(np.ascontiguousarray(d.query_new[:, :dc]), "query_new[:, :D_old]", False)
+            s = Side(q, self._n("gallery_old", why))
+        elif base == "new-adapted":
+            s = Side(self._n("query_new", why), self._n("gallery_adapted", why))
+        elif base in ("rev-old", "rho-rho"):
+            if base == "rev-old":
+                q, g = d.query_rev, d.gallery_old
+                qn, gn = "query_rev", "gallery_old"
+            else:
+                q, g = d.query_rho, d.gallery_rho
+                qn, gn = "query_rho", "gallery_rho"
+            if q is None or g is None:
+                raise BackfillInputError(
+                    f"mode 'rank_merge' needs {qn} and {gn} (rho / psi_rev outputs): pass a new model "
+                    "with 'rho' and 'psi_rev' modules")
+            if raw == "l2raw":
+                s = Side(_augment(q, True), _augment(g, False))
+            else:
+                s = Side(self._n(qn, why), self._n(gn, why))
+        else:
+            raise KeyError(f"unknown score side {name!r}")
+        self._cache[name] = s
+        return s
+
+    def mode_sides(self, mode: str, rank_merge_distance: str = "sq_l2") -> Tuple[ModeSpec, object, object]:
+        spec = mode_spec(mode, rank_merge_distance)
+        return spec, self.side(spec.old_side), self.side(spec.new_side)
+
+
+# ----------------------------------------------------------------------------- models
+def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *, device: str = "cpu",
+                         batch_size: int = 8192) -> GalleryEmbeddings:
+    """Fill ``gallery_adapted`` (psi), ``gallery_rho`` / ``query_rho`` (rho) and ``query_rev``
+    (psi_rev after rho) from a new :class:`raycompat.models.ModelBundle`'s modules, when the
+    bundle has them and the arrays are missing.
+
+    The modules are applied with torch (eval mode, no grad) to the stored embeddings
+    as they are: psi to ``old`` (METHODS.md 5, DMU), rho to ``new`` and psi_rev to
+    ``rho(new)`` of the queries (METHODS.md 6, RM).
+    """
+    import torch
+
+    modules = getattr(new_bundle, "modules", {}) or {}
+
+    def run(module, x: np.ndarray) -> np.ndarray:
+        module = module.to(device).eval()
+        out = []
+        with torch.no_grad():
+            for s in range(0, x.shape[0], batch_size):
+                out.append(module(torch.from_numpy(np.ascontiguousarray(x[s:s + batch_size])).to(device))
+                           .float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0, module.out_dim), np.float32)
+
+    def check_in(module, x: np.ndarray, what: str, name: str):
+        in_dim = getattr(module, "in_dim", x.shape[1])
+        if in_dim != x.shape[1]:
+            raise BackfillInputError(
+                f"dimension mismatch: module {name!r} expects {in_dim} dims, {what} has {x.shape[1]}")
+
+    updates = {}
+    if data.gallery_adapted is None and "psi" in modules:
+        check_in(modules["psi"], data.gallery_old, "column 'old'", "psi")
+        updates["gallery_adapted"] = run(modules["psi"], data.gallery_old)
+    if "rho" in modules and data.gallery_new is not None and data.query_new is not None:
+        rho = modules["rho"]
+        check_in(rho, data.gallery_new, "column 'new'", "rho")
+        if data.gallery_rho is None:
+            updates["gallery_rho"] = run(rho, data.gallery_new)
+        q_rho = data.query_rho if data.query_rho is not None else run(rho, data.query_new)
+        if data.query_rho is None:
+            updates["query_rho"] = q_rho
+        if data.query_rev is None and "psi_rev" in modules:
+            check_in(modules["psi_rev"], q_rho, "rho(new)", "psi_rev")
+            updates["query_rev"] = run(modules["psi_rev"], q_rho)
+    return data.with_arrays(**updates) if updates else data
+
+
+def available_modes(data: GalleryEmbeddings) -> Tuple[str, ...]:
+    """Modes whose arrays are all present (used for defaults)."""
+    out = []
+    if data.query_new is not None and data.gallery_new is not None:
+        if data.compat_dim == data.old_dim:
+            out.append("compatible")
+        if data.gallery_adapted is not None:
+            out.append("adapted")
+        if data.query_rho is not None and data.gallery_rho is not None and data.query_rev is not None:
+            out.append("rank_merge")
+        if data.query_old is not None:
+            out += ["naive_merge", "cold"]
+    return tuple(out)
+
+
+__all__.append("available_modes")

@@ -1,0 +1,152 @@
+"""Reports of a backfill simulation: JSON (every number), markdown tables, PNG plots.
+
+``write_reports(result, out_dir)`` writes
+
+* ``curves.json`` -- every curve value, flat rows ``{policy, mode, fraction,
+  metric, value, items_backfilled, seconds}``, per-curve summaries (AUC, AUC
+  gain, regression statistics), references, the cost model and the
+  configuration; NaN is written as ``null``;
+* ``curves.md`` -- the same as tables a person can read;
+* ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
+  :mod:`raycompat.backfill.plots`.
+
+All values are fractions in [0, 1] in the JSON; the markdown shows percentages.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from raycompat.report import markdown_table, write_json
+
+__all__ = ["write_reports", "markdown_report", "load_json"]
+
+
+def _pct(v) -> Optional[float]:
+    if v is None:
+        return None
+    v = float(v)
+    return 100.0 * v if np.isfinite(v) else None
+
+
+def _time_unit(seconds: float):
+    for unit, div in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * div:
+            return unit, div
+    return "s", 1.0
+
+
+def _regression_text(reg) -> str:
+    if reg is None:
+        return "n/a"
+    if not reg["has_regression"]:
+        return "none"
+    parts = []
+    if reg["points_below_start"]:
+        parts.append(f"{len(reg['points_below_start'])} pt below start (max {100 * reg['max_below_start']:.2f})")
+    if reg["drops"]:
+        parts.append(f"{len(reg['drops'])} drop(s) (max {100 * reg['max_drop']:.2f})")
+    return "; ".join(parts)
+
+
+def markdown_report(result, *, title: str = "Backfill simulation", plots: Optional[List[str]] = None) -> str:
+    """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve tables."""
+    names = result.metric_names
+    lines = [f"# {title}", ""]
+    lines.append(
+        f"Gallery: {result.n_items:,} items; queries: {result.n_queries:,} "
+        f"({result.n_valid_queries:,} with at least one positive). Metrics in %; "
+        f"mAP@{result.k} (GLDv2 AP@k), mAP (revisited protocol, full ranking), top-1 (CMC), "
+        "NFR@1 (RACT Eq.12, against old-old). Grid: "
+        f"{len(result.fractions)} points from {100 * result.fractions[0]:g}% to {100 * result.fractions[-1]:g}%; "
+        "at fraction t the first floor(t*N + 1/2) items of the policy's order hold their new vector; "
+        "ties ranked by lower gallery index.")
+    lines.append("")
+    if result.cost is not None:
+        c = result.cost
+        total = c.seconds([result.n_items])[0]
+        unit, div = _time_unit(total)
+        lines.append(f"Cost model ({c.source}): {c.items_per_s_per_gpu:g} items/s per GPU x {c.num_gpus} GPU(s) "
+                     f"= {c.items_per_s:g} items/s; the full backfill of {result.n_items:,} items takes "
+                     f"{total / div:,.2f} {unit}; time(t) = n(t) / ({c.items_per_s:g} items/s).")
+    else:
+        lines.append("Cost model: none (pass items per second per GPU, or a new model to measure it, "
+                     "to get a simulated time axis).")
+    lines.append("")
+    if result.references:
+        lines.append("## References (static searches)")
+        lines.append("")
+        rows = [[ref] + [_pct(v.get(n)) for n in names] for ref, v in result.references.items()]
+        lines.append(markdown_table(["retrieval"] + list(names), rows, digits=2))
+        lines.append("")
+    lines.append("## Summary per policy and mode")
+    lines.append("")
+    lines.append("AUC: trapezoid area over t in [0, 1] (RM); AUC gain: (AUC - AUC(old-old)) / "
+                 "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference); "
+                 "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
+                 "for NFR, rises).")
+    lines.append("")
+    headers = ["policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC", "AUC gain", "regression"]
+    rows = []
+    mid = int(np.argmin(np.abs(result.fractions - 0.5)))
+    for c in result.curves:
+        for n in names:
+            s = c.summary.get(n, {})
+            v = c.metrics[n]
+            rows.append([c.policy, c.mode, n, _pct(v[0]), _pct(v[mid]), _pct(v[-1]), _pct(s.get("auc")),
+                         _pct(s.get("auc_gain")), _regression_text(s.get("regression"))])
+    lines.append(markdown_table(headers, rows, digits=2))
+    lines.append("")
+    for n in names:
+        lines.append(f"## {n} (%) at each backfill fraction")
+        lines.append("")
+        unit, div = "s", 1.0
+        if result.cost is not None:
+            unit, div = _time_unit(float(result.cost.seconds([result.n_items])[0]))
+        cols = ["backfilled"] + ([f"time ({unit})"] if result.cost is not None else []) + \
+            [f"{c.policy} / {c.mode}" for c in result.curves]
+        rows = []
+        for j, t in enumerate(result.fractions):
+            row = [f"{100 * t:g}%"]
+            if result.cost is not None:
+                row.append(float(result.cost.seconds([result.curves[0].counts[j]])[0]) / div
+                           if result.curves else None)
+            row += [_pct(c.metrics[n][j]) for c in result.curves]
+            rows.append(row)
+        lines.append(markdown_table(cols, rows, digits=2))
+        lines.append("")
+    if plots:
+        lines.append("## Plots")
+        lines.append("")
+        for p in plots:
+            lines.append(f"![{os.path.basename(p)}]({os.path.basename(p)})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_reports(result, out_dir: str, *, plots: bool = True, title: str = "Backfill simulation",
+                  extra: Optional[Dict] = None) -> Dict[str, object]:
+    """Write ``curves.json``, ``curves.md`` and the PNGs; returns ``{"json", "markdown", "plots"}`` paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    pngs: List[str] = []
+    if plots:
+        from raycompat.backfill.plots import plot_curves
+        pngs = plot_curves(result, out_dir)
+    payload = result.to_dict()
+    if extra:
+        payload["extra"] = extra
+    jpath = write_json(os.path.join(out_dir, "curves.json"), payload)
+    mpath = os.path.join(out_dir, "curves.md")
+    tmp = mpath + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(markdown_report(result, title=title, plots=pngs))
+    os.replace(tmp, mpath)
+    return {"json": jpath, "markdown": mpath, "plots": pngs}
+
+
+def load_json(path: str) -> Dict:
+    with open(path) as f:
+        return json.load(f)

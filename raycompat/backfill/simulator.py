@@ -1,0 +1,421 @@
+"""The backfill simulator: policies x query modes -> exact curves, AUCs, regression, cost.
+
+For a gallery with embeddings (:class:`~raycompat.backfill.gallery.GalleryEmbeddings`,
+in memory or from parquet), a set of policies
+(:mod:`~raycompat.backfill.policies`), query modes
+(:mod:`~raycompat.backfill.modes`) and a grid of backfill fractions
+(default 0, 5, ..., 100 %; rounding rule in :mod:`~raycompat.backfill.grid`),
+:func:`simulate_backfill` computes at every grid point (METHODS.md "Metrics"):
+
+* ``mAP@k`` (GLDv2 AP@k, default k = 100), ``mAP`` (revisited full mAP),
+  ``top1`` (CMC top-1) and ``NFR@1`` (RACT Eq.12, against old-old correctness);
+* per curve and metric: the AUC over t in [0, 1] (trapezoids, RM), the AUC gain
+  (RM Table 1) when ``AUC(old-old)`` and ``AUC(new*-new*)`` are known, and the
+  regression statistics of RACT Eq.3 (points below the t = 0 value and drops
+  between consecutive points; for NFR "worse" means higher);
+* a simulated wall-clock axis from a :class:`~raycompat.backfill.cost.CostModel`.
+
+All curves come from one call of :func:`raycompat.backfill.engine.compute_ranks`
+(one blockwise scoring pass per distinct score side, shared by every policy and
+mode), and equal a brute-force masked exact search at every grid point.
+
+References: ``old-old`` (``M(phi_o, phi_o)``), ``new-new`` and, when the
+compatible subspace exists, ``new-old`` are computed on the same data (static
+searches; free when a curve already uses the side).  ``AUC(old-old)`` is the
+old-old value (a flat curve); ``new*-new*`` (the paragon, trained without a
+compatibility term) must be given in ``references`` to get AUC gains.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from raycompat.backfill.blocks import DEFAULT_BLOCK_BYTES
+from raycompat.backfill.cost import CostModel
+from raycompat.backfill.engine import CurveSpec, METRIC_NAMES, compute_ranks, metrics_from_ranks
+from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
+from raycompat.backfill.grid import backfill_counts, check_grid, cold_counts, default_grid
+from raycompat.backfill.modes import SideBuilder, mode_spec, parse_modes
+from raycompat.backfill.policies import (
+    UncertaintyHead,
+    check_order,
+    disagreement,
+    learned_order,
+    oracle_order,
+    parse_policies,
+    random_order,
+    sequential_order,
+    uncertainty_order,
+    uncertainty_scores,
+)
+from raycompat.metrics import auc, auc_gain, regression_stats
+
+__all__ = ["Curve", "SimulationResult", "simulate_backfill", "backfill_curve_rows"]
+
+COLD_POLICY = "any"   # the cold curve does not depend on the policy
+
+
+@dataclass
+class Curve:
+    """One backfill curve (policy x mode): metric values at every grid point."""
+
+    policy: str
+    mode: str
+    fractions: np.ndarray
+    counts: np.ndarray
+    metrics: Dict[str, np.ndarray]
+    seconds: Optional[np.ndarray] = None
+    summary: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} / {self.mode}"
+
+
+@dataclass
+class SimulationResult:
+    k: int
+    fractions: np.ndarray
+    n_items: int
+    n_queries: int
+    n_valid_queries: int
+    policies: List[str]
+    modes: List[str]
+    curves: List[Curve]
+    references: Dict[str, Dict[str, float]]
+    cost: Optional[CostModel]
+    stats: Dict[str, Any]
+    config: Dict[str, Any]
+    #: the policy orders, ``{(policy, mode): permutation}`` (not written to JSON)
+    orders: Dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def states(self, policy: str, mode: str, j: int) -> np.ndarray:
+        """int8 ``[N]`` at grid point ``j``: 1 = the item holds its new vector, 0 = its old one."""
+        c = self.curve(policy, mode)
+        st = np.zeros(self.n_items, dtype=np.int8)
+        order = self.orders.get((policy, mode), np.arange(self.n_items))
+        st[order[: int(c.counts[j])]] = 1
+        return st
+
+    @property
+    def metric_names(self) -> tuple:
+        return METRIC_NAMES(self.k)
+
+    def curve(self, policy: str, mode: str) -> Curve:
+        for c in self.curves:
+            if c.mode == mode and (c.policy == policy or (mode == "cold")):
+                return c
+        raise KeyError((policy, mode))
+
+    def rows(self) -> List[Dict[str, Any]]:
+        """Flat rows ``{policy, mode, fraction, metric, value, items_backfilled, seconds}``.
+
+        Every requested (policy, mode) pair has rows; the cold curve (policy
+        independent) is repeated under each policy.
+        """
+        out = []
+        for c in self.curves:
+            pols = self.policies if c.mode == "cold" else [c.policy]
+            for pol in pols:
+                for name in self.metric_names:
+                    for j, t in enumerate(c.fractions):
+                        v = float(c.metrics[name][j])
+                        out.append({
+                            "policy": pol, "mode": c.mode, "fraction": float(t), "metric": name,
+                            "value": v if np.isfinite(v) else None,
+                            "items_backfilled": int(c.counts[j]),
+                            "seconds": None if c.seconds is None else float(c.seconds[j]),
+                        })
+        return out
+
+    def summary_rows(self) -> List[Dict[str, Any]]:
+        """``{policy, mode, metric, start, end, min, max, auc, auc_gain, full_range, regression}``
+        per curve and metric (the cold curve repeated under each policy, as in :meth:`rows`)."""
+        out = []
+        for c in self.curves:
+            for pol in (self.policies if c.mode == "cold" else [c.policy]):
+                for name in self.metric_names:
+                    s = dict(c.summary.get(name, {}))
+                    s.update(policy=pol, mode=c.mode, metric=name)
+                    out.append(s)
+        return out
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Everything, JSON-ready (lists and python floats; NaN kept as float('nan'))."""
+        return {
+            "k": self.k,
+            "fractions": [float(x) for x in self.fractions],
+            "n_items": self.n_items,
+            "n_queries": self.n_queries,
+            "n_valid_queries": self.n_valid_queries,
+            "policies": list(self.policies),
+            "modes": list(self.modes),
+            "metrics": list(self.metric_names),
+            "references": self.references,
+            "cost_model": None if self.cost is None else self.cost.to_dict(),
+            "curves": [
+                {
+                    "policy": c.policy, "mode": c.mode,
+                    "fractions": [float(x) for x in c.fractions],
+                    "items_backfilled": [int(x) for x in c.counts],
+                    "seconds": None if c.seconds is None else [float(x) for x in c.seconds],
+                    "metrics": {k: [float(x) for x in v] for k, v in c.metrics.items()},
+                    "summary": c.summary,
+                }
+                for c in self.curves
+            ],
+            "rows": self.rows(),
+            "summary": self.summary_rows(),
+            "stats": self.stats,
+            "config": self.config,
+        }
+
+
+# ----------------------------------------------------------------------------- helpers
+def _policy_needs(policies: Sequence[str], data: GalleryEmbeddings, head) -> None:
+    for p in policies:
+        if p.startswith("uncertainty:") and head is None:
+            raise BackfillInputError(
+                f"policy {p!r} needs the new model's classifier head (pass --new-model / head=)")
+        if p == "learned":
+            if data.gallery_new is None:
+                raise BackfillInputError("policy 'learned' needs gallery_new (its training target)")
+            if data.gallery_adapted is None and data.compat_dim != data.old_dim:
+                raise BackfillInputError(
+                    "policy 'learned' needs psi(old) ('adapted') or a compatible subspace of D_old dims "
+                    "to measure old/new disagreement")
+
+
+def _learned_target(data: GalleryEmbeddings) -> Callable[[np.ndarray], np.ndarray]:
+    """reveal(ids): disagreement between new and old-state vectors of the sample items only."""
+
+    def reveal(ids: np.ndarray) -> np.ndarray:
+        new = data.gallery_new[ids]
+        if data.gallery_adapted is not None:
+            return disagreement(new, data.gallery_adapted[ids])
+        return disagreement(new[:, :data.old_dim], data.gallery_old[ids])
+
+    return reveal
+
+
+def _summaries(name: str, fractions: np.ndarray, values: np.ndarray, refs: Mapping[str, Mapping[str, float]],
+               ) -> Dict[str, Any]:
+    out: Dict[str, Any] = {
+        "start": float(values[0]), "end": float(values[-1]),
+        "min": float(np.nanmin(values)) if np.isfinite(values).any() else float("nan"),
+        "max": float(np.nanmax(values)) if np.isfinite(values).any() else float("nan"),
+        "auc": None, "auc_gain": None, "full_range": bool(fractions[0] == 0.0 and fractions[-1] == 1.0),
+    }
+    if np.isnan(values).any():
+        out["regression"] = None
+        return out
+    out["auc"] = auc(fractions, values, require_full_range=False)
+    higher = not name.startswith("NFR")
+    out["regression"] = regression_stats(fractions, values, higher_is_better=higher)
+    oo = refs.get("old-old", {}).get(name)
+    ns = refs.get("new*-new*", {}).get(name)
+    if higher and out["full_range"] and oo is not None and ns is not None \
+            and np.isfinite(oo) and np.isfinite(ns):
+        # AUC of a flat reference curve over [0, 1] is its value
+        g = auc_gain(out["auc"], oo, ns)
+        out["auc_gain"] = None if not np.isfinite(g) else float(g)
+    return out
+
+
+# ----------------------------------------------------------------------------- main entry
+def simulate_backfill(
+    data: GalleryEmbeddings,
+    policies: Sequence[str] | str = ("random", "sequential"),
+    modes: Sequence[str] | str = ("compatible",),
+    *,
+    fractions: Optional[Sequence[float]] = None,
+    grid_step: float = 5.0,
+    k: int = 100,
+    seed: int = 0,
+    head: Optional[UncertaintyHead] = None,
+    cost: Optional[CostModel] = None,
+    references: Optional[Mapping[str, Mapping[str, float]]] = None,
+    reference_correct: Optional[np.ndarray] = None,
+    learned_sample_fraction: float = 0.02,
+    rank_merge_distance: str = "sq_l2",
+    device=None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: Optional[Callable[[str], None]] = None,
+    debug: bool = False,
+) -> SimulationResult:
+    """Exact backfill curves for every policy x mode (see the module docstring).
+
+    Args:
+        data: the embeddings (validated on construction).
+        policies, modes: names (or comma-separated strings); unknown names raise
+            :class:`BackfillInputError` listing the allowed ones.
+        fractions: the grid (strictly increasing in [0, 1]); default
+            ``default_grid(grid_step)`` = 0, 5, ..., 100 %.
+        k: cut-off of mAP@k.
+        seed: seeds every policy (``random``'s permutation, ``learned``'s sample).
+        head: the new classifier as :class:`UncertaintyHead` (uncertainty policies).
+        cost: the wall-clock cost model (adds ``seconds`` to every curve).
+        references: optional reference metric values ``{"old-old": {...},
+            "new*-new*": {...}}`` (``{metric: value}``; a flat curve's AUC is its
+            value); ``old-old`` defaults to the value computed here.
+        reference_correct: optional bool ``[Q]``, top-1 correctness under old-old
+            (otherwise computed from ``query_old``/``gallery_old``; without
+            ``query_old`` NFR@1 is ``nan``).
+        device: torch device for the scoring passes (default: CUDA if available).
+        progress: optional callable receiving one-line progress messages.
+        debug: engine self-check (every item counted exactly once at every point).
+    """
+    t_all = time.perf_counter()
+    say = progress or (lambda msg: None)
+    policies = list(parse_policies(policies))
+    modes = list(parse_modes(modes))
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k <= 0:
+        raise BackfillInputError(f"k must be a positive integer, got {k!r}")
+    k = int(k)
+    try:
+        grid = default_grid(grid_step) if fractions is None else check_grid(fractions)
+    except ValueError as exc:
+        raise BackfillInputError(str(exc)) from exc
+    _policy_needs(policies, data, head)
+    n = data.n_items
+    builder = SideBuilder(data)
+    specs = {m: mode_spec(m, rank_merge_distance) for m in modes}
+    for m, spec in specs.items():       # build (and check) every side up front: errors name the problem
+        builder.side(spec.old_side)
+        builder.side(spec.new_side)
+    counts = backfill_counts(grid, n)
+    ccounts = cold_counts(grid, n)
+
+    # ------------------------------------------------------------ policy orders
+    stats: Dict[str, Any] = {"policy_seconds": {}}
+    orders: Dict[tuple, np.ndarray] = {}
+    hot_modes = [m for m in modes if specs[m].schedule == "hot"]
+    for p in policies:
+        t0 = time.perf_counter()
+        if p == "random":
+            o = random_order(n, seed)
+        elif p == "sequential":
+            o = sequential_order(n)
+        elif p.startswith("uncertainty:"):
+            o = uncertainty_order(data.gallery_old, head, p.split(":", 1)[1])
+        elif p == "learned":
+            extra = None
+            if head is not None:
+                extra = np.stack([uncertainty_scores(data.gallery_old, head, kk)
+                                  for kk in ("least_confidence", "margin", "entropy")], axis=1)
+            o = learned_order(data.gallery_old, _learned_target(data), seed=seed,
+                              sample_fraction=learned_sample_fraction, extra_features=extra)
+        elif p == "oracle":
+            for m in hot_modes:
+                say(f"policy oracle: scoring {m}")
+                spec = specs[m]
+                orders[(p, m)] = check_order(oracle_order(
+                    builder.side(spec.old_side), builder.side(spec.new_side), data.query_labels,
+                    data.gallery_labels, device=device, block_bytes=block_bytes), n)
+            stats["policy_seconds"][p] = time.perf_counter() - t0
+            continue
+        else:  # pragma: no cover - parse_policies rejects it
+            raise BackfillInputError(f"unknown policy {p!r}")
+        o = check_order(o, n)
+        for m in hot_modes:
+            orders[(p, m)] = o
+        stats["policy_seconds"][p] = time.perf_counter() - t0
+        say(f"policy {p}: order ready")
+
+    # ------------------------------------------------------------ curves
+    curves: List[CurveSpec] = []
+    for m in modes:
+        spec = specs[m]
+        if spec.schedule == "cold":
+            curves.append(CurveSpec((COLD_POLICY, m), spec.old_side, spec.new_side, ccounts, None))
+            continue
+        for p in policies:
+            curves.append(CurveSpec((p, m), spec.old_side, spec.new_side, counts, orders[(p, m)]))
+    used = {s for c in curves for s in c.sides()}
+    static = {}
+    want_oo = reference_correct is None and data.query_old is not None
+    for name, side in (("old-old", "old-old"), ("new-new", "new-new"), ("new-old", "new-old")):
+        if name == "old-old" and want_oo:
+            static[name] = side
+        elif side in used:
+            static[name] = side
+    for name, side in static.items():
+        curves.append(CurveSpec(("reference", name), side, None, np.array([0])))
+    sides = {}
+    for c in curves:
+        for s in c.sides():
+            sides[s] = builder.side(s)
+    say(f"scoring {len(sides)} side(s): {', '.join(sides)} ({n} items x {data.n_queries} queries)")
+    last = {}
+
+    def eng_progress(side, frac):
+        pct = int(frac * 10)
+        if last.get(side) != pct:
+            last[side] = pct
+            say(f"  side {side}: {100 * frac:.0f}%")
+
+    res = compute_ranks(sides, curves, data.query_labels, data.gallery_labels, device=device,
+                        block_bytes=block_bytes, debug=debug, progress=eng_progress)
+    stats["engine"] = res.stats
+
+    # ------------------------------------------------------------ metrics
+    refs: Dict[str, Dict[str, float]] = {}
+    ref_correct = None
+    if reference_correct is not None:
+        ref_correct = np.asarray(reference_correct, dtype=bool)
+        if ref_correct.shape != (data.n_queries,):
+            raise BackfillInputError(
+                f"reference_correct must have one entry per query ({data.n_queries}), got {ref_correct.shape}")
+    if "old-old" in static:
+        cr = res.curve(("reference", "old-old"))
+        mo, per = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, None, return_per_query=True)
+        if ref_correct is None:
+            ref_correct = per["correct1"][0]
+    for name in static:
+        cr = res.curve(("reference", name))
+        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, ref_correct)
+        refs[name] = {mk: float(v[0]) for mk, v in mv.items()}
+    for name, vals in (references or {}).items():
+        refs[name] = {**refs.get(name, {}), **{str(a): float(b) for a, b in vals.items()}}
+
+    out_curves: List[Curve] = []
+    for c in curves:
+        if c.key[0] == "reference":
+            continue
+        cr = res.curve(c.key)
+        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, ref_correct)
+        cv = Curve(policy=c.key[0], mode=c.key[1], fractions=grid.copy(), counts=cr.counts.copy(),
+                   metrics=mv, seconds=None if cost is None else cost.seconds(cr.counts))
+        cv.summary = {name: _summaries(name, grid, mv[name], refs) for name in METRIC_NAMES(k)}
+        out_curves.append(cv)
+    stats["seconds"] = time.perf_counter() - t_all
+    config = {
+        "policies": policies, "modes": modes, "k": k, "seed": seed,
+        "grid": [float(x) for x in grid], "rounding": "n(t) = floor(t*N + 1/2)",
+        "tie_rule": "descending score, ties by ascending gallery index",
+        "learned_sample_fraction": learned_sample_fraction,
+        "rank_merge_distance": rank_merge_distance, "source": data.source,
+        "compatible_dim": data.compat_dim, "old_dim": data.old_dim, "new_dim": data.new_dim,
+    }
+    return SimulationResult(
+        k=k, fractions=grid, n_items=n, n_queries=data.n_queries,
+        n_valid_queries=int((res.npos > 0).sum()), policies=policies, modes=modes,
+        curves=out_curves, references=refs, cost=cost, stats=stats, config=config, orders=orders)
+
+
+def backfill_curve_rows(data: GalleryEmbeddings, policies=("random", "sequential"), modes=("compatible",),
+                        **kwargs) -> Dict[str, Any]:
+    """In-memory embeddings -> ``{"rows": [...], "summary": [...], "references": {...}}``.
+
+    ``rows`` are flat ``{policy, mode, fraction, metric, value, items_backfilled,
+    seconds}`` dicts (the main job stores them in its report under ``curves``);
+    ``summary`` has the AUC / AUC gain / regression statistics per curve and metric.
+    Keyword arguments go to :func:`simulate_backfill`.
+    """
+    r = simulate_backfill(data, policies, modes, **kwargs)
+    return {"rows": r.rows(), "summary": r.summary_rows(), "references": r.references,
+            "cost_model": None if r.cost is None else r.cost.to_dict(), "k": r.k,
+            "fractions": [float(x) for x in r.fractions]}

@@ -1,0 +1,312 @@
+"""The fast backfill-curve engine equals a brute-force masked exact search at every grid point.
+
+The brute force here is written independently and simply: at every grid point it builds the
+mixed gallery (one vector per item: old-state or new-state), scores every item with the
+mode's query vector for that state (METHODS.md table), ranks all items by (-score, index)
+and computes the metrics from that full ranking with raycompat.metrics.
+
+Vectors are quantised so that float32 scores are exact whatever the summation order: each
+vector has entries in {-1, 0, +1} with 4 or 16 non-zeros (norm 2 or 4, so L2-normalisation
+is exact too) and few dimensions, so ties are everywhere.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raycompat.backfill.engine as engine_mod
+from raycompat.backfill import GalleryEmbeddings, simulate_backfill
+from raycompat.backfill.blocks import exact_topk
+from raycompat.backfill.engine import (
+    CurveSpec,
+    Side,
+    compute_ranks,
+    full_ap_from_ranks,
+    metrics_from_ranks,
+    positive_pairs,
+)
+from raycompat.backfill.grid import backfill_counts, cold_counts, default_grid, segments
+from raycompat.backfill.policies import UncertaintyHead
+from raycompat.index import exact_search
+from raycompat.metrics import (
+    average_precision_from_ranks,
+    map_full,
+    mean_average_precision_at_k,
+    negative_flip_rate,
+    relevance_from_labels,
+)
+
+
+# ----------------------------------------------------------------------------- data
+def quant(rng, n, blocks):
+    """Rows made of blocks (dim, nonzeros): entries +-1 at `nonzeros` random places per block."""
+    parts = []
+    for dim, nnz in blocks:
+        a = np.zeros((n, dim), np.float32)
+        for r in range(n):
+            a[r, rng.choice(dim, nnz, replace=False)] = rng.choice([-1.0, 1.0], nnz)
+        parts.append(a)
+    return np.concatenate(parts, axis=1)
+
+
+def unit(a):
+    """Exact here: every row norm is a power of two."""
+    n = np.sqrt((a.astype(np.float64) ** 2).sum(axis=1, keepdims=True))
+    return (a / n).astype(np.float32)
+
+
+def make_instance(rng, n_items, n_queries, n_labels, d_old=6):
+    gl = rng.integers(0, n_labels, n_items)
+    ql = rng.integers(0, n_labels + 2, n_queries)          # some queries have no positive
+    new_blocks = [(d_old, 4), (14, 12)]                      # norm 4; first d_old dims: norm 2
+    data = GalleryEmbeddings(
+        gallery_labels=gl, query_labels=ql,
+        gallery_old=quant(rng, n_items, [(d_old, 4)]), query_old=quant(rng, n_queries, [(d_old, 4)]),
+        gallery_new=quant(rng, n_items, new_blocks), query_new=quant(rng, n_queries, new_blocks),
+        gallery_adapted=quant(rng, n_items, new_blocks),
+        gallery_rho=quant(rng, n_items, [(5, 4)]), query_rho=quant(rng, n_queries, [(5, 4)]),
+        query_rev=quant(rng, n_queries, [(d_old, 4)]),
+    )
+    return data
+
+
+# ----------------------------------------------------------------------------- brute force
+def mode_scores(data, mode):
+    """(old-state scores, new-state scores) [Q, N] in float64, straight from the METHODS.md table."""
+    qo, qn = unit(data.query_old), unit(data.query_new)
+    go, gn = unit(data.gallery_old), unit(data.gallery_new)
+    d = data.old_dim
+    if mode == "compatible":
+        return unit(data.query_new[:, :d]) @ go.T.astype(np.float64), qn @ gn.T.astype(np.float64)
+    if mode == "adapted":
+        return qn @ unit(data.gallery_adapted).T.astype(np.float64), qn @ gn.T.astype(np.float64)
+    if mode == "rank_merge":   # -d, squared L2 between normalised vectors
+        rev, rq, rg = unit(data.query_rev), unit(data.query_rho), unit(data.gallery_rho)
+        neg_d_old = -((rev[:, None, :].astype(np.float64) - go[None]) ** 2).sum(-1)
+        neg_d_new = -((rq[:, None, :].astype(np.float64) - rg[None]) ** 2).sum(-1)
+        return neg_d_old, neg_d_new
+    if mode in ("naive_merge", "cold"):
+        return qo @ go.T.astype(np.float64), qn @ gn.T.astype(np.float64)
+    raise KeyError(mode)
+
+
+def brute_force_curve(s_old, s_new, new_items_at, ql, gl, k, ref_correct):
+    """Metrics at each grid point from a full masked exact ranking of the mixed gallery."""
+    n_q, n = s_old.shape
+    m = np.array([(gl == x).sum() for x in ql])
+    valid = m > 0
+    out = {"mAP@k": [], "mAP": [], "top1": [], "NFR@1": []}
+    for new_items in new_items_at:
+        state_new = np.zeros(n, dtype=bool)
+        state_new[new_items] = True                          # exactly one vector per item
+        s = np.where(state_new[None, :], s_new, s_old)
+        ranking = np.lexsort((np.broadcast_to(np.arange(n), s.shape), -s), axis=-1)
+        aps = np.full(n_q, np.nan)
+        for q in range(n_q):
+            if m[q]:
+                aps[q] = average_precision_from_ranks(np.flatnonzero(gl[ranking[q]] == ql[q]), int(m[q]))
+        # the full ranking agrees with the library's full mAP (up to summation order)
+        full = map_full(ranking, ql, gl)
+        if valid.any():
+            assert abs(full - aps[valid].mean()) < 1e-12
+        top = np.full((n_q, k), -1)
+        top[:, :min(k, n)] = ranking[:, :k]
+        rel = relevance_from_labels(top, ql, gl)
+        out["mAP@k"].append(mean_average_precision_at_k(rel, m, k))
+        out["mAP"].append(float(aps[valid].mean()) if valid.any() else np.nan)
+        out["top1"].append(float(rel[valid, 0].mean()) if valid.any() else np.nan)
+        out["NFR@1"].append(negative_flip_rate(ref_correct, rel[:, 0]))
+    return {key: np.array(v) for key, v in out.items()}
+
+
+def brute_old_old_top1(data):
+    s = unit(data.query_old) @ unit(data.gallery_old).T.astype(np.float64)
+    ranking = np.lexsort((np.broadcast_to(np.arange(s.shape[1]), s.shape), -s), axis=-1)
+    return data.gallery_labels[ranking[:, 0]] == data.query_labels
+
+
+def masked_search_top1(data, mode, new_items):
+    """Second brute force through raycompat.index.exact_search (faiss) on the two masked sub-galleries."""
+    s_old, s_new = mode_scores(data, mode)
+    n = data.n_items
+    state_new = np.zeros(n, bool)
+    state_new[new_items] = True
+    best = []
+    for q in range(data.n_queries):
+        cands = []
+        for scores, mask in ((s_old, ~state_new), (s_new, state_new)):
+            idx = np.flatnonzero(mask)
+            if idx.size:
+                j = int(np.argmax(scores[q, idx]))          # first max = lowest index among ties
+                cands.append((-scores[q, idx[j]], idx[j]))
+        best.append(min(cands)[1])
+    return data.gallery_labels[np.array(best)] == data.query_labels
+
+
+# ----------------------------------------------------------------------------- tests
+def head_for(rng, data):
+    return UncertaintyHead(weight=rng.standard_normal((7, data.new_dim)), kind="cosface", scale=8.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_mode_and_policy_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(40, 300))
+    data = make_instance(rng, n, int(rng.integers(5, 30)), int(rng.integers(2, 7)))
+    k = int(rng.choice([1, 5, 100, 1000]))                   # 1000 > N: padded top-k
+    step = float(rng.choice([5.0, 10.0, 25.0]))
+    policies = ["random", "sequential", "uncertainty:least_confidence", "uncertainty:margin",
+                "uncertainty:entropy", "oracle", "learned"]
+    modes = ["compatible", "adapted", "rank_merge", "naive_merge", "cold"]
+    res = simulate_backfill(data, policies, modes, grid_step=step, k=k, seed=seed, head=head_for(rng, data),
+                            block_bytes=int(rng.choice([256, 4096, 1 << 20])), debug=(seed % 2 == 0))
+    ref = brute_old_old_top1(data)
+    grid = default_grid(step)
+    for c in res.curves:
+        s_old, s_new = mode_scores(data, c.mode)
+        pols = policies if c.mode == "cold" else [c.policy]
+        order = res.orders.get((c.policy, c.mode), np.arange(n))
+        counts = cold_counts(grid, n) if c.mode == "cold" else backfill_counts(grid, n)
+        assert np.array_equal(c.counts, counts)
+        want = brute_force_curve(s_old, s_new, [order[:cnt] for cnt in counts], data.query_labels,
+                                 data.gallery_labels, k, ref)
+        for name, key in (("mAP@k", f"mAP@{k}"), ("mAP", "mAP"), ("top1", "top1"), ("NFR@1", "NFR@1")):
+            assert np.array_equal(c.metrics[key], want[name], equal_nan=True), (pols, c.mode, name)
+        # one vector per item at every point, and the count follows the rounding rule
+        for j in range(len(grid)):
+            st = res.states(c.policy, c.mode, j)
+            assert set(np.unique(st)) <= {0, 1} and int(st.sum()) == counts[j]
+    # the top-1 of one point cross-checked through faiss-free masked argmax
+    c = res.curve("random", "compatible")
+    j = len(grid) // 2
+    new_items = res.orders[("random", "compatible")][: c.counts[j]]
+    top1 = masked_search_top1(data, "compatible", new_items)
+    valid = np.array([(data.gallery_labels == x).any() for x in data.query_labels])
+    if valid.any():
+        assert c.metrics["top1"][j] == top1[valid].mean()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_engine_paths_ties_band_and_tiles(seed, monkeypatch):
+    """Engine alone on raw integer sides: tiny tiles (tile filter on), huge error band (every
+    survivor resolved after the pass), small blocks, debug sentinel; all equal brute force."""
+    rng = np.random.default_rng(100 + seed)
+    n, n_q = int(rng.integers(30, 260)), int(rng.integers(3, 25))
+    d_old, d_new = int(rng.integers(2, 6)), int(rng.integers(2, 40))   # sides of different dims
+    gl = rng.integers(0, int(rng.integers(1, 6)), n)
+    ql = rng.integers(0, 7, n_q)
+    # power-of-two scales: scores stay exact, error bands differ a lot between the sides
+    so_, sn_ = 2.0 ** int(rng.integers(-3, 4)), 2.0 ** int(rng.integers(-3, 4))
+    qo = rng.integers(-2, 3, (n_q, d_old)).astype(np.float32) * np.float32(so_)
+    go = rng.integers(-2, 3, (n, d_old)).astype(np.float32)
+    qn = rng.integers(-2, 3, (n_q, d_new)).astype(np.float32) * np.float32(sn_)
+    gn = rng.integers(-2, 3, (n, d_new)).astype(np.float32)
+    s_old = qo.astype(np.float64) @ go.T
+    s_new = qn.astype(np.float64) @ gn.T
+    order = rng.permutation(n)
+    grid = np.sort(np.unique(np.concatenate([[0.0, 1.0], rng.random(int(rng.integers(1, 12)))])))
+    counts = backfill_counts(grid, n)
+    k = int(rng.choice([1, 3, 10, 400]))
+    sides = {"o": Side(qo, go), "n": Side(qn, gn)}
+    curves = [CurveSpec("c", "o", "n", counts, order), CurveSpec("ref", "o", None, np.array([0]))]
+    monkeypatch.setattr(engine_mod, "_TILE", int(rng.choice([1, 2, 4, 8])))
+    ranking0 = np.lexsort((np.broadcast_to(np.arange(n), s_old.shape), -s_old), axis=-1)
+    ref = gl[ranking0[:, 0]] == ql
+    want = brute_force_curve(s_old, s_new, [order[:c] for c in counts], ql, gl, k, ref)
+    for band, debug, bb in ((1.0, False, 64), (3e4, False, 256), (1e9, False, 1 << 12), (1.0, True, 1 << 20)):
+        res = compute_ranks(sides, curves, ql, gl, debug=debug, band_scale=band, block_bytes=bb)
+        ref_c = metrics_from_ranks(res.curve("ref").ranks, res.pairs_q, res.npos, 1,
+                                   return_per_query=True)[1]["correct1"][0]
+        assert np.array_equal(ref_c, ref)
+        got = metrics_from_ranks(res.curve("c").ranks, res.pairs_q, res.npos, k, ref_c)
+        for name, key in (("mAP@k", f"mAP@{k}"), ("mAP", "mAP"), ("top1", "top1"), ("NFR@1", "NFR@1")):
+            assert np.array_equal(got[key], want[name], equal_nan=True), (band, debug, name)
+        if debug:   # sentinel threshold: every item counted exactly once at every grid point
+            assert (res.debug["items_counted"]["c"] == n).all()
+        if band > 1:
+            assert sum(s["band_entries"] for s in res.stats["sides"].values()) > 0
+
+
+def test_ranks_match_full_ranking_positions():
+    rng = np.random.default_rng(7)
+    n, n_q = 120, 9
+    q = rng.integers(-1, 2, (n_q, 3)).astype(np.float32)
+    g = rng.integers(-1, 2, (n, 3)).astype(np.float32)
+    gl, ql = rng.integers(0, 3, n), rng.integers(0, 3, n_q)
+    res = compute_ranks({"s": Side(q, g)}, [CurveSpec("r", "s", None, np.array([0]))], ql, gl)
+    s = q.astype(np.float64) @ g.T
+    ranking = np.lexsort((np.broadcast_to(np.arange(n), s.shape), -s), axis=-1)
+    pos = np.argsort(ranking, axis=1)                       # rank of every item
+    assert np.array_equal(res.curve("r").ranks[0], pos[res.pairs_q, res.pairs_i])
+
+
+def test_full_ap_is_bit_identical_to_the_metric_function():
+    rng = np.random.default_rng(3)
+    for npos in (1, 2, 7, 8, 9, 16, 130, 300):
+        nq = 4
+        counts = np.array([npos] * nq + [0])
+        ranks = np.stack([np.concatenate([rng.choice(5000, npos, replace=False) for _ in range(nq)])
+                          for _ in range(3)])
+        pq = np.repeat(np.arange(nq + 1), counts)
+        got = full_ap_from_ranks(ranks, pq, counts)
+        for j in range(3):
+            for qq in range(nq):
+                assert got[j, qq] == average_precision_from_ranks(ranks[j, qq * npos:(qq + 1) * npos], npos)
+            assert np.isnan(got[j, nq])
+
+
+def test_positive_pairs_and_segments():
+    pq, pi, npos = positive_pairs(np.array([2, 5, 1]), np.array([1, 2, 2, 1, 3]))
+    assert pq.tolist() == [0, 0, 2, 2] and pi.tolist() == [1, 2, 0, 3] and npos.tolist() == [2, 0, 2]
+    order = np.array([3, 0, 2, 1])
+    counts = np.array([0, 1, 3, 4])
+    seg = segments(order, counts, 4)
+    # item 3 is first in the order: new from grid point 1 on, i.e. seg <= 1
+    assert seg.tolist() == [2, 3, 2, 1]
+    with pytest.raises(ValueError):
+        segments(order, np.array([2, 1]), 4)
+
+
+def test_rounding_rule():
+    assert backfill_counts([0, 0.05, 0.5, 1.0], 10).tolist() == [0, 1, 5, 10]   # 0.5 rounds up
+    assert backfill_counts([0.25, 0.35], 2).tolist() == [1, 1]
+    assert cold_counts(default_grid(25), 7).tolist() == [0, 0, 0, 0, 7]
+    assert len(default_grid(5)) == 21 and len(default_grid(1)) == 101
+    with pytest.raises(ValueError):
+        default_grid(7)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_blockwise_topk_equals_exact_search(seed, monkeypatch):
+    import raycompat.backfill.blocks as blocks_mod
+
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(blocks_mod, "TOPK_TILE", int(rng.choice([4, 16, 128])))
+    q = rng.integers(-1, 2, (11, 4)).astype(np.float32)
+    for n in (300, 2000):
+        g = rng.integers(-1, 2, (n, 4)).astype(np.float32)
+        for k in (1, 7, 50, 400):
+            for bb in (11 * 4 * 64, 11 * 4 * 700, 1 << 22):
+                s1, i1 = exact_topk(q, g, k, block_bytes=bb)
+                s2, i2 = exact_search(q, g, k, normalize=False)
+                assert np.array_equal(i1, i2) and np.array_equal(s1, s2), (n, k, bb)
+
+
+def test_rank_merge_with_raw_squared_l2_equals_brute_force():
+    rng = np.random.default_rng(11)
+    data = make_instance(rng, 120, 12, 4)
+    # integer vectors of different norms: -||a - b||^2 is exact in float32 and float64
+    data = data.with_arrays(query_rev=data.query_rev * rng.integers(1, 4, (12, 1)).astype(np.float32),
+                            gallery_rho=data.gallery_rho * rng.integers(1, 4, (120, 1)).astype(np.float32))
+    res = simulate_backfill(data, ["random"], ["rank_merge"], grid_step=10, k=7,
+                            rank_merge_distance="sq_l2_raw")
+    rev, go = data.query_rev.astype(np.float64), data.gallery_old.astype(np.float64)
+    rq, rg = data.query_rho.astype(np.float64), data.gallery_rho.astype(np.float64)
+    s_old = -((rev[:, None] - go[None]) ** 2).sum(-1)
+    s_new = -((rq[:, None] - rg[None]) ** 2).sum(-1)
+    c = res.curves[0]
+    order = res.orders[("random", "rank_merge")]
+    want = brute_force_curve(s_old, s_new, [order[:n] for n in c.counts], data.query_labels,
+                             data.gallery_labels, 7, brute_old_old_top1(data))
+    for name, key in (("mAP@k", "mAP@7"), ("mAP", "mAP"), ("top1", "top1"), ("NFR@1", "NFR@1")):
+        assert np.array_equal(c.metrics[key], want[name], equal_nan=True), name
