@@ -7,9 +7,9 @@ import pytest
 
 from raycompat.quickstart import QuickstartOptions, run_quickstart
 
-SMALL = dict(train_classes=60, images_per_class=24, eval_classes=40, queries_per_class=2,
-             gallery_per_class=6, distractor_classes=40, distractors_per_class=3,
-             backbone="lcnet_050", embed_dim=64, old_epochs=6, new_epochs=6, batch_size=64)
+SMALL = dict(train_classes=120, images_per_class=30, eval_classes=60, queries_per_class=2,
+             gallery_per_class=6, distractor_classes=60, distractors_per_class=3,
+             backbone="lcnet_050", embed_dim=64, old_epochs=14, new_epochs=12, batch_size=64)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,11 @@ Modules (one concept each):
 * :mod:`~raycompat.backfill.cost`      -- wall-clock cost model
 * :mod:`~raycompat.backfill.simulator` -- orchestration: curves, AUCs, regression, references
 * :mod:`~raycompat.backfill.plots`, :mod:`~raycompat.backfill.report` -- PNG / JSON / markdown
+* :mod:`~raycompat.backfill.job`       -- ``jobs/simulate_backfill.py`` (parquet + model bundles -> reports)
+
+Main entry points: :func:`simulate_backfill` (in-memory :class:`GalleryEmbeddings` ->
+:class:`SimulationResult`), :func:`backfill_curve_rows` (the same as flat rows for a
+report), :func:`raycompat.backfill.report.write_reports` (JSON / markdown / PNG).
 """
 import importlib
 

@@ -61,8 +61,9 @@ def release_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def nonzero_2d(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, cols)`` of the True entries of a 2-D bool tensor, row-major.
+def nonzero_2d(mask: torch.Tensor, with_flat: bool = False):
+    """``(rows, cols)`` (and the flat row-major indices with ``with_flat``) of the True
+    entries of a 2-D bool tensor, in row-major order.
 
     On CPU through ``numpy.flatnonzero`` on the flat mask, several times faster
     than ``torch.nonzero`` on sparse masks; on other devices ``torch.nonzero``.
@@ -73,7 +74,8 @@ def nonzero_2d(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         flat = torch.nonzero(mask.reshape(-1)).squeeze(1)
     rows = torch.div(flat, width, rounding_mode="floor")
-    return rows, flat - rows * width
+    cols = flat - rows * width
+    return (rows, cols, flat) if with_flat else (rows, cols)
 
 
 def resolve_device(device=None) -> torch.device:
@@ -141,24 +143,34 @@ def iter_score_blocks(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     query_rows: Optional[int] = None,
     gallery_rows: Optional[int] = None,
+    reuse: bool = True,
 ) -> Iterator[Tuple[int, int, int, int, torch.Tensor]]:
     """Yield ``(q0, q1, g0, g1, S)`` with ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32, on device).
 
     Query chunks are the outer loop (each chunk is moved to the device once),
-    gallery blocks the inner loop.  Call inside :func:`fp32_matmul`.
+    gallery blocks the inner loop.  Call inside :func:`fp32_matmul`.  With
+    ``reuse`` (default) full-size blocks are written into one buffer: ``S`` is
+    only valid until the next iteration (copy what must be kept).
     """
     dev = resolve_device(device)
     n_q, n_g = queries.shape[0], gallery.shape[0]
     qc, gb = block_rows(n_q, n_g, block_bytes)
     qc = query_rows or qc
     gb = gallery_rows or gb
+    buf = None
     for q0 in range(0, n_q, qc):
         q1 = min(n_q, q0 + qc)
         qt = _to_device(queries[q0:q1], dev)
         for g0 in range(0, n_g, gb):
             g1 = min(n_g, g0 + gb)
             gt = _to_device(gallery[g0:g1], dev)
-            yield q0, q1, g0, g1, torch.matmul(qt, gt.T)
+            if reuse and g1 - g0 == gb:
+                # one output buffer for every full block: no fresh pages to fault in
+                if buf is None or buf.shape != (q1 - q0, gb):
+                    buf = torch.empty((q1 - q0, gb), dtype=torch.float32, device=dev)
+                yield q0, q1, g0, g1, torch.matmul(qt, gt.T, out=buf)
+            else:
+                yield q0, q1, g0, g1, torch.matmul(qt, gt.T)
 
 
 def _sorted_candidates(scores: torch.Tensor, ids: torch.Tensor):

@@ -332,6 +332,7 @@ class _Merged:
         self.lo_keys_padded = torch.from_numpy(np.concatenate([lo_k, [np.inf]])).to(device)
         self.hi_keys = torch.from_numpy(hi_k).to(device)
         self.span = span
+        self.qoff = torch.arange(n_queries, dtype=torch.float64, device=device) * span
 
     def locate(self, qg: torch.Tensor, vals: torch.Tensor):
         """``(bucket, amb, b_hi, b_lo)`` for survivors of query ``qg`` with score ``vals``.
@@ -339,7 +340,7 @@ class _Merged:
         ``bucket = b_hi + q`` indexes the histogram; ``amb`` lists the survivors with
         ambiguous thresholds (global merged indices ``[b_hi, b_lo)``), or is ``None``.
         """
-        keys = vals.to(torch.float64) + qg.to(torch.float64) * self.span
+        keys = vals.to(torch.float64) + self.qoff.index_select(0, qg)
         b_hi = torch.searchsorted(self.hi_keys, keys, right=False)
         # ambiguous iff the next threshold's lower edge is <= the score (lower edges are
         # sorted like the thresholds; the key's query offset keeps the next query out)
@@ -390,10 +391,10 @@ def _survivors(S: torch.Tensor, lm: torch.Tensor, use_tiles: bool = True):
             else:
                 r, c, v = (torch.cat([p[i] for p in parts]) for i in range(3))
             return (r, c, v, frac) if r.numel() else None
-    r, c = nonzero_2d(S >= lm[:, None])
+    r, c, flat = nonzero_2d(S >= lm[:, None], with_flat=True)
     if r.numel() == 0:
         return None
-    return r, c, S.reshape(-1).index_select(0, r * B + c), frac
+    return r, c, S.reshape(-1).index_select(0, flat), frac
 
 
 # ----------------------------------------------------------------------------- main entry

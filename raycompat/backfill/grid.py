@@ -88,8 +88,9 @@ def segments(order: Optional[np.ndarray], counts: np.ndarray, n_items: int) -> n
     if order is None:
         return seg_by_pos
     order = np.asarray(order, dtype=np.int64)
-    if order.shape != (n_items,):
-        raise ValueError(f"order must be a permutation of {n_items} items, got shape {order.shape}")
+    if order.shape != (n_items,) or (n_items and (order.min() < 0 or order.max() >= n_items)) or \
+            (np.bincount(order, minlength=n_items) != 1).any():
+        raise ValueError(f"order must be a permutation of the {n_items} item indices")
     seg = np.empty(n_items, dtype=np.int32)
     seg[order] = seg_by_pos
     return seg
