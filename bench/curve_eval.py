@@ -157,13 +157,15 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="random")
     ap.add_argument("--mode", default="compatible")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--block-mb", type=float, default=8.0, help="score block budget (MiB)")
+    ap.add_argument("--block-mb", type=float, default=None,
+                    help="score block budget in MiB for the search and the curves (default: the library's, "
+                         "8 for the search and 16 for the curve engine)")
     ap.add_argument("--no-faiss", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     opts = ap.parse_args(argv)
     dev = resolve_device(None if opts.device == "auto" else opts.device)
-    block_bytes = int(opts.block_mb * 1024 * 1024)
+    bb = {} if opts.block_mb is None else {"block_bytes": int(opts.block_mb * 1024 * 1024)}
     n, nq, d = opts.items, opts.queries, opts.dim
     flops = 2.0 * n * nq * d
     res = {"items": n, "queries": nq, "dim": d, "k": opts.k, "policy": opts.policy, "mode": opts.mode,
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
     res["rss_after_data_mb"] = rss_bytes() / 2 ** 20
 
     res["matmul_gflops"] = matmul_rate(dev)
-    t_search, _ = timed(exact_topk, data.query_new, data.gallery_new, opts.k, device=dev, block_bytes=block_bytes)
+    t_search, _ = timed(exact_topk, data.query_new, data.gallery_new, opts.k, device=dev, **bb)
     res["search_seconds"] = t_search
     res["search_gflops"] = flops / t_search / 1e9
     if not opts.no_faiss:
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
     # old-old top-1 correctness (NFR reference): once per gallery, shared by every curve
     t_ref, rr = timed(compute_ranks, {"old-old": Side(data.query_old, data.gallery_old)},
                       [CurveSpec("ref", "old-old", None, np.array([0]))], data.query_labels,
-                      data.gallery_labels, device=dev, block_bytes=block_bytes)
+                      data.gallery_labels, device=dev, **bb)
     ref_correct = metrics_from_ranks(rr.curve("ref").ranks, rr.pairs_q, rr.npos, 1,
                                      return_per_query=True)[1]["correct1"][0]
     res["reference_seconds"] = t_ref
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     for step in (5.0, 1.0):
         with PeakRSS() as mem:
             t_curve, r = timed(simulate_backfill, data, [opts.policy], [opts.mode], grid_step=step, k=opts.k,
-                               seed=opts.seed, reference_correct=ref_correct, device=dev, block_bytes=block_bytes)
+                               seed=opts.seed, reference_correct=ref_correct, device=dev, **bb)
         c = r.curves[0]
         pts = len(c.fractions)
         curves[pts] = {

@@ -97,3 +97,12 @@ def test_bundle_round_trip_with_manifest(tmp_path):
     assert loaded.classes == [3, 5, 7, 9, 11]
     with pytest.raises(FileNotFoundError, match="manifest.json is missing"):
         ModelBundle.load(str(tmp_path / "nothing"))
+
+
+def test_backbone_layers_unused_by_features_are_frozen():
+    """LCNet keeps a conv_head that forward_features never uses: DDP needs it frozen."""
+    model = Embedder("lcnet_050", 8, in_chans=1)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["backbone.conv_head.weight", "backbone.conv_head.bias"]
+    model(torch.randn(2, 1, 32, 32)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

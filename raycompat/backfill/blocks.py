@@ -33,8 +33,11 @@ __all__ = [
     "nonzero_2d",
 ]
 
-#: default memory budget (bytes) of one score block [query chunk, gallery block]
+#: default memory budget (bytes) of one score block [query chunk, gallery block] of the
+#: top-k search (about 2048 gallery rows for 1,000 queries: the matmul's sweet spot)
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
+#: the same for the curve engine, whose per-block bookkeeping favours larger blocks
+ENGINE_BLOCK_BYTES = 16 * 1024 * 1024
 _U32 = 2.0 ** -24  # unit roundoff of float32
 
 

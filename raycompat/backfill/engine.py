@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from raycompat.backfill.blocks import (
-    DEFAULT_BLOCK_BYTES,
+    ENGINE_BLOCK_BYTES,
     block_rows,
     dot_error_bound,
     fp32_matmul,
@@ -405,7 +405,7 @@ def compute_ranks(
     gallery_labels,
     *,
     device=None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    block_bytes: int = ENGINE_BLOCK_BYTES,
     debug: bool = False,
     band_scale: float = 1.0,
     progress=None,

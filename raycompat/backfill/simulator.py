@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from raycompat.backfill.blocks import DEFAULT_BLOCK_BYTES
+from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
 from raycompat.backfill.cost import CostModel
 from raycompat.backfill.engine import CurveSpec, METRIC_NAMES, compute_ranks, metrics_from_ranks
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
@@ -242,7 +242,7 @@ def simulate_backfill(
     learned_sample_fraction: float = 0.02,
     rank_merge_distance: str = "sq_l2",
     device=None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    block_bytes: int = ENGINE_BLOCK_BYTES,
     progress: Optional[Callable[[str], None]] = None,
     debug: bool = False,
 ) -> SimulationResult:

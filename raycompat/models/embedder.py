@@ -55,11 +55,27 @@ class Embedder(nn.Module):
         if pretrained_path is not None:
             kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=pretrained_path))
         self.backbone = timm.create_model(backbone, **kwargs)
+        self._freeze_unused_backbone_parameters(in_chans)
         self.pool = GeM(gem_p)
         self.fc = nn.Linear(self.backbone.num_features, embed_dim)
         self.embed_dim = embed_dim
         self.spec = dict(type="embedder", backbone=backbone, embed_dim=embed_dim,
                          in_chans=in_chans, gem_p=gem_p)
+
+    def _freeze_unused_backbone_parameters(self, in_chans: int) -> None:
+        """Some timm models keep head layers (e.g. LCNet/MobileNetV3 ``conv_head``) that
+        ``forward_features`` never uses; DDP would wait forever for their gradients, so they
+        are found with one dummy backward pass and frozen."""
+        size = self.backbone.pretrained_cfg.get("input_size", (in_chans, 224, 224))[-2:]
+        x = torch.zeros(2, in_chans, *size)
+        was_training = self.backbone.training
+        self.backbone.eval()
+        self.backbone.forward_features(x).float().sum().backward()
+        for p in self.backbone.parameters():
+            if p.requires_grad and p.grad is None:
+                p.requires_grad_(False)
+            p.grad = None
+        self.backbone.train(was_training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         feats = self.backbone.forward_features(x)
