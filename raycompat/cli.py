@@ -114,13 +114,12 @@ def train_main(argv: list[str] | None = None, *, default_method: str | None = No
     add_training_args(parser)
     args = parser.parse_args(argv)
     try:
-        scenario = scenario_from_args(args)
-        cfg = train_config(args, scenario, method=args.method, split=args.split or "new_train",
-                           method_options=parse_key_values(args.opt), old_model=args.old_model,
-                           init_model=args.init_model, run_name=args.run_name or f"{args.method}-{int(time.time())}")
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+        options = parse_key_values(args.opt)
+    except ConfigError as err:
         return _fail(str(err))
-    return _run_training(args, cfg, args.out or os.path.join(args.storage, "models", cfg.run_name))
+    return _configure_and_train(args, method=args.method, split=args.split or "new_train",
+                                method_options=options, old_model=args.old_model,
+                                init_model=args.init_model, run_prefix=args.method)
 
 
 def train_old_main(argv: list[str] | None = None) -> int:
@@ -132,10 +131,16 @@ def train_old_main(argv: list[str] | None = None) -> int:
     add_scenario_args(parser)
     add_training_args(parser)
     args = parser.parse_args(argv)
+    return _configure_and_train(args, method="independent", split=args.split, run_prefix="old")
+
+
+def _configure_and_train(args, *, run_prefix: str, **config) -> int:
+    """Build the scenario and the run's config (a bad value exits 2 with its message, before
+    Ray starts), then train and export."""
     try:
         scenario = scenario_from_args(args)
-        cfg = train_config(args, scenario, method="independent", split=args.split,
-                           run_name=args.run_name or f"old-{int(time.time())}")
+        cfg = train_config(args, scenario, run_name=args.run_name or f"{run_prefix}-{int(time.time())}",
+                           **config)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         return _fail(str(err))
     return _run_training(args, cfg, args.out or os.path.join(args.storage, "models", cfg.run_name))

@@ -140,7 +140,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     report = dict(
         job="quickstart", options=dataclasses.asdict(opts),
         scenario=dict(name=scenario.name, seed=scenario.seed,
-                      allocation=scenario.allocation_rows() if hasattr(scenario, "allocation_rows") else None),
+                      allocation=scenario.allocation_rows()),
         catalog=dict(num_classes=catalog.num_classes, exclusions={
             k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in catalog.exclusions.items()}),
         models=train_info, evaluations=evaluations, verdicts=verdicts,
