@@ -6,8 +6,11 @@ import os
 
 
 def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
-    """``ray.init`` once; returns the Ray context. ``address`` ``None`` and no ``RAY_ADDRESS``:
-    start an embedded local cluster on this machine."""
+    """``ray.init`` once; returns the Ray context.
+
+    ``address`` ``None`` and no ``RAY_ADDRESS``: start an embedded local cluster on this
+    machine (``address="local"``), even when a ``ray start`` cluster runs here; pass
+    ``--address auto`` to join that one instead."""
     import ray
 
     if ray.is_initialized():
@@ -21,4 +24,4 @@ def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool
         kwargs["logging_level"] = "warning"
     if address:
         return ray.init(address=address, **kwargs)
-    return ray.init(num_cpus=num_cpus, **kwargs)
+    return ray.init(address="local", num_cpus=num_cpus, **kwargs)

@@ -16,6 +16,6 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=TEST_RAY_CPUS, logging_level="warning", log_to_driver=True)
+        ray.init(address="local", num_cpus=TEST_RAY_CPUS, logging_level="warning", log_to_driver=True)
     yield ray
     ray.shutdown()
