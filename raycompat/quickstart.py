@@ -1,7 +1,10 @@
 """The main job: old model -> BCT and independent new models -> cross evaluation -> report.
 
 Everything runs on the Ray cluster ``connect`` finds (an embedded local one by default).
-The backfill simulation is not part of this job yet (see README, Status).
+The job ends with the hot-refresh backfill simulation of its models
+(:func:`simulate_hot_refresh`): exact curves for every policy and query mode the BCT model
+allows, with the independent model (new*) as the AUC-gain paragon and as the
+incompatible counter-example.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import json
 import os
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from raycompat.config import ConfigError
 
@@ -135,6 +140,14 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
         embedded["old"], [embedded["bct"], embedded["independent"]], q_labels, g_labels,
         paragon="independent")
     timings["evaluate_s"] = time.time() - t
+
+    phase("hot-refresh backfill simulation (every policy and query mode)")
+    t = time.time()
+    paragon = {row["metric"]: row["value"] for row in evaluations
+               if row["model"] == row["query"] == row["gallery"] == "independent"}
+    backfill = simulate_hot_refresh(embedded, q_labels, g_labels, ModelBundle.load(models["bct"]),
+                                    os.path.join(out, "backfill"), paragon, seed=opts.seed, log=phase)
+    timings["backfill_s"] = time.time() - t
     timings["total_s"] = time.time() - started
 
     report = dict(
@@ -144,7 +157,10 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
         catalog=dict(num_classes=catalog.num_classes, exclusions={
             k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in catalog.exclusions.items()}),
         models=train_info, evaluations=evaluations, verdicts=verdicts,
-        compatibility={v["model"]: v["compatible"] for v in verdicts}, timings=timings)
+        compatibility={v["model"]: v["compatible"] for v in verdicts},
+        curves=backfill["rows"], backfill=backfill["summary"],
+        backfill_plots={model: [os.path.relpath(p, out) for p in r["plots"]]
+                        for model, r in backfill["reports"].items()}, timings=timings)
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report, scenario.allocation_table()))
@@ -154,6 +170,61 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
               f"-> {'compatible' if v['compatible'] else 'NOT compatible'}; "
               f"update gain {v['update_gain']:.3f}", flush=True)
     return report
+
+
+HOT_REFRESH_POLICIES = ("random", "sequential", "uncertainty:least_confidence", "uncertainty:margin",
+                        "uncertainty:entropy", "oracle", "learned")
+HOT_REFRESH_MODES = ("compatible", "naive_merge", "cold")
+
+
+def simulate_hot_refresh(embedded: dict, query_labels, gallery_labels, bct_bundle, out_dir: str,
+                         paragon: dict, seed: int = 0, log=None) -> dict:
+    """Backfill curves of the main job's upgrade (METHODS.md: policies, query modes, metrics).
+
+    * ``bct``: every policy x ``compatible`` / ``naive_merge`` / ``cold``; uncertainty from
+      the BCT classifier on old gallery features (RACT Eq.9-11).
+    * ``independent``: ``random`` x ``compatible`` / ``cold``: what a hot refresh does with
+      a model trained without compatibility.
+
+    Gallery items are stored in a seeded random order (their ``item_id`` is the index in the
+    scenario's gallery), the order ``sequential`` follows.
+
+    ``paragon``: ``{metric: value}`` of new*-new* (the independent model), for AUC gains
+    (RM Table 1). The time axis uses the BCT embedder's measured items/s on this machine.
+    Writes ``<out_dir>/<model>/curves.{json,md}`` and PNGs; returns ``{"rows", "summary",
+    "reports"}`` where rows are ``{model, policy, mode, fraction, metric, value, ...}``.
+    """
+    from raycompat.backfill import CostModel, GalleryEmbeddings, UncertaintyHead, measure_items_per_s
+    from raycompat.backfill import simulate_backfill
+    from raycompat.backfill.report import write_reports
+
+    say = log or (lambda message: None)
+    old = embedded["old"]
+    cost = CostModel(measure_items_per_s(bct_bundle, batch_size=128), 1,
+                     source="measured: BCT embedder on this machine's CPU")
+    head = UncertaintyHead.from_classifier_head(bct_bundle.head)
+    runs = [("independent", ("random",), ("compatible", "cold"), None),
+            ("bct", HOT_REFRESH_POLICIES, HOT_REFRESH_MODES, head)]
+    # The scenario lists the gallery class by class with the distractors last; a real gallery
+    # is stored in ingestion order, so `sequential` walks a seeded shuffle of the items.
+    stored = np.random.default_rng([seed, 1]).permutation(len(gallery_labels))  # not the random policy's stream
+    rows, summary, reports = [], [], {}
+    for name, policies, modes, uncertainty_head in runs:
+        new = embedded[name]
+        data = GalleryEmbeddings(
+            gallery_labels=np.asarray(gallery_labels)[stored], gallery_old=old.gallery[stored],
+            gallery_new=new.gallery[stored], gallery_ids=stored, query_labels=query_labels,
+            query_old=old.query, query_new=new.query, compatible_dim=new.compatible_dim,
+            source=f"quickstart: old -> {name}")
+        result = simulate_backfill(data, policies, modes, seed=seed, head=uncertainty_head,
+                                   cost=cost, references={"new*-new*": paragon})
+        reports[name] = write_reports(result, os.path.join(out_dir, name),
+                                      title=f"Hot refresh: old -> {name}")
+        rows += [dict(model=name, **r) for r in result.rows()]
+        summary += [dict(model=name, **r) for r in result.summary_rows()]
+        say(f"  {name}: {len(result.curves)} curves in {result.stats['seconds']:.1f} s -> "
+            f"{reports[name]['markdown']}")
+    return dict(rows=rows, summary=summary, reports=reports)
 
 
 def render_markdown(report: dict, allocation: str) -> str:
@@ -181,10 +252,51 @@ def render_markdown(report: dict, allocation: str) -> str:
                             [(v["model"], v["m_old_old"], v["m_new_old"], v["m_new_new"], v["update_gain"],
                               v["delta_up"], v["delta_down"], v["compatible"]) for v in report["verdicts"]]),
              "",
+             "## Hot refresh (backfill simulation)", "",
+             "The gallery is backfilled item by item with the new model while the new model "
+             "already answers queries. Values at 0 %, 50 % and 100 % backfilled, the area under "
+             "the curve over the fraction backfilled, the AUC gain against the independent model "
+             "(new*, RM Table 1), and regressions (RACT Eq.3: grid points worse than t=0, and steps "
+             "between grid points that make the metric worse; for NFR@1 worse means higher). "
+             "Full curves: `backfill/<model>/curves.md`, plots below.", "",
+             _backfill_table(report), "",
+             *[f"![{os.path.splitext(os.path.basename(p))[0]} ({model})]({p})\n"
+               for model, plots in report["backfill_plots"].items() for p in plots
+               if p.endswith("_vs_fraction.png") and os.path.basename(p) != "mAP_vs_fraction.png"],
              "## Timings", "",
              markdown_table(["phase", "seconds"], [(k, v) for k, v in report["timings"].items()], digits=1),
              ""]
-    lines.append(f"Verdicts: " + "; ".join(
+    lines.append("Verdicts: " + "; ".join(
         f"{v['model']} is {'compatible' if v['compatible'] else 'not compatible'} "
         f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])})" for v in report["verdicts"]))
     return "\n".join(lines) + "\n"
+
+
+def _backfill_table(report: dict) -> str:
+    from raycompat.report import markdown_table
+
+    def value_at(model, policy, mode, metric, fraction):
+        for r in report["curves"]:
+            if (r["model"], r["policy"], r["mode"], r["metric"]) == (model, policy, mode, metric) \
+                    and abs(r["fraction"] - fraction) < 1e-9:
+                return r["value"]
+        return None
+
+    def regression(s):
+        reg = s.get("regression")
+        if not reg or not reg.get("has_regression"):
+            return "none"
+        return (f"{len(reg['points_below_start'])} points worse than t=0, "
+                f"{len(reg['drops'])} worsening steps")
+
+    rows = []
+    for s in report["backfill"]:
+        if s["metric"] not in ("mAP@100", "NFR@1"):
+            continue
+        if s["mode"] == "cold" and s["policy"] != "random":
+            continue  # the cold curve does not depend on the policy
+        rows.append((s["model"], "-" if s["mode"] == "cold" else s["policy"], s["mode"], s["metric"],
+                     *(value_at(s["model"], s["policy"], s["mode"], s["metric"], f) for f in (0, .5, 1)),
+                     s.get("auc"), s.get("auc_gain"), regression(s)))
+    return markdown_table(["model", "policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC",
+                           "AUC gain", "regression"], rows)

@@ -46,3 +46,41 @@ def test_bct_first_claim_holds(quickstart_report):
     assert bct["compatible"] and bct["m_new_old"] > bct["m_old_old"]
     assert not independent["compatible"]
     assert independent["m_new_old"] < 0.5 * independent["m_old_old"]
+
+
+def test_hot_refresh_curves_in_report(quickstart_report):
+    """report.json `curves`: every policy x mode x fraction x metric; the ends of each hot curve
+    equal the static cross evaluations (t=0: new query vs old gallery, t=1: new vs new)."""
+    from raycompat.quickstart import HOT_REFRESH_MODES, HOT_REFRESH_POLICIES
+
+    out, report = quickstart_report
+    on_disk = json.loads((out / "report.json").read_text())
+    curves = on_disk["curves"]
+    assert curves == report["curves"]
+    for row in curves:
+        assert {"model", "policy", "mode", "fraction", "metric", "value"} <= set(row)
+    grid = sorted({row["fraction"] for row in curves})
+    assert len(grid) == 21 and grid[0] == 0.0 and grid[-1] == 1.0
+    bct = {(r["policy"], r["mode"]) for r in curves if r["model"] == "bct"}
+    assert bct == {(p, m) for p in HOT_REFRESH_POLICIES for m in HOT_REFRESH_MODES}
+    static = {(e["model"], e["query"], e["gallery"], e["metric"]): e["value"]
+              for e in on_disk["evaluations"]}
+    for model in ("bct", "independent"):
+        for metric in ("mAP@100", "mAP", "top1"):
+            ends = {r["fraction"]: r["value"] for r in curves
+                    if (r["model"], r["policy"], r["mode"], r["metric"]) ==
+                    (model, "random", "compatible", metric) and r["fraction"] in (0.0, 1.0)}
+            assert ends[0.0] == pytest.approx(static[(model, model, "old", metric)], abs=1e-6)
+            assert ends[1.0] == pytest.approx(static[(model, model, model, metric)], abs=1e-6)
+    cold_nfr = [r["value"] for r in curves if (r["model"], r["mode"], r["metric"]) ==
+                ("bct", "cold", "NFR@1") and r["policy"] == "random" and r["fraction"] < 1.0]
+    assert cold_nfr and all(v == 0.0 for v in cold_nfr)   # old-old until the switch
+    markdown = (out / "report.md").read_text()
+    assert "## Hot refresh" in markdown
+    for model, plots in on_disk["backfill_plots"].items():
+        assert plots, model
+        for plot in plots:
+            assert (out / plot).is_file() and f"]({plot})" in markdown or "mAP_vs" in plot \
+                or "_vs_time" in plot
+    for model in ("bct", "independent"):
+        assert (out / "backfill" / model / "curves.json").is_file()
