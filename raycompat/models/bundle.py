@@ -111,6 +111,11 @@ class ModelBundle:
 
     @classmethod
     def load(cls, path: str, device: str | torch.device = "cpu") -> "ModelBundle":
+        """Load a bundle folder: a local path, or a storage URI (downloaded first)."""
+        from raycompat.storage import is_uri, local_copy
+
+        if is_uri(path):
+            path = local_copy(path)
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest_path):
             raise FileNotFoundError(f"no model bundle at {path!r}: {MANIFEST} is missing")

@@ -1,7 +1,9 @@
 """Driver side: run the training loop on a Ray cluster with ``TorchTrainer`` and export the model.
 
 The run directory is ``<storage_path>/<run_name>``; Ray Train restores its state from there,
-so re-running an identical configuration resumes it instead of starting over.
+so re-running an identical configuration resumes it instead of starting over. The storage is a
+local folder or any pyarrow URI (:mod:`raycompat.storage`); it is checked for writing before
+any worker starts.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 
 from raycompat.models import ModelBundle
+from raycompat.storage import is_uri, open_storage
 from raycompat.train.config import TrainConfig
 from raycompat.train.loop import BUNDLE_DIR, HISTORY, train_loop_per_worker
 
@@ -34,8 +37,7 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     from ray.train.torch import TorchTrainer
 
     cfg.validate()
-    storage = os.path.abspath(os.path.expanduser(cfg.storage_path))
-    os.makedirs(storage, exist_ok=True)
+    storage = open_storage(cfg.storage_path)      # StorageError now, not after the first epoch
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.use_gpu:
         resources["GPU"] = cfg.gpus_per_worker
@@ -45,7 +47,7 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
-            name=cfg.run_name, storage_path=storage,
+            name=cfg.run_name, storage_path=storage.uri,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep)),
     )
@@ -53,16 +55,35 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     if result.checkpoint is None:
         raise RuntimeError(f"training run {cfg.run_name} finished without a checkpoint")
     checkpoint_path = result.checkpoint.path
-    with open(os.path.join(checkpoint_path, HISTORY)) as f:
-        history = json.load(f)
-    bundle_path = os.path.join(checkpoint_path, BUNDLE_DIR)
-    if export_to:
-        export_to = os.path.abspath(os.path.expanduser(export_to))
-        tmp = export_to + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(bundle_path, tmp)
-        shutil.rmtree(export_to, ignore_errors=True)
-        os.replace(tmp, export_to)
-        bundle_path = export_to
-    return TrainRun(bundle_path=bundle_path, checkpoint_path=checkpoint_path,
-                    run_path=str(result.path), history=history)
+    if not storage.local:
+        checkpoint_path = _as_uri(storage, checkpoint_path)
+    with result.checkpoint.as_directory() as local_checkpoint:   # a download for remote storage
+        with open(os.path.join(local_checkpoint, HISTORY)) as f:
+            history = json.load(f)
+        bundle_path = os.path.join(checkpoint_path, BUNDLE_DIR)
+        if export_to:
+            bundle_path = _export(os.path.join(local_checkpoint, BUNDLE_DIR), export_to)
+    run_path = str(result.path) if storage.local else _as_uri(storage, str(result.path))
+    return TrainRun(bundle_path=bundle_path, checkpoint_path=checkpoint_path, run_path=run_path,
+                    history=history)
+
+
+def _as_uri(storage, fs_path: str) -> str:
+    """A path inside the storage's filesystem, written as a URI under the storage."""
+    relative = fs_path[len(storage.root):].lstrip("/") if fs_path.startswith(storage.root) else fs_path
+    return storage.join(relative)
+
+
+def _export(local_bundle: str, export_to: str) -> str:
+    """Copy the bundle folder to ``export_to`` (a local path or a storage URI), atomically
+    for local paths; returns where it went."""
+    if is_uri(export_to):
+        parent, name = export_to.rstrip("/").rsplit("/", 1)
+        return open_storage(parent).upload_dir(local_bundle, name)
+    export_to = os.path.abspath(os.path.expanduser(export_to))
+    tmp = export_to + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(local_bundle, tmp)
+    shutil.rmtree(export_to, ignore_errors=True)
+    os.replace(tmp, export_to)
+    return export_to
