@@ -1,0 +1,80 @@
+"""The models a gallery run uses: old and new bundles (psi and the new head live in the new
+bundle), their fingerprints for the output manifest, and small random-init bundles for smoke
+runs, tests and benchmarks (no training)."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from raycompat.config import ConfigError
+
+
+def bundle_fingerprint(path: str) -> str:
+    """sha256 (16 hex) of a saved bundle's manifest and weight files: equal fingerprints mean
+    equal models, so a resumed run cannot mix vectors of two different models."""
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        raise ConfigError(f"no model bundle at {path!r}: manifest.json is missing")
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if name == "manifest.json" or name.endswith(".pt"):
+            h.update(name.encode() + b"\0")
+            with open(os.path.join(path, name), "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
+def read_manifest(path: str) -> dict:
+    import json
+
+    bundle_fingerprint(path)  # existence check with a clear error
+    with open(os.path.join(path, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+def embedder_info(path: str) -> dict:
+    """``{embed_dim, in_chans, resolution, modules}`` from a bundle manifest (no weights loaded)."""
+    manifest = read_manifest(path)
+    modules = manifest.get("modules", {})
+    spec = modules.get("embedder")
+    if spec is None:
+        raise ConfigError(f"model bundle {path!r} has no 'embedder' module (has {sorted(modules)})")
+    return {"embed_dim": int(spec["embed_dim"]), "in_chans": int(spec.get("in_chans", manifest.get("in_chans", 1))),
+            "resolution": manifest.get("resolution"), "modules": sorted(modules),
+            "psi_dims": (int(modules["psi"]["in_dim"]), int(modules["psi"]["out_dim"])) if "psi" in modules else None}
+
+
+def make_random_bundles(out_dir: str, backbone: str = "lcnet_050", old_dim: int = 64, new_dim: int = 128,
+                        num_classes: int = 100, psi_hidden: int = 1024, resolution: int = 32, seed: int = 0,
+                        head: str = "cosface") -> tuple[str, str]:
+    """Save a random-init old bundle (embedder + head) and new bundle (embedder + head + psi)
+    under ``out_dir``; returns ``(old_path, new_path)``. Deterministic in ``seed``; existing
+    bundles made with the same arguments are reused."""
+    import json
+
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ModelBundle, PsiMLP
+
+    args = dict(backbone=backbone, old_dim=old_dim, new_dim=new_dim, num_classes=num_classes,
+                psi_hidden=psi_hidden, resolution=resolution, seed=seed, head=head)
+    paths = (os.path.join(out_dir, "old"), os.path.join(out_dir, "new"))
+    stamp = os.path.join(out_dir, "random_init.json")
+    if all(os.path.isfile(os.path.join(p, "manifest.json")) for p in paths) and os.path.isfile(stamp):
+        with open(stamp) as fh:
+            if json.load(fh) == args:
+                return paths
+    common = dict(in_chans=1, resolution=resolution, classes=list(range(num_classes)), random_init=True)
+    torch.manual_seed(seed)
+    old = ModelBundle({"embedder": Embedder(backbone, old_dim), "head": ClassifierHead(old_dim, num_classes, head)},
+                      dict(common, method="random-init old"))
+    torch.manual_seed(seed + 1)
+    new = ModelBundle({"embedder": Embedder(backbone, new_dim), "head": ClassifierHead(new_dim, num_classes, head),
+                       "psi": PsiMLP(old_dim, new_dim, hidden_dim=psi_hidden)},
+                      dict(common, method="random-init new", compatible_dim=min(old_dim, new_dim)))
+    for bundle, path in zip((old, new), paths):
+        bundle.eval().save(path)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(stamp, "w") as fh:
+        json.dump(args, fh)
+    return paths

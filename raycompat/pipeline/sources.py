@@ -1,0 +1,372 @@
+"""Where gallery images come from, addressed by stable integer item ids.
+
+Every source maps an item id to ``(label, split, image)`` deterministically, so any subset
+of ids (a resumed chunk, a backfill batch asking for "the new column of these ids") can be
+produced again on any worker:
+
+* :class:`GlyphGallerySource` -- the built-in renderer, procedural from the id (no files).
+  Item id layout for a scenario with ``Q`` queries, ``G`` gallery and ``D`` distractor
+  images (the scenario's own order within each split):
+
+  ===========================  ============  ===================================================
+  ids                          split         image
+  ===========================  ============  ===================================================
+  ``[0, Q)``                   query         scenario ``query`` item ``id``
+  ``[Q, Q+G)``                 gallery       scenario ``gallery`` item ``id - Q``
+  ``[Q+G, N0)``, N0=Q+G+D      distractor    scenario ``distractors`` item ``id - Q - G``
+  ``[N0, N0+E)``               distractor    extra item ``j = id - N0``: class
+                                             ``pool[j % P]``, instance
+                                             ``EXTRA_INSTANCE_BASE + j // P``
+  ===========================  ============  ===================================================
+
+  ``pool`` is the sorted list of the ``P`` catalog classes that are neither query nor
+  gallery classes, so extra distractors never hold a positive of a query. An image is
+  ``GlyphRenderer(catalog, resolution, data_seed).render(class, instance)``: the same
+  (scenario, data seed, resolution) always gives the same picture for the same id.
+* :class:`RecordSource` -- image folders and GLDv2 csv files (``raycompat.data.readers``),
+  ids as the readers number them.
+* :class:`ParquetImageSource` -- parquet files with encoded image bytes, read lazily by row
+  group (the bytes are never all in memory); ids from an id column.
+
+Undecodable images raise :class:`~raycompat.data.readers.CorruptImageError` naming the item id
+and path (``on_corrupt='fail'``) or come back with ``error`` set (``'skip'``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+
+from raycompat.config import ConfigError
+from raycompat.data.readers import CorruptImageError, load_image
+
+#: Instance numbers of extra distractors start here (far above any scenario instance).
+EXTRA_INSTANCE_BASE = 1_000_000
+#: Output split names (the backfill loader's vocabulary).
+SPLIT_NAMES = ("query", "gallery", "distractor")
+#: Per-process renderer cache (one entry), see ``GlyphGallerySource.renderer``.
+_RENDERERS: dict = {}
+_SCENARIO_SPLITS = (("query", "query"), ("gallery", "gallery"), ("distractors", "distractor"))
+
+
+class GallerySource:
+    """Base: ``load(ids)`` -> columns ``item_id, label, split, image, error``."""
+
+    kind = "abstract"
+    in_chans = 1
+    resolution = 32
+
+    def num_ids(self) -> int:
+        raise NotImplementedError
+
+    def all_ids(self) -> np.ndarray | None:
+        """Sorted ids when they are not ``range(num_ids())``."""
+        return None
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """Raise ``ConfigError`` naming ids this source does not have."""
+        known = self.all_ids()
+        if known is None:
+            bad = ids[(ids < 0) | (ids >= self.num_ids())]
+        else:
+            bad = ids[~np.isin(ids, known)]
+        if bad.size:
+            raise ConfigError(f"{bad.size} item id(s) not in the {self.kind} source, e.g. "
+                              f"{bad[:5].tolist()} (the source has {self.num_ids()} items)")
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+    def load(self, ids: np.ndarray, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+class GlyphGallerySource(GallerySource):
+    """The built-in glyph gallery of ``scenario`` plus ``extra_distractors`` generated
+    distractors (id layout in the module docstring)."""
+
+    kind = "glyphs"
+
+    def __init__(self, scenario, extra_distractors: int = 0, resolution: int = 32, data_seed: int = 0,
+                 catalog=None):
+        from raycompat.data import catalog_for
+
+        if int(extra_distractors) < 0:
+            raise ConfigError(f"extra distractors must be >= 0, got {extra_distractors}")
+        if int(resolution) < 4:
+            raise ConfigError(f"resolution must be >= 4, got {resolution}")
+        catalog = catalog if catalog is not None else catalog_for(scenario)
+        self.scenario_name = scenario.name
+        self.scenario_seed = int(scenario.seed)
+        self.scenario_params = dict(scenario.params)
+        self.catalog_fingerprint = catalog.fingerprint
+        self.resolution = int(resolution)
+        self.data_seed = int(data_seed)
+        self.extra_distractors = int(extra_distractors)
+        parts = [scenario.splits[name] for name, _ in _SCENARIO_SPLITS]
+        self.labels = np.concatenate([p.labels for p in parts]).astype(np.int64)
+        self.instances = np.concatenate([p.instances for p in parts]).astype(np.int64)
+        self.split_codes = np.concatenate([np.full(len(p), code, np.int8) for code, p in enumerate(parts)])
+        self.split_sizes = {out: len(p) for (_, out), p in zip(_SCENARIO_SPLITS, parts)}
+        eval_classes = np.union1d(scenario.splits["query"].labels, scenario.splits["gallery"].labels)
+        self.pool = np.setdiff1d(np.arange(catalog.num_classes, dtype=np.int64), eval_classes)
+        if self.extra_distractors and self.pool.size == 0:
+            raise ConfigError("no catalog classes left for extra distractors")
+        self._renderer = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_renderer"] = None
+        return state
+
+    @property
+    def num_scenario_items(self) -> int:
+        return int(self.labels.size)
+
+    def num_ids(self) -> int:
+        return self.num_scenario_items + self.extra_distractors
+
+    def items(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(labels, instances, split_codes)`` of ``ids`` (split code indexes ``SPLIT_NAMES``)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n0 = self.num_scenario_items
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_ids()):
+            raise IndexError(f"item ids out of range [0, {self.num_ids()})")
+        inside = ids < n0
+        j = np.where(inside, 0, ids - n0)
+        labels = np.where(inside, self.labels[np.where(inside, ids, 0)], self.pool[j % max(len(self.pool), 1)])
+        instances = np.where(inside, self.instances[np.where(inside, ids, 0)],
+                             EXTRA_INSTANCE_BASE + j // max(len(self.pool), 1))
+        codes = np.where(inside, self.split_codes[np.where(inside, ids, 0)], 2).astype(np.int8)
+        return labels.astype(np.int64), instances.astype(np.int64), codes
+
+    def renderer(self):
+        """This process's renderer; shared by every task the process runs, so the glyph cache
+        stays warm across batches (Ray Data ships a fresh copy of the source to each task)."""
+        if self._renderer is None:
+            key = (self.catalog_fingerprint, self.resolution, self.data_seed)
+            if key not in _RENDERERS:
+                from raycompat.data import GlyphRenderer, default_catalog
+
+                catalog = default_catalog()
+                if catalog.fingerprint != self.catalog_fingerprint:
+                    raise RuntimeError(
+                        f"this worker's glyph catalog {catalog.fingerprint} differs from the driver's "
+                        f"{self.catalog_fingerprint}: fonts, Pillow or FreeType differ between machines")
+                _RENDERERS.clear()
+                _RENDERERS[key] = GlyphRenderer(catalog, resolution=self.resolution, seed=self.data_seed)
+            self._renderer = _RENDERERS[key]
+        return self._renderer
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "scenario": self.scenario_name, "scenario_seed": self.scenario_seed,
+                "scenario_params": self.scenario_params, "catalog": self.catalog_fingerprint,
+                "resolution": self.resolution, "data_seed": self.data_seed,
+                "extra_distractors": self.extra_distractors, "split_sizes": self.split_sizes,
+                "extra_instance_base": EXTRA_INSTANCE_BASE}
+
+    def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        labels, instances, codes = self.items(ids)
+        images = self.renderer().render_batch(labels, instances)
+        return {"item_id": ids, "label": labels, "split": np.asarray(SPLIT_NAMES, dtype=object)[codes],
+                "image": images, "error": np.full(ids.size, "", dtype=object)}
+
+
+def _decode(src, item_id: int, where: str, mode: str, resolution: int, on_corrupt: str):
+    """One image as uint8, or ``(None, message)`` when skipping a bad one."""
+    try:
+        img = load_image(src, mode=mode, resolution=resolution, on_error="raise", source=where)
+    except (CorruptImageError, FileNotFoundError) as exc:
+        message = f"item_id={item_id} path={where}: {exc}"
+        if on_corrupt == "fail":
+            raise CorruptImageError(f"corrupt image {message}") from None
+        return None, message
+    return np.asarray(img, dtype=np.uint8), ""
+
+
+def _image_columns(ids, labels, split: str, decoded, resolution: int, in_chans: int) -> dict:
+    shape = (resolution, resolution) if in_chans == 1 else (resolution, resolution, in_chans)
+    images = np.zeros((len(ids), *shape), np.uint8)
+    errors = np.full(len(ids), "", dtype=object)
+    for k, (img, err) in enumerate(decoded):
+        if img is not None:
+            images[k] = img
+        errors[k] = err
+    return {"item_id": np.asarray(ids, np.int64), "label": np.asarray(labels, np.int64),
+            "split": np.full(len(ids), split, dtype=object), "image": images, "error": errors}
+
+
+def _check_split(split: str) -> str:
+    if split not in SPLIT_NAMES:
+        raise ConfigError(f"split {split!r} is not allowed; allowed: {list(SPLIT_NAMES)}")
+    return split
+
+
+class RecordSource(GallerySource):
+    """Images listed by a reader (``read_image_folder`` / ``read_gldv2_csv``): decoded from
+    files, resized (shorter side) and centre-cropped to ``resolution``."""
+
+    def __init__(self, records, kind: str, location: str, split: str = "gallery", resolution: int = 32,
+                 in_chans: int = 1):
+        self.kind = kind
+        self.location = os.path.abspath(location)
+        self.split = _check_split(split)
+        self.resolution, self.in_chans = int(resolution), int(in_chans)
+        recs = list(records.records if hasattr(records, "records") else records)
+        if not recs:
+            raise ConfigError(f"{kind} source {location}: no images")
+        self.ids = np.array([r.item_id for r in recs], np.int64)
+        order = np.argsort(self.ids, kind="stable")
+        self.ids = self.ids[order]
+        if (np.diff(self.ids) == 0).any():
+            raise ConfigError(f"{kind} source {location}: duplicate item ids")
+        self.paths = [recs[i].path for i in order]
+        self.labels = np.array([recs[i].label for i in order], np.int64)
+
+    @classmethod
+    def image_folder(cls, root: str, **kw) -> "RecordSource":
+        from raycompat.data.readers import read_image_folder
+
+        return cls(read_image_folder(root), "image_folder", root, **kw)
+
+    @classmethod
+    def gldv2(cls, csv_path: str, image_root: str, **kw) -> "RecordSource":
+        from raycompat.data.readers import read_gldv2_csv
+
+        # Missing files are reported per item when they are loaded (skip or fail), not here.
+        return cls(read_gldv2_csv(csv_path, image_root, check_files=False), "gldv2", csv_path, **kw)
+
+    def num_ids(self) -> int:
+        return int(self.ids.size)
+
+    def all_ids(self) -> np.ndarray:
+        return self.ids
+
+    def describe(self) -> dict:
+        h = hashlib.sha256(self.ids.tobytes())
+        for p in self.paths:
+            h.update(p.encode() + b"\0")
+        return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "split": self.split,
+                "resolution": self.resolution, "in_chans": self.in_chans, "records_sha256": h.hexdigest()[:16]}
+
+    def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, np.int64)
+        pos = np.searchsorted(self.ids, ids)
+        mode = "L" if self.in_chans == 1 else "RGB"
+        decoded = [_decode(self.paths[p], int(i), self.paths[p], mode, self.resolution, on_corrupt)
+                   for p, i in zip(pos.tolist(), ids.tolist())]
+        return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
+
+
+class ParquetImageSource(GallerySource):
+    """Parquet files (one file or a folder) with encoded image bytes in ``image_column`` (binary,
+    or a struct with a ``bytes`` field), ids in ``id_column``, labels in ``label_column``
+    (renumbered 0..n-1 in sorted order of the values; ``None`` gives -1). Only the id and label
+    columns are read up front; image bytes are read per row group when a batch needs them."""
+
+    kind = "parquet"
+
+    def __init__(self, path: str, image_column: str = "image", label_column: str | None = "label",
+                 id_column: str = "item_id", split: str = "gallery", resolution: int = 32, in_chans: int = 1):
+        import pyarrow.parquet as pq
+
+        self.location = os.path.abspath(path)
+        if os.path.isdir(path):
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+        elif os.path.isfile(path):
+            files = [path]
+        else:
+            raise ConfigError(f"parquet source not found: {path}")
+        if not files:
+            raise ConfigError(f"no .parquet files in {path}")
+        self.files = [os.path.abspath(f) for f in files]
+        self.image_column, self.label_column, self.id_column = image_column, label_column, id_column
+        self.split = _check_split(split)
+        self.resolution, self.in_chans = int(resolution), int(in_chans)
+        ids, raw_labels, file_of, group_of, row_of = [], [], [], [], []
+        for f_index, f in enumerate(self.files):
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            missing = [c for c in (image_column, label_column, id_column) if c is not None and c not in names]
+            if missing:
+                raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {names}")
+            for g in range(pf.num_row_groups):
+                cols = [id_column] + ([label_column] if label_column else [])
+                t = pf.read_row_group(g, columns=cols)
+                n = t.num_rows
+                ids.append(np.asarray(t.column(id_column).to_numpy(zero_copy_only=False)))
+                raw_labels += t.column(label_column).to_pylist() if label_column else [None] * n
+                file_of.append(np.full(n, f_index, np.int32))
+                group_of.append(np.full(n, g, np.int32))
+                row_of.append(np.arange(n, dtype=np.int64))
+        ids = np.concatenate(ids)
+        if ids.dtype.kind not in "iu":
+            raise ConfigError(f"parquet id column {id_column!r} must hold integers, got {ids.dtype}")
+        ids = ids.astype(np.int64)
+        order = np.argsort(ids, kind="stable")
+        self.ids = ids[order]
+        if (np.diff(self.ids) == 0).any():
+            dup = self.ids[1:][np.diff(self.ids) == 0]
+            raise ConfigError(f"parquet source {path}: duplicate item ids, e.g. {dup[:5].tolist()}")
+        keys = sorted({v for v in raw_labels if v is not None}) if label_column else []
+        label_of = {k: i for i, k in enumerate(keys)}
+        labels = np.array([label_of.get(v, -1) for v in raw_labels], np.int64)
+        self.labels = labels[order]
+        self.file_of = np.concatenate(file_of)[order]
+        self.group_of = np.concatenate(group_of)[order]
+        self.row_of = np.concatenate(row_of)[order]
+        self._cache: dict[tuple[int, int], list] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def num_ids(self) -> int:
+        return int(self.ids.size)
+
+    def all_ids(self) -> np.ndarray:
+        return self.ids
+
+    def describe(self) -> dict:
+        h = hashlib.sha256(self.ids.tobytes())
+        for f in self.files:
+            h.update(f"{f}:{os.path.getsize(f)};".encode())
+        return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "split": self.split,
+                "resolution": self.resolution, "in_chans": self.in_chans, "image_column": self.image_column,
+                "files_sha256": h.hexdigest()[:16]}
+
+    def _group(self, f: int, g: int) -> list:
+        key = (f, g)
+        if key not in self._cache:
+            import pyarrow.parquet as pq
+
+            self._cache.clear()  # one row group per process: bounded memory
+            col = pq.ParquetFile(self.files[f]).read_row_group(g, columns=[self.image_column])
+            self._cache[key] = col.column(self.image_column).to_pylist()
+        return self._cache[key]
+
+    def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, np.int64)
+        pos = np.searchsorted(self.ids, ids)
+        mode = "L" if self.in_chans == 1 else "RGB"
+        decoded: list[Any] = [None] * ids.size
+        order = np.lexsort((self.row_of[pos], self.group_of[pos], self.file_of[pos]))
+        for k in order.tolist():
+            p = int(pos[k])
+            f, g, r = int(self.file_of[p]), int(self.group_of[p]), int(self.row_of[p])
+            value = self._group(f, g)[r]
+            if isinstance(value, dict):
+                value = value.get("bytes")
+            where = f"{self.files[f]}#rowgroup{g}/row{r}"
+            if not isinstance(value, (bytes, bytearray)) or not value:
+                message = f"item_id={int(ids[k])} path={where}: no image bytes in column {self.image_column!r}"
+                if on_corrupt == "fail":
+                    raise CorruptImageError(f"corrupt image {message}")
+                decoded[k] = (None, message)
+            else:
+                decoded[k] = _decode(bytes(value), int(ids[k]), where, mode, self.resolution, on_corrupt)
+        return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
