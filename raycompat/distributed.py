@@ -46,6 +46,15 @@ def shard_indices(n: int) -> np.ndarray:
     return np.arange(rank(), n, world_size())
 
 
+def all_gather_strings(value: str) -> list[str]:
+    """``value`` from every worker, in rank order (``[value]`` on one worker)."""
+    if not is_distributed():
+        return [value]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return [str(v) for v in out]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

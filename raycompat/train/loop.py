@@ -99,6 +99,8 @@ def train_loop_per_worker(config: dict) -> list[dict]:
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     device = ray.train.torch.get_device()
+    # where every rank runs (Ray node ids, in rank order): recorded in each epoch's metrics
+    worker_nodes = distributed.all_gather_strings(ray.get_runtime_context().get_node_id())
 
     if cfg.diagnostics_dir:
         os.makedirs(cfg.diagnostics_dir, exist_ok=True)
@@ -212,6 +214,7 @@ def train_loop_per_worker(config: dict) -> list[dict]:
             "step_images_per_s": steps_per_epoch * cfg.batch_size / (float(totals[-2]) / world),
             "epoch_time_s": float(totals[-1]) / world,
             "num_workers": world,
+            "worker_nodes": worker_nodes,
             "start_epoch": start_epoch,
         })
         digest = parameter_digest(module)
