@@ -1,0 +1,17 @@
+"""Live sharded index on Ray Serve with hot-refresh backfill (ARCHITECTURE.md "Serving").
+
+One module per concept:
+
+* :mod:`.placement`      -- item id -> shard (fixed 64-bit hash)
+* :mod:`.state`          -- a shard's items: one representation each, faiss per representation, atomic upserts
+* :mod:`.durability`     -- snapshot + append-only upsert log (no pickle)
+* :mod:`.shard`          -- the shard Serve deployment (recovers from disk on restart)
+* :mod:`.scoring`        -- query vectors per representation (the simulator's score sides)
+* :mod:`.gallery_source` -- gallery vectors: embeddings parquet, pipeline output, synthetic
+* :mod:`.orders`         -- the simulator's backfill policies as item-id orders
+* :mod:`.embedder_pool`  -- Ray actors holding the new model; image decoding
+* :mod:`.backfill`       -- the backfill controller deployment (rate, pause/resume, checkpoints)
+* :mod:`.schemas`, :mod:`.router`, :mod:`.auth`, :mod:`.metrics` -- the HTTP API
+* :mod:`.config`, :mod:`.app`, :mod:`.client` -- options, assembling/starting, an HTTP client
+* :mod:`.live_eval`      -- mAP / NFR of a live gallery through HTTP (offline == online)
+"""

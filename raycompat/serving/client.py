@@ -1,0 +1,95 @@
+"""A small HTTP client for the live index (``requests``): search, status, admin calls, and
+waiting for the backfill to reach a position."""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = ["ServingClient", "ServingHTTPError"]
+
+
+class ServingHTTPError(RuntimeError):
+    def __init__(self, status: int, body):
+        self.status, self.body = status, body
+        msg = body.get("error") if isinstance(body, dict) else body
+        super().__init__(f"HTTP {status}: {msg}")
+
+
+class ServingClient:
+    def __init__(self, base_url: str, token: Optional[str] = None, timeout: float = 60.0):
+        import requests
+
+        self.base = base_url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.http = requests.Session()
+
+    def _call(self, method: str, path: str, json=None, admin: bool = False):
+        headers = {"Authorization": f"Bearer {self.token}"} if admin and self.token else {}
+        r = self.http.request(method, self.base + path, json=json, headers=headers, timeout=self.timeout)
+        try:
+            body = r.json()
+        except ValueError:
+            body = r.text
+        if r.status_code >= 400:
+            raise ServingHTTPError(r.status_code, body)
+        return body
+
+    def search(self, vectors: np.ndarray, k: int = 10, model: str = "new", batch: int = 256):
+        """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded)."""
+        q = np.asarray(vectors, np.float32)
+        ids = np.full((q.shape[0], k), -1, np.int64)
+        scores = np.full((q.shape[0], k), -np.inf, np.float32)
+        reps = np.full((q.shape[0], k), "", dtype=object)
+        for s in range(0, q.shape[0], batch):
+            res = self._call("POST", "/search", {"vectors": q[s:s + batch].tolist(), "k": int(k), "model": model})
+            for j, row in enumerate(res["results"]):
+                for r, hit in enumerate(row):
+                    ids[s + j, r], scores[s + j, r], reps[s + j, r] = hit["id"], hit["score"], hit["representation"]
+        return ids, scores, reps
+
+    def search_images(self, images_b64: Sequence[str], k: int = 10) -> dict:
+        return self._call("POST", "/search", {"images": list(images_b64), "k": int(k)})
+
+    def status(self) -> dict:
+        return self._call("GET", "/status")
+
+    def metrics(self) -> str:
+        return self.http.get(self.base + "/metrics", timeout=self.timeout).text
+
+    def upsert(self, items: list) -> dict:
+        return self._call("POST", "/admin/upsert", {"items": items}, admin=True)
+
+    def start_backfill(self, **kw) -> dict:
+        return self._call("POST", "/admin/backfill/start", kw, admin=True)
+
+    def pause_backfill(self) -> dict:
+        return self._call("POST", "/admin/backfill/pause", None, admin=True)
+
+    def resume_backfill(self, until: Optional[int] = None, rate: Optional[float] = None) -> dict:
+        return self._call("POST", "/admin/backfill/resume", {"until": until, "rate": rate}, admin=True)
+
+    def wait_backfill(self, position: int, timeout: float = 600.0, poll: float = 0.1) -> dict:
+        """Wait until the backfill has reached ``position`` and stopped moving (paused/done)."""
+        t0 = time.time()
+        while True:
+            bf = self.status()["backfill"]
+            if bf["state"] == "error":
+                raise RuntimeError(f"backfill failed: {bf.get('error')}")
+            if bf["position"] >= position and bf["state"] in ("paused", "done"):
+                return bf
+            if time.time() - t0 > timeout:
+                raise TimeoutError(f"backfill at {bf['position']} ({bf['state']}), waiting for {position}")
+            time.sleep(poll)
+
+    def wait_ready(self, timeout: float = 120.0) -> dict:
+        t0 = time.time()
+        while True:
+            try:
+                return self.status()
+            except Exception:
+                if time.time() - t0 > timeout:
+                    raise
+                time.sleep(0.5)

@@ -1,0 +1,135 @@
+"""A pool of Ray actors holding the new model: embeds gallery items on demand for the backfill
+controller (glyph items rendered by :class:`raycompat.data.glyphs.GlyphRenderer`), and images
+for image queries.  Shared image decoding for the router lives here too (:func:`decode_images`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+
+from raycompat.config import ConfigError
+
+__all__ = ["ImageInputError", "decode_images", "ModelEmbedder", "EmbedderPool"]
+
+
+class ImageInputError(ValueError):
+    """A query image is bad (base64, size, format); the message names which one."""
+
+
+def decode_images(images_b64: List[str], resolution: int, in_chans: int, max_bytes: int,
+                  max_pixels: int) -> np.ndarray:
+    """base64 PNG/JPEG strings -> uint8 ``[n, R, R]`` grey images (resized + centre-cropped as
+    :func:`raycompat.data.readers.load_image`); raises :class:`ImageInputError`."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    from raycompat.data.readers import CorruptImageError, load_image
+
+    out = np.empty((len(images_b64), resolution, resolution), np.uint8)
+    for i, s in enumerate(images_b64):
+        where = f"images[{i}]"
+        try:
+            raw = base64.b64decode(s.strip(), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ImageInputError(f"{where}: invalid base64 ({exc})") from None
+        if not raw:
+            raise ImageInputError(f"{where}: empty image")
+        if len(raw) > max_bytes:
+            raise ImageInputError(f"{where}: image of {len(raw)} bytes exceeds the limit of {max_bytes}")
+        try:
+            with Image.open(io.BytesIO(raw)) as probe:
+                fmt, size = probe.format, probe.size
+        except Exception as exc:  # PIL raises many types for garbage
+            raise ImageInputError(f"{where}: not a PNG or JPEG image ({type(exc).__name__})") from None
+        if fmt not in ("PNG", "JPEG"):
+            raise ImageInputError(f"{where}: format {fmt} is not accepted; send PNG or JPEG")
+        if size[0] * size[1] > max_pixels or min(size) < 1:
+            raise ImageInputError(f"{where}: {size[0]}x{size[1]} pixels exceeds the limit of {max_pixels}")
+        try:
+            img = load_image(raw, mode="L", resolution=resolution, source=where)
+        except CorruptImageError as exc:
+            raise ImageInputError(str(exc)) from None
+        except Exception as exc:
+            raise ImageInputError(f"{where}: corrupt image ({type(exc).__name__}: {exc})") from None
+        out[i] = np.asarray(img, np.uint8)
+    return out
+
+
+class ModelEmbedder:
+    """The new model's embedder in one process (raw, un-normalised embeddings)."""
+
+    def __init__(self, bundle_path: str, resolution: Optional[int] = None, data_seed: int = 0):
+        import torch
+
+        from raycompat.models import ModelBundle
+
+        torch.set_num_threads(1)
+        self.bundle = ModelBundle.load(bundle_path).eval()
+        self.in_chans = int(self.bundle.manifest.get("in_chans", 1))
+        self.resolution = int(resolution or self.bundle.manifest.get("resolution") or 32)
+        self.embed_dim = int(self.bundle.embed_dim)
+        self.data_seed = int(data_seed)
+        self._renderer = None
+
+    def embed_images(self, images: np.ndarray) -> np.ndarray:
+        import torch
+
+        from raycompat.train.data import images_to_tensor
+
+        with torch.no_grad():
+            return self.bundle.embedder(images_to_tensor(images, self.in_chans)).float().numpy()
+
+    def embed_glyphs(self, classes: np.ndarray, instances: np.ndarray) -> np.ndarray:
+        from raycompat.data import GlyphRenderer, default_catalog
+        from raycompat.evaluation import embed_glyphs
+
+        if self._renderer is None:
+            self._renderer = GlyphRenderer(default_catalog(), resolution=self.resolution, seed=self.data_seed)
+        return embed_glyphs(self.bundle, self._renderer, np.asarray(classes), np.asarray(instances))
+
+
+class EmbedderPool:
+    """``size`` Ray actors each holding a :class:`ModelEmbedder`; ``new_vectors(ids)`` renders the
+    items (``items`` parquet: item_id, label = glyph class index, instance) and embeds them,
+    split across the actors.  Returns L2-normalised vectors."""
+
+    def __init__(self, bundle_path: str, items_path: str, size: int = 1, num_cpus: float = 0.5,
+                 resolution: Optional[int] = None, data_seed: int = 0):
+        import pyarrow.parquet as pq
+        import ray
+
+        if not items_path:
+            raise ConfigError("the embedder pool needs an items table (option 'items': item_id, label, instance)")
+        t = pq.read_table(items_path)
+        for c in ("item_id", "label", "instance"):
+            if c not in t.column_names:
+                raise ConfigError(f"items table {items_path} lacks column {c!r}")
+        ids = t.column("item_id").to_numpy().astype(np.int64)
+        o = np.argsort(ids, kind="stable")
+        self._sorted, self._rows = ids[o], o
+        self.classes = t.column("label").to_numpy().astype(np.int64)
+        self.instances = t.column("instance").to_numpy().astype(np.int64)
+        actor = ray.remote(num_cpus=num_cpus)(ModelEmbedder)
+        self.actors = [actor.remote(bundle_path, resolution, data_seed) for _ in range(int(size))]
+
+    def new_vectors(self, ids) -> np.ndarray:
+        import ray
+
+        from raycompat.index.search import l2_normalize
+        from raycompat.serving.gallery_source import rows_of
+
+        rows = rows_of(self._sorted, self._rows, ids)
+        parts = np.array_split(np.arange(rows.size), len(self.actors))
+        refs = [a.embed_glyphs.remote(self.classes[rows[p]], self.instances[rows[p]])
+                for a, p in zip(self.actors, parts) if p.size]
+        return l2_normalize(np.concatenate(ray.get(refs)))
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)

@@ -1,0 +1,204 @@
+"""Where a served gallery's vectors come from: an embeddings parquet (the simulator's schema,
+:func:`raycompat.backfill.gallery.load_parquet`) or a seeded synthetic gallery (benchmarks).
+
+A source answers three questions: the dimension of each representation, the initial
+(old-state) vectors of the items placed on one shard, and the new-model vectors of any ids
+(what the backfill controller upserts).  Vectors are returned L2-normalised
+(:func:`raycompat.index.search.l2_normalize`, the same function the simulator uses), so a
+served item scores exactly like the simulator's gallery row.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from raycompat.config import ConfigError
+from raycompat.index.search import l2_normalize
+from raycompat.serving.placement import shard_of
+
+__all__ = ["GallerySource", "ParquetGallery", "PipelineOutput", "SyntheticGallery", "open_gallery", "rows_of",
+           "write_gallery_parquet"]
+
+
+def rows_of(sorted_ids: np.ndarray, rows_by_sorted: np.ndarray, ids) -> np.ndarray:
+    """Row numbers of ``ids`` given ``sorted_ids`` (ascending) and their rows; unknown ids raise."""
+    ids = np.asarray(ids, np.int64)
+    pos = np.searchsorted(sorted_ids, ids)
+    pos = np.minimum(pos, max(sorted_ids.size - 1, 0))
+    bad = sorted_ids.size == 0 or (sorted_ids[pos] != ids).any()
+    if bad:
+        miss = ids if sorted_ids.size == 0 else ids[sorted_ids[pos] != ids]
+        raise KeyError(f"unknown item id(s) {miss[:10].tolist()}")
+    return rows_by_sorted[pos]
+
+
+class GallerySource:
+    """Interface (see the module docstring)."""
+
+    old_dim: int
+    new_dim: int
+    n_items: int
+
+    def dims(self) -> Dict[str, int]:
+        return {"old": self.old_dim, "adapted": self.new_dim, "new": self.new_dim}
+
+    def gallery_ids(self) -> np.ndarray:            # in gallery (row) order
+        raise NotImplementedError
+
+    def initial_vectors(self, rep: str, shard: int, n_shards: int) -> Tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def new_vectors(self, ids) -> np.ndarray:
+        raise NotImplementedError
+
+
+class ParquetGallery(GallerySource):
+    """Gallery rows of an embeddings parquet (columns item_id, label, split, old, new[, adapted]).
+
+    ``adapted`` vectors come from the column or, when a new model bundle with a ``psi``
+    module is given, from psi(old) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
+
+    def __init__(self, path: str, new_model: Optional[str] = None, need_adapted: bool = False):
+        from raycompat.backfill.gallery import BackfillInputError, load_parquet
+
+        try:
+            data = load_parquet(path)
+            if need_adapted and data.gallery_adapted is None:
+                if not new_model:
+                    raise ConfigError(
+                        f"mode 'adapted' needs an 'adapted' column in {path} or a new model with a psi module")
+                from raycompat.backfill.modes import apply_bundle_modules
+                from raycompat.models import ModelBundle
+
+                data = apply_bundle_modules(data, ModelBundle.load(new_model))
+                if data.gallery_adapted is None:
+                    raise ConfigError(f"mode 'adapted': the new model {new_model} has no psi module")
+        except BackfillInputError as exc:
+            raise ConfigError(str(exc)) from exc
+        self.data = data
+        self.path = path
+        self.old_dim = data.old_dim
+        self.new_dim = int(data.gallery_new.shape[1])
+        self.n_items = data.n_items
+        ids = data.gallery_ids.astype(np.int64)
+        o = np.argsort(ids, kind="stable")
+        self._sorted, self._rows = ids[o], o
+
+    def gallery_ids(self) -> np.ndarray:
+        return self.data.gallery_ids.astype(np.int64)
+
+    def _array(self, rep: str) -> np.ndarray:
+        return {"old": self.data.gallery_old, "adapted": self.data.gallery_adapted,
+                "new": self.data.gallery_new}[rep]
+
+    def initial_vectors(self, rep, shard, n_shards):
+        ids = self.gallery_ids()
+        mine = np.flatnonzero(shard_of(ids, n_shards) == shard)
+        return ids[mine], l2_normalize(self._array(rep)[mine])
+
+    def new_vectors(self, ids) -> np.ndarray:
+        return l2_normalize(self.data.gallery_new[rows_of(self._sorted, self._rows, ids)])
+
+
+class PipelineOutput(GallerySource):
+    """New vectors read from the Ray Data pipeline's parquet output (item_id + ``new`` column)."""
+
+    def __init__(self, path: str, column: str = "new"):
+        import pyarrow.parquet as pq
+
+        if not os.path.exists(path):
+            raise ConfigError(f"pipeline output not found: {path}")
+        table = pq.read_table(path, columns=["item_id", column])
+        ids = table.column("item_id").to_numpy().astype(np.int64)
+        col = table.column(column).combine_chunks()
+        self.vectors = col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(ids), -1)
+        o = np.argsort(ids, kind="stable")
+        self._sorted, self._rows = ids[o], o
+        self.new_dim = int(self.vectors.shape[1])
+
+    def new_vectors(self, ids) -> np.ndarray:
+        return l2_normalize(self.vectors[rows_of(self._sorted, self._rows, ids)])
+
+
+@dataclass
+class SyntheticGallery(GallerySource):
+    """``n_items`` items with ids ``0..n-1``; old and new vectors are seeded Gaussian draws per
+    block of 256 ids (``default_rng([seed, stream, block])``), so any id's vector is
+    reproducible anywhere without storing the gallery."""
+
+    n_items: int
+    old_dim: int = 128
+    new_dim: int = 128
+    seed: int = 0
+    block: int = 256
+
+    def gallery_ids(self) -> np.ndarray:
+        return np.arange(self.n_items, dtype=np.int64)
+
+    def _vectors(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_items):
+            raise KeyError(f"unknown item id(s) {ids[(ids < 0) | (ids >= self.n_items)][:10].tolist()}")
+        out = np.empty((ids.size, dim), np.float32)
+        blocks = ids // self.block
+        for b in np.unique(blocks):
+            sel = np.flatnonzero(blocks == b)
+            rows = np.random.default_rng([self.seed, stream, int(b)]).standard_normal(
+                (self.block, dim), dtype=np.float32)
+            out[sel] = rows[ids[sel] - b * self.block]
+        return l2_normalize(out)
+
+    def initial_vectors(self, rep, shard, n_shards):
+        ids = self.gallery_ids()
+        mine = ids[shard_of(ids, n_shards) == shard]
+        stream, dim = (0, self.old_dim) if rep == "old" else (2, self.new_dim)
+        return mine, self._vectors(mine, stream, dim)
+
+    def new_vectors(self, ids) -> np.ndarray:
+        return self._vectors(ids, 1, self.new_dim)
+
+
+def open_gallery(spec: str, new_model: Optional[str] = None, need_adapted: bool = False) -> GallerySource:
+    """``synthetic:N[:D_old[:D_new[:seed]]]`` or a parquet path (file or folder)."""
+    if spec.startswith("synthetic:"):
+        parts = spec.split(":")[1:]
+        try:
+            vals = [int(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]]") from None
+        if not 1 <= len(vals) <= 4 or vals[0] < 1:
+            raise ConfigError(f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]] with N >= 1")
+        return SyntheticGallery(*vals)
+    if not os.path.exists(spec):
+        raise ConfigError(f"gallery embeddings not found: {spec}")
+    return ParquetGallery(spec, new_model=new_model, need_adapted=need_adapted)
+
+
+def write_gallery_parquet(path: str, data, items: Optional[dict] = None) -> str:
+    """Write a :class:`~raycompat.backfill.gallery.GalleryEmbeddings` in the simulator's parquet
+    schema: query rows first, then gallery rows (``adapted`` when present).  ``items``:
+    optional extra columns, one value per written row in that order (e.g. ``instance``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def vec(a):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1])
+
+    nq, ng = data.n_queries, data.n_items
+    cols = {"item_id": pa.array(np.concatenate([data.query_ids, data.gallery_ids]).astype(np.int64)),
+            "label": pa.array(np.concatenate([data.query_labels, data.gallery_labels])),
+            "split": pa.array(["query"] * nq + ["gallery"] * ng),
+            "old": vec(np.concatenate([data.query_old, data.gallery_old])),
+            "new": vec(np.concatenate([data.query_new, data.gallery_new]))}
+    if data.gallery_adapted is not None:
+        q_ad = data.query_new  # queries are never adapted; the column needs a value of the right dim
+        cols["adapted"] = vec(np.concatenate([q_ad, data.gallery_adapted]))
+    for name, values in (items or {}).items():
+        cols[name] = pa.array(np.asarray(values))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    pq.write_table(pa.table(cols), path)
+    return path

@@ -1,0 +1,318 @@
+"""``jobs/hot_refresh.py``: serve a gallery, backfill it live under one policy, measure mAP and
+NFR through HTTP at given fractions, and compare with the simulator (offline == online).
+
+Embeddings, in order of preference: ``--embeddings`` (a parquet in the simulator's schema,
+e.g. the Ray Data pipeline's output); ``--models DIR`` with ``old/`` and ``<new-name>/``
+bundles (the main job's ``quickstart_out/models``), embedded on a small glyph scenario
+(``DIR/../scenario.json`` when present); otherwise tiny old + BCT models are trained first
+(a couple of minutes on 2 CPU cores).  Writes ``report.json`` and ``report.md`` to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from raycompat.config import ConfigError
+
+__all__ = ["HotRefreshOptions", "run_hot_refresh", "main", "free_port"]
+
+
+@dataclass
+class HotRefreshOptions:
+    out: str = "hot_refresh_out"
+    address: Optional[str] = None
+    embeddings: Optional[str] = None
+    models: Optional[str] = None
+    new_name: str = "bct"
+    policy: str = "random"
+    mode: str = "compatible"
+    seed: int = 0
+    fractions: str = "0,0.1,0.25,0.5,0.75,1"
+    k: int = 100
+    num_shards: int = 2
+    port: int = 0                       # 0: a free port
+    host: str = "127.0.0.1"
+    batch_size: int = 64
+    rate: Optional[float] = None
+    source: str = "gallery"             # gallery | pipeline | embedder
+    factory: str = "Flat"
+    # the tiny default scenario / training (only used without --embeddings / --models)
+    train_classes: int = 60
+    images_per_class: int = 16
+    eval_classes: int = 60
+    queries_per_class: int = 2
+    gallery_per_class: int = 6
+    distractor_classes: int = 40
+    distractors_per_class: int = 3
+    old_epochs: int = 4
+    new_epochs: int = 3
+    embed_dim: int = 64
+    resolution: int = 32
+    backbone: str = "lcnet_050"
+    data_seed: int = 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _parse_args(argv=None) -> HotRefreshOptions:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(HotRefreshOptions):
+        kind = {"int": int, "float": float, "Optional[float]": float}.get(str(f.type), str)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"default: {f.default}")
+    a = p.parse_args(argv)
+    opts = HotRefreshOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(HotRefreshOptions)})
+    from raycompat.backfill.policies import POLICIES
+    from raycompat.serving.scoring import SERVED_MODES
+
+    if opts.policy not in POLICIES:
+        raise ConfigError(f"--policy {opts.policy!r} unknown; allowed: {', '.join(POLICIES)}")
+    if opts.mode not in SERVED_MODES:
+        raise ConfigError(f"--mode {opts.mode!r} is not served; allowed: {', '.join(SERVED_MODES)}")
+    if opts.source not in ("gallery", "pipeline", "embedder"):
+        raise ConfigError(f"--source {opts.source!r}; allowed: gallery, pipeline, embedder")
+    for name in ("k", "num_shards", "batch_size"):
+        if getattr(opts, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    return opts
+
+
+def parse_fractions(text: str) -> np.ndarray:
+    from raycompat.backfill.grid import check_grid
+
+    try:
+        return check_grid([float(x) for x in text.split(",") if x.strip()])
+    except ValueError as exc:
+        raise ConfigError(f"--fractions {text!r}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- embeddings
+def _scenario(opts: HotRefreshOptions, models_dir: Optional[str]):
+    from raycompat.data import build_scenario, default_catalog
+    from raycompat.data.scenarios import Scenario
+
+    if models_dir:
+        sj = os.path.join(os.path.dirname(os.path.abspath(models_dir)), "scenario.json")
+        if os.path.isfile(sj):
+            with open(sj) as fh:
+                return Scenario.from_dict(json.load(fh))
+    return build_scenario(
+        "extended-class", catalog=default_catalog(), num_train_classes=opts.train_classes,
+        images_per_class=opts.images_per_class, num_eval_classes=opts.eval_classes,
+        queries_per_class=opts.queries_per_class, gallery_per_class=opts.gallery_per_class,
+        num_distractor_classes=opts.distractor_classes, distractors_per_class=opts.distractors_per_class,
+        seed=opts.data_seed)
+
+
+def _train_tiny(opts: HotRefreshOptions, scenario, out: str, log) -> str:
+    """Tiny old + BCT models with the main job's training path (raycompat.quickstart)."""
+    from raycompat.quickstart import QuickstartOptions, _train
+
+    q = QuickstartOptions(out=out, train_classes=opts.train_classes, images_per_class=opts.images_per_class,
+                          eval_classes=opts.eval_classes, resolution=opts.resolution, backbone=opts.backbone,
+                          embed_dim=opts.embed_dim, old_epochs=opts.old_epochs, new_epochs=opts.new_epochs,
+                          batch_size=64, data_seed=opts.data_seed, seed=opts.seed)
+    runs_dir, models_dir = os.path.join(out, "runs"), os.path.join(out, "models")
+    models = {}
+    for name, method, split, epochs, pred in (("old", "independent", "old_train", opts.old_epochs, None),
+                                              ("bct", "bct", "new_train", opts.new_epochs, "old")):
+        log(f"training tiny {name} model ({method}, {epochs} epochs)")
+        run, wall = _train(q, scenario, name, method, split, epochs, models.get(pred), runs_dir, models_dir)
+        models[name] = run.bundle_path
+        log(f"  {name}: {wall:.0f} s -> {run.bundle_path}")
+    return models_dir
+
+
+def build_embeddings(opts: HotRefreshOptions, out: str, log):
+    """``(parquet path, items parquet or None, new model path or None)``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycompat.backfill.gallery import GalleryEmbeddings
+    from raycompat.evaluation import embed_scenario, scenario_eval_items
+    from raycompat.models import ModelBundle
+    from raycompat.serving.gallery_source import write_gallery_parquet
+
+    if opts.embeddings:
+        if not os.path.exists(opts.embeddings):
+            raise ConfigError(f"--embeddings not found: {opts.embeddings}")
+        new_model = os.path.join(opts.models, opts.new_name) if opts.models else None
+        return opts.embeddings, None, new_model
+    models_dir = opts.models
+    scenario = _scenario(opts, models_dir)
+    if not models_dir:
+        models_dir = _train_tiny(opts, scenario, os.path.join(out, "train"), log)
+    paths = {n: os.path.join(models_dir, n) for n in ("old", opts.new_name)}
+    for n, p in paths.items():
+        if not os.path.isfile(os.path.join(p, "manifest.json")):
+            raise ConfigError(f"no model bundle {n!r} at {p} (expected old/ and {opts.new_name}/ in --models)")
+    bundles = {n: ModelBundle.load(p) for n, p in paths.items()}
+    resolution = int(bundles[opts.new_name].manifest.get("resolution") or opts.resolution)
+    log(f"embedding {scenario.name} query + gallery with old and {opts.new_name} (resolution {resolution})")
+    emb = {n: embed_scenario(n, b, scenario, resolution, opts.data_seed) for n, b in bundles.items()}
+    (q_labels, _), (g_labels, g_inst) = scenario_eval_items(scenario)
+    n = len(g_labels)
+    stored = np.random.default_rng([opts.seed, 1]).permutation(n)    # ingestion order (as the main job)
+    new = emb[opts.new_name]
+    data = GalleryEmbeddings(
+        gallery_labels=np.asarray(g_labels)[stored], gallery_old=emb["old"].gallery[stored],
+        gallery_new=new.gallery[stored], gallery_ids=np.arange(n, dtype=np.int64),
+        query_labels=np.asarray(q_labels), query_old=emb["old"].query, query_new=new.query,
+        query_ids=np.arange(n, n + len(q_labels), dtype=np.int64), compatible_dim=new.compatible_dim)
+    if opts.mode == "adapted":
+        from raycompat.backfill.modes import apply_bundle_modules
+
+        data = apply_bundle_modules(data, bundles[opts.new_name])
+        if data.gallery_adapted is None:
+            raise ConfigError(f"--mode adapted needs a new model with a psi module ({paths[opts.new_name]})")
+    path = write_gallery_parquet(os.path.join(out, "embeddings.parquet"), data)
+    items = os.path.join(out, "items.parquet")
+    pq.write_table(pa.table({"item_id": pa.array(np.arange(n, dtype=np.int64)),
+                             "label": pa.array(np.asarray(g_labels)[stored].astype(np.int64)),
+                             "instance": pa.array(np.asarray(g_inst)[stored].astype(np.int64))}), items)
+    log(f"  {n} gallery items, {len(q_labels)} queries -> {path}")
+    return path, items, paths[opts.new_name]
+
+
+# ----------------------------------------------------------------------------- main
+def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
+    from ray import serve
+
+    from raycompat.backfill import load_parquet, simulate_backfill
+    from raycompat.backfill.policies import UncertaintyHead
+    from raycompat.cluster import connect
+    from raycompat.report import markdown_table, write_json
+    from raycompat.serving.app import start_serving, stop_serving
+    from raycompat.serving.auth import TOKEN_ENV
+    from raycompat.serving.client import ServingClient
+    from raycompat.serving.config import serving_config
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    t0 = time.time()
+    say = log or (lambda m: print(f"[hot_refresh {time.time() - t0:6.1f}s] {m}", flush=True))
+    fractions = parse_fractions(opts.fractions)
+    out = os.path.abspath(opts.out)
+    os.makedirs(out, exist_ok=True)
+    connect(opts.address)
+    parquet, items, new_model = build_embeddings(opts, out, say)
+    data = load_parquet(parquet)
+    compat = data.compat_dim
+    data = data.with_arrays(compatible_dim=compat) if compat is not None else data
+    head = None
+    if new_model and (opts.policy.startswith("uncertainty:") or opts.policy == "learned"):
+        from raycompat.models import ModelBundle
+
+        head = UncertaintyHead.from_classifier_head(ModelBundle.load(new_model).head)
+    k = min(int(opts.k), data.n_items)
+
+    say(f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, {len(fractions)} fractions")
+    sim = simulate_backfill(data, [opts.policy], [opts.mode], fractions=fractions, k=k, seed=opts.seed, head=head)
+    sim_curve = sim.curve(opts.policy, opts.mode)
+
+    token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    os.environ[TOKEN_ENV] = token
+    state_dir = os.path.join(out, "serving_state")
+    shutil.rmtree(state_dir, ignore_errors=True)
+    port = opts.port or free_port(opts.host)
+    cfg = serving_config(gallery=parquet, state_dir=state_dir, mode=opts.mode, num_shards=opts.num_shards,
+                         host=opts.host, port=port, factory=opts.factory, new_model=new_model, items=items,
+                         compatible_dim=compat, app_name="hot_refresh", data_seed=opts.data_seed,
+                         max_k=max(1000, k))
+    say(f"serving {data.n_items} items on {opts.num_shards} shards at http://{opts.host}:{port}")
+    url = start_serving(cfg, opts.address)
+    try:
+        client = ServingClient(url, token=token)
+        client.wait_ready()
+        say(f"live backfill through {url} (source {opts.source}, batch {opts.batch_size})")
+        live = live_backfill_curve(client, data, fractions, policy=opts.policy, seed=opts.seed, k=k,
+                                   source=opts.source, batch_size=opts.batch_size, rate=opts.rate, log=say)
+        status = client.status()
+        image_check = _image_query_check(client, data, opts, new_model, items, parquet) if new_model else None
+    finally:
+        stop_serving(cfg)
+    cmp = compare_curves(live, sim_curve, tol=1e-9)
+    names = list(live["metrics"])
+    rows = []
+    for j, t in enumerate(fractions):
+        rows.append([f"{100 * t:.0f}%", live["counts"][j]] +
+                    sum(([live["metrics"][m][j], float(sim_curve.metrics[m][j])] for m in names
+                         if np.isfinite(live["metrics"][m][j]) or np.isfinite(sim_curve.metrics[m][j])), []))
+    headers = ["t", "items new"] + sum(([f"{m} live", f"{m} sim"] for m in names
+                                        if np.isfinite(live["metrics"][m]).any()
+                                        or np.isfinite(sim_curve.metrics[m]).any()), [])
+    report = {"job": "hot_refresh", "options": dataclasses.asdict(opts), "embeddings": parquet, "url": url,
+              "n_items": data.n_items, "n_queries": data.n_queries, "k": k, "live": live,
+              "simulator": {"fractions": sim_curve.fractions.tolist(), "counts": sim_curve.counts.tolist(),
+                            "metrics": {m: [float(x) for x in v] for m, v in sim_curve.metrics.items()}},
+              "comparison": cmp, "final_status": {"items": status["items"], "backfill": status["backfill"]},
+              "image_queries": image_check, "seconds": time.time() - t0}
+    write_json(os.path.join(out, "report.json"), report)
+    md = ["# Hot refresh, live vs simulator", "",
+          f"{data.n_items} gallery items on {opts.num_shards} shards (faiss `{opts.factory}`), {data.n_queries} "
+          f"queries through `POST /search`; policy `{opts.policy}`, mode `{opts.mode}`, seed {opts.seed}, "
+          f"new vectors from `{opts.source}`. NFR@1 against old-old top-1 measured live at t=0.", "",
+          markdown_table(headers, rows, digits=4), "",
+          f"Largest |live - simulator| per metric: " +
+          ", ".join(f"{m} {d:.2e}" for m, d in cmp["max_abs_diff"].items()) +
+          f" -> **{'equal' if cmp['equal'] else 'DIFFERENT'}**.", ""]
+    if image_check:
+        md.append(f"Image queries (base64 PNG, embedded by the router): {image_check['agree_top1']}/"
+                  f"{image_check['n']} top-1 ids equal to the vector search of the same embedding.")
+    with open(os.path.join(out, "report.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    say(f"live == simulator: {cmp['equal']} (max diffs {cmp['max_abs_diff']}); report: {out}/report.md")
+    return report
+
+
+def _image_query_check(client, data, opts, new_model, items, parquet) -> Optional[dict]:
+    """A few query images sent as base64 PNG: the router's embedding must retrieve what the
+    offline embedding of the same images retrieves (top-1)."""
+    if items is None:
+        return None
+    import base64
+    import io
+
+    from PIL import Image
+
+    from raycompat.data import GlyphRenderer, default_catalog
+    from raycompat.serving.embedder_pool import ModelEmbedder
+
+    emb = ModelEmbedder(new_model, data_seed=opts.data_seed)
+    renderer = GlyphRenderer(default_catalog(), resolution=emb.resolution, seed=opts.data_seed)
+    n = min(8, data.n_queries)
+    # query images: gallery-class glyph instances rendered afresh (instance numbers beyond the gallery's)
+    labels = np.asarray(data.query_labels[:n]).astype(np.int64)
+    imgs = renderer.render_batch(labels, np.full(n, 10_000, np.int64))
+    b64 = []
+    for im in imgs:
+        buf = io.BytesIO()
+        Image.fromarray(im).save(buf, format="PNG")
+        b64.append(base64.b64encode(buf.getvalue()).decode())
+    res = client.search_images(b64, k=5)
+    offline = emb.embed_images(imgs)
+    ids, _, _ = client.search(offline, k=5)
+    agree = sum(int(r[0]["id"] == ids[i, 0]) for i, r in enumerate(res["results"]) if r)
+    return {"n": n, "agree_top1": agree}
+
+
+def main(argv=None) -> int:
+    try:
+        opts = _parse_args(argv)
+        run_hot_refresh(opts)
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0

@@ -1,0 +1,125 @@
+"""Offline == online: retrieval metrics of a *live* gallery measured through the HTTP endpoint
+while the backfill controller upgrades it, at the simulator's grid points.
+
+At each fraction ``t`` the controller is resumed until ``n(t) = floor(t N + 1/2)`` items of
+the policy's order are upgraded (:func:`raycompat.backfill.grid.backfill_counts`, the
+simulator's rounding), then the labelled queries are searched through ``POST /search`` and
+scored with the same metric functions the simulator uses (METHODS.md "Metrics"):
+``mAP@k`` (:func:`raycompat.metrics.mean_average_precision_at_k`), ``top1``, ``NFR@1``
+(:func:`raycompat.metrics.negative_flip_rate` against old-old top-1 correctness, itself
+measured live at t = 0 with the old model's query vectors, ``model="old"``), and the
+revisited full ``mAP`` when the search returns the whole gallery (``k >= N``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, Optional, Sequence
+
+import numpy as np
+
+from raycompat.backfill.engine import METRIC_NAMES, full_ap_from_ranks, positive_pairs
+from raycompat.backfill.grid import backfill_counts
+from raycompat.metrics import correct_at_k, mean_average_precision_at_k, negative_flip_rate
+
+__all__ = ["live_metrics", "live_backfill_curve", "compare_curves"]
+
+
+def live_metrics(ids: np.ndarray, data, k: int, reference_correct: Optional[np.ndarray]) -> Dict[str, float]:
+    """Metrics of one result matrix ``ids [Q, k]`` (item ids, -1 padded) on ``data``'s labels."""
+    label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
+    index_of = {int(i): j for j, i in enumerate(data.gallery_ids.tolist())}
+    ql = np.asarray(data.query_labels)
+    rel = np.zeros(ids.shape, dtype=bool)
+    for qi in range(ids.shape[0]):
+        for r, i in enumerate(ids[qi].tolist()):
+            if i >= 0 and label_of[i] == ql[qi]:
+                rel[qi, r] = True
+    pq, pi, npos = positive_pairs(data.query_labels, data.gallery_labels)
+    valid = npos > 0
+    names = METRIC_NAMES(k)
+    c1 = correct_at_k(rel, 1)
+    out = {names[0]: mean_average_precision_at_k(rel, npos, k),
+           names[2]: float(c1[valid].mean()) if valid.any() else float("nan"),
+           names[3]: negative_flip_rate(reference_correct, c1) if reference_correct is not None else float("nan"),
+           names[1]: float("nan")}
+    if k >= data.n_items:           # the full ranking: revisited mAP from the positives' ranks
+        pos = np.full((ids.shape[0], data.n_items), -1, np.int64)
+        for qi in range(ids.shape[0]):
+            for r, i in enumerate(ids[qi].tolist()):
+                if i >= 0:
+                    pos[qi, index_of[i]] = r
+        ranks = pos[pq, pi][None, :]
+        if (ranks >= 0).all():
+            ap = full_ap_from_ranks(ranks, pq, npos)[0]
+            out[names[1]] = float(np.nanmean(ap[valid])) if valid.any() else float("nan")
+    return out, c1
+
+
+def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str = "random", seed: int = 0,
+                        k: int = 100, source: str = "gallery", batch_size: int = 64,
+                        rate: Optional[float] = None, log: Callable[[str], None] = print) -> dict:
+    """Run a live backfill from t = 0 and measure at every fraction (see the module docstring).
+
+    ``client``: a :class:`raycompat.serving.client.ServingClient` (with the admin token);
+    ``data``: the gallery's :class:`raycompat.backfill.gallery.GalleryEmbeddings` (labels,
+    ids, query vectors).  Returns ``{"fractions", "counts", "metrics": {name: [..]}, ...}``.
+    """
+    fractions = np.asarray(fractions, np.float64)
+    counts = backfill_counts(fractions, data.n_items)
+    k_eff = int(k)
+    # old-old reference (RACT Eq.12's Q+): the old model's queries against the all-old gallery
+    st = client.status()
+    if st["items"]["new"]:
+        raise RuntimeError(f"the live gallery must start with no new-state item, got {st['items']}")
+    ref_correct = None
+    if data.query_old is not None:
+        label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
+        if st["items"]["old"] == data.n_items:     # measured live: old queries, all-old gallery
+            ids_oo, _, _ = client.search(data.query_old, k=1, model="old")
+            top = ids_oo[:, 0]
+        else:                                      # adapted mode holds no old vectors: exact search
+            from raycompat.index.search import exact_search
+
+            top = data.gallery_ids[exact_search(data.query_old, data.gallery_old, 1)[1][:, 0]]
+        rel = np.array([[t >= 0 and label_of[int(t)] == data.query_labels[qi]] for qi, t in enumerate(top)])
+        ref_correct = correct_at_k(rel, 1)
+    names = METRIC_NAMES(k_eff)
+    metrics = {n: [] for n in names}
+    reps, seconds = [], []
+    t_start = time.perf_counter()
+    client.start_backfill(policy=policy, seed=int(seed), batch_size=int(batch_size), until=int(counts[0]),
+                          source=source, rate=rate, restart=True)
+    for j, (t, n) in enumerate(zip(fractions, counts)):
+        if j:
+            client.resume_backfill(until=int(n))
+        client.wait_backfill(int(n))
+        st = client.status()
+        if st["items"]["new"] != int(n):
+            raise RuntimeError(f"at t={t:.3f} expected {int(n)} new items, the shards hold {st['items']}")
+        ids, _, _ = client.search(data.query_new, k=k_eff, model="new")
+        m, _ = live_metrics(ids, data, k_eff, ref_correct)
+        for name in names:
+            metrics[name].append(m[name])
+        reps.append(st["items"])
+        seconds.append(time.perf_counter() - t_start)
+        log(f"  live t={t:5.2f} ({int(n):6d} new): " + ", ".join(f"{a}={m[a]:.4f}" for a in names
+                                                                 if np.isfinite(m[a])))
+    return {"fractions": fractions.tolist(), "counts": counts.tolist(), "metrics": metrics, "items": reps,
+            "seconds": seconds, "policy": policy, "seed": int(seed), "k": k_eff, "source": source,
+            "reference_correct_old_old": None if ref_correct is None else int(ref_correct.sum())}
+
+
+def compare_curves(live: dict, sim_curve, tol: float = 1e-9) -> dict:
+    """Per metric: the largest |live - simulator| over the grid, and whether all are within ``tol``."""
+    out = {"max_abs_diff": {}, "equal": True}
+    for name, vals in live["metrics"].items():
+        a = np.asarray(vals, np.float64)
+        b = np.asarray(sim_curve.metrics[name], np.float64)
+        both_nan = np.isnan(a) & np.isnan(b)
+        if np.isnan(a).all():
+            continue
+        d = float(np.max(np.where(both_nan, 0.0, np.abs(a - b))))
+        out["max_abs_diff"][name] = d
+        if not d <= tol:
+            out["equal"] = False
+    return out

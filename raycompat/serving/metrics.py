@@ -1,0 +1,68 @@
+"""Prometheus text exposition (format 0.0.4) of the router's counters and latency histograms.
+
+Kept in-process per router replica (no global registry): ``requests_total{endpoint,status}``,
+``request_seconds`` histogram per endpoint, plus gauges the router fills from the shards and
+the backfill controller at scrape time (items per representation, backfill position).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Iterable, Tuple
+
+__all__ = ["RouterMetrics", "BUCKETS"]
+
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def _labels(d: Dict[str, str]) -> str:
+    if not d:
+        return ""
+    esc = lambda v: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')  # noqa: E731
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(d.items())) + "}"
+
+
+class RouterMetrics:
+    def __init__(self, prefix: str = "raycompat_serving"):
+        self.prefix = prefix
+        self.lock = threading.Lock()
+        self.requests: Dict[Tuple[str, int], int] = {}
+        self.hist: Dict[str, list] = {}
+        self.hist_sum: Dict[str, float] = {}
+        self.queries = 0
+
+    def observe(self, endpoint: str, status: int, seconds: float, queries: int = 0) -> None:
+        with self.lock:
+            key = (endpoint, int(status))
+            self.requests[key] = self.requests.get(key, 0) + 1
+            h = self.hist.setdefault(endpoint, [0] * (len(BUCKETS) + 1))
+            for i, b in enumerate(BUCKETS):
+                if seconds <= b:
+                    h[i] += 1
+            h[-1] += 1
+            self.hist_sum[endpoint] = self.hist_sum.get(endpoint, 0.0) + seconds
+            self.queries += queries
+
+    def render(self, gauges: Iterable[Tuple[str, str, Dict[str, str], float]] = ()) -> str:
+        p = self.prefix
+        lines = [f"# HELP {p}_requests_total HTTP requests by endpoint and status code.",
+                 f"# TYPE {p}_requests_total counter"]
+        with self.lock:
+            for (ep, st), n in sorted(self.requests.items()):
+                lines.append(f"{p}_requests_total{_labels({'endpoint': ep, 'status': str(st)})} {n}")
+            lines += [f"# HELP {p}_queries_total Query vectors searched.", f"# TYPE {p}_queries_total counter",
+                      f"{p}_queries_total {self.queries}",
+                      f"# HELP {p}_request_seconds Request latency in the router.",
+                      f"# TYPE {p}_request_seconds histogram"]
+            for ep, h in sorted(self.hist.items()):
+                for b, c in zip(BUCKETS, h):
+                    lines.append(f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': repr(b)})} {c}")
+                lines.append(f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': '+Inf'})} {h[-1]}")
+                lines.append(f"{p}_request_seconds_sum{_labels({'endpoint': ep})} {self.hist_sum[ep]}")
+                lines.append(f"{p}_request_seconds_count{_labels({'endpoint': ep})} {h[-1]}")
+        seen = set()
+        for name, help_, labels, value in gauges:
+            if name not in seen:
+                lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} gauge"]
+                seen.add(name)
+            lines.append(f"{p}_{name}{_labels(labels)} {float(value)}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""HTTP request and response models (pydantic), built with the server's limits so that the
+OpenAPI document states every bound (max k, queries per request, image size, batch sizes).
+
+Values a model cannot check statically (a vector's dimension, unknown ids, base64 and image
+decoding) are checked by the router and answered with the same :class:`ErrorResponse`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, List, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from raycompat.backfill.policies import POLICIES
+
+__all__ = ["Limits", "build_models", "ErrorResponse", "Problem"]
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits (options of the serving config)."""
+
+    max_k: int = 1000
+    max_queries: int = 256
+    max_image_bytes: int = 1 << 20
+    max_image_pixels: int = 4096 * 4096
+    max_upsert_items: int = 10000
+    max_dim: int = 4096
+
+
+class Problem(BaseModel):
+    field: str = Field(description="where the problem is, e.g. body.k or body.vectors[3]")
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="one-line description naming the problem")
+    problems: List[Problem] = Field(default_factory=list)
+
+
+class Hit(BaseModel):
+    id: int
+    score: float
+    representation: Literal["old", "adapted", "new"]
+
+
+class ShardCounts(BaseModel):
+    old: int = 0
+    adapted: int = 0
+    new: int = 0
+
+
+def build_models(limits: Limits):
+    """The request/response classes for ``limits`` (returned as a simple namespace dict)."""
+    Vector = Annotated[List[FiniteFloat], Field(min_length=1, max_length=limits.max_dim)]
+    b64_chars = 4 * ((limits.max_image_bytes + 2) // 3)
+    Image = Annotated[str, Field(min_length=1, max_length=b64_chars,
+                                 description="base64 of a PNG or JPEG file")]
+
+    class SearchRequest(BaseModel):
+        """Exactly one of ``vectors`` or ``images``."""
+        model_config = ConfigDict(extra="forbid")
+        vectors: Optional[Annotated[List[Vector], Field(min_length=1, max_length=limits.max_queries)]] = Field(
+            default=None, description="query embeddings (raw; normalised by the server)")
+        images: Optional[Annotated[List[Image], Field(min_length=1, max_length=limits.max_queries)]] = Field(
+            default=None, description="query images, base64 PNG/JPEG; embedded with the new model")
+        k: int = Field(default=10, ge=1, le=limits.max_k, description="results per query")
+        model: Literal["new", "old"] = Field(
+            default="new", description="which model embedded the query vectors; 'old' searches old-state "
+                                       "items only (clients not upgraded yet)")
+
+        @model_validator(mode="after")
+        def _one_input(self):
+            if (self.vectors is None) == (self.images is None):
+                raise ValueError("give exactly one of 'vectors' or 'images'")
+            if self.images is not None and self.model != "new":
+                raise ValueError("image queries are embedded with the new model: model must be 'new'")
+            return self
+
+    class SearchResponse(BaseModel):
+        results: List[List[Hit]]
+        k: int
+        took_ms: float
+
+    class UpsertItem(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        id: int = Field(ge=0, le=2 ** 63 - 1)
+        representation: Literal["old", "adapted", "new"]
+        vector: Vector
+
+    class UpsertRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        items: Annotated[List[UpsertItem], Field(min_length=1, max_length=limits.max_upsert_items)]
+
+    class UpsertResponse(BaseModel):
+        applied: int
+        per_shard: List[int]
+
+    class BackfillStartRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        policy: Literal[POLICIES] = Field(default="random", description="backfill order (simulator policies)")
+        seed: int = Field(default=0, ge=0, le=2 ** 32 - 1)
+        rate: Optional[float] = Field(default=None, gt=0, le=1e9, allow_inf_nan=False,
+                                      description="items per second; null = as fast as possible")
+        batch_size: int = Field(default=256, ge=1, le=limits.max_upsert_items)
+        until: Optional[int] = Field(default=None, ge=0, le=2 ** 62,
+                                     description="pause after this many items of the order")
+        source: Literal["gallery", "pipeline", "embedder"] = Field(
+            default="gallery", description="where new embeddings come from")
+        restart: bool = Field(default=False, description="discard a finished or paused backfill's progress")
+
+    class BackfillResumeRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        until: Optional[int] = Field(default=None, ge=0, le=2 ** 62)
+        rate: Optional[float] = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+
+    class BackfillState(BaseModel):
+        state: str
+        policy: Optional[str] = None
+        seed: Optional[int] = None
+        source: Optional[str] = None
+        position: int = 0
+        total: int = 0
+        until: Optional[int] = None
+        rate: Optional[float] = None
+        batch_size: Optional[int] = None
+        error: Optional[str] = None
+        resumed_from_checkpoint: bool = False
+        items_per_s: Optional[float] = None
+
+    class StatusResponse(BaseModel):
+        items: ShardCounts
+        shards: List[dict]
+        backfill: BackfillState
+        models: dict
+        mode: str
+        dims: dict
+
+    return dict(SearchRequest=SearchRequest, SearchResponse=SearchResponse, UpsertItem=UpsertItem,
+                UpsertRequest=UpsertRequest, UpsertResponse=UpsertResponse,
+                BackfillStartRequest=BackfillStartRequest, BackfillResumeRequest=BackfillResumeRequest,
+                BackfillState=BackfillState, StatusResponse=StatusResponse)

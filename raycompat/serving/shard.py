@@ -1,0 +1,95 @@
+"""The shard deployment: one Serve deployment per shard, one replica each, wrapping a
+:class:`raycompat.serving.state.ShardState` kept in ``<state_dir>/shard-<i>``.
+
+On (re)start the replica recovers from its snapshot + log; only when the directory is empty
+does it load its items (placed by :func:`raycompat.serving.placement.shard_of`) from the
+gallery source, in their initial representation, and write the first snapshot.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict
+
+import numpy as np
+
+from raycompat.serving.state import REPRESENTATIONS, ShardState, UnknownItemError
+
+__all__ = ["ShardServer", "shard_dir"]
+
+
+def shard_dir(state_dir: str, shard: int) -> str:
+    return os.path.join(state_dir, f"shard-{shard}")
+
+
+class ShardServer:
+    """Serve deployment class (bound per shard by :mod:`raycompat.serving.app`)."""
+
+    def __init__(self, shard: int, cfg: dict):
+        from raycompat.serving.gallery_source import open_gallery
+        from raycompat.serving.scoring import initial_representation
+
+        t0 = time.perf_counter()
+        self.shard = int(shard)
+        self.n_shards = int(cfg["num_shards"])
+        try:
+            import faiss
+
+            faiss.omp_set_num_threads(int(cfg.get("shard_threads", 1)))
+        except Exception:  # pragma: no cover - faiss without OpenMP
+            pass
+        rep0 = initial_representation(cfg["mode"])
+        directory = shard_dir(cfg["state_dir"], self.shard)
+        src = None
+        dims = cfg.get("dims")
+        if dims is None:
+            src = open_gallery(cfg["gallery"], cfg.get("new_model"), need_adapted=rep0 == "adapted")
+            dims = src.dims()
+        self.state = ShardState(directory, dims, factory=cfg.get("factory", "Flat"),
+                                snapshot_every=int(cfg.get("snapshot_every", 200_000)),
+                                fsync=bool(cfg.get("fsync", True)))
+        if not self.state.initialized:
+            if src is None:
+                src = open_gallery(cfg["gallery"], cfg.get("new_model"), need_adapted=rep0 == "adapted")
+            ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
+            self.state.load_initial(rep0, ids, vecs)
+            self.state.snapshot()
+            self.state.recovery["initial_load"] = int(ids.size)
+        self.started = time.time()
+        self.startup_s = time.perf_counter() - t0
+        self.searches = 0
+
+    def search(self, queries: Dict[str, np.ndarray], k: int):
+        self.searches += 1
+        return self.state.search(queries, int(k))
+
+    def unknown(self, ids) -> list:
+        return self.state.unknown(ids)
+
+    def upsert(self, ids, rep: str, vectors) -> dict:
+        """Apply; returns ``{"applied", "seq"}`` or ``{"error", "unknown_ids"}`` (nothing applied)."""
+        try:
+            return self.state.upsert(np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32))
+        except UnknownItemError as exc:
+            return {"error": str(exc), "unknown_ids": exc.ids}
+        except ValueError as exc:
+            return {"error": str(exc)}
+
+    def representation_of(self, ids) -> list:
+        return self.state.representation_of(ids)
+
+    def items(self):
+        return self.state.items()
+
+    def snapshot(self) -> str:
+        return self.state.snapshot()
+
+    def status(self) -> dict:
+        import ray
+
+        return {"shard": self.shard, "items": self.state.counts(), "seq": self.state.seq,
+                "upserts_applied": self.state.upserts_applied, "recovery": self.state.recovery,
+                "log_bytes": self.state.log.size_bytes(), "startup_s": self.startup_s,
+                "started": self.started, "pid": os.getpid(), "searches": self.searches,
+                "actor_id": ray.get_runtime_context().get_actor_id(),
+                "representations": list(REPRESENTATIONS)}

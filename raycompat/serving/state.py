@@ -1,0 +1,355 @@
+"""One shard's items: each held in exactly one representation (old, adapted or new), a faiss
+index per representation, atomic per-item upserts, durable through snapshot + log.
+
+ARCHITECTURE.md "Serving".  Every item id maps to one representation; its (L2-normalised)
+vector lives in that representation's store and faiss index only.  Moving an item (an
+upsert) removes it from its old representation and adds it to the new one under the
+shard's lock, and a search runs under the same lock, so a concurrent query sees every item
+exactly once: before or after the move, never missing, never twice.
+
+Scores are inner products of normalised vectors (cosines, METHODS.md "Notation"); the
+router sends one query array per representation (:mod:`raycompat.serving.scoring`), so an
+old-state item is scored with the old-state side and a new-state item with the new-state
+side, as in the simulator (:mod:`raycompat.backfill.modes`).  Results are ordered by
+descending score, ties by ascending item id.
+
+faiss: ``factory="Flat"`` (the default) is exact (``IndexFlatIP``).  Any other factory
+string works: indexes that need training are trained once a representation holds
+``train_min`` items (until then that representation is searched exactly with numpy), and
+indexes without ``remove_ids`` (e.g. HNSW) keep removed items as tombstones that are
+filtered out of results and dropped at the next rebuild.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from raycompat.serving.durability import LOG_NAME, UpsertLog, read_snapshot, write_snapshot
+
+__all__ = ["REPRESENTATIONS", "RepIndex", "ShardState", "UnknownItemError", "rep_code"]
+
+REPRESENTATIONS = ("old", "adapted", "new")
+
+
+def rep_code(name: str) -> int:
+    if name not in REPRESENTATIONS:
+        raise ValueError(f"unknown representation {name!r}; allowed: {', '.join(REPRESENTATIONS)}")
+    return REPRESENTATIONS.index(name)
+
+
+class UnknownItemError(KeyError):
+    """An upsert named item ids this shard does not hold."""
+
+    def __init__(self, ids):
+        self.ids = [int(i) for i in ids]
+        super().__init__(f"unknown item id(s) {self.ids[:10]}")
+
+
+class RepIndex:
+    """Vectors of the items currently in one representation, and their faiss index."""
+
+    def __init__(self, dim: int, factory: str = "Flat", train_min: int = 4096):
+        self.dim = int(dim)
+        self.factory = factory
+        self.train_min = int(train_min)
+        self.vecs = np.zeros((0, self.dim), np.float32)
+        self.ids = np.zeros(0, np.int64)          # -1 marks a free slot
+        self.slot: Dict[int, int] = {}
+        self.free: list = []
+        self.index = None                          # faiss index (IDs = item ids) or None: numpy search
+        self.tombstones: set = set()
+        self.removable = True
+        self._next_train = self.train_min
+        self._build()
+
+    # ------------------------------------------------------------------ faiss
+    def _new_faiss(self):
+        import faiss
+
+        inner = faiss.index_factory(self.dim, self.factory, faiss.METRIC_INNER_PRODUCT)
+        return faiss.IndexIDMap2(inner) if not isinstance(inner, (faiss.IndexIDMap, faiss.IndexIDMap2)) else inner
+
+    def _build(self):
+        """(Re)build the faiss index from the live vectors (training it if needed)."""
+        idx = self._new_faiss()
+        live = np.flatnonzero(self.ids >= 0)
+        if not idx.is_trained:
+            if live.size < max(self._next_train, 1):
+                self.index = None
+                return
+            try:
+                idx.train(np.ascontiguousarray(self.vecs[live]))
+            except RuntimeError:
+                self._next_train = 2 * max(live.size, 1)
+                self.index = None
+                return
+        if live.size:
+            idx.add_with_ids(np.ascontiguousarray(self.vecs[live]), self.ids[live])
+        self.index = idx
+        self.tombstones = set()
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def add(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        ids = np.asarray(ids, np.int64)
+        if any(int(i) in self.tombstones for i in ids):
+            self._place(ids, vecs)
+            self._build()
+            return
+        self._place(ids, vecs)
+        if self.index is None:
+            if len(self.slot) >= self._next_train:
+                self._build()
+        else:
+            self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+
+    def _place(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        need = len(ids) - len(self.free)
+        if need > 0:
+            cap = self.ids.size
+            grow = max(need, cap // 2, 1024)
+            self.vecs = np.concatenate([self.vecs, np.zeros((grow, self.dim), np.float32)])
+            self.ids = np.concatenate([self.ids, np.full(grow, -1, np.int64)])
+            self.free.extend(range(cap + grow - 1, cap - 1, -1))
+        for i, v in zip(ids.tolist(), vecs):
+            s = self.free.pop()
+            self.vecs[s] = v
+            self.ids[s] = i
+            self.slot[i] = s
+
+    def remove(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, np.int64)
+        for i in ids.tolist():
+            s = self.slot.pop(i)
+            self.ids[s] = -1
+            self.free.append(s)
+        if self.index is None or not ids.size:
+            return
+        if self.removable:
+            try:
+                self.index.remove_ids(ids)
+                return
+            except RuntimeError:
+                self.removable = False
+        self.tombstones.update(ids.tolist())
+        if len(self.tombstones) > max(1024, len(self.slot) // 5):
+            self._build()
+
+    def vectors_of(self, ids: np.ndarray) -> np.ndarray:
+        return self.vecs[[self.slot[int(i)] for i in ids]]
+
+    def export(self) -> Tuple[np.ndarray, np.ndarray]:
+        live = np.flatnonzero(self.ids >= 0)
+        order = live[np.argsort(self.ids[live], kind="stable")]
+        return self.ids[order].copy(), self.vecs[order].copy()
+
+    def search(self, q: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Top-k ``(scores, ids)`` ``[Q, <=k]`` of this representation (``-inf``/``-1`` padded)."""
+        n_q = q.shape[0]
+        n = len(self.slot)
+        kk = min(k, n)
+        out_s = np.full((n_q, k), -np.inf, np.float32)
+        out_i = np.full((n_q, k), -1, np.int64)
+        if kk == 0 or n_q == 0:
+            return out_s, out_i
+        if self.index is None:
+            live = np.flatnonzero(self.ids >= 0)
+            S = q @ self.vecs[live].T
+            ids = np.broadcast_to(self.ids[live], S.shape)
+            order = np.lexsort((ids, -S), axis=-1)[:, :kk]
+            out_s[:, :kk] = np.take_along_axis(S, order, axis=1)
+            out_i[:, :kk] = np.take_along_axis(ids, order, axis=1)
+            return out_s, out_i
+        fetch = min(self.index.ntotal, kk + 16 + len(self.tombstones))
+        S, I = self.index.search(np.ascontiguousarray(q, dtype=np.float32), fetch)
+        if self.tombstones:
+            dead = np.isin(I, np.fromiter(self.tombstones, np.int64))
+            S = np.where(dead, -np.inf, S)
+            I = np.where(dead, -1, I)
+        # ties by ascending id: -1 (missing) sorts last because its score is -inf
+        order = np.lexsort((np.where(I < 0, np.iinfo(np.int64).max, I), -S), axis=-1)[:, :kk]
+        out_s[:, :kk] = np.take_along_axis(S, order, axis=1)
+        out_i[:, :kk] = np.take_along_axis(I, order, axis=1)
+        return out_s, out_i
+
+
+def merge_topk(scores: Sequence[np.ndarray], ids: Sequence[np.ndarray], reps: Sequence[np.ndarray], k: int):
+    """Merge per-source top-k lists ``[Q, k_i]`` into one ``[Q, k]`` (desc score, asc id)."""
+    S = np.concatenate(scores, axis=1)
+    I = np.concatenate(ids, axis=1)
+    R = np.concatenate(reps, axis=1)
+    key = np.where(I < 0, np.iinfo(np.int64).max, I)
+    order = np.lexsort((key, -S), axis=-1)[:, :k]
+    return (np.take_along_axis(S, order, axis=1), np.take_along_axis(I, order, axis=1),
+            np.take_along_axis(R, order, axis=1))
+
+
+class ShardState:
+    """The items of one shard, durable in ``directory`` (see :mod:`raycompat.serving.durability`).
+
+    ``dims``: the vector dimension of each representation (``{"old": D_old, "adapted": D_new,
+    "new": D_new}``).  If the directory holds a snapshot, the state is recovered from it and
+    the log; otherwise the shard is empty until :meth:`load_initial`.
+    """
+
+    def __init__(self, directory: str, dims: Dict[str, int], factory: str = "Flat",
+                 snapshot_every: int = 200_000, fsync: bool = True, train_min: int = 4096):
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self.dims = {r: int(dims[r]) for r in REPRESENTATIONS if r in dims}
+        self.factory = factory
+        self.snapshot_every = int(snapshot_every)
+        self.fsync = fsync
+        self.lock = threading.RLock()
+        self.reps = {r: RepIndex(d, factory, train_min) for r, d in self.dims.items()}
+        self.rep_of: Dict[int, int] = {}
+        self.seq = 0
+        self.since_snapshot = 0
+        self.recovery: dict = {}
+        self.log = UpsertLog(os.path.join(directory, LOG_NAME), fsync=fsync)
+        self.upserts_applied = 0
+        self._recover()
+
+    # ------------------------------------------------------------------ durability
+    @property
+    def initialized(self) -> bool:
+        return bool(self.rep_of) or os.path.exists(os.path.join(self.directory, "snapshot.npz"))
+
+    def _recover(self) -> None:
+        t0 = time.perf_counter()
+        snap = read_snapshot(self.directory)
+        if snap is None:
+            self.recovery = {"snapshot": False, "replayed_records": 0}
+            return
+        seq, parts, meta = snap
+        for name, d in meta.get("dims", {}).items():
+            if name in self.dims and int(d) != self.dims[name]:
+                raise ValueError(f"snapshot in {self.directory} has {name} dim {d}, expected {self.dims[name]}")
+        for name, (ids, vecs) in parts.items():
+            if ids.size:
+                self._move(ids, rep_code(name), vecs)
+        self.seq = seq
+        replayed = 0
+        for rec in self.log.replay():
+            if rec.seq <= seq:
+                continue
+            self._move(rec.ids, rec.rep, rec.vectors)
+            self.seq = rec.seq
+            replayed += 1
+            self.since_snapshot += len(rec.ids)
+        self.recovery = {"snapshot": True, "snapshot_seq": seq, "replayed_records": replayed,
+                         "log_seq": self.seq, "truncated_bytes": self.log.truncated_bytes,
+                         "items": len(self.rep_of), "seconds": time.perf_counter() - t0}
+
+    def snapshot(self) -> str:
+        with self.lock:
+            parts = {r: ix.export() for r, ix in self.reps.items()}
+            path = write_snapshot(self.directory, self.seq, parts, self.dims,
+                                  info={"factory": self.factory, "items": len(self.rep_of)}, fsync=self.fsync)
+            self.log.reset()
+            self.since_snapshot = 0
+            return path
+
+    def load_initial(self, rep: str, ids: np.ndarray, vecs: np.ndarray) -> None:
+        """Bulk-load items (new ids) into ``rep``; call :meth:`snapshot` afterwards."""
+        with self.lock:
+            ids = np.asarray(ids, np.int64)
+            dup = [int(i) for i in ids if int(i) in self.rep_of]
+            if dup:
+                raise ValueError(f"item id(s) already present: {dup[:10]}")
+            self._move(ids, rep_code(rep), vecs)
+
+    # ------------------------------------------------------------------ state changes
+    def _move(self, ids: np.ndarray, code: int, vecs: np.ndarray) -> None:
+        """Put ``ids`` into representation ``code`` (removing them from where they were)."""
+        ids = np.asarray(ids, np.int64)
+        if ids.size == 0:
+            return
+        uniq, last = np.unique(ids[::-1], return_index=True)     # last write of a repeated id wins
+        if uniq.size != ids.size:
+            keep = np.sort(ids.size - 1 - last)
+            ids, vecs = ids[keep], vecs[keep]
+        target = REPRESENTATIONS[code]
+        by_rep: Dict[int, list] = {}
+        for i in ids.tolist():
+            c = self.rep_of.get(i)
+            if c is not None:
+                by_rep.setdefault(c, []).append(i)
+        for c, lst in by_rep.items():
+            self.reps[REPRESENTATIONS[c]].remove(np.asarray(lst, np.int64))
+        self.reps[target].add(ids, np.asarray(vecs, np.float32))
+        for i in ids.tolist():
+            self.rep_of[i] = code
+
+    def unknown(self, ids) -> list:
+        with self.lock:
+            return [int(i) for i in np.asarray(ids).tolist() if int(i) not in self.rep_of]
+
+    def upsert(self, ids, rep: str, vecs: np.ndarray) -> dict:
+        """Atomically move existing items to ``rep`` with the given (normalised) vectors.
+
+        Logged (fsync) before it is applied; raises :class:`UnknownItemError` for ids this
+        shard does not hold (nothing is applied then)."""
+        code = rep_code(rep)
+        if rep not in self.dims:
+            raise ValueError(f"representation {rep!r} is not served by this shard")
+        ids = np.asarray(ids, np.int64)
+        vecs = np.ascontiguousarray(vecs, np.float32)
+        if vecs.shape != (ids.size, self.dims[rep]):
+            raise ValueError(f"vectors for {rep!r} must be [{ids.size}, {self.dims[rep]}], got {list(vecs.shape)}")
+        with self.lock:
+            missing = [int(i) for i in ids.tolist() if int(i) not in self.rep_of]
+            if missing:
+                raise UnknownItemError(missing)
+            if ids.size == 0:
+                return {"applied": 0, "seq": self.seq}
+            self.seq += 1
+            self.log.append(self.seq, code, ids, vecs)
+            self._move(ids, code, vecs)
+            self.upserts_applied += int(ids.size)
+            self.since_snapshot += int(ids.size)
+            if self.since_snapshot >= self.snapshot_every:
+                self.snapshot()
+            return {"applied": int(ids.size), "seq": self.seq}
+
+    # ------------------------------------------------------------------ reads
+    def search(self, queries: Dict[str, np.ndarray], k: int):
+        """Top-k over every representation that has a query array: ``(scores, ids, rep codes)``."""
+        with self.lock:
+            S, I, R = [], [], []
+            n_q = None
+            for name, q in queries.items():
+                if name not in self.reps:
+                    continue
+                n_q = q.shape[0]
+                s, i = self.reps[name].search(q, k)
+                S.append(s)
+                I.append(i)
+                R.append(np.full(i.shape, rep_code(name), np.int8))
+            if not S:
+                n_q = next(iter(queries.values())).shape[0] if queries else 0
+                return (np.full((n_q, k), -np.inf, np.float32), np.full((n_q, k), -1, np.int64),
+                        np.full((n_q, k), -1, np.int8))
+            return merge_topk(S, I, R, k)
+
+    def representation_of(self, ids) -> list:
+        with self.lock:
+            return [(REPRESENTATIONS[self.rep_of[int(i)]] if int(i) in self.rep_of else None)
+                    for i in np.asarray(ids).tolist()]
+
+    def counts(self) -> Dict[str, int]:
+        with self.lock:
+            return {r: len(ix) for r, ix in self.reps.items()}
+
+    def items(self) -> Tuple[np.ndarray, np.ndarray]:
+        """All ``(ids, rep codes)`` (sorted by id)."""
+        with self.lock:
+            ids = np.fromiter(self.rep_of.keys(), np.int64, len(self.rep_of))
+            codes = np.fromiter(self.rep_of.values(), np.int8, len(self.rep_of))
+        o = np.argsort(ids)
+        return ids[o], codes[o]
