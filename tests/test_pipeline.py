@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,8 +25,9 @@ from raycompat.config import ConfigError
 from raycompat.data import CorruptImageError, GlyphRenderer, build_scenario, default_catalog
 from raycompat.evaluation import embed_glyphs
 from raycompat.models import ModelBundle
-from raycompat.pipeline import (EXTRA_INSTANCE_BASE, GlyphGallerySource, IdPlan, ParquetImageSource,
-                                PipelineOptions, RecordSource, embed_gallery, make_random_bundles)
+from raycompat.pipeline import (EXTRA_INSTANCE_BASE, GlyphGallerySource, IdPlan, OldFeatureSource,
+                                ParquetImageSource, PipelineOptions, RecordSource, embed_gallery,
+                                make_random_bundles)
 from raycompat.pipeline.ids import parse_ids_option
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,6 +164,18 @@ def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
     again = embed_gallery(run.path, src, old_model=bundles[0], new_model=bundles[1],
                           columns=("old", "new", "adapted"), uncertainty=True, options=small_options(), log=quiet)
     assert again.summary["items_planned"] == 0 and again.summary["items_resumed"] == n
+    # refreshing the stored old features with psi: no image, same adapted vectors and scores
+    refreshed = embed_gallery(str(tmp_path / "refresh"), OldFeatureSource(run.path), new_model=bundles[1],
+                              columns=("adapted",), uncertainty=True, options=small_options(), log=quiet).table()
+    assert refreshed.column_names == ["item_id", "label", "split", "adapted", "unc_least_confidence",
+                                      "unc_margin", "unc_entropy"]
+    assert refreshed.column("split").to_pylist() == table.column("split").to_pylist()
+    np.testing.assert_allclose(vectors(refreshed, "adapted"), ref["adapted"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(refreshed.column("unc_margin").to_numpy(), ref["unc_margin"], rtol=1e-4, atol=1e-6)
+    assert not any(s["operator"].startswith("MapBatches(EmbedStage)") for s in
+                   embed_gallery(str(tmp_path / "refresh"), OldFeatureSource(run.path), new_model=bundles[1],
+                                 columns=("adapted",), uncertainty=True, options=small_options(overwrite=True),
+                                 log=quiet).summary["stages"])
 
 
 def test_new_column_only_for_given_ids(ray_cluster, bundles, scenario, tmp_path):
@@ -195,7 +209,7 @@ def test_corrupt_images_skip_and_fail(ray_cluster, bundles, tmp_path):
     bad.write_bytes(b"this is not a png")
     src = RecordSource.image_folder(str(root), resolution=16)
     bad_id = int(src.ids[src.paths.index(str(bad))])
-    with pytest.raises(CorruptImageError, match=f"item_id={bad_id} path={bad}"):
+    with pytest.raises(CorruptImageError, match=re.escape(f"item_id={bad_id} path={bad}")):
         embed_gallery(str(tmp_path / "fail"), src, old_model=bundles[0], columns=("old",),
                       options=small_options(on_corrupt="fail"), log=quiet)
     run = embed_gallery(str(tmp_path / "skip"), src, old_model=bundles[0], columns=("old",),

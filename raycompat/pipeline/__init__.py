@@ -8,8 +8,8 @@ from raycompat.pipeline.ids import IdPlan
 from raycompat.pipeline.job import GalleryRun, embed_gallery, main
 from raycompat.pipeline.options import PipelineOptions, StageOptions
 from raycompat.pipeline.sources import (EXTRA_INSTANCE_BASE, GallerySource, GlyphGallerySource,
-                                        ParquetImageSource, RecordSource)
+                                        OldFeatureSource, ParquetImageSource, RecordSource)
 
 __all__ = ["embed_gallery", "GalleryRun", "main", "PipelineOptions", "StageOptions", "IdPlan",
-           "GallerySource", "GlyphGallerySource", "RecordSource", "ParquetImageSource", "EXTRA_INSTANCE_BASE",
+           "GallerySource", "GlyphGallerySource", "OldFeatureSource", "RecordSource", "ParquetImageSource", "EXTRA_INSTANCE_BASE",
            "bundle_fingerprint", "make_random_bundles"]

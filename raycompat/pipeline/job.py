@@ -51,10 +51,17 @@ class GalleryRun:
         return pq.read_table(self.path, columns=columns).sort_by("item_id")
 
 
-def _resolve_models(columns, uncertainty, old_model, new_model):
+def _resolve_models(columns, uncertainty, old_model, new_model, stored_old_dim: int | None = None):
+    """Which stages run and the output dims. ``stored_old_dim``: the source already holds old
+    features (``OldFeatureSource``) of that dimension, so no image stage and no old model."""
     from raycompat.pipeline.bundles import embedder_info
 
-    need_old = "old" in columns or "adapted" in columns or uncertainty
+    if stored_old_dim is not None:
+        if "new" in columns:
+            raise ConfigError("column 'new' needs images; the old-feature source only has old features "
+                              "(it serves 'old', 'adapted' and uncertainty)")
+        old_model = None
+    need_old = stored_old_dim is None and ("old" in columns or "adapted" in columns or uncertainty)
     need_new_bundle = "new" in columns or "adapted" in columns or uncertainty
     if need_old and not old_model:
         raise ConfigError("the old model is required for columns old/adapted and uncertainty: pass --old-model "
@@ -63,6 +70,8 @@ def _resolve_models(columns, uncertainty, old_model, new_model):
         raise ConfigError("the new model is required for columns new/adapted and uncertainty: pass --new-model "
                           "(a saved bundle folder) or --random-init DIR for a smoke run")
     old_info = embedder_info(old_model) if need_old else None
+    if stored_old_dim is not None:
+        old_info = {"embed_dim": int(stored_old_dim)}
     new_info = embedder_info(new_model) if need_new_bundle else None
     dims = {}
     for c in columns:
@@ -112,8 +121,12 @@ def build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, 
     ds = ds.map_batches(load_images, fn_kwargs={"source": source, "on_corrupt": opts.on_corrupt},
                         batch_size=st["render"].batch_size, num_cpus=st["render"].num_cpus,
                         compute=TaskPoolStrategy(size=st["render"].concurrency))
-    ds = ds.map_batches(preprocess, batch_size=st["preprocess"].batch_size, num_cpus=st["preprocess"].num_cpus,
-                        compute=TaskPoolStrategy(size=st["preprocess"].concurrency))
+    if getattr(source, "provides_old", False):  # stored old features: no image, no backbone
+        need_old = need_new = False
+    else:
+        ds = ds.map_batches(preprocess, batch_size=st["preprocess"].batch_size,
+                            num_cpus=st["preprocess"].num_cpus,
+                            compute=TaskPoolStrategy(size=st["preprocess"].concurrency))
     if need_new:
         s = st["new"]
         g = _gpus(s, opts, cluster_gpus)
@@ -141,11 +154,11 @@ def _find_corrupt(exc: BaseException) -> str | None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, CorruptImageError):
-            return str(exc)
-        cause = getattr(exc, "cause", None)
+        cause = getattr(exc, "cause", None)  # RayTaskError keeps the worker's exception here
         if isinstance(cause, CorruptImageError):
             return str(cause)
+        if isinstance(exc, CorruptImageError):
+            return str(exc).strip().splitlines()[-1]
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -161,8 +174,6 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
     from ``new_model``. Resumes an interrupted run with the same settings; raises
     ``ConfigError`` for different ones. Uses the connected Ray cluster (connects an embedded
     one if none)."""
-    import ray
-
     from raycompat.cluster import connect
     from raycompat.pipeline.manifest import check_or_write, content_manifest
     from raycompat.pipeline.summary import MemorySampler, format_summary, stage_times
@@ -174,7 +185,11 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
     columns = parse_columns(columns)
     if not columns and not uncertainty:
         raise ConfigError("nothing to compute: --columns is empty and uncertainty is off")
-    need_old, need_new, need_feature_stage, dims = _resolve_models(columns, uncertainty, old_model, new_model)
+    stored_old_dim = source.old_dim if getattr(source, "provides_old", False) else None
+    need_old, need_new, need_feature_stage, dims = _resolve_models(columns, uncertainty, old_model, new_model,
+                                                                   stored_old_dim)
+    if stored_old_dim is not None:
+        old_model = None
     if ids is not None:
         ids = np.asarray(ids, np.int64)
         plan = IdPlan.from_ids(ids, opts.chunk_size)
@@ -214,15 +229,19 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
     assembler = ChunkAssembler(store, plan, [f.name for f in schema] + ["error"])
     started = time.perf_counter()
     stages: list[dict] = []
+    first = None
     with MemorySampler(opts.memory_interval_s, progress=lambda: assembler.received) as memory:
         if todo:
             ds = build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, need_feature_stage,
                                columns, uncertainty, opts)
             last = started
+            first = None
             try:
                 for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1):
                     assembler.add(batch)
                     now = time.perf_counter()
+                    if first is None:
+                        first = (now - started, assembler.received)
                     if now - last >= opts.progress_every_s:
                         last = now
                         got = assembler.received
@@ -231,7 +250,7 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
                         log(f"[embed_gallery] {got}/{planned} items embedded ({100 * got / planned:.1f} %), "
                             f"{assembler.written_chunks}/{len(todo)} shards written, {rate:.0f} items/s, "
                             f"ETA {eta:.0f} s, peak memory PSS {memory.peak_pss_mib:.0f} MiB")
-            except ray.exceptions.RayError as exc:
+            except Exception as exc:  # Ray Data wraps a failing stage's exception
                 message = _find_corrupt(exc)
                 if message:
                     raise CorruptImageError(
@@ -248,6 +267,9 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
         "items_written": assembler.written_items, "items_skipped": len(skipped), "skipped": skipped[:1000],
         "shards_written": assembler.written_chunks, "seconds": seconds,
         "items_per_s": (assembler.written_items + len(skipped)) / seconds if seconds > 0 else 0.0,
+        "first_output_s": first[0] if first else None,
+        "steady_items_per_s": ((assembler.received - first[1]) / (seconds - first[0])
+                               if first and seconds > first[0] else None),
         "columns": list(columns), "uncertainty_columns": list(unc_cols), "dims": dims,
         "memory": {"peak_rss_mib": memory.peak_rss_mib, "peak_pss_mib": memory.peak_pss_mib,
                    "what": "sum over the driver and every process it started (embedded Ray: GCS, raylet, "
@@ -286,8 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compute unc_least_confidence, unc_margin, unc_entropy (RACT Eq.9-11)")
     w.add_argument("--ids", default=None, help="only these item ids: START:STOP, or a file of ids (text or .npy)")
     s = p.add_argument_group("source")
-    s.add_argument("--source", choices=("glyphs", "image_folder", "parquet", "gldv2"), default="glyphs")
-    s.add_argument("--path", help="image folder, parquet file/folder, or GLDv2 csv")
+    s.add_argument("--source", choices=("glyphs", "image_folder", "parquet", "gldv2", "old_features"),
+                   default="glyphs", help="old_features: refresh stored old features (an earlier output) with "
+                                          "psi / uncertainty, no images")
+    s.add_argument("--path", help="image folder, parquet file/folder, GLDv2 csv, or old-feature parquet folder")
     s.add_argument("--image-root", help="GLDv2 image root (a/b/c/<id>.jpg layout)")
     s.add_argument("--image-column", default="image")
     s.add_argument("--label-column", default="label")
@@ -342,6 +366,10 @@ def source_from_args(args, in_chans: int, resolution: int):
         return GlyphGallerySource(scenario, extra, resolution, args.data_seed)
     if not args.path:
         raise ConfigError(f"--source {args.source} needs --path")
+    if args.source == "old_features":
+        from raycompat.pipeline.sources import OldFeatureSource
+
+        return OldFeatureSource(args.path)
     kw = dict(split=args.split, resolution=resolution, in_chans=in_chans)
     try:
         if args.source == "image_folder":
@@ -368,10 +396,15 @@ def run_from_args(args) -> GalleryRun:
         if old_model or new_model:
             raise ConfigError("--random-init replaces --old-model/--new-model; pass one or the other")
         old_model, new_model = make_random_bundles(args.random_init)
-    _resolve_models(columns, args.uncertainty, old_model, new_model)  # fail before starting anything
-    info = embedder_info(old_model or new_model)
-    resolution = args.resolution or info.get("resolution") or 32
-    source = source_from_args(args, info["in_chans"], int(resolution))
+    # every check that needs no cluster runs before one starts
+    if args.source == "old_features":
+        source = source_from_args(args, 1, 32)
+        _resolve_models(columns, args.uncertainty, None, new_model, source.old_dim)
+    else:
+        _resolve_models(columns, args.uncertainty, old_model, new_model)
+        info = embedder_info(old_model or new_model)
+        resolution = args.resolution or info.get("resolution") or 32
+        source = source_from_args(args, info["in_chans"], int(resolution))
     ids = parse_ids_option(args.ids) if args.ids else None
     connect(args.address, num_cpus=args.num_cpus)
     return embed_gallery(args.out, source, old_model=old_model, new_model=new_model, columns=columns,

@@ -370,3 +370,90 @@ class ParquetImageSource(GallerySource):
             else:
                 decoded[k] = _decode(bytes(value), int(ids[k]), where, mode, self.resolution, on_corrupt)
         return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
+
+
+class OldFeatureSource(GallerySource):
+    """Stored old features (an earlier output of this pipeline, or any parquet with
+    ``item_id``, ``label``, ``split`` and an ``old`` vector column): the gallery refresh with
+    psi needs no image and no backbone pass (DMU forward adaptation). ``load`` returns the
+    ``old`` column instead of an image; features are read per row group."""
+
+    kind = "old_features"
+    provides_old = True
+
+    def __init__(self, path: str):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.location = os.path.abspath(path)
+        if os.path.isdir(path):
+            files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                           if f.endswith(".parquet") and not f.startswith((".", "_")))
+        elif os.path.isfile(path):
+            files = [path]
+        else:
+            raise ConfigError(f"old-feature source not found: {path}")
+        if not files:
+            raise ConfigError(f"no .parquet files in {path}")
+        self.files = [os.path.abspath(f) for f in files]
+        ids, labels, splits, file_of, group_of, row_of = [], [], [], [], [], []
+        self.old_dim = None
+        for f_index, f in enumerate(self.files):
+            pf = pq.ParquetFile(f)
+            schema = pf.schema_arrow
+            missing = [c for c in ("item_id", "label", "split", "old") if c not in schema.names]
+            if missing:
+                raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {schema.names}")
+            t = schema.field("old").type
+            if not pa.types.is_fixed_size_list(t):
+                raise ConfigError(f"column 'old' of {f} must be fixed_size_list<float32>, got {t}")
+            if self.old_dim not in (None, t.list_size):
+                raise ConfigError(f"column 'old' has dimension {t.list_size} in {f}, {self.old_dim} elsewhere")
+            self.old_dim = t.list_size
+            for g in range(pf.num_row_groups):
+                tab = pf.read_row_group(g, columns=["item_id", "label", "split"])
+                n = tab.num_rows
+                ids.append(tab.column("item_id").to_numpy().astype(np.int64))
+                labels.append(tab.column("label").to_numpy().astype(np.int64))
+                splits += tab.column("split").to_pylist()
+                file_of.append(np.full(n, f_index, np.int32))
+                group_of.append(np.full(n, g, np.int32))
+                row_of.append(np.arange(n, dtype=np.int64))
+        ids = np.concatenate(ids)
+        order = np.argsort(ids, kind="stable")
+        self.ids = ids[order]
+        if (np.diff(self.ids) == 0).any():
+            raise ConfigError(f"old-feature source {path}: duplicate item ids")
+        self.labels = np.concatenate(labels)[order]
+        self.splits = np.asarray(splits, dtype=object)[order]
+        self.file_of = np.concatenate(file_of)[order]
+        self.group_of = np.concatenate(group_of)[order]
+        self.row_of = np.concatenate(row_of)[order]
+
+    def num_ids(self) -> int:
+        return int(self.ids.size)
+
+    def all_ids(self) -> np.ndarray:
+        return self.ids
+
+    def describe(self) -> dict:
+        h = hashlib.sha256(self.ids.tobytes())
+        for f in self.files:
+            h.update(f"{f}:{os.path.getsize(f)};".encode())
+        return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "old_dim": self.old_dim,
+                "files_sha256": h.hexdigest()[:16]}
+
+    def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
+        import pyarrow.parquet as pq
+
+        ids = np.asarray(ids, np.int64)
+        pos = np.searchsorted(self.ids, ids)
+        old = np.empty((ids.size, self.old_dim), np.float32)
+        keys = np.stack([self.file_of[pos], self.group_of[pos]], 1)
+        for f, g in np.unique(keys, axis=0).tolist():
+            mask = (keys[:, 0] == f) & (keys[:, 1] == g)
+            col = pq.ParquetFile(self.files[f]).read_row_group(g, columns=["old"]).column("old").combine_chunks()
+            values = col.flatten().to_numpy().reshape(len(col), self.old_dim)
+            old[mask] = values[self.row_of[pos[mask]]]
+        return {"item_id": ids, "label": self.labels[pos], "split": self.splits[pos], "old": old,
+                "error": np.full(ids.size, "", dtype=object)}

@@ -9,11 +9,20 @@ import time
 MIB = 1 << 20
 
 
+def _psutil():
+    """psutil; Ray ships a copy in ``ray/thirdparty_files`` that ``import ray`` puts on the path."""
+    try:
+        import psutil
+    except ImportError:
+        import ray  # noqa: F401
+        import psutil
+    return psutil
+
+
 def process_tree(root_pid: int | None = None):
     """The driver and every process it started (with an embedded Ray: GCS, raylet, dashboard,
     workers and actors); psutil ``Process`` objects."""
-    import psutil
-
+    psutil = _psutil()
     root = psutil.Process(root_pid or os.getpid())
     try:
         return [root, *root.children(recursive=True)]
@@ -25,8 +34,7 @@ def tree_memory(root_pid: int | None = None) -> dict:
     """Summed memory of the process tree in MiB: ``rss`` counts shared pages (object store
     mappings, libraries) once per process, ``pss`` splits each shared page among the processes
     mapping it (what the tree costs the machine)."""
-    import psutil
-
+    psutil = _psutil()
     rss = pss = 0
     procs = 0
     for p in process_tree(root_pid):
@@ -133,7 +141,9 @@ def format_summary(summary: dict) -> str:
 
     lines = [f"items written {summary['items_written']} (of {summary['items_planned']} planned; "
              f"{summary['items_resumed']} already done, {summary['items_skipped']} corrupt skipped) in "
-             f"{summary['seconds']:.1f} s: {summary['items_per_s']:.1f} items/s",
+             f"{summary['seconds']:.1f} s: {summary['items_per_s']:.1f} items/s"
+             + (f" (first output after {summary['first_output_s']:.1f} s of start-up; "
+                f"{summary['steady_items_per_s']:.1f} items/s after it)" if summary.get("steady_items_per_s") else ""),
              f"peak memory (driver + Ray processes): PSS {summary['memory']['peak_pss_mib']:.0f} MiB, "
              f"RSS sum {summary['memory']['peak_rss_mib']:.0f} MiB"]
     stages = [s for s in summary.get("stages", []) if "error" not in s]
