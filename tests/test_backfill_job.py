@@ -162,3 +162,22 @@ def test_bundle_modules_fill_the_adapted_and_rank_merge_arrays():
     assert [c.mode for c in r.curves] == ["adapted", "rank_merge"]
     r2 = simulate_backfill(out, ["random"], ["rank_merge"], grid_step=50, k=5, rank_merge_distance="sq_l2_raw")
     assert np.isfinite(r2.curves[0].metrics["mAP"]).all()
+
+
+def test_reports_go_to_storage_uri(tmp_path):
+    """--storage URI: embeddings read from it, the report written under <storage>/backfill/<name>."""
+    store = tmp_path / "store"
+    store.mkdir()
+    write_parquet(store / "emb.parquet")
+    res = run_job(*["--embeddings", f"file://{store}/emb.parquet", "--storage", f"file://{store}",
+                   "--name", "exp1", "--policies", "random", "--modes", "compatible", "--no-plots"])
+    assert res.returncode == 0, res.stderr
+    assert f"file://{store}/backfill/exp1/curves.json" in res.stdout
+    assert json.loads((store / "backfill" / "exp1" / "curves.json").read_text())["n_items"] == 60
+
+
+def test_unwritable_storage_fails_before_simulating(tmp_path):
+    write_parquet(tmp_path / "emb.parquet")
+    res = run_job("--embeddings", str(tmp_path / "emb.parquet"), "--storage", "/proc/raycompat")
+    assert res.returncode == 2
+    assert "--storage /proc/raycompat is not writable" in res.stderr

@@ -248,7 +248,7 @@ def load_parquet(path: str, *, compatible_dim: Optional[int] = None) -> GalleryE
     """Read embeddings from a parquet file or a folder of parquet files (schema above)."""
     import pyarrow.parquet as pq
 
-    if not os.path.exists(path):
+    if "://" not in str(path) and not os.path.exists(path):
         raise BackfillInputError(f"embeddings not found: {path}")
     try:
         table = pq.read_table(path)
@@ -287,4 +287,4 @@ def load_parquet(path: str, *, compatible_dim: Optional[int] = None) -> GalleryE
         gallery_adapted=vecs["adapted"][is_g] if "adapted" in vecs else None,
         query_labels=labels[is_q], query_old=vecs["old"][is_q], query_new=vecs["new"][is_q],
         gallery_ids=ids[is_g], query_ids=ids[is_q], compatible_dim=compatible_dim,
-        source=os.path.abspath(path))
+        source=path if "://" in str(path) else os.path.abspath(path))
