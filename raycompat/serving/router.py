@@ -108,7 +108,8 @@ def build_router(cfg: dict):
             response = error_response(500, f"internal error: {type(exc).__name__}")
         m = shared["metrics"]
         if m is not None:
-            m.observe(request.url.path, response.status_code, time.perf_counter() - t0,
+            route = request.scope.get("route")      # the matched route (bounded label set)
+            m.observe(getattr(route, "path", "unmatched"), response.status_code, time.perf_counter() - t0,
                       int(request.scope.get("raycompat_queries", 0)))
         return response
 
@@ -181,13 +182,14 @@ def build_router(cfg: dict):
             if req.images is not None:
                 from raycompat.serving.embedder_pool import ImageInputError, decode_images
 
-                emb = self.embedder()
-                try:
-                    imgs = decode_images(req.images, emb.resolution, emb.in_chans, self.limits.max_image_bytes,
-                                         self.limits.max_image_pixels)
+                emb = self.embedder() if self.cfg.get("new_model") else None
+                try:   # images are checked first, so a bad image is named even without a model
+                    imgs = decode_images(req.images, emb.resolution if emb else 32, emb.in_chans if emb else 1,
+                                         self.limits.max_image_bytes, self.limits.max_image_pixels)
                 except ImageInputError as exc:
                     status = 413 if "exceeds the limit" in str(exc) else 400
                     raise ApiError(status, str(exc), "body.images") from None
+                emb = self.embedder()
                 q = await asyncio.to_thread(emb.embed_images, imgs)
                 if q.shape[1] != self.dims["new"]:
                     raise ApiError(400, f"the new model embeds to {q.shape[1]} dims, the gallery holds "
