@@ -237,14 +237,16 @@ def test_offline_equals_online(serve_port, gallery_parquet, token_file, tmp_path
 
 
 # ----------------------------------------------------------------------------- durability
-def _replica_actor(deployment: str):
+def _replica_actor(client, deployment: str):
+    """The Serve replica actor of a deployment, by the name the replica reports in /status."""
     import ray
-    from ray.util.state import list_actors
 
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        if a.class_name == f"ServeReplica:{APP}:{deployment}":
-            return ray.get_actor(a.name, namespace="serve"), a.name
-    raise LookupError(deployment)
+    st = client.status()
+    if deployment == "backfill":
+        name = st["backfill"]["actor_name"]
+    else:
+        name = next(s["actor_name"] for s in st["shards"] if f"shard-{s['shard']}" == deployment)
+    return ray.get_actor(name, namespace="serve"), name
 
 
 def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, gallery_parquet, token_file,
@@ -265,15 +267,15 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, ga
         while not stop.is_set():
             t = time.time()
             try:
-                r = sess.post(client.base + "/search", json={"vectors": q, "k": 600}, timeout=30)
-                outcomes.append((t, r.status_code))
+                r = sess.post(client.base + "/search", json={"vectors": q, "k": 600}, timeout=60)
+                outcomes.append((t, r.status_code, time.time() - t))
                 if r.status_code == 200:
                     for row in r.json()["results"]:
                         ids = [h["id"] for h in row]
                         if len(ids) != 600 or len(set(ids)) != 600:
                             dup_or_missing.append(len(set(ids)))
             except requests.RequestException as exc:
-                outcomes.append((t, type(exc).__name__))
+                outcomes.append((t, type(exc).__name__, time.time() - t))
 
     threads = [threading.Thread(target=load) for _ in range(2)]
     try:
@@ -288,7 +290,7 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, ga
         special = np.linspace(-1, 1, 16).tolist()
         assert client.upsert([{"id": int(victim), "representation": "old", "vector": special}])["applied"] == 1
         before = client.status()["shards"]
-        actor, name = _replica_actor("shard-0")
+        actor, name = _replica_actor(client, "shard-0")
         t_kill = time.time()
         ray.kill(actor, no_restart=True)
         # wait for the backfill to finish through the outage (the controller retries the dead shard)
@@ -333,9 +335,13 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, ga
         serve.delete(APP)
     failed = [o for o in outcomes if o[1] != 200]
     during = [o for o in outcomes if o[0] >= t_kill]
+    before_lat = [o[2] for o in outcomes if o[0] < t_kill]
     print(f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed ({len(during)} sent after the kill); "
           f"codes {sorted({str(o[1]) for o in failed})}; "
           f"failure window {max((o[0] for o in failed), default=t_kill) - t_kill:.2f} s; "
+          f"latency before the kill median {np.median(before_lat):.3f} s, after the kill median "
+          f"{np.median([o[2] for o in during]):.3f} s max {max(o[2] for o in during):.3f} s; "
+          f"controller upsert retries {st['backfill'].get('upsert_retries')}; "
           f"shard-0 recovery {shard0['recovery']}")
     assert not dup_or_missing, dup_or_missing[:5]
     assert all(o[1] == 503 or isinstance(o[1], str) for o in failed)   # outage answers 503, never 500
@@ -351,7 +357,7 @@ def test_backfill_controller_crash_resumes_from_checkpoint(serve_port, gallery_p
         client.start_backfill(policy="sequential", rate=200.0, batch_size=10)
         while client.status()["backfill"]["position"] < 100:
             time.sleep(0.05)
-        actor, _ = _replica_actor("backfill")
+        actor, _ = _replica_actor(client, "backfill")
         ray.kill(actor, no_restart=True)
         t0 = time.time()
         while True:

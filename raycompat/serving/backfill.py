@@ -194,6 +194,13 @@ class BackfillController:
             moved = int(self.ck["position"]) - self._rate_p0
             out["items_per_s"] = moved / dt if dt > 0 and moved > 0 else None
             out["upsert_retries"] = self.upsert_retries
+            out["pid"] = os.getpid()
+            try:
+                import ray
+
+                out["actor_name"] = ray.get_runtime_context().get_actor_name()
+            except Exception:  # pragma: no cover - outside an actor
+                out["actor_name"] = None
             return out
 
     # ------------------------------------------------------------------ the loop

@@ -129,6 +129,9 @@ def build_models(limits: Limits):
         error: Optional[str] = None
         resumed_from_checkpoint: bool = False
         items_per_s: Optional[float] = None
+        upsert_retries: int = 0
+        pid: Optional[int] = None
+        actor_name: Optional[str] = None
 
     class StatusResponse(BaseModel):
         items: ShardCounts

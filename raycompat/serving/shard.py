@@ -92,4 +92,5 @@ class ShardServer:
                 "log_bytes": self.state.log.size_bytes(), "startup_s": self.startup_s,
                 "started": self.started, "pid": os.getpid(), "searches": self.searches,
                 "actor_id": ray.get_runtime_context().get_actor_id(),
+                "actor_name": ray.get_runtime_context().get_actor_name(),
                 "representations": list(REPRESENTATIONS)}
