@@ -1,0 +1,178 @@
+"""Load benchmark of the live index: concurrent HTTP searches against N items on S shards
+(default 1M x 128-dim synthetic vectors on 4 shards), idle and during a live backfill; QPS and
+p50 / p99 latency per concurrency level, and the ratio to in-process faiss (IndexFlatIP over
+the same vectors, searched one query per call from the same number of threads, one OpenMP
+thread each -- as the shards run).
+
+    bash .ci/env python bench/serve_load.py                       # 1M items, 4 shards
+    bash .ci/env python bench/serve_load.py --items 100000 --seconds 5
+
+Numbers on a shared machine are rough: say so when you quote them.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def run_threads(concurrency: int, seconds: float, one_call):
+    """``concurrency`` threads calling ``one_call(i)`` for ``seconds``: (QPS, latencies, errors)."""
+    lat, errors = [], [0]
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def worker(w):
+        mine, i = [], w
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            ok = one_call(i)
+            mine.append(time.perf_counter() - t)
+            if not ok:
+                with lock:
+                    errors[0] += 1
+            i += concurrency
+        with lock:
+            lat.extend(mine)
+
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    wall = time.perf_counter() - t0
+    return len(lat) / wall, np.asarray(lat), errors[0]
+
+
+def summarize(qps, lat, errors):
+    return {"qps": qps, "p50_ms": 1000 * float(np.percentile(lat, 50)) if lat.size else None,
+            "p99_ms": 1000 * float(np.percentile(lat, 99)) if lat.size else None, "requests": int(lat.size),
+            "errors": int(errors)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--items", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--backfill-rate", type=float, default=2000.0, help="items/s during the live-backfill run")
+    p.add_argument("--out", default="bench_out/serve_load")
+    p.add_argument("--address", default=None)
+    a = p.parse_args(argv)
+    levels = [int(x) for x in a.concurrency.split(",")]
+
+    import faiss
+    import requests
+
+    from raycompat.serving.gallery_source import SyntheticGallery
+    from raycompat.serving.hot_refresh import free_port
+
+    os.makedirs(a.out, exist_ok=True)
+    gal = SyntheticGallery(a.items, a.dim, a.dim, seed=0)
+    queries = np.random.default_rng(123).standard_normal((4096, a.dim)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    cores = os.cpu_count()
+    print(f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
+          f"{a.seconds:.0f} s each; machine: {cores} cores (shared with other jobs: numbers are rough)", flush=True)
+
+    # ---------------------------------------------------------------- in-process faiss baseline
+    t = time.perf_counter()
+    vecs = np.concatenate([gal.initial_vectors("old", s, a.shards)[1] for s in range(a.shards)])
+    print(f"[serve_load] generated {vecs.shape[0]} vectors in {time.perf_counter() - t:.1f} s", flush=True)
+    faiss.omp_set_num_threads(1)
+    index = faiss.IndexFlatIP(a.dim)
+    index.add(vecs)
+    del vecs
+    baseline = {}
+    for c in levels:
+        qps, lat, err = run_threads(c, a.seconds, lambda i: index.search(queries[i % 4096:i % 4096 + 1], a.k) and True)
+        baseline[c] = summarize(qps, lat, err)
+        print(f"  in-process faiss  c={c:3d}: {qps:8.1f} QPS  p50 {baseline[c]['p50_ms']:.1f} ms  "
+              f"p99 {baseline[c]['p99_ms']:.1f} ms", flush=True)
+    del index
+
+    # ---------------------------------------------------------------- the served index
+    from raycompat.cluster import connect
+    from raycompat.serving.app import start_serving, stop_serving
+    from raycompat.serving.auth import TOKEN_ENV
+    from raycompat.serving.client import ServingClient
+    from raycompat.serving.config import serving_config
+
+    os.environ.setdefault(TOKEN_ENV, "bench-token-" + os.urandom(8).hex())
+    connect(a.address)
+    state = os.path.abspath(os.path.join(a.out, "state"))
+    shutil.rmtree(state, ignore_errors=True)
+    cfg = serving_config(gallery=f"synthetic:{a.items}:{a.dim}:{a.dim}:0", state_dir=state, num_shards=a.shards,
+                         port=free_port(), app_name="serve_load", snapshot_every=10 ** 9)
+    t = time.perf_counter()
+    url = start_serving(cfg, a.address)
+    client = ServingClient(url, token=os.environ[TOKEN_ENV], timeout=120)
+    st = client.wait_ready(timeout=900)
+    print(f"[serve_load] served at {url} in {time.perf_counter() - t:.1f} s: {st['items']}", flush=True)
+    sessions = [requests.Session() for _ in range(max(levels))]
+
+    def http_call(i):
+        r = sessions[i % len(sessions)].post(url + "/search", json={"vectors": [queries[i % 4096].tolist()],
+                                                                     "k": a.k}, timeout=120)
+        return r.status_code == 200
+
+    # same results as in-process (exact index): a spot check
+    ids, _, _ = client.search(queries[:3], k=a.k)
+    results = {"idle": {}, "backfill": {}}
+    try:
+        for phase in ("idle", "backfill"):
+            if phase == "backfill":
+                client.start_backfill(policy="sequential", rate=a.backfill_rate, batch_size=256, restart=True)
+            for c in levels:
+                p0 = client.status()["backfill"]["position"]
+                t0 = time.perf_counter()
+                qps, lat, err = run_threads(c, a.seconds, lambda i: http_call(i))
+                moved = client.status()["backfill"]["position"] - p0
+                r = summarize(qps, lat, err)
+                r["backfill_items_per_s"] = moved / (time.perf_counter() - t0)
+                r["ratio_to_inprocess"] = qps / baseline[c]["qps"]
+                results[phase][c] = r
+                print(f"  HTTP {phase:8s} c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms"
+                      f"  errors {err}  ratio to in-process {r['ratio_to_inprocess']:.3f}"
+                      + (f"  (backfill {r['backfill_items_per_s']:.0f} items/s)" if phase == "backfill" else ""),
+                      flush=True)
+        final = client.status()
+        client.pause_backfill()
+    finally:
+        stop_serving(cfg)
+    rows = []
+    for c in levels:
+        b = baseline[c]
+        i, f = results["idle"][c], results["backfill"][c]
+        rows.append(f"| {c} | {b['qps']:.1f} | {b['p50_ms']:.1f} / {b['p99_ms']:.1f} | {i['qps']:.1f} | "
+                    f"{i['p50_ms']:.1f} / {i['p99_ms']:.1f} | {i['ratio_to_inprocess']:.3f} | {f['qps']:.1f} | "
+                    f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['ratio_to_inprocess']:.3f} | "
+                    f"{f['backfill_items_per_s']:.0f} |")
+    md = "\n".join([
+        f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}", "",
+        f"Machine: {cores} cores, shared with other jobs while measured (rough numbers). In-process baseline: "
+        "faiss IndexFlatIP over the same vectors, one query per call, one OpenMP thread per calling thread.", "",
+        "| concurrency | in-process QPS | in-process p50/p99 ms | HTTP QPS | HTTP p50/p99 ms | ratio | "
+        "HTTP QPS during backfill | p50/p99 ms during backfill | ratio | backfill items/s |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        f"Backfill at the end: {final['backfill']['position']} / {final['backfill']['total']} items upgraded."])
+    with open(os.path.join(a.out, "serve_load.md"), "w") as fh:
+        fh.write(md + "\n")
+    with open(os.path.join(a.out, "serve_load.json"), "w") as fh:
+        json.dump({"args": vars(a), "baseline": baseline, "served": results, "cores": cores}, fh, indent=1)
+    print(md, flush=True)
+    print(f"[serve_load] wrote {a.out}/serve_load.md and .json")
+
+
+if __name__ == "__main__":
+    main()
