@@ -403,3 +403,73 @@ def test_fuzz_openapi_no_5xx(api):
     print(f"\nFUZZ: {calls[0]} generated requests, status codes {dict(sorted(codes.items()))}")
     assert calls[0] > 100 and any(400 <= c < 500 for c in codes) and 200 in codes
     assert not server_errors, server_errors[:5]
+
+
+# ----------------------------------------------------------------------------- vector sources
+def _random_bundle(path, d_new=24, d_old=16, resolution=16):
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ModelBundle
+
+    torch.manual_seed(0)
+    modules = {"embedder": Embedder("test_resnet", d_new, in_chans=1), "head": ClassifierHead(d_new, 5, kind="cosface")}
+    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(str(path))
+    return str(path)
+
+
+def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(serve_port, token_file, tmp_path):
+    """New vectors from the embedder actor pool (glyphs rendered + embedded by Ray actors holding
+    the new model) and from a pipeline parquet output; image queries embedded by the router."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from ray import serve
+
+    from raycompat.data import GlyphRenderer, default_catalog
+    from raycompat.index.search import l2_normalize
+    from raycompat.serving.embedder_pool import ModelEmbedder
+
+    bundle = _random_bundle(tmp_path / "new_model")
+    n, rng = 80, np.random.default_rng(3)
+    classes, instances = np.arange(n) % 40, np.arange(n) // 40      # distinct glyph items
+    emb = ModelEmbedder(bundle)
+    new = emb.embed_glyphs(classes, instances)
+    data = GalleryEmbeddings(gallery_labels=classes, gallery_old=rng.standard_normal((n, 16)).astype(np.float32),
+                             gallery_new=new, query_labels=classes[:4], query_new=new[:4],
+                             query_old=rng.standard_normal((4, 16)).astype(np.float32),
+                             gallery_ids=np.arange(n) + 100, query_ids=np.arange(4) + 10_000, compatible_dim=16)
+    gallery = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
+    items = str(tmp_path / "items.parquet")
+    pq.write_table(pa.table({"item_id": np.arange(n) + 100, "label": classes, "instance": instances}), items)
+    flipped = -new                                  # the "pipeline" wrote other vectors: we can tell them apart
+    out = str(tmp_path / "pipeline.parquet")
+    pq.write_table(pa.table({"item_id": np.arange(n) + 100, "new": pa.FixedSizeListArray.from_arrays(
+        pa.array(flipped.reshape(-1)), 24)}), out)
+    _, client = deploy(serve_port, tmp_path / "state", gallery, token_file, num_shards=2, new_model=bundle,
+                       items=items, pipeline_output=out, fsync=False)
+    try:
+        client.start_backfill(policy="random", seed=0, batch_size=16, until=40, source="embedder")
+        client.wait_backfill(40, timeout=240)
+        order = np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))
+        first = order[:40] - 100
+        ids, scores, reps = client.search(l2_normalize(new[first]), k=1)
+        assert (ids[:, 0] == first + 100).all() and (reps[:, 0] == "new").all() and (scores[:, 0] > 0.999).all()
+        # image queries: the router decodes the PNG and embeds it with the new model
+        renderer = GlyphRenderer(default_catalog(), resolution=16, seed=0)
+        imgs = renderer.render_batch(classes[first[:4]], instances[first[:4]])
+        from PIL import Image
+
+        b64 = []
+        for im in imgs:
+            buf = io.BytesIO()
+            Image.fromarray(im).save(buf, format="PNG")
+            b64.append(base64.b64encode(buf.getvalue()).decode())
+        res = client.search_images(b64, k=1)
+        assert [r[0]["id"] for r in res["results"]] == (first[:4] + 100).tolist()
+        # a restarted backfill from the pipeline's output replaces every vector
+        client.start_backfill(policy="sequential", batch_size=32, source="pipeline", restart=True)
+        client.wait_backfill(n, timeout=240)
+        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": n}
+        ids, scores, _ = client.search(l2_normalize(flipped[:10]), k=1)
+        assert (ids[:, 0] == np.arange(10) + 100).all() and (scores[:, 0] > 0.999).all()
+    finally:
+        serve.delete(APP)
