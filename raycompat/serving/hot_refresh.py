@@ -126,6 +126,8 @@ def _train_tiny(opts: HotRefreshOptions, scenario, out: str, log) -> str:
                           embed_dim=opts.embed_dim, old_epochs=opts.old_epochs, new_epochs=opts.new_epochs,
                           batch_size=64, data_seed=opts.data_seed, seed=opts.seed)
     runs_dir, models_dir = os.path.join(out, "runs"), os.path.join(out, "models")
+    os.makedirs(runs_dir, exist_ok=True)
+    os.makedirs(models_dir, exist_ok=True)
     models = {}
     for name, method, split, epochs, pred in (("old", "independent", "old_train", opts.old_epochs, None),
                                               ("bct", "bct", "new_train", opts.new_epochs, "old")):
