@@ -179,8 +179,25 @@ def quickstart_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def reproduce_main(argv: list[str] | None = None) -> int:
+    """Reproduction report: extended-data, open-class, architecture change and sequential
+    upgrades with every method; paper-shaped tables and a verdict on each headline claim."""
+    from raycompat.reproduce import ReproduceOptions, run_reproduce
+
+    parser = argparse.ArgumentParser(prog="reproduce.py", description=reproduce_main.__doc__)
+    ReproduceOptions.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        options = ReproduceOptions.from_args(args)
+    except (ConfigError, ValueError) as err:
+        return _fail(str(err))
+    run_reproduce(options)
+    return 0
+
+
 COMMANDS = {
     "quickstart": quickstart_main,
+    "reproduce": reproduce_main,
     "train": train_main,
     "train-old": train_old_main,
 }

@@ -65,7 +65,10 @@ def parse_options(cls: type, values: Mapping[str, Any] | None, *, owner: str = "
     parsed = {}
     for name, value in values.items():
         field = fields[name]
-        value = _coerce(f"{prefix}{name}", value, hints[name])
+        try:
+            value = _coerce(name, value, hints[name])
+        except ConfigError as err:
+            raise ConfigError(f"{prefix}{err}") from None
         allowed = field.metadata.get("choices")
         if allowed and value not in allowed:
             raise ConfigError(f"{prefix}option {name!r} = {value!r} is not allowed; "

@@ -125,3 +125,59 @@ def cross_evaluate(old: EmbeddedSet, new_sets: Iterable[EmbeddedSet], query_labe
             update_gain=report["update_gain"], delta_up=report["delta_up"],
             delta_down=report["delta_down"]))
     return rows, verdicts
+
+
+@torch.no_grad()
+def transform(module: torch.nn.Module, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
+    """Apply a bundle module (psi, rho, psi_rev) to stored embeddings, eval mode, float32."""
+    module = module.eval()
+    out = [module(torch.from_numpy(np.ascontiguousarray(x[s:s + batch_size]))).float().numpy()
+           for s in range(0, len(x), batch_size)]
+    return np.concatenate(out) if out else np.zeros((0, getattr(module, "out_dim", 0)), np.float32)
+
+
+def chain_adapt(gallery: np.ndarray, psis: list) -> np.ndarray:
+    """Forward adaptation across generations (METHODS.md 8, "DMU chains psi"): the gallery of
+    generation i brought to generation j by ``psi_j(...psi_{i+1}(phi_i(g)))``; ``psis`` in
+    order ``[psi_{i+1}, ..., psi_j]``."""
+    for psi in psis:
+        gallery = transform(psi, gallery)
+    return gallery
+
+
+def sequential_cross_evaluate(generations: list[EmbeddedSet], query_labels, gallery_labels,
+                              psis: list | None = None, k: int = 100) -> list[dict]:
+    """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (METHODS.md 8): queries of
+    generation j against the gallery of generation i, for every i <= j (phi_3 vs phi_1 too).
+
+    Across generations only the shared compatible subspace is used (the first
+    ``min(D_i, compatible_dim_j, ...)`` dims). With ``psis`` (``psis[j]`` maps generation
+    j-1's space to j's, ``None`` for the first generation), every older gallery is also
+    evaluated after chained forward adaptation (``gallery_state="adapted"``).
+
+    Rows: ``{query_generation, gallery_generation, gallery_state, metric, value}`` with
+    1-based generations; ``gallery_state`` is ``stored`` or ``adapted``.
+    """
+    rows: list[dict] = []
+
+    def add(j, i, state, metrics):
+        for metric, value in metrics.items():
+            if not metric.startswith("num_"):
+                rows.append(dict(query_generation=j + 1, gallery_generation=i + 1,
+                                 gallery_state=state, metric=metric, value=float(value)))
+
+    for j, query in enumerate(generations):
+        for i in range(j + 1):
+            gallery = generations[i]
+            if i == j:
+                add(j, i, "stored", evaluate_pair(query.query, gallery.gallery, query_labels,
+                                                  gallery_labels, k=k))
+                continue
+            dims = min([gallery.gallery.shape[1]] + [g.compatible_dim for g in generations[i + 1:j + 1]])
+            add(j, i, "stored", evaluate_pair(query.query, gallery.gallery, query_labels,
+                                              gallery_labels, dims=dims, k=k))
+            chain = None if psis is None else psis[i + 1:j + 1]
+            if chain and all(p is not None for p in chain):
+                add(j, i, "adapted", evaluate_pair(query.query, chain_adapt(gallery.gallery, chain),
+                                                   query_labels, gallery_labels, k=k))
+    return rows

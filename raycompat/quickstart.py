@@ -65,26 +65,22 @@ class QuickstartOptions:
 
 def _train(opts: QuickstartOptions, scenario, name: str, method: str, split: str, epochs: int,
            old_model: str | None, runs_dir: str, models_dir: str):
-    from raycompat.train import TrainConfig, fit
+    from raycompat.train.runs import train_named
 
-    cfg = TrainConfig.from_dict(dict(
+    values = dict(
         method=method, backbone=opts.backbone, embed_dim=opts.embed_dim, head=opts.head,
         epochs=epochs, batch_size=opts.batch_size, lr=opts.lr, seed=opts.seed,
         scenario=scenario.to_dict(), split=split, resolution=opts.resolution,
         data_seed=opts.data_seed, num_workers=opts.workers, use_gpu=opts.gpus > 0,
-        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0, storage_path=runs_dir,
-        run_name=f"{name}-{_config_tag(opts, scenario)}", old_model=old_model, log_every=50))
-    started = time.time()
-    run = fit(cfg, export_to=os.path.join(models_dir, name))
-    return run, time.time() - started
+        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0, old_model=old_model, log_every=50)
+    return train_named(values, name, _config_tag(opts, scenario), runs_dir, models_dir)
 
 
 def _config_tag(opts: QuickstartOptions, scenario) -> str:
     """Identical options -> identical run names, so a re-run resumes instead of retraining."""
-    import hashlib
+    from raycompat.train.runs import config_tag
 
-    blob = json.dumps([dataclasses.asdict(opts), scenario.to_dict()], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+    return config_tag(dataclasses.asdict(opts), scenario.to_dict())
 
 
 def run_quickstart(opts: QuickstartOptions) -> dict:

@@ -70,6 +70,12 @@ class CompatMethod(nn.Module):
     class Options:
         lambda_compat: float = nonnegative(1.0)
 
+    @classmethod
+    def check_config(cls, cfg: Any, old_manifest: dict | None) -> None:
+        """Method-specific checks of a ``TrainConfig`` on the driver, before any worker starts
+        (``old_manifest``: the old bundle's manifest, if any); raise ``ConfigError``. Default:
+        nothing."""
+
     def __init__(self, options: Any, context: MethodContext):
         super().__init__()
         self.options = options

@@ -14,6 +14,12 @@ class L2(CompatMethod):
     name = "l2"
     description = "BCT Eq.3 baseline: 0.5*||phi_n(x) - phi_o(x)||^2 (needs equal embedding dims)"
 
+    @classmethod
+    def check_config(cls, cfg, old_manifest):
+        if old_manifest is not None and int(old_manifest["embed_dim"]) != cfg.embed_dim:
+            raise ConfigError(f"method 'l2' needs embed_dim == the old model's "
+                              f"({old_manifest['embed_dim']}), got {cfg.embed_dim}")
+
     def setup(self, embedder, head):
         if embedder.embed_dim != self.old.embed_dim:
             raise ConfigError(f"method 'l2' needs embed_dim == the old model's ({self.old.embed_dim}), "

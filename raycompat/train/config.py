@@ -2,10 +2,28 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
+
+
+@functools.lru_cache(maxsize=1)
+def _timm_models() -> frozenset:
+    import timm
+
+    return frozenset(timm.list_models())
+
+
+def check_backbone(name: str, key: str = "backbone") -> None:
+    """``name`` must be a timm model name (the rule of ``raycompat.models.Embedder``)."""
+    import difflib
+
+    if name not in _timm_models():
+        close = difflib.get_close_matches(str(name), sorted(_timm_models()), n=8)
+        raise ConfigError(f"{key} {name!r} is not a timm model name"
+                          + (f"; similar names: {close}" if close else ""))
 
 
 @dataclass
@@ -51,15 +69,17 @@ class TrainConfig:
     diagnostics_dir: str | None = None    # per-rank pid and parameter digests (tests)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any], check_paths: bool = True) -> "TrainConfig":
         cfg = parse_options(cls, values, owner="train config")
-        cfg.validate()
+        cfg.validate(check_paths)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def validate(self) -> None:
+    def validate(self, check_paths: bool = True) -> None:
+        """Every check that can run on the driver; ``check_paths=False`` skips reading the
+        old/init bundles (a job planning runs whose predecessors are not trained yet)."""
         from raycompat.methods import method_class, parse_method_options
 
         cls = method_class(self.method)
@@ -69,12 +89,62 @@ class TrainConfig:
         if getattr(cls, "needs_init_model", False) and not self.init_model:
             raise ConfigError(f"method {self.method!r} needs init_model "
                               "(the frozen new model, --init-model PATH)")
+        self._validate_values()
+        old = self._bundle_manifest("old_model") if self.old_model and check_paths else None
+        init = self._bundle_manifest("init_model") if self.init_model and check_paths else None
+        if old is not None and int(old["embed_dim"]) > self.embed_dim:
+            raise ConfigError(f"embed_dim {self.embed_dim} is smaller than the old model's "
+                              f"{old['embed_dim']}: the compatible subspace needs embed_dim >= "
+                              f"{old['embed_dim']}")
+        if init is not None:
+            for key in ("backbone", "embed_dim", "in_chans"):
+                if key in init and init[key] != getattr(self, key):
+                    raise ConfigError(f"init_model {self.init_model!r} has {key}={init[key]!r}, but "
+                                      f"this run has {key}={getattr(self, key)!r}: they must match")
+        cls.check_config(self, old)
         if self.batch_size % self.num_workers:
             raise ConfigError(f"batch_size {self.batch_size} must be divisible by "
                               f"num_workers {self.num_workers}")
         if not self.scenario:
             raise ConfigError("scenario is empty: build one with raycompat.data.build_scenario")
         splits = self.scenario.get("splits", {})
-        if self.split not in splits:
+        aliases = self.scenario.get("aliases", {})
+        if self.split not in splits and self.split not in aliases:
             raise ConfigError(f"split {self.split!r} is not in the scenario; "
-                              f"allowed splits: {sorted(splits)}")
+                              f"allowed splits: {sorted(set(splits) | set(aliases))}")
+        items = splits.get(aliases.get(self.split, self.split), {}).get("labels")
+        if items is not None and len(items) < self.batch_size:
+            raise ConfigError(f"split {self.split!r} has {len(items)} images: fewer than one batch "
+                              f"(batch_size {self.batch_size})")
+
+    def _validate_values(self) -> None:
+        """Checks that would otherwise fail inside a worker (timm, the renderer, torch)."""
+        import os
+
+        check_backbone(self.backbone)
+        if self.pretrained_path and not os.path.isfile(os.path.expanduser(self.pretrained_path)):
+            raise ConfigError(f"pretrained_path {self.pretrained_path!r}: no such file")
+        if self.head_scale is not None and self.head_scale <= 0:
+            raise ConfigError(f"head_scale must be > 0, got {self.head_scale}")
+        if self.head_margin is not None and self.head_margin < 0:
+            raise ConfigError(f"head_margin must be >= 0, got {self.head_margin}")
+        if self.resolution < 8:
+            raise ConfigError(f"resolution must be >= 8 pixels, got {self.resolution}")
+        for key in ("seed", "data_seed", "threads_per_worker"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.max_failures < -1:
+            raise ConfigError(f"max_failures must be >= -1 (-1: unlimited), got {self.max_failures}")
+
+    def _bundle_manifest(self, key: str) -> dict:
+        """The manifest of the bundle named by option ``key`` (old_model / init_model)."""
+        import json
+        import os
+
+        path = os.path.expanduser(getattr(self, key))
+        manifest = os.path.join(path, "manifest.json")
+        if not os.path.isfile(manifest):
+            raise ConfigError(f"{key} {getattr(self, key)!r} is not a model bundle "
+                              "(no manifest.json there)")
+        with open(manifest) as f:
+            return json.load(f)

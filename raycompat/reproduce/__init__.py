@@ -1,0 +1,58 @@
+"""The reproduction report (``jobs/reproduce.py``): the papers' scenarios at a small scale on
+the built-in glyphs with every method, paper-shaped tables, and a verdict on each headline
+claim of METHODS.md.
+
+``plan`` (scenarios x methods, scale presets), ``runner`` (training, evaluation, hot
+refresh), ``claims`` (one function per claim), ``report`` (markdown tables, plots).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+from raycompat.reproduce.claims import CLAIMS, evaluate_claims
+from raycompat.reproduce.plan import SCALES, SCENARIOS, VARIANTS, ReproduceOptions, ScaleOptions
+
+
+def run_reproduce(opts: ReproduceOptions) -> dict:
+    """Train, evaluate, decide the claims; write ``report.md``, ``report.json`` and PNGs to
+    ``opts.out``. Returns the report dict."""
+    from raycompat.cluster import connect
+    from raycompat.report import write_json
+    from raycompat.reproduce.report import plot_hot_refresh, render_markdown
+    from raycompat.reproduce.runner import Reproduction, options_dict
+
+    started = time.time()
+    out = os.path.abspath(opts.out)
+    os.makedirs(out, exist_ok=True)
+
+    def log(message: str) -> None:
+        print(f"[reproduce {time.time() - started:7.1f}s] {message}", flush=True)
+
+    log(f"scale {opts.scale}; scenarios {', '.join(opts.scenarios)}")
+    for scenario in opts.scenarios:
+        log(f"  {scenario}: {', '.join(v.label for v in opts.method_plan(scenario))}")
+    # an embedded cluster gets a logical CPU per concurrent training worker
+    connect(opts.address, num_cpus=None if opts.address else
+            max(os.cpu_count() or 1, opts.parallel * opts.sizes.workers))
+    results = Reproduction(opts, log).run()
+    claims = evaluate_claims(results)
+    plots = [os.path.relpath(p, out) for p in plot_hot_refresh(results, os.path.join(out, "plots"))]
+    timings = dict(results.pop("timings"))
+    timings["total_s"] = time.time() - started
+    report = dict(job="reproduce", options=options_dict(opts),
+                  machine=f"{os.cpu_count()} CPU cores, {platform.machine()}, shared with other jobs",
+                  skipped={s: opts.skipped(s) for s in opts.scenarios}, claims=claims,
+                  results=results, plots=plots, timings=timings)
+    write_json(os.path.join(out, "report.json"), report)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(render_markdown(report))
+    log(f"done in {timings['total_s']:.0f} s; report: {os.path.join(out, 'report.md')}")
+    for c in claims:
+        print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}", flush=True)
+    return report
+
+
+__all__ = ["CLAIMS", "SCALES", "SCENARIOS", "VARIANTS", "ReproduceOptions", "ScaleOptions",
+           "evaluate_claims", "run_reproduce"]
