@@ -230,6 +230,10 @@ def main(argv=None) -> int:
     print(f"{'scores at/above a query lowest threshold':<{w}} " + ", ".join(
         f"{name}: {100.0 * st['survivors'] / (n * nq):.2f}%" for name, st in sides.items())
         + "  (the per-survivor work; the rest is matmul + one max-reduction)")
+    for name, st in sides.items():
+        print(f"{f'  side {name} (21 points)':<{w}} {st['seconds']:10.2f} s   {st.get('workers', 1)} worker(s); "
+              f"thread-seconds: matmul {st['seconds_matmul']:.2f}, filter {st['seconds_filter']:.2f}, "
+              f"count {st['seconds_count']:.2f}")
     v = curves[21]["values_at"]
     print("values: " + "; ".join(f"t={t}: " + ", ".join(f"{m} {100 * x:.2f}" for m, x in vals.items())
                                  for t, vals in v.items()))

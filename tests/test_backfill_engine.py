@@ -189,7 +189,8 @@ def test_every_mode_and_policy_equals_brute_force(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_engine_paths_ties_band_and_tiles(seed, monkeypatch):
     """Engine alone on raw integer sides: tiny tiles (tile filter on), huge error band (every
-    survivor resolved after the pass), small blocks, debug sentinel; all equal brute force."""
+    survivor resolved after the pass), small blocks, debug sentinel, both ways of locating
+    survivors among thresholds, one to three worker threads; all equal brute force."""
     rng = np.random.default_rng(100 + seed)
     n, n_q = int(rng.integers(30, 260)), int(rng.integers(3, 25))
     d_old, d_new = int(rng.integers(2, 6)), int(rng.integers(2, 40))   # sides of different dims
@@ -210,11 +211,15 @@ def test_engine_paths_ties_band_and_tiles(seed, monkeypatch):
     sides = {"o": Side(qo, go), "n": Side(qn, gn)}
     curves = [CurveSpec("c", "o", "n", counts, order), CurveSpec("ref", "o", None, np.array([0]))]
     monkeypatch.setattr(engine_mod, "_TILE", int(rng.choice([1, 2, 4, 8])))
+    # survivors located in per-query tables (a few thresholds) or by float64 keys (many)
+    monkeypatch.setattr(engine_mod, "_TABLE_MAX", int(rng.choice([0, 2, 32])))
+    workers = int(rng.choice([1, 2, 3]))              # threads of a pass (per-worker histograms)
     ranking0 = np.lexsort((np.broadcast_to(np.arange(n), s_old.shape), -s_old), axis=-1)
     ref = gl[ranking0[:, 0]] == ql
     want = brute_force_curve(s_old, s_new, [order[:c] for c in counts], ql, gl, k, ref)
     for band, debug, bb in ((1.0, False, 64), (3e4, False, 256), (1e9, False, 1 << 12), (1.0, True, 1 << 20)):
-        res = compute_ranks(sides, curves, ql, gl, debug=debug, band_scale=band, block_bytes=bb)
+        res = compute_ranks(sides, curves, ql, gl, debug=debug, band_scale=band, block_bytes=bb,
+                            workers=workers)
         ref_c = metrics_from_ranks(res.curve("ref").ranks, res.pairs_q, res.npos, 1,
                                    return_per_query=True)[1]["correct1"][0]
         assert np.array_equal(ref_c, ref)
@@ -310,3 +315,10 @@ def test_rank_merge_with_raw_squared_l2_equals_brute_force():
                              data.gallery_labels, 7, brute_old_old_top1(data))
     for name, key in (("mAP@k", "mAP@7"), ("mAP", "mAP"), ("top1", "top1"), ("NFR@1", "NFR@1")):
         assert np.array_equal(c.metrics[key], want[name], equal_nan=True), name
+
+
+def test_scores_that_may_overflow_float32_are_rejected():
+    q = np.full((2, 3), 1e20, dtype=np.float32)
+    g = np.full((4, 3), 1e20, dtype=np.float32)
+    with pytest.raises(ValueError, match="overflow"):
+        compute_ranks({"s": Side(q, g)}, [CurveSpec("r", "s", None, np.array([0]))], [0, 1], [0, 1, 0, 1])

@@ -13,11 +13,17 @@ dot product whose rounding error is bounded by ``gamma_D * sum|q_k g_k|``
 as :func:`raycompat.index.exact_search` (descending score, ties by ascending
 gallery index).  The benchmark uses it as "one exact full-gallery search" with
 the same code path as the curve engine.
+
+:func:`map_score_blocks` hands every block of a pass to a callback; on CPU it
+spreads the blocks over worker threads that each run their matrix products
+with one intra-op thread, so the callback's bookkeeping on one core overlaps
+the matrix product on the other instead of idling it.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+import threading
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -31,6 +37,10 @@ __all__ = [
     "exact_topk",
     "release_memory",
     "nonzero_2d",
+    "rows_at_least",
+    "map_score_blocks",
+    "default_workers",
+    "intra_op_threads",
 ]
 
 #: default memory budget (bytes) of one score block [query chunk, gallery block] of the
@@ -73,12 +83,26 @@ def nonzero_2d(mask: torch.Tensor, with_flat: bool = False):
     """
     width = mask.shape[1]
     if mask.device.type == "cpu":
-        flat = torch.from_numpy(np.flatnonzero(mask.contiguous().numpy()))
+        flat_np = np.flatnonzero(mask.contiguous().numpy())
+        rows_np = flat_np // width                  # numpy's integer division is the faster one
+        rows, cols = torch.from_numpy(rows_np), torch.from_numpy(flat_np - rows_np * width)
+        flat = torch.from_numpy(flat_np)
     else:
         flat = torch.nonzero(mask.reshape(-1)).squeeze(1)
-    rows = torch.div(flat, width, rounding_mode="floor")
-    cols = flat - rows * width
+        rows = torch.div(flat, width, rounding_mode="floor")
+        cols = flat - rows * width
     return (rows, cols, flat) if with_flat else (rows, cols)
+
+
+def rows_at_least(S: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Bool mask ``S[r, c] >= bound[r]`` of a 2-D block.
+
+    On CPU through numpy (one vectorised pass, faster than torch's broadcast compare
+    there); on other devices ``torch.ge``.
+    """
+    if S.device.type == "cpu":
+        return torch.from_numpy(np.greater_equal(S.numpy(), bound.numpy()[:, None]))
+    return torch.ge(S, bound[:, None])
 
 
 def resolve_device(device=None) -> torch.device:
@@ -174,6 +198,88 @@ def iter_score_blocks(
                 yield q0, q1, g0, g1, torch.matmul(qt, gt.T, out=buf)
             else:
                 yield q0, q1, g0, g1, torch.matmul(qt, gt.T)
+
+
+def default_workers(device) -> int:
+    """Worker threads of :func:`map_score_blocks`: torch's intra-op thread count on CPU, 1 elsewhere."""
+    return max(1, torch.get_num_threads()) if resolve_device(device).type == "cpu" else 1
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside the block (restored afterwards)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def map_score_blocks(
+    queries: np.ndarray,
+    gallery: np.ndarray,
+    fn: Callable[[int, int, int, int, int, torch.Tensor], None],
+    *,
+    device=None,
+    query_rows: int,
+    gallery_rows: int,
+    workers: Optional[int] = None,
+) -> None:
+    """Call ``fn(slot, q0, q1, g0, g1, S)`` once for every score block
+    ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32, on device).  Call inside
+    :func:`fp32_matmul`.
+
+    ``S`` is a per-worker buffer, valid only during the call.  ``slot`` (in
+    ``[0, workers)``) names the calling worker, so ``fn`` can keep per-worker
+    state (accumulators) without locks.  With one worker (the default on GPU)
+    blocks run in order in the calling thread.  With several (CPU), blocks are
+    handed out dynamically to ``workers`` threads that each compute their matrix
+    products with one intra-op thread: the per-block work of ``fn`` on one core
+    overlaps the matrix product of another block instead of idling it.  An
+    exception in a worker stops the others and is re-raised here.
+    """
+    dev = resolve_device(device)
+    workers = default_workers(dev) if workers is None else max(1, int(workers))
+    if dev.type != "cpu":
+        workers = 1
+    if workers == 1:
+        for q0, q1, g0, g1, S in iter_score_blocks(queries, gallery, device=dev, query_rows=query_rows,
+                                                   gallery_rows=gallery_rows):
+            fn(0, q0, q1, g0, g1, S)
+        return
+    n_q, n_g = queries.shape[0], gallery.shape[0]
+    todo = iter([(q0, min(n_q, q0 + query_rows), g0, min(n_g, g0 + gallery_rows))
+                 for q0 in range(0, n_q, query_rows) for g0 in range(0, n_g, gallery_rows)])
+    lock = threading.Lock()
+    errors: list = []
+
+    def work(slot: int) -> None:
+        buf = None
+        try:
+            torch.set_grad_enabled(False)    # grad mode is per thread
+            while not errors:
+                with lock:
+                    blk = next(todo, None)
+                if blk is None:
+                    return
+                q0, q1, g0, g1 = blk
+                qt = _to_device(queries[q0:q1], dev)
+                gt = _to_device(gallery[g0:g1], dev)
+                if buf is None or buf.shape != (q1 - q0, g1 - g0):
+                    buf = torch.empty((q1 - q0, g1 - g0), dtype=torch.float32, device=dev)
+                fn(slot, q0, q1, g0, g1, torch.matmul(qt, gt.T, out=buf))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(exc)
+
+    with intra_op_threads(1):
+        threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
 
 
 def _sorted_candidates(scores: torch.Tensor, ids: torch.Tensor):

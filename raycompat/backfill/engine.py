@@ -32,16 +32,24 @@ the metrics are then rebuilt from the ranks (:func:`metrics_from_ranks`) with
 the same formulas as :mod:`raycompat.metrics`.  No candidate list is truncated,
 so nothing can "run short".  Nothing gallery-sized is kept per grid point: the
 grid-dependent state is ``O(J * (P + Q))`` integers (J grid points, P positive
-pairs, Q queries), about the size of the output itself (``J * P`` ranks).
+pairs, Q queries; once per worker thread for the pass histograms), about the
+size of the output itself (``J * P`` ranks).
 
 Cost.  Only scores at or above a query's lowest threshold ("survivors") can
 precede a positive.  A block is filtered with one max-reduction per tile of
-``_TILE`` columns (or scanned directly while survivors are dense), and each
-survivor is located among the thresholds of its query -- all thresholds of
-every side that shares a curve with the pass's side, merged and sorted -- by
-one sorted search, then added to a histogram ``[curve, role, segment, bucket]``.
-A pass costs the matrix product, about one read of each score block, and a few
-tens of nanoseconds per survivor.
+``_TILE`` columns (or, while survivors are dense, one compare and one scan of
+the block), and each survivor is located among the thresholds of its query --
+all thresholds of every side that shares a curve with the pass's side, merged
+and sorted -- by a sorted search in the query's own row of a float32 edge table
+(float64 keys over all queries when a query has more than ``_TABLE_MAX``
+thresholds), then added to one histogram ``[segment, bucket]`` per distinct
+segmentation (static curves, one segment, are derived from another histogram
+after the pass).  A pass costs the matrix product, about one read of each score
+block, and a few tens of nanoseconds per survivor.  On CPU the blocks are spread
+over worker threads that run their matrix products with one intra-op thread
+each (:func:`raycompat.backfill.blocks.map_score_blocks`), so this bookkeeping
+on one core overlaps a matrix product on the other; each worker has its own
+histogram, summed after the pass.
 
 Exactness.  Scores are float32 matmul results; a threshold is the float32
 score of a positive computed in the same pass as every other score of its
@@ -60,6 +68,7 @@ matrix product per distinct side (policies never add a pass).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -70,12 +79,14 @@ import torch
 from raycompat.backfill.blocks import (
     ENGINE_BLOCK_BYTES,
     block_rows,
+    default_workers,
     dot_error_bound,
     fp32_matmul,
-    iter_score_blocks,
+    map_score_blocks,
     nonzero_2d,
     release_memory,
     resolve_device,
+    rows_at_least,
 )
 from raycompat.backfill.grid import segments
 from raycompat.metrics import (
@@ -99,6 +110,9 @@ __all__ = [
 #: columns per tile of the survivor filter (a tile is skipped when its max is below the
 #: query's lowest threshold)
 _TILE = 128
+#: most thresholds per query for which survivors are located in per-query float32 tables
+#: (beyond it the [survivors, thresholds] gather costs more than one float64 sorted search)
+_TABLE_MAX = 32
 
 
 def METRIC_NAMES(k: int) -> Tuple[str, str, str, str]:
@@ -202,8 +216,9 @@ def positive_pairs(query_labels, gallery_labels) -> Tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------------- keys
-# A survivor (query q, score v) is located among the thresholds of all queries at once
-# with one sorted search on the float64 key  fl(q * C + v).  For a fixed q the key is
+# With more than _TABLE_MAX thresholds per query, a survivor (query q, score v) is located
+# among the thresholds of all queries at once with one sorted search on the float64 key
+# fl(q * C + v).  For a fixed q the key is
 # non-decreasing in v (rounding is monotone), and |v| < C/2 keeps queries apart.  Keys
 # may merge two close values; that can only turn a decided comparison into an ambiguous
 # one (resolved exactly after the pass), never into a wrong decision:
@@ -218,6 +233,9 @@ def _key_span(norms: Sequence[Tuple[np.ndarray, float]]) -> float:
     bound = 0.0
     for qn, gmax in norms:
         bound = max(bound, float(qn.max(initial=0.0)) * gmax)
+    if not bound * 1.001 < float(np.finfo(np.float32).max):
+        # the passes rely on finite scores (a +inf score would pass every threshold table)
+        raise ValueError(f"scores may overflow float32 (|q| * |g| up to {bound:.3g}); rescale the embeddings")
     # every score lies within +-bound*(1 + gamma_D) < C/2 - 1 (rounding of the float32 dot)
     return float(2.0 ** np.ceil(np.log2(2.0 * bound * 1.001 + 4.0)))
 
@@ -283,10 +301,14 @@ class _Merged:
     """All thresholds a pass over side X is compared with (those of every side that
     shares a curve with X), merged per query and sorted by value.
 
-    An item of X's pass is located among them by its score with one sorted search on
-    float64 keys (see _key_span): ``b_hi`` thresholds have an upper edge below the
-    score (decided: the item precedes them), thresholds in ``[b_hi, b_lo)`` are
-    ambiguous (resolved exactly after all passes), the others are decided above it.
+    An item of X's pass is located among its query's thresholds by its score:
+    ``b_hi`` thresholds have an upper edge below the score (decided: the item
+    precedes them), thresholds in ``[b_hi, b_lo)`` are ambiguous (resolved exactly
+    after all passes), the others are decided above it.  With at most
+    ``_TABLE_MAX`` thresholds per query the search runs in the query's own row of
+    a float32 edge table (a few comparisons, exact float32 edges); with more, one
+    sorted search over all queries' edges on float64 keys (see _key_span), whose
+    cost grows only with the logarithm of the number of thresholds.
     """
 
     def __init__(self, ynames: List[str], values: Dict[str, _SideValues], pq: np.ndarray,
@@ -333,6 +355,19 @@ class _Merged:
         self.hi_keys = torch.from_numpy(hi_k).to(device)
         self.span = span
         self.qoff = torch.arange(n_queries, dtype=torch.float64, device=device) * span
+        self.use_table = self.tmax <= _TABLE_MAX
+        if self.use_table:
+            # [Q, T] float32 edges of each query's thresholds in its own row, +inf padded
+            t = max(self.tmax, 1)
+            col = np.arange(m) - self.off[self.sorted_q]
+            hi_tab = np.full((n_queries, t), np.inf, dtype=np.float32)
+            lo_tab = np.full((n_queries, t + 1), np.inf, dtype=np.float32)
+            hi_tab[self.sorted_q, col] = hi
+            lo_tab[self.sorted_q, col] = lo
+            self.hi_tab = torch.from_numpy(hi_tab).to(device)
+            self.lo_tab = torch.from_numpy(lo_tab[:, :t]).to(device)
+            self.lo_next = torch.from_numpy(lo_tab.reshape(-1)).to(device)   # row stride t + 1
+            self.first = torch.from_numpy(self.off[:-1]).to(device)
 
     def locate(self, qg: torch.Tensor, vals: torch.Tensor):
         """``(bucket, amb, b_hi, b_lo)`` for survivors of query ``qg`` with score ``vals``.
@@ -340,6 +375,28 @@ class _Merged:
         ``bucket = b_hi + q`` indexes the histogram; ``amb`` lists the survivors with
         ambiguous thresholds (global merged indices ``[b_hi, b_lo)``), or is ``None``.
         """
+        if self.use_table:
+            return self._locate_in_rows(qg, vals)
+        return self._locate_by_keys(qg, vals)
+
+    def _locate_in_rows(self, qg: torch.Tensor, vals: torch.Tensor):
+        """:meth:`locate` by a batched sorted search of each score in its query's table row."""
+        b = torch.searchsorted(self.hi_tab.index_select(0, qg), vals[:, None], right=False).squeeze(1)
+        t = self.hi_tab.shape[1]
+        # ambiguous iff the next threshold's lower edge is <= the score (+inf past the row's end)
+        near = self.lo_next.index_select(0, qg * (t + 1) + b) <= vals
+        bucket = self.rowoff.index_select(0, qg) + b
+        if not bool(near.any()):
+            return bucket, None, None, None
+        amb = torch.nonzero(near).squeeze(1)
+        qa = qg.index_select(0, amb)
+        b_lo = torch.searchsorted(self.lo_tab.index_select(0, qa), vals.index_select(0, amb)[:, None],
+                                  right=True).squeeze(1)
+        first = self.first.index_select(0, qa)
+        return bucket, amb, first + b.index_select(0, amb), first + b_lo
+
+    def _locate_by_keys(self, qg: torch.Tensor, vals: torch.Tensor):
+        """:meth:`locate` by one sorted search over all queries' edges on float64 keys."""
         keys = vals.to(torch.float64) + self.qoff.index_select(0, qg)
         b_hi = torch.searchsorted(self.hi_keys, keys, right=False)
         # ambiguous iff the next threshold's lower edge is <= the score (lower edges are
@@ -391,10 +448,142 @@ def _survivors(S: torch.Tensor, lm: torch.Tensor, use_tiles: bool = True):
             else:
                 r, c, v = (torch.cat([p[i] for p in parts]) for i in range(3))
             return (r, c, v, frac) if r.numel() else None
-    r, c, flat = nonzero_2d(S >= lm[:, None], with_flat=True)
+    r, c, flat = nonzero_2d(rows_at_least(S, lm), with_flat=True)
     if r.numel() == 0:
         return None
     return r, c, S.reshape(-1).index_select(0, flat), frac
+
+
+class _SidePass:
+    """The scoring pass over one side X: per score block, the exact float32 scores of
+    X's positives (its thresholds), the survivors, and their histogram.
+
+    One histogram ``[segment, bucket]`` (int64, ``bucket`` as in :meth:`_Merged.locate`)
+    per distinct *non-constant* segmentation of the curves X serves; a constant
+    segmentation (a static curve: every item in one segment) is the segment sum of
+    any other one, so it is counted only when it is alone.  Each worker of
+    :func:`raycompat.backfill.blocks.map_score_blocks` owns an accumulator
+    (``slot``), summed after the pass.
+    """
+
+    def __init__(self, mx: _Merged, seg_ids: List[int], seg_np: List[np.ndarray], seg_t: List[torch.Tensor],
+                 n_segs: List[int], pq: np.ndarray, pi: np.ndarray, query_rows: int, workers: int,
+                 device: torch.device):
+        self.mx = mx
+        self.seg_np, self.seg_t, self.n_segs = seg_np, seg_t, n_segs
+        self.constant = {si: int(seg_np[si][0]) for si in seg_ids if seg_np[si].min() == seg_np[si].max()}
+        counted = [si for si in seg_ids if si not in self.constant] or seg_ids[:1]
+        self.base: Dict[int, int] = {}
+        size = 0
+        for si in counted:
+            self.base[si] = size
+            size += n_segs[si] * mx.width
+        self.size = size
+        self.workers = workers if device.type == "cpu" else 1
+        self.acc = [torch.zeros(size, dtype=torch.int64, device=device) for _ in range(self.workers)]
+        self.ones = torch.ones(1, dtype=torch.int64, device=device)
+        self.lo_min = torch.from_numpy(mx.lo_min).to(device)
+        self.device = device
+        # positives of each query chunk sorted by item: the block's own ones by one search
+        self.chunks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        n_q = mx.lo_min.size
+        poff = np.searchsorted(pq, np.arange(0, n_q + query_rows, query_rows).clip(max=n_q))
+        for k, q0 in enumerate(range(0, n_q, query_rows)):
+            pids = np.arange(poff[k], poff[k + 1], dtype=np.int64)
+            o = np.argsort(pi[pids], kind="stable")
+            self.chunks[q0] = (pids[o], pi[pids[o]])
+        self.pq, self.pi = pq, pi
+        self.band: List[Tuple[np.ndarray, ...]] = []
+        self.canon: List[Tuple[np.ndarray, torch.Tensor]] = []
+        self.progress = None
+        self._lock = threading.Lock()
+        self._done = 0
+        self._w = [{"survivors": 0, "band_entries": 0, "blocks": 0, "tile_frac": 0.0, "seconds_matmul": 0.0,
+                    "seconds_filter": 0.0, "seconds_count": 0.0, "t_end": 0.0} for _ in range(self.workers)]
+
+    def begin(self) -> None:
+        """Start the stage clocks (a worker's matrix-product time runs until its block arrives)."""
+        now = time.perf_counter()
+        for w in self._w:
+            w["t_end"] = now
+
+    def block(self, slot: int, q0: int, q1: int, g0: int, g1: int, S: torch.Tensor) -> None:
+        """Histogram the survivors of score block ``S`` (rows ``q0:q1``, items ``g0:g1``)."""
+        w = self._w[slot]
+        tb = time.perf_counter()
+        w["seconds_matmul"] += tb - w["t_end"]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # exact float32 thresholds of this side: the pass's own scores of the positives
+        pids, items = self.chunks[q0]
+        a, b = np.searchsorted(items, [g0, g1])
+        if b > a:
+            sel = pids[a:b]
+            rq = torch.from_numpy(self.pq[sel] - q0).to(self.device)
+            rc = torch.from_numpy(self.pi[sel] - g0).to(self.device)
+            self.canon.append((sel, S[rq, rc]))
+        # tile filter unless the last blocks were dense (then scan directly; retry every 8)
+        use_tiles = w["tile_frac"] <= 0.25 or w["blocks"] % 8 == 0
+        if w["blocks"] % 4 == 3:
+            release_memory()
+        w["blocks"] += 1
+        found = _survivors(S, self.lo_min[q0:q1], use_tiles)
+        tc = time.perf_counter()
+        w["seconds_filter"] += tc - tb
+        if found is None:
+            w["tile_frac"] = 0.0 if use_tiles else w["tile_frac"]
+        else:
+            r, col, vals, frac = found
+            if frac is not None:
+                w["tile_frac"] = frac
+            w["survivors"] += int(r.numel())
+            self._count(slot, r + q0, col, g0, g1, vals)
+        w["seconds_count"] += time.perf_counter() - tc
+        if self.progress is not None:
+            with self._lock:
+                self._done += (q1 - q0) * (g1 - g0)
+                self.progress(self._done / float(self.mx.lo_min.size * self.seg_np[0].size))
+        w["t_end"] = time.perf_counter()
+
+    def _count(self, slot: int, qg: torch.Tensor, col: torch.Tensor, g0: int, g1: int, vals: torch.Tensor):
+        """Add survivors (query ``qg``, item ``g0 + col``, score ``vals``) to the histograms;
+        keep the ambiguous ones for the exact resolution after the pass."""
+        mx = self.mx
+        bucket, amb, b_hi, b_lo = mx.locate(qg, vals)
+        acc = self.acc[slot]
+        for si, base in self.base.items():
+            # the block's segments (a small array) gathered per survivor
+            flat = (self.seg_t[si][g0:g1] * mx.width + base).index_select(0, col) + bucket
+            acc.index_add_(0, flat, self.ones.expand(flat.numel()))
+        if amb is not None:
+            self._w[slot]["band_entries"] += int(amb.numel())
+            self.band.append(tuple(z.cpu().numpy() for z in (
+                col.index_select(0, amb) + g0, vals.index_select(0, amb), b_hi, b_lo)))
+
+    def store_thresholds(self, values: "_SideValues") -> None:
+        """Write the exact float32 scores of the side's positives seen in the pass."""
+        for sel, vals in self.canon:
+            values.canon[sel] = vals.cpu().numpy()
+        self.canon = []
+
+    def histogram(self, si: int) -> np.ndarray:
+        """int64 ``[segments, width]`` histogram of segmentation ``si`` (summed over workers)."""
+        if si in self.base:
+            nseg = self.n_segs[si]
+            tot = self.acc[0][self.base[si]: self.base[si] + nseg * self.mx.width].clone()
+            for acc in self.acc[1:]:
+                tot += acc[self.base[si]: self.base[si] + nseg * self.mx.width]
+            return tot.cpu().numpy().reshape(nseg, self.mx.width)
+        other = next(iter(self.base))
+        c0 = self.constant[si]
+        H = np.zeros((self.n_segs[si], self.mx.width), dtype=np.int64)
+        H[c0] = self.histogram(other).sum(axis=0)
+        return H
+
+    def stats(self) -> Dict[str, Any]:
+        """Survivors, band entries and stage seconds (summed over workers)."""
+        keys = ("survivors", "band_entries", "seconds_matmul", "seconds_filter", "seconds_count")
+        return {k: sum(w[k] for w in self._w) for k in keys}
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -409,6 +598,7 @@ def compute_ranks(
     debug: bool = False,
     band_scale: float = 1.0,
     progress=None,
+    workers: Optional[int] = None,
 ) -> EngineResult:
     """Ranks of every positive pair at every grid point of every curve (see module docstring).
 
@@ -424,7 +614,10 @@ def compute_ranks(
             every score becomes a survivor.
         band_scale: multiplies the error band (tests use a huge value to push
             every comparison through the exact after-pass resolution).
-        progress: optional callable ``(side_name, fraction_done)``.
+        progress: optional callable ``(side_name, fraction_done)`` (called from the
+            pass's worker threads, one call at a time).
+        workers: threads of a pass on CPU (default: torch's intra-op thread count; see
+            :func:`raycompat.backfill.blocks.map_score_blocks`); 1 on other devices.
     """
     dev = resolve_device(device)
     t_start = time.perf_counter()
@@ -465,6 +658,7 @@ def compute_ranks(
     # segments per curve (shared when order and counts are the same)
     seg_np: List[np.ndarray] = []
     seg_t: List[torch.Tensor] = []
+    seg_n: List[int] = []                                     # segments of each: grid points + 1
     cache: Dict[Tuple[int, bytes], int] = {}
     curve_seg: List[int] = []
     for c in curves:
@@ -475,12 +669,15 @@ def compute_ranks(
             cache[key] = len(seg_np)
             seg_np.append(seg)
             seg_t.append(torch.from_numpy(seg.astype(np.int64)).to(dev))
+            seg_n.append(len(counts) + 1)
         curve_seg.append(cache[key])
 
     # per pass side X: merged thresholds and histogram targets (curve, role)
     merged: Dict[str, _Merged] = {}
-    targets: Dict[str, List[Tuple[int, int, int]]] = {}       # X -> [(curve, role, base)]
-    hist_size = 0
+    targets: Dict[str, List[Tuple[int, int]]] = {}            # X -> [(curve, role)]
+    passes: Dict[str, _SidePass] = {}
+    qc, gb = block_rows(n_q, n_items, block_bytes)
+    n_workers = default_workers(dev) if workers is None else max(1, int(workers))
     for xname in used:
         ys: List[str] = []
         for c in curves:
@@ -489,120 +686,45 @@ def compute_ranks(
                     if y not in ys:
                         ys.append(y)
         merged[xname] = _Merged(ys, values, pq, n_q, span, dev)
-        targets[xname] = []
-        for ci, c in enumerate(curves):
-            for role, name in ((0, c.old_side), (1, c.new_side)):
-                if name == xname:
-                    targets[xname].append((ci, role, hist_size))
-                    hist_size += (len(c.counts) + 1) * merged[xname].width
-    acc = torch.zeros(hist_size, dtype=torch.int64, device=dev)
-    ones = torch.ones(1, dtype=torch.int64, device=dev)
-    band: Dict[str, List[Tuple[np.ndarray, ...]]] = {}
+        targets[xname] = [(ci, role) for ci, c in enumerate(curves)
+                          for role, name in ((0, c.old_side), (1, c.new_side)) if name == xname]
+        passes[xname] = _SidePass(merged[xname], sorted({curve_seg[ci] for ci, _ in targets[xname]}),
+                                  seg_np, seg_t, seg_n, pq[:n_real], pi[:n_real], qc, n_workers, dev)
 
     stats: Dict[str, Any] = {"sides": {}, "device": str(dev), "pairs": int(n_real)}
-    sync = dev.type == "cuda"   # stage timings need a synchronised device
-    qc, gb = block_rows(n_q, n_items, block_bytes)
-    poff = np.zeros(n_q + 1, dtype=np.int64)
-    np.add.at(poff, pq[:n_real] + 1, 1)
-    poff = np.cumsum(poff)
-
     with fp32_matmul(), torch.no_grad():
         for xname in used:
             t0 = time.perf_counter()
             side = sides[xname]
-            mx = merged[xname]
-            tg = targets[xname]
-            lo_min_t = torch.from_numpy(mx.lo_min).to(dev)
-            n_surv = n_band = n_blocks = 0
-            tile_frac = 0.0
-            canon_parts = []
-            cur_chunk = (-1, -1)
-            chunk_items = chunk_pids = None
-            t_mm = t_filter = t_count = 0.0
-            blocks = iter_score_blocks(side.queries, side.gallery, device=dev, query_rows=qc, gallery_rows=gb)
-            while True:
-                tb = time.perf_counter()
-                nxt = next(blocks, None)
-                if nxt is None:
-                    break
-                q0, q1, g0, g1, S = nxt
-                if sync:
-                    torch.cuda.synchronize(dev)
-                t_mm += time.perf_counter() - tb
-                if (q0, q1) != cur_chunk:
-                    cur_chunk = (q0, q1)
-                    pids = np.arange(poff[q0], poff[q1], dtype=np.int64)
-                    o = np.argsort(pi[pids], kind="stable")
-                    chunk_pids = pids[o]
-                    chunk_items = pi[chunk_pids]
-                # exact float32 thresholds of this side: the pass's own scores of the positives
-                a, b = np.searchsorted(chunk_items, [g0, g1])
-                if b > a:
-                    sel = chunk_pids[a:b]
-                    rq = torch.from_numpy(pq[sel] - q0).to(dev)
-                    rc = torch.from_numpy(pi[sel] - g0).to(dev)
-                    canon_parts.append((sel, S[rq, rc]))
-                tb = time.perf_counter()
-                # tile filter unless the last blocks were dense (then scan directly; retry every 8)
-                use_tiles = tile_frac <= 0.25 or n_blocks % 8 == 0
-                if n_blocks % 4 == 3:
-                    release_memory()
-                n_blocks += 1
-                found = _survivors(S, lo_min_t[q0:q1], use_tiles)
-                t_filter += time.perf_counter() - tb
-                if found is None:
-                    tile_frac = 0.0 if use_tiles else tile_frac
-                    continue
-                tb = time.perf_counter()
-                r, col, vals, frac = found
-                if frac is not None:
-                    tile_frac = frac
-                n_surv += int(r.numel())
-                qg = r + q0
-                xg = col + g0
-                bucket, amb, a_hi, a_lo = mx.locate(qg, vals)
-                segw = {}
-                for ci, role, base in tg:
-                    si = curve_seg[ci]
-                    if si not in segw:   # the block's segments (a small array) gathered per survivor
-                        segw[si] = (seg_t[si][g0:g1] * mx.width).index_select(0, col) + bucket
-                    flat = segw[si] + base if base else segw[si]
-                    acc.index_add_(0, flat, ones[:1].expand(flat.numel()))
-                if amb is not None:
-                    n_band += int(amb.numel())
-                    band.setdefault(xname, []).append(tuple(
-                        z.cpu().numpy() for z in (xg.index_select(0, amb), vals.index_select(0, amb), a_hi, a_lo)))
-                t_count += time.perf_counter() - tb
-                if progress is not None:
-                    progress(xname, (q0 * n_items + (q1 - q0) * g1) / float(n_q * n_items))
-            for sel, vals in canon_parts:
-                values[xname].canon[sel] = vals.cpu().numpy()
+            sp = passes[xname]
+            if progress is not None:
+                sp.progress = lambda frac, _x=xname: progress(_x, frac)
+            sp.begin()
+            map_score_blocks(side.queries, side.gallery, sp.block, device=dev, query_rows=qc,
+                             gallery_rows=gb, workers=n_workers)
+            sp.store_thresholds(values[xname])
             release_memory()
-            stats["sides"][xname] = {
-                "seconds": time.perf_counter() - t0, "survivors": n_surv, "band_entries": n_band,
-                "dim": int(side.queries.shape[1]),
-                "thresholds_per_query": mx.tmax,
-                "seconds_matmul": t_mm, "seconds_filter": t_filter, "seconds_count": t_count,
-            }
+            stats["sides"][xname] = {"seconds": time.perf_counter() - t0, "dim": int(side.queries.shape[1]),
+                                     "thresholds_per_query": merged[xname].tmax, "workers": sp.workers,
+                                     **sp.stats()}
     if n_real and any(np.isnan(values[s].canon).any() for s in used):
         raise RuntimeError("internal error: a positive's score was not seen in its side's pass")
 
     # ------------------------------------------------------------ histograms -> counts
-    acc_np = acc.cpu().numpy()
-    del acc
     counts_m: Dict[Tuple[int, int], np.ndarray] = {}          # (curve, role) -> [nseg, M] int32
     for xname in used:
         mx = merged[xname]
         W = mx.width
         tq = mx.sorted_q
         tpos = np.arange(mx.size, dtype=np.int64)
-        for ci, role, base in targets[xname]:
-            nseg = len(curves[ci].counts) + 1
-            H = acc_np[base: base + nseg * W].reshape(nseg, W)
+        for ci, role in targets[xname]:
+            H = passes[xname].histogram(curve_seg[ci])
+            nseg = H.shape[0]
             RC = np.zeros((nseg, W + 1), dtype=np.int64)
             RC[:, :W] = np.cumsum(H[:, ::-1], axis=1)[:, ::-1]
             counts_m[(ci, role)] = (RC[:, tpos + tq + 1] - RC[:, mx.off[tq + 1] + tq + 1]).astype(np.int32)
             del H, RC
+    band = {x: passes[x].band for x in used if passes[x].band}
 
     # ------------------------------------------------------------ band resolution (exact)
     for xname, parts in band.items():
@@ -621,7 +743,7 @@ def compute_ranks(
         vv, xx = v_b[rep], x_b[rep]
         above = (vv > canon) | ((vv == canon) & (xx < pi[ps]))
         xs, ts = xx[above], t[above]
-        for ci, role, _ in targets[xname]:
+        for ci, role in targets[xname]:
             np.add.at(counts_m[(ci, role)], (seg_np[curve_seg[ci]][xs], ts), 1)
 
     # ------------------------------------------------------------ ranks per curve
