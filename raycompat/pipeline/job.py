@@ -150,16 +150,21 @@ def build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, 
 
 
 def _find_corrupt(exc: BaseException) -> str | None:
-    """The CorruptImageError message inside a Ray Data failure, if that is what it was."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        cause = getattr(exc, "cause", None)  # RayTaskError keeps the worker's exception here
-        if isinstance(cause, CorruptImageError):
-            return str(cause)
-        if isinstance(exc, CorruptImageError):
-            return str(exc).strip().splitlines()[-1]
-        exc = exc.__cause__ or exc.__context__
+    """The CorruptImageError message inside a Ray Data failure, if that is what it was (Ray
+    wraps it in RayTaskError / UserCodeException; the message survives in the text)."""
+    import re
+
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)
+        found = re.search(r"corrupt image item_id=[^\n]*", str(e))
+        if found:
+            return found.group(0)
+        stack += [cause, e.__cause__, e.__context__]
     return None
 
 
