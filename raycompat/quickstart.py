@@ -1,6 +1,8 @@
 """The main job: old model -> BCT and independent new models -> cross evaluation -> report.
 
 Everything runs on the Ray cluster ``connect`` finds (an embedded local one by default).
+Queries and gallery are embedded by the Ray Data pipeline (:mod:`raycompat.pipeline`), the
+path that scales to a billion items.
 The job ends with the hot-refresh backfill simulation of its models
 (:func:`simulate_hot_refresh`): exact curves for every policy and query mode the BCT model
 allows, with the independent model (new*) as the AUC-gain paragon and as the
@@ -86,7 +88,7 @@ def _config_tag(opts: QuickstartOptions, scenario) -> str:
 def run_quickstart(opts: QuickstartOptions) -> dict:
     from raycompat.cluster import connect
     from raycompat.data import build_scenario, default_catalog
-    from raycompat.evaluation import cross_evaluate, embed_scenario, scenario_eval_items
+    from raycompat.evaluation import cross_evaluate, scenario_eval_items
     from raycompat.models import ModelBundle
     from raycompat.report import write_json
 
@@ -127,11 +129,15 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
         train_info[name] = dict(method=method, split=split, epochs=epochs, path=run.bundle_path,
                                 run_path=run.run_path, wall_s=wall, history=run.history)
 
-    phase("embedding query and gallery with every model, evaluating")
+    phase("embedding queries and gallery with every model (Ray Data pipeline)")
+    t = time.time()
+    embedded, embedding_paths = embed_with_pipeline(
+        scenario, models, os.path.join(out, "embeddings", _config_tag(opts, scenario)),
+        resolution=opts.resolution, data_seed=opts.data_seed)
+    timings["embed_s"] = time.time() - t
+    phase("evaluating every query model against every gallery model")
     t = time.time()
     (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
-    embedded = {name: embed_scenario(name, ModelBundle.load(path), scenario, opts.resolution,
-                                     opts.data_seed) for name, path in models.items()}
     evaluations, verdicts = cross_evaluate(
         embedded["old"], [embedded["bct"], embedded["independent"]], q_labels, g_labels,
         paragon="independent")
@@ -152,7 +158,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
                       allocation=scenario.allocation_rows()),
         catalog=dict(num_classes=catalog.num_classes, exclusions={
             k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in catalog.exclusions.items()}),
-        models=train_info, evaluations=evaluations, verdicts=verdicts,
+        models=train_info, embeddings=embedding_paths, evaluations=evaluations, verdicts=verdicts,
         compatibility={v["model"]: v["compatible"] for v in verdicts},
         curves=backfill["rows"], backfill=backfill["summary"],
         backfill_plots={model: [os.path.relpath(p, out) for p in r["plots"]]
@@ -166,6 +172,38 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
               f"-> {'compatible' if v['compatible'] else 'NOT compatible'}; "
               f"update gain {v['update_gain']:.3f}", flush=True)
     return report
+
+
+def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, data_seed: int):
+    """Queries, gallery and distractors of ``scenario`` through the Ray Data pipeline
+    (:func:`raycompat.pipeline.embed_gallery`): ``old`` + ``bct`` in one pass (parquet with
+    ``old`` and ``new`` columns, what ``jobs/simulate_backfill.py`` reads), ``independent`` in a
+    second (``new`` only). Returns ``({name: EmbeddedSet}, {pass: parquet folder})``; a re-run
+    with the same models reuses complete shards."""
+    import pyarrow.compute as pc
+
+    from raycompat.evaluation import EmbeddedSet
+    from raycompat.pipeline import GlyphGallerySource, embed_gallery
+
+    source = GlyphGallerySource(scenario, resolution=resolution, data_seed=data_seed)
+    passes = {"old_bct": dict(old_model=models["old"], new_model=models["bct"], columns=("old", "new")),
+              "independent": dict(new_model=models["independent"], columns=("new",))}
+    embedded, paths = {}, {}
+    for pass_name, kwargs in passes.items():
+        run = embed_gallery(os.path.join(out_dir, pass_name), source, log=lambda m: None, **kwargs)
+        paths[pass_name] = run.path
+        table = run.table()                     # sorted by item_id: queries, gallery, distractors
+        is_query = pc.equal(table.column("split"), "query").to_numpy(zero_copy_only=False)
+        for column, name in (("old", "old"), ("new", "bct" if pass_name == "old_bct" else "independent")):
+            if column not in table.column_names:
+                continue
+            values = table.column(column).combine_chunks()
+            vectors = values.flatten().to_numpy().astype(np.float32).reshape(len(values), -1)
+            with open(os.path.join(models[name], "manifest.json")) as f:
+                compatible = int(json.load(f).get("compatible_dim", vectors.shape[1]))
+            embedded[name] = EmbeddedSet(name=name, query=vectors[is_query], gallery=vectors[~is_query],
+                                         compatible_dim=compatible)
+    return embedded, paths
 
 
 HOT_REFRESH_POLICIES = ("random", "sequential", "uncertainty:least_confidence", "uncertainty:margin",

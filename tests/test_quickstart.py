@@ -84,3 +84,18 @@ def test_hot_refresh_curves_in_report(quickstart_report):
         assert any(f"]({plot})" in markdown for plot in plots), model
     for model in ("bct", "independent"):
         assert (out / "backfill" / model / "curves.json").is_file()
+
+
+def test_gallery_embedded_by_the_pipeline(quickstart_report):
+    """The main job's embeddings are the Ray Data pipeline's parquet output, which the
+    simulator's loader reads as it is."""
+    from raycompat.backfill.gallery import load_parquet
+
+    out, report = quickstart_report
+    paths = report["embeddings"]
+    assert set(paths) == {"old_bct", "independent"}
+    data = load_parquet(paths["old_bct"])
+    scenario = json.loads((out / "scenario.json").read_text())
+    n_query = len(scenario["splits"]["query"]["labels"])
+    assert data.n_queries == n_query and data.n_items > 0
+    assert data.old_dim == SMALL["embed_dim"] and data.new_dim == SMALL["embed_dim"]
