@@ -30,7 +30,8 @@ from raycompat.reproduce.plan import VARIANTS, ReproduceOptions, Variant
 
 CURVE_METRICS = ("mAP@100", "top1", "NFR@1")
 #: Training order across scenarios (after the old models and the paragons): what the most
-#: claims need first, so that a run cut short by ``--train-budget-minutes`` still covers them.
+#: claims need first, so that a run cut short by ``--train-budget-minutes`` still covers them;
+#: the architecture scenario's methods (a larger backbone, the slowest runs) come last.
 METHOD_PRIORITY = ("bct", "dmu", "ract", "contrastive", "mcl", "ndpp", "p2s", "bct-kd", "bct-beta",
                    "l2", "odpp", "rqt", "cl")
 
@@ -192,7 +193,8 @@ class Reproduction:
             method_options=variant.method_options(s), split=split, epochs=s.new_epochs,
             old_model=old.path if needs_old else None,
             init_model=paragon.path if variant.init_from_paragon else None, head=variant.head), deps,
-            priority=0.0 if variant.label == "independent" else 1.0 + rank)
+            priority=0.0 if variant.label == "independent" else
+            1.0 + rank + (len(METHOD_PRIORITY) if scenario_name == "architecture" else 0))
 
     def embed(self, trained: Trained, scenario) -> EmbeddedSet:
         from raycompat.models import ModelBundle
