@@ -141,10 +141,22 @@ class TrainConfig:
         import json
         import os
 
-        path = os.path.expanduser(getattr(self, key))
+        from raycompat.storage import is_uri, local_copy
+
+        path = getattr(self, key)
+        try:
+            path = local_copy(path) if is_uri(path) else os.path.expanduser(path)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{key} {getattr(self, key)!r}: {exc}") from exc
         manifest = os.path.join(path, "manifest.json")
         if not os.path.isfile(manifest):
             raise ConfigError(f"{key} {getattr(self, key)!r} is not a model bundle "
                               "(no manifest.json there)")
         with open(manifest) as f:
-            return json.load(f)
+            data = json.load(f)
+        # bundles saved by hand may carry the sizes only in the embedder's module spec
+        embedder = data.get("modules", {}).get("embedder", {})
+        for field_name in ("embed_dim", "in_chans", "backbone"):
+            if field_name not in data and field_name in embedder:
+                data[field_name] = embedder[field_name]
+        return data
