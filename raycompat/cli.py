@@ -175,7 +175,10 @@ def quickstart_main(argv: list[str] | None = None) -> int:
         options = QuickstartOptions.from_args(args)
     except (ConfigError, ValueError) as err:
         return _fail(str(err))
-    run_quickstart(options)
+    try:
+        run_quickstart(options)
+    except ConfigError as err:   # e.g. StorageError: an unusable --storage/--out, found before any work
+        return _fail(str(err))
     return 0
 
 
@@ -191,7 +194,10 @@ def reproduce_main(argv: list[str] | None = None) -> int:
         options = ReproduceOptions.from_args(args)
     except (ConfigError, ValueError) as err:
         return _fail(str(err))
-    run_reproduce(options)
+    try:
+        run_reproduce(options)
+    except ConfigError as err:   # e.g. StorageError: an unusable --storage/--out, found before any work
+        return _fail(str(err))
     return 0
 
 

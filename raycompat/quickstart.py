@@ -24,7 +24,9 @@ from raycompat.config import ConfigError
 
 @dataclass
 class QuickstartOptions:
-    out: str = "quickstart_out"
+    out: str | None = None       # default quickstart_out, or <storage>/quickstart/<name>
+    storage: str | None = None   # shared storage for checkpoints and reports (raycompat.outputs)
+    name: str = "main"
     address: str | None = None
     scenario: str = "extended-class"
     train_classes: int = 240
@@ -78,11 +80,17 @@ def _train(opts: QuickstartOptions, scenario, name: str, method: str, split: str
     return train_named(values, name, _config_tag(opts, scenario), runs_dir, models_dir)
 
 
+#: options that say where things go, not what is trained
+LOCATION_OPTIONS = ("out", "storage", "name", "address")
+
+
 def _config_tag(opts: QuickstartOptions, scenario) -> str:
-    """Identical options -> identical run names, so a re-run resumes instead of retraining."""
+    """Identical training options -> identical run names, so a re-run resumes instead of
+    retraining (wherever its report goes)."""
     from raycompat.train.runs import config_tag
 
-    return config_tag(dataclasses.asdict(opts), scenario.to_dict())
+    trained = {k: v for k, v in dataclasses.asdict(opts).items() if k not in LOCATION_OPTIONS}
+    return config_tag(trained, scenario.to_dict())
 
 
 def run_quickstart(opts: QuickstartOptions) -> dict:
@@ -92,10 +100,13 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     from raycompat.models import ModelBundle
     from raycompat.report import write_json
 
+    from raycompat.outputs import resolve_job_output
+
     started = time.time()
-    out = os.path.abspath(opts.out)
-    os.makedirs(out, exist_ok=True)
-    runs_dir, models_dir = os.path.join(out, "runs"), os.path.join(out, "models")
+    output = resolve_job_output("quickstart", out=opts.out, storage=opts.storage, name=opts.name,
+                                default_out="quickstart_out")
+    out = output.local
+    runs_dir, models_dir = output.runs, os.path.join(out, "models")
     timings: dict[str, float] = {}
 
     def phase(message: str) -> None:
@@ -166,7 +177,9 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report, scenario.allocation_table()))
-    phase(f"done in {timings['total_s']:.0f} s; report: {os.path.join(out, 'report.md')}")
+    where = output.publish()
+    phase(f"done in {timings['total_s']:.0f} s; report: "
+          f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}")
     for v in verdicts:
         print(f"  {v['model']:12s} M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
               f"-> {'compatible' if v['compatible'] else 'NOT compatible'}; "

@@ -48,13 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out sample fraction of the learned policy (default 0.02)")
     p.add_argument("--rank-merge-distance", default="sq_l2", choices=("sq_l2", "sq_l2_raw"))
     p.add_argument("--device", default="auto", help="torch device for scoring (default: cuda if available)")
-    p.add_argument("--storage", default=None,
-                   help="shared storage (local path or URI, e.g. s3://bucket/raycompat); the report goes "
-                        "to <storage>/backfill/<--name> unless --out is given; checked for writing first")
-    p.add_argument("--name", default="simulation", help="report folder name under --storage (default simulation)")
-    p.add_argument("--out", default=None,
-                   help="output folder or URI (curves.json, curves.md, PNGs); default backfill_out, or "
-                        "<storage>/backfill/<name> with --storage")
+    from raycompat.outputs import add_output_arguments
+
+    add_output_arguments(p, "backfill", "backfill_out", "simulation")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     return p
@@ -78,23 +74,15 @@ def run(opts: argparse.Namespace, log=None) -> Dict[str, object]:
 
     Cheap checks (names, parquet schema and values) run before torch is imported,
     so bad input fails fast."""
-    from raycompat.storage import StorageError, is_uri, open_storage
+    from raycompat.outputs import resolve_job_output
+    from raycompat.storage import StorageError
 
     say = log or (lambda msg: None)
-    out = opts.out or (None if opts.storage else "backfill_out")
     try:   # an unwritable destination is reported now, not after the simulation
-        if out is None:
-            out = open_storage(opts.storage).join("backfill", opts.name)
-        if is_uri(out):
-            parent, leaf = out.rstrip("/").rsplit("/", 1)
-            destination = (open_storage(parent), leaf)
-        else:
-            os.makedirs(os.path.abspath(out), exist_ok=True)
-            destination = None
+        output = resolve_job_output("backfill", out=opts.out, storage=opts.storage, name=opts.name,
+                                    default_out="backfill_out")
     except StorageError as exc:
         raise BackfillInputError(str(exc)) from exc
-    except OSError as exc:
-        raise BackfillInputError(f"--out {out}: cannot create it: {exc}") from exc
     if opts.k <= 0:
         raise BackfillInputError(f"--k must be a positive integer, got {opts.k}")
     if opts.gpus <= 0:
@@ -162,14 +150,10 @@ def run(opts: argparse.Namespace, log=None) -> Dict[str, object]:
         rank_merge_distance=opts.rank_merge_distance, device=None if opts.device == "auto" else opts.device,
         progress=say)
     title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
-    if destination is None:
-        return write_reports(result, out, plots=not opts.no_plots, title=title)
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="raycompat-backfill-") as local:
-        written = write_reports(result, local, plots=not opts.no_plots, title=title)
-        storage, leaf = destination
-        where = storage.upload_dir(local, leaf)
+    written = write_reports(result, output.local, plots=not opts.no_plots, title=title)
+    where = output.publish()
+    if where == output.local:
+        return written
     rename = lambda p: where + "/" + os.path.basename(p)  # noqa: E731
     return {"json": rename(written["json"]), "markdown": rename(written["markdown"]),
             "plots": [rename(p) for p in written["plots"]]}

@@ -23,9 +23,13 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     from raycompat.reproduce.report import plot_hot_refresh, render_markdown
     from raycompat.reproduce.runner import Reproduction, options_dict
 
+    from raycompat.outputs import resolve_job_output
+
     started = time.time()
-    out = os.path.abspath(opts.out)
-    os.makedirs(out, exist_ok=True)
+    output = resolve_job_output("reproduce", out=opts.out, storage=opts.storage, name=opts.name,
+                                default_out="reproduce_out")
+    out = output.local
+    load_before = os.getloadavg()[0]
 
     def log(message: str) -> None:
         print(f"[reproduce {time.time() - started:7.1f}s] {message}", flush=True)
@@ -36,22 +40,31 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     # an embedded cluster gets a logical CPU per concurrent training worker
     connect(opts.address, num_cpus=None if opts.address else
             max(os.cpu_count() or 1, opts.parallel * opts.sizes.workers))
-    results = Reproduction(opts, log).run()
+    results = Reproduction(opts, out, output.runs, log).run()
     claims = evaluate_claims(results)
     plots = [os.path.relpath(p, out) for p in plot_hot_refresh(results, os.path.join(out, "plots"))]
     timings = dict(results.pop("timings"))
     timings["total_s"] = time.time() - started
     report = dict(job="reproduce", options=options_dict(opts),
-                  machine=f"{os.cpu_count()} CPU cores, {platform.machine()}, shared with other jobs",
+                  machine=machine_description(load_before),
                   skipped={s: opts.skipped(s) for s in opts.scenarios}, claims=claims,
                   results=results, plots=plots, timings=timings)
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report))
-    log(f"done in {timings['total_s']:.0f} s; report: {os.path.join(out, 'report.md')}")
+    where = output.publish()
+    log(f"done in {timings['total_s']:.0f} s; report: "
+        f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}")
     for c in claims:
         print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}", flush=True)
     return report
+
+
+def machine_description(load_at_start: float) -> str:
+    """Cores, architecture and the 1-minute load average at the start and the end of the run
+    (a load well above the core count means other jobs shared the machine)."""
+    return (f"{os.cpu_count()} CPU cores, {platform.machine()}; load average {load_at_start:.1f} at the "
+            f"start, {os.getloadavg()[0]:.1f} at the end")
 
 
 __all__ = ["CLAIMS", "SCALES", "SCENARIOS", "VARIANTS", "ReproduceOptions", "ScaleOptions",

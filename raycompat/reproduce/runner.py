@@ -63,8 +63,8 @@ class ModelStore:
     time (threads of the driver; Ray Train v2 supports ``fit`` off the main thread), each
     starting once the models it depends on are exported."""
 
-    def __init__(self, out: str, log):
-        self.runs_dir = os.path.join(out, "runs")
+    def __init__(self, out: str, log, runs_dir: str | None = None):
+        self.runs_dir = runs_dir or os.path.join(out, "runs")
         self.models_dir = os.path.join(out, "models")
         os.makedirs(self.models_dir, exist_ok=True)
         self.log = log
@@ -143,11 +143,13 @@ class ModelStore:
 
 
 class Reproduction:
-    def __init__(self, opts: ReproduceOptions, log=print):
+    def __init__(self, opts: ReproduceOptions, out: str, runs_dir: str | None = None, log=print):
+        """``out``: the local report folder (models under ``out/models``); ``runs_dir``: the
+        Ray Train storage of the checkpoints (default ``out/runs``)."""
         self.opts = opts
-        self.out = os.path.abspath(opts.out)
+        self.out = os.path.abspath(out)
         self.log = log
-        self.store = ModelStore(self.out, log)
+        self.store = ModelStore(self.out, log, runs_dir)
         self.models: dict[str, dict] = {}
         self._embedded: dict[tuple, EmbeddedSet] = {}
         self.timings: dict[str, float] = {}
