@@ -128,8 +128,11 @@ def main(argv=None) -> int:
               f"{large['seconds']:.0f} s, {large['items_per_s']:.1f} images/s end to end, peak memory PSS "
               f"{mem['peak_pss_mib']:.0f} MiB (first half {mem.get('peak_pss_first_half_mib', 0):.0f}, "
               f"second half {mem.get('peak_pss_second_half_mib', 0):.0f}), RSS sum {mem['peak_rss_mib']:.0f} MiB")
+        large_ratio = large["items_per_s"] / loop_rates[best_threads]
+        print(f"ratio large gallery end to end / plain loop of this run: {large_ratio:.3f} (goal >= 0.85)")
         results["large"] = {k: large[k] for k in ("items_total", "items_written", "seconds", "items_per_s",
                                                   "memory", "stages", "measured_by")}
+        results["large"]["ratio_to_plain_loop"] = large_ratio
     if args.json:
         from raycompat.report import write_json
 
