@@ -23,3 +23,10 @@ def test_random_init_bundles_are_not_constant(tmp_path):
     again = ModelBundle.load(make_random_bundles(str(tmp_path))[0]).eval()
     with torch.no_grad():
         assert torch.equal(again.embedder(x), ModelBundle.load(old_path).eval().embedder(x))
+
+
+def test_bundles_load_inside_no_grad(tmp_path):
+    old_path, _ = make_random_bundles(str(tmp_path))
+    with torch.no_grad():
+        bundle = ModelBundle.load(old_path)
+    assert bundle.embedder.embed_dim == 64

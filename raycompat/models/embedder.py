@@ -70,7 +70,8 @@ class Embedder(nn.Module):
         x = torch.zeros(2, in_chans, *size)
         was_training = self.backbone.training
         self.backbone.eval()
-        self.backbone.forward_features(x).float().sum().backward()
+        with torch.enable_grad():   # also when the model is built inside torch.no_grad()
+            self.backbone.forward_features(x).float().sum().backward()
         for p in self.backbone.parameters():
             if p.requires_grad and p.grad is None:
                 p.requires_grad_(False)
