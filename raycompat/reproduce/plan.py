@@ -99,7 +99,7 @@ class ScaleOptions:
     arch_backbone: str = "resnet14t"     # the new backbone of the architecture scenario
     embed_dim: int = 64
     old_epochs: int = 10
-    new_epochs: int = 8
+    new_epochs: int = 5
     batch_size: int = 64
     lr: float = 0.1
     psi_hidden: int = 256               # DMU psi / RM psi_rev hidden width (papers: 1024)
