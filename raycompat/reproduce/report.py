@@ -95,7 +95,11 @@ def plot_hot_refresh(results: dict, out_dir: str) -> list[str]:
         axes[1].set(xlabel="gallery backfilled (%)", ylabel="mAP@100 (%)", title=f"{scenario}: RACT by backfill order")
         for ax in axes:
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "not trained in this scenario", ha="center", va="center",
+                        transform=ax.transAxes, color="gray")
         fig.tight_layout()
         if drawn:
             path = os.path.join(out_dir, f"ract_{scenario}.png")
