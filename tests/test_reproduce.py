@@ -15,7 +15,8 @@ from raycompat.reproduce.report import TABLE_HEADERS
 
 TINY = ScaleOptions(train_classes=16, images_per_class=8, eval_classes=8, queries_per_class=2,
                     gallery_per_class=4, distractor_classes=8, distractors_per_class=2,
-                    embed_dim=32, old_epochs=2, new_epochs=1, batch_size=32, psi_hidden=64)
+                    embed_dim=32, old_epochs=2, new_epochs=1, batch_size=32, psi_hidden=64,
+                    backbone="test_resnet", arch_backbone="test_efficientnet")
 
 
 @pytest.fixture(scope="module")
