@@ -2,8 +2,9 @@
 ``ray start --head`` and a second ``ray start --address ...`` with its own resources.
 
 Both run as ``--block`` processes in their own process groups, under a temporary
-``--temp-dir``, so that stopping them never touches the test session's embedded cluster
-(``ray stop`` would kill every Ray process of the user). Jobs go through the real
+``--temp-dir`` (each extra node in its own sub-folder, as on separate machines), so that
+stopping them never touches the test session's embedded cluster (``ray stop`` would kill
+every Ray process of the user). Jobs go through the real
 ``ray job submit`` CLI against the head's dashboard.
 """
 from __future__ import annotations
@@ -77,9 +78,15 @@ class LocalMultiNodeCluster:
         return self
 
     def add_node(self, cpus: int, resources: dict) -> None:
+        # Each node gets its own temp dir, as separate machines have: nodes sharing one session
+        # folder share runtime_resources/, and a node setting up a job's working_dir there
+        # deletes and re-unpacks the copy that the driver on the head is importing from.
+        name = f"node{len(self.processes)}"
+        temp_dir = os.path.join(self.temp_dir, name)
+        os.makedirs(temp_dir, exist_ok=True)
         self._start([f"--address={self.node_ip}:{self.gcs_port}", f"--node-ip-address={self.node_ip}",
-                     f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}"],
-                    f"node{len(self.processes)}")
+                     f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}", f"--temp-dir={temp_dir}"],
+                    name)
         self.wait_for_nodes(len(self.processes))
 
     def _get(self, path: str):

@@ -3,7 +3,10 @@ machine (`ray start --head` + `ray start --address`), as the product card says u
 
 The head has 2 CPUs and the second node 2 CPUs plus its own resource; a training run with 2
 workers x 2 CPUs cannot fit on one node, so Ray places one worker on each, and the run records
-the node id of every rank (`worker_nodes` in each epoch's metrics).
+the node id of every rank (`worker_nodes` in each epoch's metrics). The gallery pipeline's
+new-embedder actors ask for the head's custom resource and its old-embedder actors for the
+second node's, so its embedding work must run on both nodes; every shard records the node ids
+of each embedding stage.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import glob
 import json
 import os
 
+import pyarrow.parquet as pq
 import pytest
 
 from multinode import LocalMultiNodeCluster
@@ -78,3 +82,43 @@ def test_simulate_backfill_job(two_node_cluster, tmp_path):
     assert {(c["policy"], c["mode"]) for c in curves["curves"]} >= {("random", "compatible"),
                                                                      ("sequential", "compatible")}
     assert glob.glob(str(store / "backfill" / "*.png"))
+
+
+GALLERY_SCENARIO = ["--train-classes", "10", "--eval-classes", "4", "--queries-per-class", "1",
+                    "--gallery-per-class", "3", "--distractor-classes", "3", "--distractors-per-class", "2"]
+
+
+def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
+    """`python jobs/embed_gallery.py` submitted to the two-node cluster, writing to a file://
+    URI --storage: parquet shards with every id once, the documented schema, and the new / old
+    embedder actors pinned to the head / second node by custom resources."""
+    items, chunk = 120, 40
+    store = f"file://{tmp_path}/store"
+    logs = _run_job(two_node_cluster, "embed-gallery", [
+        "python", "jobs/embed_gallery.py", "--random-init", str(tmp_path / "models"), "--storage", store,
+        "--name", "tiny", "--columns", "old,new", "--items", str(items), *GALLERY_SCENARIO,
+        "--chunk-size", str(chunk), "--render-batch-size", "16", "--preprocess-batch-size", "16",
+        "--new-batch-size", "16", "--old-batch-size", "16", "--progress-every", "1000",
+        "--new-resources", json.dumps({"head_node": 0.01}), "--old-resources", json.dumps({"second_node": 0.01})],
+        timeout=300)
+    out = tmp_path / "store" / "embeddings" / "tiny"
+    shards = sorted(glob.glob(str(out / "part-*.parquet")))
+    assert len(shards) == items // chunk, f"{os.listdir(out) if out.is_dir() else 'no output'}\n{logs[-3000:]}"
+    assert {"_manifest.json", "_summary.json"} <= set(os.listdir(out))
+    table = pq.read_table(f"{store}/embeddings/tiny").sort_by("item_id")
+    assert table.column("item_id").to_pylist() == list(range(items))   # every id exactly once
+    assert [(f.name, str(f.type)) for f in table.schema] == [
+        ("item_id", "int64"), ("label", "int64"), ("split", "string"),
+        ("old", "fixed_size_list<element: float>[64]"), ("new", "fixed_size_list<element: float>[128]")]
+    assert sorted(set(table.column("split").to_pylist())) == ["distractor", "gallery", "query"]
+    by_resource = {r: n["node_id"] for n in two_node_cluster.nodes() for r in n["resources_total"]
+                   if r in ("head_node", "second_node")}
+    head, second = by_resource["head_node"], by_resource["second_node"]
+    for path in shards:
+        nodes = json.loads(pq.read_metadata(path).metadata[b"raycompat.chunk"])["nodes"]
+        assert nodes == {"new": [head], "old": [second]}, (path, nodes)
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["nodes"] == {"new": {head: items}, "old": {second: items}}
+    assert {n for per_node in summary["nodes"].values() for n in per_node} == {head, second}
+    assert summary["out"] == f"{store}/embeddings/tiny"
+    assert "embedding stages ran on Ray nodes" in logs

@@ -9,9 +9,29 @@ import os
 from raycompat.config import ConfigError
 
 
+_LOCAL_COPIES: dict[str, str] = {}
+
+
+def _local_bundle(path: str) -> str:
+    """A bundle at a URI (``s3://.../models/old``) is read from a local copy, made once per
+    process; the model actors load the URI themselves (``ModelBundle.load``)."""
+    from raycompat.storage import is_uri, local_copy
+
+    if not is_uri(path):
+        return path
+    if path not in _LOCAL_COPIES:
+        try:
+            _LOCAL_COPIES[path] = local_copy(path)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"no model bundle at {path!r}: {exc}") from None
+    return _LOCAL_COPIES[path]
+
+
 def bundle_fingerprint(path: str) -> str:
     """sha256 (16 hex) of a saved bundle's manifest and weight files: equal fingerprints mean
-    equal models, so a resumed run cannot mix vectors of two different models."""
+    equal models, so a resumed run cannot mix vectors of two different models. ``path``: a
+    folder or a storage URI."""
+    path = _local_bundle(path)
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         raise ConfigError(f"no model bundle at {path!r}: manifest.json is missing")
     h = hashlib.sha256()
@@ -28,7 +48,7 @@ def read_manifest(path: str) -> dict:
     import json
 
     bundle_fingerprint(path)  # existence check with a clear error
-    with open(os.path.join(path, "manifest.json")) as fh:
+    with open(os.path.join(_local_bundle(path), "manifest.json")) as fh:
         return json.load(fh)
 
 

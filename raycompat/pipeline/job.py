@@ -8,13 +8,14 @@
 
 Only the stages the requested columns need are built. Output (``raycompat.pipeline.writer``):
 ``<out>/part-<chunk>.parquet`` shards, ``<out>/_manifest.json``, ``<out>/_summary.json``;
-``raycompat.backfill.gallery.load_parquet(<out>)`` reads the folder directly.
+``raycompat.backfill.gallery.load_parquet(<out>)`` reads the folder directly. ``<out>`` is a
+local folder or a URI (``raycompat.pipeline.location``); the job's ``--storage S`` puts it at
+``S/embeddings/<--name>``.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +34,8 @@ SUMMARY_NAME = "_summary.json"
 
 @dataclass
 class GalleryRun:
-    """Result of :func:`embed_gallery`: the output folder (a parquet dataset) and the summary."""
+    """Result of :func:`embed_gallery`: the output folder (a parquet dataset; a local path or
+    a URI) and the summary."""
 
     path: str
     summary: dict
@@ -100,6 +102,10 @@ def _gpus(stage, opts: PipelineOptions, cluster_gpus: float) -> float:
     return opts.gpu_fraction if cluster_gpus > 0 else 0.0
 
 
+def _resources(stage):
+    return dict(stage.resources) if stage.resources else None
+
+
 def build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, need_feature_stage,
                   columns, uncertainty, opts: PipelineOptions):
     """The lazy Ray Data pipeline for chunks ``todo``."""
@@ -120,32 +126,35 @@ def build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, 
     ds = ray.data.from_arrow(blocks)
     ds = ds.map_batches(load_images, fn_kwargs={"source": source, "on_corrupt": opts.on_corrupt},
                         batch_size=st["render"].batch_size, num_cpus=st["render"].num_cpus,
-                        compute=TaskPoolStrategy(size=st["render"].concurrency))
+                        resources=_resources(st["render"]), compute=TaskPoolStrategy(size=st["render"].concurrency))
     if getattr(source, "provides_old", False):  # stored old features: no image, no backbone
         need_old = need_new = False
     else:
         ds = ds.map_batches(preprocess, batch_size=st["preprocess"].batch_size,
-                            num_cpus=st["preprocess"].num_cpus,
+                            num_cpus=st["preprocess"].num_cpus, resources=_resources(st["preprocess"]),
                             compute=TaskPoolStrategy(size=st["preprocess"].concurrency))
     if need_new:
         s = st["new"]
         g = _gpus(s, opts, cluster_gpus)
         ds = ds.map_batches(EmbedStage, fn_constructor_kwargs=dict(
             bundle_path=new_model, column="new", threads=opts.threads, use_gpu=g > 0, drop_pixels=not need_old),
-            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, compute=ActorPoolStrategy(size=s.concurrency))
+            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, resources=_resources(s),
+            compute=ActorPoolStrategy(size=s.concurrency))
     if need_old:
         s = st["old"]
         g = _gpus(s, opts, cluster_gpus)
         ds = ds.map_batches(EmbedStage, fn_constructor_kwargs=dict(
             bundle_path=old_model, column="old", threads=opts.threads, use_gpu=g > 0, drop_pixels=True),
-            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, compute=ActorPoolStrategy(size=s.concurrency))
+            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, resources=_resources(s),
+            compute=ActorPoolStrategy(size=s.concurrency))
     if need_feature_stage:
         s = st["adapt"]
         g = _gpus(s, opts, cluster_gpus)
         ds = ds.map_batches(OldFeatureStage, fn_constructor_kwargs=dict(
             new_bundle_path=new_model, adapt="adapted" in columns, uncertainty=uncertainty,
             drop_old="old" not in columns, threads=opts.threads, use_gpu=g > 0),
-            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, compute=ActorPoolStrategy(size=s.concurrency))
+            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, resources=_resources(s),
+            compute=ActorPoolStrategy(size=s.concurrency))
     return ds
 
 
@@ -168,10 +177,13 @@ def _find_corrupt(exc: BaseException) -> str | None:
     return None
 
 
-def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: str | None = None,
+def embed_gallery(out, source, *, old_model: str | None = None, new_model: str | None = None,
                   columns=("old", "new"), uncertainty: bool = False, ids=None,
                   options: PipelineOptions | None = None, log=print) -> GalleryRun:
-    """Embed ``source``'s items (all, or ``ids``) into parquet shards under ``out``.
+    """Embed ``source``'s items (all, or ``ids``) into parquet shards under ``out``: a local
+    folder, any URI pyarrow's filesystems open (``s3://bucket/gallery``, ``file:///nfs/g``),
+    or a checked ``raycompat.pipeline.location.OutputDir``; it is created and checked for
+    writing first (``StorageError`` naming it otherwise).
 
     ``columns``: any of ``old``, ``new``, ``adapted`` (psi(old), DMU); ``uncertainty`` adds
     ``unc_least_confidence``, ``unc_margin``, ``unc_entropy`` (RACT Eq.9-11, new head on old
@@ -180,10 +192,11 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
     ``ConfigError`` for different ones. Uses the connected Ray cluster (connects an embedded
     one if none)."""
     from raycompat.cluster import connect
+    from raycompat.pipeline.location import OutputDir
     from raycompat.pipeline.manifest import check_or_write, content_manifest
     from raycompat.pipeline.summary import MemorySampler, format_summary, stage_times
     from raycompat.pipeline.writer import ChunkAssembler, ShardStore, output_schema
-    from raycompat.report import write_json
+    from raycompat.report import _clean
 
     opts = options or PipelineOptions()
     opts.check()
@@ -204,16 +217,16 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
     else:
         plan = IdPlan(opts.chunk_size, 0, source.num_ids())
     unc_cols = tuple(UNCERTAINTY_COLUMNS.values()) if uncertainty else ()
-    out = os.path.abspath(out)
-    if opts.overwrite and os.path.isdir(out):
-        shutil.rmtree(out)
-    os.makedirs(out, exist_ok=True)
+    location = OutputDir.open(out)     # created and checked for writing (StorageError otherwise)
+    out = location.uri
+    if opts.overwrite:
+        location.clear()
     manifest = content_manifest(source, plan, columns, unc_cols,
                                 {"old": old_model if need_old else None,
                                  "new": new_model if (need_new or need_feature_stage) else None}, dims)
-    resuming = check_or_write(out, manifest)
+    resuming = check_or_write(location, manifest)
     schema = output_schema(dims, unc_cols)
-    store = ShardStore(out, schema)
+    store = ShardStore(location, schema)
     removed = store.remove_temp_files()
     done = store.completed(plan.num_chunks, plan.chunk_length)
     todo = [c for c in range(plan.num_chunks) if c not in done]
@@ -281,8 +294,10 @@ def embed_gallery(out: str, source, *, old_model: str | None = None, new_model: 
                            "workers, actors); PSS splits shared pages such as the object store",
                    **memory.halves(), "series_s_items_rss_pss": memory.thinned_series()},
         "stages": stages, "options": asdict(opts),
+        # where the embedding stages ran (this run's rows): {stage: {Ray node id: rows}}
+        "nodes": {stage: dict(sorted(per_node.items())) for stage, per_node in sorted(assembler.node_items.items())},
     }
-    write_json(os.path.join(out, SUMMARY_NAME), summary)
+    location.write_bytes(SUMMARY_NAME, json.dumps(_clean(summary), indent=2).encode())
     for s in skipped[:20]:
         log(f"[embed_gallery] skipped corrupt image: {s['error']}")
     log(format_summary(summary))
@@ -296,7 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Embed a gallery with the old model, the new model and psi (Ray Data, streaming, "
                     "resumable) into parquet shards: item_id, label, split, old/new/adapted vectors, "
                     "uncertainty scores.")
-    p.add_argument("--out", default="gallery_out", help="output folder (parquet shards + _manifest.json)")
+    o = p.add_argument_group("where the output goes (checked for writing before anything starts)")
+    o.add_argument("--storage", default=None,
+                   help="shared storage: a local path or any URI pyarrow opens (s3://bucket/prefix, gs://..., "
+                        "file:///nfs/...); the output goes to <storage>/embeddings/<name> unless --out is given")
+    o.add_argument("--name", default="gallery", help="output folder name under <storage>/embeddings "
+                                                     "(default gallery)")
+    o.add_argument("--out", default=None,
+                   help="output folder or URI (parquet shards + _manifest.json + _summary.json); default "
+                        "gallery_out, or <storage>/embeddings/<name> with --storage")
     p.add_argument("--address", default=None, help="Ray address (default: an embedded local cluster)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local cluster")
     m = p.add_argument_group("models")
@@ -393,7 +416,10 @@ def source_from_args(args, in_chans: int, resolution: int):
 def run_from_args(args) -> GalleryRun:
     from raycompat.cluster import connect
     from raycompat.pipeline.bundles import embedder_info, make_random_bundles
+    from raycompat.pipeline.location import resolve_output
 
+    # the output location first: a missing or unwritable one stops the job before models or Ray
+    output = resolve_output(args.out, args.storage, args.name)
     options = pipeline_options_from_args(args)
     columns = parse_columns(args.columns)
     old_model, new_model = args.old_model, args.new_model
@@ -412,7 +438,7 @@ def run_from_args(args) -> GalleryRun:
         source = source_from_args(args, info["in_chans"], int(resolution))
     ids = parse_ids_option(args.ids) if args.ids else None
     connect(args.address, num_cpus=args.num_cpus)
-    return embed_gallery(args.out, source, old_model=old_model, new_model=new_model, columns=columns,
+    return embed_gallery(output, source, old_model=old_model, new_model=new_model, columns=columns,
                          uncertainty=args.uncertainty, ids=ids, options=options)
 
 

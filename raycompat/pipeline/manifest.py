@@ -7,6 +7,7 @@ import json
 import os
 
 from raycompat.config import ConfigError
+from raycompat.storage import is_uri
 
 MANIFEST_NAME = "_manifest.json"
 FORMAT_VERSION = 1
@@ -31,8 +32,8 @@ def content_manifest(source, plan, columns, uncertainty_columns, models: dict, s
     return {"format_version": FORMAT_VERSION, "source": json.loads(json.dumps(source.describe(), default=str)),
             "plan": plan.describe(), "columns": list(columns), "uncertainty_columns": list(uncertainty_columns),
             "dims": dict(schema_dims),
-            "models": {k: ({"fingerprint": bundle_fingerprint(p), "path": os.path.abspath(p)} if p else None)
-                       for k, p in models.items()}}
+            "models": {k: ({"fingerprint": bundle_fingerprint(p), "path": p if is_uri(p) else os.path.abspath(p)}
+                           if p else None) for k, p in models.items()}}
 
 
 def _comparable(manifest: dict) -> dict:
@@ -40,27 +41,27 @@ def _comparable(manifest: dict) -> dict:
     return {k: v for k, v in flat.items() if not k.endswith(".path")}
 
 
-def check_or_write(directory: str, manifest: dict) -> bool:
+def check_or_write(directory, manifest: dict) -> bool:
     """Write the manifest into a new output; for an existing one, raise ``ConfigError``
-    listing every setting that differs. Returns True when resuming an existing output."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    if os.path.isfile(path):
-        with open(path) as fh:
-            old = json.load(fh)
+    listing every setting that differs. Returns True when resuming an existing output.
+    ``directory``: a local path, a URI or an ``OutputDir``."""
+    from raycompat.pipeline.location import OutputDir
+
+    out = OutputDir.open(directory, check=False)
+    if out.isfile(MANIFEST_NAME):
+        old = json.loads(out.read_bytes(MANIFEST_NAME))
         a, b = _comparable(old), _comparable(manifest)
         diffs = [f"{k}: {a.get(k)!r} in the output vs {b.get(k)!r} now" for k in sorted(set(a) | set(b))
                  if a.get(k) != b.get(k)]
         if diffs:
             shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
-            raise ConfigError(f"cannot resume into {directory}: it was written with different settings "
+            raise ConfigError(f"cannot resume into {out.uri}: it was written with different settings "
                               f"({shown}). Use another --out, or --overwrite to start again.")
         return True
-    if any(name.endswith(".parquet") for name in os.listdir(directory)):
-        raise ConfigError(f"{directory} holds parquet files but no {MANIFEST_NAME}: not an output of this job; "
+    if any(name.endswith(".parquet") for name in out.listdir()):
+        raise ConfigError(f"{out.uri} holds parquet files but no {MANIFEST_NAME}: not an output of this job; "
                           "use another --out, or --overwrite to start again")
-    os.makedirs(directory, exist_ok=True)
-    tmp = path + f".tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    if out.local:
+        os.makedirs(out.root, exist_ok=True)
+    out.write_bytes(MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True).encode())
     return False

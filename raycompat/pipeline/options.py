@@ -18,12 +18,15 @@ ON_CORRUPT = ("fail", "skip")
 class StageOptions:
     """Ray Data resources of one stage. ``concurrency``: parallel tasks (render,
     preprocess) or actors in the pool (old, new, adapt). ``num_gpus`` ``None``: a fraction
-    (``PipelineOptions.gpu_fraction``) when the cluster has GPUs, else none."""
+    (``PipelineOptions.gpu_fraction``) when the cluster has GPUs, else none. ``resources``:
+    custom Ray resources per task / actor (``{"gpu_node": 0.1}``) to pin a stage to the nodes
+    that have them."""
 
     batch_size: int = 256
     concurrency: int = 1
     num_cpus: float = 0.25
     num_gpus: float | None = None
+    resources: dict[str, float] | None = None
 
     def check(self, name: str) -> None:
         if self.batch_size < 1:
@@ -34,6 +37,15 @@ class StageOptions:
             raise ConfigError(f"--{name}-cpus must be >= 0, got {self.num_cpus}")
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ConfigError(f"--{name}-gpus must be >= 0, got {self.num_gpus}")
+        if self.resources is not None:
+            if not isinstance(self.resources, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                    for k, v in self.resources.items()):
+                raise ConfigError(f"--{name}-resources must be a JSON object {{name: amount >= 0}}, "
+                                  f"got {self.resources!r}")
+            reserved = sorted(set(self.resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+            if reserved:
+                raise ConfigError(f"--{name}-resources: use --{name}-cpus / --{name}-gpus for {reserved}")
 
 
 def _default_stages() -> dict[str, StageOptions]:
@@ -117,6 +129,21 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
         if name in ("old", "new", "adapt"):
             g.add_argument(f"--{name}-gpus", type=float, default=None,
                            help="GPUs per actor (default: --gpu-fraction when GPUs are present)")
+        g.add_argument(f"--{name}-resources", type=_json_resources, default=None, metavar="JSON",
+                       help="custom Ray resources per " + ("actor" if name in ("old", "new", "adapt") else "task")
+                            + ", e.g. '{\"gpu_node\": 0.01}': runs the stage only on nodes that have them")
+
+
+def _json_resources(value: str) -> dict:
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object {name: amount}")
+    return parsed
 
 
 def pipeline_options_from_args(args) -> PipelineOptions:
@@ -124,7 +151,8 @@ def pipeline_options_from_args(args) -> PipelineOptions:
     for name in STAGES:
         key = name.replace("-", "_")
         stages[name] = StageOptions(getattr(args, f"{key}_batch_size"), getattr(args, f"{key}_concurrency"),
-                                    getattr(args, f"{key}_cpus"), getattr(args, f"{key}_gpus", None))
+                                    getattr(args, f"{key}_cpus"), getattr(args, f"{key}_gpus", None),
+                                    getattr(args, f"{key}_resources", None))
     bars = {"auto": None, "on": True, "off": False}[args.ray_progress_bars]
     opts = PipelineOptions(chunk_size=args.chunk_size, on_corrupt=args.on_corrupt, threads=args.threads,
                            gpu_fraction=args.gpu_fraction, overwrite=args.overwrite,

@@ -4,11 +4,16 @@ item ids -> ``load_images`` (decode / render) ->
 ``preprocess`` (uint8 -> float pixels in [-1, 1]) -> :class:`EmbedStage` ``old`` and ``new``
 (actor pools, one model each) -> :class:`OldFeatureStage` (actor pool: psi(old) for DMU's
 forward adaptation and RACT Eq.9-11 uncertainty of old features under the new head; no image).
+
+Each embedding stage adds an internal column ``__node_<stage>`` (``new``, ``old``, ``adapt``):
+the Ray node id of the actor that computed the row. The shard writer records these per
+shard and in ``_summary.json`` and never stores them as data columns.
 """
 from __future__ import annotations
 
 import numpy as np
 
+NODE_PREFIX = "__node_"   # internal per-row column prefix: the node that ran a stage
 UNCERTAINTY_COLUMNS = {"least_confidence": "unc_least_confidence", "margin": "unc_margin",
                        "entropy": "unc_entropy"}
 
@@ -26,6 +31,23 @@ def preprocess(batch: dict) -> dict:
     x = images.astype(np.float32) / np.float32(127.5) - np.float32(1.0)
     batch["pixels"] = x[:, None] if x.ndim == 3 else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     return batch
+
+
+def current_node_id() -> str:
+    """The Ray node id of this process ("" outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id() or ""
+    except Exception:  # where the work ran is a report, never a reason to fail
+        pass
+    return ""
+
+
+def _mark_node(batch: dict, stage: str, node_id: str) -> None:
+    n = len(batch["item_id"])
+    batch[NODE_PREFIX + stage] = np.full(n, node_id, dtype=f"<U{max(len(node_id), 1)}")
 
 
 def _device(use_gpu: bool):
@@ -56,6 +78,7 @@ class EmbedStage:
         self.in_chans = int(bundle.embedder.spec.get("in_chans", 1))
         self.column = column
         self.drop_pixels = drop_pixels
+        self.node_id = current_node_id()
 
     def __call__(self, batch: dict) -> dict:
         import torch
@@ -71,6 +94,7 @@ class EmbedStage:
         batch[self.column] = out
         if self.drop_pixels:
             del batch["pixels"]
+        _mark_node(batch, self.column, self.node_id)
         return batch
 
 
@@ -91,6 +115,7 @@ class OldFeatureStage:
         self.psi = bundle.modules["psi"].eval() if adapt else None
         self.head = UncertaintyHead.from_classifier_head(bundle.head) if uncertainty else None
         self.drop_old = drop_old
+        self.node_id = current_node_id()
 
     def __call__(self, batch: dict) -> dict:
         import torch
@@ -106,4 +131,5 @@ class OldFeatureStage:
                 batch[column] = uncertainty_scores(old, self.head, kind)
         if self.drop_old:
             del batch["old"]
+        _mark_node(batch, "adapt", self.node_id)
         return batch

@@ -146,6 +146,11 @@ def format_summary(summary: dict) -> str:
                 f"{summary['steady_items_per_s']:.1f} items/s after it)" if summary.get("steady_items_per_s") else ""),
              f"peak memory (driver + Ray processes): PSS {summary['memory']['peak_pss_mib']:.0f} MiB, "
              f"RSS sum {summary['memory']['peak_rss_mib']:.0f} MiB"]
+    nodes = summary.get("nodes") or {}
+    if nodes:   # {stage: {node id: rows}}; node ids shortened as `ray list nodes` shows them
+        lines.append("embedding stages ran on Ray nodes: " + "; ".join(
+            f"{stage}: " + ", ".join(f"{node[:8]} ({rows} rows)" for node, rows in per_node.items())
+            for stage, per_node in nodes.items()))
     stages = [s for s in summary.get("stages", []) if "error" not in s]
     if stages:
         lines += ["", "Per-stage times (Ray Data stats; task times are summed over parallel tasks/actors):", "",

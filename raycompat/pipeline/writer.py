@@ -2,9 +2,15 @@
 only complete shards (and temp files that the next run deletes).
 
 Shard ``part-<chunk:06d>.parquet`` holds the rows of that chunk's ids sorted by ``item_id``;
-its file metadata key ``raycompat.chunk`` records ``{chunk, expected, rows, skipped}`` where
-``skipped`` lists ``{item_id, error}`` of corrupt images. A shard is complete when it exists,
-its footer reads, and ``rows + len(skipped) == expected``. Schema: see ``output_schema``.
+its file metadata key ``raycompat.chunk`` records ``{chunk, expected, rows, skipped, nodes}``
+where ``skipped`` lists ``{item_id, error}`` of corrupt images and ``nodes`` maps each
+embedding stage (``new``, ``old``, ``adapt``) to the sorted Ray node ids that computed the
+chunk's rows. A shard is complete when it exists, its footer reads, and
+``rows + len(skipped) == expected``. Schema: see ``output_schema``.
+
+The folder is an :class:`~raycompat.pipeline.location.OutputDir`: a local path (temp file +
+fsync + rename) or a URI on any pyarrow filesystem (the final object written directly; a
+truncated object has no readable footer and is rewritten on resume).
 """
 from __future__ import annotations
 
@@ -13,6 +19,10 @@ import os
 import re
 
 import numpy as np
+
+# NODE_PREFIX: internal batch columns ``__node_new``, ``__node_old``, ``__node_adapt``, the Ray
+# node id that ran an embedding stage on each row; recorded per shard, never stored as data.
+from raycompat.pipeline.stages import NODE_PREFIX
 
 SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 META_KEY = b"raycompat.chunk"
@@ -35,19 +45,26 @@ def output_schema(vector_dims: dict[str, int], uncertainty_columns=()):
 
 
 class ShardStore:
-    """The shard folder of one run: which chunks are done, and atomic writes of new ones."""
+    """The shard folder of one run: which chunks are done, and atomic writes of new ones.
+    ``directory``: a local path, a URI, or an ``OutputDir``."""
 
-    def __init__(self, directory: str, schema):
-        self.directory = directory
+    def __init__(self, directory, schema):
+        from raycompat.pipeline.location import OutputDir
+
+        self.out = OutputDir.open(directory, check=False)
+        if self.out.local:
+            os.makedirs(self.out.root, exist_ok=True)
+        else:
+            self.out.fs.create_dir(self.out.root, recursive=True)
+        self.directory = self.out.uri
         self.schema = schema
-        os.makedirs(directory, exist_ok=True)
 
     def remove_temp_files(self) -> int:
         """Delete leftovers of killed writers (``.part-*.tmp*``); returns how many."""
         n = 0
-        for name in os.listdir(self.directory):
+        for name in self.out.listdir():
             if name.startswith(".part-") and ".tmp" in name:
-                os.remove(os.path.join(self.directory, name))
+                self.out.remove(name)
                 n += 1
         return n
 
@@ -55,13 +72,14 @@ class ShardStore:
         """The recorded chunk metadata of a readable shard, else ``None``."""
         import pyarrow.parquet as pq
 
-        path = os.path.join(self.directory, shard_name(chunk))
-        if not os.path.isfile(path):
+        name = shard_name(chunk)
+        if not self.out.isfile(name):
             return None
         try:
-            meta = pq.read_metadata(path)
+            with self.out.open_input(name) as fh:
+                meta = pq.read_metadata(fh)
             info = json.loads(meta.metadata[META_KEY])
-        except Exception:  # unreadable footer: treat as missing and rewrite
+        except Exception:  # unreadable footer (a truncated write): treat as missing and rewrite
             return None
         if info.get("rows") != meta.num_rows or info["rows"] + len(info.get("skipped", [])) != info.get("expected"):
             return None
@@ -71,7 +89,7 @@ class ShardStore:
         """Chunks ``< num_chunks`` whose shard is complete; incomplete or foreign shard files
         are removed so they are rewritten."""
         done = set()
-        for name in os.listdir(self.directory):
+        for name in self.out.listdir():
             m = SHARD_RE.match(name)
             if not m:
                 continue
@@ -80,13 +98,15 @@ class ShardStore:
             if info is not None and info.get("expected") == expected_length(chunk):
                 done.add(chunk)
             else:
-                os.remove(os.path.join(self.directory, name))
+                self.out.remove(name)
         return done
 
-    def write(self, chunk: int, columns: dict[str, np.ndarray], expected: int) -> dict:
+    def write(self, chunk: int, columns: dict[str, np.ndarray], expected: int, nodes: dict | None = None) -> dict:
         """Write chunk ``chunk`` from numpy columns (rows with a non-empty ``error`` are
-        skipped and recorded); temp file + fsync + rename, so the shard appears whole or not
-        at all. Returns the chunk metadata."""
+        skipped and recorded; columns outside the schema, such as the node columns, are not
+        stored); temp file + fsync + rename on a local folder, one direct write elsewhere,
+        so the shard appears whole or not at all. ``nodes``: ``{stage: [node ids]}``.
+        Returns the chunk metadata."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -106,17 +126,24 @@ class ShardStore:
                 arrays.append(pa.array(values.astype(str), pa.string()))
             else:
                 arrays.append(pa.array(values, field.type))
-        info = {"chunk": int(chunk), "expected": int(expected), "rows": int(len(keep)), "skipped": skipped}
+        info = {"chunk": int(chunk), "expected": int(expected), "rows": int(len(keep)), "skipped": skipped,
+                "nodes": {k: sorted(v) for k, v in sorted((nodes or {}).items())}}
         schema = self.schema.with_metadata({META_KEY: json.dumps(info).encode()})
         table = pa.Table.from_arrays(arrays, schema=schema)
-        final = os.path.join(self.directory, shard_name(chunk))
-        tmp = os.path.join(self.directory, f".{shard_name(chunk)}.tmp{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        self.out.write(shard_name(chunk), lambda fh: pq.write_table(table, fh))
         return info
+
+
+def batch_nodes(batch: dict, mask=None) -> dict[str, set[str]]:
+    """``{stage: {node ids}}`` from the internal node columns of a batch (rows ``mask``)."""
+    found = {}
+    for col in batch:
+        if col.startswith(NODE_PREFIX):
+            values = np.asarray(batch[col])
+            if mask is not None:
+                values = values[mask]
+            found[col[len(NODE_PREFIX):]] = {str(v) for v in np.unique(values.astype(str)) if v}
+    return found
 
 
 class ChunkAssembler:
@@ -132,15 +159,27 @@ class ChunkAssembler:
         self.written_items = 0
         self.written_chunks = 0
         self.skipped: list[dict] = []
+        self.chunk_nodes: dict[int, dict[str, set[str]]] = {}
+        # {stage: {node id: rows}} over every row received in this run
+        self.node_items: dict[str, dict[str, int]] = {}
 
     def add(self, batch: dict) -> None:
         ids = np.asarray(batch["item_id"], np.int64)
         self.received += int(ids.size)
+        for col in batch:
+            if col.startswith(NODE_PREFIX):
+                per_node = self.node_items.setdefault(col[len(NODE_PREFIX):], {})
+                values, counts = np.unique(np.asarray(batch[col]).astype(str), return_counts=True)
+                for v, k in zip(values.tolist(), counts.tolist()):
+                    per_node[v or "unknown"] = per_node.get(v or "unknown", 0) + int(k)
         chunks = self.plan.chunk_of(ids)
         for chunk in np.unique(chunks).tolist():
             mask = chunks == chunk
             part = {c: np.asarray(batch[c])[mask] for c in self.columns}
             self.parts.setdefault(chunk, []).append(part)
+            seen = self.chunk_nodes.setdefault(chunk, {})
+            for stage, nodes in batch_nodes(batch, mask).items():
+                seen.setdefault(stage, set()).update(nodes)
             self.counts[chunk] = self.counts.get(chunk, 0) + int(mask.sum())
             expected = self.plan.chunk_length(chunk)
             if self.counts[chunk] > expected:
@@ -148,7 +187,7 @@ class ChunkAssembler:
             if self.counts[chunk] == expected:
                 parts = self.parts.pop(chunk)
                 merged = {c: np.concatenate([p[c] for p in parts]) for c in self.columns}
-                info = self.store.write(chunk, merged, expected)
+                info = self.store.write(chunk, merged, expected, nodes=self.chunk_nodes.pop(chunk, {}))
                 del self.counts[chunk]
                 self.written_items += info["rows"]
                 self.written_chunks += 1
