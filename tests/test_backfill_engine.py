@@ -322,3 +322,73 @@ def test_scores_that_may_overflow_float32_are_rejected():
     g = np.full((4, 3), 1e20, dtype=np.float32)
     with pytest.raises(ValueError, match="overflow"):
         compute_ranks({"s": Side(q, g)}, [CurveSpec("r", "s", None, np.array([0]))], [0, 1], [0, 1, 0, 1])
+
+
+def canonical_matrix(q, g):
+    """[Q, N] canonical scores, every pair through raycompat.index.canonical.pair_scores."""
+    from raycompat.index.canonical import pair_scores
+
+    qi, gi = np.meshgrid(np.arange(q.shape[0]), np.arange(g.shape[0]), indexing="ij")
+    return pair_scores(q[qi.ravel()], g[gi.ravel()]).reshape(q.shape[0], g.shape[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_near_ties_rank_by_canonical_scores(seed, monkeypatch):
+    """Unit-norm float32 embeddings (not exactly representable scores) with duplicated items
+    and items one float32 step away from others: the engine's ranks equal a brute force on
+    the canonical float64 scores, for every block size, worker count, locating path and
+    error band, so the float32 summation order of the pass never shows in the result."""
+    from raycompat.index.search import l2_normalize
+
+    rng = np.random.default_rng(500 + seed)
+    n, n_q, d = 240, 12, int(rng.choice([16, 48, 100]))
+    gl = rng.integers(0, 4, n)
+    ql = rng.integers(0, 5, n_q)
+    base = rng.standard_normal((n, d)).astype(np.float32)
+    dup = rng.choice(n, 60, replace=False)
+    base[dup[:30]] = base[dup[30:]]                                  # exact duplicates: ties
+    nudge = rng.choice(n, 40, replace=False)
+    base[nudge[:20]] = base[nudge[20:]]
+    base[nudge[:20], rng.integers(0, d, 20)] = np.nextafter(
+        base[nudge[:20], rng.integers(0, d, 20)], np.float32(np.inf))  # near-ties
+    go, gn = l2_normalize(base), l2_normalize(base[:, ::-1].copy())
+    qo = l2_normalize(rng.standard_normal((n_q, d)).astype(np.float32))
+    qo[:4] = go[dup[:4]]                                              # queries equal to items
+    qn = l2_normalize(qo[:, ::-1].copy())
+    s_old, s_new = canonical_matrix(qo, go), canonical_matrix(qn, gn)
+    order = rng.permutation(n)
+    counts = backfill_counts(np.array([0.0, 0.3, 0.7, 1.0]), n)
+    k = 10
+    ranking0 = np.lexsort((np.broadcast_to(np.arange(n), s_old.shape), -s_old), axis=-1)
+    ref = gl[ranking0[:, 0]] == ql
+    want = brute_force_curve(s_old, s_new, [order[:c] for c in counts], ql, gl, k, ref)
+    sides = {"o": Side(qo, go), "n": Side(qn, gn)}
+    curves = [CurveSpec("c", "o", "n", counts, order), CurveSpec("ref", "o", None, np.array([0]))]
+    monkeypatch.setattr(engine_mod, "_TABLE_MAX", int(rng.choice([0, 32])))
+    for band, bb, workers in ((1.0, 1 << 20, 1), (1.0, 4 * n_q * 64, 2), (1e6, 1 << 12, 3)):
+        res = compute_ranks(sides, curves, ql, gl, band_scale=band, block_bytes=bb, workers=workers)
+        ref_c = metrics_from_ranks(res.curve("ref").ranks, res.pairs_q, res.npos, 1,
+                                   return_per_query=True)[1]["correct1"][0]
+        assert np.array_equal(ref_c, ref)
+        got = metrics_from_ranks(res.curve("c").ranks, res.pairs_q, res.npos, k, ref_c)
+        for name, key in (("mAP@k", f"mAP@{k}"), ("mAP", "mAP"), ("top1", "top1"), ("NFR@1", "NFR@1")):
+            assert np.array_equal(got[key], want[name], equal_nan=True), (band, bb, name)
+        assert sum(s["band_entries"] for s in res.stats["sides"].values()) > 0   # ties went through the band
+
+
+def test_pair_scores_do_not_depend_on_the_other_rows():
+    """The canonical score of a pair is bit-identical whatever rows come with it."""
+    from raycompat.index.canonical import pair_scores
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((500, 77)).astype(np.float32)
+    b = rng.standard_normal((500, 77)).astype(np.float32)
+    full = pair_scores(a, b)
+    perm = rng.permutation(500)
+    assert np.array_equal(pair_scores(a[perm], b[perm]), full[perm])
+    assert np.array_equal(np.concatenate([pair_scores(a[i:i + 7], b[i:i + 7]) for i in range(0, 500, 7)]), full)
+    odd = np.zeros((500, 78), np.float32)[:, 1:]                       # a non-contiguous view
+    odd[:] = a
+    assert np.array_equal(pair_scores(odd, b), full)
+    with pytest.raises(ValueError, match="same shape"):
+        pair_scores(a, b[:, :5])

@@ -473,3 +473,34 @@ def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(serve
         assert (ids[:, 0] == np.arange(10) + 100).all() and (scores[:, 0] > 0.999).all()
     finally:
         serve.delete(APP)
+
+
+# ----------------------------------------------------------------------------- the hot_refresh job
+def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path):
+    """`run_hot_refresh` (what `python jobs/hot_refresh.py` runs) on a glyph scenario embedded
+    by random-init models -- weak embeddings full of near-ties -- writing to `--storage`: the
+    curve measured through HTTP equals the simulator's exactly at every fraction."""
+    import json
+
+    from raycompat.pipeline.bundles import make_random_bundles
+    from raycompat.serving.hot_refresh import HotRefreshOptions, run_hot_refresh
+
+    models = tmp_path / "models"
+    make_random_bundles(str(models), backbone="test_resnet", old_dim=24, new_dim=24, num_classes=8,
+                        psi_hidden=32, resolution=32)
+    store = tmp_path / "store"
+    opts = HotRefreshOptions(models=str(models), new_name="new", storage=str(store), name="tiny",
+                             port=serve_port, policy="sequential", k=20, num_shards=2, batch_size=23,
+                             fractions="0,0.3,0.6,1", eval_classes=12, queries_per_class=2, gallery_per_class=5,
+                             distractor_classes=4, distractors_per_class=3)
+    report = run_hot_refresh(opts, log=lambda m: None)
+    out = store / "hot_refresh" / "tiny"
+    assert report["out"] == str(out)
+    assert json.loads((out / "report.json").read_text())["comparison"]["equal"] is True
+    assert "-> **equal**" in (out / "report.md").read_text()
+    cmp = report["comparison"]
+    assert cmp["equal"], cmp
+    assert report["live"]["counts"] == report["simulator"]["counts"] == [0, 22, 43, 72]
+    m = report["live"]["metrics"]["mAP@20"]
+    assert m[0] != m[-1]                       # the backfill changed the ranking
+    assert report["final_status"]["items"]["new"] == 72

@@ -7,7 +7,7 @@ computed exactly once per pass, so comparisons between scores of one pass are
 self-consistent.  TF32 / reduced-precision matmul is switched off for the
 duration of a pass (:func:`fp32_matmul`), so every score is a true float32
 dot product whose rounding error is bounded by ``gamma_D * sum|q_k g_k|``
-(:func:`dot_error_bound`) -- the engine relies on this bound.
+(:func:`raycompat.index.canonical.dot_error_bound`) -- the engine relies on this bound.
 
 :func:`exact_topk` is a blockwise exact top-k search with the same tie order
 as :func:`raycompat.index.exact_search` (descending score, ties by ascending
@@ -27,6 +27,8 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
+
+from raycompat.index.canonical import dot_error_bound  # noqa: F401  (re-exported: the pass's error bound)
 
 __all__ = [
     "resolve_device",
@@ -48,7 +50,6 @@ __all__ = [
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
 #: the same for the curve engine, whose per-block bookkeeping favours larger blocks
 ENGINE_BLOCK_BYTES = 16 * 1024 * 1024
-_U32 = 2.0 ** -24  # unit roundoff of float32
 
 
 _LIBC = None
@@ -127,16 +128,6 @@ def fp32_matmul():
         torch.set_float32_matmul_precision(prev_prec)
         torch.backends.cuda.matmul.allow_tf32 = prev_cuda
         torch.backends.cudnn.allow_tf32 = prev_cudnn
-
-
-def dot_error_bound(dim: int) -> float:
-    """``gamma_D = D*u / (1 - D*u)`` (u = 2^-24): for any summation order (FMA or not),
-    ``|fl(<a,b>) - <a,b>| <= gamma_D * sum_k |a_k b_k|`` for float32 inputs
-    (Higham, Accuracy and Stability of Numerical Algorithms, Sec. 3.1)."""
-    du = max(int(dim), 1) * _U32
-    if du >= 0.5:
-        raise ValueError(f"dimension {dim} too large for a float32 error bound")
-    return du / (1.0 - du)
 
 
 def block_rows(n_queries: int, n_items: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Tuple[int, int]:

@@ -8,10 +8,11 @@ grid point ``j`` the items of the policy's order up to ``n_j`` hold their new
 vector, the others their old vector -- exactly one vector per item
 (``raycompat.backfill.grid``).  The union is ranked by score.
 
-Tie rule (the same as :func:`raycompat.index.exact_search`): descending score,
-and among equal scores ascending *gallery index* (the item's row in the
-gallery, not its position in the policy order).  Item ``x`` precedes item ``i``
-iff ``s(x) > s(i)`` or ``s(x) == s(i) and x < i``.
+Ranking rule (:mod:`raycompat.index.canonical`, shared with the live index): items are
+ordered by descending *canonical score* ``c(q, x)`` -- the float64 sum of the products of
+the two float32 vectors -- and among equal canonical scores by ascending *gallery index*
+(the item's row in the gallery, not its position in the policy order).  Item ``x``
+precedes item ``i`` iff ``c(x) > c(i)`` or ``c(x) == c(i) and x < i``.
 
 Brute force would re-run a masked exact search at each grid point.  This engine
 instead observes that every metric of the curve (mAP@k, revisited full mAP,
@@ -51,16 +52,16 @@ each (:func:`raycompat.backfill.blocks.map_score_blocks`), so this bookkeeping
 on one core overlaps a matrix product on the other; each worker has its own
 histogram, summed after the pass.
 
-Exactness.  Scores are float32 matmul results; a threshold is the float32
-score of a positive computed in the same pass as every other score of its
-side.  Thresholds are needed before their block is reached, so the pass
-compares against float64 estimates ``v64`` with a guaranteed error band
-``|v - v64| <= delta`` (:func:`raycompat.backfill.blocks.dot_error_bound`):
-scores outside the band are decided at once, scores inside it (near-ties and
-exact ties) are kept and resolved after the pass against the exact float32
-value and the index tie rule.  The result is therefore identical to ranking
-the float32 scores of the pass with the tie rule above; when scores are exact
-(e.g. quantised vectors) it equals any brute-force masked exact search.
+Exactness.  The pass computes float32 scores (a matrix product, whose rounding depends on
+the BLAS, the block shapes and the device).  A threshold is the canonical score ``v64`` of
+a positive (:func:`raycompat.index.canonical.pair_scores`), and every float32 score lies
+within a guaranteed band ``delta`` of its canonical score
+(:func:`raycompat.index.canonical.float32_score_error`): scores outside the band of a
+threshold are decided at once, scores inside it (near-ties and exact ties) are kept and
+resolved after the pass by their own canonical score and the index tie rule.  The result
+is therefore identical to ranking the canonical scores with the tie rule, whatever the
+summation order of the pass -- and identical to the served index, whose shards re-rank
+their faiss candidates by the same canonical scores (:mod:`raycompat.serving.state`).
 
 Side passes are shared: curves of several policies and modes that use the same
 score side (same name) are served by one pass, so a simulation costs one
@@ -80,7 +81,6 @@ from raycompat.backfill.blocks import (
     ENGINE_BLOCK_BYTES,
     block_rows,
     default_workers,
-    dot_error_bound,
     fp32_matmul,
     map_score_blocks,
     nonzero_2d,
@@ -89,6 +89,7 @@ from raycompat.backfill.blocks import (
     rows_at_least,
 )
 from raycompat.backfill.grid import segments
+from raycompat.index.canonical import float32_score_error, pair_scores
 from raycompat.metrics import (
     correct_at_k,
     mean_average_precision_at_k,
@@ -274,11 +275,10 @@ def _max_row_norm(a: np.ndarray, chunk: int = 8192) -> float:
 
 # ----------------------------------------------------------------------------- thresholds
 class _SideValues:
-    """Threshold values of one side Y: for positive pair p, the score ``s_Y(q_p, i_p)``.
-
-    ``v64`` is a float64 estimate known before the pass, ``delta_q[q]`` a guaranteed
-    bound on ``|canon - v64|`` (2x the float32 dot-product error bound), and
-    ``canon`` the exact float32 score, filled in during Y's own pass.
+    """Threshold values of one side Y: for positive pair p, the canonical score
+    ``v64 = c_Y(q_p, i_p)`` (:func:`raycompat.index.canonical.pair_scores`), and
+    ``delta_q[q]``, a guaranteed bound on ``|float32 pass score - canonical score|`` of
+    query q on Y (:func:`raycompat.index.canonical.float32_score_error`).
     """
 
     def __init__(self, side: Side, pq: np.ndarray, pi: np.ndarray, sentinel: np.ndarray,
@@ -286,15 +286,8 @@ class _SideValues:
         n_pairs = pq.size
         real = np.flatnonzero(~sentinel)
         self.v64 = np.full(n_pairs, -np.inf)
-        step = 1 << 15
-        for s in range(0, real.size, step):
-            sel = real[s:s + step]
-            a = side.queries[pq[sel]].astype(np.float64)
-            b = side.gallery[pi[sel]].astype(np.float64)
-            self.v64[sel] = np.einsum("ij,ij->i", a, b)
-        self.delta_q = 2.0 * dot_error_bound(side.queries.shape[1]) * qn * gmax * float(band_scale) + 1e-30
-        self.canon = np.full(n_pairs, np.nan, dtype=np.float32)
-        self.canon[sentinel] = -np.inf
+        self.v64[real] = pair_scores(side.queries[pq[real]], side.gallery[pi[real]])
+        self.delta_q = float32_score_error(side.queries.shape[1], qn, gmax) * float(band_scale)
 
 
 class _Merged:
@@ -484,17 +477,7 @@ class _SidePass:
         self.ones = torch.ones(1, dtype=torch.int64, device=device)
         self.lo_min = torch.from_numpy(mx.lo_min).to(device)
         self.device = device
-        # positives of each query chunk sorted by item: the block's own ones by one search
-        self.chunks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
-        n_q = mx.lo_min.size
-        poff = np.searchsorted(pq, np.arange(0, n_q + query_rows, query_rows).clip(max=n_q))
-        for k, q0 in enumerate(range(0, n_q, query_rows)):
-            pids = np.arange(poff[k], poff[k + 1], dtype=np.int64)
-            o = np.argsort(pi[pids], kind="stable")
-            self.chunks[q0] = (pids[o], pi[pids[o]])
-        self.pq, self.pi = pq, pi
         self.band: List[Tuple[np.ndarray, ...]] = []
-        self.canon: List[Tuple[np.ndarray, torch.Tensor]] = []
         self.progress = None
         self._lock = threading.Lock()
         self._done = 0
@@ -514,14 +497,6 @@ class _SidePass:
         w["seconds_matmul"] += tb - w["t_end"]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        # exact float32 thresholds of this side: the pass's own scores of the positives
-        pids, items = self.chunks[q0]
-        a, b = np.searchsorted(items, [g0, g1])
-        if b > a:
-            sel = pids[a:b]
-            rq = torch.from_numpy(self.pq[sel] - q0).to(self.device)
-            rc = torch.from_numpy(self.pi[sel] - g0).to(self.device)
-            self.canon.append((sel, S[rq, rc]))
         # tile filter unless the last blocks were dense (then scan directly; retry every 8)
         use_tiles = w["tile_frac"] <= 0.25 or w["blocks"] % 8 == 0
         if w["blocks"] % 4 == 3:
@@ -559,12 +534,6 @@ class _SidePass:
             self._w[slot]["band_entries"] += int(amb.numel())
             self.band.append(tuple(z.cpu().numpy() for z in (
                 col.index_select(0, amb) + g0, vals.index_select(0, amb), b_hi, b_lo)))
-
-    def store_thresholds(self, values: "_SideValues") -> None:
-        """Write the exact float32 scores of the side's positives seen in the pass."""
-        for sel, vals in self.canon:
-            values.canon[sel] = vals.cpu().numpy()
-        self.canon = []
 
     def histogram(self, si: int) -> np.ndarray:
         """int64 ``[segments, width]`` histogram of segmentation ``si`` (summed over workers)."""
@@ -702,13 +671,10 @@ def compute_ranks(
             sp.begin()
             map_score_blocks(side.queries, side.gallery, sp.block, device=dev, query_rows=qc,
                              gallery_rows=gb, workers=n_workers)
-            sp.store_thresholds(values[xname])
             release_memory()
             stats["sides"][xname] = {"seconds": time.perf_counter() - t0, "dim": int(side.queries.shape[1]),
                                      "thresholds_per_query": merged[xname].tmax, "workers": sp.workers,
                                      **sp.stats()}
-    if n_real and any(np.isnan(values[s].canon).any() for s in used):
-        raise RuntimeError("internal error: a positive's score was not seen in its side's pass")
 
     # ------------------------------------------------------------ histograms -> counts
     counts_m: Dict[Tuple[int, int], np.ndarray] = {}          # (curve, role) -> [nseg, M] int32
@@ -729,19 +695,22 @@ def compute_ranks(
     # ------------------------------------------------------------ band resolution (exact)
     for xname, parts in band.items():
         mx = merged[xname]
-        x_b, v_b, bhi_b, blo_b = (np.concatenate([p[i] for p in parts]) for i in range(4))
+        x_b, _, bhi_b, blo_b = (np.concatenate([p[i] for p in parts]) for i in range(4))
         n_amb = blo_b - bhi_b                     # ambiguous thresholds: merged indices [b_hi, b_lo)
         rep = np.repeat(np.arange(x_b.size), n_amb)
         first = np.repeat(np.cumsum(n_amb) - n_amb, n_amb)
         t = bhi_b[rep] + (np.arange(rep.size) - first)
         ys = mx.src_y[t]
         ps = mx.src_p[t]
-        canon = np.empty(t.size, dtype=np.float32)
+        thr = np.empty(t.size, dtype=np.float64)            # canonical threshold values
         for yi, yname in enumerate(mx.ynames):
             m = ys == yi
-            canon[m] = values[yname].canon[ps[m]]
-        vv, xx = v_b[rep], x_b[rep]
-        above = (vv > canon) | ((vv == canon) & (xx < pi[ps]))
+            thr[m] = values[yname].v64[ps[m]]
+        # canonical scores of the ambiguous survivors (their query: that of their thresholds)
+        side = sides[xname]
+        cand = pair_scores(side.queries[mx.sorted_q[bhi_b]], side.gallery[x_b])
+        cv, xx = cand[rep], x_b[rep]
+        above = (cv > thr) | ((cv == thr) & (xx < pi[ps]))
         xs, ts = xx[above], t[above]
         for ci, role in targets[xname]:
             np.add.at(counts_m[(ci, role)], (seg_np[curve_seg[ci]][xs], ts), 1)

@@ -5,7 +5,13 @@ Embeddings, in order of preference: ``--embeddings`` (a parquet in the simulator
 e.g. the Ray Data pipeline's output); ``--models DIR`` with ``old/`` and ``<new-name>/``
 bundles (the main job's ``quickstart_out/models``), embedded on a small glyph scenario
 (``DIR/../scenario.json`` when present); otherwise tiny old + BCT models are trained first
-(a couple of minutes on 2 CPU cores).  Writes ``report.json`` and ``report.md`` to ``--out``.
+(a couple of minutes on 2 CPU cores).  Writes ``report.json`` and ``report.md`` to ``--out``
+(default ``hot_refresh_out``), or to ``<--storage>/hot_refresh/<--name>`` with ``--storage``
+(training checkpoints then go to ``<--storage>/runs``).
+
+The simulator and the shards rank by the same canonical scores (:mod:`raycompat.index.canonical`),
+so with an exact index (``--factory Flat``) the live curve equals the simulator's exactly, near-ties
+included.
 """
 from __future__ import annotations
 
@@ -27,9 +33,14 @@ from raycompat.config import ConfigError
 __all__ = ["HotRefreshOptions", "run_hot_refresh", "main", "free_port"]
 
 
+DEFAULT_OUT = "hot_refresh_out"
+
+
 @dataclass
 class HotRefreshOptions:
-    out: str = "hot_refresh_out"
+    out: Optional[str] = None           # None: hot_refresh_out, or <storage>/hot_refresh/<name>
+    storage: Optional[str] = None       # shared storage (checkpoints: <storage>/runs)
+    name: str = "default"
     address: Optional[str] = None
     embeddings: Optional[str] = None
     models: Optional[str] = None
@@ -117,28 +128,33 @@ def _scenario(opts: HotRefreshOptions, models_dir: Optional[str]):
         seed=opts.data_seed)
 
 
-def _train_tiny(opts: HotRefreshOptions, scenario, out: str, log) -> str:
-    """Tiny old + BCT models with the main job's training path (raycompat.quickstart)."""
-    from raycompat.quickstart import QuickstartOptions, _train
+#: the options the tiny default training depends on (its run names carry their hash)
+TRAINING_OPTIONS = ("train_classes", "images_per_class", "eval_classes", "resolution", "backbone",
+                    "embed_dim", "old_epochs", "new_epochs", "data_seed", "seed")
 
-    q = QuickstartOptions(out=out, train_classes=opts.train_classes, images_per_class=opts.images_per_class,
-                          eval_classes=opts.eval_classes, resolution=opts.resolution, backbone=opts.backbone,
-                          embed_dim=opts.embed_dim, old_epochs=opts.old_epochs, new_epochs=opts.new_epochs,
-                          batch_size=64, data_seed=opts.data_seed, seed=opts.seed)
-    runs_dir, models_dir = os.path.join(out, "runs"), os.path.join(out, "models")
-    os.makedirs(runs_dir, exist_ok=True)
+
+def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: str, log) -> str:
+    """Tiny old + BCT models (Ray Train, :func:`raycompat.train.runs.train_named`); runs are
+    named by a hash of the training options, so a re-run with the same options reuses them."""
+    from raycompat.train.runs import config_tag, train_named
+
+    tag = config_tag({k: getattr(opts, k) for k in TRAINING_OPTIONS}, scenario.to_dict())
     os.makedirs(models_dir, exist_ok=True)
     models = {}
     for name, method, split, epochs, pred in (("old", "independent", "old_train", opts.old_epochs, None),
                                               ("bct", "bct", "new_train", opts.new_epochs, "old")):
         log(f"training tiny {name} model ({method}, {epochs} epochs)")
-        run, wall = _train(q, scenario, name, method, split, epochs, models.get(pred), runs_dir, models_dir)
+        values = dict(method=method, backbone=opts.backbone, embed_dim=opts.embed_dim, epochs=epochs,
+                      batch_size=64, seed=opts.seed, scenario=scenario.to_dict(), split=split,
+                      resolution=opts.resolution, data_seed=opts.data_seed, old_model=models.get(pred),
+                      log_every=50)
+        run, wall = train_named(values, name, tag, runs_dir, models_dir)
         models[name] = run.bundle_path
         log(f"  {name}: {wall:.0f} s -> {run.bundle_path}")
     return models_dir
 
 
-def build_embeddings(opts: HotRefreshOptions, out: str, log):
+def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
     """``(parquet path, items parquet or None, new model path or None)``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -156,7 +172,7 @@ def build_embeddings(opts: HotRefreshOptions, out: str, log):
     models_dir = opts.models
     scenario = _scenario(opts, models_dir)
     if not models_dir:
-        models_dir = _train_tiny(opts, scenario, os.path.join(out, "train"), log)
+        models_dir = _train_tiny(opts, scenario, runs_dir, os.path.join(out, "models"), log)
     paths = {n: os.path.join(models_dir, n) for n in ("old", opts.new_name)}
     for n, p in paths.items():
         if not os.path.isfile(os.path.join(p, "manifest.json")):
@@ -196,6 +212,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     from raycompat.backfill import load_parquet, simulate_backfill
     from raycompat.backfill.policies import UncertaintyHead
     from raycompat.cluster import connect
+    from raycompat.outputs import resolve_job_output
     from raycompat.report import markdown_table, write_json
     from raycompat.serving.app import start_serving, stop_serving
     from raycompat.serving.auth import TOKEN_ENV
@@ -206,10 +223,12 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     t0 = time.time()
     say = log or (lambda m: print(f"[hot_refresh {time.time() - t0:6.1f}s] {m}", flush=True))
     fractions = parse_fractions(opts.fractions)
-    out = os.path.abspath(opts.out)
-    os.makedirs(out, exist_ok=True)
+    # where everything goes, checked for writing before any work (StorageError otherwise)
+    output = resolve_job_output("hot_refresh", out=opts.out, storage=opts.storage, name=opts.name,
+                                default_out=DEFAULT_OUT)
+    out = output.local
     connect(opts.address)
-    parquet, items, new_model = build_embeddings(opts, out, say)
+    parquet, items, new_model = build_embeddings(opts, out, output.runs, say)
     data = load_parquet(parquet)
     compat = data.compat_dim
     data = data.with_arrays(compatible_dim=compat) if compat is not None else data
@@ -256,7 +275,8 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     headers = ["t", "items new"] + sum(([f"{m} live", f"{m} sim"] for m in names
                                         if np.isfinite(live["metrics"][m]).any()
                                         or np.isfinite(sim_curve.metrics[m]).any()), [])
-    report = {"job": "hot_refresh", "options": dataclasses.asdict(opts), "embeddings": parquet, "url": url,
+    report = {"job": "hot_refresh", "options": dataclasses.asdict(opts), "out": output.destination,
+              "embeddings": parquet, "url": url,
               "n_items": data.n_items, "n_queries": data.n_queries, "k": k, "live": live,
               "simulator": {"fractions": sim_curve.fractions.tolist(), "counts": sim_curve.counts.tolist(),
                             "metrics": {m: [float(x) for x in v] for m, v in sim_curve.metrics.items()}},
@@ -273,16 +293,18 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
           f" -> **{'equal' if cmp['equal'] else 'DIFFERENT'}**.", ""]
     nt = cmp["near_ties"]
     md.append(f"Near-ties: {nt['t0']} (t=0) and {nt['t1']} (t=1) of {data.n_queries} queries have two of their top "
-              f"{k + 1} cosines within {nt['gap']:g} (float64). There the order depends on float32 summation "
-              "order (faiss in the shards, torch in the simulator), so a difference at such a query is rounding, "
-              "not a serving error; with well-separated embeddings the curves are identical.")
+              f"{k + 1} cosines within {nt['gap']:g}. Float32 rounding (faiss in the shards, torch in the "
+              "simulator) could order those differently; both sides rank by the same canonical float64 scores "
+              "(`raycompat.index.canonical`), so they do not.")
     md.append("")
     if image_check:
         md.append(f"Image queries (base64 PNG, embedded by the router): {image_check['agree_top1']}/"
                   f"{image_check['n']} top-1 ids equal to the vector search of the same embedding.")
     with open(os.path.join(out, "report.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
-    say(f"live == simulator: {cmp['equal']} (max diffs {cmp['max_abs_diff']}); report: {out}/report.md")
+    destination = output.publish()
+    say(f"live == simulator: {cmp['equal']} (max diffs {cmp['max_abs_diff']}); report: {destination}/report.md")
+    report["out"] = destination
     return report
 
 

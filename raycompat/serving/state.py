@@ -11,7 +11,11 @@ Scores are inner products of normalised vectors (cosines, METHODS.md "Notation")
 router sends one query array per representation (:mod:`raycompat.serving.scoring`), so an
 old-state item is scored with the old-state side and a new-state item with the new-state
 side, as in the simulator (:mod:`raycompat.backfill.modes`).  Results are ordered by
-descending score, ties by ascending item id.
+descending *canonical* score (:mod:`raycompat.index.canonical`: the float64 sum of the
+products of the two float32 vectors), ties by ascending item id -- the simulator's ranking
+rule, so with an exact index the served order is the simulator's whatever faiss's float32
+summation order: faiss (or numpy) proposes float32 candidates, the shard re-scores them
+canonically and fetches more until no unfetched item can reach the k-th canonical score.
 
 faiss: ``factory="Flat"`` (the default) is exact (``IndexFlatIP``).  Any other factory
 string works: indexes that need training are trained once a representation holds
@@ -61,6 +65,8 @@ class RepIndex:
         self.slot: Dict[int, int] = {}
         self.free: list = []
         self.index = None                          # faiss index (IDs = item ids) or None: numpy search
+        self.exact = True                          # the faiss index returns the true float32 top-n
+        self.norm_max = 0.0                        # bound on the stored vectors' norms (error band)
         self.tombstones: set = set()
         self.removable = True
         self._next_train = self.train_min
@@ -71,6 +77,10 @@ class RepIndex:
         import faiss
 
         inner = faiss.index_factory(self.dim, self.factory, faiss.METRIC_INNER_PRODUCT)
+        core = faiss.downcast_index(inner)
+        if isinstance(core, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+            core = faiss.downcast_index(core.index)
+        self.exact = isinstance(core, faiss.IndexFlat)
         return faiss.IndexIDMap2(inner) if not isinstance(inner, (faiss.IndexIDMap, faiss.IndexIDMap2)) else inner
 
     def _build(self):
@@ -109,6 +119,9 @@ class RepIndex:
             self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
 
     def _place(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        if len(vecs):
+            v = np.asarray(vecs, np.float64)
+            self.norm_max = max(self.norm_max, float(np.sqrt(np.einsum("ij,ij->i", v, v).max())) * (1 + 1e-9))
         need = len(ids) - len(self.free)
         if need > 0:
             cap = self.ids.size
@@ -149,37 +162,55 @@ class RepIndex:
         return self.ids[order].copy(), self.vecs[order].copy()
 
     def search(self, q: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Top-k ``(scores, ids)`` ``[Q, <=k]`` of this representation (``-inf``/``-1`` padded)."""
+        """Top-k ``(canonical scores float64, ids)`` ``[Q, k]`` of this representation
+        (``-inf``/``-1`` padded), by :func:`raycompat.index.canonical.rerank_top_k`: float32
+        candidates re-ranked by canonical score, ties by ascending id; with an exact index,
+        queries whose candidates could miss an item are searched again with 4x as many."""
+        from raycompat.index.canonical import rerank_top_k
+
         n_q = q.shape[0]
-        n = len(self.slot)
-        kk = min(k, n)
-        out_s = np.full((n_q, k), -np.inf, np.float32)
+        kk = min(k, len(self.slot))
+        out_s = np.full((n_q, k), -np.inf)
         out_i = np.full((n_q, k), -1, np.int64)
         if kk == 0 or n_q == 0:
             return out_s, out_i
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        total = len(self.slot) + (len(self.tombstones) if self.index is not None else 0)
+        fetch = min(total, kk + 16 + len(self.tombstones))
+        pending = np.arange(n_q)
+        while pending.size:
+            S, I = self._candidates(q[pending], fetch)
+            s, i, ok = rerank_top_k(q[pending], S, I, kk, self.vectors_of, self.norm_max,
+                                    complete=fetch >= total)
+            if not (self.exact or self.index is None):
+                ok[:] = True            # an approximate index: its candidates are the answer
+            out_s[pending[ok], :kk] = s[ok]
+            out_i[pending[ok], :kk] = i[ok]
+            pending = pending[~ok]
+            fetch = min(total, fetch * 4)
+        return out_s, out_i
+
+    def _candidates(self, q: np.ndarray, fetch: int) -> Tuple[np.ndarray, np.ndarray]:
+        """float32 ``(scores, ids)`` ``[Q, fetch]`` from faiss, or from numpy before an index
+        that needs training is trained; removed items (tombstones) become ``-1``."""
         if self.index is None:
             live = np.flatnonzero(self.ids >= 0)
             S = q @ self.vecs[live].T
-            ids = np.broadcast_to(self.ids[live], S.shape)
-            order = np.lexsort((ids, -S), axis=-1)[:, :kk]
-            out_s[:, :kk] = np.take_along_axis(S, order, axis=1)
-            out_i[:, :kk] = np.take_along_axis(ids, order, axis=1)
-            return out_s, out_i
-        fetch = min(self.index.ntotal, kk + 16 + len(self.tombstones))
-        S, I = self.index.search(np.ascontiguousarray(q, dtype=np.float32), fetch)
+            if fetch < live.size:
+                top = np.argpartition(-S, fetch - 1, axis=1)[:, :fetch]
+                return np.take_along_axis(S, top, axis=1), self.ids[live][top]
+            return S, np.broadcast_to(self.ids[live], S.shape).copy()
+        S, I = self.index.search(q, fetch)
         if self.tombstones:
             dead = np.isin(I, np.fromiter(self.tombstones, np.int64))
             S = np.where(dead, -np.inf, S)
             I = np.where(dead, -1, I)
-        # ties by ascending id: -1 (missing) sorts last because its score is -inf
-        order = np.lexsort((np.where(I < 0, np.iinfo(np.int64).max, I), -S), axis=-1)[:, :kk]
-        out_s[:, :kk] = np.take_along_axis(S, order, axis=1)
-        out_i[:, :kk] = np.take_along_axis(I, order, axis=1)
-        return out_s, out_i
+        return S, I
 
 
 def merge_topk(scores: Sequence[np.ndarray], ids: Sequence[np.ndarray], reps: Sequence[np.ndarray], k: int):
-    """Merge per-source top-k lists ``[Q, k_i]`` into one ``[Q, k]`` (desc score, asc id)."""
+    """Merge per-source top-k lists ``[Q, k_i]`` into one ``[Q, k]`` (descending canonical
+    score, ascending id: the order each source already has)."""
     S = np.concatenate(scores, axis=1)
     I = np.concatenate(ids, axis=1)
     R = np.concatenate(reps, axis=1)
