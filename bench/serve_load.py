@@ -7,7 +7,7 @@ thread each -- as the shards run).
     bash .ci/env python bench/serve_load.py                       # 1M items, 4 shards
     bash .ci/env python bench/serve_load.py --items 100000 --seconds 5
 
-Numbers on a shared machine are rough: say so when you quote them.
+The report records the load average: numbers taken beside other jobs are rough.
 """
 import argparse
 import json
@@ -20,6 +20,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from raycompat.report import machine_description  # noqa: E402
 
 
 def run_threads(concurrency: int, seconds: float, one_call):
@@ -82,8 +84,9 @@ def main(argv=None):
     queries = np.random.default_rng(123).standard_normal((4096, a.dim)).astype(np.float32)
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
     cores = os.cpu_count()
+    load_at_start = os.getloadavg()[0]
     print(f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
-          f"{a.seconds:.0f} s each; machine: {cores} cores (shared with other jobs: numbers are rough)", flush=True)
+          f"{a.seconds:.0f} s each; machine: {cores} cores, load average {load_at_start:.1f}", flush=True)
 
     # ---------------------------------------------------------------- in-process faiss baseline
     t = time.perf_counter()
@@ -162,7 +165,8 @@ def main(argv=None):
                         + (f"{r['backfill_items_per_s']:.0f} |" if phase == "backfill" else "- |"))
     md = "\n".join([
         f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}", "",
-        f"Machine: {cores} cores, shared with other jobs while measured (rough numbers). In-process baseline: "
+        f"Machine: {machine_description(load_at_start)} (a load above the core count means other jobs shared "
+        "the machine and the numbers are rough). In-process baseline: "
         "faiss IndexFlatIP over the same vectors in this process, one query per call, one OpenMP thread per "
         "calling thread, measured right before each HTTP run. ratio = HTTP QPS / in-process QPS.", "",
         "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | ratio | "

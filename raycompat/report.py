@@ -46,3 +46,12 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits
     for row in rows:
         lines.append("| " + " | ".join(fmt(v, digits) for v in row) + " |")
     return "\n".join(lines)
+
+
+def machine_description(load_at_start: float) -> str:
+    """Cores, architecture and the 1-minute load average at the start and the end of a run
+    (a load well above the core count means other jobs shared the machine)."""
+    import platform
+
+    return (f"{os.cpu_count()} CPU cores, {platform.machine()}; load average {load_at_start:.1f} at the "
+            f"start, {os.getloadavg()[0]:.1f} at the end")

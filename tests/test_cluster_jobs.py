@@ -122,3 +122,44 @@ def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
     assert {n for per_node in summary["nodes"].values() for n in per_node} == {head, second}
     assert summary["out"] == f"{store}/embeddings/tiny"
     assert "embedding stages ran on Ray nodes" in logs
+
+
+def test_serve_index_job_leaves_the_index_running(two_node_cluster, tmp_path):
+    """`python jobs/serve_index.py` submitted to the cluster deploys the live index and ends;
+    the index keeps answering HTTP after the job has finished (search, admin upsert with the
+    token), until a second job with --stop removes it."""
+    import urllib.error
+    import urllib.request
+
+    from multinode import free_port
+
+    port = free_port()
+    token = tmp_path / "token"
+    token.write_text("cluster-secret-0123456789\n")
+    logs = _run_job(two_node_cluster, "serve-index", [
+        "python", "jobs/serve_index.py", "--gallery", "synthetic:300:8:12:5", "--num-shards", "2",
+        "--port", str(port), "--state-dir", str(tmp_path / "state"), "--token-file", str(token),
+        "--app-name", "cluster_index", "--fsync", "false"], timeout=300)
+    assert "the index keeps running" in logs, logs[-3000:]
+    base = f"http://127.0.0.1:{port}"
+
+    def call(path, body=None, auth=False):
+        req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": "Bearer cluster-secret-0123456789"} if auth else {})})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    status = call("/status")                              # the job has ended: the index still answers
+    assert status["items"]["old"] == 300 and status["items"]["new"] == 0, status
+    hits = call("/search", {"vectors": [[1.0] + [0.0] * 11], "k": 3})["results"][0]
+    assert len(hits) == 3 and all(h["representation"] == "old" for h in hits)
+    up = call("/admin/upsert", {"items": [{"id": hits[0]["id"], "representation": "new",
+                                           "vector": [1.0] + [0.0] * 11}]}, auth=True)
+    assert up["applied"] == 1, up
+    assert call("/search", {"vectors": [[1.0] + [0.0] * 11], "k": 1})["results"][0][0]["representation"] == "new"
+    _run_job(two_node_cluster, "serve-index-stop", ["python", "jobs/serve_index.py", "--stop", "--app-name",
+                                                    "cluster_index"], timeout=120)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        call("/status")
+    assert err.value.code == 404

@@ -8,7 +8,6 @@ refresh), ``claims`` (one function per claim), ``report`` (markdown tables, plot
 from __future__ import annotations
 
 import os
-import platform
 import time
 
 from raycompat.reproduce.claims import CLAIMS, evaluate_claims
@@ -19,7 +18,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     """Train, evaluate, decide the claims; write ``report.md``, ``report.json`` and PNGs to
     ``opts.out``. Returns the report dict."""
     from raycompat.cluster import connect
-    from raycompat.report import write_json
+    from raycompat.report import machine_description, write_json
     from raycompat.reproduce.report import plot_hot_refresh, render_markdown
     from raycompat.reproduce.runner import Reproduction, options_dict
 
@@ -58,13 +57,6 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     for c in claims:
         print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}", flush=True)
     return report
-
-
-def machine_description(load_at_start: float) -> str:
-    """Cores, architecture and the 1-minute load average at the start and the end of the run
-    (a load well above the core count means other jobs shared the machine)."""
-    return (f"{os.cpu_count()} CPU cores, {platform.machine()}; load average {load_at_start:.1f} at the "
-            f"start, {os.getloadavg()[0]:.1f} at the end")
 
 
 __all__ = ["CLAIMS", "SCALES", "SCENARIOS", "VARIANTS", "ReproduceOptions", "ScaleOptions",

@@ -65,11 +65,11 @@ class HotRefreshOptions:
     gallery_per_class: int = 6
     distractor_classes: int = 40
     distractors_per_class: int = 3
-    old_epochs: int = 4
-    new_epochs: int = 3
+    old_epochs: int = 8
+    new_epochs: int = 6
     embed_dim: int = 64
     resolution: int = 32
-    backbone: str = "lcnet_050"
+    backbone: str = "resnet10t"
     data_seed: int = 0
 
 
