@@ -182,28 +182,23 @@ class SideBuilder:
 
 
 # ----------------------------------------------------------------------------- models
-def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *, device: str = "cpu",
+def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *,
                          batch_size: int = 8192) -> GalleryEmbeddings:
     """Fill ``gallery_adapted`` (psi), ``gallery_rho`` / ``query_rho`` (rho) and ``query_rev``
     (psi_rev after rho) from a new :class:`raycompat.models.ModelBundle`'s modules, when the
     bundle has them and the arrays are missing.
 
-    The modules are applied with torch (eval mode, no grad) to the stored embeddings
-    as they are: psi to ``old`` (METHODS.md 5, DMU), rho to ``new`` and psi_rev to
-    ``rho(new)`` of the queries (METHODS.md 6, RM).
+    The modules are applied with :class:`raycompat.models.FeatureMap` (eval mode, no grad,
+    float64 then float32: what the live index applies too) to the stored embeddings as they
+    are: psi to ``old`` (METHODS.md 5, DMU), rho to ``new`` and psi_rev to ``rho(new)`` of the
+    queries (METHODS.md 6, RM).
     """
-    import torch
+    from raycompat.models import FeatureMap
 
     modules = getattr(new_bundle, "modules", {}) or {}
 
     def run(module, x: np.ndarray) -> np.ndarray:
-        module = module.to(device).eval()
-        out = []
-        with torch.no_grad():
-            for s in range(0, x.shape[0], batch_size):
-                out.append(module(torch.from_numpy(np.ascontiguousarray(x[s:s + batch_size])).to(device))
-                           .float().cpu().numpy())
-        return np.concatenate(out) if out else np.zeros((0, module.out_dim), np.float32)
+        return FeatureMap(module, batch_size=batch_size)(x)
 
     def check_in(module, x: np.ndarray, what: str, name: str):
         in_dim = getattr(module, "in_dim", x.shape[1])

@@ -34,3 +34,37 @@ class ProjectionMLP(nn.Module):
 def PsiMLP(in_dim: int, out_dim: int, hidden_dim: int = 1024) -> ProjectionMLP:
     """DMU's forward-adaptive transformation psi: old feature space -> new feature space."""
     return ProjectionMLP(in_dim, out_dim, hidden_dim=hidden_dim, num_blocks=3, role="psi")
+
+
+class FeatureMap:
+    """A feature-space module (psi, rho, psi_rev) applied to stored features, outside training:
+    eval mode, no gradients, computed in float64 and returned as float32.
+
+    float64 makes a row's output independent of the rows computed with it in practice: BLAS
+    kernels sum in orders that depend on the batch shape, and in float64 those differences
+    stay ~2^-29 below float32's resolution, so the float32 result is the same whether the
+    row went through the simulator's batch of 8192 or a request of one query (the live index
+    and the simulator then score bit-identical vectors)."""
+
+    def __init__(self, module: nn.Module, batch_size: int = 8192):
+        import copy
+
+        self.module = copy.deepcopy(module).cpu().double().eval()
+        self.in_dim = getattr(module, "in_dim", None)
+        self.out_dim = getattr(module, "out_dim", None)
+        self.batch_size = int(batch_size)
+
+    def __call__(self, x) -> "np.ndarray":
+        import numpy as np
+
+        x = np.asarray(x)
+        if x.ndim != 2 or (self.in_dim is not None and x.shape[1] != self.in_dim):
+            raise ValueError(f"expected [n, {self.in_dim}] features, got shape {x.shape}")
+        out = []
+        with torch.no_grad():
+            for s in range(0, x.shape[0], self.batch_size):
+                chunk = torch.from_numpy(np.ascontiguousarray(x[s:s + self.batch_size], dtype=np.float64))
+                out.append(self.module(chunk).numpy().astype(np.float32))
+        if not out:
+            return np.zeros((0, self.out_dim or 0), np.float32)
+        return np.concatenate(out)

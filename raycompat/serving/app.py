@@ -48,7 +48,19 @@ def build_app(cfg: ServingConfig):
 
     d = dataclasses.asdict(cfg)
     src = open_gallery(cfg.gallery, cfg.new_model, need_adapted=initial_representation(cfg.mode) == "adapted")
-    d["dims"] = src.dims()
+    d["dims"] = src.dims()                       # what each representation holds
+    d["query_dims"] = {"old": src.old_dim, "new": src.new_dim}   # what clients send
+    if cfg.mode == "rank_merge":                 # new items hold rho(phi_n(g)); ConfigError if no rho / psi_rev
+        from raycompat.serving.scoring import rank_merge_maps
+
+        rho, psi_rev = rank_merge_maps(cfg.new_model)
+        if rho.in_dim != src.new_dim or psi_rev.out_dim != src.old_dim:
+            from raycompat.config import ConfigError
+
+            raise ConfigError(f"mode 'rank_merge': rho maps {rho.in_dim} -> {rho.out_dim} dims and psi_rev "
+                              f"{psi_rev.in_dim} -> {psi_rev.out_dim}, the gallery has new {src.new_dim} / old "
+                              f"{src.old_dim} dims")
+        d["dims"]["new"] = int(rho.out_dim)
     d["n_items"] = int(src.n_items)
     if cfg.compatible_dim is None:
         d["compatible_dim"] = d["dims"]["old"]

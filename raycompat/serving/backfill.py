@@ -90,7 +90,8 @@ class BackfillController:
             from raycompat.serving.gallery_source import open_gallery
 
             self._gallery = open_gallery(self.cfg["gallery"], self.cfg.get("new_model"),
-                                         need_adapted=self.cfg["mode"] == "adapted")
+                                         need_adapted=self.cfg["mode"] == "adapted",
+                                         need_rank_merge=self.cfg["mode"] == "rank_merge")
         return self._gallery
 
     def _vector_source(self, name: str):
@@ -116,6 +117,10 @@ class BackfillController:
                                data_seed=self.cfg.get("data_seed", 0))
         else:
             raise ConfigError(f"unknown source {name!r}; allowed: gallery, pipeline, embedder")
+        if self.cfg["mode"] == "rank_merge":      # a new item holds rho(phi_n(g))
+            from raycompat.serving.scoring import rank_merge_maps
+
+            src.new_map = rank_merge_maps(self.cfg.get("new_model"))[0]
         self._sources[name] = src
         return src
 

@@ -41,7 +41,7 @@ class ServingClient:
         """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded)."""
         q = np.asarray(vectors, np.float32)
         ids = np.full((q.shape[0], k), -1, np.int64)
-        scores = np.full((q.shape[0], k), -np.inf, np.float32)
+        scores = np.full((q.shape[0], k), -np.inf)          # canonical scores (float64)
         reps = np.full((q.shape[0], k), "", dtype=object)
         for s in range(0, q.shape[0], batch):
             res = self._call("POST", "/search", {"vectors": q[s:s + batch].tolist(), "k": int(k), "model": model})

@@ -15,7 +15,7 @@ __all__ = ["ServingConfig", "serving_config"]
 class ServingConfig:
     gallery: str = ""                    # embeddings parquet (simulator schema) or synthetic:N[:Do[:Dn[:seed]]]
     state_dir: str = "serving_state"     # shard snapshots + logs, backfill checkpoint
-    mode: str = choices("compatible", "adapted", default="compatible")
+    mode: str = choices("compatible", "adapted", "rank_merge", default="compatible")
     num_shards: int = positive(2)
     factory: str = "Flat"                # faiss factory string; Flat = exact
     compatible_dim: Optional[int] = None  # default: D_old

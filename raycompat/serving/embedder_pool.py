@@ -95,7 +95,10 @@ class ModelEmbedder:
 class EmbedderPool:
     """``size`` Ray actors each holding a :class:`ModelEmbedder`; ``new_vectors(ids)`` renders the
     items (``items`` parquet: item_id, label = glyph class index, instance) and embeds them,
-    split across the actors.  Returns L2-normalised vectors."""
+    split across the actors.  Returns L2-normalised vectors (after ``new_map``, rho in the
+    rank_merge mode, when the controller sets it)."""
+
+    new_map = None
 
     def __init__(self, bundle_path: str, items_path: str, size: int = 1, num_cpus: float = 0.5,
                  resolution: Optional[int] = None, data_seed: int = 0):
@@ -119,14 +122,14 @@ class EmbedderPool:
     def new_vectors(self, ids) -> np.ndarray:
         import ray
 
-        from raycompat.index.search import l2_normalize
         from raycompat.serving.gallery_source import rows_of
+        from raycompat.serving.scoring import stored_new
 
         rows = rows_of(self._sorted, self._rows, ids)
         parts = np.array_split(np.arange(rows.size), len(self.actors))
         refs = [a.embed_glyphs.remote(self.classes[rows[p]], self.instances[rows[p]])
                 for a, p in zip(self.actors, parts) if p.size]
-        return l2_normalize(np.concatenate(ray.get(refs)))
+        return stored_new(np.concatenate(ray.get(refs)), self.new_map)
 
     def close(self) -> None:
         import ray

@@ -5,7 +5,9 @@ A source answers three questions: the dimension of each representation, the init
 (old-state) vectors of the items placed on one shard, and the new-model vectors of any ids
 (what the backfill controller upserts).  Vectors are returned L2-normalised
 (:func:`raycompat.index.search.l2_normalize`, the same function the simulator uses), so a
-served item scores exactly like the simulator's gallery row.
+served item scores exactly like the simulator's gallery row.  ``new_map`` (set by the
+controller: rho in the rank_merge mode) is applied to the raw new-model vectors first
+(:func:`raycompat.serving.scoring.stored_new`).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class GallerySource:
     old_dim: int
     new_dim: int
     n_items: int
+    new_map = None          # raw new vector -> stored new vector (rho in rank_merge), or None
 
     def dims(self) -> Dict[str, int]:
         return {"old": self.old_dim, "adapted": self.new_dim, "new": self.new_dim}
@@ -61,11 +64,19 @@ class ParquetGallery(GallerySource):
     ``adapted`` vectors come from the column or, when a new model bundle with a ``psi``
     module is given, from psi(old) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
 
-    def __init__(self, path: str, new_model: Optional[str] = None, need_adapted: bool = False):
+    def __init__(self, path: str, new_model: Optional[str] = None, need_adapted: bool = False,
+                 need_rank_merge: bool = False):
         from raycompat.backfill.gallery import BackfillInputError, load_parquet
 
         try:
             data = load_parquet(path)
+            if need_rank_merge:   # rho / psi_rev arrays: the oracle policy ranks with the mode's sides
+                from raycompat.backfill.modes import apply_bundle_modules
+                from raycompat.models import ModelBundle
+                from raycompat.serving.scoring import rank_merge_maps
+
+                rank_merge_maps(new_model)          # names a missing model or module
+                data = apply_bundle_modules(data, ModelBundle.load(new_model))
             if need_adapted and data.gallery_adapted is None:
                 if not new_model:
                     raise ConfigError(
@@ -100,7 +111,9 @@ class ParquetGallery(GallerySource):
         return ids[mine], l2_normalize(self._array(rep)[mine])
 
     def new_vectors(self, ids) -> np.ndarray:
-        return l2_normalize(self.data.gallery_new[rows_of(self._sorted, self._rows, ids)])
+        from raycompat.serving.scoring import stored_new
+
+        return stored_new(self.data.gallery_new[rows_of(self._sorted, self._rows, ids)], self.new_map)
 
 
 class PipelineOutput(GallerySource):
@@ -120,7 +133,9 @@ class PipelineOutput(GallerySource):
         self.new_dim = int(self.vectors.shape[1])
 
     def new_vectors(self, ids) -> np.ndarray:
-        return l2_normalize(self.vectors[rows_of(self._sorted, self._rows, ids)])
+        from raycompat.serving.scoring import stored_new
+
+        return stored_new(self.vectors[rows_of(self._sorted, self._rows, ids)], self.new_map)
 
 
 @dataclass
@@ -158,10 +173,13 @@ class SyntheticGallery(GallerySource):
         return mine, self._vectors(mine, stream, dim)
 
     def new_vectors(self, ids) -> np.ndarray:
-        return self._vectors(ids, 1, self.new_dim)
+        from raycompat.serving.scoring import stored_new
+
+        return stored_new(self._vectors(ids, 1, self.new_dim), self.new_map)
 
 
-def open_gallery(spec: str, new_model: Optional[str] = None, need_adapted: bool = False) -> GallerySource:
+def open_gallery(spec: str, new_model: Optional[str] = None, need_adapted: bool = False,
+                 need_rank_merge: bool = False) -> GallerySource:
     """``synthetic:N[:D_old[:D_new[:seed]]]`` or a parquet path (file or folder)."""
     if spec.startswith("synthetic:"):
         parts = spec.split(":")[1:]
@@ -174,7 +192,7 @@ def open_gallery(spec: str, new_model: Optional[str] = None, need_adapted: bool 
         return SyntheticGallery(*vals)
     if not os.path.exists(spec):
         raise ConfigError(f"gallery embeddings not found: {spec}")
-    return ParquetGallery(spec, new_model=new_model, need_adapted=need_adapted)
+    return ParquetGallery(spec, new_model=new_model, need_adapted=need_adapted, need_rank_merge=need_rank_merge)
 
 
 def write_gallery_parquet(path: str, data, items: Optional[dict] = None) -> str:

@@ -44,7 +44,7 @@ class HotRefreshOptions:
     address: Optional[str] = None
     embeddings: Optional[str] = None
     models: Optional[str] = None
-    new_name: str = "bct"
+    new_name: Optional[str] = None      # the new bundle in --models (default: the mode's method, see TINY_METHOD)
     policy: str = "random"
     mode: str = "compatible"
     seed: int = 0
@@ -133,21 +133,36 @@ TRAINING_OPTIONS = ("train_classes", "images_per_class", "eval_classes", "resolu
                     "embed_dim", "old_epochs", "new_epochs", "data_seed", "seed")
 
 
+#: the new model each served mode needs, trained by the tiny default: BCT's compatible
+#: subspace, DMU's psi, RM's rho + psi_rev (mcl, on a frozen independent new model)
+TINY_METHOD = {"compatible": "bct", "adapted": "dmu", "rank_merge": "mcl"}
+
+
+def new_model_name(opts: HotRefreshOptions) -> str:
+    return opts.new_name or TINY_METHOD[opts.mode]
+
+
 def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: str, log) -> str:
-    """Tiny old + BCT models (Ray Train, :func:`raycompat.train.runs.train_named`); runs are
-    named by a hash of the training options, so a re-run with the same options reuses them."""
+    """Tiny old + new models for ``opts.mode`` (Ray Train, :func:`raycompat.train.runs.train_named`):
+    old (independent), then the mode's method against it (:data:`TINY_METHOD`; mcl starts from an
+    independent new model). Runs are named by a hash of the training options, so a re-run with
+    the same options reuses them."""
     from raycompat.train.runs import config_tag, train_named
 
     tag = config_tag({k: getattr(opts, k) for k in TRAINING_OPTIONS}, scenario.to_dict())
     os.makedirs(models_dir, exist_ok=True)
+    method = TINY_METHOD[opts.mode]
+    plan = [("old", "independent", "old_train", opts.old_epochs, None, None)]
+    if method == "mcl":
+        plan.append(("independent", "independent", "new_train", opts.new_epochs, None, None))
+    plan.append((method, method, "new_train", opts.new_epochs, "old", "independent" if method == "mcl" else None))
     models = {}
-    for name, method, split, epochs, pred in (("old", "independent", "old_train", opts.old_epochs, None),
-                                              ("bct", "bct", "new_train", opts.new_epochs, "old")):
-        log(f"training tiny {name} model ({method}, {epochs} epochs)")
-        values = dict(method=method, backbone=opts.backbone, embed_dim=opts.embed_dim, epochs=epochs,
+    for name, meth, split, epochs, pred, init in plan:
+        log(f"training tiny {name} model ({meth}, {epochs} epochs)")
+        values = dict(method=meth, backbone=opts.backbone, embed_dim=opts.embed_dim, epochs=epochs,
                       batch_size=64, seed=opts.seed, scenario=scenario.to_dict(), split=split,
                       resolution=opts.resolution, data_seed=opts.data_seed, old_model=models.get(pred),
-                      log_every=50)
+                      init_model=models.get(init), log_every=50)
         run, wall = train_named(values, name, tag, runs_dir, models_dir)
         models[name] = run.bundle_path
         log(f"  {name}: {wall:.0f} s -> {run.bundle_path}")
@@ -167,24 +182,25 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
     if opts.embeddings:
         if not os.path.exists(opts.embeddings):
             raise ConfigError(f"--embeddings not found: {opts.embeddings}")
-        new_model = os.path.join(opts.models, opts.new_name) if opts.models else None
+        new_model = os.path.join(opts.models, new_model_name(opts)) if opts.models else None
         return opts.embeddings, None, new_model
     models_dir = opts.models
     scenario = _scenario(opts, models_dir)
     if not models_dir:
         models_dir = _train_tiny(opts, scenario, runs_dir, os.path.join(out, "models"), log)
-    paths = {n: os.path.join(models_dir, n) for n in ("old", opts.new_name)}
+    new_name = new_model_name(opts)
+    paths = {n: os.path.join(models_dir, n) for n in ("old", new_name)}
     for n, p in paths.items():
         if not os.path.isfile(os.path.join(p, "manifest.json")):
-            raise ConfigError(f"no model bundle {n!r} at {p} (expected old/ and {opts.new_name}/ in --models)")
+            raise ConfigError(f"no model bundle {n!r} at {p} (expected old/ and {new_name}/ in --models)")
     bundles = {n: ModelBundle.load(p) for n, p in paths.items()}
-    resolution = int(bundles[opts.new_name].manifest.get("resolution") or opts.resolution)
-    log(f"embedding {scenario.name} query + gallery with old and {opts.new_name} (resolution {resolution})")
+    resolution = int(bundles[new_name].manifest.get("resolution") or opts.resolution)
+    log(f"embedding {scenario.name} query + gallery with old and {new_name} (resolution {resolution})")
     emb = {n: embed_scenario(n, b, scenario, resolution, opts.data_seed) for n, b in bundles.items()}
     (q_labels, _), (g_labels, g_inst) = scenario_eval_items(scenario)
     n = len(g_labels)
     stored = np.random.default_rng([opts.seed, 1]).permutation(n)    # ingestion order (as the main job)
-    new = emb[opts.new_name]
+    new = emb[new_name]
     data = GalleryEmbeddings(
         gallery_labels=np.asarray(g_labels)[stored], gallery_old=emb["old"].gallery[stored],
         gallery_new=new.gallery[stored], gallery_ids=np.arange(n, dtype=np.int64),
@@ -193,16 +209,16 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
     if opts.mode == "adapted":
         from raycompat.backfill.modes import apply_bundle_modules
 
-        data = apply_bundle_modules(data, bundles[opts.new_name])
+        data = apply_bundle_modules(data, bundles[new_name])
         if data.gallery_adapted is None:
-            raise ConfigError(f"--mode adapted needs a new model with a psi module ({paths[opts.new_name]})")
+            raise ConfigError(f"--mode adapted needs a new model with a psi module ({paths[new_name]})")
     path = write_gallery_parquet(os.path.join(out, "embeddings.parquet"), data)
     items = os.path.join(out, "items.parquet")
     pq.write_table(pa.table({"item_id": pa.array(np.arange(n, dtype=np.int64)),
                              "label": pa.array(np.asarray(g_labels)[stored].astype(np.int64)),
                              "instance": pa.array(np.asarray(g_inst)[stored].astype(np.int64))}), items)
     log(f"  {n} gallery items, {len(q_labels)} queries -> {path}")
-    return path, items, paths[opts.new_name]
+    return path, items, paths[new_name]
 
 
 # ----------------------------------------------------------------------------- main
@@ -232,6 +248,13 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     data = load_parquet(parquet)
     compat = data.compat_dim
     data = data.with_arrays(compatible_dim=compat) if compat is not None else data
+    if opts.mode == "rank_merge":   # rho(new), rho(q), psi_rev(rho(q)): what the router and controller apply
+        from raycompat.backfill.modes import apply_bundle_modules
+        from raycompat.models import ModelBundle
+        from raycompat.serving.scoring import rank_merge_maps
+
+        rank_merge_maps(new_model)                   # names a missing model or module
+        data = apply_bundle_modules(data, ModelBundle.load(new_model))
     head = None
     if new_model and (opts.policy.startswith("uncertainty:") or opts.policy == "learned"):
         from raycompat.models import ModelBundle

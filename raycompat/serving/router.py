@@ -123,8 +123,10 @@ def build_router(cfg: dict):
             self.shards = list(shards)
             self.controller = controller
             self.cfg = cfg
-            self.dims = cfg["dims"]
+            self.dims = cfg["dims"]                     # per stored representation
+            self.query_dims = cfg.get("query_dims") or {"old": self.dims["old"], "new": self.dims["new"]}
             self.compatible_dim = int(cfg.get("compatible_dim") or self.dims["old"])
+            self._rank_merge = None
             shared["token"] = load_admin_token(cfg.get("token_file"))
             shared["metrics"] = RouterMetrics()
             self.limits = limits
@@ -141,6 +143,16 @@ def build_router(cfg: dict):
                 self._embedder = ModelEmbedder(self.cfg["new_model"], self.cfg.get("resolution"),
                                                self.cfg.get("data_seed", 0))
             return self._embedder
+
+        def rank_merge(self):
+            """``(rho, psi_rev)`` in the rank_merge mode, else ``None`` (loaded once)."""
+            if self.cfg.get("mode") != "rank_merge":
+                return None
+            if self._rank_merge is None:
+                from raycompat.serving.scoring import rank_merge_maps
+
+                self._rank_merge = rank_merge_maps(self.cfg.get("new_model"))
+            return self._rank_merge
 
         async def _fan_out(self, method: str, *args):
             calls = [getattr(h, method).remote(*args) for h in self.shards]
@@ -191,14 +203,15 @@ def build_router(cfg: dict):
                     raise ApiError(status, str(exc), "body.images") from None
                 emb = self.embedder()
                 q = await asyncio.to_thread(emb.embed_images, imgs)
-                if q.shape[1] != self.dims["new"]:
-                    raise ApiError(400, f"the new model embeds to {q.shape[1]} dims, the gallery holds "
-                                        f"{self.dims['new']}", "body.images")
+                if q.shape[1] != self.query_dims["new"]:
+                    raise ApiError(400, f"the new model embeds to {q.shape[1]} dims, the gallery expects "
+                                        f"{self.query_dims['new']}", "body.images")
             else:
-                dim = self.dims["new"] if req.model == "new" else self.dims["old"]
+                dim = self.query_dims[req.model]
                 q = self._matrix(req.vectors, "body.vectors", dim, f"the {req.model} model's embedding")
             request.scope["raycompat_queries"] = int(q.shape[0])
-            sides = query_sides(q, req.model, self.compatible_dim)
+            rank_merge = self.rank_merge() if req.model == "new" else None
+            sides = await asyncio.to_thread(query_sides, q, req.model, self.compatible_dim, rank_merge)
             parts = await self._fan_out("search", sides, req.k)
             S, I, R = merge_topk([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], req.k)
             results = []
@@ -273,7 +286,7 @@ def build_router(cfg: dict):
                 groups.setdefault(it.representation, []).append(pos)
             prepared = []
             for rep, pos in groups.items():
-                want = self.dims["old"] if rep == "old" else self.dims["new"]
+                want = self.dims[rep]
                 vec = self._matrix([req.items[p].vector for p in pos], f"body.items[{pos[0]}].vector", want,
                                    f"representation {rep!r}")
                 prepared.append((rep, ids[pos], l2_normalize(vec)))

@@ -8,8 +8,20 @@ A query embedded by the new model ``q = phi_n(x)`` scores
 * an item stored as ``adapted`` with ``s(phi_n(q), psi(phi_o(g)))`` (side ``new-adapted``),
 * an item stored as ``new`` with ``s(phi_n(q), phi_n(g))`` (side ``new-new``).
 
-So the ``compatible`` mode is "items start as old", the ``adapted`` mode "items start as
-adapted"; the backfill moves them to ``new``.  A query embedded by the *old* model
+In the ``rank_merge`` mode (RM, METHODS.md "Query strategies") a ``new`` item holds
+``rho(phi_n(g))`` and the router turns ``phi_n(q)`` into ``r = rho(phi_n(q))`` and
+``psi_rev(r)``:
+
+* an ``old`` item scores ``s(psi_rev(r), phi_o(g))`` (side ``rev-old``),
+* a ``new`` item scores ``s(r, rho(phi_n(g)))`` (side ``rho-rho``);
+
+RM ranks by ``-d`` with ``d`` the squared L2 (or L2, or cosine) distance between
+normalised vectors, a decreasing function of the same cosine on both sides, so ranking by
+the cosine is ranking by ``-d``.  rho and psi_rev are the new model bundle's modules,
+applied with :class:`raycompat.models.FeatureMap` exactly as the simulator applies them.
+
+So the ``compatible`` and ``rank_merge`` modes are "items start as old", the ``adapted``
+mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded by the *old* model
 (``model="old"``: clients not upgraded yet, and the old-old reference of NFR) scores old
 items only, with ``s(phi_o(q), phi_o(g))``.
 
@@ -18,31 +30,60 @@ normalises its sides, so the served cosines are the simulator's.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
 
-__all__ = ["SERVED_MODES", "initial_representation", "query_sides"]
+__all__ = ["SERVED_MODES", "initial_representation", "query_sides", "rank_merge_maps", "stored_new"]
 
-#: query modes the live index serves (rank_merge / naive_merge need a second query model)
-SERVED_MODES = ("compatible", "adapted")
+#: query modes the live index serves (naive_merge needs the old model's query embedding too)
+SERVED_MODES = ("compatible", "adapted", "rank_merge")
 
 
 def initial_representation(mode: str) -> str:
     if mode not in SERVED_MODES:
         raise ValueError(f"mode {mode!r} is not served; allowed: {', '.join(SERVED_MODES)}")
-    return "old" if mode == "compatible" else "adapted"
+    return "adapted" if mode == "adapted" else "old"
 
 
-def query_sides(vectors: np.ndarray, model: str, compatible_dim: int) -> Dict[str, np.ndarray]:
-    """``{representation: normalised query array}`` for raw query embeddings ``[Q, D]``.
+def rank_merge_maps(new_model: Optional[str]) -> Tuple[object, object]:
+    """``(rho, psi_rev)`` of the new model bundle as :class:`raycompat.models.FeatureMap`
+    (``ConfigError`` naming what is missing)."""
+    if not new_model:
+        raise ConfigError("mode 'rank_merge' needs the option new_model: a bundle with 'rho' and 'psi_rev' "
+                          "modules (trained with --method mcl, rqt or cl)")
+    from raycompat.models import FeatureMap, ModelBundle
+
+    modules = ModelBundle.load(new_model).modules
+    missing = [m for m in ("rho", "psi_rev") if m not in modules]
+    if missing:
+        raise ConfigError(f"mode 'rank_merge': the new model {new_model} has no {' / '.join(missing)} module "
+                          "(train it with --method mcl, rqt or cl)")
+    return FeatureMap(modules["rho"]), FeatureMap(modules["psi_rev"])
+
+
+def stored_new(raw: np.ndarray, new_map=None) -> np.ndarray:
+    """What a ``new`` item holds, from its raw new-model embedding: ``l2(rho(v))`` in the
+    rank_merge mode (``new_map`` = rho), else ``l2(v)``."""
+    v = np.ascontiguousarray(raw, dtype=np.float32)
+    return l2_normalize(new_map(v) if new_map is not None else v)
+
+
+def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge=None) -> Dict[str, np.ndarray]:
+    """``{representation: normalised query array}`` for raw query embeddings ``[Q, D]``;
+    ``rank_merge``: the ``(rho, psi_rev)`` maps in that mode.
 
     Raises ``ValueError`` for a zero vector (no direction)."""
     q = np.ascontiguousarray(vectors, dtype=np.float32)
     if model == "old":
         return {"old": l2_normalize(q)}
+    if rank_merge is not None:
+        rho, psi_rev = rank_merge
+        r = rho(q)
+        return {"old": l2_normalize(psi_rev(r)), "new": l2_normalize(r)}
     full = l2_normalize(q)
     cut = full if compatible_dim == q.shape[1] else l2_normalize(np.ascontiguousarray(q[:, :compatible_dim]))
     return {"old": cut, "adapted": full, "new": full}
