@@ -563,3 +563,39 @@ def test_rank_merge_needs_rho_and_psi_rev(gallery_parquet, tmp_path):
 
     with pytest.raises(ConfigError, match="rank_merge.*new_model"):
         build_app(serving_config(gallery=gallery_parquet, state_dir=str(tmp_path), mode="rank_merge"))
+
+
+def test_naive_merge_offline_equals_online_and_needs_old_vectors(serve_port, gallery_parquet, token_file, tmp_path):
+    """naive_merge served: each request carries the old model's query embeddings too; old-state
+    items are scored old-old, new-state items new-new, merged. Live == simulator; a request
+    without old_vectors (or with the wrong count) is a 422 naming the field."""
+    from ray import serve
+
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    data = load_parquet(gallery_parquet)
+    fractions = [0.0, 0.25, 0.5, 1.0]
+    k = 40
+    sim = simulate_backfill(data, ["sequential"], ["naive_merge"], fractions=fractions, k=k, seed=2)
+    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2,
+                       mode="naive_merge", fsync=False)
+    try:
+        base = client.base
+        q = data.query_new[:2].tolist()
+        r = requests.post(base + "/search", json={"vectors": q, "k": 3}, timeout=30)
+        assert r.status_code == 422 and "old_vectors" in r.text, r.text
+        r = requests.post(base + "/search", json={"vectors": q, "old_vectors": data.query_old[:1].tolist(), "k": 3},
+                          timeout=30)
+        assert r.status_code == 422 and "1 rows" in r.text, r.text
+        live = live_backfill_curve(client, data, fractions, policy="sequential", seed=2, k=k, batch_size=50,
+                                   log=lambda m: None)
+    finally:
+        serve.delete(APP)
+    cmp = compare_curves(live, sim.curve("sequential", "naive_merge"), tol=1e-12)
+    assert cmp["equal"], cmp
+    assert live["metrics"][f"mAP@{k}"][0] != live["metrics"][f"mAP@{k}"][-1]
+
+
+def test_old_vectors_are_refused_outside_naive_merge(api):
+    r = post(api, "/search", {"vectors": [[0.1] * 24], "old_vectors": [[0.1] * 16], "k": 3})
+    assert r.status_code == 422 and "naive_merge" in r.text, r.text

@@ -37,14 +37,20 @@ class ServingClient:
             raise ServingHTTPError(r.status_code, body)
         return body
 
-    def search(self, vectors: np.ndarray, k: int = 10, model: str = "new", batch: int = 256):
-        """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded)."""
+    def search(self, vectors: np.ndarray, k: int = 10, model: str = "new", batch: int = 256,
+               old_vectors: Optional[np.ndarray] = None):
+        """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded); ``old_vectors``:
+        the old model's embeddings of the same queries (naive_merge mode)."""
         q = np.asarray(vectors, np.float32)
+        old = None if old_vectors is None else np.asarray(old_vectors, np.float32)
         ids = np.full((q.shape[0], k), -1, np.int64)
         scores = np.full((q.shape[0], k), -np.inf)          # canonical scores (float64)
         reps = np.full((q.shape[0], k), "", dtype=object)
         for s in range(0, q.shape[0], batch):
-            res = self._call("POST", "/search", {"vectors": q[s:s + batch].tolist(), "k": int(k), "model": model})
+            body = {"vectors": q[s:s + batch].tolist(), "k": int(k), "model": model}
+            if old is not None:
+                body["old_vectors"] = old[s:s + batch].tolist()
+            res = self._call("POST", "/search", body)
             for j, row in enumerate(res["results"]):
                 for r, hit in enumerate(row):
                     ids[s + j, r], scores[s + j, r], reps[s + j, r] = hit["id"], hit["score"], hit["representation"]

@@ -15,7 +15,7 @@ __all__ = ["ServingConfig", "serving_config"]
 class ServingConfig:
     gallery: str = ""                    # embeddings parquet (simulator schema) or synthetic:N[:Do[:Dn[:seed]]]
     state_dir: str = "serving_state"     # shard snapshots + logs, backfill checkpoint
-    mode: str = choices("compatible", "adapted", "rank_merge", default="compatible")
+    mode: str = choices("compatible", "adapted", "rank_merge", "naive_merge", default="compatible")
     num_shards: int = positive(2)
     factory: str = "Flat"                # faiss factory string; Flat = exact
     compatible_dim: Optional[int] = None  # default: D_old
@@ -32,7 +32,7 @@ class ServingConfig:
     route_prefix: str = "/"
     token_file: Optional[str] = None     # else env RAYCOMPAT_ADMIN_TOKEN
     new_model: Optional[str] = None      # new ModelBundle dir: image queries, embedder pool, psi, uncertainty
-    old_model: Optional[str] = None      # reported in /status only
+    old_model: Optional[str] = None      # /status; naive_merge image queries are embedded with it too
     pipeline_output: Optional[str] = None  # parquet from the Ray Data pipeline (item_id, new)
     items: Optional[str] = None          # parquet item_id, label (class), instance: what the embedder pool renders
     data_seed: int = 0

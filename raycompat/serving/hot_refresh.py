@@ -134,8 +134,9 @@ TRAINING_OPTIONS = ("train_classes", "images_per_class", "eval_classes", "resolu
 
 
 #: the new model each served mode needs, trained by the tiny default: BCT's compatible
-#: subspace, DMU's psi, RM's rho + psi_rev (mcl, on a frozen independent new model)
-TINY_METHOD = {"compatible": "bct", "adapted": "dmu", "rank_merge": "mcl"}
+#: subspace, DMU's psi, RM's rho + psi_rev (mcl, on a frozen independent new model), and for
+#: RM's naive merge of two systems an independent new model
+TINY_METHOD = {"compatible": "bct", "adapted": "dmu", "rank_merge": "mcl", "naive_merge": "independent"}
 
 
 def new_model_name(opts: HotRefreshOptions) -> str:
@@ -155,7 +156,8 @@ def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: st
     plan = [("old", "independent", "old_train", opts.old_epochs, None, None)]
     if method == "mcl":
         plan.append(("independent", "independent", "new_train", opts.new_epochs, None, None))
-    plan.append((method, method, "new_train", opts.new_epochs, "old", "independent" if method == "mcl" else None))
+    if method != "independent":
+        plan.append((method, method, "new_train", opts.new_epochs, "old", "independent" if method == "mcl" else None))
     models = {}
     for name, meth, split, epochs, pred, init in plan:
         log(f"training tiny {name} model ({meth}, {epochs} epochs)")
@@ -170,7 +172,7 @@ def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: st
 
 
 def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
-    """``(parquet path, items parquet or None, new model path or None)``."""
+    """``(parquet path, items parquet or None, new model path or None, old model path or None)``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -183,7 +185,8 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
         if not os.path.exists(opts.embeddings):
             raise ConfigError(f"--embeddings not found: {opts.embeddings}")
         new_model = os.path.join(opts.models, new_model_name(opts)) if opts.models else None
-        return opts.embeddings, None, new_model
+        old_model = os.path.join(opts.models, "old") if opts.models else None
+        return opts.embeddings, None, new_model, old_model
     models_dir = opts.models
     scenario = _scenario(opts, models_dir)
     if not models_dir:
@@ -218,7 +221,7 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
                              "label": pa.array(np.asarray(g_labels)[stored].astype(np.int64)),
                              "instance": pa.array(np.asarray(g_inst)[stored].astype(np.int64))}), items)
     log(f"  {n} gallery items, {len(q_labels)} queries -> {path}")
-    return path, items, paths[new_name]
+    return path, items, paths[new_name], paths["old"]
 
 
 # ----------------------------------------------------------------------------- main
@@ -244,7 +247,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
                                 default_out=DEFAULT_OUT)
     out = output.local
     connect(opts.address)
-    parquet, items, new_model = build_embeddings(opts, out, output.runs, say)
+    parquet, items, new_model, old_model = build_embeddings(opts, out, output.runs, say)
     data = load_parquet(parquet)
     compat = data.compat_dim
     data = data.with_arrays(compatible_dim=compat) if compat is not None else data
@@ -272,7 +275,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     shutil.rmtree(state_dir, ignore_errors=True)
     port = opts.port or free_port(opts.host)
     cfg = serving_config(gallery=parquet, state_dir=state_dir, mode=opts.mode, num_shards=opts.num_shards,
-                         host=opts.host, port=port, factory=opts.factory, new_model=new_model, items=items,
+                         host=opts.host, port=port, factory=opts.factory, new_model=new_model, old_model=old_model, items=items,
                          compatible_dim=compat, app_name="hot_refresh", data_seed=opts.data_seed,
                          max_k=max(1000, k))
     say(f"serving {data.n_items} items on {opts.num_shards} shards at http://{opts.host}:{port}")
@@ -284,7 +287,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
         live = live_backfill_curve(client, data, fractions, policy=opts.policy, seed=opts.seed, k=k,
                                    source=opts.source, batch_size=opts.batch_size, rate=opts.rate, log=say)
         status = client.status()
-        image_check = _image_query_check(client, data, opts, new_model, items, parquet) if new_model else None
+        image_check = _image_query_check(client, data, opts, new_model, old_model, items) if new_model else None
     finally:
         stop_serving(cfg)
     cmp = compare_curves(live, sim_curve, tol=1e-9)
@@ -346,7 +349,7 @@ def near_ties(data, k: int, gap: float = 1e-6) -> dict:
     return out
 
 
-def _image_query_check(client, data, opts, new_model, items, parquet) -> Optional[dict]:
+def _image_query_check(client, data, opts, new_model, old_model, items) -> Optional[dict]:
     """A few query images sent as base64 PNG: the router's embedding must retrieve what the
     offline embedding of the same images retrieves (top-1)."""
     if items is None:
@@ -372,7 +375,10 @@ def _image_query_check(client, data, opts, new_model, items, parquet) -> Optiona
         b64.append(base64.b64encode(buf.getvalue()).decode())
     res = client.search_images(b64, k=5)
     offline = emb.embed_images(imgs)
-    ids, _, _ = client.search(offline, k=5)
+    offline_old = None
+    if opts.mode == "naive_merge":     # the router embeds the images with the old model as well
+        offline_old = ModelEmbedder(old_model, data_seed=opts.data_seed).embed_images(imgs)
+    ids, _, _ = client.search(offline, k=5, old_vectors=offline_old)
     agree = sum(int(r[0]["id"] == ids[i, 0]) for i, r in enumerate(res["results"]) if r)
     return {"n": n, "agree_top1": agree}
 

@@ -69,6 +69,7 @@ def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str
     k_eff = int(k)
     # old-old reference (RACT Eq.12's Q+): the old model's queries against the all-old gallery
     st = client.status()
+    naive = st.get("mode") == "naive_merge"      # each query carries its old-model embedding too
     if st["items"]["new"]:
         raise RuntimeError(f"the live gallery must start with no new-state item, got {st['items']}")
     ref_correct = None
@@ -96,7 +97,8 @@ def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str
         st = client.status()
         if st["items"]["new"] != int(n):
             raise RuntimeError(f"at t={t:.3f} expected {int(n)} new items, the shards hold {st['items']}")
-        ids, _, _ = client.search(data.query_new, k=k_eff, model="new")
+        ids, _, _ = client.search(data.query_new, k=k_eff, model="new",
+                                  old_vectors=data.query_old if naive else None)
         m, _ = live_metrics(ids, data, k_eff, ref_correct)
         for name in names:
             metrics[name].append(m[name])

@@ -133,16 +133,38 @@ def build_router(cfg: dict):
             self._embedder = None
 
         # -------------------------------------------------------------- helpers
-        def embedder(self):
+        def embedder(self, role: str = "new"):
+            """The ``new`` (or, for naive_merge image queries, ``old``) model's image embedder."""
             if self._embedder is None:
-                if not self.cfg.get("new_model"):
-                    raise ApiError(400, "image queries need the new model: the server was started without "
-                                        "new_model", "body.images")
+                self._embedder = {}
+            if role not in self._embedder:
+                if not self.cfg.get(f"{role}_model"):
+                    why = "image queries need the new model" if role == "new" else \
+                        "naive_merge image queries are embedded with the old model too"
+                    raise ApiError(400, f"{why}: the server was started without {role}_model", "body.images")
                 from raycompat.serving.embedder_pool import ModelEmbedder
 
-                self._embedder = ModelEmbedder(self.cfg["new_model"], self.cfg.get("resolution"),
-                                               self.cfg.get("data_seed", 0))
-            return self._embedder
+                self._embedder[role] = ModelEmbedder(self.cfg[f"{role}_model"], self.cfg.get("resolution"),
+                                                     self.cfg.get("data_seed", 0))
+            return self._embedder[role]
+
+        async def _embed_images(self, images, role: str) -> np.ndarray:
+            """Decode (4xx naming a bad image) and embed base64 images with one model."""
+            from raycompat.serving.embedder_pool import ImageInputError, decode_images
+
+            emb = self.embedder(role) if self.cfg.get(f"{role}_model") else None
+            try:   # images are checked first, so a bad image is named even without a model
+                imgs = decode_images(images, emb.resolution if emb else 32, emb.in_chans if emb else 1,
+                                     self.limits.max_image_bytes, self.limits.max_image_pixels)
+            except ImageInputError as exc:
+                status = 413 if "exceeds the limit" in str(exc) else 400
+                raise ApiError(status, str(exc), "body.images") from None
+            emb = self.embedder(role)
+            q = await asyncio.to_thread(emb.embed_images, imgs)
+            if q.shape[1] != self.query_dims[role]:
+                raise ApiError(400, f"the {role} model embeds to {q.shape[1]} dims, the gallery expects "
+                                    f"{self.query_dims[role]}", "body.images")
+            return q
 
         def rank_merge(self):
             """``(rho, psi_rev)`` in the rank_merge mode, else ``None`` (loaded once)."""
@@ -191,27 +213,31 @@ def build_router(cfg: dict):
             from raycompat.serving.state import REPRESENTATIONS, merge_topk
 
             t0 = time.perf_counter()
+            naive = self.cfg.get("mode") == "naive_merge" and req.model == "new"
+            old_q = None
             if req.images is not None:
-                from raycompat.serving.embedder_pool import ImageInputError, decode_images
-
-                emb = self.embedder() if self.cfg.get("new_model") else None
-                try:   # images are checked first, so a bad image is named even without a model
-                    imgs = decode_images(req.images, emb.resolution if emb else 32, emb.in_chans if emb else 1,
-                                         self.limits.max_image_bytes, self.limits.max_image_pixels)
-                except ImageInputError as exc:
-                    status = 413 if "exceeds the limit" in str(exc) else 400
-                    raise ApiError(status, str(exc), "body.images") from None
-                emb = self.embedder()
-                q = await asyncio.to_thread(emb.embed_images, imgs)
-                if q.shape[1] != self.query_dims["new"]:
-                    raise ApiError(400, f"the new model embeds to {q.shape[1]} dims, the gallery expects "
-                                        f"{self.query_dims['new']}", "body.images")
+                q = await self._embed_images(req.images, "new")
+                if naive:
+                    old_q = await self._embed_images(req.images, "old")
             else:
                 dim = self.query_dims[req.model]
                 q = self._matrix(req.vectors, "body.vectors", dim, f"the {req.model} model's embedding")
+                if req.old_vectors is not None:
+                    if not naive:
+                        raise ApiError(422, f"'old_vectors' are used in the naive_merge mode only; this index "
+                                            f"serves the {self.cfg.get('mode')} mode", "body.old_vectors")
+                    old_q = self._matrix(req.old_vectors, "body.old_vectors", self.query_dims["old"],
+                                         "the old model's embedding")
+                    if old_q.shape[0] != q.shape[0]:
+                        raise ApiError(422, f"'old_vectors' has {old_q.shape[0]} rows, 'vectors' has "
+                                            f"{q.shape[0]}: one old embedding per query", "body.old_vectors")
+                elif naive:
+                    raise ApiError(422, "the naive_merge mode scores old-state items with the old model's "
+                                        "embedding of each query: send 'old_vectors' with 'vectors'",
+                                   "body.old_vectors")
             request.scope["raycompat_queries"] = int(q.shape[0])
             rank_merge = self.rank_merge() if req.model == "new" else None
-            sides = await asyncio.to_thread(query_sides, q, req.model, self.compatible_dim, rank_merge)
+            sides = await asyncio.to_thread(query_sides, q, req.model, self.compatible_dim, rank_merge, old_q)
             parts = await self._fan_out("search", sides, req.k)
             S, I, R = merge_topk([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], req.k)
             results = []

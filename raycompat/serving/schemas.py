@@ -65,7 +65,11 @@ def build_models(limits: Limits):
         vectors: Optional[Annotated[List[Vector], Field(min_length=1, max_length=limits.max_queries)]] = Field(
             default=None, description="query embeddings (raw; normalised by the server)")
         images: Optional[Annotated[List[Image], Field(min_length=1, max_length=limits.max_queries)]] = Field(
-            default=None, description="query images, base64 PNG/JPEG; embedded with the new model")
+            default=None, description="query images, base64 PNG/JPEG; embedded with the new model (and the "
+                                      "old model too in the naive_merge mode)")
+        old_vectors: Optional[Annotated[List[Vector], Field(min_length=1, max_length=limits.max_queries)]] = Field(
+            default=None, description="naive_merge mode only: the old model's embeddings of the same queries, "
+                                      "in the same order (old-state items are scored with them)")
         k: int = Field(default=10, ge=1, le=limits.max_k, description="results per query")
         model: Literal["new", "old"] = Field(
             default="new", description="which model embedded the query vectors; 'old' searches old-state "
@@ -77,6 +81,8 @@ def build_models(limits: Limits):
                 raise ValueError("give exactly one of 'vectors' or 'images'")
             if self.images is not None and self.model != "new":
                 raise ValueError("image queries are embedded with the new model: model must be 'new'")
+            if self.old_vectors is not None and (self.vectors is None or self.model != "new"):
+                raise ValueError("'old_vectors' go with new-model 'vectors' (model 'new')")
             return self
 
     class SearchResponse(BaseModel):

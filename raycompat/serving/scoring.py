@@ -20,8 +20,13 @@ normalised vectors, a decreasing function of the same cosine on both sides, so r
 the cosine is ranking by ``-d``.  rho and psi_rev are the new model bundle's modules,
 applied with :class:`raycompat.models.FeatureMap` exactly as the simulator applies them.
 
-So the ``compatible`` and ``rank_merge`` modes are "items start as old", the ``adapted``
-mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded by the *old* model
+In the ``naive_merge`` mode (RM's naive baseline, two query passes) an ``old`` item scores
+``s(phi_o(q), phi_o(g))`` with the old model's embedding of the query, which the request
+carries (``old_vectors``) or the router computes from the image, and a ``new`` item
+``s(phi_n(q), phi_n(g))``.
+
+So the ``compatible``, ``rank_merge`` and ``naive_merge`` modes are "items start as old", the
+``adapted`` mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded by the *old* model
 (``model="old"``: clients not upgraded yet, and the old-old reference of NFR) scores old
 items only, with ``s(phi_o(q), phi_o(g))``.
 
@@ -39,8 +44,9 @@ from raycompat.index.search import l2_normalize
 
 __all__ = ["SERVED_MODES", "initial_representation", "query_sides", "rank_merge_maps", "stored_new"]
 
-#: query modes the live index serves (naive_merge needs the old model's query embedding too)
-SERVED_MODES = ("compatible", "adapted", "rank_merge")
+#: query modes the live index serves (naive_merge: each request carries the old model's query
+#: embeddings as well, or images that the router embeds with both models)
+SERVED_MODES = ("compatible", "adapted", "rank_merge", "naive_merge")
 
 
 def initial_representation(mode: str) -> str:
@@ -72,14 +78,18 @@ def stored_new(raw: np.ndarray, new_map=None) -> np.ndarray:
     return l2_normalize(new_map(v) if new_map is not None else v)
 
 
-def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge=None) -> Dict[str, np.ndarray]:
+def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge=None,
+                old_queries: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
     """``{representation: normalised query array}`` for raw query embeddings ``[Q, D]``;
-    ``rank_merge``: the ``(rho, psi_rev)`` maps in that mode.
+    ``rank_merge``: the ``(rho, psi_rev)`` maps in that mode; ``old_queries``: the old
+    model's embeddings of the same queries in the naive_merge mode.
 
     Raises ``ValueError`` for a zero vector (no direction)."""
     q = np.ascontiguousarray(vectors, dtype=np.float32)
     if model == "old":
         return {"old": l2_normalize(q)}
+    if old_queries is not None:      # naive_merge: old-old and new-new scores, merged
+        return {"old": l2_normalize(np.ascontiguousarray(old_queries, dtype=np.float32)), "new": l2_normalize(q)}
     if rank_merge is not None:
         rho, psi_rev = rank_merge
         r = rho(q)
