@@ -154,7 +154,7 @@ def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: st
     os.makedirs(models_dir, exist_ok=True)
     method = TINY_METHOD[opts.mode]
     plan = [("old", "independent", "old_train", opts.old_epochs, None, None)]
-    if method == "mcl":
+    if method in ("mcl", "independent"):     # mcl starts from a frozen independent new model
         plan.append(("independent", "independent", "new_train", opts.new_epochs, None, None))
     if method != "independent":
         plan.append((method, method, "new_train", opts.new_epochs, "old", "independent" if method == "mcl" else None))
@@ -291,7 +291,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     finally:
         stop_serving(cfg)
     cmp = compare_curves(live, sim_curve, tol=1e-9)
-    cmp["near_ties"] = near_ties(data, k)
+    cmp["near_ties"] = near_ties(data, k, opts.mode)
     names = list(live["metrics"])
     rows = []
     for j, t in enumerate(fractions):
@@ -334,16 +334,16 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     return report
 
 
-def near_ties(data, k: int, gap: float = 1e-6) -> dict:
-    """Queries whose top-(k+1) cosines (float64, all-old state at t=0 and all-new at t=1) contain
-    two values closer than ``gap``: where float32 rounding can order items differently."""
-    from raycompat.index.search import l2_normalize
+def near_ties(data, k: int, mode: str, gap: float = 1e-6) -> dict:
+    """Queries whose top-(k+1) scores of the mode's old side (all-old state, t=0) and new side
+    (all-new state, t=1) contain two values closer than ``gap``: where float32 rounding alone
+    could order items differently (canonical scores decide them, on both sides)."""
+    from raycompat.backfill.modes import SideBuilder
 
     out = {"gap": gap}
-    cd = data.compat_dim or data.old_dim
-    for key, q, g in (("t0", l2_normalize(np.ascontiguousarray(data.query_new[:, :cd])), data.gallery_old),
-                      ("t1", data.query_new, data.gallery_new)):
-        S = l2_normalize(q).astype(np.float64) @ l2_normalize(g).astype(np.float64).T
+    _, old_side, new_side = SideBuilder(data).mode_sides(mode)
+    for key, side in (("t0", old_side), ("t1", new_side)):
+        S = side.queries.astype(np.float64) @ side.gallery.astype(np.float64).T
         top = -np.sort(-S, axis=1)[:, :k + 1]
         out[key] = int((np.diff(-top, axis=1) < gap).any(axis=1).sum()) if top.shape[1] > 1 else 0
     return out
