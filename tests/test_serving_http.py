@@ -599,3 +599,25 @@ def test_naive_merge_offline_equals_online_and_needs_old_vectors(serve_port, gal
 def test_old_vectors_are_refused_outside_naive_merge(api):
     r = post(api, "/search", {"vectors": [[0.1] * 24], "old_vectors": [[0.1] * 16], "k": 3})
     assert r.status_code == 422 and "naive_merge" in r.text, r.text
+
+
+@pytest.mark.parametrize("mode", ["compatible", "adapted", "rank_merge", "naive_merge"])
+def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
+    """Every served mode's default training trains the bundle it then serves, after the models
+    that bundle depends on, each config checked the way the trainer checks it."""
+    from raycompat.serving.hot_refresh import HotRefreshOptions, new_model_name, tiny_training_plan
+    from raycompat.train import TrainConfig
+
+    from raycompat.data import build_scenario, default_catalog
+
+    scenario = build_scenario("extended-class", catalog=default_catalog(), num_train_classes=40, images_per_class=8,
+                              num_eval_classes=4, queries_per_class=1, gallery_per_class=2,
+                              num_distractor_classes=2, distractors_per_class=1, seed=0)
+    plan = tiny_training_plan(mode, 8, 6)
+    names = [p[0] for p in plan]
+    assert names[0] == "old" and names[-1] == new_model_name(HotRefreshOptions(mode=mode))
+    for i, (name, method, split, epochs, pred, init) in enumerate(plan):
+        assert all(dep in names[:i] for dep in (pred, init) if dep)       # dependencies come first
+        TrainConfig.from_dict(dict(method=method, backbone="test_resnet", epochs=epochs, split=split,
+                                   batch_size=64, scenario=scenario.to_dict(), old_model="/x/old" if pred else None,
+                                   init_model="/x/new" if init else None), check_paths=False)

@@ -143,23 +143,30 @@ def new_model_name(opts: HotRefreshOptions) -> str:
     return opts.new_name or TINY_METHOD[opts.mode]
 
 
+def tiny_training_plan(mode: str, old_epochs: int, new_epochs: int) -> list:
+    """The tiny default's runs for ``mode``, in order: ``(name, method, split, epochs, old model,
+    init model)``; old (independent on old_train), then the mode's method (:data:`TINY_METHOD`)
+    against it; mcl (and naive_merge) need an independent new model, trained first. The last
+    run's name is the served new model (:func:`new_model_name`)."""
+    method = TINY_METHOD[mode]
+    plan = [("old", "independent", "old_train", old_epochs, None, None)]
+    if method in ("mcl", "independent"):     # mcl starts from a frozen independent new model
+        plan.append(("independent", "independent", "new_train", new_epochs, None, None))
+    if method != "independent":
+        plan.append((method, method, "new_train", new_epochs, "old", "independent" if method == "mcl" else None))
+    return plan
+
+
 def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: str, log) -> str:
-    """Tiny old + new models for ``opts.mode`` (Ray Train, :func:`raycompat.train.runs.train_named`):
-    old (independent), then the mode's method against it (:data:`TINY_METHOD`; mcl starts from an
-    independent new model). Runs are named by a hash of the training options, so a re-run with
-    the same options reuses them."""
+    """Train :func:`tiny_training_plan` with Ray Train (:func:`raycompat.train.runs.train_named`).
+    Runs are named by a hash of the training options, so a re-run with the same options reuses
+    them."""
     from raycompat.train.runs import config_tag, train_named
 
     tag = config_tag({k: getattr(opts, k) for k in TRAINING_OPTIONS}, scenario.to_dict())
     os.makedirs(models_dir, exist_ok=True)
-    method = TINY_METHOD[opts.mode]
-    plan = [("old", "independent", "old_train", opts.old_epochs, None, None)]
-    if method in ("mcl", "independent"):     # mcl starts from a frozen independent new model
-        plan.append(("independent", "independent", "new_train", opts.new_epochs, None, None))
-    if method != "independent":
-        plan.append((method, method, "new_train", opts.new_epochs, "old", "independent" if method == "mcl" else None))
     models = {}
-    for name, meth, split, epochs, pred, init in plan:
+    for name, meth, split, epochs, pred, init in tiny_training_plan(opts.mode, opts.old_epochs, opts.new_epochs):
         log(f"training tiny {name} model ({meth}, {epochs} epochs)")
         values = dict(method=meth, backbone=opts.backbone, embed_dim=opts.embed_dim, epochs=epochs,
                       batch_size=64, seed=opts.seed, scenario=scenario.to_dict(), split=split,
