@@ -165,8 +165,9 @@ def main(argv=None):
                         + (f"{r['backfill_items_per_s']:.0f} |" if phase == "backfill" else "- |"))
     md = "\n".join([
         f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}", "",
-        f"Machine: {machine_description(load_at_start)} (a load above the core count means other jobs shared "
-        "the machine and the numbers are rough). In-process baseline: "
+        f"Machine: {machine_description(load_at_start)}; the load at the start is taken before the benchmark "
+        f"starts its own processes (above {cores}: other jobs shared the machine and the numbers are rough). "
+        "In-process baseline: "
         "faiss IndexFlatIP over the same vectors in this process, one query per call, one OpenMP thread per "
         "calling thread, measured right before each HTTP run. ratio = HTTP QPS / in-process QPS.", "",
         "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | ratio | "
