@@ -31,16 +31,12 @@ def add_scenario_args(parser: argparse.ArgumentParser, default: str = "extended-
 
 
 def scenario_from_args(args):
-    from raycompat.data import Scenario, build_scenario
+    from raycompat.data import Scenario, scenario_from_options
 
     if args.scenario_file:
         with open(args.scenario_file) as f:
             return Scenario.from_dict(json.load(f))
-    return build_scenario(
-        args.scenario, num_train_classes=args.train_classes, images_per_class=args.images_per_class,
-        num_eval_classes=args.eval_classes, queries_per_class=args.queries_per_class,
-        gallery_per_class=args.gallery_per_class, num_distractor_classes=args.distractor_classes,
-        distractors_per_class=args.distractors_per_class, seed=args.data_seed)
+    return scenario_from_options(args.scenario, args, seed=args.data_seed)
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:

@@ -95,7 +95,7 @@ def _config_tag(opts: QuickstartOptions, scenario) -> str:
 
 def run_quickstart(opts: QuickstartOptions) -> dict:
     from raycompat.cluster import connect
-    from raycompat.data import build_scenario, default_catalog
+    from raycompat.data import default_catalog, scenario_from_options
     from raycompat.evaluation import cross_evaluate, scenario_eval_items
     from raycompat.models import ModelBundle
     from raycompat.report import write_json
@@ -116,12 +116,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     connect(opts.address)
     t = time.time()
     catalog = default_catalog()
-    scenario = build_scenario(
-        opts.scenario, catalog=catalog, num_train_classes=opts.train_classes,
-        images_per_class=opts.images_per_class, num_eval_classes=opts.eval_classes,
-        queries_per_class=opts.queries_per_class, gallery_per_class=opts.gallery_per_class,
-        num_distractor_classes=opts.distractor_classes,
-        distractors_per_class=opts.distractors_per_class, seed=opts.data_seed)
+    scenario = scenario_from_options(opts.scenario, opts, seed=opts.data_seed, catalog=catalog)
     timings["data_s"] = time.time() - t
     write_json(os.path.join(out, "scenario.json"), scenario.to_dict())
     phase(f"glyph catalog: {catalog.num_classes} classes; scenario {scenario.name}:")

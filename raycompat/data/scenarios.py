@@ -248,6 +248,22 @@ def build_scenario(
     return Scenario(name, int(seed), splits, params, aliases)
 
 
+#: the option name every job uses for a scenario size -> build_scenario's keyword for it
+SIZE_OPTIONS = {"train_classes": "num_train_classes", "images_per_class": "images_per_class",
+                "eval_classes": "num_eval_classes", "queries_per_class": "queries_per_class",
+                "gallery_per_class": "gallery_per_class", "distractor_classes": "num_distractor_classes",
+                "distractors_per_class": "distractors_per_class"}
+
+
+def scenario_from_options(name: str, options, seed: int, catalog=None) -> Scenario:
+    """:func:`build_scenario` with its sizes read from a job's options (an argparse namespace
+    or an options dataclass): every :data:`SIZE_OPTIONS` attribute ``options`` has; the others
+    keep build_scenario's defaults."""
+    sizes = {kw: getattr(options, opt) for opt, kw in SIZE_OPTIONS.items() if hasattr(options, opt)}
+    return build_scenario(name, catalog=catalog, seed=seed, **sizes)
+
+
+
 def catalog_for(scenario: Scenario):
     """The glyph catalog whose label space ``scenario`` was built on.
 

@@ -369,7 +369,7 @@ def source_from_args(args, in_chans: int, resolution: int):
     from raycompat.pipeline.sources import GlyphGallerySource, ParquetImageSource, RecordSource
 
     if args.source == "glyphs":
-        from raycompat.data import Scenario, build_scenario, default_catalog
+        from raycompat.data import Scenario, default_catalog, scenario_from_options
 
         if args.scenario_json:
             import json
@@ -378,11 +378,7 @@ def source_from_args(args, in_chans: int, resolution: int):
                 scenario = Scenario.from_dict(json.load(fh))
         else:
             try:
-                scenario = build_scenario(
-                    args.scenario, catalog=default_catalog(), num_train_classes=args.train_classes,
-                    num_eval_classes=args.eval_classes, queries_per_class=args.queries_per_class,
-                    gallery_per_class=args.gallery_per_class, num_distractor_classes=args.distractor_classes,
-                    distractors_per_class=args.distractors_per_class, seed=args.data_seed)
+                scenario = scenario_from_options(args.scenario, args, seed=args.data_seed, catalog=default_catalog())
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         extra = args.distractors

@@ -156,14 +156,9 @@ class Reproduction:
 
     # -- data and training ---------------------------------------------------------------
     def scenario(self, name: str):
-        from raycompat.data import build_scenario
+        from raycompat.data import scenario_from_options
 
-        s = self.opts.sizes
-        return build_scenario(
-            name, num_train_classes=s.train_classes, images_per_class=s.images_per_class,
-            num_eval_classes=s.eval_classes, queries_per_class=s.queries_per_class,
-            gallery_per_class=s.gallery_per_class, num_distractor_classes=s.distractor_classes,
-            distractors_per_class=s.distractors_per_class, seed=self.opts.data_seed)
+        return scenario_from_options(name, self.opts.sizes, seed=self.opts.data_seed)
 
     def values(self, scenario, *, backbone: str, method: str, split: str, epochs: int,
                method_options: dict | None = None, old_model: str | None = None,

@@ -112,7 +112,7 @@ def parse_fractions(text: str) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- embeddings
 def _scenario(opts: HotRefreshOptions, models_dir: Optional[str]):
-    from raycompat.data import build_scenario, default_catalog
+    from raycompat.data import default_catalog, scenario_from_options
     from raycompat.data.scenarios import Scenario
 
     if models_dir:
@@ -120,12 +120,7 @@ def _scenario(opts: HotRefreshOptions, models_dir: Optional[str]):
         if os.path.isfile(sj):
             with open(sj) as fh:
                 return Scenario.from_dict(json.load(fh))
-    return build_scenario(
-        "extended-class", catalog=default_catalog(), num_train_classes=opts.train_classes,
-        images_per_class=opts.images_per_class, num_eval_classes=opts.eval_classes,
-        queries_per_class=opts.queries_per_class, gallery_per_class=opts.gallery_per_class,
-        num_distractor_classes=opts.distractor_classes, distractors_per_class=opts.distractors_per_class,
-        seed=opts.data_seed)
+    return scenario_from_options("extended-class", opts, seed=opts.data_seed, catalog=default_catalog())
 
 
 #: the options the tiny default training depends on (its run names carry their hash)
