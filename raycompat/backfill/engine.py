@@ -89,7 +89,7 @@ from raycompat.backfill.blocks import (
     rows_at_least,
 )
 from raycompat.backfill.grid import segments
-from raycompat.index.canonical import float32_score_error, pair_scores
+from raycompat.index.canonical import float32_score_error, pair_scores_at
 from raycompat.metrics import (
     correct_at_k,
     mean_average_precision_at_k,
@@ -286,7 +286,7 @@ class _SideValues:
         n_pairs = pq.size
         real = np.flatnonzero(~sentinel)
         self.v64 = np.full(n_pairs, -np.inf)
-        self.v64[real] = pair_scores(side.queries[pq[real]], side.gallery[pi[real]])
+        self.v64[real] = pair_scores_at(side.queries, pq[real], side.gallery, pi[real])
         self.delta_q = float32_score_error(side.queries.shape[1], qn, gmax) * float(band_scale)
 
 
@@ -708,7 +708,7 @@ def compute_ranks(
             thr[m] = values[yname].v64[ps[m]]
         # canonical scores of the ambiguous survivors (their query: that of their thresholds)
         side = sides[xname]
-        cand = pair_scores(side.queries[mx.sorted_q[bhi_b]], side.gallery[x_b])
+        cand = pair_scores_at(side.queries, mx.sorted_q[bhi_b], side.gallery, x_b)
         cv, xx = cand[rep], x_b[rep]
         above = (cv > thr) | ((cv == thr) & (xx < pi[ps]))
         xs, ts = xx[above], t[above]

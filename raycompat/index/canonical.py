@@ -23,7 +23,7 @@ from typing import Callable, Tuple
 
 import numpy as np
 
-__all__ = ["pair_scores", "dot_error_bound", "float32_score_error", "rerank_top_k"]
+__all__ = ["pair_scores", "pair_scores_at", "dot_error_bound", "float32_score_error", "rerank_top_k"]
 
 _U32 = 2.0 ** -24        # unit roundoff of float32
 _ROWS = 1 << 15          # pairs per float64 chunk
@@ -44,6 +44,21 @@ def pair_scores(queries: np.ndarray, items: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(a[s:s + _ROWS], dtype=np.float32).astype(np.float64)
         y = np.ascontiguousarray(b[s:s + _ROWS], dtype=np.float32).astype(np.float64)
         out[s:s + _ROWS] = np.einsum("ij,ij->i", x, y)
+    return out
+
+
+def pair_scores_at(queries: np.ndarray, query_rows: np.ndarray, items: np.ndarray,
+                   item_rows: np.ndarray) -> np.ndarray:
+    """:func:`pair_scores` of ``(queries[query_rows[r]], items[item_rows[r]])``, gathering the
+    rows chunk by chunk (memory stays a few chunks, however many pairs)."""
+    query_rows = np.asarray(query_rows, np.int64)
+    item_rows = np.asarray(item_rows, np.int64)
+    if query_rows.shape != item_rows.shape:
+        raise ValueError(f"{query_rows.shape[0]} query rows but {item_rows.shape[0]} item rows")
+    out = np.empty(query_rows.size, dtype=np.float64)
+    step = _ROWS // 4
+    for s in range(0, query_rows.size, step):
+        out[s:s + step] = pair_scores(queries[query_rows[s:s + step]], items[item_rows[s:s + step]])
     return out
 
 
