@@ -261,7 +261,80 @@ class RecordSource(GallerySource):
         return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
 
 
-class ParquetImageSource(GallerySource):
+class _ParquetRowGroupSource(GallerySource):
+    """Shared by the parquet sources: the file list, an index from sorted item id to
+    (file, row group, row), and a description keyed by the files. Only the columns named by a
+    subclass are read up front; the rest is read per row group when a batch needs it."""
+
+    def _list_files(self, path: str, what: str) -> None:
+        self.location = os.path.abspath(path)
+        if os.path.isdir(path):
+            # "_" and "." files are metadata (a pipeline's _manifest.json, _common_metadata, ...)
+            files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                           if f.endswith(".parquet") and not f.startswith((".", "_")))
+        elif os.path.isfile(path):
+            files = [path]
+        else:
+            raise ConfigError(f"{what} not found: {path}")
+        if not files:
+            raise ConfigError(f"no .parquet files in {path}")
+        self.files = [os.path.abspath(f) for f in files]
+
+    def _index_row_groups(self, read_group) -> list:
+        """Call ``read_group(file_index, file, ParquetFile, group)`` for every row group; each call
+        returns ``(ids, columns)`` with ``columns`` a tuple of per-row numpy arrays. Sets the id
+        index (unsorted order) and returns the concatenated columns, still in file order."""
+        import pyarrow.parquet as pq
+
+        ids, file_of, group_of, row_of, columns = [], [], [], [], None
+        for f_index, f in enumerate(self.files):
+            pf = pq.ParquetFile(f)
+            for g in range(pf.num_row_groups):
+                group_ids, group_columns = read_group(f_index, f, pf, g)
+                n = len(group_ids)
+                ids.append(np.asarray(group_ids))
+                columns = [[] for _ in group_columns] if columns is None else columns
+                for chunks, col in zip(columns, group_columns):
+                    chunks.append(col)
+                file_of.append(np.full(n, f_index, np.int32))
+                group_of.append(np.full(n, g, np.int32))
+                row_of.append(np.arange(n, dtype=np.int64))
+        if not ids:
+            raise ConfigError(f"no rows in the parquet file(s) at {self.location}")
+        self._unsorted = (np.concatenate(ids), np.concatenate(file_of), np.concatenate(group_of),
+                          np.concatenate(row_of))
+        return [np.concatenate(chunks) for chunks in columns or []]
+
+    def _sort_ids(self, where: str) -> np.ndarray:
+        """Sort the index by item id (refusing non-integer or duplicate ids); returns the order,
+        to be applied to the columns ``_index_row_groups`` returned."""
+        ids, file_of, group_of, row_of = self._unsorted
+        del self._unsorted
+        if ids.dtype.kind not in "iu":
+            raise ConfigError(f"{where}: the item id column must hold integers, got {ids.dtype}")
+        ids = ids.astype(np.int64)
+        order = np.argsort(ids, kind="stable")
+        self.ids = ids[order]
+        if (np.diff(self.ids) == 0).any():
+            dup = self.ids[1:][np.diff(self.ids) == 0]
+            raise ConfigError(f"{where}: duplicate item ids, e.g. {dup[:5].tolist()}")
+        self.file_of, self.group_of, self.row_of = file_of[order], group_of[order], row_of[order]
+        return order
+
+    def num_ids(self) -> int:
+        return int(self.ids.size)
+
+    def all_ids(self) -> np.ndarray:
+        return self.ids
+
+    def _files_digest(self) -> str:
+        h = hashlib.sha256(self.ids.tobytes())
+        for f in self.files:
+            h.update(f"{f}:{os.path.getsize(f)};".encode())
+        return h.hexdigest()[:16]
+
+
+class ParquetImageSource(_ParquetRowGroupSource):
     """Parquet files (one file or a folder) with encoded image bytes in ``image_column`` (binary,
     or a struct with a ``bytes`` field), ids in ``id_column``, labels in ``label_column``
     (renumbered 0..n-1 in sorted order of the values; ``None`` gives -1). Only the id and label
@@ -271,53 +344,25 @@ class ParquetImageSource(GallerySource):
 
     def __init__(self, path: str, image_column: str = "image", label_column: str | None = "label",
                  id_column: str = "item_id", split: str = "gallery", resolution: int = 32, in_chans: int = 1):
-        import pyarrow.parquet as pq
-
-        self.location = os.path.abspath(path)
-        if os.path.isdir(path):
-            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
-        elif os.path.isfile(path):
-            files = [path]
-        else:
-            raise ConfigError(f"parquet source not found: {path}")
-        if not files:
-            raise ConfigError(f"no .parquet files in {path}")
-        self.files = [os.path.abspath(f) for f in files]
+        self._list_files(path, "parquet source")
         self.image_column, self.label_column, self.id_column = image_column, label_column, id_column
         self.split = _check_split(split)
         self.resolution, self.in_chans = int(resolution), int(in_chans)
-        ids, raw_labels, file_of, group_of, row_of = [], [], [], [], []
-        for f_index, f in enumerate(self.files):
-            pf = pq.ParquetFile(f)
+
+        def read_group(f_index, f, pf, g):
             names = pf.schema_arrow.names
             missing = [c for c in (image_column, label_column, id_column) if c is not None and c not in names]
             if missing:
                 raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {names}")
-            for g in range(pf.num_row_groups):
-                cols = [id_column] + ([label_column] if label_column else [])
-                t = pf.read_row_group(g, columns=cols)
-                n = t.num_rows
-                ids.append(np.asarray(t.column(id_column).to_numpy(zero_copy_only=False)))
-                raw_labels += t.column(label_column).to_pylist() if label_column else [None] * n
-                file_of.append(np.full(n, f_index, np.int32))
-                group_of.append(np.full(n, g, np.int32))
-                row_of.append(np.arange(n, dtype=np.int64))
-        ids = np.concatenate(ids)
-        if ids.dtype.kind not in "iu":
-            raise ConfigError(f"parquet id column {id_column!r} must hold integers, got {ids.dtype}")
-        ids = ids.astype(np.int64)
-        order = np.argsort(ids, kind="stable")
-        self.ids = ids[order]
-        if (np.diff(self.ids) == 0).any():
-            dup = self.ids[1:][np.diff(self.ids) == 0]
-            raise ConfigError(f"parquet source {path}: duplicate item ids, e.g. {dup[:5].tolist()}")
+            t = pf.read_row_group(g, columns=[id_column] + ([label_column] if label_column else []))
+            labels = t.column(label_column).to_pylist() if label_column else [None] * t.num_rows
+            return t.column(id_column).to_numpy(zero_copy_only=False), (np.asarray(labels, dtype=object),)
+
+        (raw_labels,) = self._index_row_groups(read_group)
+        order = self._sort_ids(f"parquet source {path} (id column {id_column!r})")
         keys = sorted({v for v in raw_labels if v is not None}) if label_column else []
         label_of = {k: i for i, k in enumerate(keys)}
-        labels = np.array([label_of.get(v, -1) for v in raw_labels], np.int64)
-        self.labels = labels[order]
-        self.file_of = np.concatenate(file_of)[order]
-        self.group_of = np.concatenate(group_of)[order]
-        self.row_of = np.concatenate(row_of)[order]
+        self.labels = np.array([label_of.get(v, -1) for v in raw_labels.tolist()], np.int64)[order]
         self._cache: dict[tuple[int, int], list] = {}
 
     def __getstate__(self):
@@ -325,19 +370,10 @@ class ParquetImageSource(GallerySource):
         state["_cache"] = {}
         return state
 
-    def num_ids(self) -> int:
-        return int(self.ids.size)
-
-    def all_ids(self) -> np.ndarray:
-        return self.ids
-
     def describe(self) -> dict:
-        h = hashlib.sha256(self.ids.tobytes())
-        for f in self.files:
-            h.update(f"{f}:{os.path.getsize(f)};".encode())
         return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "split": self.split,
                 "resolution": self.resolution, "in_chans": self.in_chans, "image_column": self.image_column,
-                "files_sha256": h.hexdigest()[:16]}
+                "files_sha256": self._files_digest()}
 
     def _group(self, f: int, g: int) -> list:
         key = (f, g)
@@ -372,7 +408,7 @@ class ParquetImageSource(GallerySource):
         return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
 
 
-class OldFeatureSource(GallerySource):
+class OldFeatureSource(_ParquetRowGroupSource):
     """Stored old features (an earlier output of this pipeline, or any parquet with
     ``item_id``, ``label``, ``split`` and an ``old`` vector column): the gallery refresh with
     psi needs no image and no backbone pass (DMU forward adaptation). ``load`` returns the
@@ -383,23 +419,11 @@ class OldFeatureSource(GallerySource):
 
     def __init__(self, path: str):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        self.location = os.path.abspath(path)
-        if os.path.isdir(path):
-            files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                           if f.endswith(".parquet") and not f.startswith((".", "_")))
-        elif os.path.isfile(path):
-            files = [path]
-        else:
-            raise ConfigError(f"old-feature source not found: {path}")
-        if not files:
-            raise ConfigError(f"no .parquet files in {path}")
-        self.files = [os.path.abspath(f) for f in files]
-        ids, labels, splits, file_of, group_of, row_of = [], [], [], [], [], []
+        self._list_files(path, "old-feature source")
         self.old_dim = None
-        for f_index, f in enumerate(self.files):
-            pf = pq.ParquetFile(f)
+
+        def read_group(f_index, f, pf, g):
             schema = pf.schema_arrow
             missing = [c for c in ("item_id", "label", "split", "old") if c not in schema.names]
             if missing:
@@ -410,38 +434,18 @@ class OldFeatureSource(GallerySource):
             if self.old_dim not in (None, t.list_size):
                 raise ConfigError(f"column 'old' has dimension {t.list_size} in {f}, {self.old_dim} elsewhere")
             self.old_dim = t.list_size
-            for g in range(pf.num_row_groups):
-                tab = pf.read_row_group(g, columns=["item_id", "label", "split"])
-                n = tab.num_rows
-                ids.append(tab.column("item_id").to_numpy().astype(np.int64))
-                labels.append(tab.column("label").to_numpy().astype(np.int64))
-                splits += tab.column("split").to_pylist()
-                file_of.append(np.full(n, f_index, np.int32))
-                group_of.append(np.full(n, g, np.int32))
-                row_of.append(np.arange(n, dtype=np.int64))
-        ids = np.concatenate(ids)
-        order = np.argsort(ids, kind="stable")
-        self.ids = ids[order]
-        if (np.diff(self.ids) == 0).any():
-            raise ConfigError(f"old-feature source {path}: duplicate item ids")
-        self.labels = np.concatenate(labels)[order]
-        self.splits = np.asarray(splits, dtype=object)[order]
-        self.file_of = np.concatenate(file_of)[order]
-        self.group_of = np.concatenate(group_of)[order]
-        self.row_of = np.concatenate(row_of)[order]
+            tab = pf.read_row_group(g, columns=["item_id", "label", "split"])
+            return (tab.column("item_id").to_numpy(),
+                    (tab.column("label").to_numpy().astype(np.int64),
+                     np.asarray(tab.column("split").to_pylist(), dtype=object)))
 
-    def num_ids(self) -> int:
-        return int(self.ids.size)
-
-    def all_ids(self) -> np.ndarray:
-        return self.ids
+        labels, splits = self._index_row_groups(read_group)
+        order = self._sort_ids(f"old-feature source {path}")
+        self.labels, self.splits = labels[order], splits[order]
 
     def describe(self) -> dict:
-        h = hashlib.sha256(self.ids.tobytes())
-        for f in self.files:
-            h.update(f"{f}:{os.path.getsize(f)};".encode())
         return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "old_dim": self.old_dim,
-                "files_sha256": h.hexdigest()[:16]}
+                "files_sha256": self._files_digest()}
 
     def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
         import pyarrow.parquet as pq
