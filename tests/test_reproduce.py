@@ -24,7 +24,7 @@ def tiny_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce")
     opts = ReproduceOptions(out=str(out), scenarios=("extended-data", "sequential"),
                             methods=("bct", "dmu"), sequential_methods=("dmu",), sizes=TINY,
-                            parallel=1).validated()
+                            parallel=2).validated()
     return opts, out, run_reproduce(opts)
 
 
