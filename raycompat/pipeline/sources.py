@@ -280,17 +280,20 @@ class _ParquetRowGroupSource(GallerySource):
             raise ConfigError(f"no .parquet files in {path}")
         self.files = [os.path.abspath(f) for f in files]
 
-    def _index_row_groups(self, read_group) -> list:
-        """Call ``read_group(file_index, file, ParquetFile, group)`` for every row group; each call
-        returns ``(ids, columns)`` with ``columns`` a tuple of per-row numpy arrays. Sets the id
-        index (unsorted order) and returns the concatenated columns, still in file order."""
+    def _index_row_groups(self, check_file, read_group, where: str) -> list:
+        """Build the id index over every row group of every file. ``check_file(file,
+        ParquetFile)`` validates a file's schema once; ``read_group(ParquetFile, group)`` returns
+        ``(ids, columns)`` with ``columns`` a tuple of per-row numpy arrays. Sorts by item id
+        (refusing non-integer or duplicate ids, named by ``where``) and returns the columns in
+        that order."""
         import pyarrow.parquet as pq
 
         ids, file_of, group_of, row_of, columns = [], [], [], [], None
         for f_index, f in enumerate(self.files):
             pf = pq.ParquetFile(f)
+            check_file(f, pf)
             for g in range(pf.num_row_groups):
-                group_ids, group_columns = read_group(f_index, f, pf, g)
+                group_ids, group_columns = read_group(pf, g)
                 n = len(group_ids)
                 ids.append(np.asarray(group_ids))
                 columns = [[] for _ in group_columns] if columns is None else columns
@@ -301,15 +304,7 @@ class _ParquetRowGroupSource(GallerySource):
                 row_of.append(np.arange(n, dtype=np.int64))
         if not ids:
             raise ConfigError(f"no rows in the parquet file(s) at {self.location}")
-        self._unsorted = (np.concatenate(ids), np.concatenate(file_of), np.concatenate(group_of),
-                          np.concatenate(row_of))
-        return [np.concatenate(chunks) for chunks in columns or []]
-
-    def _sort_ids(self, where: str) -> np.ndarray:
-        """Sort the index by item id (refusing non-integer or duplicate ids); returns the order,
-        to be applied to the columns ``_index_row_groups`` returned."""
-        ids, file_of, group_of, row_of = self._unsorted
-        del self._unsorted
+        ids = np.concatenate(ids)
         if ids.dtype.kind not in "iu":
             raise ConfigError(f"{where}: the item id column must hold integers, got {ids.dtype}")
         ids = ids.astype(np.int64)
@@ -318,8 +313,10 @@ class _ParquetRowGroupSource(GallerySource):
         if (np.diff(self.ids) == 0).any():
             dup = self.ids[1:][np.diff(self.ids) == 0]
             raise ConfigError(f"{where}: duplicate item ids, e.g. {dup[:5].tolist()}")
-        self.file_of, self.group_of, self.row_of = file_of[order], group_of[order], row_of[order]
-        return order
+        self.file_of = np.concatenate(file_of)[order]
+        self.group_of = np.concatenate(group_of)[order]
+        self.row_of = np.concatenate(row_of)[order]
+        return [np.concatenate(chunks)[order] for chunks in columns]
 
     def num_ids(self) -> int:
         return int(self.ids.size)
@@ -349,20 +346,22 @@ class ParquetImageSource(_ParquetRowGroupSource):
         self.split = _check_split(split)
         self.resolution, self.in_chans = int(resolution), int(in_chans)
 
-        def read_group(f_index, f, pf, g):
+        def check_file(f, pf):
             names = pf.schema_arrow.names
             missing = [c for c in (image_column, label_column, id_column) if c is not None and c not in names]
             if missing:
                 raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {names}")
+
+        def read_group(pf, g):
             t = pf.read_row_group(g, columns=[id_column] + ([label_column] if label_column else []))
             labels = t.column(label_column).to_pylist() if label_column else [None] * t.num_rows
             return t.column(id_column).to_numpy(zero_copy_only=False), (np.asarray(labels, dtype=object),)
 
-        (raw_labels,) = self._index_row_groups(read_group)
-        order = self._sort_ids(f"parquet source {path} (id column {id_column!r})")
+        (raw_labels,) = self._index_row_groups(check_file, read_group,
+                                               f"parquet source {path} (id column {id_column!r})")
         keys = sorted({v for v in raw_labels if v is not None}) if label_column else []
         label_of = {k: i for i, k in enumerate(keys)}
-        self.labels = np.array([label_of.get(v, -1) for v in raw_labels.tolist()], np.int64)[order]
+        self.labels = np.array([label_of.get(v, -1) for v in raw_labels.tolist()], np.int64)
         self._cache: dict[tuple[int, int], list] = {}
 
     def __getstate__(self):
@@ -423,7 +422,7 @@ class OldFeatureSource(_ParquetRowGroupSource):
         self._list_files(path, "old-feature source")
         self.old_dim = None
 
-        def read_group(f_index, f, pf, g):
+        def check_file(f, pf):
             schema = pf.schema_arrow
             missing = [c for c in ("item_id", "label", "split", "old") if c not in schema.names]
             if missing:
@@ -434,14 +433,14 @@ class OldFeatureSource(_ParquetRowGroupSource):
             if self.old_dim not in (None, t.list_size):
                 raise ConfigError(f"column 'old' has dimension {t.list_size} in {f}, {self.old_dim} elsewhere")
             self.old_dim = t.list_size
+
+        def read_group(pf, g):
             tab = pf.read_row_group(g, columns=["item_id", "label", "split"])
             return (tab.column("item_id").to_numpy(),
                     (tab.column("label").to_numpy().astype(np.int64),
                      np.asarray(tab.column("split").to_pylist(), dtype=object)))
 
-        labels, splits = self._index_row_groups(read_group)
-        order = self._sort_ids(f"old-feature source {path}")
-        self.labels, self.splits = labels[order], splits[order]
+        self.labels, self.splits = self._index_row_groups(check_file, read_group, f"old-feature source {path}")
 
     def describe(self) -> dict:
         return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "old_dim": self.old_dim,
