@@ -258,6 +258,29 @@ def test_parquet_and_gldv2_sources(ray_cluster, bundles, tmp_path):
     assert run.summary["skipped"][0]["item_id"] == 2 and "xyz003.jpg" in run.summary["skipped"][0]["error"]
 
 
+def test_parquet_sources_reject_bad_files(tmp_path):
+    import pyarrow as pa
+
+    def write(name, **columns):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table(columns), path)
+        return str(path)
+
+    old = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(4, np.float32)), 2)
+    with pytest.raises(ConfigError, match=r"duplicate item ids, e.g. \[1\]"):
+        ParquetImageSource(write("dup", item_id=[1, 1], label=[0, 0], image=[b"x", b"y"]))
+    with pytest.raises(ConfigError, match="id column 'item_id'.*must hold integers"):
+        ParquetImageSource(write("strid", item_id=["a", "b"], label=[0, 0], image=[b"x", b"y"]))
+    with pytest.raises(ConfigError, match=r"lacks column\(s\) \['label'\]"):
+        ParquetImageSource(write("nolabel", item_id=[1, 2], image=[b"x", b"y"]))
+    with pytest.raises(ConfigError, match="column 'label' of .* must hold integers, got string"):
+        OldFeatureSource(write("strlabel", item_id=[1, 2], label=["a", "b"], split=["gallery"] * 2, old=old))
+    with pytest.raises(ConfigError, match="old-feature source .*: duplicate item ids"):
+        OldFeatureSource(write("olddup", item_id=[3, 3], label=[0, 1], split=["gallery"] * 2, old=old))
+    with pytest.raises(ConfigError, match="old-feature source not found"):
+        OldFeatureSource(str(tmp_path / "missing"))
+
+
 def _job(out, bundles, items, extra=()):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, os.path.join(REPO, "jobs", "embed_gallery.py"), "--out", str(out),

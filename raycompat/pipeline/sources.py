@@ -427,6 +427,9 @@ class OldFeatureSource(_ParquetRowGroupSource):
             missing = [c for c in ("item_id", "label", "split", "old") if c not in schema.names]
             if missing:
                 raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {schema.names}")
+            for name in ("item_id", "label"):
+                if not pa.types.is_integer(schema.field(name).type):
+                    raise ConfigError(f"column {name!r} of {f} must hold integers, got {schema.field(name).type}")
             t = schema.field("old").type
             if not pa.types.is_fixed_size_list(t):
                 raise ConfigError(f"column 'old' of {f} must be fixed_size_list<float32>, got {t}")
