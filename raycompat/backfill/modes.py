@@ -42,6 +42,7 @@ from raycompat.index.search import l2_normalize
 
 __all__ = [
     "MODES",
+    "SERVED_MODES",
     "ModeSpec",
     "mode_spec",
     "parse_modes",
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 MODES = ("compatible", "adapted", "rank_merge", "naive_merge", "cold")
+#: the modes the live index serves (cold has no live form: it re-embeds nothing until t=1)
+SERVED_MODES = tuple(m for m in MODES if m != "cold")
 RANK_MERGE_DISTANCES = ("sq_l2", "sq_l2_raw")
 
 

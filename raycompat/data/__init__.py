@@ -15,14 +15,14 @@ from .readers import (
     read_parquet_images,
     read_revisited,
 )
-from .scenarios import (SCENARIOS, SIZE_OPTIONS, Scenario, Split, build_scenario, catalog_for, format_allocation,
+from .scenarios import (SCENARIOS, Scenario, ScenarioSizes, Split, build_scenario, catalog_for, format_allocation,
                         scenario_from_options)
 
 _LAZY = {"GlyphDataset", "ImageRecordDataset", "collate_skip_none", "to_tensor"}
 
 __all__ = [
     "GlyphCatalog", "GlyphRenderer", "default_catalog",
-    "SCENARIOS", "SIZE_OPTIONS", "Scenario", "Split", "build_scenario", "catalog_for", "format_allocation",
+    "SCENARIOS", "Scenario", "ScenarioSizes", "Split", "build_scenario", "catalog_for", "format_allocation",
     "scenario_from_options",
     "CorruptImageError", "ImageRecord", "RecordSet", "RevisitedData", "load_image",
     "read_image_folder", "read_gldv2_csv", "read_revisited", "read_parquet_images",

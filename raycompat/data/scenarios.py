@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raycompat.config import choices, nonnegative, option, positive
+
 #: Known scenario names.
 SCENARIOS = ("extended-data", "open-data", "open-class", "extended-class", "sequential")
 
@@ -248,20 +250,43 @@ def build_scenario(
     return Scenario(name, int(seed), splits, params, aliases)
 
 
-#: the option name every job uses for a scenario size -> build_scenario's keyword for it
-SIZE_OPTIONS = {"train_classes": "num_train_classes", "images_per_class": "images_per_class",
-                "eval_classes": "num_eval_classes", "queries_per_class": "queries_per_class",
-                "gallery_per_class": "gallery_per_class", "distractor_classes": "num_distractor_classes",
-                "distractors_per_class": "distractors_per_class"}
+@dataclass(frozen=True)
+class ScenarioSizes:
+    """The sizes of a built-in glyph scenario and the data they are rendered at: the one
+    declaration every job shares. Each job sets its own defaults with
+    ``dataclasses.replace(ScenarioSizes(), ...)`` and gets the flags ``--train-classes``,
+    ``--images-per-class`` ... from :func:`raycompat.config.add_options`."""
+
+    scenario: str = choices(*SCENARIOS, default="extended-class", help="upgrade scenario")
+    train_classes: int = positive(DEFAULTS["num_train_classes"], help="classes the models train on")
+    images_per_class: int = positive(DEFAULTS["images_per_class"], help="training images per class")
+    eval_classes: int = positive(DEFAULTS["num_eval_classes"], help="held-out query/gallery classes")
+    queries_per_class: int = positive(DEFAULTS["queries_per_class"], help="queries per eval class")
+    gallery_per_class: int = positive(DEFAULTS["gallery_per_class"], help="gallery positives per eval class")
+    distractor_classes: int = nonnegative(DEFAULTS["num_distractor_classes"], help="distractor classes")
+    distractors_per_class: int = nonnegative(DEFAULTS["distractors_per_class"],
+                                             help="gallery distractors per class")
+    resolution: int = positive(32, help="glyph image side in pixels")
+    backbone: str = option("resnet10t", help="any timm model name")
+    data_seed: int = nonnegative(0, help="seed of the class split and the renderer")
+
+    def build(self, catalog=None, name: str | None = None) -> "Scenario":
+        """:func:`build_scenario` at these sizes (``name`` overrides :attr:`scenario`)."""
+        return build_scenario(
+            name or self.scenario, catalog=catalog, seed=self.data_seed,
+            num_train_classes=self.train_classes, images_per_class=self.images_per_class,
+            num_eval_classes=self.eval_classes, queries_per_class=self.queries_per_class,
+            gallery_per_class=self.gallery_per_class, num_distractor_classes=self.distractor_classes,
+            distractors_per_class=self.distractors_per_class)
 
 
-def scenario_from_options(name: str, options, seed: int, catalog=None) -> Scenario:
-    """:func:`build_scenario` with its sizes read from a job's options (an argparse namespace
-    or an options dataclass): every :data:`SIZE_OPTIONS` attribute ``options`` has; the others
-    keep build_scenario's defaults."""
-    sizes = {kw: getattr(options, opt) for opt, kw in SIZE_OPTIONS.items() if hasattr(options, opt)}
-    return build_scenario(name, catalog=catalog, seed=seed, **sizes)
-
+def scenario_from_options(sizes: ScenarioSizes, name: str | None = None, catalog=None) -> Scenario:
+    """The scenario a job's :class:`ScenarioSizes` describe (``name`` overrides its
+    ``scenario``). Anything else is a ``TypeError``: a misspelt size can not fall back to a
+    default silently."""
+    if not isinstance(sizes, ScenarioSizes):
+        raise TypeError(f"scenario sizes must be a ScenarioSizes, got {type(sizes).__name__}")
+    return sizes.build(catalog=catalog, name=name)
 
 
 def catalog_for(scenario: Scenario):
