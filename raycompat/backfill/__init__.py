@@ -4,8 +4,11 @@ Modules (one concept each):
 
 * :mod:`~raycompat.backfill.gallery`   -- :class:`GalleryEmbeddings`, parquet loading, input errors
 * :mod:`~raycompat.backfill.grid`      -- backfill fractions, the rounding rule, segments
-* :mod:`~raycompat.backfill.policies`  -- backfill orders (random, sequential, uncertainty, oracle, learned)
-* :mod:`~raycompat.backfill.modes`     -- query modes as score sides (compatible, adapted, rank_merge, ...)
+* :mod:`~raycompat.backfill.policies`  -- backfill orders, one module per policy behind one registry
+  (random, sequential, uncertainty, oracle, learned); :func:`policy_order` is the one dispatch,
+  shared by the simulator and the live backfill controller
+* :mod:`~raycompat.backfill.modes`     -- query modes (one registered ModeSpec each) as score sides
+  (compatible, adapted, rank_merge, ...)
 * :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU), exact top-k
 * :mod:`~raycompat.backfill.engine`    -- exact curves from one scoring pass per side
 * :mod:`~raycompat.backfill.cost`      -- wall-clock cost model
@@ -23,9 +26,10 @@ _EXPORTS = {
     "CostModel": "cost", "measure_items_per_s": "cost",
     "BackfillInputError": "gallery", "GalleryEmbeddings": "gallery", "load_parquet": "gallery",
     "backfill_counts": "grid", "cold_counts": "grid", "default_grid": "grid",
-    "MODES": "modes", "SideBuilder": "modes", "apply_bundle_modules": "modes",
-    "available_modes": "modes", "mode_spec": "modes",
-    "POLICIES": "policies", "UncertaintyHead": "policies",
+    "MODES": "modes", "SERVED_MODES": "modes", "ModeSpec": "modes", "SideBuilder": "modes",
+    "apply_bundle_modules": "modes", "available_modes": "modes", "mode_spec": "modes",
+    "POLICIES": "policies", "PolicyInputs": "policies", "UncertaintyHead": "policies",
+    "policy_order": "policies",
     "Curve": "simulator", "SimulationResult": "simulator", "backfill_curve_rows": "simulator",
     "simulate_backfill": "simulator",
 }
@@ -44,7 +48,10 @@ __all__ = [
     "Curve",
     "GalleryEmbeddings",
     "MODES",
+    "ModeSpec",
     "POLICIES",
+    "PolicyInputs",
+    "SERVED_MODES",
     "SideBuilder",
     "SimulationResult",
     "UncertaintyHead",
@@ -57,5 +64,6 @@ __all__ = [
     "load_parquet",
     "measure_items_per_s",
     "mode_spec",
+    "policy_order",
     "simulate_backfill",
 ]

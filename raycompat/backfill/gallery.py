@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 
@@ -73,16 +73,16 @@ class GalleryEmbeddings:
     gallery_labels: np.ndarray
     gallery_old: np.ndarray
     query_labels: np.ndarray
-    query_new: Optional[np.ndarray] = None
-    gallery_new: Optional[np.ndarray] = None
-    query_old: Optional[np.ndarray] = None
-    gallery_adapted: Optional[np.ndarray] = None
-    gallery_rho: Optional[np.ndarray] = None
-    query_rho: Optional[np.ndarray] = None
-    query_rev: Optional[np.ndarray] = None
-    gallery_ids: Optional[np.ndarray] = None
-    query_ids: Optional[np.ndarray] = None
-    compatible_dim: Optional[int] = None
+    query_new: np.ndarray | None = None
+    gallery_new: np.ndarray | None = None
+    query_old: np.ndarray | None = None
+    gallery_adapted: np.ndarray | None = None
+    gallery_rho: np.ndarray | None = None
+    query_rho: np.ndarray | None = None
+    query_rev: np.ndarray | None = None
+    gallery_ids: np.ndarray | None = None
+    query_ids: np.ndarray | None = None
+    compatible_dim: int | None = None
     normalized: bool = False
     source: str = "memory"
     extra: Dict[str, object] = field(default_factory=dict)
@@ -122,14 +122,14 @@ class GalleryEmbeddings:
         return int(self.gallery_old.shape[1])
 
     @property
-    def new_dim(self) -> Optional[int]:
+    def new_dim(self) -> int | None:
         for a in (self.gallery_new, self.query_new):
             if a is not None:
                 return int(a.shape[1])
         return None
 
     @property
-    def compat_dim(self) -> Optional[int]:
+    def compat_dim(self) -> int | None:
         """The compatible subspace dimension (``compatible_dim`` or ``D_old`` if D_new >= D_old)."""
         if self.compatible_dim is not None:
             return int(self.compatible_dim)
@@ -141,6 +141,12 @@ class GalleryEmbeddings:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise :class:`BackfillInputError` naming the first problem found."""
+        self._check_shapes()
+        self._check_dims()
+        self._check_values()
+
+    def _check_shapes(self) -> None:
+        """Labels, ids and every array have one row per item (or query)."""
         n, q = self.n_items, self.n_queries
         if self.gallery_labels.ndim != 1 or self.query_labels.ndim != 1:
             raise BackfillInputError("labels must be 1-D arrays")
@@ -152,7 +158,8 @@ class GalleryEmbeddings:
             raise BackfillInputError(
                 f"item ids do not match the labels: {self.gallery_ids.shape} gallery ids for {n} items, "
                 f"{self.query_ids.shape} query ids for {q} queries")
-        for side, rows, names in (("gallery", n, ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho")),
+        for side, rows, names in (("gallery", n, ("gallery_old", "gallery_new", "gallery_adapted",
+                                                  "gallery_rho")),
                                   ("query", q, ("query_old", "query_new", "query_rho", "query_rev"))):
             for name in names:
                 a = getattr(self, name)
@@ -164,6 +171,9 @@ class GalleryEmbeddings:
                     raise BackfillInputError(f"{name} has dimension 0")
         if self.gallery_old.shape[0] != n:
             raise BackfillInputError("gallery_old is required")
+
+    def _check_dims(self) -> None:
+        """Arrays compared with each other have the same dimension; ``compatible_dim`` fits."""
         pairs = [("query_old", "gallery_old"), ("query_new", "gallery_new"),
                  ("gallery_new", "gallery_adapted"), ("query_new", "gallery_adapted"),
                  ("query_rho", "gallery_rho"), ("query_rev", "gallery_old")]
@@ -177,6 +187,9 @@ class GalleryEmbeddings:
             if not 0 < int(self.compatible_dim) <= (nd if nd is not None else self.old_dim):
                 raise BackfillInputError(
                     f"compatible_dim={self.compatible_dim} must be in [1, D_new={nd}]")
+
+    def _check_values(self) -> None:
+        """No NaN or inf embedding; no duplicate item id."""
         for name in ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho",
                      "query_old", "query_new", "query_rho", "query_rev"):
             a = getattr(self, name)
@@ -186,7 +199,8 @@ class GalleryEmbeddings:
             if bad.any():
                 ids = (self.gallery_ids if name.startswith("gallery") else self.query_ids)[bad]
                 raise BackfillInputError(
-                    f"NaN or inf embeddings in {name} for {int(bad.sum())} item(s), item ids {_ids_preview(ids)}")
+                    f"NaN or inf embeddings in {name} for {int(bad.sum())} item(s), "
+                    f"item ids {_ids_preview(ids)}")
         for what, ids in (("gallery", self.gallery_ids), ("query", self.query_ids)):
             u, c = np.unique(ids, return_counts=True)
             if (c > 1).any():
@@ -229,7 +243,8 @@ def _vector_column(table, name: str, ids: np.ndarray) -> np.ndarray:
         if lengths.size and (lengths != lengths[0]).any():
             bad = np.flatnonzero(lengths != lengths[0])
             raise BackfillInputError(
-                f"dimension mismatch in column {name!r}: rows have lengths {sorted(set(lengths.tolist()))[:5]}, "
+                f"dimension mismatch in column {name!r}: rows have lengths "
+                f"{sorted(set(lengths.tolist()))[:5]}, "
                 f"e.g. item ids {_ids_preview(ids[bad])}")
         dim = int(lengths[0]) if lengths.size else 0
         values = arr.flatten()
@@ -244,7 +259,7 @@ def _vector_column(table, name: str, ids: np.ndarray) -> np.ndarray:
     return out.reshape(len(arr), dim)
 
 
-def load_parquet(path: str, *, compatible_dim: Optional[int] = None) -> GalleryEmbeddings:
+def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbeddings:
     """Read embeddings from a parquet file or a folder of parquet files (schema above)."""
     import pyarrow.parquet as pq
 
@@ -270,7 +285,7 @@ def load_parquet(path: str, *, compatible_dim: Optional[int] = None) -> GalleryE
     kind = np.array([SPLITS[s] for s in split], dtype=object)
     is_q = kind == "query"
     is_g = kind == "gallery"
-    if table.column("label").null_count or table.column("split").null_count or table.column("item_id").null_count:
+    if any(table.column(c).null_count for c in ("label", "split", "item_id")):
         raise BackfillInputError("columns 'item_id', 'label' and 'split' must not have null values")
     labels = table.column("label").to_numpy(zero_copy_only=False)
     vecs = {c: _vector_column(table, c, ids) for c in VECTOR_COLUMNS if c in table.column_names}

@@ -19,7 +19,7 @@ backfilled ones.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -74,7 +74,7 @@ def cold_counts(fractions: Sequence[float], n_items: int) -> np.ndarray:
     return np.where(t >= 1.0, int(n_items), 0).astype(np.int64)
 
 
-def segments(order: Optional[np.ndarray], counts: np.ndarray, n_items: int) -> np.ndarray:
+def segments(order: np.ndarray | None, counts: np.ndarray, n_items: int) -> np.ndarray:
     """``seg[x]`` for every item (int32 ``[N]``), see the module docstring.
 
     ``order``: the policy's permutation of item indices (``order[p]`` is the

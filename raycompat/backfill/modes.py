@@ -29,10 +29,14 @@ new-state), see :mod:`raycompat.backfill.grid`.
 Side names (shared between modes, so the engine computes each once):
 ``old-old``, ``new-old`` (compatible subspace), ``new-new``, ``new-adapted``,
 ``rev-old`` and ``rho-rho`` (``:l2raw`` suffix for the raw distance).
+
+Every mode is one registered :class:`ModeSpec` (:func:`register_mode`): ``MODES``,
+``SERVED_MODES`` (the live index's modes, used by ``raycompat.serving``) and
+:func:`available_modes` are derived from the registry.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Tuple
 
 import numpy as np
@@ -45,41 +49,80 @@ __all__ = [
     "SERVED_MODES",
     "ModeSpec",
     "mode_spec",
+    "register_mode",
     "parse_modes",
     "SideBuilder",
     "apply_bundle_modules",
+    "available_modes",
 ]
 
-MODES = ("compatible", "adapted", "rank_merge", "naive_merge", "cold")
-#: the modes the live index serves (cold has no live form: it re-embeds nothing until t=1)
-SERVED_MODES = tuple(m for m in MODES if m != "cold")
 RANK_MERGE_DISTANCES = ("sq_l2", "sq_l2_raw")
 
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """A mode: the side scoring old-state items, the side scoring new-state items, the schedule."""
+    """A mode: the side scoring old-state items, the side scoring new-state items, the schedule.
+
+    ``schedule``: ``hot`` (the policy's order) or ``cold`` (nothing until t = 1).
+    ``served``: the live index serves it.  ``arrays``: the :class:`GalleryEmbeddings` arrays
+    it needs; ``needs_compatible_subspace``: it compares ``phi_n(q)[:D_old]`` with ``phi_o(g)``;
+    ``distance_sides``: its side names take the ``:l2raw`` suffix with ``sq_l2_raw``.
+    """
 
     name: str
     old_side: str
     new_side: str
-    schedule: str = "hot"          # "hot": policy order; "cold": nothing until t = 1
+    schedule: str = "hot"
+    served: bool = True
+    arrays: tuple[str, ...] = ("query_new", "gallery_new")
+    needs_compatible_subspace: bool = False
+    distance_sides: bool = False
+
+    def available(self, data: GalleryEmbeddings) -> bool:
+        """Every array the mode needs is present (and the compatible subspace, if it needs one)."""
+        if any(getattr(data, a) is None for a in self.arrays):
+            return False
+        return not self.needs_compatible_subspace or data.compat_dim == data.old_dim
+
+
+_MODES: Dict[str, ModeSpec] = {}
+
+
+def register_mode(spec: ModeSpec) -> ModeSpec:
+    """Add a mode to the registry (registration order is the order of :data:`MODES`)."""
+    if spec.name in _MODES:
+        raise ValueError(f"mode {spec.name!r} registered twice")
+    _MODES[spec.name] = spec
+    return spec
+
+
+register_mode(ModeSpec("compatible", "new-old", "new-new", needs_compatible_subspace=True))
+register_mode(ModeSpec("adapted", "new-adapted", "new-new",
+                       arrays=("query_new", "gallery_new", "gallery_adapted")))
+register_mode(ModeSpec("rank_merge", "rev-old", "rho-rho", distance_sides=True,
+                       arrays=("query_new", "gallery_new", "query_rho", "gallery_rho", "query_rev")))
+register_mode(ModeSpec("naive_merge", "old-old", "new-new", arrays=("query_new", "gallery_new", "query_old")))
+# cold has no live form: it re-embeds nothing until t = 1
+register_mode(ModeSpec("cold", "old-old", "new-new", schedule="cold", served=False,
+                       arrays=("query_new", "gallery_new", "query_old")))
+
+MODES = tuple(_MODES)
+#: the modes the live index serves
+SERVED_MODES = tuple(name for name, spec in _MODES.items() if spec.served)
 
 
 def mode_spec(name: str, rank_merge_distance: str = "sq_l2") -> ModeSpec:
-    if name not in MODES:
-        raise BackfillInputError(f"unknown mode {name!r}; allowed: {', '.join(MODES)}")
+    """The registered mode ``name``, its side names resolved for ``rank_merge_distance``."""
+    if name not in _MODES:
+        raise BackfillInputError(f"unknown mode {name!r}; allowed: {', '.join(_MODES)}")
     if rank_merge_distance not in RANK_MERGE_DISTANCES:
         raise BackfillInputError(
-            f"unknown rank_merge distance {rank_merge_distance!r}; allowed: {', '.join(RANK_MERGE_DISTANCES)}")
-    sfx = ":l2raw" if rank_merge_distance == "sq_l2_raw" else ""
-    return {
-        "compatible": ModeSpec("compatible", "new-old", "new-new"),
-        "adapted": ModeSpec("adapted", "new-adapted", "new-new"),
-        "rank_merge": ModeSpec("rank_merge", "rev-old" + sfx, "rho-rho" + sfx),
-        "naive_merge": ModeSpec("naive_merge", "old-old", "new-new"),
-        "cold": ModeSpec("cold", "old-old", "new-new", schedule="cold"),
-    }[name]
+            f"unknown rank_merge distance {rank_merge_distance!r}; "
+            f"allowed: {', '.join(RANK_MERGE_DISTANCES)}")
+    spec = _MODES[name]
+    if spec.distance_sides and rank_merge_distance == "sq_l2_raw":
+        return replace(spec, old_side=spec.old_side + ":l2raw", new_side=spec.new_side + ":l2raw")
+    return spec
 
 
 def parse_modes(names) -> Tuple[str, ...]:
@@ -160,24 +203,28 @@ class SideBuilder:
         elif base == "new-adapted":
             s = Side(self._n("query_new", why), self._n("gallery_adapted", why))
         elif base in ("rev-old", "rho-rho"):
-            if base == "rev-old":
-                q, g = d.query_rev, d.gallery_old
-                qn, gn = "query_rev", "gallery_old"
-            else:
-                q, g = d.query_rho, d.gallery_rho
-                qn, gn = "query_rho", "gallery_rho"
-            if q is None or g is None:
-                raise BackfillInputError(
-                    f"mode 'rank_merge' needs {qn} and {gn} (rho / psi_rev outputs): pass a new model "
-                    "with 'rho' and 'psi_rev' modules")
-            if raw == "l2raw":
-                s = Side(_augment(q, True), _augment(g, False))
-            else:
-                s = Side(self._n(qn, why), self._n(gn, why))
+            s = self._rank_merge_side(base, raw == "l2raw", why)
         else:
             raise KeyError(f"unknown score side {name!r}")
         self._cache[name] = s
         return s
+
+    def _rank_merge_side(self, base: str, raw: bool, why: str):
+        """``rev-old`` (psi_rev(rho(q)) vs phi_o(g)) or ``rho-rho``; ``raw``: un-normalised sq. L2."""
+        from raycompat.backfill.engine import Side
+
+        d = self.data
+        if base == "rev-old":
+            q, g, qn, gn = d.query_rev, d.gallery_old, "query_rev", "gallery_old"
+        else:
+            q, g, qn, gn = d.query_rho, d.gallery_rho, "query_rho", "gallery_rho"
+        if q is None or g is None:
+            raise BackfillInputError(
+                f"mode 'rank_merge' needs {qn} and {gn} (rho / psi_rev outputs): pass a new model "
+                "with 'rho' and 'psi_rev' modules")
+        if raw:
+            return Side(_augment(q, True), _augment(g, False))
+        return Side(self._n(qn, why), self._n(gn, why))
 
     def mode_sides(self, mode: str, rank_merge_distance: str = "sq_l2") -> Tuple[ModeSpec, object, object]:
         spec = mode_spec(mode, rank_merge_distance)
@@ -228,18 +275,6 @@ def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *,
 
 
 def available_modes(data: GalleryEmbeddings) -> Tuple[str, ...]:
-    """Modes whose arrays are all present (used for defaults)."""
-    out = []
-    if data.query_new is not None and data.gallery_new is not None:
-        if data.compat_dim == data.old_dim:
-            out.append("compatible")
-        if data.gallery_adapted is not None:
-            out.append("adapted")
-        if data.query_rho is not None and data.gallery_rho is not None and data.query_rev is not None:
-            out.append("rank_merge")
-        if data.query_old is not None:
-            out += ["naive_merge", "cold"]
-    return tuple(out)
+    """Modes whose arrays are all present (used for defaults), in registry order."""
+    return tuple(name for name, spec in _MODES.items() if spec.available(data))
 
-
-__all__.append("available_modes")

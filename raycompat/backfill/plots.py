@@ -1,13 +1,14 @@
 """PNG plots of backfill curves (matplotlib, Agg backend: no display needed).
 
-One line per policy and mode (colour = policy, line style = mode); the metric against the fraction backfilled and,
-when a cost model is given, against simulated wall-clock time.  Reference
+One line per policy and mode (colour = policy, line style = mode); the metric against the
+fraction backfilled and, when a cost model is given, against simulated wall-clock time.  Reference
 levels (old-old, new-new, new*-new*) are drawn as dashed horizontal lines.
 """
 from __future__ import annotations
 
 import os
-from typing import List
+from dataclasses import dataclass
+from typing import Any, List
 
 import numpy as np
 
@@ -29,6 +30,62 @@ def _time_unit(seconds_max: float):
     return "seconds", 1.0
 
 
+@dataclass(frozen=True)
+class _Styles:
+    """Colour = policy, line style and marker = mode; the cold curve is black and dashed."""
+
+    policies: List[str]
+    modes: List[str]
+    colors: List[Any]
+    line_styles: tuple = ("-", "--", "-.", ":", (0, (3, 1, 1, 1)))
+    markers: tuple = ("o", "s", "^", "v", "D")
+
+    def of(self, curve):
+        """``(label, color, line style, marker)`` of a curve."""
+        if curve.mode == "cold":
+            return "cold (any policy)", "black", (0, (6, 2)), "x"
+        m = self.modes.index(curve.mode)
+        color = self.colors[self.policies.index(curve.policy) % len(self.colors)]
+        return (f"{curve.policy} / {curve.mode}", color, self.line_styles[m % len(self.line_styles)],
+                self.markers[m % len(self.markers)])
+
+
+def _x_axis(result, axis: str, xlabel: str | None):
+    """``(xlabel, divisor)``: the fraction axis as given, the time axis in a readable unit."""
+    if axis != "time":
+        return xlabel, 1.0
+    smax = max(float(np.max(c.seconds)) for c in result.curves if c.seconds is not None)
+    unit, div = _time_unit(smax)
+    return (f"simulated backfill time ({unit}; {result.cost.items_per_s_per_gpu:g} items/s/GPU "
+            f"x {result.cost.num_gpus} GPU)"), div
+
+
+def _plot_one(result, metric: str, axis: str, xlabel: str | None, styles: _Styles, path: str) -> None:
+    """One PNG: ``metric`` of every curve against the fraction (or time), with the references."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.0), dpi=110)
+    xlabel, div = _x_axis(result, axis, xlabel)
+    for c in result.curves:
+        x = 100.0 * c.fractions if axis == "fraction" else c.seconds / div
+        label, color, ls, mk = styles.of(c)
+        ax.plot(x, 100.0 * c.metrics[metric], color=color, linestyle=ls, marker=mk, markersize=3,
+                linewidth=1.3, label=label)
+    if not metric.startswith("NFR"):
+        for ref, color in (("old-old", "gray"), ("new-new", "black"), ("new*-new*", "tab:red")):
+            v = result.references.get(ref, {}).get(metric)
+            if v is not None and np.isfinite(v):
+                ax.axhline(100.0 * v, color=color, linestyle=":", linewidth=1.0, label=f"{ref} reference")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{_LABELS.get(metric, metric)} (%)")
+    ax.set_title(f"{metric} during backfill ({result.n_items:,} items, {result.n_queries:,} queries)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def plot_curves(result, out_dir: str, *, metrics=None, prefix: str = "") -> List[str]:
     """Write ``<metric>_vs_fraction.png`` (and ``<metric>_vs_time.png`` with a cost model).
 
@@ -39,54 +96,17 @@ def plot_curves(result, out_dir: str, *, metrics=None, prefix: str = "") -> List
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    metrics = metrics or PLOT_METRICS(result.k)
-    paths = []
-    # colour = policy, line style and marker = mode
-    colors = list(plt.get_cmap("tab10").colors)
-    styles = ["-", "--", "-.", ":", (0, (3, 1, 1, 1))]
-    markers = ["o", "s", "^", "v", "D"]
-    policies = [p for p in dict.fromkeys(c.policy for c in result.curves)]
-    modes = [m for m in dict.fromkeys(c.mode for c in result.curves)]
+    styles = _Styles(policies=list(dict.fromkeys(c.policy for c in result.curves)),
+                     modes=list(dict.fromkeys(c.mode for c in result.curves)),
+                     colors=list(plt.get_cmap("tab10").colors))
     axes = [("fraction", "fraction of the gallery backfilled (%)")]
     if result.cost is not None:
         axes.append(("time", None))
-    for metric in metrics:
+    paths = []
+    for metric in metrics or PLOT_METRICS(result.k):
         for axis, xlabel in axes:
-            fig, ax = plt.subplots(figsize=(8.5, 5.0), dpi=110)
-            unit, div = "seconds", 1.0
-            if axis == "time":
-                smax = max(float(np.max(c.seconds)) for c in result.curves if c.seconds is not None)
-                unit, div = _time_unit(smax)
-                xlabel = (f"simulated backfill time ({unit}; {result.cost.items_per_s_per_gpu:g} items/s/GPU "
-                          f"x {result.cost.num_gpus} GPU)")
-            for c in result.curves:
-                x = 100.0 * c.fractions if axis == "fraction" else c.seconds / div
-                y = c.metrics[metric]
-                if c.mode == "cold":
-                    label, color, ls, mk = "cold (any policy)", "black", (0, (6, 2)), "x"
-                else:
-                    label = f"{c.policy} / {c.mode}"
-                    color = colors[policies.index(c.policy) % len(colors)]
-                    ls = styles[modes.index(c.mode) % len(styles)]
-                    mk = markers[modes.index(c.mode) % len(markers)]
-                ax.plot(x, 100.0 * y, color=color, linestyle=ls, marker=mk, markersize=3, linewidth=1.3,
-                        label=label)
-            if not metric.startswith("NFR"):
-                for j, (ref, color) in enumerate((("old-old", "gray"), ("new-new", "black"),
-                                                  ("new*-new*", "tab:red"))):
-                    v = result.references.get(ref, {}).get(metric)
-                    if v is not None and np.isfinite(v):
-                        ax.axhline(100.0 * v, color=color, linestyle=":", linewidth=1.0,
-                                   label=f"{ref} reference")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(f"{_LABELS.get(metric, metric)} (%)")
-            ax.set_title(f"{metric} during backfill ({result.n_items:,} items, {result.n_queries:,} queries)")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-            fig.tight_layout()
             safe = metric.replace("@", "at").replace("/", "_")
             path = os.path.join(out_dir, f"{prefix}{safe}_vs_{axis}.png")
-            fig.savefig(path)
-            plt.close(fig)
+            _plot_one(result, metric, axis, xlabel, styles, path)
             paths.append(path)
     return paths

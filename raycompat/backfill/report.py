@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from raycompat.report import markdown_table, write_json
 __all__ = ["write_reports", "markdown_report", "load_json"]
 
 
-def _pct(v) -> Optional[float]:
+def _pct(v) -> float | None:
     if v is None:
         return None
     v = float(v)
@@ -46,89 +46,95 @@ def _regression_text(reg) -> str:
         return "none"
     parts = []
     if reg["points_below_start"]:
-        parts.append(f"{len(reg['points_below_start'])} pt below start (max {100 * reg['max_below_start']:.2f})")
+        parts.append(f"{len(reg['points_below_start'])} pt below start "
+                     f"(max {100 * reg['max_below_start']:.2f})")
     if reg["drops"]:
         parts.append(f"{len(reg['drops'])} drop(s) (max {100 * reg['max_drop']:.2f})")
     return "; ".join(parts)
 
 
-def markdown_report(result, *, title: str = "Backfill simulation", plots: Optional[List[str]] = None) -> str:
-    """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve tables."""
-    names = result.metric_names
-    lines = [f"# {title}", ""]
-    lines.append(
+def _setup_lines(result) -> List[str]:
+    """The gallery, metrics, grid and cost model, in words."""
+    lines = [
         f"Gallery: {result.n_items:,} items; queries: {result.n_queries:,} "
         f"({result.n_valid_queries:,} with at least one positive). Metrics in %; "
         f"mAP@{result.k} (GLDv2 AP@k), mAP (revisited protocol, full ranking), top-1 (CMC), "
         "NFR@1 (RACT Eq.12, against old-old). Grid: "
-        f"{len(result.fractions)} points from {100 * result.fractions[0]:g}% to {100 * result.fractions[-1]:g}%; "
+        f"{len(result.fractions)} points from {100 * result.fractions[0]:g}% "
+        f"to {100 * result.fractions[-1]:g}%; "
         "at fraction t the first floor(t*N + 1/2) items of the policy's order hold their new vector; "
-        "ties ranked by lower gallery index.")
-    lines.append("")
+        "ties ranked by lower gallery index.", ""]
     if result.cost is not None:
         c = result.cost
         total = c.seconds([result.n_items])[0]
         unit, div = _time_unit(total)
-        lines.append(f"Cost model ({c.source}): {c.items_per_s_per_gpu:g} items/s per GPU x {c.num_gpus} GPU(s) "
+        lines.append(f"Cost model ({c.source}): {c.items_per_s_per_gpu:g} items/s per GPU "
+                     f"x {c.num_gpus} GPU(s) "
                      f"= {c.items_per_s:g} items/s; the full backfill of {result.n_items:,} items takes "
                      f"{total / div:,.2f} {unit}; time(t) = n(t) / ({c.items_per_s:g} items/s).")
     else:
         lines.append("Cost model: none (pass items per second per GPU, or a new model to measure it, "
                      "to get a simulated time axis).")
-    lines.append("")
-    if result.references:
-        lines.append("## References (static searches)")
-        lines.append("")
-        rows = [[ref] + [_pct(v.get(n)) for n in names] for ref, v in result.references.items()]
-        lines.append(markdown_table(["retrieval"] + list(names), rows, digits=2))
-        lines.append("")
-    lines.append("## Summary per policy and mode")
-    lines.append("")
-    lines.append("AUC: trapezoid area over t in [0, 1] (RM); AUC gain: (AUC - AUC(old-old)) / "
-                 "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference); "
-                 "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
-                 "for NFR, rises).")
-    lines.append("")
+    return lines + [""]
+
+
+def _references_lines(result) -> List[str]:
+    if not result.references:
+        return []
+    rows = [[ref] + [_pct(v.get(n)) for n in result.metric_names] for ref, v in result.references.items()]
+    return ["## References (static searches)", "",
+            markdown_table(["retrieval"] + list(result.metric_names), rows, digits=2), ""]
+
+
+def _summary_lines(result) -> List[str]:
+    """Per policy, mode and metric: t=0, t=50%, t=100%, AUC, AUC gain, regression."""
     headers = ["policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC", "AUC gain", "regression"]
     rows = []
     mid = int(np.argmin(np.abs(result.fractions - 0.5)))
     for c in result.curves:
-        for n in names:
+        for n in result.metric_names:
             s = c.summary.get(n, {})
             v = c.metrics[n]
             rows.append([c.policy, c.mode, n, _pct(v[0]), _pct(v[mid]), _pct(v[-1]), _pct(s.get("auc")),
                          _pct(s.get("auc_gain")), _regression_text(s.get("regression"))])
-    lines.append(markdown_table(headers, rows, digits=2))
-    lines.append("")
-    for n in names:
-        lines.append(f"## {n} (%) at each backfill fraction")
-        lines.append("")
-        unit, div = "s", 1.0
+    return ["## Summary per policy and mode", "",
+            "AUC: trapezoid area over t in [0, 1] (RM); AUC gain: (AUC - AUC(old-old)) / "
+            "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference); "
+            "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
+            "for NFR, rises).", "",
+            markdown_table(headers, rows, digits=2), ""]
+
+
+def _metric_table_lines(result, n: str) -> List[str]:
+    """Metric ``n`` (%) of every curve at each backfill fraction (and the simulated time)."""
+    unit, div = "s", 1.0
+    if result.cost is not None:
+        unit, div = _time_unit(float(result.cost.seconds([result.n_items])[0]))
+    cols = ["backfilled"] + ([f"time ({unit})"] if result.cost is not None else []) + \
+        [f"{c.policy} / {c.mode}" for c in result.curves]
+    rows = []
+    for j, t in enumerate(result.fractions):
+        row = [f"{100 * t:g}%"]
         if result.cost is not None:
-            unit, div = _time_unit(float(result.cost.seconds([result.n_items])[0]))
-        cols = ["backfilled"] + ([f"time ({unit})"] if result.cost is not None else []) + \
-            [f"{c.policy} / {c.mode}" for c in result.curves]
-        rows = []
-        for j, t in enumerate(result.fractions):
-            row = [f"{100 * t:g}%"]
-            if result.cost is not None:
-                row.append(float(result.cost.seconds([result.curves[0].counts[j]])[0]) / div
-                           if result.curves else None)
-            row += [_pct(c.metrics[n][j]) for c in result.curves]
-            rows.append(row)
-        lines.append(markdown_table(cols, rows, digits=2))
-        lines.append("")
+            row.append(float(result.cost.seconds([result.curves[0].counts[j]])[0]) / div
+                       if result.curves else None)
+        row += [_pct(c.metrics[n][j]) for c in result.curves]
+        rows.append(row)
+    return [f"## {n} (%) at each backfill fraction", "", markdown_table(cols, rows, digits=2), ""]
+
+
+def markdown_report(result, *, title: str = "Backfill simulation", plots: List[str] | None = None) -> str:
+    """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve tables."""
+    lines = [f"# {title}", ""] + _setup_lines(result) + _references_lines(result) + _summary_lines(result)
+    for n in result.metric_names:
+        lines += _metric_table_lines(result, n)
     if plots:
-        lines.append("## Plots")
-        lines.append("")
-        for p in plots:
-            lines.append(f"![{os.path.basename(p)}]({os.path.basename(p)})")
-        lines.append("")
+        lines += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots] + [""]
     return "\n".join(lines)
 
 
 def write_reports(result, out_dir: str, *, plots: bool = True, title: str = "Backfill simulation",
-                  extra: Optional[Dict] = None) -> Dict[str, object]:
+                  extra: Dict | None = None) -> Dict[str, object]:
     """Write ``curves.json``, ``curves.md`` and the PNGs; returns ``{"json", "markdown", "plots"}`` paths."""
     os.makedirs(out_dir, exist_ok=True)
     pngs: List[str] = []

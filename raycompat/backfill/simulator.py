@@ -28,8 +28,8 @@ compatibility term) must be given in ``references`` to get AUC gains.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import numpy as np
 
@@ -38,19 +38,9 @@ from raycompat.backfill.cost import CostModel
 from raycompat.backfill.engine import CurveSpec, METRIC_NAMES, compute_ranks, metrics_from_ranks
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
 from raycompat.backfill.grid import backfill_counts, check_grid, cold_counts, default_grid
-from raycompat.backfill.modes import SideBuilder, mode_spec, parse_modes
-from raycompat.backfill.policies import (
-    UncertaintyHead,
-    check_order,
-    disagreement,
-    learned_order,
-    oracle_order,
-    parse_policies,
-    random_order,
-    sequential_order,
-    uncertainty_order,
-    uncertainty_scores,
-)
+from raycompat.backfill.modes import ModeSpec, SideBuilder, mode_spec, parse_modes
+from raycompat.backfill.policies import (PolicyInputs, UncertaintyHead, check_policy_inputs, parse_policies,
+                                         policy_class, policy_order)
 from raycompat.metrics import auc, auc_gain, regression_stats
 
 __all__ = ["Curve", "SimulationResult", "simulate_backfill", "backfill_curve_rows"]
@@ -67,7 +57,7 @@ class Curve:
     fractions: np.ndarray
     counts: np.ndarray
     metrics: Dict[str, np.ndarray]
-    seconds: Optional[np.ndarray] = None
+    seconds: np.ndarray | None = None
     summary: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -86,7 +76,7 @@ class SimulationResult:
     modes: List[str]
     curves: List[Curve]
     references: Dict[str, Dict[str, float]]
-    cost: Optional[CostModel]
+    cost: CostModel | None
     stats: Dict[str, Any]
     config: Dict[str, Any]
     #: the policy orders, ``{(policy, mode): permutation}`` (not written to JSON)
@@ -174,31 +164,147 @@ class SimulationResult:
         }
 
 
-# ----------------------------------------------------------------------------- helpers
-def _policy_needs(policies: Sequence[str], data: GalleryEmbeddings, head) -> None:
-    for p in policies:
-        if p.startswith("uncertainty:") and head is None:
-            raise BackfillInputError(
-                f"policy {p!r} needs the new model's classifier head (pass --new-model / head=)")
-        if p == "learned":
-            if data.gallery_new is None:
-                raise BackfillInputError("policy 'learned' needs gallery_new (its training target)")
-            if data.gallery_adapted is None and data.compat_dim != data.old_dim:
-                raise BackfillInputError(
-                    "policy 'learned' needs psi(old) ('adapted') or a compatible subspace of D_old dims "
-                    "to measure old/new disagreement")
+# ----------------------------------------------------------------------------- steps
+@dataclass(frozen=True)
+class _Plan:
+    """The checked inputs of one simulation: names, cut-off, grid, and each mode's spec."""
+
+    policies: List[str]
+    modes: List[str]
+    k: int
+    grid: np.ndarray
+    specs: Dict[str, ModeSpec]
 
 
-def _learned_target(data: GalleryEmbeddings) -> Callable[[np.ndarray], np.ndarray]:
-    """reveal(ids): disagreement between new and old-state vectors of the sample items only."""
+def _check_inputs(data: GalleryEmbeddings, policies, modes, k, fractions, grid_step: float,
+                  reference_correct, inputs: PolicyInputs) -> _Plan:
+    """Validate names, k, the grid, every policy's needs and every mode's sides (errors name the
+    problem before any scoring pass)."""
+    policies = list(parse_policies(policies))
+    modes = list(parse_modes(modes))
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k <= 0:
+        raise BackfillInputError(f"k must be a positive integer, got {k!r}")
+    try:
+        grid = default_grid(grid_step) if fractions is None else check_grid(fractions)
+    except ValueError as exc:
+        raise BackfillInputError(str(exc)) from exc
+    check_policy_inputs(policies, inputs)
+    specs = {m: mode_spec(m, inputs.rank_merge_distance) for m in modes}
+    for spec in specs.values():       # build (and check) every side up front
+        inputs.sides.side(spec.old_side)
+        inputs.sides.side(spec.new_side)
+    if reference_correct is not None and np.shape(reference_correct) != (data.n_queries,):
+        raise BackfillInputError(f"reference_correct must have one entry per query ({data.n_queries}), "
+                                 f"got {np.shape(reference_correct)}")
+    return _Plan(policies, modes, int(k), grid, specs)
 
-    def reveal(ids: np.ndarray) -> np.ndarray:
-        new = data.gallery_new[ids]
-        if data.gallery_adapted is not None:
-            return disagreement(new, data.gallery_adapted[ids])
-        return disagreement(new[:, :data.old_dim], data.gallery_old[ids])
 
-    return reveal
+def _build_orders(plan: _Plan, inputs: PolicyInputs, say: Callable[[str], None]):
+    """``{(policy, hot mode): order}`` through :func:`policy_order` (per-mode policies once per
+    hot mode, the others once), and the seconds each policy took."""
+    orders: Dict[tuple, np.ndarray] = {}
+    seconds: Dict[str, float] = {}
+    hot_modes = [m for m in plan.modes if plan.specs[m].schedule == "hot"]
+    for p in plan.policies:
+        t0 = time.perf_counter()
+        if policy_class(p).per_mode:
+            for m in hot_modes:
+                say(f"policy {p}: scoring {m}")
+                orders[(p, m)] = policy_order(p, replace(inputs, mode=m))
+            seconds[p] = time.perf_counter() - t0
+            continue
+        o = policy_order(p, inputs)
+        for m in hot_modes:
+            orders[(p, m)] = o
+        seconds[p] = time.perf_counter() - t0
+        say(f"policy {p}: order ready")
+    return orders, seconds
+
+
+def _curve_specs(plan: _Plan, orders, n: int, want_old_old: bool):
+    """The engine's curves: one per policy x hot mode (states at every grid point from the
+    order), one per cold mode, and the static references; returns ``(curves, references)``."""
+    counts, ccounts = backfill_counts(plan.grid, n), cold_counts(plan.grid, n)
+    curves: List[CurveSpec] = []
+    for m in plan.modes:
+        spec = plan.specs[m]
+        if spec.schedule == "cold":
+            curves.append(CurveSpec((COLD_POLICY, m), spec.old_side, spec.new_side, ccounts, None))
+            continue
+        for p in plan.policies:
+            curves.append(CurveSpec((p, m), spec.old_side, spec.new_side, counts, orders[(p, m)]))
+    used = {s for c in curves for s in c.sides()}
+    static = {}
+    for name, side in (("old-old", "old-old"), ("new-new", "new-new"), ("new-old", "new-old")):
+        if (name == "old-old" and want_old_old) or side in used:
+            static[name] = side
+    for name, side in static.items():
+        curves.append(CurveSpec(("reference", name), side, None, np.array([0])))
+    return curves, static
+
+
+def _rank(data: GalleryEmbeddings, builder: SideBuilder, curves, *, device, block_bytes, debug,
+          say: Callable[[str], None]):
+    """Ranks of every positive on every curve: one scoring pass per distinct side (the engine)."""
+    sides = {}
+    for c in curves:
+        for s in c.sides():
+            sides[s] = builder.side(s)
+    say(f"scoring {len(sides)} side(s): {', '.join(sides)} ({data.n_items} items x {data.n_queries} queries)")
+    last = {}
+
+    def eng_progress(side, frac):
+        pct = int(frac * 10)
+        if last.get(side) != pct:
+            last[side] = pct
+            say(f"  side {side}: {100 * frac:.0f}%")
+
+    return compute_ranks(sides, curves, data.query_labels, data.gallery_labels, device=device,
+                         block_bytes=block_bytes, debug=debug, progress=eng_progress)
+
+
+def _references(res, static, k: int, reference_correct, references):
+    """Metrics of the static references, and the per-query old-old top-1 correctness NFR@1
+    compares against (``reference_correct`` when given); returns ``(refs, ref_correct)``."""
+    refs: Dict[str, Dict[str, float]] = {}
+    ref_correct = None if reference_correct is None else np.asarray(reference_correct, dtype=bool)
+    if "old-old" in static and ref_correct is None:
+        cr = res.curve(("reference", "old-old"))
+        _, per = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, None, return_per_query=True)
+        ref_correct = per["correct1"][0]
+    for name in static:
+        cr = res.curve(("reference", name))
+        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, ref_correct)
+        refs[name] = {mk: float(v[0]) for mk, v in mv.items()}
+    for name, vals in (references or {}).items():
+        refs[name] = {**refs.get(name, {}), **{str(a): float(b) for a, b in vals.items()}}
+    return refs, ref_correct
+
+
+def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost) -> List[Curve]:
+    """Per policy x mode: the metrics at every grid point, the simulated seconds, the summaries."""
+    out: List[Curve] = []
+    for c in curves:
+        if c.key[0] == "reference":
+            continue
+        cr = res.curve(c.key)
+        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, plan.k, ref_correct)
+        cv = Curve(policy=c.key[0], mode=c.key[1], fractions=plan.grid.copy(), counts=cr.counts.copy(),
+                   metrics=mv, seconds=None if cost is None else cost.seconds(cr.counts))
+        cv.summary = {name: _summaries(name, plan.grid, mv[name], refs) for name in METRIC_NAMES(plan.k)}
+        out.append(cv)
+    return out
+
+
+def _config(plan: _Plan, data: GalleryEmbeddings, inputs: PolicyInputs) -> Dict[str, Any]:
+    return {
+        "policies": plan.policies, "modes": plan.modes, "k": plan.k, "seed": inputs.seed,
+        "grid": [float(x) for x in plan.grid], "rounding": "n(t) = floor(t*N + 1/2)",
+        "tie_rule": "descending score, ties by ascending gallery index",
+        "learned_sample_fraction": inputs.learned_sample_fraction,
+        "rank_merge_distance": inputs.rank_merge_distance, "source": data.source,
+        "compatible_dim": data.compat_dim, "old_dim": data.old_dim, "new_dim": data.new_dim,
+    }
 
 
 def _summaries(name: str, fractions: np.ndarray, values: np.ndarray, refs: Mapping[str, Mapping[str, float]],
@@ -231,19 +337,19 @@ def simulate_backfill(
     policies: Sequence[str] | str = ("random", "sequential"),
     modes: Sequence[str] | str = ("compatible",),
     *,
-    fractions: Optional[Sequence[float]] = None,
+    fractions: Sequence[float] | None = None,
     grid_step: float = 5.0,
     k: int = 100,
     seed: int = 0,
-    head: Optional[UncertaintyHead] = None,
-    cost: Optional[CostModel] = None,
-    references: Optional[Mapping[str, Mapping[str, float]]] = None,
-    reference_correct: Optional[np.ndarray] = None,
+    head: UncertaintyHead | None = None,
+    cost: CostModel | None = None,
+    references: Mapping[str, Mapping[str, float]] | None = None,
+    reference_correct: np.ndarray | None = None,
     learned_sample_fraction: float = 0.02,
     rank_merge_distance: str = "sq_l2",
     device=None,
     block_bytes: int = ENGINE_BLOCK_BYTES,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Callable[[str], None] | None = None,
     debug: bool = False,
 ) -> SimulationResult:
     """Exact backfill curves for every policy x mode (see the module docstring).
@@ -270,140 +376,24 @@ def simulate_backfill(
     """
     t_all = time.perf_counter()
     say = progress or (lambda msg: None)
-    policies = list(parse_policies(policies))
-    modes = list(parse_modes(modes))
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k <= 0:
-        raise BackfillInputError(f"k must be a positive integer, got {k!r}")
-    k = int(k)
-    try:
-        grid = default_grid(grid_step) if fractions is None else check_grid(fractions)
-    except ValueError as exc:
-        raise BackfillInputError(str(exc)) from exc
-    _policy_needs(policies, data, head)
-    n = data.n_items
     builder = SideBuilder(data)
-    specs = {m: mode_spec(m, rank_merge_distance) for m in modes}
-    for m, spec in specs.items():       # build (and check) every side up front: errors name the problem
-        builder.side(spec.old_side)
-        builder.side(spec.new_side)
-    counts = backfill_counts(grid, n)
-    ccounts = cold_counts(grid, n)
-
-    # ------------------------------------------------------------ policy orders
-    stats: Dict[str, Any] = {"policy_seconds": {}}
-    orders: Dict[tuple, np.ndarray] = {}
-    hot_modes = [m for m in modes if specs[m].schedule == "hot"]
-    for p in policies:
-        t0 = time.perf_counter()
-        if p == "random":
-            o = random_order(n, seed)
-        elif p == "sequential":
-            o = sequential_order(n)
-        elif p.startswith("uncertainty:"):
-            o = uncertainty_order(data.gallery_old, head, p.split(":", 1)[1])
-        elif p == "learned":
-            extra = None
-            if head is not None:
-                extra = np.stack([uncertainty_scores(data.gallery_old, head, kk)
-                                  for kk in ("least_confidence", "margin", "entropy")], axis=1)
-            o = learned_order(data.gallery_old, _learned_target(data), seed=seed,
-                              sample_fraction=learned_sample_fraction, extra_features=extra)
-        elif p == "oracle":
-            for m in hot_modes:
-                say(f"policy oracle: scoring {m}")
-                spec = specs[m]
-                orders[(p, m)] = check_order(oracle_order(
-                    builder.side(spec.old_side), builder.side(spec.new_side), data.query_labels,
-                    data.gallery_labels, device=device, block_bytes=block_bytes), n)
-            stats["policy_seconds"][p] = time.perf_counter() - t0
-            continue
-        else:  # pragma: no cover - parse_policies rejects it
-            raise BackfillInputError(f"unknown policy {p!r}")
-        o = check_order(o, n)
-        for m in hot_modes:
-            orders[(p, m)] = o
-        stats["policy_seconds"][p] = time.perf_counter() - t0
-        say(f"policy {p}: order ready")
-
-    # ------------------------------------------------------------ curves
-    curves: List[CurveSpec] = []
-    for m in modes:
-        spec = specs[m]
-        if spec.schedule == "cold":
-            curves.append(CurveSpec((COLD_POLICY, m), spec.old_side, spec.new_side, ccounts, None))
-            continue
-        for p in policies:
-            curves.append(CurveSpec((p, m), spec.old_side, spec.new_side, counts, orders[(p, m)]))
-    used = {s for c in curves for s in c.sides()}
-    static = {}
+    inputs = PolicyInputs(n_items=data.n_items, data=data, head=head, seed=seed,
+                          learned_sample_fraction=learned_sample_fraction,
+                          rank_merge_distance=rank_merge_distance, device=device, block_bytes=block_bytes,
+                          sides=builder)
+    plan = _check_inputs(data, policies, modes, k, fractions, grid_step, reference_correct, inputs)
+    orders, policy_seconds = _build_orders(plan, inputs, say)
     want_oo = reference_correct is None and data.query_old is not None
-    for name, side in (("old-old", "old-old"), ("new-new", "new-new"), ("new-old", "new-old")):
-        if name == "old-old" and want_oo:
-            static[name] = side
-        elif side in used:
-            static[name] = side
-    for name, side in static.items():
-        curves.append(CurveSpec(("reference", name), side, None, np.array([0])))
-    sides = {}
-    for c in curves:
-        for s in c.sides():
-            sides[s] = builder.side(s)
-    say(f"scoring {len(sides)} side(s): {', '.join(sides)} ({n} items x {data.n_queries} queries)")
-    last = {}
-
-    def eng_progress(side, frac):
-        pct = int(frac * 10)
-        if last.get(side) != pct:
-            last[side] = pct
-            say(f"  side {side}: {100 * frac:.0f}%")
-
-    res = compute_ranks(sides, curves, data.query_labels, data.gallery_labels, device=device,
-                        block_bytes=block_bytes, debug=debug, progress=eng_progress)
-    stats["engine"] = res.stats
-
-    # ------------------------------------------------------------ metrics
-    refs: Dict[str, Dict[str, float]] = {}
-    ref_correct = None
-    if reference_correct is not None:
-        ref_correct = np.asarray(reference_correct, dtype=bool)
-        if ref_correct.shape != (data.n_queries,):
-            raise BackfillInputError(
-                f"reference_correct must have one entry per query ({data.n_queries}), got {ref_correct.shape}")
-    if "old-old" in static:
-        cr = res.curve(("reference", "old-old"))
-        mo, per = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, None, return_per_query=True)
-        if ref_correct is None:
-            ref_correct = per["correct1"][0]
-    for name in static:
-        cr = res.curve(("reference", name))
-        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, ref_correct)
-        refs[name] = {mk: float(v[0]) for mk, v in mv.items()}
-    for name, vals in (references or {}).items():
-        refs[name] = {**refs.get(name, {}), **{str(a): float(b) for a, b in vals.items()}}
-
-    out_curves: List[Curve] = []
-    for c in curves:
-        if c.key[0] == "reference":
-            continue
-        cr = res.curve(c.key)
-        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, ref_correct)
-        cv = Curve(policy=c.key[0], mode=c.key[1], fractions=grid.copy(), counts=cr.counts.copy(),
-                   metrics=mv, seconds=None if cost is None else cost.seconds(cr.counts))
-        cv.summary = {name: _summaries(name, grid, mv[name], refs) for name in METRIC_NAMES(k)}
-        out_curves.append(cv)
-    stats["seconds"] = time.perf_counter() - t_all
-    config = {
-        "policies": policies, "modes": modes, "k": k, "seed": seed,
-        "grid": [float(x) for x in grid], "rounding": "n(t) = floor(t*N + 1/2)",
-        "tie_rule": "descending score, ties by ascending gallery index",
-        "learned_sample_fraction": learned_sample_fraction,
-        "rank_merge_distance": rank_merge_distance, "source": data.source,
-        "compatible_dim": data.compat_dim, "old_dim": data.old_dim, "new_dim": data.new_dim,
-    }
+    curves, static = _curve_specs(plan, orders, data.n_items, want_oo)
+    res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
+    refs, ref_correct = _references(res, static, plan.k, reference_correct, references)
+    out_curves = _metric_curves(plan, curves, res, ref_correct, refs, cost)
+    stats = {"policy_seconds": policy_seconds, "engine": res.stats, "seconds": time.perf_counter() - t_all}
     return SimulationResult(
-        k=k, fractions=grid, n_items=n, n_queries=data.n_queries,
-        n_valid_queries=int((res.npos > 0).sum()), policies=policies, modes=modes,
-        curves=out_curves, references=refs, cost=cost, stats=stats, config=config, orders=orders)
+        k=plan.k, fractions=plan.grid, n_items=data.n_items, n_queries=data.n_queries,
+        n_valid_queries=int((res.npos > 0).sum()), policies=plan.policies, modes=plan.modes,
+        curves=out_curves, references=refs, cost=cost, stats=stats, config=_config(plan, data, inputs),
+        orders=orders)
 
 
 def backfill_curve_rows(data: GalleryEmbeddings, policies=("random", "sequential"), modes=("compatible",),

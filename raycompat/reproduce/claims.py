@@ -32,13 +32,13 @@ def _verdict(results: list[bool]) -> str:
     return PARTLY if any(results) else NOT_HELD
 
 
-def _claim(cid, paper, claim, measurement, checks, numbers, explanation="") -> dict:
+def _claim(cid, paper, claim, measurement, checks, numbers, note="") -> dict:
+    """One claim's record; ``note`` is appended to the verdict's standard explanation."""
     verdict = _verdict(checks)
-    if not explanation:
-        explanation = {HELD: "holds on every test set it applies to",
-                       PARTLY: f"holds on {sum(checks)} of {len(checks)} checks",
-                       NOT_HELD: f"fails on all {len(checks)} checks",
-                       NOT_MEASURED: "the run did not train the models this claim needs"}[verdict]
+    explanation = {HELD: "holds on every test set it applies to",
+                   PARTLY: f"holds on {sum(checks)} of {len(checks)} checks",
+                   NOT_HELD: f"fails on all {len(checks)} checks",
+                   NOT_MEASURED: "the run did not train the models this claim needs"}[verdict] + note
     return dict(id=cid, paper=paper, claim=claim, measurement=measurement, verdict=verdict,
                 numbers=numbers, explanation=explanation)
 
@@ -65,7 +65,8 @@ def bct_independent_incompatible(results: dict) -> dict:
     for ts in _sets_with(results, "independent"):
         oo, no = ts["m_oo"][PRIMARY], _m(ts["methods"]["independent"], "m_no")
         ok = no < FAR_BELOW * oo
-        rows.append(dict(test_set=ts["name"], **{"M(o,o)": oo, "M(n*,o)": no, "ratio": no / oo if oo else None,
+        rows.append(dict(test_set=ts["name"], **{"M(o,o)": oo, "M(n*,o)": no,
+                                                  "ratio": no / oo if oo else None,
                                                   "holds": ok}))
         checks.append(ok)
     return _claim("bct-independent-incompatible", "BCT",
@@ -115,18 +116,14 @@ def bct_l2_fails(results: dict) -> dict:
     note = (f"; on {diverged} of {len(checks)} test sets the l2 training diverged (NaN loss), "
             "which fails the criterion by producing no usable model -- unlike the paper, whose l2 "
             "model trained but was incompatible") if diverged else ""
-    verdict = _verdict(checks)
-    explanation = {HELD: "holds on every test set it applies to",
-                   PARTLY: f"holds on {sum(checks)} of {len(checks)} checks",
-                   NOT_HELD: f"fails on all {len(checks)} checks",
-                   NOT_MEASURED: "the run did not train the models this claim needs"}[verdict] + note
     return _claim("bct-l2-fails", "BCT", "the l2 baseline fails the compatibility criterion",
                   f"per test set, {PRIMARY}: M(l2,o) <= M(o,o), or the l2 training diverged",
-                  checks, rows, explanation)
+                  checks, rows, note)
 
 
 # -- RACT --------------------------------------------------------------------------------
-def _curve(results: dict, scenario: str, label: str, policy: str, mode: str) -> dict | None:
+def backfill_curve(results: dict, scenario: str, label: str, policy: str, mode: str) -> dict | None:
+    """The backfill curve of model ``label`` in ``scenario`` for (policy, mode), or ``None``."""
     for c in results.get("backfill", {}).get(scenario, {}).get(label, {}).get("curves", []):
         if c["policy"] == policy and c["mode"] == mode:
             return c
@@ -141,7 +138,7 @@ def _value_at(curve: dict, metric: str, t: float) -> float:
 def ract_vanilla_regresses(results: dict) -> dict:
     rows, checks = [], []
     for scenario in results.get("backfill", {}):
-        c = _curve(results, scenario, "contrastive", "random", "compatible")
+        c = backfill_curve(results, scenario, "contrastive", "random", "compatible")
         if c is None:
             continue
         reg = {m: (c["summary"][m]["regression"] or {}) for m in ("mAP@100", "top1")}
@@ -164,8 +161,8 @@ def ract_vanilla_regresses(results: dict) -> dict:
 def ract_lowers_nfr(results: dict) -> dict:
     rows, checks = [], []
     for scenario in results.get("backfill", {}):
-        van = _curve(results, scenario, "contrastive", "random", "compatible")
-        ract = _curve(results, scenario, "ract", "random", "compatible")
+        van = backfill_curve(results, scenario, "contrastive", "random", "compatible")
+        ract = backfill_curve(results, scenario, "ract", "random", "compatible")
         if van is None or ract is None:
             continue
         a, b = np.asarray(ract["NFR@1"]), np.asarray(van["NFR@1"])
@@ -185,7 +182,7 @@ def ract_lowers_nfr(results: dict) -> dict:
 def ract_uncertainty_faster(results: dict) -> dict:
     rows, checks = [], []
     for scenario in results.get("backfill", {}):
-        curves = {p: _curve(results, scenario, "ract", p, "compatible")
+        curves = {p: backfill_curve(results, scenario, "ract", p, "compatible")
                   for p in ("random", "uncertainty:margin", "uncertainty:least_confidence",
                             "uncertainty:entropy")}
         if any(c is None for c in curves.values()):
@@ -226,9 +223,9 @@ def dmu_adapted_beats_bct(results: dict) -> dict:
 def rm_rank_merge(results: dict) -> dict:
     rows, reach, beats = [], [], []
     for scenario in results.get("backfill", {}):
-        rm = _curve(results, scenario, "mcl", "random", "rank_merge")
-        naive = _curve(results, scenario, "mcl", "random", "naive_merge")
-        bct = _curve(results, scenario, "bct", "random", "compatible")
+        rm = backfill_curve(results, scenario, "mcl", "random", "rank_merge")
+        naive = backfill_curve(results, scenario, "mcl", "random", "naive_merge")
+        bct = backfill_curve(results, scenario, "bct", "random", "compatible")
         if rm is None or naive is None or bct is None:
             continue
         g = {k: c["summary"]["mAP@100"]["auc_gain"] for k, c in

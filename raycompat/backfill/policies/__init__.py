@@ -1,0 +1,91 @@
+"""Backfill policies: the order in which gallery items get the new model's embedding.
+
+docs/methods.md, "Backfill policies".  A policy returns an *order*: a permutation of
+the item indices ``0..N-1``; at backfill fraction ``t`` the first ``n(t)`` items
+of the order hold their new vector (rounding rule in
+:mod:`raycompat.backfill.grid`).  Each policy is a pure, seeded function of what
+is known at that point of the upgrade, and receives nothing else:
+
+========================================  =================================================
+policy (module)                           knows
+========================================  =================================================
+``random`` (random)                       N, seed (``numpy.random.default_rng(seed)``)
+``sequential`` (sequential)               N (item order = ingestion order)
+``uncertainty:least_confidence``,         the old gallery features and the new classifier
+``uncertainty:margin``,                   head (RACT Eq.9-11), no image
+``uncertainty:entropy`` (uncertainty)
+``oracle`` (oracle)                       the new embeddings of every item and the queries
+                                          (an upper-bound reference, not deployable)
+``learned`` (learned)                     old features (+ uncertainty), and the new
+                                          embeddings of a held-out sample only
+========================================  =================================================
+
+One module per policy, each registering a :class:`~raycompat.backfill.policies.base.Policy`
+subclass; :func:`policy_order` (name + :class:`PolicyInputs`) is the one dispatch, used by
+the simulator and by the live backfill controller (``raycompat.serving.orders``), so both
+walk the same order item for item.  Adding a policy: one module here with a registered
+class, plus its import below.
+
+Ordering rule for scored policies: highest score first, ties by lower item index
+(a stable sort of ``-score``).  ``cost_aware`` ordering is not implemented.
+"""
+from __future__ import annotations
+
+from raycompat.backfill.gallery import BackfillInputError
+# the imports register the policies, in this order (the order of POLICIES)
+from raycompat.backfill.policies import random, sequential, uncertainty, oracle, learned  # noqa: F401
+from raycompat.backfill.policies.base import (Policy, PolicyInputs, available_policies, check_order,
+                                              check_policy_inputs, order_by_score, policy_class,
+                                              policy_order, register_policy)
+from raycompat.backfill.policies.learned import LearnedPredictor, disagreement, learned_order, learned_target
+from raycompat.backfill.policies.oracle import oracle_benefit, oracle_order
+from raycompat.backfill.policies.random import random_order
+from raycompat.backfill.policies.sequential import sequential_order
+from raycompat.backfill.policies.uncertainty import (UNCERTAINTY_KINDS, UncertaintyHead, class_probabilities,
+                                                     uncertainty_features, uncertainty_order,
+                                                     uncertainty_scores)
+
+__all__ = [
+    "POLICIES",
+    "UNCERTAINTY_KINDS",
+    "parse_policies",
+    "Policy",
+    "PolicyInputs",
+    "available_policies",
+    "check_policy_inputs",
+    "policy_class",
+    "policy_order",
+    "register_policy",
+    "UncertaintyHead",
+    "class_probabilities",
+    "uncertainty_features",
+    "uncertainty_scores",
+    "order_by_score",
+    "random_order",
+    "sequential_order",
+    "uncertainty_order",
+    "oracle_benefit",
+    "oracle_order",
+    "disagreement",
+    "LearnedPredictor",
+    "learned_order",
+    "learned_target",
+    "check_order",
+]
+
+#: every registered policy name, in registration order
+POLICIES = tuple(available_policies())
+
+
+def parse_policies(names) -> tuple[str, ...]:
+    """Comma string or sequence -> validated tuple (unknown names raise, listing the allowed)."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    out = []
+    for n in names:
+        policy_class(n)
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise BackfillInputError(f"no policy given; allowed: {', '.join(available_policies())}")
+    return tuple(out)

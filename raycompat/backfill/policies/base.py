@@ -1,0 +1,134 @@
+"""The contract between a backfill policy and its two callers (the offline simulator and the
+live backfill controller), and the registry behind :func:`policy_order`.
+
+A policy is a small class: it declares what it needs (``needs_embeddings``: the gallery's
+embeddings, not only N; ``needs_head``: the new model's classifier head; ``per_mode``: its
+order depends on the query mode's score sides) and computes the order from a
+:class:`PolicyInputs`, reading nothing else.  Register it with ``@register_policy``
+(docs/methods.md, Backfill policies).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
+
+if TYPE_CHECKING:
+    from raycompat.backfill.modes import SideBuilder
+    from raycompat.backfill.policies.uncertainty import UncertaintyHead
+
+__all__ = ["Policy", "PolicyInputs", "register_policy", "available_policies", "policy_class",
+           "policy_order", "check_policy_inputs", "check_order", "order_by_score"]
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """Everything a policy may be given; each policy reads only what it declares.
+
+    ``data`` is ``None`` for a served gallery without stored embeddings (N only).
+    ``sides`` is an optional shared cache of score sides (the simulator's); without it a
+    per-mode policy builds the mode's sides from ``data``.  ``block_bytes=None``: the
+    simulator engine's default block size.
+    """
+
+    n_items: int
+    data: GalleryEmbeddings | None = None
+    head: UncertaintyHead | None = None
+    mode: str = "compatible"
+    seed: int = 0
+    learned_sample_fraction: float = 0.02
+    rank_merge_distance: str = "sq_l2"
+    device: Any = None
+    block_bytes: int | None = None
+    sides: SideBuilder | None = None
+
+    def mode_sides(self) -> tuple[Any, Any]:
+        """The (old-state, new-state) score sides of ``mode``."""
+        from raycompat.backfill.modes import SideBuilder
+
+        builder = self.sides if self.sides is not None else SideBuilder(self.data)
+        _, old_side, new_side = builder.mode_sides(self.mode, self.rank_merge_distance)
+        return old_side, new_side
+
+
+class Policy:
+    """Base class of every backfill policy; subclasses register with ``@register_policy``."""
+
+    name: ClassVar[str] = ""
+    #: what the policy sees, one line (docs/methods.md, Backfill policies)
+    knows: ClassVar[str] = ""
+    needs_embeddings: ClassVar[bool] = False
+    needs_head: ClassVar[bool] = False
+    per_mode: ClassVar[bool] = False
+
+    def check(self, inputs: PolicyInputs) -> None:
+        """Raise :class:`BackfillInputError` naming what is missing from ``inputs``."""
+        if self.needs_embeddings and inputs.data is None:
+            raise BackfillInputError(
+                f"policy {self.name!r} needs the gallery's embeddings (a parquet gallery)")
+        if self.needs_head and inputs.head is None:
+            raise BackfillInputError(
+                f"policy {self.name!r} needs the new model's classifier head "
+                "(pass --new-model / head=, or the service option new_model)")
+
+    def order(self, inputs: PolicyInputs) -> np.ndarray:
+        """A permutation of ``0..n_items-1``: the items in the order they get their new vector."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available by ``cls.name`` (registration order is kept)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"policy {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_policies() -> dict[str, type[Policy]]:
+    """Registered policies by name, in registration order."""
+    return dict(_REGISTRY)
+
+
+def policy_class(name: str) -> type[Policy]:
+    if name not in _REGISTRY:
+        raise BackfillInputError(f"unknown policy {name!r}; allowed: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def check_policy_inputs(names, inputs: PolicyInputs) -> None:
+    """Check every named policy's needs up front (errors name the policy and what is missing)."""
+    for name in names:
+        policy_class(name)().check(inputs)
+
+
+def policy_order(name: str, inputs: PolicyInputs) -> np.ndarray:
+    """The order of policy ``name`` (validated permutation, int64): the one dispatch used by
+    the simulator and the live backfill controller."""
+    policy = policy_class(name)()
+    policy.check(inputs)
+    return check_order(policy.order(inputs), inputs.n_items)
+
+
+def check_order(order: np.ndarray, n: int) -> np.ndarray:
+    """Validate that ``order`` is a permutation of ``0..n-1``; returns it as int64."""
+    o = np.asarray(order, dtype=np.int64)
+    if o.shape != (n,) or (n and (o.min() < 0 or o.max() >= n)) or \
+            (np.bincount(o, minlength=n) != 1).any():
+        raise ValueError(f"a policy order must be a permutation of {n} items")
+    return o
+
+
+def order_by_score(scores) -> np.ndarray:
+    """Indices by descending score, ties by ascending index (stable sort of ``-score``)."""
+    s = np.asarray(scores, dtype=np.float64)
+    if np.isnan(s).any():
+        raise ValueError("policy scores contain NaN")
+    return np.argsort(-s, kind="stable").astype(np.int64)

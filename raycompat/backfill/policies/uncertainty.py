@@ -1,0 +1,128 @@
+"""``uncertainty:<kind>``: "the poor first" -- the old gallery features the new classifier head
+is least sure about are backfilled first (RACT Sec. 4.3, Eq.9-11).  Knows the old gallery
+features and the new head, no image."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from raycompat.backfill.gallery import BackfillInputError
+from raycompat.backfill.policies.base import Policy, PolicyInputs, order_by_score, register_policy
+
+__all__ = ["UNCERTAINTY_KINDS", "UncertaintyHead", "UncertaintyPolicy", "class_probabilities",
+           "uncertainty_scores", "uncertainty_order", "uncertainty_features"]
+
+UNCERTAINTY_KINDS = ("least_confidence", "margin", "entropy")
+
+
+@dataclass
+class UncertaintyHead:
+    """The new classifier ``w_n`` as plain arrays, applied to old gallery features.
+
+    ``kind``: ``softmax`` (logits ``f W^T + b``) or a cosine head ``cosface`` /
+    ``arcface`` (margin-free inference logits ``scale * cos(f, w)``), as
+    :meth:`raycompat.models.ClassifierHead.inference_logits`.
+
+    Dimension change: the old feature has ``D_old`` dims and the head expects
+    ``D_new >= D_old``.  The old feature is compatible with the first ``D_old``
+    dims of the new space (BCT), so the logits use the first ``D_old`` columns of
+    ``W`` (for cosine heads the truncated rows are re-normalised).
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray | None = None
+    kind: str = "softmax"
+    scale: float = 1.0
+
+    @classmethod
+    def from_classifier_head(cls, head) -> "UncertaintyHead":
+        w = head.weight.detach().cpu().numpy().astype(np.float64)
+        b = head.bias.detach().cpu().numpy().astype(np.float64) \
+            if getattr(head, "bias", None) is not None else None
+        return cls(weight=w, bias=b, kind=head.kind, scale=float(getattr(head, "scale", 1.0)))
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        """float64 inference logits ``[n, C]`` of (old) features ``[n, D_old]``."""
+        f = np.asarray(features, dtype=np.float64)
+        d = f.shape[1]
+        if d > self.weight.shape[1]:
+            raise BackfillInputError(
+                f"dimension mismatch: old features have {d} dims, the new head only {self.weight.shape[1]}")
+        w = self.weight[:, :d]
+        if self.kind == "softmax":
+            out = f @ w.T
+            return out + self.bias[None, :] if self.bias is not None else out
+        fn = f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-12)
+        wn = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
+        return self.scale * (fn @ wn.T)
+
+
+def class_probabilities(features: np.ndarray, head: UncertaintyHead) -> np.ndarray:
+    """``P = softmax(w_n(f))`` in float64 (RACT Sec. 4.3), ``[n, C]``."""
+    z = head.logits(features)
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def uncertainty_scores(features: np.ndarray, head: UncertaintyHead, kind: str,
+                       chunk: int = 16384) -> np.ndarray:
+    """Per-item uncertainty of old gallery features under the new head (RACT Eq.9-11).
+
+    With ``P`` sorted descending: least confidence ``1 - P1`` (Eq.9), margin
+    ``1 - (P1 - P2)`` (Eq.10), entropy ``-sum_i P_i log P_i`` (Eq.11; ``0 log 0 = 0``).
+    With a single class, margin uses ``P2 = 0``.
+    """
+    if kind not in UNCERTAINTY_KINDS:
+        raise BackfillInputError(f"unknown uncertainty {kind!r}; allowed: {', '.join(UNCERTAINTY_KINDS)}")
+    f = np.asarray(features)
+    out = np.empty(f.shape[0], dtype=np.float64)
+    for s in range(0, f.shape[0], chunk):
+        p = class_probabilities(f[s:s + chunk], head)
+        if kind == "entropy":
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[s:s + chunk] = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
+            continue
+        top = -np.sort(-p, axis=1)[:, :2]
+        p1 = top[:, 0]
+        p2 = top[:, 1] if top.shape[1] > 1 else np.zeros_like(p1)
+        out[s:s + chunk] = 1.0 - p1 if kind == "least_confidence" else 1.0 - (p1 - p2)
+    return out
+
+
+def uncertainty_features(features: np.ndarray, head: UncertaintyHead) -> np.ndarray:
+    """``[n, 3]``: the three uncertainty scores (Eq.9, 10, 11) of every item, as columns."""
+    return np.stack([uncertainty_scores(features, head, k) for k in UNCERTAINTY_KINDS], axis=1)
+
+
+def uncertainty_order(old_features: np.ndarray, head: UncertaintyHead, kind: str) -> np.ndarray:
+    """Most uncertain old features first (RACT 4.3); ties by lower index."""
+    return order_by_score(uncertainty_scores(old_features, head, kind))
+
+
+class UncertaintyPolicy(Policy):
+    """``uncertainty:<kind>``; one registered subclass per kind."""
+
+    kind = ""
+    knows = "the old gallery features and the new classifier head (RACT Eq.9-11), no image"
+    needs_embeddings = True
+    needs_head = True
+
+    def order(self, inputs: PolicyInputs) -> np.ndarray:
+        return uncertainty_order(inputs.data.gallery_old, inputs.head, self.kind)
+
+
+@register_policy
+class LeastConfidencePolicy(UncertaintyPolicy):
+    name, kind = "uncertainty:least_confidence", "least_confidence"
+
+
+@register_policy
+class MarginPolicy(UncertaintyPolicy):
+    name, kind = "uncertainty:margin", "margin"
+
+
+@register_policy
+class EntropyPolicy(UncertaintyPolicy):
+    name, kind = "uncertainty:entropy", "entropy"
