@@ -20,10 +20,13 @@ from raycompat.backfill.blocks import exact_topk
 from raycompat.backfill.engine import (
     CurveSpec,
     Side,
+    block_pass,
     compute_ranks,
     full_ap_from_ranks,
     metrics_from_ranks,
+    plan_ranks,
     positive_pairs,
+    ranks_from_counts,
 )
 from raycompat.backfill.grid import backfill_counts, cold_counts, default_grid, segments
 from raycompat.backfill.policies import UncertaintyHead
@@ -230,6 +233,39 @@ def test_engine_paths_ties_band_and_tiles(seed, monkeypatch):
             assert (res.debug["items_counted"]["c"] == n).all()
         if band > 1:
             assert sum(s["band_entries"] for s in res.stats["sides"].values()) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_passes_one_at_a_time_add_up_to_compute_ranks(seed, monkeypatch):
+    """The gallery cut into blocks, each scored by its own block pass and the histograms and
+    resolved ties added: the ranks equal compute_ranks bit for bit, ties and near-ties included
+    (integer sides: ties everywhere; a huge band sends every survivor through the exact step)."""
+    rng = np.random.default_rng(900 + seed)
+    n, n_q = int(rng.integers(60, 200)), int(rng.integers(4, 20))
+    gl, ql = rng.integers(0, 4, n), rng.integers(0, 5, n_q)
+    qo, go = (rng.integers(-2, 3, (m, 3)).astype(np.float32) for m in (n_q, n))
+    qn, gn = (rng.integers(-2, 3, (m, 7)).astype(np.float32) for m in (n_q, n))
+    counts = backfill_counts(np.array([0.0, 0.25, 0.6, 1.0]), n)
+    sides = {"o": Side(qo, go), "n": Side(qn, gn)}
+    curves = [CurveSpec("c", "o", "n", counts, rng.permutation(n)),
+              CurveSpec("ref", "o", None, np.array([0])), CurveSpec("new", "n", None, np.array([0]))]
+    monkeypatch.setattr(engine_mod, "_TABLE_MAX", int(rng.choice([0, 32])))
+    cuts = np.unique(np.concatenate([[0, n], rng.integers(1, n, int(rng.integers(1, 6)))]))
+    for band, debug in ((1.0, False), (1e9, False), (1.0, True)):
+        kw = dict(band_scale=band, debug=debug, block_bytes=int(rng.choice([256, 1 << 20])),
+                  workers=int(rng.choice([1, 2])))
+        want = compute_ranks(sides, curves, ql, gl, **kw)
+        plan = plan_ranks(sides, curves, ql, gl, **kw)
+        blocks = [block_pass(plan, sides, int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+        got = ranks_from_counts(plan, blocks[::-1])                  # the order of blocks is free
+        assert np.array_equal(got.pairs_i, want.pairs_i) and np.array_equal(got.npos, want.npos)
+        for c in want.curves:
+            assert np.array_equal(got.curve(c.key).ranks, c.ranks), (band, debug, c.key)
+        ties = sum(b.sides[x].tie_items.size for b in blocks for x in b.sides)
+        if band > 1:
+            assert ties > 0
+    with pytest.raises(ValueError, match="cover"):
+        ranks_from_counts(plan, blocks[:-1])
 
 
 def test_ranks_match_full_ranking_positions():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, Tuple
 
 import numpy as np
 import torch
@@ -159,8 +159,8 @@ def iter_score_blocks(
     *,
     device=None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    query_rows: Optional[int] = None,
-    gallery_rows: Optional[int] = None,
+    query_rows: int | None = None,
+    gallery_rows: int | None = None,
     reuse: bool = True,
 ) -> Iterator[Tuple[int, int, int, int, torch.Tensor]]:
     """Yield ``(q0, q1, g0, g1, S)`` with ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32, on device).
@@ -215,7 +215,7 @@ def map_score_blocks(
     device=None,
     query_rows: int,
     gallery_rows: int,
-    workers: Optional[int] = None,
+    workers: int | None = None,
 ) -> None:
     """Call ``fn(slot, q0, q1, g0, g1, S)`` once for every score block
     ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32, on device).  Call inside
@@ -242,6 +242,13 @@ def map_score_blocks(
     n_q, n_g = queries.shape[0], gallery.shape[0]
     todo = iter([(q0, min(n_q, q0 + query_rows), g0, min(n_g, g0 + gallery_rows))
                  for q0 in range(0, n_q, query_rows) for g0 in range(0, n_g, gallery_rows)])
+    _run_block_workers(queries, gallery, fn, todo, dev, workers)
+
+
+def _run_block_workers(queries: np.ndarray, gallery: np.ndarray, fn, todo: Iterator, dev: torch.device,
+                       workers: int) -> None:
+    """:func:`map_score_blocks` on ``workers`` threads (one intra-op thread each) that take
+    the blocks of ``todo`` one at a time; the first exception stops them and is re-raised."""
     lock = threading.Lock()
     errors: list = []
 
@@ -381,65 +388,91 @@ def exact_topk(
     dev = resolve_device(device)
     n_q, n_g = queries.shape[0], gallery.shape[0]
     kk = min(k, n_g)
-    best_s = torch.full((n_q, kk), -float("inf"), dtype=torch.float32, device=dev)
-    best_i = torch.full((n_q, kk), -1, dtype=torch.int64, device=dev)
-    filled = torch.zeros(n_q, dtype=torch.int64, device=dev)       # real entries in the list
+    lists = _TopKLists(n_q, kk, dev)
     tile_frac = 1.0
     n_blocks = 0
-    pending: list = []            # candidates not merged yet: (query rows, ids, scores)
-    n_pending = 0
-
-    def flush():
-        nonlocal pending, n_pending
-        if not pending:
-            return
-        r = torch.cat([p[0] for p in pending])
-        ids = torch.cat([p[1] for p in pending])
-        v = torch.cat([p[2] for p in pending])
-        o = torch.sort(r, stable=True).indices   # by row; blocks were appended in index order
-        rows, cs, ci = _pad_by_row(r.index_select(0, o), ids.index_select(0, o), v.index_select(0, o))
-        _merge(best_s, best_i, 0, (rows, cs, ci), 0, kk)
-        pending, n_pending = [], 0
-
     with fp32_matmul(), torch.no_grad():
         for q0, q1, g0, g1, S in iter_score_blocks(queries, gallery, device=dev, block_bytes=block_bytes):
-            full = filled[q0:q1] >= kk
-            rows_all = None
-            if not bool(full.all()):
-                flush()
-                rows = torch.nonzero(~full).squeeze(1)
-                cs, cc = _block_candidates_full(S.index_select(0, rows), kk)
-                filled[q0 + rows] += (cs > -float("inf")).sum(dim=1)
-                _merge(best_s, best_i, q0, (rows, cs, cc), g0, kk)
-                rows_all = torch.nonzero(full).squeeze(1)
-                if rows_all.numel() == 0:
-                    continue
-                S = S.index_select(0, rows_all)
+            S, rows_all = lists.fill(q0, g0, S)
+            if S is None:
+                continue
             # tiles while candidates are sparse; scan directly while they are dense (retry every 8)
             use_tiles = tile_frac <= 0.25 or n_blocks % 8 == 0
             n_blocks += 1
             if n_blocks % 32 == 0:
                 release_memory()
             # threshold: the k-th score at the last merge (stale thresholds only admit more)
-            kth = best_s[q0:q1, -1] if rows_all is None else best_s[q0 + rows_all, -1]
+            kth = lists.best_s[q0:q1, -1] if rows_all is None else lists.best_s[q0 + rows_all, -1]
             found, frac = _entries_above(S, kth, use_tiles)
             if frac is not None:
                 tile_frac = frac
             if found is None:
                 continue
-            r, c, v = found
-            r = q0 + (r if rows_all is None else rows_all.index_select(0, r))
-            pending.append((r, c + g0, v))
-            n_pending += r.numel()
+            lists.add(q0, rows_all, g0, found)
             # merge every few blocks, or sooner when many candidates wait
-            if n_blocks % 8 == 0 or n_pending >= 2 * kk * (q1 - q0) or q1 < n_q:
-                flush()
-        flush()
-    out_s = np.full((n_q, k), -np.inf, dtype=np.float32)
-    out_i = np.full((n_q, k), -1, dtype=np.int64)
-    out_s[:, :kk] = best_s.cpu().numpy()
-    out_i[:, :kk] = best_i.cpu().numpy()
-    return out_s, out_i
+            if n_blocks % 8 == 0 or lists.n_pending >= 2 * kk * (q1 - q0) or q1 < n_q:
+                lists.flush()
+        lists.flush()
+    return lists.result(k)
+
+
+class _TopKLists:
+    """The running top-``kk`` lists of :func:`exact_topk` (descending score, ties by index)
+    and the candidates not merged into them yet."""
+
+    def __init__(self, n_q: int, kk: int, dev: torch.device):
+        self.kk = kk
+        self.best_s = torch.full((n_q, kk), -float("inf"), dtype=torch.float32, device=dev)
+        self.best_i = torch.full((n_q, kk), -1, dtype=torch.int64, device=dev)
+        self.filled = torch.zeros(n_q, dtype=torch.int64, device=dev)       # real entries in the list
+        self.pending: list = []            # candidates not merged yet: (query rows, ids, scores)
+        self.n_pending = 0
+
+    def fill(self, q0: int, g0: int, S: torch.Tensor):
+        """Merge block ``S`` into the lists of its rows that are not full yet; returns the
+        rest of the block and its rows (``(S, None)``: every row full; ``(None, _)``: none)."""
+        full = self.filled[q0:q0 + S.shape[0]] >= self.kk
+        if bool(full.all()):
+            return S, None
+        self.flush()
+        rows = torch.nonzero(~full).squeeze(1)
+        cs, cc = _block_candidates_full(S.index_select(0, rows), self.kk)
+        self.filled[q0 + rows] += (cs > -float("inf")).sum(dim=1)
+        _merge(self.best_s, self.best_i, q0, (rows, cs, cc), g0, self.kk)
+        rows_all = torch.nonzero(full).squeeze(1)
+        if rows_all.numel() == 0:
+            return None, rows_all
+        return S.index_select(0, rows_all), rows_all
+
+    def add(self, q0: int, rows_all, g0: int, found) -> None:
+        """Buffer the entries ``found`` above the k-th scores (rows of the block ``S`` that
+        :meth:`fill` returned)."""
+        r, c, v = found
+        r = q0 + (r if rows_all is None else rows_all.index_select(0, r))
+        self.pending.append((r, c + g0, v))
+        self.n_pending += r.numel()
+
+    def flush(self) -> None:
+        """Merge the buffered candidates into the lists."""
+        if not self.pending:
+            return
+        pending = self.pending
+        r = torch.cat([p[0] for p in pending])
+        ids = torch.cat([p[1] for p in pending])
+        v = torch.cat([p[2] for p in pending])
+        o = torch.sort(r, stable=True).indices   # by row; blocks were appended in index order
+        rows, cs, ci = _pad_by_row(r.index_select(0, o), ids.index_select(0, o), v.index_select(0, o))
+        _merge(self.best_s, self.best_i, 0, (rows, cs, ci), 0, self.kk)
+        self.pending, self.n_pending = [], 0
+
+    def result(self, k: int) -> Tuple[np.ndarray, np.ndarray]:
+        """float32 scores and int64 indices ``[Q, k]``, padded with ``-inf`` / ``-1``."""
+        n_q, kk = self.best_s.shape
+        out_s = np.full((n_q, k), -np.inf, dtype=np.float32)
+        out_i = np.full((n_q, k), -1, dtype=np.int64)
+        out_s[:, :kk] = self.best_s.cpu().numpy()
+        out_i[:, :kk] = self.best_i.cpu().numpy()
+        return out_s, out_i
 
 
 def _merge(best_s, best_i, q0, cand, g0, kk):

@@ -66,13 +66,19 @@ their faiss candidates by the same canonical scores (:mod:`raycompat.serving.sta
 Side passes are shared: curves of several policies and modes that use the same
 score side (same name) are served by one pass, so a simulation costs one
 matrix product per distinct side (policies never add a pass).
+
+Steps.  :func:`compute_ranks` is :func:`plan_ranks` (pairs, thresholds, segmentations),
+:func:`block_pass` (a) over the whole gallery (scores, histograms, near-ties resolved
+exactly), and :func:`ranks_from_counts` (b) (histograms added, turned into ranks).  Block
+passes over gallery rows ``g0:g1`` that cover the gallery add up to the same ranks, bit for
+bit, in any order: the unit of work of a distributed simulation.
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -103,6 +109,13 @@ __all__ = [
     "EngineResult",
     "positive_pairs",
     "compute_ranks",
+    "RankPlan",
+    "Segmentations",
+    "SideCounts",
+    "BlockCounts",
+    "plan_ranks",
+    "block_pass",
+    "ranks_from_counts",
     "metrics_from_ranks",
     "full_ap_from_ranks",
     "METRIC_NAMES",
@@ -147,9 +160,9 @@ class CurveSpec:
 
     key: Any
     old_side: str
-    new_side: Optional[str]
+    new_side: str | None
     counts: np.ndarray
-    order: Optional[np.ndarray] = None
+    order: np.ndarray | None = None
 
     def sides(self) -> List[str]:
         out = [self.old_side]
@@ -324,43 +337,58 @@ class _Merged:
         off = np.zeros(n_queries + 1, dtype=np.int64)
         np.add.at(off, self.sorted_q + 1, 1)
         self.off = np.cumsum(off)
-        sv, sd = v[order], d[order]
-        neg = np.isneginf(sv)
-        with np.errstate(invalid="ignore"):
-            lo = np.where(neg, np.float32(-np.inf), _round_f32(sv - sd, "down")).astype(np.float32)
-            hi = np.where(neg, np.float32(-np.inf), _round_f32(sv + sd, "up")).astype(np.float32)
+        lo, hi = self._edges(v[order], d[order])
         self.lo_min = np.full(n_queries, np.inf, dtype=np.float32)
         has = self.off[1:] > self.off[:-1]
         self.lo_min[has] = lo[self.off[:-1][has]]
         self.width = m + n_queries
         self.rowoff = torch.from_numpy(self.off[:-1] + np.arange(n_queries)).to(device)
         self.tmax = int((self.off[1:] - self.off[:-1]).max(initial=0))
-        # float64 keys q*C + edge (see _key_span); edges clamped to +-(C/2 - 1), still
-        # beyond every possible score, so a clamped edge decides nothing wrongly
+        self._set_keys(lo, hi, n_queries, span, device)
+        self.use_table = self.tmax <= _TABLE_MAX
+        if self.use_table:
+            self._set_tables(lo, hi, n_queries, device)
+
+    @staticmethod
+    def _edges(sv: np.ndarray, sd: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """float32 lower and upper edges ``v -+ delta`` of the sorted thresholds (rounded
+        outwards; ``-inf`` for the debug sentinels)."""
+        neg = np.isneginf(sv)
+        with np.errstate(invalid="ignore"):
+            lo = np.where(neg, np.float32(-np.inf), _round_f32(sv - sd, "down")).astype(np.float32)
+            hi = np.where(neg, np.float32(-np.inf), _round_f32(sv + sd, "up")).astype(np.float32)
+        return lo, hi
+
+    def _set_keys(self, lo: np.ndarray, hi: np.ndarray, n_queries: int, span: float,
+                  device: torch.device) -> None:
+        """float64 keys ``q*C + edge`` of every edge (see _key_span); edges clamped to
+        +-(C/2 - 1), still beyond every possible score, so a clamped edge decides nothing
+        wrongly."""
         lim = span / 2 - 1.0
         qoff = self.sorted_q.astype(np.float64) * span
         lo_k = qoff + np.where(np.isneginf(lo), -span / 2, np.clip(lo.astype(np.float64), -lim, lim))
         hi_k = qoff + np.where(np.isneginf(hi), -span / 2, np.clip(hi.astype(np.float64), -lim, lim))
-        if m and ((np.diff(lo_k) < 0).any() or (np.diff(hi_k) < 0).any()):
+        if self.size and ((np.diff(lo_k) < 0).any() or (np.diff(hi_k) < 0).any()):
             raise AssertionError("internal error: threshold edges are not sorted")
         self.lo_keys = torch.from_numpy(lo_k).to(device)
         self.lo_keys_padded = torch.from_numpy(np.concatenate([lo_k, [np.inf]])).to(device)
         self.hi_keys = torch.from_numpy(hi_k).to(device)
         self.span = span
         self.qoff = torch.arange(n_queries, dtype=torch.float64, device=device) * span
-        self.use_table = self.tmax <= _TABLE_MAX
-        if self.use_table:
-            # [Q, T] float32 edges of each query's thresholds in its own row, +inf padded
-            t = max(self.tmax, 1)
-            col = np.arange(m) - self.off[self.sorted_q]
-            hi_tab = np.full((n_queries, t), np.inf, dtype=np.float32)
-            lo_tab = np.full((n_queries, t + 1), np.inf, dtype=np.float32)
-            hi_tab[self.sorted_q, col] = hi
-            lo_tab[self.sorted_q, col] = lo
-            self.hi_tab = torch.from_numpy(hi_tab).to(device)
-            self.lo_tab = torch.from_numpy(lo_tab[:, :t]).to(device)
-            self.lo_next = torch.from_numpy(lo_tab.reshape(-1)).to(device)   # row stride t + 1
-            self.first = torch.from_numpy(self.off[:-1]).to(device)
+
+    def _set_tables(self, lo: np.ndarray, hi: np.ndarray, n_queries: int, device: torch.device) -> None:
+        """``[Q, T]`` float32 edges of each query's thresholds in its own row, +inf padded."""
+        m = self.size
+        t = max(self.tmax, 1)
+        col = np.arange(m) - self.off[self.sorted_q]
+        hi_tab = np.full((n_queries, t), np.inf, dtype=np.float32)
+        lo_tab = np.full((n_queries, t + 1), np.inf, dtype=np.float32)
+        hi_tab[self.sorted_q, col] = hi
+        lo_tab[self.sorted_q, col] = lo
+        self.hi_tab = torch.from_numpy(hi_tab).to(device)
+        self.lo_tab = torch.from_numpy(lo_tab[:, :t]).to(device)
+        self.lo_next = torch.from_numpy(lo_tab.reshape(-1)).to(device)   # row stride t + 1
+        self.first = torch.from_numpy(self.off[:-1]).to(device)
 
     def locate(self, qg: torch.Tensor, vals: torch.Tensor):
         """``(bucket, amb, b_hi, b_lo)`` for survivors of query ``qg`` with score ``vals``.
@@ -447,9 +475,20 @@ def _survivors(S: torch.Tensor, lm: torch.Tensor, use_tiles: bool = True):
     return r, c, S.reshape(-1).index_select(0, flat), frac
 
 
+@dataclass(frozen=True)
+class Segmentations:
+    """The distinct segmentations of the curves (shared by curves with equal order and counts,
+    :func:`raycompat.backfill.grid.segments`)."""
+
+    arrays: List[np.ndarray]            # [N] int32 segment of each item
+    tensors: List[torch.Tensor]         # the same, int64 on the pass device
+    sizes: List[int]                    # segments of each: grid points + 1
+    of_curve: List[int]                 # the segmentation of each curve
+
+
 class _SidePass:
-    """The scoring pass over one side X: per score block, the exact float32 scores of
-    X's positives (its thresholds), the survivors, and their histogram.
+    """The scoring pass over one side X and gallery rows ``g0:g1``: per score block, the
+    survivors and their histogram.
 
     One histogram ``[segment, bucket]`` (int64, ``bucket`` as in :meth:`_Merged.locate`)
     per distinct *non-constant* segmentation of the curves X serves; a constant
@@ -459,19 +498,22 @@ class _SidePass:
     (``slot``), summed after the pass.
     """
 
-    def __init__(self, mx: _Merged, seg_ids: List[int], seg_np: List[np.ndarray], seg_t: List[torch.Tensor],
-                 n_segs: List[int], pq: np.ndarray, pi: np.ndarray, query_rows: int, workers: int,
-                 device: torch.device):
+    def __init__(self, mx: _Merged, seg_ids: List[int], segs: Segmentations, workers: int,
+                 device: torch.device, g0: int = 0, g1: int | None = None):
         self.mx = mx
-        self.seg_np, self.seg_t, self.n_segs = seg_np, seg_t, n_segs
-        self.constant = {si: int(seg_np[si][0]) for si in seg_ids if seg_np[si].min() == seg_np[si].max()}
+        self.seg_np, self.seg_t, self.n_segs = segs.arrays, segs.tensors, segs.sizes
+        self.constant = {si: int(self.seg_np[si][0]) for si in seg_ids
+                         if self.seg_np[si].min() == self.seg_np[si].max()}
         counted = [si for si in seg_ids if si not in self.constant] or seg_ids[:1]
         self.base: Dict[int, int] = {}
         size = 0
         for si in counted:
             self.base[si] = size
-            size += n_segs[si] * mx.width
+            size += self.n_segs[si] * mx.width
         self.size = size
+        self.offset = int(g0)
+        g1 = self.seg_np[0].size if g1 is None else g1
+        self.total = float(mx.lo_min.size * (g1 - g0))
         self.workers = workers if device.type == "cpu" else 1
         self.acc = [torch.zeros(size, dtype=torch.int64, device=device) for _ in range(self.workers)]
         self.ones = torch.ones(1, dtype=torch.int64, device=device)
@@ -491,7 +533,9 @@ class _SidePass:
             w["t_end"] = now
 
     def block(self, slot: int, q0: int, q1: int, g0: int, g1: int, S: torch.Tensor) -> None:
-        """Histogram the survivors of score block ``S`` (rows ``q0:q1``, items ``g0:g1``)."""
+        """Histogram the survivors of score block ``S`` (rows ``q0:q1``, items ``g0:g1`` of
+        the pass's rows, i.e. ``offset + g0 : offset + g1`` of the gallery)."""
+        g0, g1 = g0 + self.offset, g1 + self.offset
         w = self._w[slot]
         tb = time.perf_counter()
         w["seconds_matmul"] += tb - w["t_end"]
@@ -517,7 +561,7 @@ class _SidePass:
         if self.progress is not None:
             with self._lock:
                 self._done += (q1 - q0) * (g1 - g0)
-                self.progress(self._done / float(self.mx.lo_min.size * self.seg_np[0].size))
+                self.progress(self._done / self.total)
         w["t_end"] = time.perf_counter()
 
     def _count(self, slot: int, qg: torch.Tensor, col: torch.Tensor, g0: int, g1: int, vals: torch.Tensor):
@@ -551,8 +595,337 @@ class _SidePass:
 
     def stats(self) -> Dict[str, Any]:
         """Survivors, band entries and stage seconds (summed over workers)."""
-        keys = ("survivors", "band_entries", "seconds_matmul", "seconds_filter", "seconds_count")
-        return {k: sum(w[k] for w in self._w) for k in keys}
+        return {k: sum(w[k] for w in self._w) for k in _PASS_STAT_KEYS}
+
+
+#: per-pass counters of :meth:`_SidePass.stats` (summed over workers, and over blocks)
+_PASS_STAT_KEYS = ("survivors", "band_entries", "seconds_matmul", "seconds_filter", "seconds_count")
+
+
+# ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class RankPlan:
+    """What every block pass and the rank assembly share, built once from the inputs by
+    :func:`plan_ranks` (pairs, thresholds, segmentations, block sizes); no score yet."""
+
+    curves: List[CurveSpec]
+    used: List[str]                               # pass sides, in order of first use
+    pairs_q: np.ndarray                           # [P'] positive pairs, then (debug) one
+    pairs_i: np.ndarray                           #      sentinel per query at item N
+    npos: np.ndarray                              # [Q] positives per query
+    n_real: int                                   # P: real pairs (the first P of P')
+    n_items: int
+    values: Dict[str, _SideValues]                # per side: canonical threshold values
+    merged: Dict[str, _Merged]                    # per pass side: its merged thresholds
+    targets: Dict[str, List[Tuple[int, int]]]     # per pass side: (curve, role 0 old / 1 new)
+    segs: Segmentations
+    device: torch.device
+    query_rows: int
+    gallery_rows: int
+    workers: int
+
+    @property
+    def sentinel(self) -> np.ndarray:
+        """bool [P']: which pairs are debug sentinels."""
+        return np.arange(self.pairs_q.size) >= self.n_real
+
+    def seg_ids(self, xname: str) -> List[int]:
+        """The segmentations the pass over side ``xname`` histograms."""
+        return sorted({self.segs.of_curve[ci] for ci, _ in self.targets[xname]})
+
+
+def _check_inputs(sides: Mapping[str, Side], curves: Sequence[CurveSpec], n_q: int,
+                  n_items: int) -> List[str]:
+    """The pass sides the curves use (in order of first use); a missing side, a backfill
+    without a new side or a side of the wrong size raises."""
+    if n_items == 0:
+        raise ValueError("the gallery is empty")
+    used: List[str] = []
+    for c in curves:
+        for s in c.sides():
+            if s not in sides:
+                raise KeyError(f"curve {c.key!r} needs score side {s!r}, which was not given")
+            if s not in used:
+                used.append(s)
+        if c.new_side is None and np.any(np.asarray(c.counts) > 0):
+            raise ValueError(f"curve {c.key!r} backfills items but has no new side")
+    for s in used:
+        side = sides[s]
+        if side.queries.shape[0] != n_q or side.gallery.shape[0] != n_items:
+            raise ValueError(
+                f"side {s!r} has {side.queries.shape[0]} queries x {side.gallery.shape[0]} items, "
+                f"labels say {n_q} x {n_items}")
+    return used
+
+
+def _segmentations(curves: Sequence[CurveSpec], n_items: int, device: torch.device) -> Segmentations:
+    """One segmentation per distinct (order, counts) of the curves."""
+    arrays: List[np.ndarray] = []
+    tensors: List[torch.Tensor] = []
+    sizes: List[int] = []
+    cache: Dict[Tuple[int, bytes], int] = {}
+    of_curve: List[int] = []
+    for c in curves:
+        counts = np.asarray(c.counts, dtype=np.int64)
+        key = (id(c.order), counts.tobytes())
+        if key not in cache:
+            seg = segments(c.order, counts, n_items)
+            cache[key] = len(arrays)
+            arrays.append(seg)
+            tensors.append(torch.from_numpy(seg.astype(np.int64)).to(device))
+            sizes.append(len(counts) + 1)
+        of_curve.append(cache[key])
+    return Segmentations(arrays, tensors, sizes, of_curve)
+
+
+def _sides_sharing(curves: Sequence[CurveSpec], xname: str) -> List[str]:
+    """Every side that shares a curve with side ``xname`` (itself included), in order."""
+    ys: List[str] = []
+    for c in curves:
+        if xname in c.sides():
+            for y in c.sides():
+                if y not in ys:
+                    ys.append(y)
+    return ys
+
+
+def plan_ranks(
+    sides: Mapping[str, Side],
+    curves: Sequence[CurveSpec],
+    query_labels,
+    gallery_labels,
+    *,
+    device=None,
+    block_bytes: int = ENGINE_BLOCK_BYTES,
+    debug: bool = False,
+    band_scale: float = 1.0,
+    workers: int | None = None,
+) -> RankPlan:
+    """Check the inputs and compute everything but the scores: the positive pairs, their
+    canonical threshold values and error bands, the merged thresholds of each pass side, the
+    segmentations and the block sizes (arguments as in :func:`compute_ranks`)."""
+    dev = resolve_device(device)
+    ql = np.asarray(query_labels)
+    gl = np.asarray(gallery_labels)
+    n_q, n_items = ql.shape[0], gl.shape[0]
+    used = _check_inputs(sides, curves, n_q, n_items)
+    pq, pi, npos = positive_pairs(ql, gl)
+    n_real = pq.size
+    if debug:
+        pq = np.concatenate([pq, np.arange(n_q, dtype=np.int64)])
+        pi = np.concatenate([pi, np.full(n_q, n_items, dtype=np.int64)])
+    sentinel = np.arange(pq.size) >= n_real
+    norms = {s: (_row_norms(sides[s].queries), _max_row_norm(sides[s].gallery)) for s in used}
+    values = {s: _SideValues(sides[s], pq, pi, sentinel, band_scale, *norms[s]) for s in used}
+    span = _key_span(list(norms.values()))
+    segs = _segmentations(curves, n_items, dev)
+    merged = {x: _Merged(_sides_sharing(curves, x), values, pq, n_q, span, dev) for x in used}
+    targets = {x: [(ci, role) for ci, c in enumerate(curves)
+                   for role, name in ((0, c.old_side), (1, c.new_side)) if name == x] for x in used}
+    qc, gb = block_rows(n_q, n_items, block_bytes)
+    n_workers = default_workers(dev) if workers is None else max(1, int(workers))
+    return RankPlan(curves=list(curves), used=used, pairs_q=pq, pairs_i=pi, npos=npos, n_real=n_real,
+                    n_items=n_items, values=values, merged=merged, targets=targets, segs=segs,
+                    device=dev, query_rows=qc, gallery_rows=gb, workers=n_workers)
+
+
+# ----------------------------------------------------------------------------- (a) block pass
+@dataclass
+class SideCounts:
+    """What a block pass over one score side found: the decided scores as histograms, and
+    the near-ties resolved exactly as (item, merged threshold) pairs the item precedes."""
+
+    histograms: Dict[int, np.ndarray]     # segmentation -> int64 [segments, width]
+    tie_items: np.ndarray                 # int64 gallery index of each resolved near-tie
+    tie_thresholds: np.ndarray            # int64 merged threshold index it precedes
+    stats: Dict[str, Any]
+
+
+@dataclass
+class BlockCounts:
+    """What gallery rows ``g0:g1`` contribute, per pass side (:func:`block_pass`)."""
+
+    g0: int
+    g1: int
+    sides: Dict[str, SideCounts]
+
+
+def block_pass(plan: RankPlan, sides: Mapping[str, Side], g0: int = 0, g1: int | None = None, *,
+               progress=None) -> BlockCounts:
+    """Score gallery rows ``g0:g1`` against every query for each pass side, histogram the
+    scores against the positives' thresholds per segment, and resolve the near-ties exactly
+    (see the module docstring).  Blocks that cover the gallery add up
+    (:func:`ranks_from_counts`) to the counts of one pass over the whole gallery."""
+    g1 = plan.n_items if g1 is None else int(g1)
+    if not 0 <= g0 < g1 <= plan.n_items:
+        raise ValueError(f"gallery block {g0}:{g1} is not inside 0:{plan.n_items}")
+    out: Dict[str, SideCounts] = {}
+    for xname in plan.used:
+        report = None if progress is None else (lambda frac, _x=xname: progress(_x, frac))
+        out[xname] = _side_block_pass(plan, xname, sides[xname], g0, g1, report)
+    return BlockCounts(g0=int(g0), g1=g1, sides=out)
+
+
+def _side_block_pass(plan: RankPlan, xname: str, side: Side, g0: int, g1: int, progress) -> SideCounts:
+    """:func:`block_pass` for one side: the blockwise float32 pass, then the exact ties."""
+    t0 = time.perf_counter()
+    seg_ids = plan.seg_ids(xname)
+    sp = _SidePass(plan.merged[xname], seg_ids, plan.segs, plan.workers, plan.device, g0, g1)
+    sp.progress = progress
+    with fp32_matmul(), torch.no_grad():
+        sp.begin()
+        map_score_blocks(side.queries, side.gallery[g0:g1], sp.block, device=plan.device,
+                         query_rows=plan.query_rows, gallery_rows=plan.gallery_rows, workers=plan.workers)
+        release_memory()
+    stats = {"seconds": time.perf_counter() - t0, "dim": int(side.queries.shape[1]),
+             "thresholds_per_query": plan.merged[xname].tmax, "workers": sp.workers, **sp.stats()}
+    histograms = {si: sp.histogram(si) for si in seg_ids}
+    tie_items, tie_thresholds = _resolve_near_ties(plan, xname, side, sp.band)
+    return SideCounts(histograms, tie_items, tie_thresholds, stats)
+
+
+def _resolve_near_ties(plan: RankPlan, xname: str, side: Side,
+                       band: List[Tuple[np.ndarray, ...]]) -> Tuple[np.ndarray, np.ndarray]:
+    """The ambiguous (survivor, threshold) pairs of a pass decided by canonical scores and
+    the index tie rule: ``(items, merged thresholds)`` of the pairs where the item precedes."""
+    if not band:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    mx = plan.merged[xname]
+    x_b, _, bhi_b, blo_b = (np.concatenate([p[i] for p in band]) for i in range(4))
+    n_amb = blo_b - bhi_b                     # ambiguous thresholds: merged indices [b_hi, b_lo)
+    rep = np.repeat(np.arange(x_b.size), n_amb)
+    first = np.repeat(np.cumsum(n_amb) - n_amb, n_amb)
+    t = bhi_b[rep] + (np.arange(rep.size) - first)
+    ys = mx.src_y[t]
+    ps = mx.src_p[t]
+    thr = np.empty(t.size, dtype=np.float64)            # canonical threshold values
+    for yi, yname in enumerate(mx.ynames):
+        m = ys == yi
+        thr[m] = plan.values[yname].v64[ps[m]]
+    # canonical scores of the ambiguous survivors (their query: that of their thresholds)
+    cand = pair_scores_at(side.queries, mx.sorted_q[bhi_b], side.gallery, x_b)
+    cv, xx = cand[rep], x_b[rep]
+    above = (cv > thr) | ((cv == thr) & (xx < plan.pairs_i[ps]))
+    return xx[above], t[above]
+
+
+# ----------------------------------------------------------------------------- (b) counts -> ranks
+def ranks_from_counts(plan: RankPlan, blocks: Sequence[BlockCounts]) -> EngineResult:
+    """Add the block passes' histograms and resolved ties (blocks that cover the gallery
+    once) and turn them into the ranks of every positive pair at every grid point."""
+    covered = sum(b.g1 - b.g0 for b in blocks)
+    if covered != plan.n_items:
+        raise ValueError(f"the blocks cover {covered} gallery rows, the gallery has {plan.n_items}")
+    counts_m: Dict[Tuple[int, int], np.ndarray] = {}          # (curve, role) -> [nseg, M] int32
+    for xname in plan.used:
+        parts = [b.sides[xname] for b in blocks]
+        hist = {si: _sum_arrays([p.histograms[si] for p in parts]) for si in plan.seg_ids(xname)}
+        tie_items = np.concatenate([p.tie_items for p in parts])
+        tie_thresholds = np.concatenate([p.tie_thresholds for p in parts])
+        for ci, role in plan.targets[xname]:
+            si = plan.segs.of_curve[ci]
+            cm = _threshold_counts(plan.merged[xname], hist[si])
+            if tie_items.size:
+                np.add.at(cm, (plan.segs.arrays[si][tie_items], tie_thresholds), 1)
+            counts_m[(ci, role)] = cm
+        del hist
+    out_curves: List[CurveRanks] = []
+    items_counted = {}
+    for ci, c in enumerate(plan.curves):
+        ranks = _curve_ranks(plan, ci, counts_m)
+        if plan.n_real < plan.pairs_q.size:
+            items_counted[c.key] = ranks[:, plan.n_real:].copy()   # sentinel: every item precedes it
+        out_curves.append(CurveRanks(key=c.key, counts=np.asarray(c.counts, dtype=np.int64),
+                                     seg=plan.segs.arrays[plan.segs.of_curve[ci]],
+                                     ranks=np.ascontiguousarray(ranks[:, :plan.n_real])))
+    stats: Dict[str, Any] = {"sides": {x: _sum_stats([b.sides[x].stats for b in blocks]) for x in plan.used},
+                             "device": str(plan.device), "pairs": int(plan.n_real)}
+    result = EngineResult(pairs_q=plan.pairs_q[:plan.n_real], pairs_i=plan.pairs_i[:plan.n_real],
+                          npos=plan.npos, n_items=plan.n_items, curves=out_curves, stats=stats)
+    if items_counted:
+        result.debug["items_counted"] = items_counted
+        _check_items_counted(items_counted, plan.n_items)
+    return result
+
+
+def _sum_arrays(arrays: List[np.ndarray]) -> np.ndarray:
+    """Sum of the arrays (the array itself when there is one)."""
+    total = arrays[0]
+    for a in arrays[1:]:
+        total = total + a
+    return total
+
+
+def _sum_stats(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One side's pass statistics over several blocks: seconds and counters summed."""
+    out = dict(parts[0])
+    for p in parts[1:]:
+        for key in ("seconds",) + _PASS_STAT_KEYS:
+            out[key] += p[key]
+    return out
+
+
+def _threshold_counts(mx: _Merged, H: np.ndarray) -> np.ndarray:
+    """int32 ``[segments, M]``: per segment, the decided items that precede each merged
+    threshold (survivors of its query whose bucket lies above it), from histogram ``H``."""
+    W = mx.width
+    tq = mx.sorted_q
+    tpos = np.arange(mx.size, dtype=np.int64)
+    RC = np.zeros((H.shape[0], W + 1), dtype=np.int64)
+    RC[:, :W] = np.cumsum(H[:, ::-1], axis=1)[:, ::-1]
+    return (RC[:, tpos + tq + 1] - RC[:, mx.off[tq + 1] + tq + 1]).astype(np.int32)
+
+
+def _pair_counts(plan: RankPlan, ci: int, counts_m) -> Dict[Tuple[int, str], np.ndarray]:
+    """Per (role, threshold side): int32 ``[segments, P']`` items of each segment, scored on
+    the role's side, that precede each positive pair's threshold on the threshold side."""
+    c = plan.curves[ci]
+    n_seg = len(c.counts) + 1
+    per = {}
+    for role, xname in ((0, c.old_side), (1, c.new_side)):
+        if xname is None:
+            continue
+        mx = plan.merged[xname]
+        cm = counts_m[(ci, role)]
+        for yi, yname in enumerate(mx.ynames):
+            sel = np.flatnonzero(mx.src_y == yi)
+            pair_counts = np.zeros((n_seg, plan.pairs_q.size), dtype=np.int32)
+            pair_counts[:, mx.src_p[sel]] = cm[:, sel]
+            per[(role, yname)] = pair_counts
+    return per
+
+
+def _curve_ranks(plan: RankPlan, ci: int, counts_m) -> np.ndarray:
+    """int64 ``[J, P']`` ranks of curve ``ci``: ``rank_j(i) = sum_{s <= j} A_new[s](v) +
+    sum_{s > j} A_old[s](v)`` with ``v`` the pair's new or old threshold (module docstring)."""
+    c = plan.curves[ci]
+    J = len(c.counts)
+    per = _pair_counts(plan, ci, counts_m)
+    zero = np.zeros((J + 1, plan.pairs_q.size), dtype=np.int32)
+
+    def rank_with(yname):
+        new_c = per.get((1, yname), zero)
+        old_c = per.get((0, yname), zero)
+        pn = np.cumsum(new_c, axis=0, dtype=np.int64)[:J]    # sum_{s <= j} new-state items
+        co = np.cumsum(old_c, axis=0, dtype=np.int64)
+        so = co[-1][None, :] - co[:J]                        # sum_{s > j} old-state items
+        return pn + so
+
+    r_old = rank_with(c.old_side)
+    r_new = rank_with(c.new_side) if c.new_side is not None else r_old
+    seg = plan.segs.arrays[plan.segs.of_curve[ci]]
+    pi = plan.pairs_i
+    pseg = np.where(plan.sentinel, np.iinfo(np.int32).max, seg[np.minimum(pi, plan.n_items - 1)])
+    is_new = pseg[None, :] <= np.arange(J)[:, None]
+    return np.where(is_new, r_new, r_old)
+
+
+def _check_items_counted(items_counted: Dict[Any, np.ndarray], n_items: int) -> None:
+    """Debug: at every grid point every item precedes the sentinel once (one vector per item)."""
+    for key, cnt in items_counted.items():
+        if not (cnt == n_items).all():
+            raise AssertionError(f"curve {key!r}: an item was counted {cnt.min()}..{cnt.max()} "
+                                 f"times instead of once per grid point ({n_items} items)")
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -567,9 +940,10 @@ def compute_ranks(
     debug: bool = False,
     band_scale: float = 1.0,
     progress=None,
-    workers: Optional[int] = None,
+    workers: int | None = None,
 ) -> EngineResult:
-    """Ranks of every positive pair at every grid point of every curve (see module docstring).
+    """Ranks of every positive pair at every grid point of every curve (see module docstring):
+    :func:`plan_ranks`, one :func:`block_pass` over the whole gallery, :func:`ranks_from_counts`.
 
     Args:
         sides: score sides by name; every side must have the same Q and N.
@@ -588,178 +962,11 @@ def compute_ranks(
         workers: threads of a pass on CPU (default: torch's intra-op thread count; see
             :func:`raycompat.backfill.blocks.map_score_blocks`); 1 on other devices.
     """
-    dev = resolve_device(device)
     t_start = time.perf_counter()
-    ql = np.asarray(query_labels)
-    gl = np.asarray(gallery_labels)
-    n_q, n_items = ql.shape[0], gl.shape[0]
-    if n_items == 0:
-        raise ValueError("the gallery is empty")
-    used: List[str] = []
-    for c in curves:
-        for s in c.sides():
-            if s not in sides:
-                raise KeyError(f"curve {c.key!r} needs score side {s!r}, which was not given")
-            if s not in used:
-                used.append(s)
-        if c.new_side is None and np.any(np.asarray(c.counts) > 0):
-            raise ValueError(f"curve {c.key!r} backfills items but has no new side")
-    for s in used:
-        side = sides[s]
-        if side.queries.shape[0] != n_q or side.gallery.shape[0] != n_items:
-            raise ValueError(
-                f"side {s!r} has {side.queries.shape[0]} queries x {side.gallery.shape[0]} items, "
-                f"labels say {n_q} x {n_items}")
-
-    pq, pi, npos = positive_pairs(ql, gl)
-    n_real = pq.size
-    if debug:
-        pq = np.concatenate([pq, np.arange(n_q, dtype=np.int64)])
-        pi = np.concatenate([pi, np.full(n_q, n_items, dtype=np.int64)])
-    sentinel = np.zeros(pq.size, dtype=bool)
-    sentinel[n_real:] = True
-    n_pairs = pq.size
-
-    norms = {s: (_row_norms(sides[s].queries), _max_row_norm(sides[s].gallery)) for s in used}
-    values = {s: _SideValues(sides[s], pq, pi, sentinel, band_scale, *norms[s]) for s in used}
-    span = _key_span(list(norms.values()))
-
-    # segments per curve (shared when order and counts are the same)
-    seg_np: List[np.ndarray] = []
-    seg_t: List[torch.Tensor] = []
-    seg_n: List[int] = []                                     # segments of each: grid points + 1
-    cache: Dict[Tuple[int, bytes], int] = {}
-    curve_seg: List[int] = []
-    for c in curves:
-        counts = np.asarray(c.counts, dtype=np.int64)
-        key = (id(c.order), counts.tobytes())
-        if key not in cache:
-            seg = segments(c.order, counts, n_items)
-            cache[key] = len(seg_np)
-            seg_np.append(seg)
-            seg_t.append(torch.from_numpy(seg.astype(np.int64)).to(dev))
-            seg_n.append(len(counts) + 1)
-        curve_seg.append(cache[key])
-
-    # per pass side X: merged thresholds and histogram targets (curve, role)
-    merged: Dict[str, _Merged] = {}
-    targets: Dict[str, List[Tuple[int, int]]] = {}            # X -> [(curve, role)]
-    passes: Dict[str, _SidePass] = {}
-    qc, gb = block_rows(n_q, n_items, block_bytes)
-    n_workers = default_workers(dev) if workers is None else max(1, int(workers))
-    for xname in used:
-        ys: List[str] = []
-        for c in curves:
-            if xname in c.sides():
-                for y in c.sides():
-                    if y not in ys:
-                        ys.append(y)
-        merged[xname] = _Merged(ys, values, pq, n_q, span, dev)
-        targets[xname] = [(ci, role) for ci, c in enumerate(curves)
-                          for role, name in ((0, c.old_side), (1, c.new_side)) if name == xname]
-        passes[xname] = _SidePass(merged[xname], sorted({curve_seg[ci] for ci, _ in targets[xname]}),
-                                  seg_np, seg_t, seg_n, pq[:n_real], pi[:n_real], qc, n_workers, dev)
-
-    stats: Dict[str, Any] = {"sides": {}, "device": str(dev), "pairs": int(n_real)}
-    with fp32_matmul(), torch.no_grad():
-        for xname in used:
-            t0 = time.perf_counter()
-            side = sides[xname]
-            sp = passes[xname]
-            if progress is not None:
-                sp.progress = lambda frac, _x=xname: progress(_x, frac)
-            sp.begin()
-            map_score_blocks(side.queries, side.gallery, sp.block, device=dev, query_rows=qc,
-                             gallery_rows=gb, workers=n_workers)
-            release_memory()
-            stats["sides"][xname] = {"seconds": time.perf_counter() - t0, "dim": int(side.queries.shape[1]),
-                                     "thresholds_per_query": merged[xname].tmax, "workers": sp.workers,
-                                     **sp.stats()}
-
-    # ------------------------------------------------------------ histograms -> counts
-    counts_m: Dict[Tuple[int, int], np.ndarray] = {}          # (curve, role) -> [nseg, M] int32
-    for xname in used:
-        mx = merged[xname]
-        W = mx.width
-        tq = mx.sorted_q
-        tpos = np.arange(mx.size, dtype=np.int64)
-        for ci, role in targets[xname]:
-            H = passes[xname].histogram(curve_seg[ci])
-            nseg = H.shape[0]
-            RC = np.zeros((nseg, W + 1), dtype=np.int64)
-            RC[:, :W] = np.cumsum(H[:, ::-1], axis=1)[:, ::-1]
-            counts_m[(ci, role)] = (RC[:, tpos + tq + 1] - RC[:, mx.off[tq + 1] + tq + 1]).astype(np.int32)
-            del H, RC
-    band = {x: passes[x].band for x in used if passes[x].band}
-
-    # ------------------------------------------------------------ band resolution (exact)
-    for xname, parts in band.items():
-        mx = merged[xname]
-        x_b, _, bhi_b, blo_b = (np.concatenate([p[i] for p in parts]) for i in range(4))
-        n_amb = blo_b - bhi_b                     # ambiguous thresholds: merged indices [b_hi, b_lo)
-        rep = np.repeat(np.arange(x_b.size), n_amb)
-        first = np.repeat(np.cumsum(n_amb) - n_amb, n_amb)
-        t = bhi_b[rep] + (np.arange(rep.size) - first)
-        ys = mx.src_y[t]
-        ps = mx.src_p[t]
-        thr = np.empty(t.size, dtype=np.float64)            # canonical threshold values
-        for yi, yname in enumerate(mx.ynames):
-            m = ys == yi
-            thr[m] = values[yname].v64[ps[m]]
-        # canonical scores of the ambiguous survivors (their query: that of their thresholds)
-        side = sides[xname]
-        cand = pair_scores_at(side.queries, mx.sorted_q[bhi_b], side.gallery, x_b)
-        cv, xx = cand[rep], x_b[rep]
-        above = (cv > thr) | ((cv == thr) & (xx < pi[ps]))
-        xs, ts = xx[above], t[above]
-        for ci, role in targets[xname]:
-            np.add.at(counts_m[(ci, role)], (seg_np[curve_seg[ci]][xs], ts), 1)
-
-    # ------------------------------------------------------------ ranks per curve
-    out_curves: List[CurveRanks] = []
-    items_counted = {}
-    for ci, c in enumerate(curves):
-        seg = seg_np[curve_seg[ci]]
-        J = len(c.counts)
-        per = {}
-        for role, xname in ((0, c.old_side), (1, c.new_side)):
-            if xname is None:
-                continue
-            mx = merged[xname]
-            cm = counts_m[(ci, role)]
-            for yi, yname in enumerate(mx.ynames):
-                sel = np.flatnonzero(mx.src_y == yi)
-                pair_counts = np.zeros((J + 1, n_pairs), dtype=np.int32)
-                pair_counts[:, mx.src_p[sel]] = cm[:, sel]
-                per[(role, yname)] = pair_counts
-        zero = np.zeros((J + 1, n_pairs), dtype=np.int32)
-
-        def rank_with(yname):
-            new_c = per.get((1, yname), zero)
-            old_c = per.get((0, yname), zero)
-            pn = np.cumsum(new_c, axis=0, dtype=np.int64)[:J]    # sum_{s <= j} new-state items
-            co = np.cumsum(old_c, axis=0, dtype=np.int64)
-            so = co[-1][None, :] - co[:J]                        # sum_{s > j} old-state items
-            return pn + so
-
-        r_old = rank_with(c.old_side)
-        r_new = rank_with(c.new_side) if c.new_side is not None else r_old
-        pseg = np.where(sentinel, np.iinfo(np.int32).max, seg[np.minimum(pi, n_items - 1)])
-        is_new = pseg[None, :] <= np.arange(J)[:, None]
-        ranks = np.where(is_new, r_new, r_old)
-        if debug:
-            items_counted[c.key] = ranks[:, n_real:].copy()      # sentinel: every item precedes it
-        out_curves.append(CurveRanks(key=c.key, counts=np.asarray(c.counts, dtype=np.int64), seg=seg,
-                                     ranks=np.ascontiguousarray(ranks[:, :n_real])))
-    stats["seconds"] = time.perf_counter() - t_start
-    result = EngineResult(pairs_q=pq[:n_real], pairs_i=pi[:n_real], npos=npos, n_items=n_items,
-                          curves=out_curves, stats=stats)
-    if debug:
-        result.debug["items_counted"] = items_counted
-        for key, cnt in items_counted.items():
-            if not (cnt == n_items).all():
-                raise AssertionError(f"curve {key!r}: an item was counted {cnt.min()}..{cnt.max()} "
-                                     f"times instead of once per grid point ({n_items} items)")
+    plan = plan_ranks(sides, curves, query_labels, gallery_labels, device=device, block_bytes=block_bytes,
+                      debug=debug, band_scale=band_scale, workers=workers)
+    result = ranks_from_counts(plan, [block_pass(plan, sides, progress=progress)])
+    result.stats["seconds"] = time.perf_counter() - t_start
     return result
 
 
@@ -801,7 +1008,7 @@ def metrics_from_ranks(
     pairs_q: np.ndarray,
     npos: np.ndarray,
     k: int,
-    reference_correct: Optional[np.ndarray] = None,
+    reference_correct: np.ndarray | None = None,
     *,
     return_per_query: bool = False,
 ):

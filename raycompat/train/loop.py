@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from raycompat import distributed
+from raycompat import console, distributed
 from raycompat.config import ConfigError
 from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
@@ -87,36 +89,73 @@ def make_bundle(cfg: TrainConfig, module: TrainingModule, old: ModelBundle | Non
     return ModelBundle(modules, manifest)
 
 
-def train_loop_per_worker(config: dict) -> list[dict]:
-    import ray.train
-    import ray.train.torch
+@dataclass
+class WorkerState:
+    """Everything one worker trains with, built by :func:`setup_worker`."""
 
-    cfg = TrainConfig.from_dict(config)
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // context.get_local_world_size())
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    worker_nodes: list[str]                   # Ray node id of every rank, in rank order
+    trains_embedder: bool
+    old: ModelBundle | None
+    new_classes: list[int]
+    compatible_dim: int
+    new_target: torch.Tensor                  # class id -> row of the new head (-1: none)
+    old_target: torch.Tensor                  # class id -> row of the old head (-1: none)
+    module: TrainingModule
+    ddp_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: DistributedSampler
+    loader: DataLoader
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.loader)
+
+
+@dataclass(frozen=True)
+class EpochTotals:
+    """One epoch of one worker: summed loss terms, seconds inside the steps, wall seconds,
+    and the learning rate of the last step."""
+
+    sums: dict[str, float]
+    step_time: float
+    wall: float
+    lr: float
+
+
+def class_targets(new_classes: list[int], old_classes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lookup tables class id -> row of the new head and of the old head (-1 where absent)."""
+    new_target = torch.full((max(new_classes) + 1,), -1, dtype=torch.long)
+    new_target[torch.tensor(new_classes)] = torch.arange(len(new_classes))
+    old_target = torch.full_like(new_target, -1)
+    known = [c for c in old_classes if c < len(old_target)]
+    if known:
+        rows = {c: i for i, c in enumerate(old_classes)}
+        old_target[torch.tensor(known)] = torch.tensor([rows[c] for c in known])
+    return new_target, old_target
+
+
+def _seed_and_threads(cfg: TrainConfig, local_world_size: int) -> None:
+    """Intra-op threads (this node's cores shared by its workers), then the seeds."""
+    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    device = ray.train.torch.get_device()
-    # where every rank runs (Ray node ids, in rank order): recorded in each epoch's metrics
-    worker_nodes = distributed.all_gather_strings(ray.get_runtime_context().get_node_id())
 
+
+def _write_pid(cfg: TrainConfig, rank: int) -> None:
+    """Diagnostics (tests): this worker's pid in ``diagnostics_dir/pid_rank<r>.txt``."""
     if cfg.diagnostics_dir:
         os.makedirs(cfg.diagnostics_dir, exist_ok=True)
         with open(os.path.join(cfg.diagnostics_dir, f"pid_rank{rank}.txt"), "w") as f:
             f.write(str(os.getpid()))
 
-    method_cls = method_class(cfg.method)
-    old = ModelBundle.load(cfg.old_model, device).freeze() if cfg.old_model else None
-    train_set = build_training_set(cfg, views=2 if old is not None else 1)
-    new_classes = train_set.classes
-    old_classes = old.classes if old is not None else []
-    if old is not None and old.embed_dim > cfg.embed_dim:
-        raise ConfigError(f"embed_dim {cfg.embed_dim} is smaller than the old model's "
-                          f"{old.embed_dim}: the compatible subspace needs D_new >= D_old")
-    compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
 
+def _build_networks(cfg: TrainConfig, new_classes: list[int]) -> tuple[Embedder, ClassifierHead]:
+    """The new embedder and head, started from ``init_model`` when one is given."""
     embedder = Embedder(cfg.backbone, cfg.embed_dim, in_chans=cfg.in_chans,
                         pretrained_path=cfg.pretrained_path)
     head = ClassifierHead(cfg.embed_dim, len(new_classes), kind=cfg.head,
@@ -126,17 +165,44 @@ def train_loop_per_worker(config: dict) -> list[dict]:
         embedder.load_state_dict(init.embedder.state_dict())
         if init.classes == new_classes:
             head.load_state_dict(init.head.state_dict())
+    return embedder, head
 
-    new_target = torch.full((max(new_classes) + 1,), -1, dtype=torch.long)
-    new_target[torch.tensor(new_classes)] = torch.arange(len(new_classes))
-    old_target = torch.full_like(new_target, -1)
-    known = [c for c in old_classes if c < len(old_target)]
-    if known:
-        rows = {c: i for i, c in enumerate(old_classes)}
-        old_target[torch.tensor(known)] = torch.tensor([rows[c] for c in known])
 
+def _build_loader(cfg: TrainConfig, train_set, rank: int,
+                  world: int) -> tuple[DistributedSampler, DataLoader]:
+    """This worker's shard of the training set, ``batch_size / world`` items per step."""
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size // world, sampler=sampler, drop_last=True,
+                        num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
+    return sampler, loader
+
+
+def setup_worker(cfg: TrainConfig) -> WorkerState:
+    """Threads and seeds, the frozen old model, the data shard, the new networks and the
+    method (in DDP), and the optimizer: everything but the checkpoint to resume from."""
+    import ray.train
+    import ray.train.torch
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    _seed_and_threads(cfg, context.get_local_world_size())
+    device = ray.train.torch.get_device()
+    # where every rank runs (Ray node ids, in rank order): recorded in each epoch's metrics
+    worker_nodes = distributed.all_gather_strings(ray.get_runtime_context().get_node_id())
+    _write_pid(cfg, rank)
+    method_cls = method_class(cfg.method)
+    old = ModelBundle.load(cfg.old_model, device).freeze() if cfg.old_model else None
+    train_set = build_training_set(cfg, views=2 if old is not None else 1)
+    new_classes = train_set.classes
+    if old is not None and old.embed_dim > cfg.embed_dim:
+        raise ConfigError(f"embed_dim {cfg.embed_dim} is smaller than the old model's "
+                          f"{old.embed_dim}: the compatible subspace needs D_new >= D_old")
+    compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
+    embedder, head = _build_networks(cfg, new_classes)
+    new_target, old_target = class_targets(new_classes, old.classes if old is not None else [])
     method_context = MethodContext(
-        old=old, new_classes=new_classes, old_classes=old_classes,
+        old=old, new_classes=new_classes, old_classes=old.classes if old is not None else [],
         compatible_dim=compatible_dim, device=device,
         epoch_pass_loader=EpochPassLoader(train_set, cfg.batch_size // world, new_target, old_target,
                                           device))
@@ -145,97 +211,142 @@ def train_loop_per_worker(config: dict) -> list[dict]:
     ddp_model = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={
         "find_unused_parameters": False, "broadcast_buffers": True} if world > 1 else None)
     optimizer = build_optimizer(cfg, module)
-
-    start_epoch, history = 0, []
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as ckpt_dir:
-            state = torch.load(os.path.join(ckpt_dir, TRAIN_STATE), map_location=device,
-                               weights_only=True)
-            module.load_state_dict(state["module"])
-            optimizer.load_state_dict(state["optimizer"])
-            start_epoch = int(state["epoch"]) + 1
-            with open(os.path.join(ckpt_dir, HISTORY)) as f:
-                history = json.load(f)
-        if rank == 0:
-            print(f"[raycompat] resumed {cfg.run_name} from the checkpoint of epoch {start_epoch - 1}",
-                  flush=True)
-
-    per_worker_batch = cfg.batch_size // world
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
-    loader = DataLoader(train_set, batch_size=per_worker_batch, sampler=sampler, drop_last=True,
-                        num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
+    sampler, loader = _build_loader(cfg, train_set, rank, world)
+    if len(loader) == 0:
         raise ConfigError(f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
                           f"of {cfg.batch_size}")
+    return WorkerState(cfg, rank, world, device, worker_nodes, method_cls.trains_embedder, old,
+                       new_classes, compatible_dim, new_target, old_target, module, ddp_model,
+                       optimizer, sampler, loader)
 
-    for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)
-        module.method.on_epoch_start(epoch, module)
-        module.train()
-        if not method_cls.trains_embedder:
-            module.embedder.eval()
-            module.head.eval()
-        sums: dict[str, float] = {}
-        step_time, started = 0.0, time.perf_counter()
-        for step, (x_new, x_old, labels) in enumerate(loader):
-            t0 = time.perf_counter()
-            lr = learning_rate(cfg, epoch, step, steps_per_epoch)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            labels = labels.to(device)
-            batch = TrainBatch(
-                x_new=x_new.to(device), labels=labels, new_targets=new_target.to(device)[labels],
-                x_old=None if old is None else x_old.to(device),
-                old_targets=old_target.to(device)[labels])
-            terms = ddp_model(batch)
-            optimizer.zero_grad(set_to_none=True)
-            terms["loss"].backward()
-            optimizer.step()
-            step_time += time.perf_counter() - t0
-            for key, value in terms.items():
-                sums[key] = sums.get(key, 0.0) + float(value.detach())
-            if rank == 0 and (step + 1) % cfg.log_every == 0:
-                print(f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} "
-                      f"step {step + 1}/{steps_per_epoch} loss {float(terms['loss']):.4f} lr {lr:.4g}",
-                      flush=True)
-        wall = time.perf_counter() - started
-        totals = torch.tensor([sums.get(k, 0.0) for k in sorted(sums)] + [step_time, wall],
-                              dtype=torch.float64)
-        distributed.all_reduce_sum(totals)
-        keys = sorted(sums)
-        metrics = {f"loss/{k}": float(totals[i]) / (steps_per_epoch * world) for i, k in enumerate(keys)}
-        metrics.update({
-            "epoch": epoch + 1,
-            "lr": lr,
-            "images_per_s": steps_per_epoch * cfg.batch_size / (float(totals[-1]) / world),
-            "step_images_per_s": steps_per_epoch * cfg.batch_size / (float(totals[-2]) / world),
-            "epoch_time_s": float(totals[-1]) / world,
-            "num_workers": world,
-            "worker_nodes": worker_nodes,
-            "start_epoch": start_epoch,
-        })
-        digest = parameter_digest(module)
-        if cfg.diagnostics_dir:
-            with open(os.path.join(cfg.diagnostics_dir, f"digest_rank{rank}_epoch{epoch + 1}.txt"), "w") as f:
-                f.write(digest)
-        history.append(metrics)
+
+def resume(state: WorkerState) -> tuple[int, list[dict]]:
+    """``(first epoch to run, metrics history)``: from Ray Train's latest checkpoint when Ray
+    restarted this run (module and optimizer state restored), else ``(0, [])``."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, []
+    with checkpoint.as_directory() as ckpt_dir:
+        saved = torch.load(os.path.join(ckpt_dir, TRAIN_STATE), map_location=state.device,
+                           weights_only=True)
+        state.module.load_state_dict(saved["module"])
+        state.optimizer.load_state_dict(saved["optimizer"])
+        start_epoch = int(saved["epoch"]) + 1
+        with open(os.path.join(ckpt_dir, HISTORY)) as f:
+            history = json.load(f)
+    if state.rank == 0:
+        print(f"[raycompat] resumed {state.cfg.run_name} from the checkpoint of epoch {start_epoch - 1}",
+              flush=True)
+    return start_epoch, history
+
+
+def run_epoch(state: WorkerState, epoch: int) -> EpochTotals:
+    """The method's epoch start (its distributed pass), then one optimizer step per batch of
+    this worker's shard, the learning rate set per step (:func:`learning_rate`)."""
+    cfg, module, optimizer, device = state.cfg, state.module, state.optimizer, state.device
+    state.sampler.set_epoch(epoch)
+    module.method.on_epoch_start(epoch, module)
+    module.train()
+    if not state.trains_embedder:
+        module.embedder.eval()
+        module.head.eval()
+    sums: dict[str, float] = {}
+    step_time, started = 0.0, time.perf_counter()
+    for step, (x_new, x_old, labels) in enumerate(state.loader):
+        t0 = time.perf_counter()
+        lr = learning_rate(cfg, epoch, step, state.steps_per_epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        labels = labels.to(device)
+        batch = TrainBatch(
+            x_new=x_new.to(device), labels=labels, new_targets=state.new_target.to(device)[labels],
+            x_old=None if state.old is None else x_old.to(device),
+            old_targets=state.old_target.to(device)[labels])
+        terms = state.ddp_model(batch)
+        optimizer.zero_grad(set_to_none=True)
+        terms["loss"].backward()
+        optimizer.step()
+        step_time += time.perf_counter() - t0
+        for key, value in terms.items():
+            sums[key] = sums.get(key, 0.0) + float(value.detach())
+        if state.rank == 0 and (step + 1) % cfg.log_every == 0 and console.is_verbose():
+            print(f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} "
+                  f"step {step + 1}/{state.steps_per_epoch} "
+                  f"loss {float(terms['loss'].detach()):.4f} lr {lr:.4g}", flush=True)
+    return EpochTotals(sums, step_time, time.perf_counter() - started, lr)
+
+
+def epoch_metrics(state: WorkerState, epoch: int, start_epoch: int, totals: EpochTotals) -> dict:
+    """The epoch's metrics, averaged over the workers (one all-reduce): mean loss terms,
+    images/s of the wall time and of the steps alone, and where the workers ran."""
+    cfg, world, steps = state.cfg, state.world, state.steps_per_epoch
+    keys = sorted(totals.sums)
+    summed = torch.tensor([totals.sums[k] for k in keys] + [totals.step_time, totals.wall],
+                          dtype=torch.float64)
+    distributed.all_reduce_sum(summed)
+    metrics = {f"loss/{k}": float(summed[i]) / (steps * world) for i, k in enumerate(keys)}
+    metrics.update({
+        "epoch": epoch + 1,
+        "lr": totals.lr,
+        "images_per_s": steps * cfg.batch_size / (float(summed[-1]) / world),
+        "step_images_per_s": steps * cfg.batch_size / (float(summed[-2]) / world),
+        "epoch_time_s": float(summed[-1]) / world,
+        "num_workers": world,
+        "worker_nodes": state.worker_nodes,
+        "start_epoch": start_epoch,
+    })
+    return metrics
+
+
+def report_epoch(state: WorkerState, epoch: int, metrics: dict, history: list[dict]) -> None:
+    """Parameter digest (diagnostics), then ``ray.train.report``: rank 0 with a checkpoint
+    (train state, history, model bundle), the other ranks with the metrics only."""
+    import ray.train
+
+    cfg, rank = state.cfg, state.rank
+    digest = parameter_digest(state.module)
+    if cfg.diagnostics_dir:
+        with open(os.path.join(cfg.diagnostics_dir, f"digest_rank{rank}_epoch{epoch + 1}.txt"), "w") as f:
+            f.write(digest)
+    with tempfile.TemporaryDirectory() as tmp:
         if rank == 0:
-            print(f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} done: "
-                  + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)),
-                  flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            if rank == 0:
-                torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
-                            "epoch": epoch}, os.path.join(tmp, TRAIN_STATE))
-                with open(os.path.join(tmp, HISTORY), "w") as f:
-                    json.dump(history, f, indent=1)
-                make_bundle(cfg, module, old, new_classes, compatible_dim, epoch).save(
-                    os.path.join(tmp, BUNDLE_DIR))
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                                 checkpoint_dir_name=f"epoch_{epoch + 1:04d}")
-            else:
-                ray.train.report(metrics, checkpoint=None)
+            torch.save({"module": state.module.state_dict(), "optimizer": state.optimizer.state_dict(),
+                        "epoch": epoch}, os.path.join(tmp, TRAIN_STATE))
+            with open(os.path.join(tmp, HISTORY), "w") as f:
+                json.dump(history, f, indent=1)
+            make_bundle(cfg, state.module, state.old, state.new_classes, state.compatible_dim,
+                        epoch).save(os.path.join(tmp, BUNDLE_DIR))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                             checkpoint_dir_name=f"epoch_{epoch + 1:04d}")
+        else:
+            ray.train.report(metrics, checkpoint=None)
+
+
+def _quiet_worker_logs() -> None:
+    """Unless verbose, this worker's root logger at WARNING: Ray Train logs each
+    ``ray.train.report`` ("Reporting training result ...") at INFO through the root logger,
+    which its ``LoggingConfig`` leaves alone (the ``ray.train`` loggers follow the run's
+    ``LoggingConfig``, set by :func:`raycompat.train.fit`)."""
+    if not console.is_verbose():
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(config: dict) -> list[dict]:
+    """Ray Train's per-worker function: set up, resume, then per epoch run, report and
+    print one progress line (rank 0) with the loss, images/s and an ETA."""
+    _quiet_worker_logs()
+    cfg = TrainConfig.from_dict(config)
+    state = setup_worker(cfg)
+    start_epoch, history = resume(state)
+    progress = console.Progress(cfg.run_name, cfg.epochs, done=start_epoch)
+    for epoch in range(start_epoch, cfg.epochs):
+        totals = run_epoch(state, epoch)
+        metrics = epoch_metrics(state, epoch, start_epoch, totals)
+        history.append(metrics)
+        if state.rank == 0:
+            progress.step(epoch + 1, loss=metrics["loss/loss"],
+                          **{"img/s": round(metrics["images_per_s"], 1)})
+        report_epoch(state, epoch, metrics, history)
     return history

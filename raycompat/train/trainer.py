@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from raycompat import console
 from raycompat.models import ModelBundle
 from raycompat.storage import is_uri, open_storage
 from raycompat.train.config import TrainConfig
@@ -37,6 +38,19 @@ class TrainRun:
 CONTROLLER_POLL_INTERVAL_S = "0.25"
 
 
+def console_settings():
+    """``(LoggingConfig, worker env_vars)`` of a run: unless the job is verbose
+    (:func:`raycompat.console.is_verbose`), Ray Train's own INFO lines (worker group start,
+    "Checkpoint successfully created", "Reporting training result ...") are off on the
+    controller and the workers; ``RAYCOMPAT_VERBOSE`` reaches the workers, whose loop then
+    prints one progress line per epoch (and, verbose, one line every ``log_every`` steps)."""
+    import ray.train
+
+    verbose = console.is_verbose()
+    logging_config = ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")
+    return logging_config, {"RAYCOMPAT_VERBOSE": "1" if verbose else "0"}
+
+
 def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     """Train with ``cfg.num_workers`` DDP workers; copy the final bundle to ``export_to``."""
     import ray.train
@@ -46,6 +60,7 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     # read by the driver when it starts the controller actor (Ray propagates it there)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", CONTROLLER_POLL_INTERVAL_S)
     storage = open_storage(cfg.storage_path)      # StorageError now, not after the first epoch
+    logging_config, worker_env = console_settings()
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.use_gpu:
         resources["GPU"] = cfg.gpus_per_worker
@@ -57,7 +72,8 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
         run_config=ray.train.RunConfig(
             name=cfg.run_name, storage_path=storage.uri,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep)),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep),
+            logging_config=logging_config, worker_runtime_env={"env_vars": worker_env}),
     )
     result = trainer.fit()
     if result.checkpoint is None:
