@@ -59,7 +59,7 @@ def summarize(qps, lat, errors):
             "errors": int(errors)}
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--items", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=128)
@@ -70,44 +70,39 @@ def main(argv=None):
     p.add_argument("--backfill-rate", type=float, default=2000.0, help="items/s during the live-backfill run")
     p.add_argument("--out", default="bench_out/serve_load")
     p.add_argument("--address", default=None)
-    a = p.parse_args(argv)
-    levels = [int(x) for x in a.concurrency.split(",")]
+    return p.parse_args(argv)
 
+
+def inprocess_index(a):
+    """IndexFlatIP over the shards' old vectors, all of them (one OpenMP thread per caller)."""
     import faiss
-    import requests
 
     from raycompat.serving.gallery_source import SyntheticGallery
-    from raycompat.serving.hot_refresh import free_port
 
-    os.makedirs(a.out, exist_ok=True)
     gal = SyntheticGallery(a.items, a.dim, a.dim, seed=0)
-    queries = np.random.default_rng(123).standard_normal((4096, a.dim)).astype(np.float32)
-    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-    cores = os.cpu_count()
-    load_at_start = os.getloadavg()[0]
-    print(f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
-          f"{a.seconds:.0f} s each; machine: {cores} cores, load average {load_at_start:.1f}", flush=True)
-
-    # ---------------------------------------------------------------- in-process faiss baseline
     t = time.perf_counter()
-    vecs = gal._vectors(np.arange(a.items, dtype=np.int64), 0, a.dim)      # the shards' old vectors, all of them
+    vecs = gal.vectors_of("old", np.arange(a.items, dtype=np.int64))
     print(f"[serve_load] generated {vecs.shape[0]} vectors in {time.perf_counter() - t:.1f} s", flush=True)
     faiss.omp_set_num_threads(1)
     index = faiss.IndexFlatIP(a.dim)
     index.add(vecs)
-    del vecs
+    return index
 
-    def inprocess(c):
-        """Measured right before each HTTP run, so both see the same load from other jobs."""
-        qps, lat, err = run_threads(c, a.seconds, lambda i: index.search(queries[i % 4096:i % 4096 + 1], a.k) and True)
-        r = summarize(qps, lat, err)
-        print(f"  in-process faiss  c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms",
-              flush=True)
-        return r
 
-    # ---------------------------------------------------------------- the served index
+def measure_inprocess(index, queries, a, c):
+    """Measured right before each HTTP run, so both see the same load from other jobs."""
+    qps, lat, err = run_threads(c, a.seconds,
+                                lambda i: index.search(queries[i % 4096:i % 4096 + 1], a.k) and True)
+    r = summarize(qps, lat, err)
+    print(f"  in-process faiss  c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
+          f"p99 {r['p99_ms']:.1f} ms", flush=True)
+    return r
+
+
+def start_index(a):
+    """Serve the synthetic gallery; ``(cfg, url, client)``."""
     from raycompat.cluster import connect
-    from raycompat.serving.app import start_serving, stop_serving
+    from raycompat.serving.app import free_port, start_serving
     from raycompat.serving.auth import TOKEN_ENV
     from raycompat.serving.client import ServingClient
     from raycompat.serving.config import serving_config
@@ -116,13 +111,20 @@ def main(argv=None):
     connect(a.address)
     state = os.path.abspath(os.path.join(a.out, "state"))
     shutil.rmtree(state, ignore_errors=True)
-    cfg = serving_config(gallery=f"synthetic:{a.items}:{a.dim}:{a.dim}:0", state_dir=state, num_shards=a.shards,
-                         port=free_port(), app_name="serve_load", snapshot_every=10 ** 9)
+    cfg = serving_config(gallery=f"synthetic:{a.items}:{a.dim}:{a.dim}:0", state_dir=state,
+                         num_shards=a.shards, port=free_port(), app_name="serve_load", snapshot_every=10 ** 9)
     t = time.perf_counter()
     url = start_serving(cfg, a.address)
     client = ServingClient(url, token=os.environ[TOKEN_ENV], timeout=120)
     st = client.wait_ready(timeout=900)
     print(f"[serve_load] served at {url} in {time.perf_counter() - t:.1f} s: {st['items']}", flush=True)
+    return cfg, url, client
+
+
+def measure_http(a, url, client, levels, queries, index) -> tuple[dict, dict, dict]:
+    """Idle, then during a live backfill: HTTP and in-process numbers per concurrency level."""
+    import requests
+
     sessions = [requests.Session() for _ in range(max(levels))]
 
     def http_call(i):
@@ -130,50 +132,73 @@ def main(argv=None):
                                                                      "k": a.k}, timeout=120)
         return r.status_code == 200
 
-    # same results as in-process (exact index): a spot check
-    ids, _, _ = client.search(queries[:3], k=a.k)
     results = {"idle": {}, "backfill": {}}
     baseline = {"idle": {}, "backfill": {}}
-    try:
-        for phase in ("idle", "backfill"):
-            if phase == "backfill":
-                client.start_backfill(policy="sequential", rate=a.backfill_rate, batch_size=256, restart=True)
-            for c in levels:
-                baseline[phase][c] = inprocess(c)
-                p0 = client.status()["backfill"]["position"]
-                t0 = time.perf_counter()
-                qps, lat, err = run_threads(c, a.seconds, lambda i: http_call(i))
-                moved = client.status()["backfill"]["position"] - p0
-                r = summarize(qps, lat, err)
-                r["backfill_items_per_s"] = moved / (time.perf_counter() - t0)
-                r["ratio_to_inprocess"] = qps / baseline[phase][c]["qps"]
-                results[phase][c] = r
-                print(f"  HTTP {phase:8s} c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms"
-                      f"  errors {err}  ratio to in-process {r['ratio_to_inprocess']:.3f}"
-                      + (f"  (backfill {r['backfill_items_per_s']:.0f} items/s)" if phase == "backfill" else ""),
-                      flush=True)
-        final = client.status()
-        client.pause_backfill()
-    finally:
-        stop_serving(cfg)
+    for phase in ("idle", "backfill"):
+        if phase == "backfill":
+            client.start_backfill(policy="sequential", rate=a.backfill_rate, batch_size=256, restart=True)
+        for c in levels:
+            baseline[phase][c] = measure_inprocess(index, queries, a, c)
+            p0 = client.status()["backfill"]["position"]
+            t0 = time.perf_counter()
+            qps, lat, err = run_threads(c, a.seconds, http_call)
+            moved = client.status()["backfill"]["position"] - p0
+            r = summarize(qps, lat, err)
+            r["backfill_items_per_s"] = moved / (time.perf_counter() - t0)
+            r["ratio_to_inprocess"] = qps / baseline[phase][c]["qps"]
+            results[phase][c] = r
+            print(f"  HTTP {phase:8s} c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
+                  f"p99 {r['p99_ms']:.1f} ms  errors {err}  ratio to in-process {r['ratio_to_inprocess']:.3f}"
+                  + (f"  (backfill {r['backfill_items_per_s']:.0f} items/s)" if phase == "backfill" else ""),
+                  flush=True)
+    final = client.status()
+    client.pause_backfill()
+    return baseline, results, final
+
+
+def report_markdown(a, levels, baseline, results, final, load_at_start, cores) -> str:
     rows = []
     for c in levels:
         for phase in ("idle", "backfill"):
             b, r = baseline[phase][c], results[phase][c]
-            rows.append(f"| {phase} | {c} | {b['qps']:.1f} | {b['p50_ms']:.0f} / {b['p99_ms']:.0f} | {r['qps']:.1f} | "
-                        f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} | {r['ratio_to_inprocess']:.2f} | {r['errors']} | "
+            rows.append(f"| {phase} | {c} | {b['qps']:.1f} | {b['p50_ms']:.0f} / {b['p99_ms']:.0f} | "
+                        f"{r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
+                        f"{r['ratio_to_inprocess']:.2f} | {r['errors']} | "
                         + (f"{r['backfill_items_per_s']:.0f} |" if phase == "backfill" else "- |"))
-    md = "\n".join([
+    return "\n".join([
         f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}", "",
         f"Machine: {machine_description(load_at_start)}; the load at the start is taken before the benchmark "
         f"starts its own processes (above {cores}: other jobs shared the machine and the numbers are rough). "
         "In-process baseline: "
         "faiss IndexFlatIP over the same vectors in this process, one query per call, one OpenMP thread per "
         "calling thread, measured right before each HTTP run. ratio = HTTP QPS / in-process QPS.", "",
-        "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | ratio | "
-        "HTTP errors | backfill items/s |",
+        "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | "
+        "ratio | HTTP errors | backfill items/s |",
         "|---|---|---|---|---|---|---|---|---|", *rows, "",
-        f"Backfill at the end: {final['backfill']['position']} / {final['backfill']['total']} items upgraded."])
+        f"Backfill at the end: {final['backfill']['position']} / {final['backfill']['total']} "
+        "items upgraded."])
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    levels = [int(x) for x in a.concurrency.split(",")]
+    from raycompat.serving.app import stop_serving
+
+    os.makedirs(a.out, exist_ok=True)
+    queries = np.random.default_rng(123).standard_normal((4096, a.dim)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    cores = os.cpu_count()
+    load_at_start = os.getloadavg()[0]
+    print(f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
+          f"{a.seconds:.0f} s each; machine: {cores} cores, load average {load_at_start:.1f}", flush=True)
+    index = inprocess_index(a)
+    cfg, url, client = start_index(a)
+    client.search(queries[:3], k=a.k)           # a spot check that searching works
+    try:
+        baseline, results, final = measure_http(a, url, client, levels, queries, index)
+    finally:
+        stop_serving(cfg)
+    md = report_markdown(a, levels, baseline, results, final, load_at_start, cores)
     with open(os.path.join(a.out, "serve_load.md"), "w") as fh:
         fh.write(md + "\n")
     with open(os.path.join(a.out, "serve_load.json"), "w") as fh:

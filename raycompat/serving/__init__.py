@@ -11,7 +11,9 @@ One module per concept:
 * :mod:`.orders`         -- the simulator's backfill policies as item-id orders
 * :mod:`.embedder_pool`  -- Ray actors holding the new model; image decoding
 * :mod:`.backfill`       -- the backfill controller deployment (rate, pause/resume, checkpoints)
-* :mod:`.schemas`, :mod:`.router`, :mod:`.auth`, :mod:`.metrics` -- the HTTP API
-* :mod:`.config`, :mod:`.app`, :mod:`.client` -- options, assembling/starting, an HTTP client
+* :mod:`.schemas`, :mod:`.router`, :mod:`.errors`, :mod:`.auth`, :mod:`.metrics` -- the HTTP API
+* :mod:`.config`, :mod:`.plan` -- options, and the frozen plan every deployment receives
+  (options + dims, item count, model versions derived once)
+* :mod:`.app`, :mod:`.client` -- assembling/starting, an HTTP client
 * :mod:`.live_eval`      -- mAP / NFR of a live gallery through HTTP (offline == online)
 """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import Optional
 
 from raycompat.config import ConfigError
 
@@ -19,7 +18,7 @@ TOKEN_ENV = "RAYCOMPAT_ADMIN_TOKEN"
 MIN_TOKEN_CHARS = 16
 
 
-def load_admin_token(token_file: Optional[str] = None, env: Optional[dict] = None) -> Optional[str]:
+def load_admin_token(token_file: str | None = None, env: dict | None = None) -> str | None:
     """The admin token (file wins over the environment), or ``None`` when none is configured."""
     env = os.environ if env is None else env
     token = None
@@ -37,7 +36,7 @@ def load_admin_token(token_file: Optional[str] = None, env: Optional[dict] = Non
     return token
 
 
-def check_bearer(authorization: Optional[str], token: Optional[str]) -> Optional[str]:
+def check_bearer(authorization: str | None, token: str | None) -> str | None:
     """``None`` when the ``Authorization`` header carries the token, else the reason it fails."""
     if token is None:
         return "admin endpoints are disabled: no admin token configured"

@@ -21,11 +21,10 @@ import json
 import os
 import threading
 import time
-from typing import List, Optional
-
 import numpy as np
 
 from raycompat.serving.placement import split_by_shard
+from raycompat.serving.plan import ServingPlan
 
 __all__ = ["BackfillController", "backfill_dir"]
 
@@ -46,19 +45,19 @@ def _atomic_write(path: str, data: bytes) -> None:
 class BackfillController:
     """Serve deployment class (one replica); ``shards``: the shard deployment handles."""
 
-    def __init__(self, shards: list, cfg: dict):
+    def __init__(self, shards: list, plan: ServingPlan):
         self.shards = list(shards)
-        self.cfg = cfg
-        self.dir = backfill_dir(cfg["state_dir"])
+        self.plan = plan
+        self.cfg = plan.config
+        self.dir = backfill_dir(self.cfg.state_dir)
         os.makedirs(self.dir, exist_ok=True)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.order: Optional[np.ndarray] = None
+        self.order: np.ndarray | None = None
         self.ck = {"state": "idle", "position": 0, "total": 0}
         self.resumed = False
-        self.error: Optional[str] = None
+        self.error: str | None = None
         self._sources = {}
-        self._source = None
         self._gallery = None
         self.upsert_retries = 0
         self.generation = 0
@@ -84,60 +83,70 @@ class BackfillController:
     def _save_checkpoint(self) -> None:
         _atomic_write(os.path.join(self.dir, "checkpoint.json"), json.dumps(self.ck).encode())
 
+    def _save_order(self) -> None:
+        tmp = os.path.join(self.dir, "order.npy.tmp.npy")
+        np.save(tmp, self.order, allow_pickle=False)
+        os.replace(tmp, os.path.join(self.dir, "order.npy"))
+
     # ------------------------------------------------------------------ sources
     def gallery(self):
+        """The gallery source (ids, initial and new vectors; what the policies order)."""
         if self._gallery is None:
             from raycompat.serving.gallery_source import open_gallery
 
-            self._gallery = open_gallery(self.cfg["gallery"], self.cfg.get("new_model"),
-                                         need_adapted=self.cfg["mode"] == "adapted",
-                                         need_rank_merge=self.cfg["mode"] == "rank_merge")
+            mode = self.cfg.mode
+            self._gallery = open_gallery(self.cfg.gallery, self.cfg.new_model, need_adapted=mode == "adapted",
+                                         need_rank_merge=mode == "rank_merge")
         return self._gallery
 
     def _vector_source(self, name: str):
-        if name in self._sources:
-            return self._sources[name]
+        """Where new vectors come from (``gallery``, ``pipeline`` or ``embedder``; opened once);
+        in the rank_merge mode its vectors go through rho."""
+        if name not in self._sources:
+            src = self._open_source(name)
+            if self.cfg.mode == "rank_merge":      # a new item holds rho(phi_n(g))
+                from raycompat.serving.scoring import rank_merge_maps
+
+                src.new_map = rank_merge_maps(self.cfg.new_model)[0]
+            self._sources[name] = src
+        return self._sources[name]
+
+    def _open_source(self, name: str):
         from raycompat.config import ConfigError
 
+        cfg = self.cfg
         if name == "gallery":
-            src = self.gallery()
-        elif name == "pipeline":
+            return self.gallery()
+        if name == "pipeline":
             from raycompat.serving.gallery_source import PipelineOutput
 
-            if not self.cfg.get("pipeline_output"):
-                raise ConfigError("source 'pipeline' needs the option pipeline_output (the pipeline's parquet)")
-            src = PipelineOutput(self.cfg["pipeline_output"])
-        elif name == "embedder":
+            if not cfg.pipeline_output:
+                raise ConfigError("source 'pipeline' needs the option pipeline_output "
+                                  "(the pipeline's parquet)")
+            return PipelineOutput(cfg.pipeline_output)
+        if name == "embedder":
             from raycompat.serving.embedder_pool import EmbedderPool
 
-            if not self.cfg.get("new_model"):
+            if not cfg.new_model:
                 raise ConfigError("source 'embedder' needs the option new_model (a ModelBundle directory)")
-            src = EmbedderPool(self.cfg["new_model"], self.cfg.get("items"), size=self.cfg.get("embedder_actors", 1),
-                               num_cpus=self.cfg.get("embedder_cpus", 0.5), resolution=self.cfg.get("resolution"),
-                               data_seed=self.cfg.get("data_seed", 0))
-        else:
-            raise ConfigError(f"unknown source {name!r}; allowed: gallery, pipeline, embedder")
-        if self.cfg["mode"] == "rank_merge":      # a new item holds rho(phi_n(g))
-            from raycompat.serving.scoring import rank_merge_maps
-
-            src.new_map = rank_merge_maps(self.cfg.get("new_model"))[0]
-        self._sources[name] = src
-        return src
+            return EmbedderPool(cfg.new_model, cfg.items, size=cfg.embedder_actors,
+                                num_cpus=cfg.embedder_cpus, resolution=cfg.resolution,
+                                data_seed=cfg.data_seed)
+        raise ConfigError(f"unknown source {name!r}; allowed: gallery, pipeline, embedder")
 
     def _head(self):
-        if not self.cfg.get("new_model"):
+        if not self.cfg.new_model:
             return None
         from raycompat.backfill.policies import UncertaintyHead
         from raycompat.models import ModelBundle
 
-        return UncertaintyHead.from_classifier_head(ModelBundle.load(self.cfg["new_model"]).head)
+        return UncertaintyHead.from_classifier_head(ModelBundle.load(self.cfg.new_model).head)
 
     # ------------------------------------------------------------------ commands
-    def start(self, policy: str = "random", seed: int = 0, rate: Optional[float] = None, batch_size: int = 256,
-              until: Optional[int] = None, source: str = "gallery", restart: bool = False) -> dict:
+    def start(self, policy: str = "random", seed: int = 0, rate: float | None = None, batch_size: int = 256,
+              until: int | None = None, source: str = "gallery", restart: bool = False) -> dict:
         """Compute the policy's order and start walking it; errors come back as ``{"error"}``."""
         from raycompat.config import ConfigError
-        from raycompat.serving.orders import policy_order_ids
 
         with self.lock:
             if self.ck["state"] in ("running", "paused") and not restart:
@@ -146,18 +155,15 @@ class BackfillController:
                         "status": 409}
         try:
             self._vector_source(source)
-            order = policy_order_ids(policy, self.gallery(), mode=self.cfg["mode"], seed=int(seed),
-                                     head=self._head() if policy.startswith("uncertainty:") or policy == "learned"
-                                     else None, learned_sample_fraction=self.cfg.get("learned_sample_fraction", 0.02))
+            order = self._policy_order(policy, int(seed))
         except (ConfigError, ValueError) as exc:
             return {"error": str(exc), "status": 400}
         with self.lock:
             self.order = np.asarray(order, np.int64)
-            np.save(os.path.join(self.dir, "order.npy.tmp.npy"), self.order, allow_pickle=False)
-            os.replace(os.path.join(self.dir, "order.npy.tmp.npy"), os.path.join(self.dir, "order.npy"))
+            self._save_order()
             self.ck = {"state": "running", "policy": policy, "seed": int(seed), "source": source,
                        "rate": rate, "batch_size": int(batch_size), "until": until, "position": 0,
-                       "total": int(self.order.size), "mode": self.cfg["mode"], "started": time.time()}
+                       "total": int(self.order.size), "mode": self.cfg.mode, "started": time.time()}
             self.error = None
             self.resumed = False
             self.generation += 1
@@ -166,6 +172,14 @@ class BackfillController:
             self.wake.notify_all()
             return self.status()
 
+    def _policy_order(self, policy: str, seed: int) -> np.ndarray:
+        """The policy's order of the gallery's item ids (the simulator's policies)."""
+        from raycompat.serving.orders import policy_order_ids
+
+        head = self._head() if policy.startswith("uncertainty:") or policy == "learned" else None
+        return policy_order_ids(policy, self.gallery(), mode=self.cfg.mode, seed=seed, head=head,
+                                learned_sample_fraction=self.cfg.learned_sample_fraction)
+
     def pause(self) -> dict:
         with self.lock:
             if self.ck["state"] == "running":
@@ -173,7 +187,7 @@ class BackfillController:
                 self._save_checkpoint()
             return self.status()
 
-    def resume(self, until: Optional[int] = None, rate: Optional[float] = None) -> dict:
+    def resume(self, until: int | None = None, rate: float | None = None) -> dict:
         with self.lock:
             if self.order is None:
                 return {"error": "no backfill to resume: start one first", "status": 409}
@@ -212,9 +226,10 @@ class BackfillController:
     def _apply(self, ids: np.ndarray, vecs: np.ndarray) -> None:
         parts = split_by_shard(ids, len(self.shards))
         pending = [s for s, p in enumerate(parts) if p.size]
-        deadline = time.time() + float(self.cfg.get("upsert_retry_s", 300))
+        deadline = time.time() + self.cfg.upsert_retry_s
         while pending:
-            responses = {s: self.shards[s].upsert.remote(ids[parts[s]], "new", vecs[parts[s]]) for s in pending}
+            responses = {s: self.shards[s].upsert.remote(ids[parts[s]], "new", vecs[parts[s]])
+                         for s in pending}
             failed = []
             for s, r in responses.items():
                 try:
@@ -228,42 +243,57 @@ class BackfillController:
             if pending:
                 self.upsert_retries += 1
                 if time.time() > deadline:
-                    raise RuntimeError(f"shard(s) {pending} unavailable for {self.cfg.get('upsert_retry_s', 300)} s")
+                    raise RuntimeError(f"shard(s) {pending} unavailable for {self.cfg.upsert_retry_s:g} s")
                 time.sleep(0.5)
 
     def _loop(self) -> None:
+        """The controller's thread: walk the order batch by batch while the state is running."""
         while True:
-            with self.lock:
-                while self.ck["state"] != "running":
-                    self.wake.wait(timeout=1.0)
-                pos, total = int(self.ck["position"]), int(self.ck["total"])
-                until = self.ck.get("until")
-                stop = total if until is None else min(total, int(until))
-                if pos >= stop:
-                    self.ck["state"] = "done" if pos >= total else "paused"
-                    self._save_checkpoint()
-                    continue
-                batch = self.order[pos:min(stop, pos + int(self.ck["batch_size"]))]
-                source, rate = self.ck["source"], self.ck.get("rate")
-                gen = self.generation
+            step = self._next_batch()
+            if step is None:
+                continue
+            pos, batch, source, rate, gen = step
             try:
                 vecs = self._vector_source(source).new_vectors(batch)
                 self._apply(batch, vecs)
             except Exception as exc:  # keep the controller alive; report the failure
-                with self.lock:
-                    if gen != self.generation:
-                        continue
-                    self.error = f"{type(exc).__name__}: {exc}"
-                    self.ck["state"] = "error"
-                    self._save_checkpoint()
+                self._fail(gen, exc)
                 continue
-            with self.lock:
-                if gen == self.generation and int(self.ck["position"]) == pos:   # not restarted meanwhile
-                    self.ck["position"] = pos + int(batch.size)
-                    self._save_checkpoint()
-                p0, t0 = self._rate_p0, self._rate_t0
-                cur = int(self.ck["position"])
-            if rate:
-                wait = t0 + (cur - p0) / float(rate) - time.perf_counter()
-                if wait > 0:
-                    time.sleep(min(wait, 5.0))
+            self._advance(gen, pos, batch, rate)
+
+    def _next_batch(self):
+        """``(position, ids, source, rate, generation)`` of the next batch once running, or
+        ``None`` after marking the backfill done / paused at its end or ``until``."""
+        with self.lock:
+            while self.ck["state"] != "running":
+                self.wake.wait(timeout=1.0)
+            pos, total = int(self.ck["position"]), int(self.ck["total"])
+            until = self.ck.get("until")
+            stop = total if until is None else min(total, int(until))
+            if pos >= stop:
+                self.ck["state"] = "done" if pos >= total else "paused"
+                self._save_checkpoint()
+                return None
+            batch = self.order[pos:min(stop, pos + int(self.ck["batch_size"]))]
+            return pos, batch, self.ck["source"], self.ck.get("rate"), self.generation
+
+    def _fail(self, gen: int, exc: Exception) -> None:
+        with self.lock:
+            if gen != self.generation:        # restarted meanwhile: the failure is moot
+                return
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.ck["state"] = "error"
+            self._save_checkpoint()
+
+    def _advance(self, gen: int, pos: int, batch: np.ndarray, rate: float | None) -> None:
+        """Checkpoint the position after an acknowledged batch, then keep to ``rate``."""
+        with self.lock:
+            if gen == self.generation and int(self.ck["position"]) == pos:   # not restarted meanwhile
+                self.ck["position"] = pos + int(batch.size)
+                self._save_checkpoint()
+            p0, t0 = self._rate_p0, self._rate_t0
+            cur = int(self.ck["position"])
+        if rate:
+            wait = t0 + (cur - p0) / float(rate) - time.perf_counter()
+            if wait > 0:
+                time.sleep(min(wait, 5.0))

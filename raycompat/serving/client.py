@@ -3,7 +3,7 @@ waiting for the backfill to reach a position."""
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -18,7 +18,7 @@ class ServingHTTPError(RuntimeError):
 
 
 class ServingClient:
-    def __init__(self, base_url: str, token: Optional[str] = None, timeout: float = 60.0):
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 60.0):
         import requests
 
         self.base = base_url.rstrip("/")
@@ -38,7 +38,7 @@ class ServingClient:
         return body
 
     def search(self, vectors: np.ndarray, k: int = 10, model: str = "new", batch: int = 256,
-               old_vectors: Optional[np.ndarray] = None):
+               old_vectors: np.ndarray | None = None):
         """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded); ``old_vectors``:
         the old model's embeddings of the same queries (naive_merge mode)."""
         q = np.asarray(vectors, np.float32)
@@ -53,7 +53,8 @@ class ServingClient:
             res = self._call("POST", "/search", body)
             for j, row in enumerate(res["results"]):
                 for r, hit in enumerate(row):
-                    ids[s + j, r], scores[s + j, r], reps[s + j, r] = hit["id"], hit["score"], hit["representation"]
+                    ids[s + j, r], scores[s + j, r] = hit["id"], hit["score"]
+                    reps[s + j, r] = hit["representation"]
         return ids, scores, reps
 
     def search_images(self, images_b64: Sequence[str], k: int = 10) -> dict:
@@ -74,7 +75,7 @@ class ServingClient:
     def pause_backfill(self) -> dict:
         return self._call("POST", "/admin/backfill/pause", None, admin=True)
 
-    def resume_backfill(self, until: Optional[int] = None, rate: Optional[float] = None) -> dict:
+    def resume_backfill(self, until: int | None = None, rate: float | None = None) -> dict:
         return self._call("POST", "/admin/backfill/resume", {"until": until, "rate": rate}, admin=True)
 
     def wait_backfill(self, position: int, timeout: float = 600.0, poll: float = 0.1) -> dict:

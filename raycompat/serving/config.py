@@ -1,54 +1,76 @@
-"""Options of a served live index (one dataclass; ``parse_options`` checks names and values)."""
+"""Options of a served live index (one frozen dataclass; ``parse_options`` checks names and values).
+
+What the gallery and the model bundles determine (dimensions, item count, model versions) is
+not an option: :func:`raycompat.serving.plan.build_plan` derives it once, into the
+:class:`~raycompat.serving.plan.ServingPlan` every deployment receives.
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping
 
-from raycompat.config import ConfigError, choices, parse_options, positive
+from raycompat.backfill.modes import SERVED_MODES
+from raycompat.config import ConfigError, choices, option, parse_options, positive
 
 __all__ = ["ServingConfig", "serving_config"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServingConfig:
-    gallery: str = ""                    # embeddings parquet (simulator schema) or synthetic:N[:Do[:Dn[:seed]]]
-    state_dir: str = "serving_state"     # shard snapshots + logs, backfill checkpoint
-    mode: str = choices("compatible", "adapted", "rank_merge", "naive_merge", default="compatible")
-    num_shards: int = positive(2)
-    factory: str = "Flat"                # faiss factory string; Flat = exact
-    compatible_dim: Optional[int] = None  # default: D_old
-    shard_cpus: float = 0.0              # ray_actor_options num_cpus per shard replica
-    shard_memory_mb: Optional[int] = None
-    shard_threads: int = positive(1)     # faiss OpenMP threads per shard
-    router_cpus: float = 0.0
-    router_replicas: int = positive(1)
-    snapshot_every: int = positive(200_000)   # upserted items between snapshots
-    fsync: bool = True
-    host: str = "127.0.0.1"
-    port: int = positive(8000)
-    app_name: str = "raycompat"
-    route_prefix: str = "/"
-    token_file: Optional[str] = None     # else env RAYCOMPAT_ADMIN_TOKEN
-    new_model: Optional[str] = None      # new ModelBundle dir: image queries, embedder pool, psi, uncertainty
-    old_model: Optional[str] = None      # /status; naive_merge image queries are embedded with it too
-    pipeline_output: Optional[str] = None  # parquet from the Ray Data pipeline (item_id, new)
-    items: Optional[str] = None          # parquet item_id, label (class), instance: what the embedder pool renders
-    data_seed: int = 0
-    resolution: Optional[int] = None     # glyph resolution for the embedder pool (default: bundle manifest)
-    embedder_actors: int = positive(1)
-    embedder_cpus: float = 0.5
-    max_k: int = positive(1000)
-    max_queries: int = positive(256)
-    max_image_bytes: int = positive(1 << 20)
-    max_upsert_items: int = positive(10000)
-    learned_sample_fraction: float = 0.02
+    """Every option of the live index (docs/architecture.md "Serving")."""
+
+    gallery: str = option("", help="embeddings parquet (simulator schema) or "
+                                   "synthetic:N[:D_old[:D_new[:seed]]]")
+    state_dir: str = option("serving_state", help="shard snapshots + logs, backfill checkpoint")
+    mode: str = choices(*SERVED_MODES, default="compatible", help="query strategy served")
+    num_shards: int = positive(2, help="shard deployments")
+    factory: str = option("Flat", help="faiss factory string; Flat = exact")
+    compatible_dim: int | None = option(None, help="D_c, the compatible dims of a new query (default: D_old)")
+    shard_cpus: float = option(0.0, help="ray_actor_options num_cpus per shard replica")
+    shard_memory_mb: int | None = option(None, help="ray_actor_options memory per shard replica (MiB)")
+    shard_threads: int = positive(1, help="faiss OpenMP threads per shard")
+    router_cpus: float = option(0.0, help="ray_actor_options num_cpus per router replica")
+    router_replicas: int = positive(1, help="router replicas")
+    snapshot_every: int = positive(200_000, help="upserted items between snapshots")
+    fsync: bool = option(True, help="fsync every log append and snapshot")
+    host: str = option("127.0.0.1", help="HTTP host")
+    port: int = positive(8000, help="HTTP port")
+    app_name: str = option("raycompat", help="Serve application name")
+    route_prefix: str = option("/", help="Serve route prefix")
+    token_file: str | None = option(None, help="admin token file (else env RAYCOMPAT_ADMIN_TOKEN)")
+    new_model: str | None = option(None, help="new ModelBundle dir: image queries, embedder pool, psi, "
+                                              "uncertainty")
+    old_model: str | None = option(None, help="old ModelBundle dir: /status; naive_merge image queries")
+    pipeline_output: str | None = option(None, help="parquet from the Ray Data pipeline (item_id, new)")
+    items: str | None = option(None, help="parquet item_id, label (class), instance: what the embedder "
+                                          "pool renders")
+    data_seed: int = option(0, help="glyph renderer seed of the embedder pool")
+    resolution: int | None = option(None, help="glyph resolution of the embedder pool "
+                                               "(default: bundle manifest)")
+    embedder_actors: int = positive(1, help="embedder pool actors")
+    embedder_cpus: float = option(0.5, help="num_cpus per embedder actor")
+    max_k: int = positive(1000, help="largest k of a search")
+    max_queries: int = positive(256, help="queries per search request")
+    max_image_bytes: int = positive(1 << 20, help="bytes per query image")
+    max_upsert_items: int = positive(10000, help="items per upsert request and backfill batch")
+    learned_sample_fraction: float = option(0.02, help="sample fraction of the 'learned' backfill policy")
+    upsert_retry_s: float = positive(300.0, help="seconds the backfill controller retries a batch on a "
+                                                 "shard that is down")
 
 
-def serving_config(values=None, **kw) -> ServingConfig:
-    """Build and check a :class:`ServingConfig` (unknown keys or bad values raise ``ConfigError``)."""
+def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> ServingConfig:
+    """Build and check a :class:`ServingConfig` (unknown keys or bad values raise ``ConfigError``);
+    ``state_dir`` becomes absolute."""
     cfg = parse_options(ServingConfig, {**(values or {}), **kw}, owner="serving")
+    _check_paths(cfg)
+    if cfg.port > 65535:
+        raise ConfigError(f"serving: port must be <= 65535, got {cfg.port}")
+    return dataclasses.replace(cfg, state_dir=os.path.abspath(cfg.state_dir))
+
+
+def _check_paths(cfg: ServingConfig) -> None:
     if not cfg.gallery:
         raise ConfigError("serving: option 'gallery' is required (embeddings parquet or synthetic:N)")
     if not cfg.gallery.startswith("synthetic:") and not os.path.exists(cfg.gallery):
@@ -57,11 +79,3 @@ def serving_config(values=None, **kw) -> ServingConfig:
         p = getattr(cfg, name)
         if p and not os.path.exists(p):
             raise ConfigError(f"serving: option {name!r}: path not found: {p}")
-    if cfg.port > 65535:
-        raise ConfigError(f"serving: port must be <= 65535, got {cfg.port}")
-    cfg.state_dir = os.path.abspath(cfg.state_dir)
-    return cfg
-
-
-def as_dict(cfg: ServingConfig) -> dict:
-    return dataclasses.asdict(cfg)

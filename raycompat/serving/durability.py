@@ -25,7 +25,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator
 
 import numpy as np
 
@@ -118,8 +118,8 @@ class UpsertLog:
             self._fh = None
 
 
-def write_snapshot(directory: str, seq: int, parts: Dict[str, Tuple[np.ndarray, np.ndarray]],
-                   dims: Dict[str, int], info: Optional[dict] = None, fsync: bool = True) -> str:
+def write_snapshot(directory: str, seq: int, parts: dict[str, tuple[np.ndarray, np.ndarray]],
+                   dims: dict[str, int], info: dict | None = None, fsync: bool = True) -> str:
     """Atomically write ``parts`` (``{rep name: (ids, vectors)}``) as the snapshot at ``seq``."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, SNAPSHOT_NAME)
@@ -139,7 +139,7 @@ def write_snapshot(directory: str, seq: int, parts: Dict[str, Tuple[np.ndarray, 
     return path
 
 
-def read_snapshot(directory: str) -> Optional[Tuple[int, Dict[str, Tuple[np.ndarray, np.ndarray]], dict]]:
+def read_snapshot(directory: str) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], dict] | None:
     """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot."""
     path = os.path.join(directory, SNAPSHOT_NAME)
     if not os.path.exists(path):
@@ -154,5 +154,5 @@ def read_snapshot(directory: str) -> Optional[Tuple[int, Dict[str, Tuple[np.ndar
     return int(meta["seq"]), parts, meta
 
 
-def list_files(directory: str) -> List[str]:
+def list_files(directory: str) -> list[str]:
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []

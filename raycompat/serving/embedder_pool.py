@@ -4,7 +4,6 @@ for image queries.  Shared image decoding for the router lives here too (:func:`
 """
 from __future__ import annotations
 
-from typing import List, Optional
 
 import numpy as np
 
@@ -17,7 +16,7 @@ class ImageInputError(ValueError):
     """A query image is bad (base64, size, format); the message names which one."""
 
 
-def decode_images(images_b64: List[str], resolution: int, in_chans: int, max_bytes: int,
+def decode_images(images_b64: list[str], resolution: int, in_chans: int, max_bytes: int,
                   max_pixels: int) -> np.ndarray:
     """base64 PNG/JPEG strings -> uint8 ``[n, R, R]`` grey images (resized + centre-cropped as
     :func:`raycompat.data.readers.load_image`); raises :class:`ImageInputError`."""
@@ -62,7 +61,7 @@ def decode_images(images_b64: List[str], resolution: int, in_chans: int, max_byt
 class ModelEmbedder:
     """The new model's embedder in one process (raw, un-normalised embeddings)."""
 
-    def __init__(self, bundle_path: str, resolution: Optional[int] = None, data_seed: int = 0):
+    def __init__(self, bundle_path: str, resolution: int | None = None, data_seed: int = 0):
         import torch
 
         from raycompat.models import ModelBundle
@@ -101,12 +100,13 @@ class EmbedderPool:
     new_map = None
 
     def __init__(self, bundle_path: str, items_path: str, size: int = 1, num_cpus: float = 0.5,
-                 resolution: Optional[int] = None, data_seed: int = 0):
+                 resolution: int | None = None, data_seed: int = 0):
         import pyarrow.parquet as pq
         import ray
 
         if not items_path:
-            raise ConfigError("the embedder pool needs an items table (option 'items': item_id, label, instance)")
+            raise ConfigError("the embedder pool needs an items table "
+                              "(option 'items': item_id, label, instance)")
         t = pq.read_table(items_path)
         for c in ("item_id", "label", "instance"):
             if c not in t.column_names:

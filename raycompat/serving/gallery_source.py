@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -45,13 +44,13 @@ class GallerySource:
     n_items: int
     new_map = None          # raw new vector -> stored new vector (rho in rank_merge), or None
 
-    def dims(self) -> Dict[str, int]:
+    def dims(self) -> dict[str, int]:
         return {"old": self.old_dim, "adapted": self.new_dim, "new": self.new_dim}
 
     def gallery_ids(self) -> np.ndarray:            # in gallery (row) order
         raise NotImplementedError
 
-    def initial_vectors(self, rep: str, shard: int, n_shards: int) -> Tuple[np.ndarray, np.ndarray]:
+    def initial_vectors(self, rep: str, shard: int, n_shards: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
     def new_vectors(self, ids) -> np.ndarray:
@@ -64,7 +63,7 @@ class ParquetGallery(GallerySource):
     ``adapted`` vectors come from the column or, when a new model bundle with a ``psi``
     module is given, from psi(old) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
 
-    def __init__(self, path: str, new_model: Optional[str] = None, need_adapted: bool = False,
+    def __init__(self, path: str, new_model: str | None = None, need_adapted: bool = False,
                  need_rank_merge: bool = False):
         from raycompat.backfill.gallery import BackfillInputError, load_parquet
 
@@ -80,7 +79,8 @@ class ParquetGallery(GallerySource):
             if need_adapted and data.gallery_adapted is None:
                 if not new_model:
                     raise ConfigError(
-                        f"mode 'adapted' needs an 'adapted' column in {path} or a new model with a psi module")
+                        f"mode 'adapted' needs an 'adapted' column in {path} or a new model "
+                        "with a psi module")
                 from raycompat.backfill.modes import apply_bundle_modules
                 from raycompat.models import ModelBundle
 
@@ -153,7 +153,7 @@ class SyntheticGallery(GallerySource):
     def gallery_ids(self) -> np.ndarray:
         return np.arange(self.n_items, dtype=np.int64)
 
-    def _vectors(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
+    def _draw(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_items):
             raise KeyError(f"unknown item id(s) {ids[(ids < 0) | (ids >= self.n_items)][:10].tolist()}")
@@ -166,19 +166,26 @@ class SyntheticGallery(GallerySource):
             out[sel] = rows[ids[sel] - b * self.block]
         return l2_normalize(out)
 
+    def vectors_of(self, rep: str, ids) -> np.ndarray:
+        """The L2-normalised vectors of ``ids`` in representation ``rep``: ``old`` / ``adapted``
+        as a shard loads them, ``new`` as the backfill upserts them (:meth:`new_vectors`)."""
+        if rep == "new":
+            return self.new_vectors(ids)
+        stream, dim = {"old": (0, self.old_dim), "adapted": (2, self.new_dim)}[rep]
+        return self._draw(ids, stream, dim)
+
     def initial_vectors(self, rep, shard, n_shards):
         ids = self.gallery_ids()
         mine = ids[shard_of(ids, n_shards) == shard]
-        stream, dim = (0, self.old_dim) if rep == "old" else (2, self.new_dim)
-        return mine, self._vectors(mine, stream, dim)
+        return mine, self.vectors_of(rep, mine)
 
     def new_vectors(self, ids) -> np.ndarray:
         from raycompat.serving.scoring import stored_new
 
-        return stored_new(self._vectors(ids, 1, self.new_dim), self.new_map)
+        return stored_new(self._draw(ids, 1, self.new_dim), self.new_map)
 
 
-def open_gallery(spec: str, new_model: Optional[str] = None, need_adapted: bool = False,
+def open_gallery(spec: str, new_model: str | None = None, need_adapted: bool = False,
                  need_rank_merge: bool = False) -> GallerySource:
     """``synthetic:N[:D_old[:D_new[:seed]]]`` or a parquet path (file or folder)."""
     if spec.startswith("synthetic:"):
@@ -192,10 +199,11 @@ def open_gallery(spec: str, new_model: Optional[str] = None, need_adapted: bool 
         return SyntheticGallery(*vals)
     if not os.path.exists(spec):
         raise ConfigError(f"gallery embeddings not found: {spec}")
-    return ParquetGallery(spec, new_model=new_model, need_adapted=need_adapted, need_rank_merge=need_rank_merge)
+    return ParquetGallery(spec, new_model=new_model, need_adapted=need_adapted,
+                          need_rank_merge=need_rank_merge)
 
 
-def write_gallery_parquet(path: str, data, items: Optional[dict] = None) -> str:
+def write_gallery_parquet(path: str, data, items: dict | None = None) -> str:
     """Write a :class:`~raycompat.backfill.gallery.GalleryEmbeddings` in the simulator's parquet
     schema: query rows first, then gallery rows (``adapted`` when present).  ``items``:
     optional extra columns, one value per written row in that order (e.g. ``instance``)."""

@@ -13,7 +13,7 @@ revisited full ``mAP`` when the search returns the whole gallery (``k >= N``).
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,10 +21,11 @@ from raycompat.backfill.engine import METRIC_NAMES, full_ap_from_ranks, positive
 from raycompat.backfill.grid import backfill_counts
 from raycompat.metrics import correct_at_k, mean_average_precision_at_k, negative_flip_rate
 
-__all__ = ["live_metrics", "live_backfill_curve", "compare_curves"]
+__all__ = ["live_metrics", "live_backfill_curve", "old_old_reference", "compare_curves"]
 
 
-def live_metrics(ids: np.ndarray, data, k: int, reference_correct: Optional[np.ndarray]) -> Dict[str, float]:
+def live_metrics(ids: np.ndarray, data, k: int,
+                 reference_correct: np.ndarray | None) -> tuple[dict[str, float], np.ndarray]:
     """Metrics of one result matrix ``ids [Q, k]`` (item ids, -1 padded) on ``data``'s labels."""
     label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
     index_of = {int(i): j for j, i in enumerate(data.gallery_ids.tolist())}
@@ -40,7 +41,8 @@ def live_metrics(ids: np.ndarray, data, k: int, reference_correct: Optional[np.n
     c1 = correct_at_k(rel, 1)
     out = {names[0]: mean_average_precision_at_k(rel, npos, k),
            names[2]: float(c1[valid].mean()) if valid.any() else float("nan"),
-           names[3]: negative_flip_rate(reference_correct, c1) if reference_correct is not None else float("nan"),
+           names[3]: (negative_flip_rate(reference_correct, c1) if reference_correct is not None
+                      else float("nan")),
            names[1]: float("nan")}
     if k >= data.n_items:           # the full ranking: revisited mAP from the positives' ranks
         pos = np.full((ids.shape[0], data.n_items), -1, np.int64)
@@ -57,7 +59,7 @@ def live_metrics(ids: np.ndarray, data, k: int, reference_correct: Optional[np.n
 
 def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str = "random", seed: int = 0,
                         k: int = 100, source: str = "gallery", batch_size: int = 64,
-                        rate: Optional[float] = None, log: Callable[[str], None] = print) -> dict:
+                        rate: float | None = None, log: Callable[[str], None] = print) -> dict:
     """Run a live backfill from t = 0 and measure at every fraction (see the module docstring).
 
     ``client``: a :class:`raycompat.serving.client.ServingClient` (with the admin token);
@@ -67,23 +69,11 @@ def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str
     fractions = np.asarray(fractions, np.float64)
     counts = backfill_counts(fractions, data.n_items)
     k_eff = int(k)
-    # old-old reference (RACT Eq.12's Q+): the old model's queries against the all-old gallery
     st = client.status()
     naive = st.get("mode") == "naive_merge"      # each query carries its old-model embedding too
     if st["items"]["new"]:
         raise RuntimeError(f"the live gallery must start with no new-state item, got {st['items']}")
-    ref_correct = None
-    if data.query_old is not None:
-        label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
-        if st["items"]["old"] == data.n_items:     # measured live: old queries, all-old gallery
-            ids_oo, _, _ = client.search(data.query_old, k=1, model="old")
-            top = ids_oo[:, 0]
-        else:                                      # adapted mode holds no old vectors: exact search
-            from raycompat.index.search import exact_search
-
-            top = data.gallery_ids[exact_search(data.query_old, data.gallery_old, 1)[1][:, 0]]
-        rel = np.array([[t >= 0 and label_of[int(t)] == data.query_labels[qi]] for qi, t in enumerate(top)])
-        ref_correct = correct_at_k(rel, 1)
+    ref_correct = old_old_reference(client, data, st)
     names = METRIC_NAMES(k_eff)
     metrics = {n: [] for n in names}
     reps, seconds = [], []
@@ -109,6 +99,24 @@ def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str
     return {"fractions": fractions.tolist(), "counts": counts.tolist(), "metrics": metrics, "items": reps,
             "seconds": seconds, "policy": policy, "seed": int(seed), "k": k_eff, "source": source,
             "reference_correct_old_old": None if ref_correct is None else int(ref_correct.sum())}
+
+
+def old_old_reference(client, data, st: dict) -> np.ndarray | None:
+    """Top-1 correctness of the old model's queries against the all-old gallery (RACT Eq.12's
+    Q+, the NFR reference): measured live while every item is old, else (the adapted mode
+    holds no old vectors) by exact search; ``None`` without old query vectors."""
+    if data.query_old is None:
+        return None
+    label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
+    if st["items"]["old"] == data.n_items:
+        ids_oo, _, _ = client.search(data.query_old, k=1, model="old")
+        top = ids_oo[:, 0]
+    else:
+        from raycompat.index.search import exact_search
+
+        top = data.gallery_ids[exact_search(data.query_old, data.gallery_old, 1)[1][:, 0]]
+    rel = np.array([[t >= 0 and label_of[int(t)] == data.query_labels[qi]] for qi, t in enumerate(top)])
+    return correct_at_k(rel, 1)
 
 
 def compare_curves(live: dict, sim_curve, tol: float = 1e-9) -> dict:

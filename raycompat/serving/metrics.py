@@ -7,14 +7,14 @@ the backfill controller at scrape time (items per representation, backfill posit
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, Tuple
+from typing import Iterable
 
 __all__ = ["RouterMetrics", "BUCKETS"]
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-def _labels(d: Dict[str, str]) -> str:
+def _labels(d: dict[str, str]) -> str:
     if not d:
         return ""
     esc = lambda v: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')  # noqa: E731
@@ -25,9 +25,9 @@ class RouterMetrics:
     def __init__(self, prefix: str = "raycompat_serving"):
         self.prefix = prefix
         self.lock = threading.Lock()
-        self.requests: Dict[Tuple[str, int], int] = {}
-        self.hist: Dict[str, list] = {}
-        self.hist_sum: Dict[str, float] = {}
+        self.requests: dict[tuple[str, int], int] = {}
+        self.hist: dict[str, list] = {}
+        self.hist_sum: dict[str, float] = {}
         self.queries = 0
 
     def observe(self, endpoint: str, status: int, seconds: float, queries: int = 0) -> None:
@@ -42,14 +42,15 @@ class RouterMetrics:
             self.hist_sum[endpoint] = self.hist_sum.get(endpoint, 0.0) + seconds
             self.queries += queries
 
-    def render(self, gauges: Iterable[Tuple[str, str, Dict[str, str], float]] = ()) -> str:
+    def render(self, gauges: Iterable[tuple[str, str, dict[str, str], float]] = ()) -> str:
         p = self.prefix
         lines = [f"# HELP {p}_requests_total HTTP requests by endpoint and status code.",
                  f"# TYPE {p}_requests_total counter"]
         with self.lock:
             for (ep, st), n in sorted(self.requests.items()):
                 lines.append(f"{p}_requests_total{_labels({'endpoint': ep, 'status': str(st)})} {n}")
-            lines += [f"# HELP {p}_queries_total Query vectors searched.", f"# TYPE {p}_queries_total counter",
+            lines += [f"# HELP {p}_queries_total Query vectors searched.",
+                      f"# TYPE {p}_queries_total counter",
                       f"{p}_queries_total {self.queries}",
                       f"# HELP {p}_request_seconds Request latency in the router.",
                       f"# TYPE {p}_request_seconds histogram"]

@@ -7,13 +7,13 @@ decoding) are checked by the router and answered with the same :class:`ErrorResp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, List, Literal, Optional
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raycompat.backfill.policies import POLICIES
 
-__all__ = ["Limits", "build_models", "ErrorResponse", "Problem"]
+__all__ = ["Limits", "ApiModels", "build_models", "ErrorResponse", "Problem"]
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -37,7 +37,7 @@ class Problem(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: str = Field(description="one-line description naming the problem")
-    problems: List[Problem] = Field(default_factory=list)
+    problems: list[Problem] = Field(default_factory=list)
 
 
 class Hit(BaseModel):
@@ -52,24 +52,90 @@ class ShardCounts(BaseModel):
     new: int = 0
 
 
-def build_models(limits: Limits):
-    """The request/response classes for ``limits`` (returned as a simple namespace dict)."""
-    Vector = Annotated[List[FiniteFloat], Field(min_length=1, max_length=limits.max_dim)]
+class SearchResponse(BaseModel):
+    results: list[list[Hit]]
+    k: int
+    took_ms: float
+
+
+class UpsertResponse(BaseModel):
+    applied: int
+    per_shard: list[int]
+
+
+class BackfillResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    until: int | None = Field(default=None, ge=0, le=2 ** 62)
+    rate: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+
+
+class BackfillState(BaseModel):
+    state: str
+    policy: str | None = None
+    seed: int | None = None
+    source: str | None = None
+    position: int = 0
+    total: int = 0
+    until: int | None = None
+    rate: float | None = None
+    batch_size: int | None = None
+    error: str | None = None
+    resumed_from_checkpoint: bool = False
+    items_per_s: float | None = None
+    upsert_retries: int = 0
+    pid: int | None = None
+    actor_name: str | None = None
+
+
+class StatusResponse(BaseModel):
+    items: ShardCounts
+    shards: list[dict]
+    backfill: BackfillState
+    models: dict
+    mode: str
+    dims: dict
+
+
+@dataclass(frozen=True)
+class ApiModels:
+    """The request and response classes of one server (the request classes carry its limits)."""
+
+    SearchRequest: type
+    UpsertItem: type
+    UpsertRequest: type
+    BackfillStartRequest: type
+    SearchResponse: type = SearchResponse
+    UpsertResponse: type = UpsertResponse
+    BackfillResumeRequest: type = BackfillResumeRequest
+    BackfillState: type = BackfillState
+    StatusResponse: type = StatusResponse
+
+
+def build_models(limits: Limits) -> ApiModels:
+    """The request/response classes for ``limits``."""
+    Vector = Annotated[list[FiniteFloat], Field(min_length=1, max_length=limits.max_dim)]
+    upsert_item, upsert_request = _upsert_models(limits, Vector)
+    return ApiModels(SearchRequest=_search_request(limits, Vector), UpsertItem=upsert_item,
+                     UpsertRequest=upsert_request, BackfillStartRequest=_backfill_start_request(limits))
+
+
+def _search_request(limits: Limits, Vector) -> type:
     b64_chars = 4 * ((limits.max_image_bytes + 2) // 3)
     Image = Annotated[str, Field(min_length=1, max_length=b64_chars,
                                  description="base64 of a PNG or JPEG file")]
+    Queries = Annotated[list[Vector], Field(min_length=1, max_length=limits.max_queries)]
 
     class SearchRequest(BaseModel):
         """Exactly one of ``vectors`` or ``images``."""
         model_config = ConfigDict(extra="forbid")
-        vectors: Optional[Annotated[List[Vector], Field(min_length=1, max_length=limits.max_queries)]] = Field(
+        vectors: Queries | None = Field(
             default=None, description="query embeddings (raw; normalised by the server)")
-        images: Optional[Annotated[List[Image], Field(min_length=1, max_length=limits.max_queries)]] = Field(
+        images: Annotated[list[Image], Field(min_length=1, max_length=limits.max_queries)] | None = Field(
             default=None, description="query images, base64 PNG/JPEG; embedded with the new model (and the "
                                       "old model too in the naive_merge mode)")
-        old_vectors: Optional[Annotated[List[Vector], Field(min_length=1, max_length=limits.max_queries)]] = Field(
-            default=None, description="naive_merge mode only: the old model's embeddings of the same queries, "
-                                      "in the same order (old-state items are scored with them)")
+        old_vectors: Queries | None = Field(
+            default=None, description="naive_merge mode only: the old model's embeddings of the same "
+                                      "queries, in the same order (old-state items are scored with them)")
         k: int = Field(default=10, ge=1, le=limits.max_k, description="results per query")
         model: Literal["new", "old"] = Field(
             default="new", description="which model embedded the query vectors; 'old' searches old-state "
@@ -85,11 +151,10 @@ def build_models(limits: Limits):
                 raise ValueError("'old_vectors' go with new-model 'vectors' (model 'new')")
             return self
 
-    class SearchResponse(BaseModel):
-        results: List[List[Hit]]
-        k: int
-        took_ms: float
+    return SearchRequest
 
+
+def _upsert_models(limits: Limits, Vector) -> tuple[type, type]:
     class UpsertItem(BaseModel):
         model_config = ConfigDict(extra="forbid")
         id: int = Field(ge=0, le=2 ** 63 - 1)
@@ -98,56 +163,23 @@ def build_models(limits: Limits):
 
     class UpsertRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        items: Annotated[List[UpsertItem], Field(min_length=1, max_length=limits.max_upsert_items)]
+        items: Annotated[list[UpsertItem], Field(min_length=1, max_length=limits.max_upsert_items)]
 
-    class UpsertResponse(BaseModel):
-        applied: int
-        per_shard: List[int]
+    return UpsertItem, UpsertRequest
 
+
+def _backfill_start_request(limits: Limits) -> type:
     class BackfillStartRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
         policy: Literal[POLICIES] = Field(default="random", description="backfill order (simulator policies)")
         seed: int = Field(default=0, ge=0, le=2 ** 32 - 1)
-        rate: Optional[float] = Field(default=None, gt=0, le=1e9, allow_inf_nan=False,
+        rate: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False,
                                       description="items per second; null = as fast as possible")
         batch_size: int = Field(default=256, ge=1, le=limits.max_upsert_items)
-        until: Optional[int] = Field(default=None, ge=0, le=2 ** 62,
+        until: int | None = Field(default=None, ge=0, le=2 ** 62,
                                      description="pause after this many items of the order")
         source: Literal["gallery", "pipeline", "embedder"] = Field(
             default="gallery", description="where new embeddings come from")
         restart: bool = Field(default=False, description="discard a finished or paused backfill's progress")
 
-    class BackfillResumeRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        until: Optional[int] = Field(default=None, ge=0, le=2 ** 62)
-        rate: Optional[float] = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
-
-    class BackfillState(BaseModel):
-        state: str
-        policy: Optional[str] = None
-        seed: Optional[int] = None
-        source: Optional[str] = None
-        position: int = 0
-        total: int = 0
-        until: Optional[int] = None
-        rate: Optional[float] = None
-        batch_size: Optional[int] = None
-        error: Optional[str] = None
-        resumed_from_checkpoint: bool = False
-        items_per_s: Optional[float] = None
-        upsert_retries: int = 0
-        pid: Optional[int] = None
-        actor_name: Optional[str] = None
-
-    class StatusResponse(BaseModel):
-        items: ShardCounts
-        shards: List[dict]
-        backfill: BackfillState
-        models: dict
-        mode: str
-        dims: dict
-
-    return dict(SearchRequest=SearchRequest, SearchResponse=SearchResponse, UpsertItem=UpsertItem,
-                UpsertRequest=UpsertRequest, UpsertResponse=UpsertResponse,
-                BackfillStartRequest=BackfillStartRequest, BackfillResumeRequest=BackfillResumeRequest,
-                BackfillState=BackfillState, StatusResponse=StatusResponse)
+    return BackfillStartRequest

@@ -26,8 +26,8 @@ carries (``old_vectors``) or the router computes from the image, and a ``new`` i
 ``s(phi_n(q), phi_n(g))``.
 
 So the ``compatible``, ``rank_merge`` and ``naive_merge`` modes are "items start as old", the
-``adapted`` mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded by the *old* model
-(``model="old"``: clients not upgraded yet, and the old-old reference of NFR) scores old
+``adapted`` mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded
+by the *old* model (``model="old"``: clients not upgraded yet, and the old-old reference of NFR) scores old
 items only, with ``s(phi_o(q), phi_o(g))``.
 
 Normalisation is :func:`raycompat.index.search.l2_normalize`, exactly as the simulator
@@ -35,27 +35,24 @@ normalises its sides, so the served cosines are the simulator's.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
-
 import numpy as np
 
+from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
 
-__all__ = ["SERVED_MODES", "initial_representation", "query_sides", "rank_merge_maps", "stored_new"]
-
-#: query modes the live index serves (naive_merge: each request carries the old model's query
-#: embeddings as well, or images that the router embeds with both models)
-SERVED_MODES = ("compatible", "adapted", "rank_merge", "naive_merge")
+__all__ = ["initial_representation", "query_sides", "rank_merge_maps", "stored_new"]
 
 
 def initial_representation(mode: str) -> str:
+    """What an item holds before the backfill: ``adapted`` in the adapted mode, else ``old``
+    (``ValueError`` for a mode the live index does not serve)."""
     if mode not in SERVED_MODES:
         raise ValueError(f"mode {mode!r} is not served; allowed: {', '.join(SERVED_MODES)}")
     return "adapted" if mode == "adapted" else "old"
 
 
-def rank_merge_maps(new_model: Optional[str]) -> Tuple[object, object]:
+def rank_merge_maps(new_model: str | None) -> tuple[object, object]:
     """``(rho, psi_rev)`` of the new model bundle as :class:`raycompat.models.FeatureMap`
     (``ConfigError`` naming what is missing)."""
     if not new_model:
@@ -79,7 +76,7 @@ def stored_new(raw: np.ndarray, new_map=None) -> np.ndarray:
 
 
 def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge=None,
-                old_queries: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
+                old_queries: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """``{representation: normalised query array}`` for raw query embeddings ``[Q, D]``;
     ``rank_merge``: the ``(rho, psi_rev)`` maps in that mode; ``old_queries``: the old
     model's embeddings of the same queries in the naive_merge mode.
@@ -89,7 +86,8 @@ def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge
     if model == "old":
         return {"old": l2_normalize(q)}
     if old_queries is not None:      # naive_merge: old-old and new-new scores, merged
-        return {"old": l2_normalize(np.ascontiguousarray(old_queries, dtype=np.float32)), "new": l2_normalize(q)}
+        return {"old": l2_normalize(np.ascontiguousarray(old_queries, dtype=np.float32)),
+                "new": l2_normalize(q)}
     if rank_merge is not None:
         rho, psi_rev = rank_merge
         r = rho(q)

@@ -9,57 +9,54 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict
 
 import numpy as np
 
+from raycompat.serving.plan import ServingPlan
 from raycompat.serving.state import REPRESENTATIONS, ShardState, UnknownItemError
 
 __all__ = ["ShardServer", "shard_dir"]
 
 
 def shard_dir(state_dir: str, shard: int) -> str:
+    """Where shard ``shard`` keeps its snapshot and log."""
     return os.path.join(state_dir, f"shard-{shard}")
 
 
 class ShardServer:
     """Serve deployment class (bound per shard by :mod:`raycompat.serving.app`)."""
 
-    def __init__(self, shard: int, cfg: dict):
-        from raycompat.serving.gallery_source import open_gallery
-        from raycompat.serving.scoring import initial_representation
-
+    def __init__(self, shard: int, plan: ServingPlan):
         t0 = time.perf_counter()
+        cfg = plan.config
         self.shard = int(shard)
-        self.n_shards = int(cfg["num_shards"])
+        self.n_shards = cfg.num_shards
         try:
             import faiss
 
-            faiss.omp_set_num_threads(int(cfg.get("shard_threads", 1)))
+            faiss.omp_set_num_threads(cfg.shard_threads)
         except Exception:  # pragma: no cover - faiss without OpenMP
             pass
-        rep0 = initial_representation(cfg["mode"])
-        directory = shard_dir(cfg["state_dir"], self.shard)
-        src = None
-        dims = cfg.get("dims")
-        if dims is None:
-            src = open_gallery(cfg["gallery"], cfg.get("new_model"), need_adapted=rep0 == "adapted")
-            dims = src.dims()
-        self.state = ShardState(directory, dims, factory=cfg.get("factory", "Flat"),
-                                snapshot_every=int(cfg.get("snapshot_every", 200_000)),
-                                fsync=bool(cfg.get("fsync", True)))
+        self.state = ShardState(shard_dir(cfg.state_dir, self.shard), plan.dims.as_dict(),
+                                factory=cfg.factory, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync)
         if not self.state.initialized:
-            if src is None:
-                src = open_gallery(cfg["gallery"], cfg.get("new_model"), need_adapted=rep0 == "adapted")
-            ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
-            self.state.load_initial(rep0, ids, vecs)
-            self.state.snapshot()
-            self.state.recovery["initial_load"] = int(ids.size)
+            self._load_initial(plan)
         self.started = time.time()
         self.startup_s = time.perf_counter() - t0
         self.searches = 0
 
-    def search(self, queries: Dict[str, np.ndarray], k: int):
+    def _load_initial(self, plan: ServingPlan) -> None:
+        """First start: this shard's items from the gallery, in their initial representation."""
+        from raycompat.serving.gallery_source import open_gallery
+
+        rep0 = plan.initial_representation
+        src = open_gallery(plan.config.gallery, plan.config.new_model, need_adapted=rep0 == "adapted")
+        ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
+        self.state.load_initial(rep0, ids, vecs)
+        self.state.snapshot()
+        self.state.recovery["initial_load"] = int(ids.size)
+
+    def search(self, queries: dict[str, np.ndarray], k: int):
         self.searches += 1
         return self.state.search(queries, int(k))
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class RepIndex:
         self.train_min = int(train_min)
         self.vecs = np.zeros((0, self.dim), np.float32)
         self.ids = np.zeros(0, np.int64)          # -1 marks a free slot
-        self.slot: Dict[int, int] = {}
+        self.slot: dict[int, int] = {}
         self.free: list = []
         self.index = None                          # faiss index (IDs = item ids) or None: numpy search
         self.exact = True                          # the faiss index returns the true float32 top-n
@@ -81,7 +81,9 @@ class RepIndex:
         if isinstance(core, (faiss.IndexIDMap, faiss.IndexIDMap2)):
             core = faiss.downcast_index(core.index)
         self.exact = isinstance(core, faiss.IndexFlat)
-        return faiss.IndexIDMap2(inner) if not isinstance(inner, (faiss.IndexIDMap, faiss.IndexIDMap2)) else inner
+        if isinstance(inner, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+            return inner
+        return faiss.IndexIDMap2(inner)
 
     def _build(self):
         """(Re)build the faiss index from the live vectors (training it if needed)."""
@@ -156,12 +158,12 @@ class RepIndex:
     def vectors_of(self, ids: np.ndarray) -> np.ndarray:
         return self.vecs[[self.slot[int(i)] for i in ids]]
 
-    def export(self) -> Tuple[np.ndarray, np.ndarray]:
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
         live = np.flatnonzero(self.ids >= 0)
         order = live[np.argsort(self.ids[live], kind="stable")]
         return self.ids[order].copy(), self.vecs[order].copy()
 
-    def search(self, q: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k ``(canonical scores float64, ids)`` ``[Q, k]`` of this representation
         (``-inf``/``-1`` padded), by :func:`raycompat.index.canonical.rerank_top_k`: float32
         candidates re-ranked by canonical score, ties by ascending id; with an exact index,
@@ -190,7 +192,7 @@ class RepIndex:
             fetch = min(total, fetch * 4)
         return out_s, out_i
 
-    def _candidates(self, q: np.ndarray, fetch: int) -> Tuple[np.ndarray, np.ndarray]:
+    def _candidates(self, q: np.ndarray, fetch: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 ``(scores, ids)`` ``[Q, fetch]`` from faiss, or from numpy before an index
         that needs training is trained; removed items (tombstones) become ``-1``."""
         if self.index is None:
@@ -228,7 +230,7 @@ class ShardState:
     the log; otherwise the shard is empty until :meth:`load_initial`.
     """
 
-    def __init__(self, directory: str, dims: Dict[str, int], factory: str = "Flat",
+    def __init__(self, directory: str, dims: dict[str, int], factory: str = "Flat",
                  snapshot_every: int = 200_000, fsync: bool = True, train_min: int = 4096):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
@@ -238,7 +240,7 @@ class ShardState:
         self.fsync = fsync
         self.lock = threading.RLock()
         self.reps = {r: RepIndex(d, factory, train_min) for r, d in self.dims.items()}
-        self.rep_of: Dict[int, int] = {}
+        self.rep_of: dict[int, int] = {}
         self.seq = 0
         self.since_snapshot = 0
         self.recovery: dict = {}
@@ -260,7 +262,8 @@ class ShardState:
         seq, parts, meta = snap
         for name, d in meta.get("dims", {}).items():
             if name in self.dims and int(d) != self.dims[name]:
-                raise ValueError(f"snapshot in {self.directory} has {name} dim {d}, expected {self.dims[name]}")
+                raise ValueError(f"snapshot in {self.directory} has {name} dim {d}, "
+                                 f"expected {self.dims[name]}")
         for name, (ids, vecs) in parts.items():
             if ids.size:
                 self._move(ids, rep_code(name), vecs)
@@ -306,7 +309,7 @@ class ShardState:
             keep = np.sort(ids.size - 1 - last)
             ids, vecs = ids[keep], vecs[keep]
         target = REPRESENTATIONS[code]
-        by_rep: Dict[int, list] = {}
+        by_rep: dict[int, list] = {}
         for i in ids.tolist():
             c = self.rep_of.get(i)
             if c is not None:
@@ -332,7 +335,8 @@ class ShardState:
         ids = np.asarray(ids, np.int64)
         vecs = np.ascontiguousarray(vecs, np.float32)
         if vecs.shape != (ids.size, self.dims[rep]):
-            raise ValueError(f"vectors for {rep!r} must be [{ids.size}, {self.dims[rep]}], got {list(vecs.shape)}")
+            raise ValueError(f"vectors for {rep!r} must be [{ids.size}, {self.dims[rep]}], "
+                             f"got {list(vecs.shape)}")
         with self.lock:
             missing = [int(i) for i in ids.tolist() if int(i) not in self.rep_of]
             if missing:
@@ -349,7 +353,7 @@ class ShardState:
             return {"applied": int(ids.size), "seq": self.seq}
 
     # ------------------------------------------------------------------ reads
-    def search(self, queries: Dict[str, np.ndarray], k: int):
+    def search(self, queries: dict[str, np.ndarray], k: int):
         """Top-k over every representation that has a query array: ``(scores, ids, rep codes)``."""
         with self.lock:
             S, I, R = [], [], []
@@ -373,11 +377,11 @@ class ShardState:
             return [(REPRESENTATIONS[self.rep_of[int(i)]] if int(i) in self.rep_of else None)
                     for i in np.asarray(ids).tolist()]
 
-    def counts(self) -> Dict[str, int]:
+    def counts(self) -> dict[str, int]:
         with self.lock:
             return {r: len(ix) for r, ix in self.reps.items()}
 
-    def items(self) -> Tuple[np.ndarray, np.ndarray]:
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All ``(ids, rep codes)`` (sorted by id)."""
         with self.lock:
             ids = np.fromiter(self.rep_of.keys(), np.int64, len(self.rep_of))
