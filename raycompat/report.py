@@ -7,16 +7,17 @@ import os
 from typing import Any, Iterable, Sequence
 
 
-def _clean(value: Any) -> Any:
-    """NaN/inf -> None so the JSON is standard (json.dump would write NaN)."""
+def json_safe(value: Any) -> Any:
+    """``value`` made standard JSON: NaN/inf -> None (``json.dump`` would write ``NaN``), dict
+    keys -> str, tuples -> lists, numpy scalars -> Python numbers; nested containers too."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        return _clean(value.item())
+        return json_safe(value.item())
     return value
 
 
@@ -24,7 +25,7 @@ def write_json(path: str, obj: Any) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(_clean(obj), f, indent=2)
+        json.dump(json_safe(obj), f, indent=2)
     os.replace(tmp, path)
     return path
 

@@ -132,6 +132,27 @@ def test_bad_input_names_the_problem(tmp_path, case, expect):
     assert len(err_lines) == 1
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--polices", "random"], "unrecognized arguments: --polices"),
+    (["--grid", "25"], "unrecognized arguments: --grid"),          # no abbreviations
+    (["--k", "0"], "option 'k' = 0 must be >= 1"),
+    (["--gpus", "two"], "option 'gpus' must be an integer, got 'two'"),
+    (["--rank-merge-distance", "l1"], "option 'rank_merge_distance' = 'l1' is not allowed"),
+])
+def test_bad_flag_exits_2_before_reading_anything(tmp_path, args, named):
+    r = run_job("--embeddings", tmp_path / "never_read.parquet", "--out", tmp_path / "out", *args, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""
+    assert named in r.stderr and "error:" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_embeddings_is_an_error(tmp_path):
+    r = run_job("--out", tmp_path / "out", timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "error: --embeddings is required" in r.stderr
+
+
 def test_bundle_modules_fill_the_adapted_and_rank_merge_arrays():
     import types
 

@@ -83,7 +83,7 @@ def test_unwritable_storage_is_reported_at_start(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     seconds = time.perf_counter() - started
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "embed_gallery: error: --storage /proc/raycompat-gallery is not writable" in out.stderr
+    assert "error: --storage /proc/raycompat-gallery is not writable" in out.stderr
     assert "Traceback" not in out.stderr and not models.exists()
     assert seconds < 60, seconds
 
@@ -102,6 +102,27 @@ def test_bad_output_locations(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--colums", "old"], "unrecognized arguments: --colums"),
+    (["--train", "10"], "unrecognized arguments: --train"),          # no abbreviations
+    (["--chunk-size", "0"], "option 'chunk_size' = 0 must be >= 1"),
+    (["--on-corrupt", "ignore"], "option 'on_corrupt' = 'ignore' is not allowed"),
+    (["--new-resources", "{gpu"], "--new-resources is not JSON"),
+])
+def test_bad_flag_exits_2_before_anything_starts(tmp_path, args, named):
+    """The real script: exit status 2, `error:` naming the flag on stderr, nothing on stdout,
+    no models made, no Ray."""
+    models = tmp_path / "models"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "embed_gallery.py"), "--random-init",
+                          str(models), "--out", str(tmp_path / "g"), *args],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == ""
+    assert named in out.stderr and "error:" in out.stderr and "Traceback" not in out.stderr
+    assert not models.exists()
 
 
 def test_shard_store_writes_objects_directly_and_rewrites_truncated_ones(tmp_path):

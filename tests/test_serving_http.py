@@ -42,7 +42,7 @@ def labelled_embeddings(n_items=600, n_queries=60, classes=30, d_old=16, d_new=2
 def serve_port(ray_cluster):
     from ray import serve
 
-    from raycompat.serving.hot_refresh import free_port
+    from raycompat.serving.app import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -480,10 +480,11 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
     """`run_hot_refresh` (what `python jobs/hot_refresh.py` runs) on a glyph scenario embedded
     by random-init models -- weak embeddings full of near-ties -- writing to `--storage`: the
     curve measured through HTTP equals the simulator's exactly at every fraction."""
+    import dataclasses
     import json
 
+    from raycompat.hot_refresh import TINY_SIZES, HotRefreshOptions, run_hot_refresh
     from raycompat.pipeline.bundles import make_random_bundles
-    from raycompat.serving.hot_refresh import HotRefreshOptions, run_hot_refresh
 
     models = tmp_path / "models"
     make_random_bundles(str(models), backbone="test_resnet", old_dim=24, new_dim=24, num_classes=8,
@@ -491,8 +492,10 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
     store = tmp_path / "store"
     opts = HotRefreshOptions(models=str(models), new_name="new", storage=str(store), name="tiny",
                              port=serve_port, policy="sequential", k=20, num_shards=2, batch_size=23,
-                             fractions="0,0.3,0.6,1", eval_classes=12, queries_per_class=2, gallery_per_class=5,
-                             distractor_classes=4, distractors_per_class=3)
+                             fractions="0,0.3,0.6,1",
+                             sizes=dataclasses.replace(TINY_SIZES, eval_classes=12, queries_per_class=2,
+                                                       gallery_per_class=5, distractor_classes=4,
+                                                       distractors_per_class=3))
     report = run_hot_refresh(opts, log=lambda m: None)
     out = store / "hot_refresh" / "tiny"
     assert report["out"] == str(out)
@@ -605,7 +608,7 @@ def test_old_vectors_are_refused_outside_naive_merge(api):
 def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
     """Every served mode's default training trains the bundle it then serves, after the models
     that bundle depends on, each config checked the way the trainer checks it."""
-    from raycompat.serving.hot_refresh import HotRefreshOptions, new_model_name, tiny_training_plan
+    from raycompat.hot_refresh import HotRefreshOptions, new_model_name, tiny_training_plan
     from raycompat.train import TrainConfig
 
     from raycompat.data import build_scenario, default_catalog
@@ -621,3 +624,30 @@ def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
         TrainConfig.from_dict(dict(method=method, backbone="test_resnet", epochs=epochs, split=split,
                                    batch_size=64, scenario=scenario.to_dict(), old_model="/x/old" if pred else None,
                                    init_model="/x/new" if init else None), check_paths=False)
+
+
+@pytest.mark.parametrize("job, args, named", [
+    ("hot_refresh.py", ["--polcy", "random"], "unrecognized arguments: --polcy"),
+    ("hot_refresh.py", ["--eval", "12"], "unrecognized arguments: --eval"),        # no abbreviations
+    ("hot_refresh.py", ["--policy", "fastest"], "option 'policy' = 'fastest' is not allowed"),
+    ("hot_refresh.py", ["--fractions", "0,2"], "--fractions '0,2'"),
+    ("serve_index.py", ["--num-shard", "2"], "unrecognized arguments: --num-shard"),
+    ("serve_index.py", ["--num-shards", "0"], "option 'num_shards' = 0 must be >= 1"),
+    ("serve_index.py", ["--proxy-location", "Nowhere"], "option 'proxy_location' = 'Nowhere' is not allowed"),
+])
+def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, args, named):
+    """A misspelt flag or a bad value stops the job before Ray starts: exit status 2, one
+    `error:` line naming it on stderr, nothing on stdout, nothing written."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = tmp_path / "out"
+    extra = ["--out", str(out)] if job == "hot_refresh.py" else ["--state-dir", str(out)]
+    r = subprocess.run([sys.executable, os.path.join(repo, "jobs", job), *extra, *args], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""
+    assert named in r.stderr and "error:" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()

@@ -1,8 +1,14 @@
-"""Run the backfill simulator on saved embeddings (parquet) and models: the body of
-``jobs/simulate_backfill.py``.
+"""Simulate backfilling saved embeddings: exact curves for every backfill policy and query mode.
 
-Every input problem raises :class:`~raycompat.backfill.gallery.BackfillInputError`
-with a one-line message; the job script prints it and exits with status 2.
+The simulate-backfill job reads a parquet of old / new (/ adapted) embeddings and, optionally,
+the model bundles; it writes exact mAP@k / mAP / top-1 / NFR@1 curves with AUCs, regression statistics and a
+simulated time axis as JSON, markdown and PNG reports (see docs/methods.md, Backfill
+policies). ``main`` is ``raycompat simulate-backfill`` / ``jobs/simulate_backfill.py``;
+:func:`run` is the library call.
+
+Every input problem raises :class:`~raycompat.backfill.gallery.BackfillInputError` (or a
+``ConfigError`` for an option) with a one-line message; ``main`` prints it on stderr and
+exits with status 2.
 """
 from __future__ import annotations
 
@@ -10,50 +16,64 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Optional, Sequence
-
+from dataclasses import dataclass
 
 from raycompat.backfill.gallery import BackfillInputError, load_parquet
 from raycompat.backfill.modes import MODES, apply_bundle_modules, available_modes, parse_modes
 from raycompat.backfill.policies import POLICIES, UncertaintyHead, parse_policies
+from raycompat.config import (ConfigError, add_options, choices, make_parser, option, options_from_args,
+                              positive)
+from raycompat.console import fail, job_main
 
-__all__ = ["build_parser", "run", "main"]
+__all__ = ["BackfillJobOptions", "build_parser", "run", "main"]
+
+
+@dataclass(frozen=True)
+class BackfillJobOptions:
+    """Every flag of the simulate-backfill job."""
+
+    embeddings: str | None = option(None, help="required: parquet file or folder: item_id, label, split "
+                                               "(query/gallery/distractor), old, new, optional adapted")
+    new_model: str | None = option(None, help="new model bundle: its head drives the uncertainty "
+                                              "policies; psi, rho, psi_rev modules give the adapted and "
+                                              "rank_merge modes")
+    old_model: str | None = option(None, help="old model bundle (checked against the 'old' column's "
+                                              "dimension)")
+    policies: str | None = option(None, help=f"comma-separated; allowed: {', '.join(POLICIES)} "
+                                             "(none: all that the inputs allow)")
+    modes: str | None = option(None, help=f"comma-separated; allowed: {', '.join(MODES)} "
+                                          "(none: all that the inputs allow)")
+    grid_step: float = positive(5.0, help="grid step in percent (5: 21 points)")
+    k: int = positive(100, help="cut-off of mAP@k")
+    seed: int = option(0, help="seed of the random and learned policies")
+    items_per_s_per_gpu: float | None = option(None, min=1e-12, help="backfill rate per GPU for the time "
+                                                                     "axis (none: measured with --new-model)")
+    gpus: int = positive(1, help="number of GPUs backfilling")
+    newstar_metrics: str | None = option(None, help="JSON file {metric: value} of the paragon new*-new* "
+                                                    "(enables AUC gain)")
+    learned_sample: float = option(0.02, help="held-out sample fraction of the learned policy")
+    rank_merge_distance: str = choices("sq_l2", "sq_l2_raw", default="sq_l2",
+                                       help="distance of the rank_merge mode")
+    device: str = option("auto", help="torch device for scoring (auto: cuda if available)")
+    storage: str | None = option(None, help="shared storage: a local path or any URI pyarrow opens "
+                                            "(s3://bucket/prefix, gs://..., file:///nfs/...); checked for "
+                                            "writing at start; the report goes to <storage>/backfill/<name> "
+                                            "unless --out is given")
+    name: str = option("simulation", help="report folder name under <storage>/backfill")
+    out: str | None = option(None, help="report folder or URI (none: backfill_out, or "
+                                        "<storage>/backfill/<name> with --storage)")
+    plots: bool = option(True, help="write the PNG plots (--no-plots skips them)")
+    quiet: bool = option(False, help="no progress messages")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = make_parser(
         prog="simulate_backfill",
         description="Simulate hot-refresh backfilling of a gallery: exact mAP@k / mAP / top-1 / NFR@1 "
                     "curves for each backfill policy and query mode, with AUCs, regression statistics, "
                     "a simulated time axis, and JSON / markdown / PNG reports.")
-    p.add_argument("--embeddings", required=True,
-                   help="parquet file or folder: item_id, label, split (query/gallery/distractor), "
-                        "old, new, optional adapted")
-    p.add_argument("--new-model", help="new model bundle: its head drives the uncertainty policies; psi, "
-                                       "rho, psi_rev modules give the adapted and rank_merge modes")
-    p.add_argument("--old-model", help="old model bundle (checked against the 'old' column's dimension)")
-    p.add_argument("--policies", default=None,
-                   help=f"comma-separated; allowed: {', '.join(POLICIES)} (default: all that the inputs allow)")
-    p.add_argument("--modes", default=None,
-                   help=f"comma-separated; allowed: {', '.join(MODES)} (default: all that the inputs allow)")
-    p.add_argument("--grid-step", type=float, default=5.0, help="grid step in percent (default 5: 21 points)")
-    p.add_argument("--k", type=int, default=100, help="cut-off of mAP@k (default 100)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random and learned policies")
-    p.add_argument("--items-per-s-per-gpu", type=float, default=None,
-                   help="backfill rate per GPU for the time axis (default: measured with --new-model)")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs backfilling (default 1)")
-    p.add_argument("--newstar-metrics", default=None,
-                   help="JSON file {metric: value} of the paragon new*-new* (enables AUC gain)")
-    p.add_argument("--learned-sample", type=float, default=0.02,
-                   help="held-out sample fraction of the learned policy (default 0.02)")
-    p.add_argument("--rank-merge-distance", default="sq_l2", choices=("sq_l2", "sq_l2_raw"))
-    p.add_argument("--device", default="auto", help="torch device for scoring (default: cuda if available)")
-    from raycompat.outputs import add_output_arguments
-
-    add_output_arguments(p, "backfill", "backfill_out", "simulation")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--quiet", action="store_true", help="no progress messages")
-    return p
+    add_options(parser, BackfillJobOptions)
+    return parser
 
 
 def _load_bundle(path: str, what: str):
@@ -69,88 +89,85 @@ def _load_bundle(path: str, what: str):
         raise BackfillInputError(f"{what}: cannot load bundle {path}: {exc}".splitlines()[0]) from exc
 
 
-def run(opts: argparse.Namespace, log=None) -> Dict[str, object]:
-    """Load inputs, simulate, write reports; returns the written paths.
-
-    Cheap checks (names, parquet schema and values) run before torch is imported,
-    so bad input fails fast."""
+def _output(opts: BackfillJobOptions):
+    """The checked output location (an unwritable one is reported now, not after the simulation)."""
     from raycompat.outputs import resolve_job_output
     from raycompat.storage import StorageError
 
-    say = log or (lambda msg: None)
-    try:   # an unwritable destination is reported now, not after the simulation
-        output = resolve_job_output("backfill", out=opts.out, storage=opts.storage, name=opts.name,
-                                    default_out="backfill_out")
+    try:
+        return resolve_job_output("backfill", out=opts.out, storage=opts.storage, name=opts.name,
+                                  default_out="backfill_out")
     except StorageError as exc:
         raise BackfillInputError(str(exc)) from exc
-    if opts.k <= 0:
-        raise BackfillInputError(f"--k must be a positive integer, got {opts.k}")
-    if opts.gpus <= 0:
-        raise BackfillInputError(f"--gpus must be a positive integer, got {opts.gpus}")
-    # validate names before the (possibly long) loading
-    req_policies = parse_policies(opts.policies) if opts.policies else None
-    req_modes = parse_modes(opts.modes) if opts.modes else None
 
+
+def _load_inputs(opts: BackfillJobOptions, say):
+    """``(data, new bundle or None, uncertainty head or None)``, dimensions checked, the new
+    bundle's psi / rho / psi_rev applied."""
     new_bundle = _load_bundle(opts.new_model, "--new-model") if opts.new_model else None
     old_bundle = _load_bundle(opts.old_model, "--old-model") if opts.old_model else None
-    compatible_dim = None
-    if new_bundle is not None:
-        compatible_dim = new_bundle.manifest.get("compatible_dim")
+    compatible_dim = new_bundle.manifest.get("compatible_dim") if new_bundle is not None else None
     say(f"loading {opts.embeddings}")
     data = load_parquet(opts.embeddings, compatible_dim=compatible_dim)
     say(f"{data.n_items:,} gallery items, {data.n_queries:,} queries, old dim {data.old_dim}, "
         f"new dim {data.new_dim}")
     if old_bundle is not None and old_bundle.embed_dim != data.old_dim:
         raise BackfillInputError(
-            f"dimension mismatch: --old-model embeds {old_bundle.embed_dim} dims, column 'old' has {data.old_dim}")
-    from raycompat.backfill.cost import CostModel, measure_items_per_s
-    from raycompat.backfill.report import write_reports
-    from raycompat.backfill.simulator import simulate_backfill
-
+            f"dimension mismatch: --old-model embeds {old_bundle.embed_dim} dims, "
+            f"column 'old' has {data.old_dim}")
     head = None
     if new_bundle is not None:
         if new_bundle.embed_dim != data.new_dim:
             raise BackfillInputError(
-                f"dimension mismatch: --new-model embeds {new_bundle.embed_dim} dims, column 'new' has {data.new_dim}")
+                f"dimension mismatch: --new-model embeds {new_bundle.embed_dim} dims, "
+                f"column 'new' has {data.new_dim}")
         data = apply_bundle_modules(data, new_bundle)
         if "head" in new_bundle.modules:
             head = UncertaintyHead.from_classifier_head(new_bundle.head)
-    modes = req_modes or available_modes(data)
-    if not modes:
-        raise BackfillInputError("no query mode is possible with these inputs")
-    if req_policies is None:
-        pols = ["random", "sequential"]
-        if head is not None:
-            pols += [p for p in POLICIES if p.startswith("uncertainty:")]
-        pols.append("oracle")
-        if data.gallery_adapted is not None or data.compat_dim == data.old_dim:
-            pols.append("learned")
-        req_policies = tuple(pols)
-    cost = None
+    return data, new_bundle, head
+
+
+def _default_policies(data, head) -> tuple[str, ...]:
+    """Every policy the inputs allow: uncertainty needs the new head, learned the adapted or
+    compatible old features."""
+    pols = ["random", "sequential"]
+    if head is not None:
+        pols += [p for p in POLICIES if p.startswith("uncertainty:")]
+    pols.append("oracle")
+    if data.gallery_adapted is not None or data.compat_dim == data.old_dim:
+        pols.append("learned")
+    return tuple(pols)
+
+
+def _cost_model(opts: BackfillJobOptions, new_bundle, say):
+    """The time axis: a given rate, or the new embedder's rate measured on the CPU."""
+    from raycompat.backfill.cost import CostModel, measure_items_per_s
+
     if opts.items_per_s_per_gpu is not None:
-        cost = CostModel(opts.items_per_s_per_gpu, opts.gpus, source="given")
-    elif new_bundle is not None:
-        rate = measure_items_per_s(new_bundle, device="cpu")
-        cost = CostModel(rate, opts.gpus, source="measured: new embedder on cpu, random inputs")
-        say(f"measured {rate:.1f} items/s for the new embedder")
-    references = None
-    if opts.newstar_metrics:
-        try:
-            with open(opts.newstar_metrics) as f:
-                ns = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise BackfillInputError(f"--newstar-metrics: cannot read {opts.newstar_metrics}: {exc}") from exc
-        if not isinstance(ns, dict) or not all(isinstance(v, (int, float)) for v in ns.values()):
-            raise BackfillInputError("--newstar-metrics must be a JSON object {metric: number}")
-        references = {"new*-new*": ns}
-    say(f"policies: {', '.join(req_policies)}; modes: {', '.join(modes)}")
-    result = simulate_backfill(
-        data, req_policies, modes, grid_step=opts.grid_step, k=opts.k, seed=opts.seed, head=head,
-        cost=cost, references=references, learned_sample_fraction=opts.learned_sample,
-        rank_merge_distance=opts.rank_merge_distance, device=None if opts.device == "auto" else opts.device,
-        progress=say)
-    title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
-    written = write_reports(result, output.local, plots=not opts.no_plots, title=title)
+        return CostModel(opts.items_per_s_per_gpu, opts.gpus, source="given")
+    if new_bundle is None:
+        return None
+    rate = measure_items_per_s(new_bundle, device="cpu")
+    say(f"measured {rate:.1f} items/s for the new embedder")
+    return CostModel(rate, opts.gpus, source="measured: new embedder on cpu, random inputs")
+
+
+def _references(path: str | None) -> dict | None:
+    """``{"new*-new*": metrics}`` from ``--newstar-metrics``."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            ns = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BackfillInputError(f"--newstar-metrics: cannot read {path}: {exc}") from exc
+    if not isinstance(ns, dict) or not all(isinstance(v, (int, float)) for v in ns.values()):
+        raise BackfillInputError("--newstar-metrics must be a JSON object {metric: number}")
+    return {"new*-new*": ns}
+
+
+def _published(written: dict, output) -> dict:
+    """``written``'s paths at the output's destination (a URI after :meth:`publish`)."""
     where = output.publish()
     if where == output.local:
         return written
@@ -159,8 +176,41 @@ def run(opts: argparse.Namespace, log=None) -> Dict[str, object]:
             "plots": [rename(p) for p in written["plots"]]}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    opts = build_parser().parse_args(argv)
+def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
+    """Load inputs, simulate, write reports; returns the written paths.
+
+    Cheap checks (names, parquet schema and values) run before torch is imported,
+    so bad input fails fast."""
+    say = log or (lambda msg: None)
+    if not opts.embeddings:
+        raise ConfigError("--embeddings is required (a parquet file or folder)")
+    output = _output(opts)
+    # validate names before the (possibly long) loading
+    req_policies = parse_policies(opts.policies) if opts.policies else None
+    req_modes = parse_modes(opts.modes) if opts.modes else None
+    data, new_bundle, head = _load_inputs(opts, say)
+    from raycompat.backfill.report import write_reports
+    from raycompat.backfill.simulator import simulate_backfill
+
+    modes = req_modes or available_modes(data)
+    if not modes:
+        raise BackfillInputError("no query mode is possible with these inputs")
+    policies = req_policies or _default_policies(data, head)
+    cost = _cost_model(opts, new_bundle, say)
+    references = _references(opts.newstar_metrics)
+    say(f"policies: {', '.join(policies)}; modes: {', '.join(modes)}")
+    result = simulate_backfill(
+        data, policies, modes, grid_step=opts.grid_step, k=opts.k, seed=opts.seed, head=head,
+        cost=cost, references=references, learned_sample_fraction=opts.learned_sample,
+        rank_merge_distance=opts.rank_merge_distance, device=None if opts.device == "auto" else opts.device,
+        progress=say)
+    title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
+    return _published(write_reports(result, output.local, plots=opts.plots, title=title), output)
+
+
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    opts = options_from_args(BackfillJobOptions, build_parser().parse_args(argv))
 
     def log(msg: str) -> None:
         if not opts.quiet:
@@ -169,8 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         paths = run(opts, log)
     except BackfillInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     print(f"report: {paths['markdown']}")
     print(f"json:   {paths['json']}")
     for p in paths["plots"]:

@@ -1,7 +1,8 @@
-"""The gallery embedding run: a Ray Data streaming pipeline from a source to parquet shards.
+"""Embed a gallery with the old and new models (and psi) into resumable parquet shards (Ray Data).
 
 ``embed_gallery`` is the library call (the main job and the backfill use it);
-``main`` is ``jobs/embed_gallery.py``. Stages (``raycompat.pipeline.stages``)::
+``main`` is ``raycompat embed-gallery`` / ``jobs/embed_gallery.py``. Stages
+(``raycompat.pipeline.stages``)::
 
     chunk ids -> load_images (render / decode) -> preprocess -> [new embedder pool]
               -> [old embedder pool] -> [psi + uncertainty pool] -> driver: shard writer
@@ -10,7 +11,7 @@ Only the stages the requested columns need are built. Output (``raycompat.pipeli
 ``<out>/part-<chunk>.parquet`` shards, ``<out>/_manifest.json``, ``<out>/_summary.json``;
 ``raycompat.backfill.gallery.load_parquet(<out>)`` reads the folder directly. ``<out>`` is a
 local folder or a URI (``raycompat.pipeline.location``); the job's ``--storage S`` puts it at
-``S/embeddings/<--name>``.
+``S/embeddings/<--name>``. See docs/architecture.md (Data flow, Jobs).
 """
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from raycompat.config import ConfigError
+from raycompat.config import (ConfigError, add_options, choices, make_parser, nonnegative, option,
+                              options_from_args)
+from raycompat.console import fail, job_main, quiet_ray
 from raycompat.data.readers import CorruptImageError
+from raycompat.data.scenarios import ScenarioSizes
 from raycompat.pipeline.ids import IdPlan, parse_ids_option
-from raycompat.pipeline.options import (PipelineOptions, add_pipeline_arguments, parse_columns,
-                                        pipeline_options_from_args)
+from raycompat.pipeline.options import (ExecutionOptions, PipelineOptions, StageFlags, parse_columns,
+                                        pipeline_options)
 from raycompat.pipeline.stages import UNCERTAINTY_COLUMNS
 
+__all__ = ["EmbedGalleryOptions", "GalleryRun", "embed_gallery", "build_parser", "run_job", "main"]
+
 SUMMARY_NAME = "_summary.json"
+SOURCES = ("glyphs", "image_folder", "parquet", "gldv2", "old_features")
 
 
 @dataclass
@@ -53,28 +60,36 @@ class GalleryRun:
         return pq.read_table(self.path, columns=columns).sort_by("item_id")
 
 
-def _resolve_models(columns, uncertainty, old_model, new_model, stored_old_dim: int | None = None):
-    """Which stages run and the output dims. ``stored_old_dim``: the source already holds old
-    features (``OldFeatureSource``) of that dimension, so no image stage and no old model."""
-    from raycompat.pipeline.bundles import embedder_info
+@dataclass(frozen=True)
+class StagePlan:
+    """Which model stages a run needs and the output vector dimensions per column."""
 
-    if stored_old_dim is not None:
-        if "new" in columns:
-            raise ConfigError("column 'new' needs images; the old-feature source only has old features "
-                              "(it serves 'old', 'adapted' and uncertainty)")
-        old_model = None
+    need_old: bool
+    need_new: bool
+    need_feature_stage: bool
+    dims: dict
+
+
+# ----------------------------------------------------------------------------- models and stages
+def _check_models(columns, uncertainty, old_model, new_model,
+                  stored_old_dim: int | None) -> tuple[bool, bool]:
+    """``(need_old, need_new_bundle)``; ``ConfigError`` when a needed model is missing."""
+    if stored_old_dim is not None and "new" in columns:
+        raise ConfigError("column 'new' needs images; the old-feature source only has old features "
+                          "(it serves 'old', 'adapted' and uncertainty)")
     need_old = stored_old_dim is None and ("old" in columns or "adapted" in columns or uncertainty)
     need_new_bundle = "new" in columns or "adapted" in columns or uncertainty
     if need_old and not old_model:
-        raise ConfigError("the old model is required for columns old/adapted and uncertainty: pass --old-model "
-                          "(a saved bundle folder) or --random-init DIR for a smoke run")
+        raise ConfigError("the old model is required for columns old/adapted and uncertainty: pass "
+                          "--old-model (a saved bundle folder) or --random-init DIR for a smoke run")
     if need_new_bundle and not new_model:
-        raise ConfigError("the new model is required for columns new/adapted and uncertainty: pass --new-model "
-                          "(a saved bundle folder) or --random-init DIR for a smoke run")
-    old_info = embedder_info(old_model) if need_old else None
-    if stored_old_dim is not None:
-        old_info = {"embed_dim": int(stored_old_dim)}
-    new_info = embedder_info(new_model) if need_new_bundle else None
+        raise ConfigError("the new model is required for columns new/adapted and uncertainty: pass "
+                          "--new-model (a saved bundle folder) or --random-init DIR for a smoke run")
+    return need_old, need_new_bundle
+
+
+def _output_dims(columns, uncertainty, old_info, new_info, new_model) -> dict:
+    """Vector dimension per output column; ``ConfigError`` when psi or the head do not fit."""
     dims = {}
     for c in columns:
         if c == "old":
@@ -92,8 +107,26 @@ def _resolve_models(columns, uncertainty, old_model, new_model, stored_old_dim: 
     if uncertainty and "head" not in new_info["modules"]:
         raise ConfigError(f"uncertainty needs the new model's classifier head; {new_model!r} has none")
     if uncertainty and old_info["embed_dim"] > new_info["embed_dim"]:
-        raise ConfigError(f"uncertainty needs D_old <= D_new, got {old_info['embed_dim']} > {new_info['embed_dim']}")
-    return need_old, "new" in columns, "adapted" in columns or uncertainty, dims
+        raise ConfigError(f"uncertainty needs D_old <= D_new, got {old_info['embed_dim']} > "
+                          f"{new_info['embed_dim']}")
+    return dims
+
+
+def resolve_models(columns, uncertainty, old_model, new_model,
+                   stored_old_dim: int | None = None) -> StagePlan:
+    """Which stages run and the output dims. ``stored_old_dim``: the source already holds old
+    features (``OldFeatureSource``) of that dimension, so no image stage and no old model."""
+    from raycompat.pipeline.bundles import embedder_info
+
+    if stored_old_dim is not None:
+        old_model = None
+    need_old, need_new_bundle = _check_models(columns, uncertainty, old_model, new_model, stored_old_dim)
+    old_info = embedder_info(old_model) if need_old else None
+    if stored_old_dim is not None:
+        old_info = {"embed_dim": int(stored_old_dim)}
+    new_info = embedder_info(new_model) if need_new_bundle else None
+    dims = _output_dims(columns, uncertainty, old_info, new_info, new_model)
+    return StagePlan(need_old, "new" in columns, "adapted" in columns or uncertainty, dims)
 
 
 def _gpus(stage, opts: PipelineOptions, cluster_gpus: float) -> float:
@@ -106,55 +139,58 @@ def _resources(stage):
     return dict(stage.resources) if stage.resources else None
 
 
-def build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, need_feature_stage,
-                  columns, uncertainty, opts: PipelineOptions):
+def _id_blocks(todo, plan: IdPlan, size: int) -> list:
+    """The input: the ids themselves, one block per render batch (not per chunk), so results
+    stream out of the render tasks batch by batch instead of a whole chunk at a time."""
+    import pyarrow as pa
+
+    return [pa.table({"item_id": ids[k:k + size]})
+            for ids in (plan.chunk_ids(c) for c in todo) for k in range(0, len(ids), size)]
+
+
+def _task_stage(ds, fn, stage, **kw):
+    from ray.data import TaskPoolStrategy
+
+    return ds.map_batches(fn, batch_size=stage.batch_size, num_cpus=stage.num_cpus,
+                          resources=_resources(stage), compute=TaskPoolStrategy(size=stage.concurrency), **kw)
+
+
+def _actor_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, **kwargs):
+    """An actor-pool stage of ``cls(**kwargs, threads=..., use_gpu=...)``."""
+    from ray.data import ActorPoolStrategy
+
+    g = _gpus(stage, opts, cluster_gpus)
+    return ds.map_batches(cls, fn_constructor_kwargs=dict(kwargs, threads=opts.threads, use_gpu=g > 0),
+                          batch_size=stage.batch_size, num_cpus=stage.num_cpus, num_gpus=g or None,
+                          resources=_resources(stage), compute=ActorPoolStrategy(size=stage.concurrency))
+
+
+def build_dataset(todo, plan, source, old_model, new_model, stages: StagePlan, columns, uncertainty,
+                  opts: PipelineOptions):
     """The lazy Ray Data pipeline for chunks ``todo``."""
     import ray
-    from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     from raycompat.pipeline.stages import EmbedStage, OldFeatureStage, load_images, preprocess
 
     st = opts.stages
     cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
-    # The input is the ids themselves, one block per render batch (not per chunk), so results
-    # stream out of the render tasks batch by batch instead of a whole chunk at a time.
-    import pyarrow as pa
-
-    size = st["render"].batch_size
-    blocks = [pa.table({"item_id": ids[k:k + size]})
-              for ids in (plan.chunk_ids(c) for c in todo) for k in range(0, len(ids), size)]
-    ds = ray.data.from_arrow(blocks)
-    ds = ds.map_batches(load_images, fn_kwargs={"source": source, "on_corrupt": opts.on_corrupt},
-                        batch_size=st["render"].batch_size, num_cpus=st["render"].num_cpus,
-                        resources=_resources(st["render"]), compute=TaskPoolStrategy(size=st["render"].concurrency))
+    ds = ray.data.from_arrow(_id_blocks(todo, plan, st["render"].batch_size))
+    ds = _task_stage(ds, load_images, st["render"],
+                     fn_kwargs={"source": source, "on_corrupt": opts.on_corrupt})
+    need_old, need_new = stages.need_old, stages.need_new
     if getattr(source, "provides_old", False):  # stored old features: no image, no backbone
         need_old = need_new = False
     else:
-        ds = ds.map_batches(preprocess, batch_size=st["preprocess"].batch_size,
-                            num_cpus=st["preprocess"].num_cpus, resources=_resources(st["preprocess"]),
-                            compute=TaskPoolStrategy(size=st["preprocess"].concurrency))
+        ds = _task_stage(ds, preprocess, st["preprocess"])
     if need_new:
-        s = st["new"]
-        g = _gpus(s, opts, cluster_gpus)
-        ds = ds.map_batches(EmbedStage, fn_constructor_kwargs=dict(
-            bundle_path=new_model, column="new", threads=opts.threads, use_gpu=g > 0, drop_pixels=not need_old),
-            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, resources=_resources(s),
-            compute=ActorPoolStrategy(size=s.concurrency))
+        ds = _actor_stage(ds, EmbedStage, st["new"], opts, cluster_gpus, bundle_path=new_model, column="new",
+                          drop_pixels=not need_old)
     if need_old:
-        s = st["old"]
-        g = _gpus(s, opts, cluster_gpus)
-        ds = ds.map_batches(EmbedStage, fn_constructor_kwargs=dict(
-            bundle_path=old_model, column="old", threads=opts.threads, use_gpu=g > 0, drop_pixels=True),
-            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, resources=_resources(s),
-            compute=ActorPoolStrategy(size=s.concurrency))
-    if need_feature_stage:
-        s = st["adapt"]
-        g = _gpus(s, opts, cluster_gpus)
-        ds = ds.map_batches(OldFeatureStage, fn_constructor_kwargs=dict(
-            new_bundle_path=new_model, adapt="adapted" in columns, uncertainty=uncertainty,
-            drop_old="old" not in columns, threads=opts.threads, use_gpu=g > 0),
-            batch_size=s.batch_size, num_cpus=s.num_cpus, num_gpus=g or None, resources=_resources(s),
-            compute=ActorPoolStrategy(size=s.concurrency))
+        ds = _actor_stage(ds, EmbedStage, st["old"], opts, cluster_gpus, bundle_path=old_model, column="old",
+                          drop_pixels=True)
+    if stages.need_feature_stage:
+        ds = _actor_stage(ds, OldFeatureStage, st["adapt"], opts, cluster_gpus, new_bundle_path=new_model,
+                          adapt="adapted" in columns, uncertainty=uncertainty, drop_old="old" not in columns)
     return ds
 
 
@@ -177,6 +213,132 @@ def _find_corrupt(exc: BaseException) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------------- the run
+def _id_plan(source, ids, chunk_size: int) -> IdPlan:
+    """The ids to embed (all of ``source``'s, or ``ids``), in chunks of ``chunk_size``."""
+    if ids is not None:
+        plan = IdPlan.from_ids(np.asarray(ids, np.int64), chunk_size)
+        source.check_ids(plan.ids)
+        return plan
+    if source.all_ids() is not None:
+        return IdPlan.from_ids(source.all_ids(), chunk_size)
+    return IdPlan(chunk_size, 0, source.num_ids())
+
+
+@dataclass
+class _Output:
+    """The opened output: where, its shard store, and what an earlier run already wrote."""
+
+    location: object
+    store: object
+    schema: object
+    done: set
+    resuming: bool
+    removed: int
+
+
+def _open_output(out, opts: PipelineOptions, source, plan: IdPlan, columns, unc_cols, models: dict,
+                 dims: dict) -> _Output:
+    """Create and check ``out`` (``StorageError`` otherwise), write or check its manifest
+    (``ConfigError`` for other settings) and find the complete shards."""
+    from raycompat.pipeline.location import OutputDir
+    from raycompat.pipeline.manifest import check_or_write, content_manifest
+    from raycompat.pipeline.writer import ShardStore, output_schema
+
+    location = OutputDir.open(out)
+    if opts.overwrite:
+        location.clear()
+    resuming = check_or_write(location, content_manifest(source, plan, columns, unc_cols, models, dims))
+    schema = output_schema(dims, unc_cols)
+    store = ShardStore(location, schema)
+    removed = store.remove_temp_files()
+    done = store.completed(plan.num_chunks, plan.chunk_length)
+    return _Output(location, store, schema, done, resuming, removed)
+
+
+def _configure_ray_data(opts: PipelineOptions) -> None:
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.per_stage_map_timing = True
+    bars = opts.ray_progress_bars
+    ctx.enable_progress_bars = sys.stderr.isatty() if bars is None else bars
+
+
+def _stream(ds, assembler, memory, planned: int, todo, opts: PipelineOptions, out: str, log):
+    """Write every batch of ``ds`` through ``assembler``, logging progress; returns the time
+    and item count of the first output (``None`` if there was none)."""
+    started = last = time.perf_counter()
+    first = None
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1):
+            assembler.add(batch)
+            now = time.perf_counter()
+            if first is None:
+                first = (now - started, assembler.received)
+            if now - last >= opts.progress_every_s:
+                last = now
+                got = assembler.received
+                rate = got / max(now - started, 1e-9)
+                eta = (planned - got) / rate if rate > 0 else float("inf")
+                log(f"[embed_gallery] {got}/{planned} items embedded ({100 * got / planned:.1f} %), "
+                    f"{assembler.written_chunks}/{len(todo)} shards written, {rate:.0f} items/s, "
+                    f"ETA {eta:.0f} s, peak memory PSS {memory.peak_pss_mib:.0f} MiB")
+    except Exception as exc:  # Ray Data wraps a failing stage's exception
+        message = _find_corrupt(exc)
+        if message:
+            raise CorruptImageError(
+                f"{message}. {assembler.written_chunks} complete shard(s) kept in {out}; rerun with "
+                "--on-corrupt skip to skip such images (the run resumes)") from None
+        raise
+    return first
+
+
+def _summary(out: str, plan: IdPlan, planned: int, resumed_items: int, assembler, seconds: float, first,
+             columns, unc_cols, dims: dict, memory, stages: list, opts: PipelineOptions) -> dict:
+    """What ``_summary.json`` holds (and :func:`format_summary` prints)."""
+    skipped = assembler.skipped
+    return {
+        "out": out, "items_planned": planned, "items_total": len(plan), "items_resumed": resumed_items,
+        "items_written": assembler.written_items, "items_skipped": len(skipped), "skipped": skipped[:1000],
+        "shards_written": assembler.written_chunks, "seconds": seconds,
+        "items_per_s": (assembler.written_items + len(skipped)) / seconds if seconds > 0 else 0.0,
+        "first_output_s": first[0] if first else None,
+        "steady_items_per_s": ((assembler.received - first[1]) / (seconds - first[0])
+                               if first and seconds > first[0] else None),
+        "columns": list(columns), "uncertainty_columns": list(unc_cols), "dims": dims,
+        "memory": {"peak_rss_mib": memory.peak_rss_mib, "peak_pss_mib": memory.peak_pss_mib,
+                   "what": "sum over the driver and every process it started (embedded Ray: GCS, raylet, "
+                           "workers, actors); PSS splits shared pages such as the object store",
+                   **memory.halves(), "series_s_items_rss_pss": memory.thinned_series()},
+        "stages": stages, "options": asdict(opts),
+        # where the embedding stages ran (this run's rows): {stage: {Ray node id: rows}}
+        "nodes": {stage: dict(sorted(per_node.items()))
+                  for stage, per_node in sorted(assembler.node_items.items())},
+    }
+
+
+def _log_start(log, source, plan: IdPlan, columns, uncertainty: bool, out: str, output: _Output, todo,
+               resumed_items: int) -> None:
+    log(f"[embed_gallery] {source.kind} source, {len(plan)} items in {plan.num_chunks} chunks of "
+        f"{plan.chunk_size}; columns {list(columns)}{' + uncertainty' if uncertainty else ''} -> {out}")
+    if output.resuming:
+        removed = output.removed
+        log(f"[embed_gallery] resuming: {len(output.done)} chunks ({resumed_items} items) already complete, "
+            f"{len(todo)} to do{f', {removed} partial temp file(s) removed' if removed else ''}")
+
+
+def _finish(output: _Output, summary: dict, skipped: list, log) -> None:
+    """Write ``_summary.json`` and log the skipped images and the summary."""
+    from raycompat.pipeline.summary import format_summary
+    from raycompat.report import json_safe
+
+    output.location.write_bytes(SUMMARY_NAME, json.dumps(json_safe(summary), indent=2).encode())
+    for s in skipped[:20]:
+        log(f"[embed_gallery] skipped corrupt image: {s['error']}")
+    log(format_summary(summary))
+
+
 def embed_gallery(out, source, *, old_model: str | None = None, new_model: str | None = None,
                   columns=("old", "new"), uncertainty: bool = False, ids=None,
                   options: PipelineOptions | None = None, log=print) -> GalleryRun:
@@ -192,11 +354,8 @@ def embed_gallery(out, source, *, old_model: str | None = None, new_model: str |
     ``ConfigError`` for different ones. Uses the connected Ray cluster (connects an embedded
     one if none)."""
     from raycompat.cluster import connect
-    from raycompat.pipeline.location import OutputDir
-    from raycompat.pipeline.manifest import check_or_write, content_manifest
-    from raycompat.pipeline.summary import MemorySampler, format_summary, stage_times
-    from raycompat.pipeline.writer import ChunkAssembler, ShardStore, output_schema
-    from raycompat.report import _clean
+    from raycompat.pipeline.summary import MemorySampler, stage_times
+    from raycompat.pipeline.writer import ChunkAssembler
 
     opts = options or PipelineOptions()
     opts.check()
@@ -204,245 +363,200 @@ def embed_gallery(out, source, *, old_model: str | None = None, new_model: str |
     if not columns and not uncertainty:
         raise ConfigError("nothing to compute: --columns is empty and uncertainty is off")
     stored_old_dim = source.old_dim if getattr(source, "provides_old", False) else None
-    need_old, need_new, need_feature_stage, dims = _resolve_models(columns, uncertainty, old_model, new_model,
-                                                                   stored_old_dim)
+    stages = resolve_models(columns, uncertainty, old_model, new_model, stored_old_dim)
     if stored_old_dim is not None:
         old_model = None
-    if ids is not None:
-        ids = np.asarray(ids, np.int64)
-        plan = IdPlan.from_ids(ids, opts.chunk_size)
-        source.check_ids(plan.ids)
-    elif source.all_ids() is not None:
-        plan = IdPlan.from_ids(source.all_ids(), opts.chunk_size)
-    else:
-        plan = IdPlan(opts.chunk_size, 0, source.num_ids())
+    plan = _id_plan(source, ids, opts.chunk_size)
     unc_cols = tuple(UNCERTAINTY_COLUMNS.values()) if uncertainty else ()
-    location = OutputDir.open(out)     # created and checked for writing (StorageError otherwise)
-    out = location.uri
-    if opts.overwrite:
-        location.clear()
-    manifest = content_manifest(source, plan, columns, unc_cols,
-                                {"old": old_model if need_old else None,
-                                 "new": new_model if (need_new or need_feature_stage) else None}, dims)
-    resuming = check_or_write(location, manifest)
-    schema = output_schema(dims, unc_cols)
-    store = ShardStore(location, schema)
-    removed = store.remove_temp_files()
-    done = store.completed(plan.num_chunks, plan.chunk_length)
-    todo = [c for c in range(plan.num_chunks) if c not in done]
-    resumed_items = sum(plan.chunk_length(c) for c in done)
-    log(f"[embed_gallery] {source.kind} source, {len(plan)} items in {plan.num_chunks} chunks of "
-        f"{plan.chunk_size}; columns {list(columns)}{' + uncertainty' if uncertainty else ''} -> {out}")
-    if resuming:
-        log(f"[embed_gallery] resuming: {len(done)} chunks ({resumed_items} items) already complete, "
-            f"{len(todo)} to do{f', {removed} partial temp file(s) removed' if removed else ''}")
+    models = {"old": old_model if stages.need_old else None,
+              "new": new_model if (stages.need_new or stages.need_feature_stage) else None}
+    output = _open_output(out, opts, source, plan, columns, unc_cols, models, stages.dims)
+    out = output.location.uri
+    todo = [c for c in range(plan.num_chunks) if c not in output.done]
+    resumed_items = sum(plan.chunk_length(c) for c in output.done)
+    _log_start(log, source, plan, columns, uncertainty, out, output, todo, resumed_items)
 
     connect(None)
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.per_stage_map_timing = True
-    ctx.enable_progress_bars = sys.stderr.isatty() if opts.ray_progress_bars is None else opts.ray_progress_bars
+    _configure_ray_data(opts)
     planned = sum(plan.chunk_length(c) for c in todo)
-    assembler = ChunkAssembler(store, plan, [f.name for f in schema] + ["error"])
+    assembler = ChunkAssembler(output.store, plan, [f.name for f in output.schema] + ["error"])
     started = time.perf_counter()
-    stages: list[dict] = []
+    stage_rows: list[dict] = []
     first = None
     with MemorySampler(opts.memory_interval_s, progress=lambda: assembler.received) as memory:
         if todo:
-            ds = build_dataset(todo, plan, source, old_model, new_model, need_old, need_new, need_feature_stage,
-                               columns, uncertainty, opts)
-            last = started
-            first = None
-            try:
-                for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1):
-                    assembler.add(batch)
-                    now = time.perf_counter()
-                    if first is None:
-                        first = (now - started, assembler.received)
-                    if now - last >= opts.progress_every_s:
-                        last = now
-                        got = assembler.received
-                        rate = got / max(now - started, 1e-9)
-                        eta = (planned - got) / rate if rate > 0 else float("inf")
-                        log(f"[embed_gallery] {got}/{planned} items embedded ({100 * got / planned:.1f} %), "
-                            f"{assembler.written_chunks}/{len(todo)} shards written, {rate:.0f} items/s, "
-                            f"ETA {eta:.0f} s, peak memory PSS {memory.peak_pss_mib:.0f} MiB")
-            except Exception as exc:  # Ray Data wraps a failing stage's exception
-                message = _find_corrupt(exc)
-                if message:
-                    raise CorruptImageError(
-                        f"{message}. {assembler.written_chunks} complete shard(s) kept in {out}; rerun with "
-                        "--on-corrupt skip to skip such images (the run resumes)") from None
-                raise
-            stages = stage_times(ds)
+            ds = build_dataset(todo, plan, source, old_model, new_model, stages, columns, uncertainty, opts)
+            first = _stream(ds, assembler, memory, planned, todo, opts, out, log)
+            stage_rows = stage_times(ds)
     seconds = time.perf_counter() - started
     if assembler.open_chunks:
         raise RuntimeError(f"{assembler.open_chunks} chunk(s) received only part of their ids")
-    skipped = assembler.skipped
-    summary = {
-        "out": out, "items_planned": planned, "items_total": len(plan), "items_resumed": resumed_items,
-        "items_written": assembler.written_items, "items_skipped": len(skipped), "skipped": skipped[:1000],
-        "shards_written": assembler.written_chunks, "seconds": seconds,
-        "items_per_s": (assembler.written_items + len(skipped)) / seconds if seconds > 0 else 0.0,
-        "first_output_s": first[0] if first else None,
-        "steady_items_per_s": ((assembler.received - first[1]) / (seconds - first[0])
-                               if first and seconds > first[0] else None),
-        "columns": list(columns), "uncertainty_columns": list(unc_cols), "dims": dims,
-        "memory": {"peak_rss_mib": memory.peak_rss_mib, "peak_pss_mib": memory.peak_pss_mib,
-                   "what": "sum over the driver and every process it started (embedded Ray: GCS, raylet, "
-                           "workers, actors); PSS splits shared pages such as the object store",
-                   **memory.halves(), "series_s_items_rss_pss": memory.thinned_series()},
-        "stages": stages, "options": asdict(opts),
-        # where the embedding stages ran (this run's rows): {stage: {Ray node id: rows}}
-        "nodes": {stage: dict(sorted(per_node.items())) for stage, per_node in sorted(assembler.node_items.items())},
-    }
-    location.write_bytes(SUMMARY_NAME, json.dumps(_clean(summary), indent=2).encode())
-    for s in skipped[:20]:
-        log(f"[embed_gallery] skipped corrupt image: {s['error']}")
-    log(format_summary(summary))
+    summary = _summary(out, plan, planned, resumed_items, assembler, seconds, first, columns, unc_cols,
+                       stages.dims, memory, stage_rows, opts)
+    _finish(output, summary, assembler.skipped, log)
     return GalleryRun(out, summary)
 
 
 # ----------------------------------------------------------------------------- command line
+@dataclass(frozen=True)
+class EmbedGalleryOptions:
+    """Every flag of the embed-gallery job (``execution`` and ``stages`` do not change the output)."""
+
+    storage: str | None = option(None, help="shared storage: a local path or any URI pyarrow opens "
+                                            "(s3://bucket/prefix, gs://..., file:///nfs/...); the output "
+                                            "goes to <storage>/embeddings/<name> unless --out is given")
+    name: str = option("gallery", help="output folder name under <storage>/embeddings")
+    out: str | None = option(None, help="output folder or URI (parquet shards + _manifest.json + "
+                                        "_summary.json); default gallery_out, or <storage>/embeddings/<name>")
+    address: str | None = option(None, help="Ray address (none: an embedded local cluster)")
+    num_cpus: int | None = option(None, min=1, help="CPUs of the embedded local cluster")
+    verbose: bool = option(False, help="keep Ray's own INFO lines")
+    old_model: str | None = option(None, help="old model bundle folder")
+    new_model: str | None = option(None, help="new model bundle folder (its psi and head give "
+                                              "adapted/uncertainty)")
+    random_init: str | None = option(None, help="smoke run without trained models: create (or reuse) "
+                                                "random-init lcnet_050 bundles under this folder (old 64-d, "
+                                                "new 128-d with psi) and use them")
+    columns: tuple[str, ...] = option(("old", "new", "adapted"),
+                                      help="representations: any of old,new,adapted; e.g. 'old' for the "
+                                           "initial gallery, 'new' with --ids for a backfill batch")
+    uncertainty: bool = option(False, help="also compute unc_least_confidence, unc_margin, unc_entropy "
+                                           "(RACT Eq.9-11)")
+    ids: str | None = option(None, help="only these item ids: START:STOP, or a file of ids (text or .npy)")
+    source: str = choices(*SOURCES, default="glyphs",
+                          help="old_features: refresh stored old features (an earlier output) with psi / "
+                               "uncertainty, no images")
+    path: str | None = option(None, help="image folder, parquet file/folder, GLDv2 csv, or old-feature "
+                                         "parquet folder")
+    image_root: str | None = option(None, help="GLDv2 image root (a/b/c/<id>.jpg layout)")
+    image_column: str = option("image", help="image bytes column of a parquet source")
+    label_column: str = option("label", help="label column of a parquet source ('' for none)")
+    id_column: str = option("item_id", help="id column of a parquet source")
+    split: str = choices("query", "gallery", "distractor", default="gallery",
+                         help="split of every item of a folder/parquet/GLDv2 source")
+    image_resolution: int | None = option(None, flag="--resolution", min=1,
+                                          help="image side in pixels (default: the old model's training "
+                                               "resolution, else 32)")
+    scenario_json: str | None = option(None, help="built-in glyph source: a saved scenario "
+                                                  "(e.g. quickstart_out/scenario.json)")
+    sizes: ScenarioSizes = option(ScenarioSizes(), help="built-in glyph source: the scenario "
+                                                        "(ScenarioSizes' own defaults)")
+    distractors: int = nonnegative(0, help="built-in glyph source: extra generated distractors")
+    items: int | None = option(None, min=1, help="built-in glyph source: total items (scenario + generated "
+                                                 "distractors); overrides --distractors")
+    execution: ExecutionOptions = option(ExecutionOptions(), help="how the run executes")
+    stages: StageFlags = option(factory=StageFlags, help="per-stage Ray Data resources")
+
+
+#: ScenarioSizes fields the gallery source does not use (``--resolution`` is the job's own)
+UNUSED_SIZES = ("images_per_class", "resolution", "backbone")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = make_parser(
         prog="embed_gallery",
         description="Embed a gallery with the old model, the new model and psi (Ray Data, streaming, "
                     "resumable) into parquet shards: item_id, label, split, old/new/adapted vectors, "
                     "uncertainty scores.")
-    o = p.add_argument_group("where the output goes (checked for writing before anything starts)")
-    o.add_argument("--storage", default=None,
-                   help="shared storage: a local path or any URI pyarrow opens (s3://bucket/prefix, gs://..., "
-                        "file:///nfs/...); the output goes to <storage>/embeddings/<name> unless --out is given")
-    o.add_argument("--name", default="gallery", help="output folder name under <storage>/embeddings "
-                                                     "(default gallery)")
-    o.add_argument("--out", default=None,
-                   help="output folder or URI (parquet shards + _manifest.json + _summary.json); default "
-                        "gallery_out, or <storage>/embeddings/<name> with --storage")
-    p.add_argument("--address", default=None, help="Ray address (default: an embedded local cluster)")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local cluster")
-    m = p.add_argument_group("models")
-    m.add_argument("--old-model", help="old model bundle folder")
-    m.add_argument("--new-model", help="new model bundle folder (its psi and head give adapted/uncertainty)")
-    m.add_argument("--random-init", metavar="DIR",
-                   help="smoke run without trained models: create (or reuse) random-init lcnet_050 bundles "
-                        "under DIR (old 64-d, new 128-d with psi) and use them")
-    w = p.add_argument_group("what to compute")
-    w.add_argument("--columns", default="old,new,adapted",
-                   help="representations: any of old,new,adapted (default all three); e.g. 'old' for the "
-                        "initial gallery, 'new' with --ids for a backfill batch")
-    w.add_argument("--uncertainty", action="store_true",
-                   help="also compute unc_least_confidence, unc_margin, unc_entropy (RACT Eq.9-11)")
-    w.add_argument("--ids", default=None, help="only these item ids: START:STOP, or a file of ids (text or .npy)")
-    s = p.add_argument_group("source")
-    s.add_argument("--source", choices=("glyphs", "image_folder", "parquet", "gldv2", "old_features"),
-                   default="glyphs", help="old_features: refresh stored old features (an earlier output) with "
-                                          "psi / uncertainty, no images")
-    s.add_argument("--path", help="image folder, parquet file/folder, GLDv2 csv, or old-feature parquet folder")
-    s.add_argument("--image-root", help="GLDv2 image root (a/b/c/<id>.jpg layout)")
-    s.add_argument("--image-column", default="image")
-    s.add_argument("--label-column", default="label")
-    s.add_argument("--id-column", default="item_id")
-    s.add_argument("--split", default="gallery", choices=("query", "gallery", "distractor"),
-                   help="split of every item of a folder/parquet/GLDv2 source")
-    s.add_argument("--resolution", type=int, default=None,
-                   help="image side in pixels (default: the old model's training resolution, else 32)")
-    g = p.add_argument_group("built-in glyph source")
-    g.add_argument("--scenario-json", help="a saved scenario (e.g. quickstart_out/scenario.json)")
-    g.add_argument("--scenario", default="extended-class")
-    g.add_argument("--train-classes", type=int, default=200)
-    g.add_argument("--eval-classes", type=int, default=100)
-    g.add_argument("--queries-per-class", type=int, default=2)
-    g.add_argument("--gallery-per-class", type=int, default=10)
-    g.add_argument("--distractor-classes", type=int, default=100)
-    g.add_argument("--distractors-per-class", type=int, default=5)
-    g.add_argument("--data-seed", type=int, default=0, help="scenario and renderer seed")
-    g.add_argument("--distractors", type=int, default=0, help="extra generated distractors")
-    g.add_argument("--items", type=int, default=None,
-                   help="total items (scenario + generated distractors); overrides --distractors")
-    add_pipeline_arguments(p)
-    return p
+    add_options(parser, EmbedGalleryOptions, exclude=UNUSED_SIZES)
+    return parser
 
 
-def source_from_args(args, in_chans: int, resolution: int):
-    from raycompat.pipeline.sources import GlyphGallerySource, ParquetImageSource, RecordSource
+def _glyph_source(opts: EmbedGalleryOptions, resolution: int):
+    from raycompat.data import Scenario, default_catalog, scenario_from_options
+    from raycompat.pipeline.sources import GlyphGallerySource
 
-    if args.source == "glyphs":
-        from raycompat.data import Scenario, default_catalog, scenario_from_options
+    if opts.scenario_json:
+        with open(opts.scenario_json) as fh:
+            scenario = Scenario.from_dict(json.load(fh))
+    else:
+        try:
+            scenario = scenario_from_options(opts.sizes, catalog=default_catalog())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    extra = opts.distractors
+    n0 = sum(len(scenario.splits[k]) for k in ("query", "gallery", "distractors"))
+    if opts.items is not None:
+        if opts.items < n0:
+            raise ConfigError(f"--items {opts.items} is smaller than the scenario's {n0} items")
+        extra = opts.items - n0
+    return GlyphGallerySource(scenario, extra, resolution, opts.sizes.data_seed)
 
-        if args.scenario_json:
-            import json
 
-            with open(args.scenario_json) as fh:
-                scenario = Scenario.from_dict(json.load(fh))
-        else:
-            try:
-                scenario = scenario_from_options(args.scenario, args, seed=args.data_seed, catalog=default_catalog())
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        extra = args.distractors
-        n0 = sum(len(scenario.splits[k]) for k in ("query", "gallery", "distractors"))
-        if args.items is not None:
-            if args.items < n0:
-                raise ConfigError(f"--items {args.items} is smaller than the scenario's {n0} items")
-            extra = args.items - n0
-        return GlyphGallerySource(scenario, extra, resolution, args.data_seed)
-    if not args.path:
-        raise ConfigError(f"--source {args.source} needs --path")
-    if args.source == "old_features":
-        from raycompat.pipeline.sources import OldFeatureSource
+def _file_source(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
+    from raycompat.pipeline.sources import ParquetImageSource, RecordSource
 
-        return OldFeatureSource(args.path)
-    kw = dict(split=args.split, resolution=resolution, in_chans=in_chans)
+    kw = dict(split=opts.split, resolution=resolution, in_chans=in_chans)
     try:
-        if args.source == "image_folder":
-            return RecordSource.image_folder(args.path, **kw)
-        if args.source == "gldv2":
-            if not args.image_root:
+        if opts.source == "image_folder":
+            return RecordSource.image_folder(opts.path, **kw)
+        if opts.source == "gldv2":
+            if not opts.image_root:
                 raise ConfigError("--source gldv2 needs --image-root")
-            return RecordSource.gldv2(args.path, args.image_root, **kw)
-        return ParquetImageSource(args.path, args.image_column, args.label_column or None, args.id_column, **kw)
+            return RecordSource.gldv2(opts.path, opts.image_root, **kw)
+        return ParquetImageSource(opts.path, opts.image_column, opts.label_column or None, opts.id_column,
+                                  **kw)
     except (FileNotFoundError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(str(exc)) from None
 
 
-def run_from_args(args) -> GalleryRun:
+def source_from_options(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
+    """The gallery source the options name (``ConfigError`` for a bad one)."""
+    if opts.source == "glyphs":
+        return _glyph_source(opts, resolution)
+    if not opts.path:
+        raise ConfigError(f"--source {opts.source} needs --path")
+    if opts.source == "old_features":
+        from raycompat.pipeline.sources import OldFeatureSource
+
+        return OldFeatureSource(opts.path)
+    return _file_source(opts, in_chans, resolution)
+
+
+def _models(opts: EmbedGalleryOptions) -> tuple[str | None, str | None]:
+    from raycompat.pipeline.bundles import make_random_bundles
+
+    if not opts.random_init:
+        return opts.old_model, opts.new_model
+    if opts.old_model or opts.new_model:
+        raise ConfigError("--random-init replaces --old-model/--new-model; pass one or the other")
+    return make_random_bundles(opts.random_init)
+
+
+def run_job(opts: EmbedGalleryOptions) -> GalleryRun:
+    """The job: every check that needs no cluster first (output location, options, models,
+    source), then Ray and :func:`embed_gallery`."""
     from raycompat.cluster import connect
-    from raycompat.pipeline.bundles import embedder_info, make_random_bundles
+    from raycompat.pipeline.bundles import embedder_info
     from raycompat.pipeline.location import resolve_output
 
     # the output location first: a missing or unwritable one stops the job before models or Ray
-    output = resolve_output(args.out, args.storage, args.name)
-    options = pipeline_options_from_args(args)
-    columns = parse_columns(args.columns)
-    old_model, new_model = args.old_model, args.new_model
-    if args.random_init:
-        if old_model or new_model:
-            raise ConfigError("--random-init replaces --old-model/--new-model; pass one or the other")
-        old_model, new_model = make_random_bundles(args.random_init)
-    # every check that needs no cluster runs before one starts
-    if args.source == "old_features":
-        source = source_from_args(args, 1, 32)
-        _resolve_models(columns, args.uncertainty, None, new_model, source.old_dim)
+    output = resolve_output(opts.out, opts.storage, opts.name)
+    options = pipeline_options(opts.execution, opts.stages)
+    columns = parse_columns(opts.columns)
+    old_model, new_model = _models(opts)
+    if opts.source == "old_features":
+        source = source_from_options(opts, 1, 32)
+        resolve_models(columns, opts.uncertainty, None, new_model, source.old_dim)
     else:
-        _resolve_models(columns, args.uncertainty, old_model, new_model)
+        resolve_models(columns, opts.uncertainty, old_model, new_model)
         info = embedder_info(old_model or new_model)
-        resolution = args.resolution or info.get("resolution") or 32
-        source = source_from_args(args, info["in_chans"], int(resolution))
-    ids = parse_ids_option(args.ids) if args.ids else None
-    connect(args.address, num_cpus=args.num_cpus)
+        resolution = opts.image_resolution or info.get("resolution") or 32
+        source = source_from_options(opts, info["in_chans"], int(resolution))
+    ids = parse_ids_option(opts.ids) if opts.ids else None
+    quiet_ray(opts.verbose)
+    connect(opts.address, num_cpus=opts.num_cpus)
     return embed_gallery(output, source, old_model=old_model, new_model=new_model, columns=columns,
-                         uncertainty=args.uncertainty, ids=ids, options=options)
+                         uncertainty=opts.uncertainty, ids=ids, options=options)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    opts = options_from_args(EmbedGalleryOptions, build_parser().parse_args(argv))
     try:
-        run_from_args(args)
-    except (ConfigError, CorruptImageError) as exc:
-        print(f"embed_gallery: error: {exc}", file=sys.stderr)
-        return 2
+        run_job(opts)
+    except CorruptImageError as exc:
+        return fail(str(exc))
     return 0

@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from raycompat.config import ConfigError
+from raycompat.config import (ConfigError, add_options, choices, nonnegative, option, options_from_args,
+                              positive)
 
 REPRESENTATIONS = ("old", "new", "adapted")
 STAGES = ("render", "preprocess", "old", "new", "adapt")
@@ -39,13 +40,17 @@ class StageOptions:
             raise ConfigError(f"--{name}-gpus must be >= 0, got {self.num_gpus}")
         if self.resources is not None:
             if not isinstance(self.resources, dict) or not all(
-                    isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                    for k, v in self.resources.items()):
+                    isinstance(k, str) and k and _is_amount(v) for k, v in self.resources.items()):
                 raise ConfigError(f"--{name}-resources must be a JSON object {{name: amount >= 0}}, "
                                   f"got {self.resources!r}")
             reserved = sorted(set(self.resources) & {"CPU", "GPU", "memory", "object_store_memory"})
             if reserved:
                 raise ConfigError(f"--{name}-resources: use --{name}-cpus / --{name}-gpus for {reserved}")
+
+
+def _is_amount(value) -> bool:
+    """A number >= 0 (not a bool): one custom Ray resource's amount."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 def _default_stages() -> dict[str, StageOptions]:
@@ -89,6 +94,9 @@ class PipelineOptions:
             self.stages.setdefault(name, _default_stages()[name]).check(name)
 
 
+_DEFAULTS = PipelineOptions()
+
+
 def parse_columns(value) -> tuple[str, ...]:
     """``'old,new'`` or a sequence -> ordered unique representation names."""
     names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
@@ -103,62 +111,97 @@ def parse_columns(value) -> tuple[str, ...]:
     return tuple(out)
 
 
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    d = PipelineOptions()
-    g = p.add_argument_group("execution (does not change the output)")
-    g.add_argument("--chunk-size", type=int, default=d.chunk_size,
-                   help=f"item ids per output shard, the unit of resume (default {d.chunk_size})")
-    g.add_argument("--on-corrupt", choices=ON_CORRUPT, default=d.on_corrupt,
-                   help="undecodable image: fail (stop, naming id and path) or skip (record and go on)")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch threads per model actor (default 1)")
-    g.add_argument("--gpu-fraction", type=float, default=d.gpu_fraction,
-                   help="GPUs per model actor when the cluster has GPUs and no --<stage>-gpus is given")
-    g.add_argument("--overwrite", action="store_true", help="delete an existing output folder first")
-    g.add_argument("--progress-every", type=float, default=d.progress_every_s,
-                   help="seconds between progress lines (default 10)")
-    g.add_argument("--ray-progress-bars", choices=("auto", "on", "off"), default="auto",
-                   help="Ray Data's own progress bars (auto: when stderr is a terminal)")
-    for name, st in d.stages.items():
-        g.add_argument(f"--{name}-batch-size", type=int, default=st.batch_size, help=f"default {st.batch_size}")
-        g.add_argument(f"--{name}-concurrency", type=int, default=st.concurrency,
-                       help=f"{'actors' if name in ('old', 'new', 'adapt') else 'parallel tasks'} "
-                            f"(default {st.concurrency})")
-        g.add_argument(f"--{name}-cpus", type=float, default=st.num_cpus,
-                       help=f"logical CPUs per {'actor' if name in ('old', 'new', 'adapt') else 'task'} "
-                            f"(default {st.num_cpus})")
-        if name in ("old", "new", "adapt"):
-            g.add_argument(f"--{name}-gpus", type=float, default=None,
-                           help="GPUs per actor (default: --gpu-fraction when GPUs are present)")
-        g.add_argument(f"--{name}-resources", type=_json_resources, default=None, metavar="JSON",
-                       help="custom Ray resources per " + ("actor" if name in ("old", "new", "adapt") else "task")
-                            + ", e.g. '{\"gpu_node\": 0.01}': runs the stage only on nodes that have them")
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """The command line's run settings (``--chunk-size`` ...): :func:`pipeline_options` turns
+    them and the :data:`StageFlags` into :class:`PipelineOptions`."""
+
+    chunk_size: int = positive(_DEFAULTS.chunk_size, help="item ids per output shard, the unit of resume")
+    on_corrupt: str = choices(*ON_CORRUPT, default=_DEFAULTS.on_corrupt,
+                              help="undecodable image: fail (stop, naming id and path) or skip "
+                                   "(record, go on)")
+    threads: int = positive(_DEFAULTS.threads, help="torch threads per model actor")
+    gpu_fraction: float = positive(_DEFAULTS.gpu_fraction,
+                                   help="GPUs per model actor (at most 1) when the cluster has GPUs and no "
+                                        "--<stage>-gpus is given")
+    overwrite: bool = option(_DEFAULTS.overwrite, help="delete an existing output folder first")
+    progress_every_s: float = option(_DEFAULTS.progress_every_s, flag="--progress-every",
+                                     help="seconds between progress lines")
+    ray_progress_bars: str = choices("auto", "on", "off", default="auto",
+                                     help="Ray Data's own progress bars (auto: when stderr is a terminal)")
 
 
-def _json_resources(value: str) -> dict:
+def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
+    """``<name>_batch_size``, ``_concurrency``, ``_cpus``, [``_gpus``], ``_resources``."""
+    pool = name in ("old", "new", "adapt")
+    unit = "actor" if pool else "task"
+    fields = [
+        (f"{name}_batch_size", int, positive(default.batch_size, help=f"rows per {name} batch")),
+        (f"{name}_concurrency", int, positive(default.concurrency,
+                                              help="actors" if pool else "parallel tasks")),
+        (f"{name}_cpus", float, nonnegative(default.num_cpus, help=f"logical CPUs per {unit}")),
+    ]
+    if pool:
+        fields.append((f"{name}_gpus", float | None,
+                       option(None, min=0, help="GPUs per actor (none: --gpu-fraction when GPUs are "
+                                                "present)")))
+    fields.append((f"{name}_resources", str | None, option(
+        None, help=f"custom Ray resources per {unit} as JSON, e.g. '{{\"gpu_node\": 0.01}}': runs the stage "
+                   "only on nodes that have them")))
+    return fields
+
+
+#: Per-stage Ray Data resources as flat flags (``--render-batch-size``, ``--new-gpus``,
+#: ``--old-resources JSON`` ...), one group of fields per stage of :data:`STAGES`.
+StageFlags = dataclasses.make_dataclass(
+    "StageFlags", [f for name, st in _default_stages().items() for f in _stage_fields(name, st)],
+    frozen=True, namespace={"__doc__": "Per-stage Ray Data resources, one flag per stage and setting.",
+                            "__module__": __name__})
+
+
+def _resources(name: str, text: str | None) -> dict | None:
+    """``--<name>-resources`` JSON text -> dict (``StageOptions.check`` checks its values)."""
     import json
 
+    if text is None:
+        return None
     try:
-        parsed = json.loads(value)
+        parsed = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        raise ConfigError(f"--{name}-resources is not JSON: {exc}") from None
     if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object {name: amount}")
+        raise ConfigError(f"--{name}-resources must be a JSON object {{name: amount}}, got {text!r}")
     return parsed
 
 
-def pipeline_options_from_args(args) -> PipelineOptions:
-    stages = {}
-    for name in STAGES:
-        key = name.replace("-", "_")
-        stages[name] = StageOptions(getattr(args, f"{key}_batch_size"), getattr(args, f"{key}_concurrency"),
-                                    getattr(args, f"{key}_cpus"), getattr(args, f"{key}_gpus", None),
-                                    getattr(args, f"{key}_resources", None))
-    bars = {"auto": None, "on": True, "off": False}[args.ray_progress_bars]
-    opts = PipelineOptions(chunk_size=args.chunk_size, on_corrupt=args.on_corrupt, threads=args.threads,
-                           gpu_fraction=args.gpu_fraction, overwrite=args.overwrite,
-                           progress_every_s=args.progress_every, ray_progress_bars=bars, stages=stages)
+def pipeline_options(execution: ExecutionOptions, stages=None) -> PipelineOptions:
+    """The checked :class:`PipelineOptions` of the command line's settings (``stages``: a
+    :data:`StageFlags`, default every stage's default)."""
+    stages = stages if stages is not None else StageFlags()
+    per_stage = {name: StageOptions(getattr(stages, f"{name}_batch_size"),
+                                    getattr(stages, f"{name}_concurrency"), getattr(stages, f"{name}_cpus"),
+                                    getattr(stages, f"{name}_gpus", None),
+                                    _resources(name, getattr(stages, f"{name}_resources")))
+                 for name in STAGES}
+    bars = {"auto": None, "on": True, "off": False}[execution.ray_progress_bars]
+    opts = PipelineOptions(chunk_size=execution.chunk_size, on_corrupt=execution.on_corrupt,
+                           threads=execution.threads, gpu_fraction=execution.gpu_fraction,
+                           overwrite=execution.overwrite, progress_every_s=execution.progress_every_s,
+                           ray_progress_bars=bars, stages=per_stage)
     opts.check()
     return opts
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of :class:`ExecutionOptions` and :data:`StageFlags` (for scripts that embed
+    galleries without the job's other options, e.g. ``bench/embed_throughput.py``)."""
+    add_options(parser, ExecutionOptions, title="execution (does not change the output)")
+    add_options(parser, StageFlags, title="per-stage Ray Data resources")
+
+
+def pipeline_options_from_args(args: argparse.Namespace) -> PipelineOptions:
+    """:class:`PipelineOptions` from the flags :func:`add_pipeline_arguments` added."""
+    return pipeline_options(options_from_args(ExecutionOptions, args), options_from_args(StageFlags, args))
 
 
 def replace_stage(opts: PipelineOptions, name: str, **changes) -> PipelineOptions:
