@@ -17,7 +17,7 @@ from raycompat.data import GlyphRenderer, Scenario, catalog_for
 from raycompat.index.search import l2_normalize
 from raycompat.metrics import compatibility_report, evaluate_retrieval
 from raycompat.models import ModelBundle
-from raycompat.train.data import images_to_tensor
+from raycompat.data import images_to_tensor
 
 PRIMARY_METRIC = "mAP@100"
 

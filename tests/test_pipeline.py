@@ -220,7 +220,7 @@ def test_corrupt_images_skip_and_fail(ray_cluster, bundles, tmp_path):
     # the stored vectors are the old model applied to the decoded, resized images
     old_b = ModelBundle.load(bundles[0])
     from raycompat.data import load_image
-    from raycompat.train.data import images_to_tensor
+    from raycompat.data import images_to_tensor
 
     imgs = np.stack([np.asarray(load_image(src.paths[i], mode="L", resolution=16)) for i in range(6) if i != bad_id])
     with torch.no_grad():

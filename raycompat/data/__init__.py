@@ -18,7 +18,7 @@ from .readers import (
 from .scenarios import (SCENARIOS, Scenario, ScenarioSizes, Split, build_scenario, catalog_for, format_allocation,
                         scenario_from_options)
 
-_LAZY = {"GlyphDataset", "ImageRecordDataset", "collate_skip_none", "to_tensor"}
+_LAZY = {"GlyphDataset", "ImageRecordDataset", "collate_skip_none", "images_to_tensor", "to_tensor"}
 
 __all__ = [
     "GlyphCatalog", "GlyphRenderer", "default_catalog",

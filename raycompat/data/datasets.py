@@ -19,6 +19,14 @@ from .scenarios import Split
 logger = logging.getLogger(__name__)
 
 
+def images_to_tensor(images: np.ndarray, in_chans: int) -> torch.Tensor:
+    """uint8 [..., H, W] (any leading batch dims) -> float [..., C, H, W] in [-1, 1], the same
+    scaling as ``to_tensor`` for one image."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(127.5).sub_(1.0)
+    x = x.unsqueeze(-3)
+    return x.expand(*x.shape[:-3], in_chans, *x.shape[-2:]).contiguous() if in_chans > 1 else x
+
+
 def to_tensor(img: np.ndarray, in_chans: int = 1) -> torch.Tensor:
     """uint8 (H, W) or (H, W, C) -> float32 (in_chans, H, W) in [-1, 1]."""
     arr = np.asarray(img)

@@ -26,7 +26,7 @@ def load_images(batch: dict, source, on_corrupt: str) -> dict:
 
 def preprocess(batch: dict) -> dict:
     """uint8 ``image`` (N, H, W) or (N, H, W, C) -> float32 ``pixels`` (N, C, H, W) in [-1, 1],
-    the scaling of ``raycompat.train.data.images_to_tensor``."""
+    the scaling of ``raycompat.data.images_to_tensor``."""
     images = np.asarray(batch.pop("image"))
     x = images.astype(np.float32) / np.float32(127.5) - np.float32(1.0)
     batch["pixels"] = x[:, None] if x.ndim == 3 else np.ascontiguousarray(x.transpose(0, 3, 1, 2))

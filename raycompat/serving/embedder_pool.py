@@ -77,7 +77,7 @@ class ModelEmbedder:
     def embed_images(self, images: np.ndarray) -> np.ndarray:
         import torch
 
-        from raycompat.train.data import images_to_tensor
+        from raycompat.data import images_to_tensor
 
         with torch.no_grad():
             return self.bundle.embedder(images_to_tensor(images, self.in_chans)).float().numpy()

@@ -14,16 +14,9 @@ import torch
 from torch.utils.data import Dataset
 
 from raycompat.data import GlyphRenderer, Scenario, catalog_for
+from raycompat.data.datasets import images_to_tensor
 from raycompat.distributed import shard_indices
 from raycompat.methods.base import TrainBatch
-
-
-def images_to_tensor(images: np.ndarray, in_chans: int) -> torch.Tensor:
-    """uint8 [..., H, W] (any leading batch dims) -> float [..., C, H, W] in [-1, 1], the same
-    scaling as ``raycompat.data.to_tensor`` for one image."""
-    x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(127.5).sub_(1.0)
-    x = x.unsqueeze(-3)
-    return x.expand(*x.shape[:-3], in_chans, *x.shape[-2:]).contiguous() if in_chans > 1 else x
 
 
 class TrainingSet(Dataset):
