@@ -1,10 +1,12 @@
-"""train_old job: see `python jobs/train_old.py --help`. Runs embedded or under `ray job submit`."""
+"""Train the old model (`raycompat train-old`).
+
+See `python jobs/train_old.py --help`; runs embedded or under `ray job submit`."""
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from raycompat.cli import train_old_main  # noqa: E402
+from raycompat.train.old_job import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(train_old_main())
+    sys.exit(main())

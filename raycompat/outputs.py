@@ -9,6 +9,8 @@ hot-refresh jobs) follows the same rules:
 - no ``--out`` but ``--storage S``: the report goes to ``S/<kind>/<name>``.
 - neither: ``default_out`` in the working directory.
 
+A job declares the three flags with a nested :class:`OutputOptions` field in its options.
+
 Training checkpoints go to ``S/runs`` with ``--storage`` (every node writes there; Ray Train
 takes the URI directly), else to ``<out>/runs``. An unwritable location raises
 :class:`raycompat.storage.StorageError` here, at start, not after an hour of training.
@@ -19,9 +21,29 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+from raycompat.config import option
 from raycompat.storage import Storage, StorageError, is_uri, open_storage
 
-__all__ = ["JobOutput", "resolve_job_output", "add_output_arguments"]
+__all__ = ["JobOutput", "OutputOptions", "resolve_job_output"]
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """``--out``, ``--storage`` and ``--name`` of a job that writes a report: a nested field
+    of its options (each job sets its own ``name`` default with ``dataclasses.replace``)."""
+
+    out: str | None = option(None, help="report folder or URI; none: a folder in the working "
+                                        "directory, or <storage>/<job>/<name> with --storage")
+    storage: str | None = option(None, help="shared storage for checkpoints, embeddings and reports: "
+                                            "a local path or any URI pyarrow opens (s3://bucket/prefix, "
+                                            "gs://..., file:///nfs/...); checked for writing at start; "
+                                            "checkpoints go to <storage>/runs")
+    name: str = option("main", help="report folder name under <storage>/<job>")
+
+    def resolve(self, kind: str, default_out: str) -> "JobOutput":
+        """:func:`resolve_job_output` for job ``kind`` with these options."""
+        return resolve_job_output(kind, out=self.out, storage=self.storage, name=self.name,
+                                  default_out=default_out)
 
 
 @dataclass
@@ -89,17 +111,3 @@ def resolve_job_output(kind: str, *, out: str | None, storage: str | None, name:
     runs = store.join("runs") if store is not None else os.path.join(local, "runs")
     return JobOutput(local=local, destination=out if upload else local, runs=runs, storage=store,
                      _upload=upload)
-
-
-def add_output_arguments(parser, kind: str, default_out: str, default_name: str) -> None:
-    """``--out``, ``--storage`` and ``--name`` with the module's rules in their help."""
-    parser.add_argument("--storage", default=None,
-                        help="shared storage for checkpoints, embeddings and reports: a local path or any "
-                             "URI pyarrow opens (s3://bucket/prefix, gs://..., file:///nfs/...); checked for "
-                             f"writing at start; the report goes to <storage>/{kind}/<name> unless --out "
-                             "is given, checkpoints to <storage>/runs")
-    parser.add_argument("--name", default=default_name,
-                        help=f"report folder name under <storage>/{kind} (default {default_name})")
-    parser.add_argument("--out", default=None,
-                        help=f"report folder or URI (default {default_out}, or <storage>/{kind}/<name> "
-                             "with --storage)")

@@ -1,12 +1,16 @@
-"""The main job: old model -> BCT and independent new models -> cross evaluation -> report.
+"""Main job: old, BCT and independent models on built-in glyphs; evaluation, hot refresh, report.
 
+Writes report.md and report.json (``--out``, or ``<storage>/quickstart/<name>``).
+
+Old model -> BCT and independent new models -> cross evaluation -> hot refresh -> report.
 Everything runs on the Ray cluster ``connect`` finds (an embedded local one by default).
 Queries and gallery are embedded by the Ray Data pipeline (:mod:`raycompat.pipeline`), the
 path that scales to a billion items.
 The job ends with the hot-refresh backfill simulation of its models
 (:func:`simulate_hot_refresh`): exact curves for every policy and query mode the BCT model
 allows, with the independent model (new*) as the AUC-gain paragon and as the
-incompatible counter-example.
+incompatible counter-example. The console gets one summary line per phase
+(:func:`raycompat.console.phase`); see docs/architecture.md, "Jobs".
 """
 from __future__ import annotations
 
@@ -19,69 +23,50 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raycompat.config import ConfigError
+from raycompat import console
+from raycompat.config import (add_options, choices, make_parser, nonnegative, option, options_from_args,
+                              positive)
+from raycompat.data.scenarios import ScenarioSizes
+from raycompat.outputs import OutputOptions
+
+__all__ = ["QuickstartOptions", "QUICKSTART_SIZES", "build_parser", "main", "run_quickstart"]
+
+#: the main job's data: 240 training classes of 40 images, 150 held-out classes, lcnet_050
+QUICKSTART_SIZES = dataclasses.replace(
+    ScenarioSizes(), scenario="extended-class", train_classes=240, images_per_class=40,
+    eval_classes=150, queries_per_class=2, gallery_per_class=8, distractor_classes=150,
+    distractors_per_class=4, resolution=32, backbone="lcnet_050", data_seed=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuickstartOptions:
-    out: str | None = None       # default quickstart_out, or <storage>/quickstart/<name>
-    storage: str | None = None   # shared storage for checkpoints and reports (raycompat.outputs)
-    name: str = "main"
-    address: str | None = None
-    scenario: str = "extended-class"
-    train_classes: int = 240
-    images_per_class: int = 40
-    eval_classes: int = 150
-    queries_per_class: int = 2
-    gallery_per_class: int = 8
-    distractor_classes: int = 150
-    distractors_per_class: int = 4
-    data_seed: int = 0
-    resolution: int = 32
-    backbone: str = "lcnet_050"
-    embed_dim: int = 128
-    head: str = "cosface"
-    old_epochs: int = 24
-    new_epochs: int = 14
-    batch_size: int = 128
-    lr: float = 0.1
-    workers: int = 1
-    gpus: float = 0.0
-    seed: int = 0
+    """Options of the main job."""
 
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for field in dataclasses.fields(cls):
-            flag = "--" + field.name.replace("_", "-")
-            kind = {"int": int, "float": float}.get(str(field.type), str)
-            parser.add_argument(flag, type=kind, default=field.default,
-                                help=f"default: {field.default}")
-
-    @classmethod
-    def from_args(cls, args) -> "QuickstartOptions":
-        opts = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-        for name in ("train_classes", "images_per_class", "eval_classes", "old_epochs",
-                     "new_epochs", "batch_size", "workers", "resolution", "embed_dim"):
-            if getattr(opts, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(opts, name)}")
-        return opts
+    output: OutputOptions = option(OutputOptions(name="main"), help="where the report goes")
+    address: str | None = option(None, help="Ray address; none: an embedded local Ray")
+    sizes: ScenarioSizes = option(QUICKSTART_SIZES, help="data: a built-in glyph scenario")
+    embed_dim: int = positive(128, help="embedding dimension")
+    head: str = choices("softmax", "cosface", "arcface", default="cosface", help="classifier head")
+    old_epochs: int = positive(24, help="epochs of the old model")
+    new_epochs: int = positive(14, help="epochs of each new model")
+    batch_size: int = positive(128, help="global batch size")
+    lr: float = positive(0.1, help="peak learning rate")
+    workers: int = positive(1, help="DDP workers per training run (Ray Train)")
+    gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
+    seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
+    verbose: bool = option(False, help="keep Ray's own INFO lines and print every table")
 
 
-def _train(opts: QuickstartOptions, scenario, name: str, method: str, split: str, epochs: int,
-           old_model: str | None, runs_dir: str, models_dir: str):
-    from raycompat.train.runs import train_named
-
-    values = dict(
-        method=method, backbone=opts.backbone, embed_dim=opts.embed_dim, head=opts.head,
-        epochs=epochs, batch_size=opts.batch_size, lr=opts.lr, seed=opts.seed,
-        scenario=scenario.to_dict(), split=split, resolution=opts.resolution,
-        data_seed=opts.data_seed, num_workers=opts.workers, use_gpu=opts.gpus > 0,
-        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0, old_model=old_model, log_every=50)
-    return train_named(values, name, _config_tag(opts, scenario), runs_dir, models_dir)
+#: options that say where things go or what is printed, not what is trained
+LOCATION_OPTIONS = ("out", "storage", "name", "address", "verbose")
 
 
-#: options that say where things go, not what is trained
-LOCATION_OPTIONS = ("out", "storage", "name", "address")
+def options_record(opts: QuickstartOptions) -> dict:
+    """Every option as one flat ``{name: value}`` (the report's ``options``)."""
+    flat = {}
+    for key, value in dataclasses.asdict(opts).items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
 
 
 def _config_tag(opts: QuickstartOptions, scenario) -> str:
@@ -89,77 +74,130 @@ def _config_tag(opts: QuickstartOptions, scenario) -> str:
     retraining (wherever its report goes)."""
     from raycompat.train.runs import config_tag
 
-    trained = {k: v for k, v in dataclasses.asdict(opts).items() if k not in LOCATION_OPTIONS}
+    trained = {k: v for k, v in options_record(opts).items() if k not in LOCATION_OPTIONS}
     return config_tag(trained, scenario.to_dict())
 
 
-def run_quickstart(opts: QuickstartOptions) -> dict:
-    from raycompat.cluster import connect
-    from raycompat.data import default_catalog, scenario_from_options
-    from raycompat.evaluation import cross_evaluate, scenario_eval_items
-    from raycompat.models import ModelBundle
-    from raycompat.report import write_json
+def _train(opts: QuickstartOptions, scenario, name: str, method: str, split: str, epochs: int,
+           old_model: str | None, runs_dir: str, models_dir: str):
+    from raycompat.train.runs import train_named
 
-    from raycompat.outputs import resolve_job_output
+    s = opts.sizes
+    values = dict(
+        method=method, backbone=s.backbone, embed_dim=opts.embed_dim, head=opts.head,
+        epochs=epochs, batch_size=opts.batch_size, lr=opts.lr, seed=opts.seed,
+        scenario=scenario.to_dict(), split=split, resolution=s.resolution,
+        data_seed=s.data_seed, num_workers=opts.workers, use_gpu=opts.gpus > 0,
+        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0, old_model=old_model, log_every=50)
+    return train_named(values, name, _config_tag(opts, scenario), runs_dir, models_dir)
 
-    started = time.time()
-    output = resolve_job_output("quickstart", out=opts.out, storage=opts.storage, name=opts.name,
-                                default_out="quickstart_out")
-    out = output.local
-    runs_dir, models_dir = output.runs, os.path.join(out, "models")
-    timings: dict[str, float] = {}
 
-    def phase(message: str) -> None:
-        print(f"[quickstart {time.time() - started:6.1f}s] {message}", flush=True)
-
-    phase("starting Ray")
-    connect(opts.address)
-    t = time.time()
-    catalog = default_catalog()
-    scenario = scenario_from_options(opts.scenario, opts, seed=opts.data_seed, catalog=catalog)
-    timings["data_s"] = time.time() - t
-    write_json(os.path.join(out, "scenario.json"), scenario.to_dict())
-    phase(f"glyph catalog: {catalog.num_classes} classes; scenario {scenario.name}:")
-    print(scenario.allocation_table(), flush=True)
-
-    models, train_info = {}, {}
+def _train_models(opts: QuickstartOptions, scenario, runs_dir: str, models_dir: str,
+                  timings: dict) -> dict:
+    """old (independent on old_train), then bct and independent on new_train; one line each."""
+    train_info = {}
     plan = [("old", "independent", "old_train", opts.old_epochs, None),
             ("bct", "bct", "new_train", opts.new_epochs, "old"),
             ("independent", "independent", "new_train", opts.new_epochs, None)]
     for name, method, split, epochs, predecessor in plan:
-        phase(f"training {name} ({method} on {split}, {epochs} epochs, {opts.workers} worker(s))")
-        run, wall = _train(opts, scenario, name, method, split, epochs,
-                           models.get(predecessor), runs_dir, models_dir)
-        models[name] = run.bundle_path
+        old_model = train_info[predecessor]["path"] if predecessor else None
+        run, wall = _train(opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir)
         timings[f"train_{name}_s"] = wall
         train_info[name] = dict(method=method, split=split, epochs=epochs, path=run.bundle_path,
                                 run_path=run.run_path, wall_s=wall, history=run.history)
+        last = run.history[-1]
+        console.phase(f"trained {name}", f"{method} on {split}, {len(run.history)} epochs, "
+                      f"{opts.workers} worker(s): final loss {last.get('loss/loss', float('nan')):.4f}, "
+                      f"{last.get('images_per_s', float('nan')):.0f} images/s", wall)
+    return train_info
 
-    phase("embedding queries and gallery with every model (Ray Data pipeline)")
+
+def _build_scenario(opts: QuickstartOptions, out: str, timings: dict):
+    from raycompat.data import default_catalog, scenario_from_options
+    from raycompat.report import write_json
+
     t = time.time()
-    embedded, embedding_paths = embed_with_pipeline(
-        scenario, models, os.path.join(out, "embeddings", _config_tag(opts, scenario)),
-        resolution=opts.resolution, data_seed=opts.data_seed)
-    timings["embed_s"] = time.time() - t
-    phase("evaluating every query model against every gallery model")
+    catalog = default_catalog()
+    scenario = scenario_from_options(opts.sizes, catalog=catalog)
+    timings["data_s"] = time.time() - t
+    write_json(os.path.join(out, "scenario.json"), scenario.to_dict())
+    rows = {r["split"]: r for r in scenario.allocation_rows()}
+    console.phase("scenario", f"{scenario.name} (seed {scenario.seed}) on {catalog.num_classes} glyph "
+                  f"classes: old_train {rows['old_train']['images']} / new_train "
+                  f"{rows['new_train']['images']} images, {rows['query']['images']} queries, "
+                  f"{rows['gallery']['images'] + rows['distractors']['images']} gallery items",
+                  timings["data_s"])
+    if console.is_verbose():
+        print(scenario.allocation_table(), flush=True)
+    return catalog, scenario
+
+
+def _evaluate(scenario, embedded: dict, timings: dict) -> tuple[list, list, tuple]:
+    """Every query model against every gallery model; one line with the verdicts."""
+    from raycompat.evaluation import cross_evaluate, scenario_eval_items
+
     t = time.time()
     (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
     evaluations, verdicts = cross_evaluate(
         embedded["old"], [embedded["bct"], embedded["independent"]], q_labels, g_labels,
         paragon="independent")
     timings["evaluate_s"] = time.time() - t
+    console.phase("evaluated", "mAP@100 " + "; ".join(
+        f"{v['model']}: M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
+        f"{'compatible' if v['compatible'] else 'NOT compatible'}" for v in verdicts), timings["evaluate_s"])
+    return evaluations, verdicts, (q_labels, g_labels)
 
-    phase("hot-refresh backfill simulation (every policy and query mode)")
+
+def run_quickstart(opts: QuickstartOptions) -> dict:
+    """Run the main job with ``opts``; returns the report dict (also written as report.json)."""
+    from raycompat.cluster import connect
+    from raycompat.models import ModelBundle
+
+    started = time.time()
+    output = opts.output.resolve("quickstart", default_out="quickstart_out")
+    out = output.local
+    timings: dict[str, float] = {}
+    console.quiet_ray(opts.verbose)
+    connect(opts.address)
+    catalog, scenario = _build_scenario(opts, out, timings)
+    train_info = _train_models(opts, scenario, output.runs, os.path.join(out, "models"), timings)
+    models = {name: info["path"] for name, info in train_info.items()}
+
+    t = time.time()
+    embedded, embedding_paths = embed_with_pipeline(
+        scenario, models, os.path.join(out, "embeddings", _config_tag(opts, scenario)),
+        resolution=opts.sizes.resolution, data_seed=opts.sizes.data_seed)
+    timings["embed_s"] = time.time() - t
+    console.phase("embedded", f"{len(embedded['old'].query)} queries and {len(embedded['old'].gallery)} "
+                  f"gallery items with {', '.join(models)} (Ray Data pipeline)", timings["embed_s"])
+    evaluations, verdicts, (q_labels, g_labels) = _evaluate(scenario, embedded, timings)
+
     t = time.time()
     paragon = {row["metric"]: row["value"] for row in evaluations
                if row["model"] == row["query"] == row["gallery"] == "independent"}
     backfill = simulate_hot_refresh(embedded, q_labels, g_labels, ModelBundle.load(models["bct"]),
-                                    os.path.join(out, "backfill"), paragon, seed=opts.seed, log=phase)
+                                    os.path.join(out, "backfill"), paragon, seed=opts.seed,
+                                    log=print if console.is_verbose() else None)
     timings["backfill_s"] = time.time() - t
+    console.phase("hot refresh", f"{len({(r['model'], r['policy'], r['mode']) for r in backfill['rows']})} "
+                  f"backfill curves (policies x query modes) for bct and independent",
+                  timings["backfill_s"])
     timings["total_s"] = time.time() - started
+    report = _report(opts, scenario, catalog, train_info, embedding_paths, evaluations, verdicts,
+                     backfill, out, timings)
+    where = output.publish()
+    console.phase("report", f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}",
+                  timings["total_s"])
+    return report
+
+
+def _report(opts, scenario, catalog, train_info, embedding_paths, evaluations, verdicts, backfill,
+            out: str, timings: dict) -> dict:
+    """The report dict, written to ``out`` as report.json and report.md."""
+    from raycompat.report import write_json
 
     report = dict(
-        job="quickstart", options=dataclasses.asdict(opts),
+        job="quickstart", options=options_record(opts),
         scenario=dict(name=scenario.name, seed=scenario.seed,
                       allocation=scenario.allocation_rows()),
         catalog=dict(num_classes=catalog.num_classes, exclusions={
@@ -172,14 +210,20 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report, scenario.allocation_table()))
-    where = output.publish()
-    phase(f"done in {timings['total_s']:.0f} s; report: "
-          f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}")
-    for v in verdicts:
-        print(f"  {v['model']:12s} M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
-              f"-> {'compatible' if v['compatible'] else 'NOT compatible'}; "
-              f"update gain {v['update_gain']:.3f}", flush=True)
     return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = make_parser("raycompat quickstart", __doc__)
+    add_options(parser, QuickstartOptions)
+    return parser
+
+
+@console.job_main
+def main(argv: list[str] | None = None) -> int:
+    opts = options_from_args(QuickstartOptions, build_parser().parse_args(argv))
+    run_quickstart(opts)
+    return 0
 
 
 def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, data_seed: int):

@@ -139,7 +139,7 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, tmp_path):
     logs = _run_job(two_node_cluster, "serve-index", [
         "python", "jobs/serve_index.py", "--gallery", "synthetic:300:8:12:5", "--num-shards", "2",
         "--port", str(port), "--state-dir", str(tmp_path / "state"), "--token-file", str(token),
-        "--app-name", "cluster_index", "--fsync", "false"], timeout=300)
+        "--app-name", "cluster_index", "--no-fsync"], timeout=300)
     assert "the index keeps running" in logs, logs[-3000:]
     base = f"http://127.0.0.1:{port}"
 

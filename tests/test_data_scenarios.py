@@ -134,19 +134,23 @@ def test_default_sizes_on_glyph_catalog():
 
 def test_scenario_from_options_reads_the_jobs_size_options():
     import argparse
+    import dataclasses
 
-    from raycompat.data import SIZE_OPTIONS, build_scenario, scenario_from_options
+    from raycompat.data import ScenarioSizes, build_scenario, scenario_from_options
 
-    opts = argparse.Namespace(train_classes=12, images_per_class=6, eval_classes=5, queries_per_class=1,
-                              gallery_per_class=3, distractor_classes=4, distractors_per_class=2, other=1)
-    got = scenario_from_options("open-class", opts, seed=3, catalog=60)
+    sizes = ScenarioSizes(scenario="extended-class", train_classes=12, images_per_class=6, eval_classes=5,
+                          queries_per_class=1, gallery_per_class=3, distractor_classes=4,
+                          distractors_per_class=2, data_seed=3)
+    got = scenario_from_options(sizes, name="open-class", catalog=60)
     want = build_scenario("open-class", catalog=60, seed=3, num_train_classes=12, images_per_class=6,
                           num_eval_classes=5, queries_per_class=1, gallery_per_class=3,
                           num_distractor_classes=4, distractors_per_class=2)
     assert got.to_dict() == want.to_dict()
-    partial = argparse.Namespace(train_classes=12, eval_classes=5, distractor_classes=4)   # the rest: defaults
-    assert scenario_from_options("open-class", partial, seed=3, catalog=60).to_dict() == build_scenario(
+    # a job's defaults: the sizes it does not set are build_scenario's defaults
+    partial = dataclasses.replace(ScenarioSizes(), scenario="open-class", train_classes=12, eval_classes=5,
+                                  distractor_classes=4, data_seed=3)
+    assert scenario_from_options(partial, catalog=60).to_dict() == build_scenario(
         "open-class", catalog=60, seed=3, num_train_classes=12, num_eval_classes=5,
         num_distractor_classes=4).to_dict()
-    assert set(SIZE_OPTIONS) == {"train_classes", "images_per_class", "eval_classes", "queries_per_class",
-                                 "gallery_per_class", "distractor_classes", "distractors_per_class"}
+    with pytest.raises(TypeError, match="must be a ScenarioSizes"):   # no silent defaults
+        scenario_from_options(argparse.Namespace(train_classes=12), catalog=60)

@@ -1,21 +1,31 @@
-"""The main job end to end at a small scale, and the BCT paper's first claim on it."""
+"""The main job end to end at a small scale, the BCT paper's first claim on it, and its
+determinism (two runs from fresh folders give the same numbers)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from raycompat.quickstart import QuickstartOptions, run_quickstart
+from raycompat.outputs import OutputOptions
+from raycompat.quickstart import QUICKSTART_SIZES, QuickstartOptions, main, run_quickstart
 
-SMALL = dict(train_classes=120, images_per_class=30, eval_classes=60, queries_per_class=2,
-             gallery_per_class=6, distractor_classes=60, distractors_per_class=3,
-             backbone="lcnet_050", embed_dim=64, old_epochs=14, new_epochs=12, batch_size=64)
+SMALL = QuickstartOptions(
+    sizes=dataclasses.replace(QUICKSTART_SIZES, train_classes=120, images_per_class=30, eval_classes=60,
+                              queries_per_class=2, gallery_per_class=6, distractor_classes=60,
+                              distractors_per_class=3, backbone="lcnet_050"),
+    embed_dim=64, old_epochs=14, new_epochs=12, batch_size=64)
+#: the smallest main job: a few glyph classes, one epoch per model
+TINY_FLAGS = ["--train-classes", "8", "--images-per-class", "4", "--eval-classes", "4",
+              "--queries-per-class", "1", "--gallery-per-class", "2", "--distractor-classes", "2",
+              "--distractors-per-class", "1", "--backbone", "test_resnet", "--embed-dim", "8",
+              "--old-epochs", "1", "--new-epochs", "1", "--batch-size", "8"]
 
 
 @pytest.fixture(scope="module")
 def quickstart_report(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart")
-    report = run_quickstart(QuickstartOptions(out=str(out), **SMALL))
+    report = run_quickstart(dataclasses.replace(SMALL, output=OutputOptions(out=str(out))))
     return out, report
 
 
@@ -98,4 +108,21 @@ def test_gallery_embedded_by_the_pipeline(quickstart_report):
     scenario = json.loads((out / "scenario.json").read_text())
     n_query = len(scenario["splits"]["query"]["labels"])
     assert data.n_queries == n_query and data.n_items > 0
-    assert data.old_dim == SMALL["embed_dim"] and data.new_dim == SMALL["embed_dim"]
+    assert data.old_dim == SMALL.embed_dim and data.new_dim == SMALL.embed_dim
+
+
+def test_main_job_is_deterministic(ray_cluster, tmp_path):
+    """Two runs of the main job (its command line) from fresh output and storage folders give
+    the same evaluations, value for value, and the same training losses."""
+    reports = []
+    for run in ("a", "b"):
+        out, storage = tmp_path / f"{run}-out", tmp_path / f"{run}-storage"
+        assert main(TINY_FLAGS + ["--out", str(out), "--storage", str(storage)]) == 0
+        reports.append(json.loads((out / "report.json").read_text()))
+    first, second = reports
+    assert first["evaluations"] and first["evaluations"] == second["evaluations"]
+    assert first["verdicts"] == second["verdicts"]
+    for name in ("old", "bct", "independent"):
+        losses = [[e.get("loss/loss") for e in r["models"][name]["history"]] for r in reports]
+        assert losses[0] == losses[1], name
+    assert first["models"]["old"]["run_path"] != second["models"]["old"]["run_path"]   # no reuse

@@ -9,22 +9,26 @@ import json
 import pytest
 
 from raycompat.config import ConfigError
+from raycompat.outputs import OutputOptions
 from raycompat.reproduce import ReproduceOptions, ScaleOptions, evaluate_claims, run_reproduce
 from raycompat.reproduce.claims import HELD, NOT_HELD, NOT_MEASURED, PARTLY
+from raycompat.reproduce.job import parse_reproduce_options
+from raycompat.reproduce.plan import DEFAULT_SIZES
 from raycompat.reproduce.report import TABLE_HEADERS
 
-TINY = ScaleOptions(train_classes=16, images_per_class=8, eval_classes=8, queries_per_class=2,
-                    gallery_per_class=4, distractor_classes=8, distractors_per_class=2,
-                    embed_dim=32, old_epochs=2, new_epochs=1, batch_size=32, psi_hidden=64,
-                    backbone="test_resnet", arch_backbone="test_efficientnet")
+TINY_SIZES = dataclasses.replace(DEFAULT_SIZES, train_classes=16, images_per_class=8, eval_classes=8,
+                                 queries_per_class=2, gallery_per_class=4, distractor_classes=8,
+                                 distractors_per_class=2, backbone="test_resnet")
+TINY = ScaleOptions(embed_dim=32, old_epochs=2, new_epochs=1, batch_size=32, psi_hidden=64,
+                    arch_backbone="test_efficientnet")
 
 
 @pytest.fixture(scope="module")
 def tiny_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce")
-    opts = ReproduceOptions(out=str(out), scenarios=("extended-data", "sequential"),
-                            methods=("bct", "dmu"), sequential_methods=("dmu",), sizes=TINY,
-                            parallel=2).validated()
+    opts = ReproduceOptions(output=OutputOptions(out=str(out)), scenarios=("extended-data", "sequential"),
+                            methods=("bct", "dmu"), sequential_methods=("dmu",), sizes=TINY_SIZES,
+                            training=TINY, parallel=2).validated()
     return opts, out, run_reproduce(opts)
 
 
@@ -89,19 +93,8 @@ def test_rerun_reuses_every_model(tiny_run):
 
 def test_bad_options_name_the_key():
     with pytest.raises(ConfigError, match="--methods: 'bcx' is not allowed"):
-        ReproduceOptions.from_args(_args(methods="bcx"))
-    with pytest.raises(ConfigError, match="--scale 'huge' is not allowed; allowed values"):
-        ReproduceOptions.from_args(_args(scale="huge"))
+        parse_reproduce_options(["--methods", "bcx"])
+    with pytest.raises(ConfigError, match="'scale' = 'huge' is not allowed; allowed values"):
+        parse_reproduce_options(["--scale", "huge"])
     with pytest.raises(ConfigError, match="--arch-backbone 'resnet9000' is not a timm model name"):
-        ReproduceOptions.from_args(_args(arch_backbone="resnet9000"))
-
-
-def _args(**overrides):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    ReproduceOptions.add_arguments(parser)
-    args = parser.parse_args([])
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
+        parse_reproduce_options(["--arch-backbone", "resnet9000"])

@@ -11,22 +11,20 @@ import os
 import time
 
 from raycompat.reproduce.claims import CLAIMS, evaluate_claims
-from raycompat.reproduce.plan import SCALES, SCENARIOS, VARIANTS, ReproduceOptions, ScaleOptions
+from raycompat import console
+from raycompat.reproduce.plan import SCALES, SCENARIOS, VARIANTS, ReproduceOptions, Scale, ScaleOptions
 
 
 def run_reproduce(opts: ReproduceOptions) -> dict:
     """Train, evaluate, decide the claims; write ``report.md``, ``report.json`` and PNGs to
-    ``opts.out``. Returns the report dict."""
+    ``opts.output``. Returns the report dict."""
     from raycompat.cluster import connect
     from raycompat.report import machine_description, write_json
     from raycompat.reproduce.report import plot_hot_refresh, render_markdown
     from raycompat.reproduce.runner import Reproduction, options_dict
 
-    from raycompat.outputs import resolve_job_output
-
     started = time.time()
-    output = resolve_job_output("reproduce", out=opts.out, storage=opts.storage, name=opts.name,
-                                default_out="reproduce_out")
+    output = opts.output.resolve("reproduce", default_out="reproduce_out")
     out = output.local
     load_before = os.getloadavg()[0]
 
@@ -37,8 +35,9 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     for scenario in opts.scenarios:
         log(f"  {scenario}: {', '.join(v.label for v in opts.method_plan(scenario))}")
     # an embedded cluster gets a logical CPU per concurrent training worker
+    console.quiet_ray(opts.verbose)
     connect(opts.address, num_cpus=None if opts.address else
-            max(os.cpu_count() or 1, opts.parallel * opts.sizes.workers))
+            max(os.cpu_count() or 1, opts.parallel * opts.training.workers))
     results = Reproduction(opts, out, output.runs, log).run()
     claims = evaluate_claims(results)
     plots = [os.path.relpath(p, out) for p in plot_hot_refresh(results, os.path.join(out, "plots"))]
@@ -59,5 +58,5 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     return report
 
 
-__all__ = ["CLAIMS", "SCALES", "SCENARIOS", "VARIANTS", "ReproduceOptions", "ScaleOptions",
+__all__ = ["CLAIMS", "SCALES", "SCENARIOS", "VARIANTS", "ReproduceOptions", "Scale", "ScaleOptions",
            "evaluate_claims", "run_reproduce"]

@@ -12,11 +12,12 @@ the paragon of its scenario (and of each sequential generation).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from raycompat.config import ConfigError
+from raycompat.config import ConfigError, choices, nonnegative, option, parse_options, positive
+from raycompat.data.scenarios import ScenarioSizes
+from raycompat.outputs import OutputOptions
 
 SCENARIOS = ("extended-data", "open-class", "architecture", "sequential")
 
@@ -80,66 +81,91 @@ DEFAULT_SCALE_METHODS = {
 SEQUENTIAL_DEFAULT = DEFAULT_SCALE_METHODS["sequential"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScaleOptions:
-    """Data, model and optimisation sizes. ``default``: the 2-core laptop preset."""
+    """Model and optimisation sizes (the data sizes and the old backbone are
+    ``ReproduceOptions.sizes``). Defaults: the 2-core laptop preset."""
 
-    train_classes: int = 100
-    images_per_class: int = 20
-    eval_classes: int = 40
-    queries_per_class: int = 3
-    gallery_per_class: int = 6
-    distractor_classes: int = 40
-    distractors_per_class: int = 4
-    resolution: int = 32
-    # resnet10t learns these glyphs in a few epochs (lcnet_050, 2.5x faster per image, stayed
-    # near chance at this data size); resnet14t is the larger new backbone of the architecture
-    # change (old resnet10t -> new resnet14t, as the papers go to a larger model)
-    backbone: str = "resnet10t"
-    arch_backbone: str = "resnet14t"     # the new backbone of the architecture scenario
-    embed_dim: int = 64
-    old_epochs: int = 10
-    new_epochs: int = 5
-    batch_size: int = 64
-    lr: float = 0.1
-    psi_hidden: int = 256               # DMU psi / RM psi_rev hidden width (papers: 1024)
-    workers: int = 1
-    gpus: float = 0.0
+    # resnet10t (the sizes' backbone) learns these glyphs in a few epochs (lcnet_050, 2.5x
+    # faster per image, stayed near chance at this data size); resnet14t is the larger new
+    # backbone of the architecture change, as the papers go to a larger model
+    arch_backbone: str = option("resnet14t", help="the new backbone of the architecture scenario")
+    embed_dim: int = positive(64, help="embedding dimension")
+    old_epochs: int = positive(10, help="epochs of each old model")
+    new_epochs: int = positive(5, help="epochs of each new model")
+    batch_size: int = positive(64, help="global batch size")
+    lr: float = positive(0.1, help="peak learning rate")
+    psi_hidden: int = positive(256, help="DMU psi / RM psi_rev hidden width (papers: 1024)")
+    workers: int = positive(1, help="DDP workers per training run")
+    gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
 
 
-SCALES: dict[str, dict] = {
-    "default": {},
+#: the default scale's data: 100 training classes of 20 images, resnet10t
+DEFAULT_SIZES = dataclasses.replace(
+    ScenarioSizes(), train_classes=100, images_per_class=20, eval_classes=40, queries_per_class=3,
+    gallery_per_class=6, distractor_classes=40, distractors_per_class=4, resolution=32,
+    backbone="resnet10t", data_seed=0)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A size preset (``--scale``): the data sizes and the model and optimisation sizes."""
+
+    sizes: ScenarioSizes
+    training: ScaleOptions
+
+
+SCALES: dict[str, Scale] = {
+    "default": Scale(DEFAULT_SIZES, ScaleOptions()),
     # A cluster-size run: the sizes of the main job and beyond, the papers' 1024-wide psi.
-    "cluster": dict(train_classes=400, images_per_class=40, eval_classes=200, queries_per_class=3,
-                    gallery_per_class=10, distractor_classes=300, distractors_per_class=5,
-                    resolution=64, backbone="resnet18", arch_backbone="resnet50", embed_dim=128,
-                    old_epochs=30, new_epochs=30, batch_size=256, psi_hidden=1024, workers=4),
+    "cluster": Scale(
+        dataclasses.replace(DEFAULT_SIZES, train_classes=400, images_per_class=40, eval_classes=200,
+                            queries_per_class=3, gallery_per_class=10, distractor_classes=300,
+                            distractors_per_class=5, resolution=64, backbone="resnet18"),
+        dataclasses.replace(ScaleOptions(), arch_backbone="resnet50", embed_dim=128, old_epochs=30,
+                            new_epochs=30, batch_size=256, psi_hidden=1024, workers=4)),
 }
 
+BACKFILL_POLICIES = ("random", "uncertainty:least_confidence", "uncertainty:margin", "uncertainty:entropy")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ReproduceOptions:
-    out: str | None = None                   # default reproduce_out, or <storage>/reproduce/<name>
-    storage: str | None = None               # shared storage (raycompat.outputs)
-    name: str = "report"
-    address: str | None = None
-    scale: str = "default"
-    scenarios: tuple = SCENARIOS
-    methods: tuple | None = None             # None: DEFAULT_SCALE_METHODS at default scale, else all
-    sequential_methods: tuple | None = None  # None: SEQUENTIAL_DEFAULT at default scale, else all
-    sizes: ScaleOptions = field(default_factory=ScaleOptions)
-    seed: int = 0
-    data_seed: int = 0
-    parallel: int = 2                    # Ray Train runs at a time (default: this machine's 2 cores)
-    train_budget_minutes: float | None = None   # stop starting trainings after this long
-    backfill_policies: tuple = ("random", "uncertainty:least_confidence", "uncertainty:margin",
-                                "uncertainty:entropy")
+    """Options of the reproduction job. :meth:`at_scale` applies a ``--scale`` preset;
+    :meth:`validated` checks the names and backbones and expands ``all``."""
+
+    output: OutputOptions = option(OutputOptions(name="report"), help="where the report goes")
+    address: str | None = option(None, help="Ray address; none: an embedded local Ray")
+    scale: str = choices(*SCALES, default="default", help="size preset (the size flags override it)")
+    scenarios: tuple = option(SCENARIOS, help=f"comma-separated subset of {list(SCENARIOS)}")
+    methods: tuple | None = option(None, help=f"comma-separated subset of {list(VARIANTS)} or 'all'; "
+                                              "none: every method on extended-data and the claims' "
+                                              "methods elsewhere at --scale default, all at --scale cluster")
+    sequential_methods: tuple | None = option(
+        None, help=f"methods of the sequential chains, or 'all'; none: {','.join(SEQUENTIAL_DEFAULT)} "
+                   "at --scale default, else all")
+    sizes: ScenarioSizes = option(DEFAULT_SIZES, help="data (the scenarios are --scenarios)")
+    training: ScaleOptions = option(ScaleOptions(), help="model and optimisation sizes")
+    seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
+    parallel: int = positive(2, help="Ray Train runs at a time (2: this machine's 2 cores)")
+    train_budget_minutes: float | None = option(
+        None, help="start no training after this many minutes; the report lists what was not trained "
+                   "and its claims say 'not measured'; none: no limit")
+    backfill_policies: tuple = option(BACKFILL_POLICIES, help="policies of the hot-refresh curves")
+    verbose: bool = option(False, help="keep Ray's own INFO lines")
+
+    @classmethod
+    def at_scale(cls, scale: str = "default", **values) -> "ReproduceOptions":
+        """The options of preset ``scale`` (its sizes and training sizes), then ``values``."""
+        preset = SCALES[parse_options(cls, {"scale": scale}).scale]
+        return dataclasses.replace(cls(), scale=scale, sizes=preset.sizes, training=preset.training,
+                                   **values)
 
     def threads_per_worker(self) -> int:
         """Torch threads per training worker: the cores shared by the concurrent runs."""
         import os
 
-        return max(1, (os.cpu_count() or 1) // (self.parallel * self.sizes.workers))
+        return max(1, (os.cpu_count() or 1) // (self.parallel * self.training.workers))
 
     def method_plan(self, scenario: str) -> list[Variant]:
         """The variants trained in ``scenario`` (``independent`` first), in report order."""
@@ -185,70 +211,22 @@ class ReproduceOptions:
             reasons.append((label, why))
         return reasons
 
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        from raycompat.outputs import add_output_arguments
-
-        add_output_arguments(parser, "reproduce", "reproduce_out", cls.name)
-        parser.add_argument("--address", default=None, help="Ray address (default: embedded local Ray)")
-        parser.add_argument("--scale", default="default", help=f"size preset: {list(SCALES)}")
-        parser.add_argument("--scenarios", default=",".join(SCENARIOS),
-                            help=f"comma-separated subset of {list(SCENARIOS)}")
-        parser.add_argument("--methods", default=None,
-                            help=f"comma-separated subset of {list(VARIANTS)} or 'all' (default: every "
-                                 "method on extended-data and the claims' methods elsewhere at --scale "
-                                 "default, all at --scale cluster)")
-        parser.add_argument("--sequential-methods", default=None,
-                            help=f"methods of the sequential chains, or 'all' (default: "
-                                 f"{','.join(SEQUENTIAL_DEFAULT)} at --scale default, else all)")
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--data-seed", type=int, default=0)
-        parser.add_argument("--parallel", type=int, default=cls.parallel,
-                            help="Ray Train runs at a time (default %(default)s)")
-        parser.add_argument("--train-budget-minutes", type=float, default=None,
-                            help="start no training after this many minutes; the report lists what "
-                                 "was not trained and its claims say 'not measured' (default: no limit)")
-        g = parser.add_argument_group("scale overrides (default: the --scale preset)")
-        for f in dataclasses.fields(ScaleOptions):
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            g.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None)
-
-    @classmethod
-    def from_args(cls, args) -> "ReproduceOptions":
-        if args.scale not in SCALES:
-            raise ConfigError(f"--scale {args.scale!r} is not allowed; allowed values: {list(SCALES)}")
-        sizes = dataclasses.replace(ScaleOptions(), **SCALES[args.scale])
-        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ScaleOptions)
-                     if getattr(args, f.name) is not None}
-        sizes = dataclasses.replace(sizes, **overrides)
-        return cls(out=args.out, storage=args.storage, name=args.name, address=args.address, scale=args.scale,
-                   scenarios=_names(args.scenarios, SCENARIOS, "--scenarios"),
-                   methods=None if args.methods is None else _names(args.methods, tuple(VARIANTS), "--methods"),
-                   sequential_methods=None if args.sequential_methods is None else
-                   _names(args.sequential_methods, tuple(VARIANTS), "--sequential-methods"),
-                   sizes=sizes, seed=args.seed, data_seed=args.data_seed,
-                   parallel=args.parallel, train_budget_minutes=args.train_budget_minutes).validated()
-
     def validated(self) -> "ReproduceOptions":
-        s = self.sizes
-        for name in ("train_classes", "images_per_class", "eval_classes", "queries_per_class",
-                     "gallery_per_class", "resolution", "embed_dim", "old_epochs", "new_epochs",
-                     "batch_size", "psi_hidden", "workers"):
-            if getattr(s, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(s, name)}")
-        if self.train_budget_minutes is not None and self.train_budget_minutes < 0:
-            raise ConfigError(f"--train-budget-minutes must be >= 0, got {self.train_budget_minutes}")
-        if self.parallel <= 0:
-            raise ConfigError(f"--parallel must be > 0, got {self.parallel}")
-        if s.lr <= 0:
-            raise ConfigError(f"--lr must be > 0, got {s.lr}")
-        if s.batch_size % s.workers:
-            raise ConfigError(f"--batch-size {s.batch_size} must be divisible by --workers {s.workers}")
+        """Checks that need more than one option; ``all`` expanded. Raises ``ConfigError``."""
         from raycompat.train.config import check_backbone
 
-        for name in ("backbone", "arch_backbone"):
-            check_backbone(getattr(s, name), "--" + name.replace("_", "-"))
-        return self
+        if self.train_budget_minutes is not None and self.train_budget_minutes < 0:
+            raise ConfigError(f"--train-budget-minutes must be >= 0, got {self.train_budget_minutes}")
+        t = self.training
+        if t.batch_size % t.workers:
+            raise ConfigError(f"--batch-size {t.batch_size} must be divisible by --workers {t.workers}")
+        check_backbone(self.sizes.backbone, "--backbone")
+        check_backbone(t.arch_backbone, "--arch-backbone")
+        return dataclasses.replace(
+            self, scenarios=_names(self.scenarios, SCENARIOS, "--scenarios"),
+            methods=None if self.methods is None else _names(self.methods, tuple(VARIANTS), "--methods"),
+            sequential_methods=None if self.sequential_methods is None else
+            _names(self.sequential_methods, tuple(VARIANTS), "--sequential-methods"))
 
 
 def _names(value, allowed: tuple, flag: str) -> tuple:

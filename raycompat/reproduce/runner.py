@@ -158,18 +158,18 @@ class Reproduction:
     def scenario(self, name: str):
         from raycompat.data import scenario_from_options
 
-        return scenario_from_options(name, self.opts.sizes, seed=self.opts.data_seed)
+        return scenario_from_options(self.opts.sizes, name=name)
 
     def values(self, scenario, *, backbone: str, method: str, split: str, epochs: int,
                method_options: dict | None = None, old_model: str | None = None,
                init_model: str | None = None, head: str | None = None) -> dict:
-        s = self.opts.sizes
+        s, t = self.opts.sizes, self.opts.training
         return dict(method=method, method_options=method_options or {}, backbone=backbone,
-                    embed_dim=s.embed_dim, head=head or "cosface", epochs=epochs,
-                    batch_size=s.batch_size, lr=s.lr, seed=self.opts.seed,
+                    embed_dim=t.embed_dim, head=head or "cosface", epochs=epochs,
+                    batch_size=t.batch_size, lr=t.lr, seed=self.opts.seed,
                     scenario=scenario.to_dict(), split=split, resolution=s.resolution,
-                    data_seed=self.opts.data_seed, num_workers=s.workers, use_gpu=s.gpus > 0,
-                    gpus_per_worker=s.gpus if s.gpus > 0 else 1.0, old_model=old_model,
+                    data_seed=s.data_seed, num_workers=t.workers, use_gpu=t.gpus > 0,
+                    gpus_per_worker=t.gpus if t.gpus > 0 else 1.0, old_model=old_model,
                     init_model=init_model, threads_per_worker=self.opts.threads_per_worker(),
                     log_every=1000)
 
@@ -181,7 +181,7 @@ class Reproduction:
 
     def new_model(self, scenario, scenario_name: str, variant: Variant, split: str, backbone: str,
                   old: Trained, paragon: Trained | None, label: str | None = None) -> Trained:
-        s = self.opts.sizes
+        s = self.opts.training
         needs_old = variant.method != "independent"
         deps = ((old,) if needs_old else ()) + ((paragon,) if variant.init_from_paragon else ())
         rank = METHOD_PRIORITY.index(variant.label) if variant.label in METHOD_PRIORITY else len(METHOD_PRIORITY)
@@ -199,7 +199,7 @@ class Reproduction:
         key = (trained.key, scenario.name)
         if key not in self._embedded:
             self._embedded[key] = embed_scenario(trained.label, ModelBundle.load(trained.path), scenario,
-                                                 self.opts.sizes.resolution, self.opts.data_seed)
+                                                 self.opts.sizes.resolution, self.opts.sizes.data_seed)
         return self._embedded[key]
 
     def model_rows(self) -> dict:
@@ -217,11 +217,11 @@ class Reproduction:
     # -- one (new -> old) scenario ---------------------------------------------------------
     def plan_pair_scenario(self, name: str) -> dict:
         """extended-data / open-class / architecture: old, new*, every planned method."""
-        s = self.opts.sizes
+        s, t = self.opts.sizes, self.opts.training
         scenario = self.scenario("extended-data" if name == "architecture" else name)
-        new_backbone = s.arch_backbone if name == "architecture" else s.backbone
+        new_backbone = t.arch_backbone if name == "architecture" else s.backbone
         old = self.train(name, "old", self.values(scenario, backbone=s.backbone, method="independent",
-                                                  split="old_train", epochs=s.old_epochs))
+                                                  split="old_train", epochs=t.old_epochs))
         paragon = self.new_model(scenario, name, VARIANTS["independent"], "new_train", new_backbone,
                                  old, None)
         trained = {"independent": paragon}
@@ -257,11 +257,11 @@ class Reproduction:
     def plan_sequential(self) -> dict:
         """phi_1 -> phi_2 -> phi_3 per method, each generation trained against the previous one
         of its own chain; the ``independent`` chain is the paragon of every generation."""
-        s = self.opts.sizes
+        s, t = self.opts.sizes, self.opts.training
         scenario = self.scenario("sequential")
         splits = scenario.train_generations()
         first = self.train("sequential", "gen1", self.values(
-            scenario, backbone=s.backbone, method="independent", split=splits[0], epochs=s.old_epochs))
+            scenario, backbone=s.backbone, method="independent", split=splits[0], epochs=t.old_epochs))
         chains: dict[str, list[Trained]] = {}
         for v in self.opts.method_plan("sequential"):
             chain = [first]
@@ -452,4 +452,12 @@ def hot_refresh(old: EmbeddedSet, news: dict, query_labels, gallery_labels, para
 
 
 def options_dict(opts: ReproduceOptions) -> dict:
-    return dataclasses.asdict(opts)
+    """The report's ``options``: every option; ``sizes`` holds the data and training sizes of
+    the scale (``scale``) as one flat dict."""
+    values = dataclasses.asdict(opts)
+    values.update(values.pop("output"))
+    data = values.pop("sizes")
+    values["data_seed"] = data.pop("data_seed")
+    data.pop("scenario")
+    values["sizes"] = dict(data, **values.pop("training"))
+    return values
