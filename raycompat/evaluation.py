@@ -1,4 +1,4 @@
-"""Cross-model retrieval evaluation: old-old, new-new and new-old (METHODS.md, Notation).
+"""Cross-model retrieval evaluation: old-old, new-new and new-old (docs/methods.md, Notation).
 
 ``M(query embedder, gallery embedder)``: queries are embedded by one model and searched
 (exact cosine, faiss) against a gallery embedded by another. Across models, only the
@@ -137,8 +137,8 @@ def transform(module: torch.nn.Module, x: np.ndarray, batch_size: int = 4096) ->
 
 
 def chain_adapt(gallery: np.ndarray, psis: list) -> np.ndarray:
-    """Forward adaptation across generations (METHODS.md 8, "DMU chains psi"): the gallery of
-    generation i brought to generation j by ``psi_j(...psi_{i+1}(phi_i(g)))``; ``psis`` in
+    """Forward adaptation across generations (docs/methods.md, "Sequential upgrades", "DMU chains psi"): the
+    gallery of generation i brought to generation j by ``psi_j(...psi_{i+1}(phi_i(g)))``; ``psis`` in
     order ``[psi_{i+1}, ..., psi_j]``."""
     for psi in psis:
         gallery = transform(psi, gallery)
@@ -147,8 +147,8 @@ def chain_adapt(gallery: np.ndarray, psis: list) -> np.ndarray:
 
 def sequential_cross_evaluate(generations: list[EmbeddedSet], query_labels, gallery_labels,
                               psis: list | None = None, k: int = 100) -> list[dict]:
-    """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (METHODS.md 8): queries of
-    generation j against the gallery of generation i, for every i <= j (phi_3 vs phi_1 too).
+    """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (docs/methods.md, "Sequential upgrades"):
+    queries of generation j against the gallery of generation i, for every i <= j (phi_3 vs phi_1 too).
 
     Across generations only the shared compatible subspace is used (the first
     ``min(D_i, compatible_dim_j, ...)`` dims). With ``psis`` (``psis[j]`` maps generation

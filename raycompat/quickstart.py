@@ -265,7 +265,8 @@ HOT_REFRESH_MODES = ("compatible", "naive_merge", "cold")
 
 def simulate_hot_refresh(embedded: dict, query_labels, gallery_labels, bct_bundle, out_dir: str,
                          paragon: dict, seed: int = 0, log=None) -> dict:
-    """Backfill curves of the main job's upgrade (METHODS.md: policies, query modes, metrics).
+    """Backfill curves of the main job's upgrade (docs/methods.md: Backfill policies, Query strategies,
+    Metrics).
 
     * ``bct``: every policy x ``compatible`` / ``naive_merge`` / ``cold``; uncertainty from
       the BCT classifier on old gallery features (RACT Eq.9-11).

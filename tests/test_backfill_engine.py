@@ -2,7 +2,7 @@
 
 The brute force here is written independently and simply: at every grid point it builds the
 mixed gallery (one vector per item: old-state or new-state), scores every item with the
-mode's query vector for that state (METHODS.md table), ranks all items by (-score, index)
+mode's query vector for that state (docs/methods.md, Query strategies), ranks all items by (-score, index)
 and computes the metrics from that full ranking with raycompat.metrics.
 
 Vectors are quantised so that float32 scores are exact whatever the summation order: each
@@ -75,7 +75,8 @@ def make_instance(rng, n_items, n_queries, n_labels, d_old=6):
 
 # ----------------------------------------------------------------------------- brute force
 def mode_scores(data, mode):
-    """(old-state scores, new-state scores) [Q, N] in float64, straight from the METHODS.md table."""
+    """(old-state scores, new-state scores) [Q, N] in float64, straight from the query-mode table
+    (docs/methods.md, Query strategies)."""
     qo, qn = unit(data.query_old), unit(data.query_new)
     go, gn = unit(data.gallery_old), unit(data.gallery_new)
     d = data.old_dim

@@ -1,4 +1,4 @@
-"""Gallery embedding pipeline (issue 5) on the session's real local Ray cluster.
+"""Gallery embedding pipeline on the session's real local Ray cluster.
 
 Small random-init bundles (timm ``test_resnet``), a tiny glyph scenario plus generated
 distractors; vectors are compared with direct model calls on the same items.

@@ -1,5 +1,5 @@
-"""Sequential upgrades (METHODS.md 8): every cross pair phi_j -> phi_i (i <= j) is evaluated,
-and DMU's psi is chained (psi_3(psi_2(phi_1(g)))) for the adapted galleries."""
+"""Sequential upgrades (docs/methods.md, "Sequential upgrades"): every cross pair phi_j -> phi_i (i <= j) is
+evaluated, and DMU's psi is chained (psi_3(psi_2(phi_1(g)))) for the adapted galleries."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Exact backfill curves from one scoring pass per score side.
 
-Problem (METHODS.md, "Query strategies while the gallery is partly backfilled").
+Problem (docs/methods.md, "Query strategies").
 A query mode fixes two *score sides*: old-state items are scored with
 ``s_o(q, x) = <q_o, g_o(x)>`` and new-state items with ``s_n(q, x) = <q_n, g_n(x)>``
 (``raycompat.backfill.modes`` reduces every mode to such float32 arrays).  At
@@ -972,7 +972,7 @@ def compute_ranks(
 
 # ----------------------------------------------------------------------------- metrics
 def full_ap_from_ranks(ranks: np.ndarray, pairs_q: np.ndarray, npos: np.ndarray) -> np.ndarray:
-    """Revisited-protocol AP per query (trapezoids, METHODS.md "Metrics") for stacked grid points.
+    """Revisited-protocol AP per query (trapezoids, docs/methods.md, "Metrics") for stacked grid points.
 
     ``ranks``: ``[J, P]`` 0-based ranks of the positive pairs (pairs grouped by
     query, as from :func:`positive_pairs`).  Returns float64 ``[J, Q]`` with

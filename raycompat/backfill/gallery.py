@@ -1,6 +1,6 @@
 """Embeddings the simulator runs on: in memory (:class:`GalleryEmbeddings`) or from parquet.
 
-Parquet schema (one row per image; ARCHITECTURE.md "Formats"):
+Parquet schema (one row per image; docs/architecture.md, "Formats"):
 
 ==========  ===============================  ==============================================
 column      type                             meaning

@@ -8,7 +8,7 @@ gallery of ``N`` items, the first
 items of the policy's order hold the new model's vector and the other
 ``N - n(t)`` hold their old-state vector.  ``n(0) = 0`` and ``n(1) = N``.
 The ``cold`` refresh schedule instead has ``n(t) = 0`` for every ``t < 1`` and
-``n(1) = N`` (METHODS.md, "Query strategies", ``cold``).
+``n(1) = N`` (docs/methods.md, "Query strategies", ``cold``).
 
 Segments.  For grid counts ``n_0 <= n_1 <= ... <= n_{J-1}``, item ``x`` at
 position ``pos(x)`` of the order belongs to segment

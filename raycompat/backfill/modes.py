@@ -1,4 +1,4 @@
-"""Query modes: how old-state and new-state gallery items are scored (METHODS.md table).
+"""Query modes: how old-state and new-state gallery items are scored (docs/methods.md, Query strategies).
 
 =============== ========================================== ====================================
 mode            old-state item ``g`` scored with            new-state item ``g`` scored with
@@ -15,7 +15,7 @@ float32 query and gallery arrays whose inner product is the score.  ``s`` is
 the cosine, i.e. the inner product of L2-normalised vectors (normalised after
 cutting to the compatible subspace, as in ``raycompat.evaluation``).
 
-``rank_merge`` distance (METHODS.md 6): ``d`` is the squared L2 distance on
+``rank_merge`` distance (docs/methods.md, Training objectives): ``d`` is the squared L2 distance on
 normalised embeddings, so ``-d(a, b) = 2 <a, b> - 2``: a strictly increasing
 function of the cosine, the same for both sides, so the merged ranking and its
 ties are exactly those of the cosine -- the sides are stored as cosines.  With
@@ -240,8 +240,8 @@ def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *,
 
     The modules are applied with :class:`raycompat.models.FeatureMap` (eval mode, no grad,
     float64 then float32: what the live index applies too) to the stored embeddings as they
-    are: psi to ``old`` (METHODS.md 5, DMU), rho to ``new`` and psi_rev to ``rho(new)`` of the
-    queries (METHODS.md 6, RM).
+    are: psi to ``old`` (docs/methods.md, Training objectives, DMU), rho to ``new`` and psi_rev to
+    ``rho(new)`` of the queries (docs/methods.md, Training objectives, RM).
     """
     from raycompat.models import FeatureMap
 

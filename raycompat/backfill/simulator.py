@@ -5,7 +5,7 @@ in memory or from parquet), a set of policies
 (:mod:`~raycompat.backfill.policies`), query modes
 (:mod:`~raycompat.backfill.modes`) and a grid of backfill fractions
 (default 0, 5, ..., 100 %; rounding rule in :mod:`~raycompat.backfill.grid`),
-:func:`simulate_backfill` computes at every grid point (METHODS.md "Metrics"):
+:func:`simulate_backfill` computes at every grid point (docs/methods.md, "Metrics"):
 
 * ``mAP@k`` (GLDv2 AP@k, default k = 100), ``mAP`` (revisited full mAP),
   ``top1`` (CMC top-1) and ``NFR@1`` (RACT Eq.12, against old-old correctness);

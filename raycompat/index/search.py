@@ -1,7 +1,7 @@
 """Exact cosine / inner-product search with a deterministic tie order.
 
 Retrieval in raycompat uses L2-normalised embeddings and cosine similarity
-``s(a, b) = <a, b>`` (METHODS.md, "Notation").  This module provides the exact
+``s(a, b) = <a, b>`` (docs/methods.md, "Notation").  This module provides the exact
 search every metric is computed from:
 
 * :func:`l2_normalize` -- row-wise L2 normalisation (float32).
@@ -69,7 +69,7 @@ def _as_2d_float32(x, name: str) -> np.ndarray:
 def l2_normalize(x, *, zero: str = "raise") -> np.ndarray:
     """Return ``x / ||x||_2`` row-wise as a new float32 array.
 
-    Retrieval uses L2-normalised embeddings and cosine similarity (METHODS.md,
+    Retrieval uses L2-normalised embeddings and cosine similarity (docs/methods.md,
     "Notation").  Norms are computed in float64 (chunked, so memory stays
     bounded) to avoid float32 overflow; the result is float32.  Bit-identical
     input rows give bit-identical output rows.

@@ -2,9 +2,9 @@
 
 ``build_method(name, options, context)`` is the factory the training loop uses.
 
-Methods (METHODS.md, Training objectives): ``independent`` (1), ``l2`` and ``bct`` (2-3),
-``contrastive`` and ``ract`` (4), ``dmu`` (5), ``mcl`` with its baselines ``rqt`` and ``cl``
-(6, base class in ``rank_merge``), ``p2s``, ``ndpp`` and ``odpp`` (7). Pieces written once:
+Methods (docs/methods.md, Training objectives): ``independent``, ``l2`` and ``bct``,
+``contrastive`` and ``ract``, ``dmu``, ``mcl`` with its baselines ``rqt`` and ``cl``
+(base class in ``rank_merge``), ``p2s``, ``ndpp`` and ``odpp``. Pieces written once:
 ``gathered`` (global-batch contrastive logits and the multi-worker loss conventions),
 ``prototypes`` (distributed per-class means) and, in ``raycompat.models``, the ArcFace /
 CosFace margin (``margin_logits``).

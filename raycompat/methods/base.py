@@ -5,7 +5,7 @@ trainable modules it needs (psi, rho, prototypes...), computes the loss of a bat
 the shared model pieces, and may run a distributed pass over the training set at the
 start of every epoch. The loop never looks inside a method.
 
-Loss convention (METHODS.md, Training objectives): ``L = L_cls(new head) + lambda * L_compat``.
+Loss convention (docs/methods.md, Training objectives): ``L = L_cls(new head) + lambda * L_compat``.
 
 Multi-worker convention: the ``loss`` a worker returns is such that DDP's *average* of the
 workers' gradients equals the gradient of the loss of the whole global batch computed in one
@@ -30,7 +30,7 @@ from raycompat.models import ModelBundle
 @dataclass
 class TrainBatch:
     """One batch. ``x_new`` / ``x_old`` are two independent augmentations of the same images
-    (METHODS.md Notation); ``new_targets`` index the new head's rows, ``old_targets`` the old
+    (docs/methods.md, Notation); ``new_targets`` index the new head's rows, ``old_targets`` the old
     head's rows (-1 where the old head does not know the class)."""
 
     x_new: torch.Tensor

@@ -1,5 +1,5 @@
-"""``cl``: contrastive reverse transform, backward system only (RM Eq.10; METHODS.md 6, a
-baseline of ``mcl``):
+"""``cl``: contrastive reverse transform, backward system only (RM Eq.10;
+docs/methods.md, Training objectives, a baseline of ``mcl``):
 ``L_i = -log[ P_old / (P_old + N_old) ]``, ``s_old_ik = exp(-d(psi_rev(phi_n(x_i)), phi_o(x_k)))``,
 P over same-label ``k`` (i included: the cross-model pair of the same image), N over the
 others, ``k`` over the global batch gathered from every DDP worker (see ``gathered``).

@@ -1,16 +1,17 @@
-"""``dmu``: Darwinian Model Upgrades (DMU Eq.8; METHODS.md 5): ``L_new + L_SBC + L_FA``.
+"""``dmu``: Darwinian Model Upgrades (DMU Eq.8; docs/methods.md, Training objectives):
+``L_new + L_SBC + L_FA``.
 
 - ``L_new`` (DMU Eq.3) is the loop's classification loss on the new head ``w_n``: DMU uses
   ArcFace (s=30, m=0.3), so run with ``--head arcface`` (the head kind is a training option,
   not a method option).
 - ``L_SBC = sum_x lambda(x) * ArcFace(w_o, phi_n(x)[:D_o])`` (Eq.10) through the frozen *old*
-  classifier. The paper's Algorithm 1 feeds the new classifier's logits here; METHODS.md
+  classifier. The paper's Algorithm 1 feeds the new classifier's logits here; docs/methods.md
   calls that a bug and follows Eq.10, as does this module.
 - ``lambda(x) = (1 - softmax_B(Lambda)) / (|B| - 1)`` (Eq.10), summing to 1 over the batch,
   where ``Lambda`` measures how *un*-discriminative the old feature is:
   ``entropy`` (Eq.9) of ``p = softmax(s * cos(w_o, phi_o(x)))``. The paper's Eq.9 has no
   scale s, which makes every entropy ~log C; s (``entropy_scale``) is configurable, default
-  the ArcFace s. ``least_confidence``: METHODS.md names ``p_y``; DMU's Eq.13 weights by
+  the ArcFace s. ``least_confidence``: DMU's Eq.13 sets ``Lambda = p_y`` and weights by
   ``softmax(p_y)``. Here ``Lambda = 1 - p_y`` (the least-confidence uncertainty) goes through
   the same Eq.10 weighting, so confident samples get the larger weight in both variants and
   the weights still sum to 1.

@@ -15,7 +15,7 @@ global batch:
   ``local_share`` multiplies that share by the world size (bct-beta mean over known samples,
   dmu's batch-softmax weights).
 
-The gathered contrastive logits of RACT Eq.5/6 (METHODS.md 4) are written here once.
+The gathered contrastive logits of RACT Eq.5/6 (docs/methods.md, Training objectives) are written here once.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor, dim: int = 1) -> torch
 
 def compatibility_logits(new_part: torch.Tensor, old: torch.Tensor, labels: torch.Tensor,
                          tau: float, new_full: torch.Tensor | None = None) -> torch.Tensor:
-    """RACT Eq.5 / Eq.6 logits (METHODS.md 4), target column 0:
+    """RACT Eq.5 / Eq.6 logits (docs/methods.md, Training objectives), target column 0:
     ``[s(n_i,o_i) | s(n_i,o_k) for k | s(n_i,n_k) for k] / tau``.
 
     Inputs are L2-normalised rows of the global batch. ``new_part`` is the compatible
@@ -94,10 +94,10 @@ def compatibility_logits(new_part: torch.Tensor, old: torch.Tensor, labels: torc
 
 def compatibility_triplet(new_part: torch.Tensor, old: torch.Tensor, labels: torch.Tensor,
                           margin: float, new_full: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-anchor triplet form (RACT appendix Eq.14 / Eq.15, METHODS.md 4):
+    """Per-anchor triplet form (RACT appendix Eq.14 / Eq.15, docs/methods.md, Training objectives):
     ``mean_{k not in p(i)} [max(0, s(n_i,o_k) - s(n_i,o_i) + m) (+ max(0, s(n_i,n_k) - s(n_i,o_i) + m))]``.
 
-    The printed Eq.14/15 reads ``s_pos - s_neg``; as METHODS.md says, that sign is reversed
+    The printed Eq.14/15 reads ``s_pos - s_neg``; as docs/methods.md says, that sign is reversed
     (it would push positives apart), so the hinge here is ``s_neg - s_pos + m``. An anchor with
     no negative in the batch contributes 0. Returns [N] losses.
     """

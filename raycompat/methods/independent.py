@@ -1,4 +1,5 @@
-"""``independent``: the paragon new* (and every old model): L_cls only (METHODS.md 1)."""
+"""``independent``: the paragon new* (and every old model): L_cls only
+(docs/methods.md, Training objectives)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

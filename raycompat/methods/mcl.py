@@ -1,5 +1,5 @@
 """``mcl``: metric-compatible contrastive learning for online backfilling (RM Eq.11-13;
-METHODS.md 6).
+docs/methods.md, Training objectives).
 
 With ``rho^new = rho(phi_n(x))`` (trained; the final new embedding) and ``rho^rev =
 psi_rev(rho^new)``, ``s_new_ik = exp(-d(rho^new_i, rho^new_k))`` and ``s_old_ik =
@@ -9,7 +9,7 @@ exp(-d(rho^rev_i, phi_o(x_k)))``:
 
 P over same-label ``k``, N over the others, ``k`` over the global batch gathered from every
 DDP worker (see ``gathered``). The printed Eq.11 repeats ``N_new`` in the second
-denominator; METHODS.md fixes the symmetric form above, which is what the text describes.
+denominator; docs/methods.md fixes the symmetric form above, which is what the text describes.
 ``P_new`` leaves out ``k = i`` (``s_new_ii = 1`` always; the old system's ``k = i`` is the
 real cross-model pair of the same image and stays); an anchor with no other sample of its
 class in the global batch skips the second term. Optional hard mining keeps the hardest

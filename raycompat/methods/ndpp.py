@@ -1,4 +1,5 @@
-"""``ndpp``: neighbour-driven prototype perturbation (NDPP paper Eq.4-8; METHODS.md 7).
+"""``ndpp``: neighbour-driven prototype perturbation (NDPP paper Eq.4-8;
+docs/methods.md, Training objectives).
 
 Rebuilt at the start of every epoch, not cumulative (Eq.8):
 ``p_hat_o^c = p_o^c + a1 * r_o^c + a2 * r_t^c`` with a1 = a2 = 0.01, where

@@ -1,4 +1,5 @@
-"""``odpp``: optimisation-driven prototype perturbation (NDPP paper Eq.9-11; METHODS.md 7).
+"""``odpp``: optimisation-driven prototype perturbation (NDPP paper Eq.9-11;
+docs/methods.md, Training objectives).
 
 A learnable perturbation ``r^c`` per old prototype (init 0, warm-started from the previous
 epoch's value) minimises, at the start of every epoch,

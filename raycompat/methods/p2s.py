@@ -1,4 +1,5 @@
-"""``p2s``: point-to-set (prototype) contrastive compatibility (NDPP paper Eq.2; METHODS.md 7).
+"""``p2s``: point-to-set (prototype) contrastive compatibility (NDPP paper Eq.2;
+docs/methods.md, Training objectives).
 
 Old prototypes ``p_o^c`` = mean of normalised ``phi_o(x)`` over the *new* training set, per
 class of the new head (classes the old model never saw included), computed once by the

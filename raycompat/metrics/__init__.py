@@ -1,4 +1,4 @@
-"""Retrieval, compatibility and backfill-curve metrics (METHODS.md, "Metrics")."""
+"""Retrieval, compatibility and backfill-curve metrics (docs/methods.md, "Metrics")."""
 
 from raycompat.metrics.compatibility import (
     compatibility_report,

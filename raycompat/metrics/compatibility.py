@@ -1,6 +1,6 @@
 """Backward-compatibility scores between an old and a new embedding model.
 
-Specification: METHODS.md, section "Metrics".  Notation ``M(query, gallery)``:
+Specification: docs/methods.md, section "Metrics".  Notation ``M(query, gallery)``:
 
 * ``m_oo``    = M(old, old)       -- the old system
 * ``m_no``    = M(new, old)       -- cross-model (compatibility) test
@@ -66,7 +66,7 @@ def update_gain(m_no, m_oo, m_nstar):
 
 
 def is_compatible(m_no, m_oo):
-    """Empirical compatibility criterion (BCT Eq.2, as in METHODS.md): ``M(n,o) > M(o,o)``.
+    """Empirical compatibility criterion (BCT Eq.2; docs/methods.md, Metrics): ``M(n,o) > M(o,o)``.
 
     Strict inequality; ``nan`` inputs give ``False``.  Returns a python bool
     for scalar inputs, a bool array otherwise.

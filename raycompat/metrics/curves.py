@@ -2,7 +2,7 @@
 
 A backfill curve is a metric evaluated at backfill fractions ``t`` (share of
 the gallery holding the new model's embedding), on a grid from 0 to 1.
-Specification: METHODS.md, section "Metrics" ("Regression", "AUC", "AUC gain").
+Specification: docs/methods.md, section "Metrics" ("Regression", "AUC", "AUC gain").
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _curve(fractions, values) -> Tuple[np.ndarray, np.ndarray]:
 def auc(fractions, values, *, require_full_range: bool = True) -> float:
     """Area under a backfill curve (RM paper: ``AUC_mAP = int_0^1 mAP_t dt``).
 
-    Trapezoid rule on the evaluated grid (METHODS.md "Metrics": no
+    Trapezoid rule on the evaluated grid (docs/methods.md, "Metrics": no
     interpolation beyond the grid points).
 
     Args:
@@ -83,11 +83,11 @@ def auc_gain(auc_method, auc_oldold, auc_newstar):
 
 
 def regression_stats(fractions, values, higher_is_better: bool = True) -> Dict[str, object]:
-    """Model regression along a backfill curve (RACT Eq.3; METHODS.md "Regression").
+    """Model regression along a backfill curve (RACT Eq.3; docs/methods.md, Metrics, "Regression").
 
     RACT Eq.3 calls it regression when a partly backfilled gallery scores below
     the untouched old gallery, ``M(Q_new, G_new^t u G_old^(1-t)) < M(Q_new, G_old)``;
-    METHODS.md asks for both readings:
+    docs/methods.md asks for both readings:
 
     * ``points_below_start``: fractions t > t_0 whose value is worse than the
       value at the first grid point (t=0): strictly lower when

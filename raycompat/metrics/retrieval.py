@@ -1,6 +1,6 @@
 """Retrieval metrics: AP@k / mAP@k, revisited full mAP, CMC / Recall@k, NFR.
 
-Specification: METHODS.md, section "Metrics".  All functions are vectorised
+Specification: docs/methods.md, section "Metrics".  All functions are vectorised
 numpy.  Conventions used throughout:
 
 * Relevance comes from labels: gallery item ``g`` is relevant to query ``q``
@@ -146,7 +146,7 @@ def num_relevant_from_labels(query_labels, gallery_labels, junk_mask=None) -> np
 
 # --------------------------------------------------------------------------- AP@k
 def average_precision_at_k(ranked_relevance, num_relevant, k: Optional[int] = None) -> np.ndarray:
-    """Per-query AP@k, GLDv2 definition (METHODS.md "Metrics"; RACT uses mAP@100).
+    """Per-query AP@k, GLDv2 definition (docs/methods.md, "Metrics"; RACT uses mAP@100).
 
     ``AP@k = (1 / min(m, k)) * sum_{i<=k} P(i) * rel(i)`` where ``P(i)`` is the
     precision at rank i and ``m`` the number of relevant items in the gallery.
@@ -191,7 +191,7 @@ def mean_average_precision_at_k(ranked_relevance, num_relevant, k: Optional[int]
 
 # --------------------------------------------------------------------------- revisited mAP
 def average_precision_from_ranks(ranks, npos: int) -> float:
-    """AP of one query by trapezoids, revisited Oxford/Paris protocol (METHODS.md "Metrics").
+    """AP of one query by trapezoids, revisited Oxford/Paris protocol (docs/methods.md, "Metrics").
 
     ``AP = sum_j (prec_0 + prec_1) / 2 * (1 / npos)`` over the positives
     j = 0, 1, ... in rank order, with ``prec_0 = j / rank`` (1 if rank == 0) and
@@ -280,7 +280,7 @@ def revisited_average_precision(ranking, positives, junk=None) -> np.ndarray:
 
 
 def revisited_map(ranking, positives, junk=None) -> Tuple[float, np.ndarray]:
-    """Full mAP, revisited Oxford/Paris protocol (METHODS.md "Metrics").
+    """Full mAP, revisited Oxford/Paris protocol (docs/methods.md, "Metrics").
 
     Junk removed from the ranking, AP by trapezoids
     (:func:`average_precision_from_ranks`), queries without positives excluded.
@@ -396,7 +396,7 @@ def correct_at_k(ranked_relevance, k: int = 1) -> np.ndarray:
 
 
 def cmc_top_k(ranked_relevance, ks: Sequence[int] = (1, 5, 10), num_relevant=None) -> Dict[int, float]:
-    """CMC top-k accuracy for each k in ``ks`` (METHODS.md "Metrics").
+    """CMC top-k accuracy for each k in ``ks`` (docs/methods.md, "Metrics").
 
     A query is correct at k if a relevant item is in its top k.  When
     ``num_relevant`` is given, queries with ``m == 0`` are excluded (as in the

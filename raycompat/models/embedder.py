@@ -1,4 +1,4 @@
-"""Embedder = any timm backbone + GeM pooling + FC to D dimensions (METHODS.md, Notation).
+"""Embedder = any timm backbone + GeM pooling + FC to D dimensions (docs/methods.md, Notation).
 
 Retrieval uses the L2-normalised output; training losses receive the raw FC output and
 normalise where their equation says so.

@@ -1,4 +1,4 @@
-"""Classification heads: softmax, CosFace, ArcFace (METHODS.md, Classification heads).
+"""Classification heads: softmax, CosFace, ArcFace (docs/methods.md, Classification heads).
 
 The cosine heads share one normalised weight matrix (``CosineClassifier``) and differ
 only in the margin they put on the target logit, written once in ``margin_logits``.

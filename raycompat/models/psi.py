@@ -1,8 +1,8 @@
 """Small MLPs that map between embedding spaces.
 
-- DMU forward-adaptive psi: 3 x [Linear-BN-ReLU] + Linear, hidden 1024 (METHODS.md 5).
+- DMU forward-adaptive psi: 3 x [Linear-BN-ReLU] + Linear, hidden 1024 (docs/methods.md, Training objectives).
 - RM rho (head on phi_n) and psi_rev (new -> old reverse query transform) reuse the same
-  building block with their own depth (METHODS.md 6).
+  building block with their own depth (docs/methods.md, Training objectives).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ray Data gallery embedding pipeline (issue 5): sources -> render/decode -> preprocess ->
+"""Ray Data gallery embedding pipeline: sources -> render/decode -> preprocess ->
 old / new embedder pools -> psi and uncertainty -> resumable parquet shards.
 
 The library call is :func:`embed_gallery`; :mod:`raycompat.pipeline.job` is its command line

@@ -99,7 +99,7 @@ class EmbedStage:
 
 
 class OldFeatureStage:
-    """Gallery-side operations on old features (METHODS.md "Gallery-side operations"), no
+    """Gallery-side operations on old features (docs/methods.md, "Gallery-side operations"), no
     image and no backbone pass: ``adapted = psi(old)`` (DMU forward adaptation) and the
     uncertainty of ``old`` under the new head ``w_n`` (RACT Eq.9-11, via
     ``raycompat.backfill.policies.uncertainty_scores``)."""

@@ -1,6 +1,6 @@
 """The reproduction report (``jobs/reproduce.py``): the papers' scenarios at a small scale on
 the built-in glyphs with every method, paper-shaped tables, and a verdict on each headline
-claim of METHODS.md.
+claim of docs/methods.md (Headline claims).
 
 ``plan`` (scenarios x methods, scale presets), ``runner`` (training, evaluation, hot
 refresh), ``claims`` (one function per claim), ``report`` (markdown tables, plots).

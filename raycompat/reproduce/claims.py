@@ -1,4 +1,4 @@
-"""The papers' headline claims (METHODS.md, last section), each decided by one stated
+"""The papers' headline claims (docs/methods.md, "Headline claims"), each decided by one stated
 measurement on the results of ``runner`` -- whatever the numbers say.
 
 Every function takes the results dict (``test_sets``, ``backfill``) and returns::

@@ -1,6 +1,6 @@
 """What the reproduction report trains: scenarios x methods, and the scale presets.
 
-Scenarios (METHODS.md, "Upgrade scenarios"): ``extended-data`` (old: 30% of the images,
+Scenarios (docs/methods.md, "Upgrade scenarios"): ``extended-data`` (old: 30% of the images,
 new: all), ``open-class`` (old: 30% of the classes, new: the other 70%), ``architecture``
 (the extended-data allocation with a different new backbone; the old model is the
 extended-data one) and ``sequential`` (phi_1 -> phi_2 -> phi_3 on 25% -> 50% -> 100% of the

@@ -1,4 +1,4 @@
-"""Live sharded index on Ray Serve with hot-refresh backfill (ARCHITECTURE.md "Serving").
+"""Live sharded index on Ray Serve with hot-refresh backfill (docs/architecture.md, "Serving").
 
 One module per concept:
 

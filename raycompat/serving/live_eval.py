@@ -4,7 +4,7 @@ while the backfill controller upgrades it, at the simulator's grid points.
 At each fraction ``t`` the controller is resumed until ``n(t) = floor(t N + 1/2)`` items of
 the policy's order are upgraded (:func:`raycompat.backfill.grid.backfill_counts`, the
 simulator's rounding), then the labelled queries are searched through ``POST /search`` and
-scored with the same metric functions the simulator uses (METHODS.md "Metrics"):
+scored with the same metric functions the simulator uses (docs/methods.md, "Metrics"):
 ``mAP@k`` (:func:`raycompat.metrics.mean_average_precision_at_k`), ``top1``, ``NFR@1``
 (:func:`raycompat.metrics.negative_flip_rate` against old-old top-1 correctness, itself
 measured live at t = 0 with the old model's query vectors, ``model="old"``), and the

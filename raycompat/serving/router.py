@@ -351,7 +351,7 @@ def build_api(router: Router) -> FastAPI:
     """The FastAPI app of one router replica: routes to its methods, error handlers, timing."""
     app = FastAPI(title="raycompat live index",
                   description="Sharded faiss gallery served during a hot-refresh model upgrade "
-                              "(raycompat, ARCHITECTURE.md 'Serving').",
+                              "(raycompat, docs/architecture.md, 'Serving').",
                   version="1", responses={422: {"model": ErrorResponse}})
     install_error_handlers(app)
     app.middleware("http")(router.timed)

@@ -1,5 +1,5 @@
 """Query vectors per stored representation: the live counterpart of the simulator's score
-sides (:mod:`raycompat.backfill.modes`, METHODS.md "Query strategies").
+sides (:mod:`raycompat.backfill.modes`, docs/methods.md, "Query strategies").
 
 A query embedded by the new model ``q = phi_n(x)`` scores
 
@@ -8,7 +8,7 @@ A query embedded by the new model ``q = phi_n(x)`` scores
 * an item stored as ``adapted`` with ``s(phi_n(q), psi(phi_o(g)))`` (side ``new-adapted``),
 * an item stored as ``new`` with ``s(phi_n(q), phi_n(g))`` (side ``new-new``).
 
-In the ``rank_merge`` mode (RM, METHODS.md "Query strategies") a ``new`` item holds
+In the ``rank_merge`` mode (RM, docs/methods.md, "Query strategies") a ``new`` item holds
 ``rho(phi_n(g))`` and the router turns ``phi_n(q)`` into ``r = rho(phi_n(q))`` and
 ``psi_rev(r)``:
 

@@ -1,13 +1,13 @@
 """One shard's items: each held in exactly one representation (old, adapted or new), a faiss
 index per representation, atomic per-item upserts, durable through snapshot + log.
 
-ARCHITECTURE.md "Serving".  Every item id maps to one representation; its (L2-normalised)
+docs/architecture.md, "Serving".  Every item id maps to one representation; its (L2-normalised)
 vector lives in that representation's store and faiss index only.  Moving an item (an
 upsert) removes it from its old representation and adds it to the new one under the
 shard's lock, and a search runs under the same lock, so a concurrent query sees every item
 exactly once: before or after the move, never missing, never twice.
 
-Scores are inner products of normalised vectors (cosines, METHODS.md "Notation"); the
+Scores are inner products of normalised vectors (cosines, docs/methods.md, "Notation"); the
 router sends one query array per representation (:mod:`raycompat.serving.scoring`), so an
 old-state item is scored with the old-state side and a new-state item with the new-state
 side, as in the simulator (:mod:`raycompat.backfill.modes`).  Results are ordered by

@@ -1,6 +1,6 @@
 """Training data for the loop: a split of the built-in glyph scenario, one or two views.
 
-Old and new models see two independent augmentations of the same image (METHODS.md,
+Old and new models see two independent augmentations of the same image (docs/methods.md,
 Notation): view 0 feeds the new model, view 1 the frozen old one. Images are rendered
 deterministically on first use and kept as uint8 (1 KB per 32 px view), so later epochs
 cost no rendering.
