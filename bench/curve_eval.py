@@ -22,6 +22,7 @@ ratios exclude it and a second ratio includes it.
     python bench/curve_eval.py                      # full size (about 2.5 GB of embeddings)
     python bench/curve_eval.py --items 100000       # quick check
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,14 +72,26 @@ def make_data(n_items: int, n_queries: int, dim: int, positives: int, seed: int 
     g_new[pos_items] += 1.3 * strength[:, None] * centers[gl[pos_items]]
     for a in (g_old, g_new):
         for s in range(0, n_items, chunk):
-            _unit_rows(a[s:s + chunk])
+            _unit_rows(a[s : s + chunk])
     noise = rng.standard_normal((n_queries, dim), dtype=np.float32) / np.sqrt(dim, dtype=np.float32)
     q_old = _unit_rows(centers + 1.5 * noise)
-    q_new = _unit_rows(centers + 1.0 * noise + 0.6 * rng.standard_normal((n_queries, dim), dtype=np.float32)
-                       / np.sqrt(dim, dtype=np.float32))
-    return GalleryEmbeddings(gallery_labels=gl, query_labels=np.arange(n_queries), gallery_old=g_old,
-                             gallery_new=g_new, query_old=q_old, query_new=q_new, normalized=True,
-                             source="synthetic")
+    q_new = _unit_rows(
+        centers
+        + 1.0 * noise
+        + 0.6
+        * rng.standard_normal((n_queries, dim), dtype=np.float32)
+        / np.sqrt(dim, dtype=np.float32)
+    )
+    return GalleryEmbeddings(
+        gallery_labels=gl,
+        query_labels=np.arange(n_queries),
+        gallery_old=g_old,
+        gallery_new=g_new,
+        query_old=q_old,
+        query_new=q_new,
+        normalized=True,
+        source="synthetic",
+    )
 
 
 # ----------------------------------------------------------------------------- memory
@@ -132,7 +145,7 @@ def matmul_rate(device, size: int = 2048, repeats: int = 3) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
-    return 2.0 * size ** 3 / best / 1e9
+    return 2.0 * size**3 / best / 1e9
 
 
 def faiss_search(q, g, k):
@@ -157,9 +170,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="random")
     ap.add_argument("--mode", default="compatible")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--block-mb", type=float, default=None,
-                    help="score block budget in MiB for the search and the curves (default: the library's, "
-                         "8 for the search and 16 for the curve engine)")
+    ap.add_argument(
+        "--block-mb",
+        type=float,
+        default=None,
+        help="score block budget in MiB for the search and the curves (default: the library's, "
+        "8 for the search and 16 for the curve engine)",
+    )
     ap.add_argument("--no-faiss", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the numbers to this JSON file")
@@ -168,75 +185,132 @@ def main(argv=None) -> int:
     bb = {} if opts.block_mb is None else {"block_bytes": int(opts.block_mb * 1024 * 1024)}
     n, nq, d = opts.items, opts.queries, opts.dim
     flops = 2.0 * n * nq * d
-    res = {"items": n, "queries": nq, "dim": d, "k": opts.k, "policy": opts.policy, "mode": opts.mode,
-           "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    res = {
+        "items": n,
+        "queries": nq,
+        "dim": d,
+        "k": opts.k,
+        "policy": opts.policy,
+        "mode": opts.mode,
+        "device": str(dev),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
     t_data, data = timed(make_data, n, nq, d, opts.positives, opts.seed)
     res["data_seconds"] = t_data
-    res["rss_after_data_mb"] = rss_bytes() / 2 ** 20
+    res["rss_after_data_mb"] = rss_bytes() / 2**20
 
     res["matmul_gflops"] = matmul_rate(dev)
     t_search, _ = timed(exact_topk, data.query_new, data.gallery_new, opts.k, device=dev, **bb)
     res["search_seconds"] = t_search
     res["search_gflops"] = flops / t_search / 1e9
     if not opts.no_faiss:
-        res["faiss_add_seconds"], res["faiss_search_seconds"] = faiss_search(data.query_new, data.gallery_new, opts.k)
+        res["faiss_add_seconds"], res["faiss_search_seconds"] = faiss_search(
+            data.query_new, data.gallery_new, opts.k
+        )
 
     # old-old top-1 correctness (NFR reference): once per gallery, shared by every curve
-    t_ref, rr = timed(compute_ranks, {"old-old": Side(data.query_old, data.gallery_old)},
-                      [CurveSpec("ref", "old-old", None, np.array([0]))], data.query_labels,
-                      data.gallery_labels, device=dev, **bb)
-    ref_correct = metrics_from_ranks(rr.curve("ref").ranks, rr.pairs_q, rr.npos, 1,
-                                     return_per_query=True)[1]["correct1"][0]
+    t_ref, rr = timed(
+        compute_ranks,
+        {"old-old": Side(data.query_old, data.gallery_old)},
+        [CurveSpec("ref", "old-old", None, np.array([0]))],
+        data.query_labels,
+        data.gallery_labels,
+        device=dev,
+        **bb,
+    )
+    ref_correct = metrics_from_ranks(
+        rr.curve("ref").ranks, rr.pairs_q, rr.npos, 1, return_per_query=True
+    )[1]["correct1"][0]
     res["reference_seconds"] = t_ref
 
     curves = {}
     for step in (5.0, 1.0):
         with PeakRSS() as mem:
-            t_curve, r = timed(simulate_backfill, data, [opts.policy], [opts.mode], grid_step=step, k=opts.k,
-                               seed=opts.seed, reference_correct=ref_correct, device=dev, **bb)
+            t_curve, r = timed(
+                simulate_backfill,
+                data,
+                [opts.policy],
+                [opts.mode],
+                grid_step=step,
+                k=opts.k,
+                seed=opts.seed,
+                reference_correct=ref_correct,
+                device=dev,
+                **bb,
+            )
         c = r.curves[0]
         pts = len(c.fractions)
         curves[pts] = {
-            "seconds": t_curve, "ratio": t_curve / t_search, "ratio_with_reference": (t_curve + t_ref) / t_search,
-            "extra_rss_mb": mem.extra / 2 ** 20,
-            "engine": {k: {kk: vv for kk, vv in v.items()} for k, v in r.stats["engine"]["sides"].items()},
-            "values_at": {f"{100 * c.fractions[j]:g}%": {m: float(c.metrics[m][j]) for m in c.metrics}
-                          for j in (0, pts // 2, pts - 1)},
+            "seconds": t_curve,
+            "ratio": t_curve / t_search,
+            "ratio_with_reference": (t_curve + t_ref) / t_search,
+            "extra_rss_mb": mem.extra / 2**20,
+            "engine": {
+                k: {kk: vv for kk, vv in v.items()} for k, v in r.stats["engine"]["sides"].items()
+            },
+            "values_at": {
+                f"{100 * c.fractions[j]:g}%": {m: float(c.metrics[m][j]) for m in c.metrics}
+                for j in (0, pts // 2, pts - 1)
+            },
         }
     res["curves"] = curves
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
     # ------------------------------------------------------------------ table
     w = 44
-    print(f"curve_eval: {n:,} items x {nq:,} queries x {d} dims, {opts.positives} positives/query, k={opts.k}, "
-          f"{opts.policy} / {opts.mode}, device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"curve_eval: {n:,} items x {nq:,} queries x {d} dims, {opts.positives} positives/query, k={opts.k}, "
+        f"{opts.policy} / {opts.mode}, device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"{'matmul rate (torch float32 2048^3)':<{w}} {res['matmul_gflops']:10.1f} GFLOP/s")
-    print(f"{'exact top-k search (blockwise torch)':<{w}} {t_search:10.2f} s   {res['search_gflops']:.1f} GFLOP/s "
-          f"= {res['search_gflops'] / res['matmul_gflops']:.2f} of the matmul rate (goal >= 0.7)")
+    print(
+        f"{'exact top-k search (blockwise torch)':<{w}} {t_search:10.2f} s   {res['search_gflops']:.1f} GFLOP/s "
+        f"= {res['search_gflops'] / res['matmul_gflops']:.2f} of the matmul rate (goal >= 0.7)"
+    )
     if "faiss_search_seconds" in res:
-        print(f"{'exact top-k search (faiss IndexFlatIP)':<{w}} {res['faiss_search_seconds']:10.2f} s   "
-              f"(+{res['faiss_add_seconds']:.2f} s add)")
+        print(
+            f"{'exact top-k search (faiss IndexFlatIP)':<{w}} {res['faiss_search_seconds']:10.2f} s   "
+            f"(+{res['faiss_add_seconds']:.2f} s add)"
+        )
     print(f"{'old-old reference for NFR (once/gallery)':<{w}} {t_ref:10.2f} s")
     for pts, goal in ((21, 3), (101, 5)):
         cv = curves[pts]
-        print(f"{f'{pts}-point curve (mAP@k, mAP, top-1, NFR@1)':<{w}} {cv['seconds']:10.2f} s   "
-              f"ratio to search {cv['ratio']:.2f} (goal <= {goal}); with the reference {cv['ratio_with_reference']:.2f}")
-    print(f"{'peak RSS of the process':<{w}} {res['peak_rss_mb']:10.0f} MiB (embeddings alone "
-          f"{res['rss_after_data_mb']:.0f} MiB after generation)")
-    print(f"{'extra RSS while a curve runs':<{w}} {curves[21]['extra_rss_mb']:10.1f} MiB (21 points), "
-          f"{curves[101]['extra_rss_mb']:.1f} MiB (101 points)")
+        print(
+            f"{f'{pts}-point curve (mAP@k, mAP, top-1, NFR@1)':<{w}} {cv['seconds']:10.2f} s   "
+            f"ratio to search {cv['ratio']:.2f} (goal <= {goal}); with the reference {cv['ratio_with_reference']:.2f}"
+        )
+    print(
+        f"{'peak RSS of the process':<{w}} {res['peak_rss_mb']:10.0f} MiB (embeddings alone "
+        f"{res['rss_after_data_mb']:.0f} MiB after generation)"
+    )
+    print(
+        f"{'extra RSS while a curve runs':<{w}} {curves[21]['extra_rss_mb']:10.1f} MiB (21 points), "
+        f"{curves[101]['extra_rss_mb']:.1f} MiB (101 points)"
+    )
     sides = curves[21]["engine"]
-    print(f"{'scores at/above a query lowest threshold':<{w}} " + ", ".join(
-        f"{name}: {100.0 * st['survivors'] / (n * nq):.2f}%" for name, st in sides.items())
-        + "  (the per-survivor work; the rest is matmul + one max-reduction)")
+    print(
+        f"{'scores at/above a query lowest threshold':<{w}} "
+        + ", ".join(
+            f"{name}: {100.0 * st['survivors'] / (n * nq):.2f}%" for name, st in sides.items()
+        )
+        + "  (the per-survivor work; the rest is matmul + one max-reduction)"
+    )
     for name, st in sides.items():
-        print(f"{f'  side {name} (21 points)':<{w}} {st['seconds']:10.2f} s   {st.get('workers', 1)} worker(s); "
-              f"thread-seconds: matmul {st['seconds_matmul']:.2f}, filter {st['seconds_filter']:.2f}, "
-              f"count {st['seconds_count']:.2f}")
+        print(
+            f"{f'  side {name} (21 points)':<{w}} {st['seconds']:10.2f} s   {st.get('workers', 1)} worker(s); "
+            f"thread-seconds: matmul {st['seconds_matmul']:.2f}, filter {st['seconds_filter']:.2f}, "
+            f"count {st['seconds_count']:.2f}"
+        )
     v = curves[21]["values_at"]
-    print("values: " + "; ".join(f"t={t}: " + ", ".join(f"{m} {100 * x:.2f}" for m, x in vals.items())
-                                 for t, vals in v.items()))
+    print(
+        "values: "
+        + "; ".join(
+            f"t={t}: " + ", ".join(f"{m} {100 * x:.2f}" for m, x in vals.items())
+            for t, vals in v.items()
+        )
+    )
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -14,6 +14,7 @@ prints its rate and peak memory (sum over the driver and the Ray processes; see
 
     python bench/embed_throughput.py --items 20000 [--large-items 1000000] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 
-def plain_loop(source, old_path, new_path, n: int, batch_size: int, threads: int, uncertainty: bool) -> float:
+def plain_loop(
+    source, old_path, new_path, n: int, batch_size: int, threads: int, uncertainty: bool
+) -> float:
     """images/s of render -> preprocess -> old -> new -> psi (-> uncertainty) in this process."""
     import torch
 
@@ -60,9 +63,17 @@ def main(argv=None) -> int:
     p.add_argument("--items", type=int, default=20000, help="items per measurement (default 20000)")
     p.add_argument("--loop-batch-size", type=int, default=256)
     p.add_argument("--uncertainty", action="store_true")
-    p.add_argument("--models", default=None, help="bundle dir with old/ and new/ (default: random-init lcnet_050)")
-    p.add_argument("--large-items", type=int, default=0, help="also run an N-item gallery end to end")
-    p.add_argument("--large-from", default=None, help="report the _summary.json of an earlier job run")
+    p.add_argument(
+        "--models",
+        default=None,
+        help="bundle dir with old/ and new/ (default: random-init lcnet_050)",
+    )
+    p.add_argument(
+        "--large-items", type=int, default=0, help="also run an N-item gallery end to end"
+    )
+    p.add_argument(
+        "--large-from", default=None, help="report the _summary.json of an earlier job run"
+    )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--json", default=None, help="write the results here")
     from raycompat.pipeline.options import add_pipeline_arguments, pipeline_options_from_args
@@ -89,34 +100,70 @@ def main(argv=None) -> int:
     def source_for(n):
         return GlyphGallerySource(scenario, max(0, n - n0), 32, 0)
 
-    results = {"cores": cores, "items": args.items, "uncertainty": args.uncertainty,
-               "note": "timings on a shared machine: other jobs compete for the same cores"}
+    results = {
+        "cores": cores,
+        "items": args.items,
+        "uncertainty": args.uncertainty,
+        "note": "timings on a shared machine: other jobs compete for the same cores",
+    }
     loop_rates = {}
     for threads in sorted({1, cores}):
-        loop_rates[threads] = plain_loop(source_for(args.items), old_path, new_path, args.items,
-                                         args.loop_batch_size, threads, args.uncertainty)
-        print(f"plain torch loop, {threads} thread(s): {loop_rates[threads]:.1f} images/s", flush=True)
+        loop_rates[threads] = plain_loop(
+            source_for(args.items),
+            old_path,
+            new_path,
+            args.items,
+            args.loop_batch_size,
+            threads,
+            args.uncertainty,
+        )
+        print(
+            f"plain torch loop, {threads} thread(s): {loop_rates[threads]:.1f} images/s", flush=True
+        )
     best_threads = max(loop_rates, key=loop_rates.get)
     connect(None, num_cpus=cores)
-    run = embed_gallery(os.path.join(work, "pipeline"), source_for(args.items), old_model=old_path,
-                        new_model=new_path, columns=("old", "new", "adapted"), uncertainty=args.uncertainty,
-                        options=opts, log=lambda m: None)
+    run = embed_gallery(
+        os.path.join(work, "pipeline"),
+        source_for(args.items),
+        old_model=old_path,
+        new_model=new_path,
+        columns=("old", "new", "adapted"),
+        uncertainty=args.uncertainty,
+        options=opts,
+        log=lambda m: None,
+    )
     rate = run.summary["items_per_s"]
     steady = run.summary.get("steady_items_per_s") or float("nan")
     ratio = rate / loop_rates[best_threads]
-    print(f"Ray Data pipeline ({cores} cores, end to end incl. {run.summary['first_output_s']:.1f} s of actor "
-          f"start-up): {rate:.1f} images/s; after start-up: {steady:.1f} images/s")
-    print(f"ratio pipeline / plain loop ({best_threads} thread(s), the faster): {ratio:.3f} end to end, "
-          f"{steady / loop_rates[best_threads]:.3f} after start-up (goal >= 0.85)")
-    results.update(loop_images_per_s={str(k): v for k, v in loop_rates.items()}, loop_best_threads=best_threads,
-                   pipeline_images_per_s=rate, ratio=ratio,
-                   pipeline_steady_images_per_s=steady, steady_ratio=steady / loop_rates[best_threads], pipeline_stages=run.summary["stages"],
-                   pipeline_peak_pss_mib=run.summary["memory"]["peak_pss_mib"])
+    print(
+        f"Ray Data pipeline ({cores} cores, end to end incl. {run.summary['first_output_s']:.1f} s of actor "
+        f"start-up): {rate:.1f} images/s; after start-up: {steady:.1f} images/s"
+    )
+    print(
+        f"ratio pipeline / plain loop ({best_threads} thread(s), the faster): {ratio:.3f} end to end, "
+        f"{steady / loop_rates[best_threads]:.3f} after start-up (goal >= 0.85)"
+    )
+    results.update(
+        loop_images_per_s={str(k): v for k, v in loop_rates.items()},
+        loop_best_threads=best_threads,
+        pipeline_images_per_s=rate,
+        ratio=ratio,
+        pipeline_steady_images_per_s=steady,
+        steady_ratio=steady / loop_rates[best_threads],
+        pipeline_stages=run.summary["stages"],
+        pipeline_peak_pss_mib=run.summary["memory"]["peak_pss_mib"],
+    )
     large = None
     if args.large_items:
-        large = embed_gallery(os.path.join(work, "large"), source_for(args.large_items), old_model=old_path,
-                              new_model=new_path, columns=("old", "new", "adapted"), uncertainty=args.uncertainty,
-                              options=opts).summary
+        large = embed_gallery(
+            os.path.join(work, "large"),
+            source_for(args.large_items),
+            old_model=old_path,
+            new_model=new_path,
+            columns=("old", "new", "adapted"),
+            uncertainty=args.uncertainty,
+            options=opts,
+        ).summary
         large["measured_by"] = "this benchmark run"
     elif args.large_from:
         with open(os.path.join(args.large_from, "_summary.json")) as fh:
@@ -124,14 +171,28 @@ def main(argv=None) -> int:
         large["measured_by"] = f"jobs/embed_gallery.py run in {args.large_from}"
     if large:
         mem = large["memory"]
-        print(f"large gallery ({large['measured_by']}): {large['items_total']} items, "
-              f"{large['seconds']:.0f} s, {large['items_per_s']:.1f} images/s end to end, peak memory PSS "
-              f"{mem['peak_pss_mib']:.0f} MiB (first half {mem.get('peak_pss_first_half_mib', 0):.0f}, "
-              f"second half {mem.get('peak_pss_second_half_mib', 0):.0f}), RSS sum {mem['peak_rss_mib']:.0f} MiB")
+        print(
+            f"large gallery ({large['measured_by']}): {large['items_total']} items, "
+            f"{large['seconds']:.0f} s, {large['items_per_s']:.1f} images/s end to end, peak memory PSS "
+            f"{mem['peak_pss_mib']:.0f} MiB (first half {mem.get('peak_pss_first_half_mib', 0):.0f}, "
+            f"second half {mem.get('peak_pss_second_half_mib', 0):.0f}), RSS sum {mem['peak_rss_mib']:.0f} MiB"
+        )
         large_ratio = large["items_per_s"] / loop_rates[best_threads]
-        print(f"ratio large gallery end to end / plain loop of this run: {large_ratio:.3f} (goal >= 0.85)")
-        results["large"] = {k: large[k] for k in ("items_total", "items_written", "seconds", "items_per_s",
-                                                  "memory", "stages", "measured_by")}
+        print(
+            f"ratio large gallery end to end / plain loop of this run: {large_ratio:.3f} (goal >= 0.85)"
+        )
+        results["large"] = {
+            k: large[k]
+            for k in (
+                "items_total",
+                "items_written",
+                "seconds",
+                "items_per_s",
+                "memory",
+                "stages",
+                "measured_by",
+            )
+        }
         results["large"]["ratio_to_plain_loop"] = large_ratio
     if args.json:
         from raycompat.report import write_json

@@ -11,6 +11,7 @@ available (then the projection is for that GPU; goal < 10 min on one H100).
 
     python bench/psi_refresh.py [--old-dim 128 --new-dim 128 --hidden 1024 --batch-size 8192]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,18 +46,27 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8192)
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
-    p.add_argument("--rounds", type=int, default=3, help="alternating psi / matmul rounds (median reported)")
-    p.add_argument("--model", default=None, help="a new-model bundle with a 'psi' module (default: random psi)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="alternating psi / matmul rounds (median reported)"
+    )
+    p.add_argument(
+        "--model", default=None, help="a new-model bundle with a 'psi' module (default: random psi)"
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: all usable cores)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads on CPU (default: all usable cores)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     from raycompat.models import ModelBundle, PsiMLP
     from raycompat.pipeline.psi_refresh import FoldedPsi
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          (args.device if args.device != "auto" else "cpu"))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else (args.device if args.device != "auto" else "cpu")
+    )
     if device.type == "cpu":
         torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -91,26 +101,53 @@ def main(argv=None) -> int:
     psi_fps = statistics.median(psi_rates)
     mm_flops = statistics.median(mm_rates)
     fraction = psi_fps * folded.flops_per_feature / mm_flops
-    where = f"{device.type}" + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else
-                                f" ({torch.get_num_threads()} threads)")
+    where = f"{device.type}" + (
+        f" ({torch.cuda.get_device_name()})"
+        if device.type == "cuda"
+        else f" ({torch.get_num_threads()} threads)"
+    )
     billion_s = 1e9 / psi_fps
-    print(f"device: {where}; psi {folded.in_dim}->{hidden}x3->{folded.out_dim}, batch {b}, "
-          f"{folded.flops_per_feature / 1e6:.2f} MFLOP/feature; folded-vs-module max rel. error {err:.1e}")
-    print(f"psi refresh: {psi_fps:,.0f} features/s (rounds: {', '.join(f'{r:,.0f}' for r in psi_rates)})")
-    print(f"matmul rate: {mm_flops / 1e9:.1f} GFLOP/s ({b}x{hidden} @ {hidden}x{hidden}; rounds: "
-          f"{', '.join(f'{r / 1e9:.1f}' for r in mm_rates)})")
-    print(f"psi achieved {psi_fps * folded.flops_per_feature / 1e9:.1f} GFLOP/s = {fraction:.3f} of the matmul rate "
-          f"(goal >= 0.7)")
-    print(f"projected time for 1e9 features on this {device.type}: {billion_s / 60:.1f} min ({billion_s / 3600:.2f} h)"
-          + ("; goal < 10 min on one H100, DMU paper: < 8 h on a T4" if device.type == "cuda" else
-             "; (GPU projection: run this script where CUDA is available)"))
+    print(
+        f"device: {where}; psi {folded.in_dim}->{hidden}x3->{folded.out_dim}, batch {b}, "
+        f"{folded.flops_per_feature / 1e6:.2f} MFLOP/feature; folded-vs-module max rel. error {err:.1e}"
+    )
+    print(
+        f"psi refresh: {psi_fps:,.0f} features/s (rounds: {', '.join(f'{r:,.0f}' for r in psi_rates)})"
+    )
+    print(
+        f"matmul rate: {mm_flops / 1e9:.1f} GFLOP/s ({b}x{hidden} @ {hidden}x{hidden}; rounds: "
+        f"{', '.join(f'{r / 1e9:.1f}' for r in mm_rates)})"
+    )
+    print(
+        f"psi achieved {psi_fps * folded.flops_per_feature / 1e9:.1f} GFLOP/s = {fraction:.3f} of the matmul rate "
+        f"(goal >= 0.7)"
+    )
+    print(
+        f"projected time for 1e9 features on this {device.type}: {billion_s / 60:.1f} min ({billion_s / 3600:.2f} h)"
+        + (
+            "; goal < 10 min on one H100, DMU paper: < 8 h on a T4"
+            if device.type == "cuda"
+            else "; (GPU projection: run this script where CUDA is available)"
+        )
+    )
     if args.json:
         from raycompat.report import write_json
 
-        write_json(args.json, dict(device=where, batch_size=b, flops_per_feature=folded.flops_per_feature,
-                                   psi_features_per_s=psi_fps, psi_rounds=psi_rates, matmul_flops=mm_flops,
-                                   matmul_rounds=mm_rates, fraction=fraction, billion_features_s=billion_s,
-                                   folded_rel_error=err))
+        write_json(
+            args.json,
+            dict(
+                device=where,
+                batch_size=b,
+                flops_per_feature=folded.flops_per_feature,
+                psi_features_per_s=psi_fps,
+                psi_rounds=psi_rates,
+                matmul_flops=mm_flops,
+                matmul_rounds=mm_rates,
+                fraction=fraction,
+                billion_features_s=billion_s,
+                folded_rel_error=err,
+            ),
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ thread each -- as the shards run).
 
 The report records the load average: numbers taken beside other jobs are rough.
 """
+
 import argparse
 import json
 import os
@@ -54,20 +55,28 @@ def run_threads(concurrency: int, seconds: float, one_call):
 
 
 def summarize(qps, lat, errors):
-    return {"qps": qps, "p50_ms": 1000 * float(np.percentile(lat, 50)) if lat.size else None,
-            "p99_ms": 1000 * float(np.percentile(lat, 99)) if lat.size else None, "requests": int(lat.size),
-            "errors": int(errors)}
+    return {
+        "qps": qps,
+        "p50_ms": 1000 * float(np.percentile(lat, 50)) if lat.size else None,
+        "p99_ms": 1000 * float(np.percentile(lat, 99)) if lat.size else None,
+        "requests": int(lat.size),
+        "errors": int(errors),
+    }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--items", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--backfill-rate", type=float, default=2000.0, help="items/s during the live-backfill run")
+    p.add_argument(
+        "--backfill-rate", type=float, default=2000.0, help="items/s during the live-backfill run"
+    )
     p.add_argument("--out", default="bench_out/serve_load")
     p.add_argument("--address", default=None)
     return p.parse_args(argv)
@@ -82,7 +91,10 @@ def inprocess_index(a):
     gal = SyntheticGallery(a.items, a.dim, a.dim, seed=0)
     t = time.perf_counter()
     vecs = gal.vectors_of("old", np.arange(a.items, dtype=np.int64))
-    print(f"[serve_load] generated {vecs.shape[0]} vectors in {time.perf_counter() - t:.1f} s", flush=True)
+    print(
+        f"[serve_load] generated {vecs.shape[0]} vectors in {time.perf_counter() - t:.1f} s",
+        flush=True,
+    )
     faiss.omp_set_num_threads(1)
     index = faiss.IndexFlatIP(a.dim)
     index.add(vecs)
@@ -91,11 +103,15 @@ def inprocess_index(a):
 
 def measure_inprocess(index, queries, a, c):
     """Measured right before each HTTP run, so both see the same load from other jobs."""
-    qps, lat, err = run_threads(c, a.seconds,
-                                lambda i: index.search(queries[i % 4096:i % 4096 + 1], a.k) and True)
+    qps, lat, err = run_threads(
+        c, a.seconds, lambda i: index.search(queries[i % 4096 : i % 4096 + 1], a.k) and True
+    )
     r = summarize(qps, lat, err)
-    print(f"  in-process faiss  c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
-          f"p99 {r['p99_ms']:.1f} ms", flush=True)
+    print(
+        f"  in-process faiss  c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
+        f"p99 {r['p99_ms']:.1f} ms",
+        flush=True,
+    )
     return r
 
 
@@ -111,13 +127,22 @@ def start_index(a):
     connect(a.address)
     state = os.path.abspath(os.path.join(a.out, "state"))
     shutil.rmtree(state, ignore_errors=True)
-    cfg = serving_config(gallery=f"synthetic:{a.items}:{a.dim}:{a.dim}:0", state_dir=state,
-                         num_shards=a.shards, port=free_port(), app_name="serve_load", snapshot_every=10 ** 9)
+    cfg = serving_config(
+        gallery=f"synthetic:{a.items}:{a.dim}:{a.dim}:0",
+        state_dir=state,
+        num_shards=a.shards,
+        port=free_port(),
+        app_name="serve_load",
+        snapshot_every=10**9,
+    )
     t = time.perf_counter()
     url = start_serving(cfg, a.address)
     client = ServingClient(url, token=os.environ[TOKEN_ENV], timeout=120)
     st = client.wait_ready(timeout=900)
-    print(f"[serve_load] served at {url} in {time.perf_counter() - t:.1f} s: {st['items']}", flush=True)
+    print(
+        f"[serve_load] served at {url} in {time.perf_counter() - t:.1f} s: {st['items']}",
+        flush=True,
+    )
     return cfg, url, client
 
 
@@ -128,15 +153,18 @@ def measure_http(a, url, client, levels, queries, index) -> tuple[dict, dict, di
     sessions = [requests.Session() for _ in range(max(levels))]
 
     def http_call(i):
-        r = sessions[i % len(sessions)].post(url + "/search", json={"vectors": [queries[i % 4096].tolist()],
-                                                                     "k": a.k}, timeout=120)
+        r = sessions[i % len(sessions)].post(
+            url + "/search", json={"vectors": [queries[i % 4096].tolist()], "k": a.k}, timeout=120
+        )
         return r.status_code == 200
 
     results = {"idle": {}, "backfill": {}}
     baseline = {"idle": {}, "backfill": {}}
     for phase in ("idle", "backfill"):
         if phase == "backfill":
-            client.start_backfill(policy="sequential", rate=a.backfill_rate, batch_size=256, restart=True)
+            client.start_backfill(
+                policy="sequential", rate=a.backfill_rate, batch_size=256, restart=True
+            )
         for c in levels:
             baseline[phase][c] = measure_inprocess(index, queries, a, c)
             p0 = client.status()["backfill"]["position"]
@@ -147,10 +175,16 @@ def measure_http(a, url, client, levels, queries, index) -> tuple[dict, dict, di
             r["backfill_items_per_s"] = moved / (time.perf_counter() - t0)
             r["ratio_to_inprocess"] = qps / baseline[phase][c]["qps"]
             results[phase][c] = r
-            print(f"  HTTP {phase:8s} c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
-                  f"p99 {r['p99_ms']:.1f} ms  errors {err}  ratio to in-process {r['ratio_to_inprocess']:.3f}"
-                  + (f"  (backfill {r['backfill_items_per_s']:.0f} items/s)" if phase == "backfill" else ""),
-                  flush=True)
+            print(
+                f"  HTTP {phase:8s} c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
+                f"p99 {r['p99_ms']:.1f} ms  errors {err}  ratio to in-process {r['ratio_to_inprocess']:.3f}"
+                + (
+                    f"  (backfill {r['backfill_items_per_s']:.0f} items/s)"
+                    if phase == "backfill"
+                    else ""
+                ),
+                flush=True,
+            )
     final = client.status()
     client.pause_backfill()
     return baseline, results, final
@@ -161,22 +195,31 @@ def report_markdown(a, levels, baseline, results, final, load_at_start, cores) -
     for c in levels:
         for phase in ("idle", "backfill"):
             b, r = baseline[phase][c], results[phase][c]
-            rows.append(f"| {phase} | {c} | {b['qps']:.1f} | {b['p50_ms']:.0f} / {b['p99_ms']:.0f} | "
-                        f"{r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
-                        f"{r['ratio_to_inprocess']:.2f} | {r['errors']} | "
-                        + (f"{r['backfill_items_per_s']:.0f} |" if phase == "backfill" else "- |"))
-    return "\n".join([
-        f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}", "",
-        f"Machine: {machine_description(load_at_start)}; the load at the start is taken before the benchmark "
-        f"starts its own processes (above {cores}: other jobs shared the machine and the numbers are rough). "
-        "In-process baseline: "
-        "faiss IndexFlatIP over the same vectors in this process, one query per call, one OpenMP thread per "
-        "calling thread, measured right before each HTTP run. ratio = HTTP QPS / in-process QPS.", "",
-        "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | "
-        "ratio | HTTP errors | backfill items/s |",
-        "|---|---|---|---|---|---|---|---|---|", *rows, "",
-        f"Backfill at the end: {final['backfill']['position']} / {final['backfill']['total']} "
-        "items upgraded."])
+            rows.append(
+                f"| {phase} | {c} | {b['qps']:.1f} | {b['p50_ms']:.0f} / {b['p99_ms']:.0f} | "
+                f"{r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
+                f"{r['ratio_to_inprocess']:.2f} | {r['errors']} | "
+                + (f"{r['backfill_items_per_s']:.0f} |" if phase == "backfill" else "- |")
+            )
+    return "\n".join(
+        [
+            f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}",
+            "",
+            f"Machine: {machine_description(load_at_start)}; the load at the start is taken before the benchmark "
+            f"starts its own processes (above {cores}: other jobs shared the machine and the numbers are rough). "
+            "In-process baseline: "
+            "faiss IndexFlatIP over the same vectors in this process, one query per call, one OpenMP thread per "
+            "calling thread, measured right before each HTTP run. ratio = HTTP QPS / in-process QPS.",
+            "",
+            "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | "
+            "ratio | HTTP errors | backfill items/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            f"Backfill at the end: {final['backfill']['position']} / {final['backfill']['total']} "
+            "items upgraded.",
+        ]
+    )
 
 
 def main(argv=None):
@@ -189,11 +232,14 @@ def main(argv=None):
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
     cores = os.cpu_count()
     load_at_start = os.getloadavg()[0]
-    print(f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
-          f"{a.seconds:.0f} s each; machine: {cores} cores, load average {load_at_start:.1f}", flush=True)
+    print(
+        f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
+        f"{a.seconds:.0f} s each; machine: {cores} cores, load average {load_at_start:.1f}",
+        flush=True,
+    )
     index = inprocess_index(a)
     cfg, url, client = start_index(a)
-    client.search(queries[:3], k=a.k)           # a spot check that searching works
+    client.search(queries[:3], k=a.k)  # a spot check that searching works
     try:
         baseline, results, final = measure_http(a, url, client, levels, queries, index)
     finally:
@@ -202,7 +248,11 @@ def main(argv=None):
     with open(os.path.join(a.out, "serve_load.md"), "w") as fh:
         fh.write(md + "\n")
     with open(os.path.join(a.out, "serve_load.json"), "w") as fh:
-        json.dump({"args": vars(a), "inprocess": baseline, "served": results, "cores": cores}, fh, indent=1)
+        json.dump(
+            {"args": vars(a), "inprocess": baseline, "served": results, "cores": cores},
+            fh,
+            indent=1,
+        )
     print(md, flush=True)
     print(f"[serve_load] wrote {a.out}/serve_load.md and .json")
 

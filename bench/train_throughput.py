@@ -7,6 +7,7 @@ taken from epochs after the first (the first renders the images).
 
     python bench/train_throughput.py [--backbone lcnet_050] [--epochs 3] [--batch-size 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,13 @@ def plain_loop(cfg: TrainConfig, threads: int, epochs: int) -> float:
     head = ClassifierHead(cfg.embed_dim, len(data.classes), kind=cfg.head)
     target = torch.full((max(data.classes) + 1,), -1, dtype=torch.long)
     target[torch.tensor(data.classes)] = torch.arange(len(data.classes))
-    opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=cfg.lr,
-                          momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+    opt = torch.optim.SGD(
+        list(model.parameters()) + list(head.parameters()),
+        lr=cfg.lr,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=cfg.weight_decay,
+    )
     loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     rates = []
     for _ in range(epochs):
@@ -68,32 +74,58 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
 
-    scenario = build_scenario("extended-data", num_train_classes=args.train_classes,
-                              images_per_class=args.images_per_class, num_eval_classes=10,
-                              num_distractor_classes=0, seed=0)
+    scenario = build_scenario(
+        "extended-data",
+        num_train_classes=args.train_classes,
+        images_per_class=args.images_per_class,
+        num_eval_classes=10,
+        num_distractor_classes=0,
+        seed=0,
+    )
     storage = tempfile.mkdtemp(prefix="raycompat-bench-")
 
     def config(workers: int) -> TrainConfig:
-        return TrainConfig.from_dict(dict(
-            method="independent", backbone=args.backbone, embed_dim=128, head="cosface",
-            epochs=args.epochs + 1, warmup_epochs=0, batch_size=args.batch_size, lr=0.05,
-            scenario=scenario.to_dict(), split="new_train", num_workers=workers,
-            threads_per_worker=max(1, args.threads // workers), storage_path=storage,
-            run_name=f"bench-{workers}w", log_every=10**6, max_failures=0))
+        return TrainConfig.from_dict(
+            dict(
+                method="independent",
+                backbone=args.backbone,
+                embed_dim=128,
+                head="cosface",
+                epochs=args.epochs + 1,
+                warmup_epochs=0,
+                batch_size=args.batch_size,
+                lr=0.05,
+                scenario=scenario.to_dict(),
+                split="new_train",
+                num_workers=workers,
+                threads_per_worker=max(1, args.threads // workers),
+                storage_path=storage,
+                run_name=f"bench-{workers}w",
+                log_every=10**6,
+                max_failures=0,
+            )
+        )
 
     baseline = plain_loop(config(1), args.threads, args.epochs)
     print(f"plain torch loop ({args.threads} threads): {baseline:.1f} images/s", flush=True)
     connect(num_cpus=max(2, args.threads))
-    figures = {"backbone": args.backbone, "batch_size": args.batch_size,
-               "threads": args.threads, "plain_images_per_s": baseline}
+    figures = {
+        "backbone": args.backbone,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "plain_images_per_s": baseline,
+    }
     for workers in (1, 2):
         run = fit(config(workers))
         steady = run.history[1:]
         rate = sum(h["images_per_s"] for h in steady) / len(steady)
         figures[f"ray_{workers}w_images_per_s"] = rate
         figures[f"ratio_{workers}w"] = rate / baseline
-        print(f"Ray Train, {workers} worker(s) x {max(1, args.threads // workers)} threads: "
-              f"{rate:.1f} images/s, ratio {rate / baseline:.3f}", flush=True)
+        print(
+            f"Ray Train, {workers} worker(s) x {max(1, args.threads // workers)} threads: "
+            f"{rate:.1f} images/s, ratio {rate / baseline:.3f}",
+            flush=True,
+        )
     print(json.dumps(figures, indent=2))
     if args.out:
         with open(args.out, "w") as f:

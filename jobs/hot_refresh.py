@@ -1,6 +1,7 @@
 """hot_refresh job: serve a gallery on Ray Serve, backfill it live under one policy, and compare
 mAP / NFR measured through HTTP with the simulator. See `python jobs/hot_refresh.py --help` and
 raycompat/hot_refresh.py."""
+
 import os
 import sys
 

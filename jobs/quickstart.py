@@ -1,6 +1,7 @@
 """The main job (`raycompat quickstart`).
 
 See `python jobs/quickstart.py --help`; runs embedded or under `ray job submit`."""
+
 import os
 import sys
 

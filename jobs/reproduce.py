@@ -1,6 +1,7 @@
 """The reproduction report (`raycompat reproduce`).
 
 See `python jobs/reproduce.py --help`; runs embedded or under `ray job submit`."""
+
 import os
 import sys
 

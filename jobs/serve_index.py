@@ -1,5 +1,6 @@
 """serve_index job: start the live index (Ray Serve) on a cluster and leave it running.
 See `python jobs/serve_index.py --help` and raycompat/serving/job.py."""
+
 import os
 import sys
 

@@ -8,6 +8,7 @@ Writes curves.json, curves.md and PNG plots to --out. Bad input (missing column,
 mismatch, unknown policy or mode, empty gallery, NaN embeddings) prints one line naming the
 problem and exits with status 2. See `--help`.
 """
+
 import os
 import sys
 

@@ -1,6 +1,7 @@
 """Train a new model with any method (`raycompat train`).
 
 See `python jobs/train.py --help`; runs embedded or under `ray job submit`."""
+
 import os
 import sys
 

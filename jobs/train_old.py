@@ -1,6 +1,7 @@
 """Train the old model (`raycompat train-old`).
 
 See `python jobs/train_old.py --help`; runs embedded or under `ray job submit`."""
+
 import os
 import sys
 

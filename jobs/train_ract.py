@@ -1,6 +1,7 @@
 """Train RACT, and its old model first without --old-model (`raycompat train-ract`).
 
 See `python jobs/train_ract.py --help`; runs embedded or under `ray job submit`."""
+
 import os
 import sys
 

@@ -5,6 +5,7 @@ Every job is a module with a docstring whose first line (or first paragraph) say
 thin wrappers over the same ``main``. Modules are imported only when needed, so
 ``raycompat --help`` is quick and lists a job even while its module cannot be imported.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,7 +32,7 @@ def summary(module_path: str) -> str:
     ("" when the module cannot be imported)."""
     try:
         module = importlib.import_module(module_path)
-    except Exception:    # a job that cannot be imported here is still listed, without its line
+    except Exception:  # a job that cannot be imported here is still listed, without its line
         return ""
     paragraph = (module.__doc__ or "").strip().split("\n\n")[0]
     return " ".join(line.strip() for line in paragraph.splitlines())
@@ -39,8 +40,11 @@ def summary(module_path: str) -> str:
 
 def usage() -> str:
     """``raycompat --help``: every job with its one-line description."""
-    lines = ["usage: raycompat <job> [options]   (raycompat <job> --help: the job's options)", "",
-             "jobs:"]
+    lines = [
+        "usage: raycompat <job> [options]   (raycompat <job> --help: the job's options)",
+        "",
+        "jobs:",
+    ]
     lines += [f"  {name:18s} {summary(path)}".rstrip() for name, path in JOBS.items()]
     return "\n".join(lines)
 

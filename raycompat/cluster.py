@@ -1,5 +1,6 @@
 """Connecting to Ray the way every job does: an existing cluster when one is named (or when
 ``ray job submit`` set ``RAY_ADDRESS``), otherwise an embedded local Ray."""
+
 from __future__ import annotations
 
 import os

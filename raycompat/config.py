@@ -12,12 +12,14 @@ Every method, job and service declares its options as a dataclass.
 - Field helpers: ``option`` (help text, flag name), ``choices``, ``positive``,
   ``nonnegative``.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -74,8 +76,9 @@ def _is_optional(annotation: Any) -> bool:
     return union and type(None) in typing.get_args(annotation)
 
 
-def parse_options(cls: type, values: Mapping[str, Any] | None, *, owner: str = "",
-                  base: Any = None) -> Any:
+def parse_options(
+    cls: type, values: Mapping[str, Any] | None, *, owner: str = "", base: Any = None
+) -> Any:
     """Build dataclass ``cls`` from ``values``; unknown keys and bad values raise ``ConfigError``.
 
     Keys absent from ``values`` keep the defaults of ``base`` (an instance of ``cls``) or of
@@ -88,7 +91,9 @@ def parse_options(cls: type, values: Mapping[str, Any] | None, *, owner: str = "
     prefix = f"{owner}: " if owner else ""
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{prefix}unknown option {unknown[0]!r}; allowed options: {sorted(fields)}")
+        raise ConfigError(
+            f"{prefix}unknown option {unknown[0]!r}; allowed options: {sorted(fields)}"
+        )
     parsed = {}
     for name, value in values.items():
         field = fields[name]
@@ -102,8 +107,10 @@ def parse_options(cls: type, values: Mapping[str, Any] | None, *, owner: str = "
             raise ConfigError(f"{prefix}{err}") from None
         allowed = field.metadata.get("choices")
         if allowed and value not in allowed:
-            raise ConfigError(f"{prefix}option {name!r} = {value!r} is not allowed; "
-                              f"allowed values: {list(allowed)}")
+            raise ConfigError(
+                f"{prefix}option {name!r} = {value!r} is not allowed; "
+                f"allowed values: {list(allowed)}"
+            )
         low = field.metadata.get("min")
         if low is not None and value is not None and value < low:
             raise ConfigError(f"{prefix}option {name!r} = {value!r} must be >= {low}")
@@ -121,8 +128,14 @@ def _default(field: dataclasses.Field) -> Any:
     return None
 
 
-def option(default: Any = None, *, help: str = "", flag: str | None = None,
-           factory: Any = None, **metadata: Any) -> Any:
+def option(
+    default: Any = None,
+    *,
+    help: str = "",
+    flag: str | None = None,
+    factory: Any = None,
+    **metadata: Any,
+) -> Any:
     """A dataclass field with its ``--help`` text and, optionally, its own flag name
     (``flag="--pretrained"``) or a default ``factory``; other metadata (``choices``, ``min``)
     is checked by ``parse_options``."""
@@ -167,8 +180,9 @@ def parse_key_values(items: list[str] | None) -> dict[str, str]:
 
 
 # -- dataclass <-> argparse -----------------------------------------------------------------
-def make_parser(prog: str | None = None, description: str | None = None,
-                **kw: Any) -> argparse.ArgumentParser:
+def make_parser(
+    prog: str | None = None, description: str | None = None, **kw: Any
+) -> argparse.ArgumentParser:
     """An ``ArgumentParser`` that never accepts an abbreviated flag: ``--train`` is an error,
     not a silent ``--train-classes``."""
     kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
@@ -179,8 +193,15 @@ def _flag(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
-def add_options(parser: argparse.ArgumentParser | Any, cls: type, *, base: Any = None,
-                exclude: tuple[str, ...] = (), title: str | None = None, _prefix: str = "") -> None:
+def add_options(
+    parser: argparse.ArgumentParser | Any,
+    cls: type,
+    *,
+    base: Any = None,
+    exclude: tuple[str, ...] = (),
+    title: str | None = None,
+    _prefix: str = "",
+) -> None:
     """One flag per field of dataclass ``cls`` (nested dataclass fields add their fields'
     flags in a group of their own). Flags store strings; :func:`options_from_args` checks and
     converts them. ``base`` (an instance) supplies the defaults shown in ``--help``."""
@@ -192,15 +213,24 @@ def add_options(parser: argparse.ArgumentParser | Any, cls: type, *, base: Any =
             continue
         default = getattr(base, field.name)
         if dataclasses.is_dataclass(hints[field.name]):
-            add_options(parser, hints[field.name], base=default, exclude=exclude,
-                        title=f"{field.name.replace('_', ' ')}", _prefix=f"{_prefix}{field.name}.")
+            add_options(
+                parser,
+                hints[field.name],
+                base=default,
+                exclude=exclude,
+                title=f"{field.name.replace('_', ' ')}",
+                _prefix=f"{_prefix}{field.name}.",
+            )
             continue
         helptext = field.metadata.get("help", "")
         if "choices" in field.metadata:
             helptext = f"{helptext} {list(field.metadata['choices'])}".strip()
         shown = ",".join(default) if isinstance(default, tuple) else default
-        kwargs: dict[str, Any] = dict(dest=_prefix + field.name, default=argparse.SUPPRESS,
-                                      help=f"{helptext} (default: {shown})".strip())
+        kwargs: dict[str, Any] = dict(
+            dest=_prefix + field.name,
+            default=argparse.SUPPRESS,
+            help=f"{helptext} (default: {shown})".strip(),
+        )
         if hints[field.name] is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -208,8 +238,9 @@ def add_options(parser: argparse.ArgumentParser | Any, cls: type, *, base: Any =
         group.add_argument(_flag(field), **kwargs)
 
 
-def options_from_args(cls: type, args: argparse.Namespace | Mapping[str, Any], *,
-                      owner: str = "", base: Any = None) -> Any:
+def options_from_args(
+    cls: type, args: argparse.Namespace | Mapping[str, Any], *, owner: str = "", base: Any = None
+) -> Any:
     """The dataclass ``cls`` from the flags :func:`add_options` added (only the flags given on
     the command line; the others keep their defaults). Bad values raise ``ConfigError``."""
     given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)

@@ -5,6 +5,7 @@ Every job's ``main`` is wrapped by :func:`job_main`, so a ``ConfigError`` (a bad
 input that disagrees with another, an unusable output path) is one ``error: ...`` line on
 stderr and exit status 2, never a traceback.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from raycompat.config import ConfigError
 
@@ -20,8 +21,15 @@ __all__ = ["fail", "job_main", "Progress", "phase", "quiet_ray", "format_eta"]
 
 #: the loggers whose INFO lines flood a job's console (Ray Train's per-report and
 #: checkpoint lines, Ray Data's progress and plan lines, Serve's per-request lines)
-RAY_LOGGERS = ("ray.train", "ray.tune", "ray.data", "ray.serve", "ray.air", "ray._private",
-               "ray.util")
+RAY_LOGGERS = (
+    "ray.train",
+    "ray.tune",
+    "ray.data",
+    "ray.serve",
+    "ray.air",
+    "ray._private",
+    "ray.util",
+)
 
 
 def fail(message: str) -> int:

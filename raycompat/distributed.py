@@ -1,4 +1,5 @@
 """torch.distributed helpers that also work in a single process (world size 1)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -5,26 +5,31 @@
 first ``D_old`` dims of the new embedding are used (BCT dimension change), and both sides
 are L2-normalised after that cut.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 import torch
 
-from raycompat.data import GlyphRenderer, Scenario, catalog_for
+from raycompat.data import GlyphRenderer, Scenario, catalog_for, images_to_tensor
 from raycompat.index.search import l2_normalize
 from raycompat.metrics import compatibility_report, evaluate_retrieval
 from raycompat.models import ModelBundle
-from raycompat.data import images_to_tensor
 
 PRIMARY_METRIC = "mAP@100"
 
 
 @torch.no_grad()
-def embed_glyphs(bundle: ModelBundle, renderer: GlyphRenderer, labels: np.ndarray,
-                 instances: np.ndarray, batch_size: int = 512) -> np.ndarray:
+def embed_glyphs(
+    bundle: ModelBundle,
+    renderer: GlyphRenderer,
+    labels: np.ndarray,
+    instances: np.ndarray,
+    batch_size: int = 512,
+) -> np.ndarray:
     """Raw (un-normalised) float32 embeddings of rendered glyph items, in item order."""
     bundle.eval()
     in_chans = int(bundle.manifest.get("in_chans", 1))
@@ -46,15 +51,17 @@ class EmbeddedSet:
     compatible_dim: int
 
 
-def embed_scenario(name: str, bundle: ModelBundle, scenario: Scenario, resolution: int,
-                   data_seed: int = 0) -> EmbeddedSet:
+def embed_scenario(
+    name: str, bundle: ModelBundle, scenario: Scenario, resolution: int, data_seed: int = 0
+) -> EmbeddedSet:
     renderer = GlyphRenderer(catalog_for(scenario), resolution=resolution, seed=data_seed)
     query, gallery = scenario_eval_items(scenario)
     return EmbeddedSet(
         name=name,
         query=embed_glyphs(bundle, renderer, *query),
         gallery=embed_glyphs(bundle, renderer, *gallery),
-        compatible_dim=int(bundle.manifest.get("compatible_dim", bundle.embed_dim)))
+        compatible_dim=int(bundle.manifest.get("compatible_dim", bundle.embed_dim)),
+    )
 
 
 def scenario_eval_items(scenario: Scenario):
@@ -68,17 +75,30 @@ def scenario_eval_items(scenario: Scenario):
     return (q.labels, q.instances), (g_labels, g_instances)
 
 
-def evaluate_pair(query: np.ndarray, gallery: np.ndarray, query_labels, gallery_labels,
-                  dims: int | None = None, k: int = 100) -> dict[str, float]:
+def evaluate_pair(
+    query: np.ndarray,
+    gallery: np.ndarray,
+    query_labels,
+    gallery_labels,
+    dims: int | None = None,
+    k: int = 100,
+) -> dict[str, float]:
     """Metrics of one (query embedder, gallery embedder) pair, optionally on the first ``dims``."""
     if dims is not None:
         query, gallery = query[:, :dims], gallery[:, :dims]
-    return evaluate_retrieval(l2_normalize(query), l2_normalize(gallery), query_labels,
-                              gallery_labels, k=k, ks=(1, 5, 10))
+    return evaluate_retrieval(
+        l2_normalize(query), l2_normalize(gallery), query_labels, gallery_labels, k=k, ks=(1, 5, 10)
+    )
 
 
-def cross_evaluate(old: EmbeddedSet, new_sets: Iterable[EmbeddedSet], query_labels,
-                   gallery_labels, paragon: str | None = None, k: int = 100):
+def cross_evaluate(
+    old: EmbeddedSet,
+    new_sets: Iterable[EmbeddedSet],
+    query_labels,
+    gallery_labels,
+    paragon: str | None = None,
+    k: int = 100,
+):
     """Evaluate old-old, and for each new model new-new and new-old.
 
     Returns ``(evaluations, verdicts)``: evaluations are flat rows ``{model, query, gallery,
@@ -92,38 +112,64 @@ def cross_evaluate(old: EmbeddedSet, new_sets: Iterable[EmbeddedSet], query_labe
         for metric, value in metrics.items():
             if metric.startswith("num_"):
                 continue
-            rows.append(dict(model=model, query=q_name, gallery=g_name, metric=metric,
-                             value=float(value)))
+            rows.append(
+                dict(model=model, query=q_name, gallery=g_name, metric=metric, value=float(value))
+            )
         return metrics
 
-    oo = add(old.name, old.name, old.name,
-             evaluate_pair(old.query, old.gallery, query_labels, gallery_labels, k=k))
+    oo = add(
+        old.name,
+        old.name,
+        old.name,
+        evaluate_pair(old.query, old.gallery, query_labels, gallery_labels, k=k),
+    )
     results = {}
     new_sets = list(new_sets)
     for new in new_sets:
         if new.compatible_dim > new.query.shape[1]:
-            raise ValueError(f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
-                             f"embedding size {new.query.shape[1]}")
-        nn = add(new.name, new.name, new.name,
-                 evaluate_pair(new.query, new.gallery, query_labels, gallery_labels, k=k))
+            raise ValueError(
+                f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
+                f"embedding size {new.query.shape[1]}"
+            )
+        nn = add(
+            new.name,
+            new.name,
+            new.name,
+            evaluate_pair(new.query, new.gallery, query_labels, gallery_labels, k=k),
+        )
         dims = min(new.compatible_dim, old.gallery.shape[1])
-        no = add(new.name, new.name, old.name,
-                 evaluate_pair(new.query[:, :dims], old.gallery[:, :dims], query_labels,
-                               gallery_labels, k=k))
+        no = add(
+            new.name,
+            new.name,
+            old.name,
+            evaluate_pair(
+                new.query[:, :dims], old.gallery[:, :dims], query_labels, gallery_labels, k=k
+            ),
+        )
         results[new.name] = (nn, no)
     verdicts = []
     for new in new_sets:
         nn, no = results[new.name]
         nstar = results[paragon][0] if paragon in results else nn
-        report = compatibility_report(oo[PRIMARY_METRIC], no[PRIMARY_METRIC], nn[PRIMARY_METRIC],
-                                      nstar[PRIMARY_METRIC])
-        verdicts.append(dict(
-            model=new.name, metric=PRIMARY_METRIC, criterion="M(new, old) > M(old, old)",
-            compatible=bool(report["compatible"]), m_old_old=oo[PRIMARY_METRIC],
-            m_new_old=no[PRIMARY_METRIC], m_new_new=nn[PRIMARY_METRIC],
-            m_paragon=nstar[PRIMARY_METRIC], paragon=paragon,
-            update_gain=report["update_gain"], delta_up=report["delta_up"],
-            delta_down=report["delta_down"]))
+        report = compatibility_report(
+            oo[PRIMARY_METRIC], no[PRIMARY_METRIC], nn[PRIMARY_METRIC], nstar[PRIMARY_METRIC]
+        )
+        verdicts.append(
+            dict(
+                model=new.name,
+                metric=PRIMARY_METRIC,
+                criterion="M(new, old) > M(old, old)",
+                compatible=bool(report["compatible"]),
+                m_old_old=oo[PRIMARY_METRIC],
+                m_new_old=no[PRIMARY_METRIC],
+                m_new_new=nn[PRIMARY_METRIC],
+                m_paragon=nstar[PRIMARY_METRIC],
+                paragon=paragon,
+                update_gain=report["update_gain"],
+                delta_up=report["delta_up"],
+                delta_down=report["delta_down"],
+            )
+        )
     return rows, verdicts
 
 
@@ -131,8 +177,10 @@ def cross_evaluate(old: EmbeddedSet, new_sets: Iterable[EmbeddedSet], query_labe
 def transform(module: torch.nn.Module, x: np.ndarray, batch_size: int = 4096) -> np.ndarray:
     """Apply a bundle module (psi, rho, psi_rev) to stored embeddings, eval mode, float32."""
     module = module.eval()
-    out = [module(torch.from_numpy(np.ascontiguousarray(x[s:s + batch_size]))).float().numpy()
-           for s in range(0, len(x), batch_size)]
+    out = [
+        module(torch.from_numpy(np.ascontiguousarray(x[s : s + batch_size]))).float().numpy()
+        for s in range(0, len(x), batch_size)
+    ]
     return np.concatenate(out) if out else np.zeros((0, getattr(module, "out_dim", 0)), np.float32)
 
 
@@ -145,8 +193,13 @@ def chain_adapt(gallery: np.ndarray, psis: list) -> np.ndarray:
     return gallery
 
 
-def sequential_cross_evaluate(generations: list[EmbeddedSet], query_labels, gallery_labels,
-                              psis: list | None = None, k: int = 100) -> list[dict]:
+def sequential_cross_evaluate(
+    generations: list[EmbeddedSet],
+    query_labels,
+    gallery_labels,
+    psis: list | None = None,
+    k: int = 100,
+) -> list[dict]:
     """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (docs/methods.md, "Sequential upgrades"):
     queries of generation j against the gallery of generation i, for every i <= j (phi_3 vs phi_1 too).
 
@@ -163,21 +216,50 @@ def sequential_cross_evaluate(generations: list[EmbeddedSet], query_labels, gall
     def add(j, i, state, metrics):
         for metric, value in metrics.items():
             if not metric.startswith("num_"):
-                rows.append(dict(query_generation=j + 1, gallery_generation=i + 1,
-                                 gallery_state=state, metric=metric, value=float(value)))
+                rows.append(
+                    dict(
+                        query_generation=j + 1,
+                        gallery_generation=i + 1,
+                        gallery_state=state,
+                        metric=metric,
+                        value=float(value),
+                    )
+                )
 
     for j, query in enumerate(generations):
         for i in range(j + 1):
             gallery = generations[i]
             if i == j:
-                add(j, i, "stored", evaluate_pair(query.query, gallery.gallery, query_labels,
-                                                  gallery_labels, k=k))
+                add(
+                    j,
+                    i,
+                    "stored",
+                    evaluate_pair(query.query, gallery.gallery, query_labels, gallery_labels, k=k),
+                )
                 continue
-            dims = min([gallery.gallery.shape[1]] + [g.compatible_dim for g in generations[i + 1:j + 1]])
-            add(j, i, "stored", evaluate_pair(query.query, gallery.gallery, query_labels,
-                                              gallery_labels, dims=dims, k=k))
-            chain = None if psis is None else psis[i + 1:j + 1]
+            dims = min(
+                [gallery.gallery.shape[1]] + [g.compatible_dim for g in generations[i + 1 : j + 1]]
+            )
+            add(
+                j,
+                i,
+                "stored",
+                evaluate_pair(
+                    query.query, gallery.gallery, query_labels, gallery_labels, dims=dims, k=k
+                ),
+            )
+            chain = None if psis is None else psis[i + 1 : j + 1]
             if chain and all(p is not None for p in chain):
-                add(j, i, "adapted", evaluate_pair(query.query, chain_adapt(gallery.gallery, chain),
-                                                   query_labels, gallery_labels, k=k))
+                add(
+                    j,
+                    i,
+                    "adapted",
+                    evaluate_pair(
+                        query.query,
+                        chain_adapt(gallery.gallery, chain),
+                        query_labels,
+                        gallery_labels,
+                        k=k,
+                    ),
+                )
     return rows

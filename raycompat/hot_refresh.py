@@ -15,6 +15,7 @@ The simulator and the shards rank by the same canonical scores (:mod:`raycompat.
 so with an exact index (``--factory Flat``) the live curve equals the simulator's exactly, near-ties
 included. This module lives outside :mod:`raycompat.serving` because it trains models.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from raycompat.backfill.policies import POLICIES
-from raycompat.config import (ConfigError, add_options, choices, make_parser, nonnegative, option,
-                              options_from_args, positive)
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    make_parser,
+    nonnegative,
+    option,
+    options_from_args,
+    positive,
+)
 from raycompat.console import job_main, quiet_ray
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.serving.scoring import SERVED_MODES
@@ -41,38 +50,62 @@ __all__ = ["HotRefreshOptions", "TINY_SIZES", "run_hot_refresh", "build_parser",
 DEFAULT_OUT = "hot_refresh_out"
 
 #: the tiny default scenario (only used without --embeddings / --models)
-TINY_SIZES = dataclasses.replace(ScenarioSizes(), train_classes=60, images_per_class=16, eval_classes=60,
-                                 gallery_per_class=6, distractor_classes=40, distractors_per_class=3)
+TINY_SIZES = dataclasses.replace(
+    ScenarioSizes(),
+    train_classes=60,
+    images_per_class=16,
+    eval_classes=60,
+    gallery_per_class=6,
+    distractor_classes=40,
+    distractors_per_class=3,
+)
 
 
 @dataclass(frozen=True)
 class HotRefreshOptions:
     """Every flag of the hot-refresh job."""
 
-    out: str | None = option(None, help=f"report folder or URI (none: {DEFAULT_OUT}, or "
-                                        "<storage>/hot_refresh/<name> with --storage)")
-    storage: str | None = option(None, help="shared storage: a local path or any URI pyarrow opens; the "
-                                            "report goes to <storage>/hot_refresh/<name>, checkpoints to "
-                                            "<storage>/runs")
+    out: str | None = option(
+        None,
+        help=f"report folder or URI (none: {DEFAULT_OUT}, or "
+        "<storage>/hot_refresh/<name> with --storage)",
+    )
+    storage: str | None = option(
+        None,
+        help="shared storage: a local path or any URI pyarrow opens; the "
+        "report goes to <storage>/hot_refresh/<name>, checkpoints to "
+        "<storage>/runs",
+    )
     name: str = option("default", help="report folder name under <storage>/hot_refresh")
     address: str | None = option(None, help="Ray address (none: an embedded local cluster)")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
-    embeddings: str | None = option(None, help="a parquet in the simulator's schema (else --models, else "
-                                               "tiny models trained first)")
+    embeddings: str | None = option(
+        None,
+        help="a parquet in the simulator's schema (else --models, else tiny models trained first)",
+    )
     models: str | None = option(None, help="folder with old/ and <new-name>/ model bundles")
-    new_name: str | None = option(None, help="the new bundle in --models (none: the mode's tiny method)")
+    new_name: str | None = option(
+        None, help="the new bundle in --models (none: the mode's tiny method)"
+    )
     policy: str = choices(*POLICIES, default="random", help="backfill policy")
     mode: str = choices(*SERVED_MODES, default="compatible", help="query mode")
     seed: int = option(0, help="seed of the policy, the ingestion order and the tiny training")
-    fractions: str = option("0,0.1,0.25,0.5,0.75,1", help="comma-separated backfill fractions to measure at")
+    fractions: str = option(
+        "0,0.1,0.25,0.5,0.75,1", help="comma-separated backfill fractions to measure at"
+    )
     k: int = positive(100, help="cut-off of mAP@k")
     num_shards: int = positive(2, help="index shards")
     port: int = nonnegative(0, help="HTTP port (0: a free port)")
     host: str = option("127.0.0.1", help="HTTP host")
     batch_size: int = positive(64, help="items per backfill upsert")
     rate: float | None = option(None, help="backfill items per second (none: as fast as possible)")
-    source: str = choices("gallery", "pipeline", "embedder", default="gallery",
-                          help="where the backfill's new vectors come from")
+    source: str = choices(
+        "gallery",
+        "pipeline",
+        "embedder",
+        default="gallery",
+        help="where the backfill's new vectors come from",
+    )
     factory: str = option("Flat", help="faiss factory string (Flat: exact)")
     sizes: ScenarioSizes = option(TINY_SIZES, help="the tiny default scenario")
     old_epochs: int = positive(8, help="epochs of the tiny old model")
@@ -114,16 +147,29 @@ def _scenario(opts: HotRefreshOptions, models_dir: str | None):
 def training_tag_values(opts: HotRefreshOptions) -> dict:
     """The options the tiny default training depends on (its run names carry their hash)."""
     s = opts.sizes
-    return dict(train_classes=s.train_classes, images_per_class=s.images_per_class,
-                eval_classes=s.eval_classes, resolution=s.resolution, backbone=s.backbone,
-                embed_dim=opts.embed_dim, old_epochs=opts.old_epochs, new_epochs=opts.new_epochs,
-                data_seed=s.data_seed, seed=opts.seed)
+    return dict(
+        train_classes=s.train_classes,
+        images_per_class=s.images_per_class,
+        eval_classes=s.eval_classes,
+        resolution=s.resolution,
+        backbone=s.backbone,
+        embed_dim=opts.embed_dim,
+        old_epochs=opts.old_epochs,
+        new_epochs=opts.new_epochs,
+        data_seed=s.data_seed,
+        seed=opts.seed,
+    )
 
 
 #: the new model each served mode needs, trained by the tiny default: BCT's compatible
 #: subspace, DMU's psi, RM's rho + psi_rev (mcl, on a frozen independent new model), and for
 #: RM's naive merge of two systems an independent new model
-TINY_METHOD = {"compatible": "bct", "adapted": "dmu", "rank_merge": "mcl", "naive_merge": "independent"}
+TINY_METHOD = {
+    "compatible": "bct",
+    "adapted": "dmu",
+    "rank_merge": "mcl",
+    "naive_merge": "independent",
+}
 
 
 def new_model_name(opts: HotRefreshOptions) -> str:
@@ -137,7 +183,7 @@ def tiny_training_plan(mode: str, old_epochs: int, new_epochs: int) -> list:
     run's name is the served new model (:func:`new_model_name`)."""
     method = TINY_METHOD[mode]
     plan = [("old", "independent", "old_train", old_epochs, None, None)]
-    if method in ("mcl", "independent"):     # mcl starts from a frozen independent new model
+    if method in ("mcl", "independent"):  # mcl starts from a frozen independent new model
         plan.append(("independent", "independent", "new_train", new_epochs, None, None))
     if method != "independent":
         init = "independent" if method == "mcl" else None
@@ -157,10 +203,21 @@ def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: st
     plan = tiny_training_plan(opts.mode, opts.old_epochs, opts.new_epochs)
     for name, meth, split, epochs, pred, init in plan:
         log(f"training tiny {name} model ({meth}, {epochs} epochs)")
-        values = dict(method=meth, backbone=opts.sizes.backbone, embed_dim=opts.embed_dim, epochs=epochs,
-                      batch_size=64, seed=opts.seed, scenario=scenario.to_dict(), split=split,
-                      resolution=opts.sizes.resolution, data_seed=opts.sizes.data_seed,
-                      old_model=models.get(pred), init_model=models.get(init), log_every=50)
+        values = dict(
+            method=meth,
+            backbone=opts.sizes.backbone,
+            embed_dim=opts.embed_dim,
+            epochs=epochs,
+            batch_size=64,
+            seed=opts.seed,
+            scenario=scenario.to_dict(),
+            split=split,
+            resolution=opts.sizes.resolution,
+            data_seed=opts.sizes.data_seed,
+            old_model=models.get(pred),
+            init_model=models.get(init),
+            log_every=50,
+        )
         run, wall = train_named(values, name, tag, runs_dir, models_dir)
         models[name] = run.bundle_path
         log(f"  {name}: {wall:.0f} s -> {run.bundle_path}")
@@ -174,7 +231,9 @@ def _load_bundles(models_dir: str, new_name: str) -> tuple[dict, dict]:
     paths = {n: os.path.join(models_dir, n) for n in ("old", new_name)}
     for n, p in paths.items():
         if not os.path.isfile(os.path.join(p, "manifest.json")):
-            raise ConfigError(f"no model bundle {n!r} at {p} (expected old/ and {new_name}/ in --models)")
+            raise ConfigError(
+                f"no model bundle {n!r} at {p} (expected old/ and {new_name}/ in --models)"
+            )
     return paths, {n: ModelBundle.load(p) for n, p in paths.items()}
 
 
@@ -186,17 +245,30 @@ def _embedded_gallery(opts: HotRefreshOptions, scenario, bundles: dict, new_name
     from raycompat.evaluation import embed_scenario, scenario_eval_items
 
     resolution = int(bundles[new_name].manifest.get("resolution") or opts.sizes.resolution)
-    log(f"embedding {scenario.name} query + gallery with old and {new_name} (resolution {resolution})")
-    emb = {n: embed_scenario(n, b, scenario, resolution, opts.sizes.data_seed) for n, b in bundles.items()}
+    log(
+        f"embedding {scenario.name} query + gallery with old and {new_name} (resolution {resolution})"
+    )
+    emb = {
+        n: embed_scenario(n, b, scenario, resolution, opts.sizes.data_seed)
+        for n, b in bundles.items()
+    }
     (q_labels, _), (g_labels, g_inst) = scenario_eval_items(scenario)
     n = len(g_labels)
-    stored = np.random.default_rng([opts.seed, 1]).permutation(n)    # ingestion order (as the main job)
+    stored = np.random.default_rng([opts.seed, 1]).permutation(
+        n
+    )  # ingestion order (as the main job)
     new = emb[new_name]
     data = GalleryEmbeddings(
-        gallery_labels=np.asarray(g_labels)[stored], gallery_old=emb["old"].gallery[stored],
-        gallery_new=new.gallery[stored], gallery_ids=np.arange(n, dtype=np.int64),
-        query_labels=np.asarray(q_labels), query_old=emb["old"].query, query_new=new.query,
-        query_ids=np.arange(n, n + len(q_labels), dtype=np.int64), compatible_dim=new.compatible_dim)
+        gallery_labels=np.asarray(g_labels)[stored],
+        gallery_old=emb["old"].gallery[stored],
+        gallery_new=new.gallery[stored],
+        gallery_ids=np.arange(n, dtype=np.int64),
+        query_labels=np.asarray(q_labels),
+        query_old=emb["old"].query,
+        query_new=new.query,
+        query_ids=np.arange(n, n + len(q_labels), dtype=np.int64),
+        compatible_dim=new.compatible_dim,
+    )
     return data, stored, np.asarray(g_labels), np.asarray(g_inst)
 
 
@@ -206,9 +278,16 @@ def _write_items(path: str, stored, g_labels, g_inst) -> str:
     import pyarrow.parquet as pq
 
     n = len(stored)
-    pq.write_table(pa.table({"item_id": pa.array(np.arange(n, dtype=np.int64)),
-                             "label": pa.array(g_labels[stored].astype(np.int64)),
-                             "instance": pa.array(g_inst[stored].astype(np.int64))}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "item_id": pa.array(np.arange(n, dtype=np.int64)),
+                "label": pa.array(g_labels[stored].astype(np.int64)),
+                "instance": pa.array(g_inst[stored].astype(np.int64)),
+            }
+        ),
+        path,
+    )
     return path
 
 
@@ -234,7 +313,9 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
 
         data = apply_bundle_modules(data, bundles[new_name])
         if data.gallery_adapted is None:
-            raise ConfigError(f"--mode adapted needs a new model with a psi module ({paths[new_name]})")
+            raise ConfigError(
+                f"--mode adapted needs a new model with a psi module ({paths[new_name]})"
+            )
     path = write_gallery_parquet(os.path.join(out, "embeddings.parquet"), data)
     items = _write_items(os.path.join(out, "items.parquet"), stored, g_labels, g_inst)
     log(f"  {len(stored)} gallery items, {data.n_queries} queries -> {path}")
@@ -265,19 +346,23 @@ def _prepare(opts: HotRefreshOptions, out: str, runs_dir: str, say) -> _Prepared
     data = load_parquet(parquet)
     compat = data.compat_dim
     data = data.with_arrays(compatible_dim=compat) if compat is not None else data
-    if opts.mode == "rank_merge":   # rho(new), rho(q), psi_rev(rho(q)): what the router and controller apply
+    if (
+        opts.mode == "rank_merge"
+    ):  # rho(new), rho(q), psi_rev(rho(q)): what the router and controller apply
         from raycompat.backfill.modes import apply_bundle_modules
         from raycompat.models import ModelBundle
         from raycompat.serving.scoring import rank_merge_maps
 
-        rank_merge_maps(new_model)                   # names a missing model or module
+        rank_merge_maps(new_model)  # names a missing model or module
         data = apply_bundle_modules(data, ModelBundle.load(new_model))
     head = None
     if new_model and (opts.policy.startswith("uncertainty:") or opts.policy == "learned"):
         from raycompat.models import ModelBundle
 
         head = UncertaintyHead.from_classifier_head(ModelBundle.load(new_model).head)
-    return _Prepared(data, parquet, items, new_model, old_model, head, min(int(opts.k), data.n_items), compat)
+    return _Prepared(
+        data, parquet, items, new_model, old_model, head, min(int(opts.k), data.n_items), compat
+    )
 
 
 def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out: str, say) -> dict:
@@ -294,22 +379,48 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
     state_dir = os.path.join(out, "serving_state")
     shutil.rmtree(state_dir, ignore_errors=True)
     port = opts.port or free_port(opts.host)
-    cfg = serving_config(gallery=prep.parquet, state_dir=state_dir, mode=opts.mode,
-                         num_shards=opts.num_shards,
-                         host=opts.host, port=port, factory=opts.factory, new_model=prep.new_model,
-                         old_model=prep.old_model, items=prep.items, compatible_dim=prep.compatible_dim,
-                         app_name="hot_refresh", data_seed=opts.sizes.data_seed, max_k=max(1000, prep.k))
-    say(f"serving {prep.data.n_items} items on {opts.num_shards} shards at http://{opts.host}:{port}")
+    cfg = serving_config(
+        gallery=prep.parquet,
+        state_dir=state_dir,
+        mode=opts.mode,
+        num_shards=opts.num_shards,
+        host=opts.host,
+        port=port,
+        factory=opts.factory,
+        new_model=prep.new_model,
+        old_model=prep.old_model,
+        items=prep.items,
+        compatible_dim=prep.compatible_dim,
+        app_name="hot_refresh",
+        data_seed=opts.sizes.data_seed,
+        max_k=max(1000, prep.k),
+    )
+    say(
+        f"serving {prep.data.n_items} items on {opts.num_shards} shards at http://{opts.host}:{port}"
+    )
     url = start_serving(cfg, opts.address)
     try:
         client = ServingClient(url, token=token)
         client.wait_ready()
         say(f"live backfill through {url} (source {opts.source}, batch {opts.batch_size})")
-        live = live_backfill_curve(client, prep.data, fractions, policy=opts.policy, seed=opts.seed, k=prep.k,
-                                   source=opts.source, batch_size=opts.batch_size, rate=opts.rate, log=say)
+        live = live_backfill_curve(
+            client,
+            prep.data,
+            fractions,
+            policy=opts.policy,
+            seed=opts.seed,
+            k=prep.k,
+            source=opts.source,
+            batch_size=opts.batch_size,
+            rate=opts.rate,
+            log=say,
+        )
         status = client.status()
-        image_check = (_image_query_check(client, prep.data, opts, prep.new_model, prep.old_model, prep.items)
-                       if prep.new_model else None)
+        image_check = (
+            _image_query_check(client, prep.data, opts, prep.new_model, prep.old_model, prep.items)
+            if prep.new_model
+            else None
+        )
     finally:
         stop_serving(cfg)
     return {"url": url, "live": live, "status": status, "image_check": image_check}
@@ -320,12 +431,25 @@ def _curve_table(live: dict, sim_curve, fractions) -> tuple[list, list]:
     names = list(live["metrics"])
     rows = []
     for j, t in enumerate(fractions):
-        rows.append([f"{100 * t:.0f}%", live["counts"][j]] +
-                    sum(([live["metrics"][m][j], float(sim_curve.metrics[m][j])] for m in names
-                         if np.isfinite(live["metrics"][m][j]) or np.isfinite(sim_curve.metrics[m][j])), []))
-    headers = ["t", "items new"] + sum(([f"{m} live", f"{m} sim"] for m in names
-                                        if np.isfinite(live["metrics"][m]).any()
-                                        or np.isfinite(sim_curve.metrics[m]).any()), [])
+        rows.append(
+            [f"{100 * t:.0f}%", live["counts"][j]]
+            + sum(
+                (
+                    [live["metrics"][m][j], float(sim_curve.metrics[m][j])]
+                    for m in names
+                    if np.isfinite(live["metrics"][m][j]) or np.isfinite(sim_curve.metrics[m][j])
+                ),
+                [],
+            )
+        )
+    headers = ["t", "items new"] + sum(
+        (
+            [f"{m} live", f"{m} sim"]
+            for m in names
+            if np.isfinite(live["metrics"][m]).any() or np.isfinite(sim_curve.metrics[m]).any()
+        ),
+        [],
+    )
     return headers, rows
 
 
@@ -333,24 +457,34 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
     from raycompat.report import markdown_table
 
     headers, rows = table
-    md = ["# Hot refresh, live vs simulator", "",
-          f"{data.n_items} gallery items on {opts.num_shards} shards (faiss `{opts.factory}`), "
-          f"{data.n_queries} queries through `POST /search`; policy `{opts.policy}`, mode `{opts.mode}`, "
-          f"seed {opts.seed}, "
-          f"new vectors from `{opts.source}`. NFR@1 against old-old top-1 measured live at t=0.", "",
-          markdown_table(headers, rows, digits=4), "",
-          "Largest |live - simulator| per metric: " +
-          ", ".join(f"{m} {d:.2e}" for m, d in cmp["max_abs_diff"].items()) +
-          f" -> **{'equal' if cmp['equal'] else 'DIFFERENT'}**.", ""]
+    md = [
+        "# Hot refresh, live vs simulator",
+        "",
+        f"{data.n_items} gallery items on {opts.num_shards} shards (faiss `{opts.factory}`), "
+        f"{data.n_queries} queries through `POST /search`; policy `{opts.policy}`, mode `{opts.mode}`, "
+        f"seed {opts.seed}, "
+        f"new vectors from `{opts.source}`. NFR@1 against old-old top-1 measured live at t=0.",
+        "",
+        markdown_table(headers, rows, digits=4),
+        "",
+        "Largest |live - simulator| per metric: "
+        + ", ".join(f"{m} {d:.2e}" for m, d in cmp["max_abs_diff"].items())
+        + f" -> **{'equal' if cmp['equal'] else 'DIFFERENT'}**.",
+        "",
+    ]
     nt = cmp["near_ties"]
-    md.append(f"Near-ties: {nt['t0']} (t=0) and {nt['t1']} (t=1) of {data.n_queries} queries have two of "
-              f"their top {k + 1} cosines within {nt['gap']:g}. Float32 rounding (faiss in the shards, torch "
-              "in the simulator) could order those differently; both sides rank by the same canonical "
-              "float64 scores (`raycompat.index.canonical`), so they do not.")
+    md.append(
+        f"Near-ties: {nt['t0']} (t=0) and {nt['t1']} (t=1) of {data.n_queries} queries have two of "
+        f"their top {k + 1} cosines within {nt['gap']:g}. Float32 rounding (faiss in the shards, torch "
+        "in the simulator) could order those differently; both sides rank by the same canonical "
+        "float64 scores (`raycompat.index.canonical`), so they do not."
+    )
     md.append("")
     if image_check:
-        md.append(f"Image queries (base64 PNG, embedded by the router): {image_check['agree_top1']}/"
-                  f"{image_check['n']} top-1 ids equal to the vector search of the same embedding.")
+        md.append(
+            f"Image queries (base64 PNG, embedded by the router): {image_check['agree_top1']}/"
+            f"{image_check['n']} top-1 ids equal to the vector search of the same embedding."
+        )
     return "\n".join(md) + "\n"
 
 
@@ -367,34 +501,53 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     say = log or (lambda m: print(f"[hot_refresh {time.time() - t0:6.1f}s] {m}", flush=True))
     fractions = parse_fractions(opts.fractions)
     # where everything goes, checked for writing before any work (StorageError otherwise)
-    output = resolve_job_output("hot_refresh", out=opts.out, storage=opts.storage, name=opts.name,
-                                default_out=DEFAULT_OUT)
+    output = resolve_job_output(
+        "hot_refresh", out=opts.out, storage=opts.storage, name=opts.name, default_out=DEFAULT_OUT
+    )
     out = output.local
     connect(opts.address)
     prep = _prepare(opts, out, output.runs, say)
     data, k = prep.data, prep.k
-    say(f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, {len(fractions)} fractions")
-    sim = simulate_backfill(data, [opts.policy], [opts.mode], fractions=fractions, k=k, seed=opts.seed,
-                            head=prep.head)
+    say(
+        f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, {len(fractions)} fractions"
+    )
+    sim = simulate_backfill(
+        data, [opts.policy], [opts.mode], fractions=fractions, k=k, seed=opts.seed, head=prep.head
+    )
     sim_curve = sim.curve(opts.policy, opts.mode)
     served = _serve_and_measure(opts, prep, fractions, out, say)
     live, status = served["live"], served["status"]
     cmp = compare_curves(live, sim_curve, tol=1e-9)
     cmp["near_ties"] = near_ties(data, k, opts.mode)
-    report = {"job": "hot_refresh", "options": dataclasses.asdict(opts), "out": output.destination,
-              "embeddings": prep.parquet, "url": served["url"],
-              "n_items": data.n_items, "n_queries": data.n_queries, "k": k, "live": live,
-              "simulator": {"fractions": sim_curve.fractions.tolist(), "counts": sim_curve.counts.tolist(),
-                            "metrics": {m: [float(x) for x in v] for m, v in sim_curve.metrics.items()}},
-              "comparison": cmp, "final_status": {"items": status["items"], "backfill": status["backfill"]},
-              "image_queries": served["image_check"], "seconds": time.time() - t0}
+    report = {
+        "job": "hot_refresh",
+        "options": dataclasses.asdict(opts),
+        "out": output.destination,
+        "embeddings": prep.parquet,
+        "url": served["url"],
+        "n_items": data.n_items,
+        "n_queries": data.n_queries,
+        "k": k,
+        "live": live,
+        "simulator": {
+            "fractions": sim_curve.fractions.tolist(),
+            "counts": sim_curve.counts.tolist(),
+            "metrics": {m: [float(x) for x in v] for m, v in sim_curve.metrics.items()},
+        },
+        "comparison": cmp,
+        "final_status": {"items": status["items"], "backfill": status["backfill"]},
+        "image_queries": served["image_check"],
+        "seconds": time.time() - t0,
+    }
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as fh:
         table = _curve_table(live, sim_curve, fractions)
         fh.write(_markdown(opts, data, k, cmp, table, served["image_check"]))
     destination = output.publish()
-    say(f"live == simulator: {cmp['equal']} (max diffs {cmp['max_abs_diff']}); "
-        f"report: {destination}/report.md")
+    say(
+        f"live == simulator: {cmp['equal']} (max diffs {cmp['max_abs_diff']}); "
+        f"report: {destination}/report.md"
+    )
     report["out"] = destination
     return report
 
@@ -409,7 +562,7 @@ def near_ties(data, k: int, mode: str, gap: float = 1e-6) -> dict:
     _, old_side, new_side = SideBuilder(data).mode_sides(mode)
     for key, side in (("t0", old_side), ("t1", new_side)):
         S = side.queries.astype(np.float64) @ side.gallery.astype(np.float64).T
-        top = -np.sort(-S, axis=1)[:, :k + 1]
+        top = -np.sort(-S, axis=1)[:, : k + 1]
         out[key] = int((np.diff(-top, axis=1) < gap).any(axis=1).sum()) if top.shape[1] > 1 else 0
     return out
 
@@ -435,7 +588,9 @@ def _query_images(data, n: int, resolution: int, data_seed: int):
     return imgs, b64
 
 
-def _image_query_check(client, data, opts: HotRefreshOptions, new_model, old_model, items) -> dict | None:
+def _image_query_check(
+    client, data, opts: HotRefreshOptions, new_model, old_model, items
+) -> dict | None:
     """A few query images sent as base64 PNG: the router's embedding must retrieve what the
     offline embedding of the same images retrieves (top-1)."""
     if items is None:
@@ -449,7 +604,7 @@ def _image_query_check(client, data, opts: HotRefreshOptions, new_model, old_mod
     res = client.search_images(b64, k=5)
     offline = emb.embed_images(imgs)
     offline_old = None
-    if opts.mode == "naive_merge":     # the router embeds the images with the old model as well
+    if opts.mode == "naive_merge":  # the router embeds the images with the old model as well
         offline_old = ModelEmbedder(old_model, data_seed=seed).embed_images(imgs)
     ids, _, _ = client.search(offline, k=5, old_vectors=offline_old)
     agree = sum(int(r[0]["id"] == ids[i, 0]) for i, r in enumerate(res["results"]) if r)

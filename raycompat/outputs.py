@@ -15,6 +15,7 @@ Training checkpoints go to ``S/runs`` with ``--storage`` (every node writes ther
 takes the URI directly), else to ``<out>/runs``. An unwritable location raises
 :class:`raycompat.storage.StorageError` here, at start, not after an hour of training.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,18 +33,25 @@ class OutputOptions:
     """``--out``, ``--storage`` and ``--name`` of a job that writes a report: a nested field
     of its options (each job sets its own ``name`` default with ``dataclasses.replace``)."""
 
-    out: str | None = option(None, help="report folder or URI; none: a folder in the working "
-                                        "directory, or <storage>/<job>/<name> with --storage")
-    storage: str | None = option(None, help="shared storage for checkpoints, embeddings and reports: "
-                                            "a local path or any URI pyarrow opens (s3://bucket/prefix, "
-                                            "gs://..., file:///nfs/...); checked for writing at start; "
-                                            "checkpoints go to <storage>/runs")
+    out: str | None = option(
+        None,
+        help="report folder or URI; none: a folder in the working "
+        "directory, or <storage>/<job>/<name> with --storage",
+    )
+    storage: str | None = option(
+        None,
+        help="shared storage for checkpoints, embeddings and reports: "
+        "a local path or any URI pyarrow opens (s3://bucket/prefix, "
+        "gs://..., file:///nfs/...); checked for writing at start; "
+        "checkpoints go to <storage>/runs",
+    )
     name: str = option("main", help="report folder name under <storage>/<job>")
 
-    def resolve(self, kind: str, default_out: str) -> "JobOutput":
+    def resolve(self, kind: str, default_out: str) -> JobOutput:
         """:func:`resolve_job_output` for job ``kind`` with these options."""
-        return resolve_job_output(kind, out=self.out, storage=self.storage, name=self.name,
-                                  default_out=default_out)
+        return resolve_job_output(
+            kind, out=self.out, storage=self.storage, name=self.name, default_out=default_out
+        )
 
 
 @dataclass
@@ -56,7 +64,7 @@ class JobOutput:
     destination: str
     runs: str
     storage: Storage | None = None
-    _upload: tuple | None = None     # (Storage of the parent, leaf name) for a URI destination
+    _upload: tuple | None = None  # (Storage of the parent, leaf name) for a URI destination
 
     @property
     def remote(self) -> bool:
@@ -82,15 +90,16 @@ def _staging_dir(uri: str) -> str:
     return os.path.join(root, key)
 
 
-def resolve_job_output(kind: str, *, out: str | None, storage: str | None, name: str,
-                       default_out: str) -> JobOutput:
+def resolve_job_output(
+    kind: str, *, out: str | None, storage: str | None, name: str, default_out: str
+) -> JobOutput:
     """Apply the module's rules for one job (``kind``: ``quickstart``, ``reproduce``,
     ``backfill``, ``hot_refresh``...). Creates the local folder and checks every location
     for writing; raises StorageError naming the location otherwise."""
     store = open_storage(storage) if storage else None
     given = out is not None
     if not given and store is not None:
-        out = store.join(kind, name)    # the storage was checked: its sub-folders are created
+        out = store.join(kind, name)  # the storage was checked: its sub-folders are created
     out = out or default_out
     upload = None
     if is_uri(out):
@@ -109,5 +118,6 @@ def resolve_job_output(kind: str, *, out: str | None, storage: str | None, name:
     if not upload and not os.access(local, os.W_OK):
         raise StorageError(f"--out {out} is not writable")
     runs = store.join("runs") if store is not None else os.path.join(local, "runs")
-    return JobOutput(local=local, destination=out if upload else local, runs=runs, storage=store,
-                     _upload=upload)
+    return JobOutput(
+        local=local, destination=out if upload else local, runs=runs, storage=store, _upload=upload
+    )

@@ -12,6 +12,7 @@ allows, with the independent model (new*) as the AUC-gain paragon and as the
 incompatible counter-example. The console gets one summary line per phase
 (:func:`raycompat.console.phase`); see docs/architecture.md, "Jobs".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from raycompat import console
-from raycompat.config import (add_options, choices, make_parser, nonnegative, option, options_from_args,
-                              positive)
+from raycompat.config import (
+    add_options,
+    choices,
+    make_parser,
+    nonnegative,
+    option,
+    options_from_args,
+    positive,
+)
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.outputs import OutputOptions
 
@@ -33,9 +41,19 @@ __all__ = ["QuickstartOptions", "QUICKSTART_SIZES", "build_parser", "main", "run
 
 #: the main job's data: 240 training classes of 40 images, 150 held-out classes, lcnet_050
 QUICKSTART_SIZES = dataclasses.replace(
-    ScenarioSizes(), scenario="extended-class", train_classes=240, images_per_class=40,
-    eval_classes=150, queries_per_class=2, gallery_per_class=8, distractor_classes=150,
-    distractors_per_class=4, resolution=32, backbone="lcnet_050", data_seed=0)
+    ScenarioSizes(),
+    scenario="extended-class",
+    train_classes=240,
+    images_per_class=40,
+    eval_classes=150,
+    queries_per_class=2,
+    gallery_per_class=8,
+    distractor_classes=150,
+    distractors_per_class=4,
+    resolution=32,
+    backbone="lcnet_050",
+    data_seed=0,
+)
 
 
 @dataclass(frozen=True)
@@ -78,37 +96,75 @@ def _config_tag(opts: QuickstartOptions, scenario) -> str:
     return config_tag(trained, scenario.to_dict())
 
 
-def _train(opts: QuickstartOptions, scenario, name: str, method: str, split: str, epochs: int,
-           old_model: str | None, runs_dir: str, models_dir: str):
+def _train(
+    opts: QuickstartOptions,
+    scenario,
+    name: str,
+    method: str,
+    split: str,
+    epochs: int,
+    old_model: str | None,
+    runs_dir: str,
+    models_dir: str,
+):
     from raycompat.train.runs import train_named
 
     s = opts.sizes
     values = dict(
-        method=method, backbone=s.backbone, embed_dim=opts.embed_dim, head=opts.head,
-        epochs=epochs, batch_size=opts.batch_size, lr=opts.lr, seed=opts.seed,
-        scenario=scenario.to_dict(), split=split, resolution=s.resolution,
-        data_seed=s.data_seed, num_workers=opts.workers, use_gpu=opts.gpus > 0,
-        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0, old_model=old_model, log_every=50)
+        method=method,
+        backbone=s.backbone,
+        embed_dim=opts.embed_dim,
+        head=opts.head,
+        epochs=epochs,
+        batch_size=opts.batch_size,
+        lr=opts.lr,
+        seed=opts.seed,
+        scenario=scenario.to_dict(),
+        split=split,
+        resolution=s.resolution,
+        data_seed=s.data_seed,
+        num_workers=opts.workers,
+        use_gpu=opts.gpus > 0,
+        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0,
+        old_model=old_model,
+        log_every=50,
+    )
     return train_named(values, name, _config_tag(opts, scenario), runs_dir, models_dir)
 
 
-def _train_models(opts: QuickstartOptions, scenario, runs_dir: str, models_dir: str,
-                  timings: dict) -> dict:
+def _train_models(
+    opts: QuickstartOptions, scenario, runs_dir: str, models_dir: str, timings: dict
+) -> dict:
     """old (independent on old_train), then bct and independent on new_train; one line each."""
     train_info = {}
-    plan = [("old", "independent", "old_train", opts.old_epochs, None),
-            ("bct", "bct", "new_train", opts.new_epochs, "old"),
-            ("independent", "independent", "new_train", opts.new_epochs, None)]
+    plan = [
+        ("old", "independent", "old_train", opts.old_epochs, None),
+        ("bct", "bct", "new_train", opts.new_epochs, "old"),
+        ("independent", "independent", "new_train", opts.new_epochs, None),
+    ]
     for name, method, split, epochs, predecessor in plan:
         old_model = train_info[predecessor]["path"] if predecessor else None
-        run, wall = _train(opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir)
+        run, wall = _train(
+            opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir
+        )
         timings[f"train_{name}_s"] = wall
-        train_info[name] = dict(method=method, split=split, epochs=epochs, path=run.bundle_path,
-                                run_path=run.run_path, wall_s=wall, history=run.history)
+        train_info[name] = dict(
+            method=method,
+            split=split,
+            epochs=epochs,
+            path=run.bundle_path,
+            run_path=run.run_path,
+            wall_s=wall,
+            history=run.history,
+        )
         last = run.history[-1]
-        console.phase(f"trained {name}", f"{method} on {split}, {len(run.history)} epochs, "
-                      f"{opts.workers} worker(s): final loss {last.get('loss/loss', float('nan')):.4f}, "
-                      f"{last.get('images_per_s', float('nan')):.0f} images/s", wall)
+        console.phase(
+            f"trained {name}",
+            f"{method} on {split}, {len(run.history)} epochs, "
+            f"{opts.workers} worker(s): final loss {last.get('loss/loss', float('nan')):.4f}, "
+            f"{last.get('images_per_s', float('nan')):.0f} images/s",
+            wall,
+        )
     return train_info
 
 
@@ -122,11 +178,14 @@ def _build_scenario(opts: QuickstartOptions, out: str, timings: dict):
     timings["data_s"] = time.time() - t
     write_json(os.path.join(out, "scenario.json"), scenario.to_dict())
     rows = {r["split"]: r for r in scenario.allocation_rows()}
-    console.phase("scenario", f"{scenario.name} (seed {scenario.seed}) on {catalog.num_classes} glyph "
-                  f"classes: old_train {rows['old_train']['images']} / new_train "
-                  f"{rows['new_train']['images']} images, {rows['query']['images']} queries, "
-                  f"{rows['gallery']['images'] + rows['distractors']['images']} gallery items",
-                  timings["data_s"])
+    console.phase(
+        "scenario",
+        f"{scenario.name} (seed {scenario.seed}) on {catalog.num_classes} glyph "
+        f"classes: old_train {rows['old_train']['images']} / new_train "
+        f"{rows['new_train']['images']} images, {rows['query']['images']} queries, "
+        f"{rows['gallery']['images'] + rows['distractors']['images']} gallery items",
+        timings["data_s"],
+    )
     if console.is_verbose():
         print(scenario.allocation_table(), flush=True)
     return catalog, scenario
@@ -139,12 +198,23 @@ def _evaluate(scenario, embedded: dict, timings: dict) -> tuple[list, list, tupl
     t = time.time()
     (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
     evaluations, verdicts = cross_evaluate(
-        embedded["old"], [embedded["bct"], embedded["independent"]], q_labels, g_labels,
-        paragon="independent")
+        embedded["old"],
+        [embedded["bct"], embedded["independent"]],
+        q_labels,
+        g_labels,
+        paragon="independent",
+    )
     timings["evaluate_s"] = time.time() - t
-    console.phase("evaluated", "mAP@100 " + "; ".join(
-        f"{v['model']}: M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
-        f"{'compatible' if v['compatible'] else 'NOT compatible'}" for v in verdicts), timings["evaluate_s"])
+    console.phase(
+        "evaluated",
+        "mAP@100 "
+        + "; ".join(
+            f"{v['model']}: M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
+            f"{'compatible' if v['compatible'] else 'NOT compatible'}"
+            for v in verdicts
+        ),
+        timings["evaluate_s"],
+    )
     return evaluations, verdicts, (q_labels, g_labels)
 
 
@@ -165,48 +235,107 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
 
     t = time.time()
     embedded, embedding_paths = embed_with_pipeline(
-        scenario, models, os.path.join(out, "embeddings", _config_tag(opts, scenario)),
-        resolution=opts.sizes.resolution, data_seed=opts.sizes.data_seed)
+        scenario,
+        models,
+        os.path.join(out, "embeddings", _config_tag(opts, scenario)),
+        resolution=opts.sizes.resolution,
+        data_seed=opts.sizes.data_seed,
+    )
     timings["embed_s"] = time.time() - t
-    console.phase("embedded", f"{len(embedded['old'].query)} queries and {len(embedded['old'].gallery)} "
-                  f"gallery items with {', '.join(models)} (Ray Data pipeline)", timings["embed_s"])
+    console.phase(
+        "embedded",
+        f"{len(embedded['old'].query)} queries and {len(embedded['old'].gallery)} "
+        f"gallery items with {', '.join(models)} (Ray Data pipeline)",
+        timings["embed_s"],
+    )
     evaluations, verdicts, (q_labels, g_labels) = _evaluate(scenario, embedded, timings)
 
     t = time.time()
-    paragon = {row["metric"]: row["value"] for row in evaluations
-               if row["model"] == row["query"] == row["gallery"] == "independent"}
-    backfill = simulate_hot_refresh(embedded, q_labels, g_labels, ModelBundle.load(models["bct"]),
-                                    os.path.join(out, "backfill"), paragon, seed=opts.seed,
-                                    log=print if console.is_verbose() else None)
+    paragon = {
+        row["metric"]: row["value"]
+        for row in evaluations
+        if row["model"] == row["query"] == row["gallery"] == "independent"
+    }
+    backfill = simulate_hot_refresh(
+        embedded,
+        q_labels,
+        g_labels,
+        ModelBundle.load(models["bct"]),
+        os.path.join(out, "backfill"),
+        paragon,
+        seed=opts.seed,
+        log=print if console.is_verbose() else None,
+    )
     timings["backfill_s"] = time.time() - t
-    console.phase("hot refresh", f"{len({(r['model'], r['policy'], r['mode']) for r in backfill['rows']})} "
-                  f"backfill curves (policies x query modes) for bct and independent",
-                  timings["backfill_s"])
+    console.phase(
+        "hot refresh",
+        f"{len({(r['model'], r['policy'], r['mode']) for r in backfill['rows']})} "
+        f"backfill curves (policies x query modes) for bct and independent",
+        timings["backfill_s"],
+    )
     timings["total_s"] = time.time() - started
-    report = _report(opts, scenario, catalog, train_info, embedding_paths, evaluations, verdicts,
-                     backfill, out, timings)
+    report = _report(
+        opts,
+        scenario,
+        catalog,
+        train_info,
+        embedding_paths,
+        evaluations,
+        verdicts,
+        backfill,
+        out,
+        timings,
+    )
     where = output.publish()
-    console.phase("report", f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}",
-                  timings["total_s"])
+    console.phase(
+        "report",
+        f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}",
+        timings["total_s"],
+    )
     return report
 
 
-def _report(opts, scenario, catalog, train_info, embedding_paths, evaluations, verdicts, backfill,
-            out: str, timings: dict) -> dict:
+def _report(
+    opts,
+    scenario,
+    catalog,
+    train_info,
+    embedding_paths,
+    evaluations,
+    verdicts,
+    backfill,
+    out: str,
+    timings: dict,
+) -> dict:
     """The report dict, written to ``out`` as report.json and report.md."""
     from raycompat.report import write_json
 
     report = dict(
-        job="quickstart", options=options_record(opts),
-        scenario=dict(name=scenario.name, seed=scenario.seed,
-                      allocation=scenario.allocation_rows()),
-        catalog=dict(num_classes=catalog.num_classes, exclusions={
-            k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in catalog.exclusions.items()}),
-        models=train_info, embeddings=embedding_paths, evaluations=evaluations, verdicts=verdicts,
+        job="quickstart",
+        options=options_record(opts),
+        scenario=dict(
+            name=scenario.name, seed=scenario.seed, allocation=scenario.allocation_rows()
+        ),
+        catalog=dict(
+            num_classes=catalog.num_classes,
+            exclusions={
+                k: (len(v) if isinstance(v, (list, dict)) else v)
+                for k, v in catalog.exclusions.items()
+            },
+        ),
+        models=train_info,
+        embeddings=embedding_paths,
+        evaluations=evaluations,
+        verdicts=verdicts,
         compatibility={v["model"]: v["compatible"] for v in verdicts},
-        curves=backfill["rows"], backfill=backfill["summary"],
-        backfill_plots={model: [os.path.relpath(p, out) for p in r["plots"]]
-                        for model, r in backfill["reports"].items()}, timings=timings)
+        curves=backfill["rows"],
+        backfill=backfill["summary"],
+        backfill_plots={
+            model: [os.path.relpath(p, out) for p in r["plots"]]
+            for model, r in backfill["reports"].items()
+        },
+        timings=timings,
+    )
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report, scenario.allocation_table()))
@@ -238,33 +367,57 @@ def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, d
     from raycompat.pipeline import GlyphGallerySource, embed_gallery
 
     source = GlyphGallerySource(scenario, resolution=resolution, data_seed=data_seed)
-    passes = {"old_bct": dict(old_model=models["old"], new_model=models["bct"], columns=("old", "new")),
-              "independent": dict(new_model=models["independent"], columns=("new",))}
+    passes = {
+        "old_bct": dict(old_model=models["old"], new_model=models["bct"], columns=("old", "new")),
+        "independent": dict(new_model=models["independent"], columns=("new",)),
+    }
     embedded, paths = {}, {}
     for pass_name, kwargs in passes.items():
         run = embed_gallery(os.path.join(out_dir, pass_name), source, log=lambda m: None, **kwargs)
         paths[pass_name] = run.path
-        table = run.table()                     # sorted by item_id: queries, gallery, distractors
+        table = run.table()  # sorted by item_id: queries, gallery, distractors
         is_query = pc.equal(table.column("split"), "query").to_numpy(zero_copy_only=False)
-        for column, name in (("old", "old"), ("new", "bct" if pass_name == "old_bct" else "independent")):
+        for column, name in (
+            ("old", "old"),
+            ("new", "bct" if pass_name == "old_bct" else "independent"),
+        ):
             if column not in table.column_names:
                 continue
             values = table.column(column).combine_chunks()
             vectors = values.flatten().to_numpy().astype(np.float32).reshape(len(values), -1)
             with open(os.path.join(models[name], "manifest.json")) as f:
                 compatible = int(json.load(f).get("compatible_dim", vectors.shape[1]))
-            embedded[name] = EmbeddedSet(name=name, query=vectors[is_query], gallery=vectors[~is_query],
-                                         compatible_dim=compatible)
+            embedded[name] = EmbeddedSet(
+                name=name,
+                query=vectors[is_query],
+                gallery=vectors[~is_query],
+                compatible_dim=compatible,
+            )
     return embedded, paths
 
 
-HOT_REFRESH_POLICIES = ("random", "sequential", "uncertainty:least_confidence", "uncertainty:margin",
-                        "uncertainty:entropy", "oracle", "learned")
+HOT_REFRESH_POLICIES = (
+    "random",
+    "sequential",
+    "uncertainty:least_confidence",
+    "uncertainty:margin",
+    "uncertainty:entropy",
+    "oracle",
+    "learned",
+)
 HOT_REFRESH_MODES = ("compatible", "naive_merge", "cold")
 
 
-def simulate_hot_refresh(embedded: dict, query_labels, gallery_labels, bct_bundle, out_dir: str,
-                         paragon: dict, seed: int = 0, log=None) -> dict:
+def simulate_hot_refresh(
+    embedded: dict,
+    query_labels,
+    gallery_labels,
+    bct_bundle,
+    out_dir: str,
+    paragon: dict,
+    seed: int = 0,
+    log=None,
+) -> dict:
     """Backfill curves of the main job's upgrade (docs/methods.md: Backfill policies, Query strategies,
     Metrics).
 
@@ -281,36 +434,64 @@ def simulate_hot_refresh(embedded: dict, query_labels, gallery_labels, bct_bundl
     Writes ``<out_dir>/<model>/curves.{json,md}`` and PNGs; returns ``{"rows", "summary",
     "reports"}`` where rows are ``{model, policy, mode, fraction, metric, value, ...}``.
     """
-    from raycompat.backfill import CostModel, GalleryEmbeddings, UncertaintyHead, measure_items_per_s
-    from raycompat.backfill import simulate_backfill
+    from raycompat.backfill import (
+        CostModel,
+        GalleryEmbeddings,
+        UncertaintyHead,
+        measure_items_per_s,
+        simulate_backfill,
+    )
     from raycompat.backfill.report import write_reports
 
     say = log or (lambda message: None)
     old = embedded["old"]
-    cost = CostModel(measure_items_per_s(bct_bundle, batch_size=128), 1,
-                     source="measured: BCT embedder on this machine's CPU")
+    cost = CostModel(
+        measure_items_per_s(bct_bundle, batch_size=128),
+        1,
+        source="measured: BCT embedder on this machine's CPU",
+    )
     head = UncertaintyHead.from_classifier_head(bct_bundle.head)
-    runs = [("independent", ("random",), ("compatible", "cold"), None),
-            ("bct", HOT_REFRESH_POLICIES, HOT_REFRESH_MODES, head)]
+    runs = [
+        ("independent", ("random",), ("compatible", "cold"), None),
+        ("bct", HOT_REFRESH_POLICIES, HOT_REFRESH_MODES, head),
+    ]
     # The scenario lists the gallery class by class with the distractors last; a real gallery
     # is stored in ingestion order, so `sequential` walks a seeded shuffle of the items.
-    stored = np.random.default_rng([seed, 1]).permutation(len(gallery_labels))  # not the random policy's stream
+    stored = np.random.default_rng([seed, 1]).permutation(
+        len(gallery_labels)
+    )  # not the random policy's stream
     rows, summary, reports = [], [], {}
     for name, policies, modes, uncertainty_head in runs:
         new = embedded[name]
         data = GalleryEmbeddings(
-            gallery_labels=np.asarray(gallery_labels)[stored], gallery_old=old.gallery[stored],
-            gallery_new=new.gallery[stored], gallery_ids=stored, query_labels=query_labels,
-            query_old=old.query, query_new=new.query, compatible_dim=new.compatible_dim,
-            source=f"quickstart: old -> {name}")
-        result = simulate_backfill(data, policies, modes, seed=seed, head=uncertainty_head,
-                                   cost=cost, references={"new*-new*": paragon})
-        reports[name] = write_reports(result, os.path.join(out_dir, name),
-                                      title=f"Hot refresh: old -> {name}")
+            gallery_labels=np.asarray(gallery_labels)[stored],
+            gallery_old=old.gallery[stored],
+            gallery_new=new.gallery[stored],
+            gallery_ids=stored,
+            query_labels=query_labels,
+            query_old=old.query,
+            query_new=new.query,
+            compatible_dim=new.compatible_dim,
+            source=f"quickstart: old -> {name}",
+        )
+        result = simulate_backfill(
+            data,
+            policies,
+            modes,
+            seed=seed,
+            head=uncertainty_head,
+            cost=cost,
+            references={"new*-new*": paragon},
+        )
+        reports[name] = write_reports(
+            result, os.path.join(out_dir, name), title=f"Hot refresh: old -> {name}"
+        )
         rows += [dict(model=name, **r) for r in result.rows()]
         summary += [dict(model=name, **r) for r in result.summary_rows()]
-        say(f"  {name}: {len(result.curves)} curves in {result.stats['seconds']:.1f} s -> "
-            f"{reports[name]['markdown']}")
+        say(
+            f"  {name}: {len(result.curves)} curves in {result.stats['seconds']:.1f} s -> "
+            f"{reports[name]['markdown']}"
+        )
     return dict(rows=rows, summary=summary, reports=reports)
 
 
@@ -320,42 +501,105 @@ def render_markdown(report: dict, allocation: str) -> str:
     metrics = ["mAP@100", "mAP", "top1", "top5"]
     by_pair: dict[tuple, dict] = {}
     for row in report["evaluations"]:
-        by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = row["value"]
-    lines = ["# raycompat quickstart report", "",
-             f"Scenario `{report['scenario']['name']}` (seed {report['scenario']['seed']}), "
-             f"built-in glyphs, {report['catalog']['num_classes']} usable classes.", "",
-             "## Data allocation", "", allocation, "",
-             "## Training", "",
-             markdown_table(["model", "method", "split", "epochs", "final loss", "images/s", "wall s"], [
-                 (name, m["method"], m["split"], m["epochs"], m["history"][-1].get("loss/loss"),
-                  m["history"][-1].get("images_per_s"), m["wall_s"]) for name, m in report["models"].items()],
-                 digits=3), "",
-             "## Retrieval (query embedder -> gallery embedder)", "",
-             markdown_table(["model", "query", "gallery"] + metrics,
-                            [k + tuple(v.get(m) for m in metrics) for k, v in by_pair.items()]), "",
-             "## Compatibility (BCT criterion on mAP@100, new* = independent)", "",
-             markdown_table(["model", "M(o,o)", "M(n,o)", "M(n,n)", "update gain", "Delta_up",
-                             "Delta_down", "compatible"],
-                            [(v["model"], v["m_old_old"], v["m_new_old"], v["m_new_new"], v["update_gain"],
-                              v["delta_up"], v["delta_down"], v["compatible"]) for v in report["verdicts"]]),
-             "",
-             "## Hot refresh (backfill simulation)", "",
-             "The gallery is backfilled item by item with the new model while the new model "
-             "already answers queries. Values at 0 %, 50 % and 100 % backfilled, the area under "
-             "the curve over the fraction backfilled, the AUC gain against the independent model "
-             "(new*, RM Table 1), and regressions (RACT Eq.3: grid points worse than t=0, and steps "
-             "between grid points that make the metric worse; for NFR@1 worse means higher). "
-             "Full curves: `backfill/<model>/curves.md`, plots below.", "",
-             _backfill_table(report), "",
-             *[f"![{os.path.splitext(os.path.basename(p))[0]} ({model})]({p})\n"
-               for model, plots in report["backfill_plots"].items() for p in plots
-               if p.endswith("_vs_fraction.png") and os.path.basename(p) != "mAP_vs_fraction.png"],
-             "## Timings", "",
-             markdown_table(["phase", "seconds"], [(k, v) for k, v in report["timings"].items()], digits=1),
-             ""]
-    lines.append("Verdicts: " + "; ".join(
-        f"{v['model']} is {'compatible' if v['compatible'] else 'not compatible'} "
-        f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])})" for v in report["verdicts"]))
+        by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = row[
+            "value"
+        ]
+    lines = [
+        "# raycompat quickstart report",
+        "",
+        f"Scenario `{report['scenario']['name']}` (seed {report['scenario']['seed']}), "
+        f"built-in glyphs, {report['catalog']['num_classes']} usable classes.",
+        "",
+        "## Data allocation",
+        "",
+        allocation,
+        "",
+        "## Training",
+        "",
+        markdown_table(
+            ["model", "method", "split", "epochs", "final loss", "images/s", "wall s"],
+            [
+                (
+                    name,
+                    m["method"],
+                    m["split"],
+                    m["epochs"],
+                    m["history"][-1].get("loss/loss"),
+                    m["history"][-1].get("images_per_s"),
+                    m["wall_s"],
+                )
+                for name, m in report["models"].items()
+            ],
+            digits=3,
+        ),
+        "",
+        "## Retrieval (query embedder -> gallery embedder)",
+        "",
+        markdown_table(
+            ["model", "query", "gallery"] + metrics,
+            [k + tuple(v.get(m) for m in metrics) for k, v in by_pair.items()],
+        ),
+        "",
+        "## Compatibility (BCT criterion on mAP@100, new* = independent)",
+        "",
+        markdown_table(
+            [
+                "model",
+                "M(o,o)",
+                "M(n,o)",
+                "M(n,n)",
+                "update gain",
+                "Delta_up",
+                "Delta_down",
+                "compatible",
+            ],
+            [
+                (
+                    v["model"],
+                    v["m_old_old"],
+                    v["m_new_old"],
+                    v["m_new_new"],
+                    v["update_gain"],
+                    v["delta_up"],
+                    v["delta_down"],
+                    v["compatible"],
+                )
+                for v in report["verdicts"]
+            ],
+        ),
+        "",
+        "## Hot refresh (backfill simulation)",
+        "",
+        "The gallery is backfilled item by item with the new model while the new model "
+        "already answers queries. Values at 0 %, 50 % and 100 % backfilled, the area under "
+        "the curve over the fraction backfilled, the AUC gain against the independent model "
+        "(new*, RM Table 1), and regressions (RACT Eq.3: grid points worse than t=0, and steps "
+        "between grid points that make the metric worse; for NFR@1 worse means higher). "
+        "Full curves: `backfill/<model>/curves.md`, plots below.",
+        "",
+        _backfill_table(report),
+        "",
+        *[
+            f"![{os.path.splitext(os.path.basename(p))[0]} ({model})]({p})\n"
+            for model, plots in report["backfill_plots"].items()
+            for p in plots
+            if p.endswith("_vs_fraction.png") and os.path.basename(p) != "mAP_vs_fraction.png"
+        ],
+        "## Timings",
+        "",
+        markdown_table(
+            ["phase", "seconds"], [(k, v) for k, v in report["timings"].items()], digits=1
+        ),
+        "",
+    ]
+    lines.append(
+        "Verdicts: "
+        + "; ".join(
+            f"{v['model']} is {'compatible' if v['compatible'] else 'not compatible'} "
+            f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])})"
+            for v in report["verdicts"]
+        )
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -364,8 +608,12 @@ def _backfill_table(report: dict) -> str:
 
     def value_at(model, policy, mode, metric, fraction):
         for r in report["curves"]:
-            if (r["model"], r["policy"], r["mode"], r["metric"]) == (model, policy, mode, metric) \
-                    and abs(r["fraction"] - fraction) < 1e-9:
+            if (r["model"], r["policy"], r["mode"], r["metric"]) == (
+                model,
+                policy,
+                mode,
+                metric,
+            ) and abs(r["fraction"] - fraction) < 1e-9:
                 return r["value"]
         return None
 
@@ -373,8 +621,10 @@ def _backfill_table(report: dict) -> str:
         reg = s.get("regression")
         if not reg or not reg.get("has_regression"):
             return "none"
-        return (f"{len(reg['points_below_start'])} points worse than t=0, "
-                f"{len(reg['drops'])} worsening steps")
+        return (
+            f"{len(reg['points_below_start'])} points worse than t=0, "
+            f"{len(reg['drops'])} worsening steps"
+        )
 
     rows = []
     for s in report["backfill"]:
@@ -382,8 +632,33 @@ def _backfill_table(report: dict) -> str:
             continue
         if s["mode"] == "cold" and s["policy"] != "random":
             continue  # the cold curve does not depend on the policy
-        rows.append((s["model"], "-" if s["mode"] == "cold" else s["policy"], s["mode"], s["metric"],
-                     *(value_at(s["model"], s["policy"], s["mode"], s["metric"], f) for f in (0, .5, 1)),
-                     s.get("auc"), s.get("auc_gain"), regression(s)))
-    return markdown_table(["model", "policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC",
-                           "AUC gain", "regression"], rows)
+        rows.append(
+            (
+                s["model"],
+                "-" if s["mode"] == "cold" else s["policy"],
+                s["mode"],
+                s["metric"],
+                *(
+                    value_at(s["model"], s["policy"], s["mode"], s["metric"], f)
+                    for f in (0, 0.5, 1)
+                ),
+                s.get("auc"),
+                s.get("auc_gain"),
+                regression(s),
+            )
+        )
+    return markdown_table(
+        [
+            "model",
+            "policy",
+            "mode",
+            "metric",
+            "t=0",
+            "t=50%",
+            "t=100%",
+            "AUC",
+            "AUC gain",
+            "regression",
+        ],
+        rows,
+    )

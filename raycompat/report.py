@@ -1,10 +1,12 @@
 """Writing results a person can open: JSON with every number, markdown tables."""
+
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def json_safe(value: Any) -> Any:
@@ -54,5 +56,7 @@ def machine_description(load_at_start: float) -> str:
     (a load well above the core count means other jobs shared the machine)."""
     import platform
 
-    return (f"{os.cpu_count()} CPU cores, {platform.machine()}; load average {load_at_start:.1f} at the "
-            f"start, {os.getloadavg()[0]:.1f} at the end")
+    return (
+        f"{os.cpu_count()} CPU cores, {platform.machine()}; load average {load_at_start:.1f} at the "
+        f"start, {os.getloadavg()[0]:.1f} at the end"
+    )

@@ -10,6 +10,7 @@ can be written: a missing parent, a read-only folder or bad credentials stop the
 once with a message naming the location and the reason (:class:`StorageError`), instead
 of failing after an hour of training.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,7 +68,9 @@ class Storage:
             if self.local:
                 parent = os.path.dirname(self.root.rstrip(os.sep)) or os.sep
                 if not os.path.exists(self.root) and not os.path.isdir(parent):
-                    raise StorageError(f"--storage {self.uri}: the parent folder {parent} does not exist")
+                    raise StorageError(
+                        f"--storage {self.uri}: the parent folder {parent} does not exist"
+                    )
                 os.makedirs(self.root, exist_ok=True)
                 if not os.path.isdir(self.root):
                     raise StorageError(f"--storage {self.uri}: exists and is not a folder")
@@ -77,7 +80,9 @@ class Storage:
                 out.write(b"ok")
             info = self.filesystem.get_file_info(probe)
             if info.type != pafs.FileType.File:
-                raise StorageError(f"--storage {self.uri}: a file written there cannot be read back")
+                raise StorageError(
+                    f"--storage {self.uri}: a file written there cannot be read back"
+                )
             self.filesystem.delete_file(probe)
         except StorageError:
             raise
@@ -99,8 +104,12 @@ class Storage:
         else:
             self.filesystem.delete_dir_contents(target, missing_dir_ok=True)
             self.filesystem.create_dir(target, recursive=True)
-            pafs.copy_files(local_dir, target, source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=self.filesystem)
+            pafs.copy_files(
+                local_dir,
+                target,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=self.filesystem,
+            )
         return self.join(*parts)
 
 
@@ -112,14 +121,17 @@ def open_storage(location: str | None = None, check: bool = True) -> Storage:
     location = str(location or DEFAULT_STORAGE)
     if not location.strip():
         raise StorageError("--storage must not be empty")
-    if is_uri(location):   # file:// URIs take this generic path too (and test it)
+    if is_uri(location):  # file:// URIs take this generic path too (and test it)
         try:
             filesystem, root = pafs.FileSystem.from_uri(location)
         except Exception as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise StorageError(f"--storage {location}: not a location pyarrow can open: {reason}") from exc
-        storage = Storage(uri=location.rstrip("/"), root=root.rstrip("/"), filesystem=filesystem,
-                          local=False)
+            raise StorageError(
+                f"--storage {location}: not a location pyarrow can open: {reason}"
+            ) from exc
+        storage = Storage(
+            uri=location.rstrip("/"), root=root.rstrip("/"), filesystem=filesystem, local=False
+        )
     else:
         path = os.path.abspath(os.path.expanduser(location))
         storage = Storage(uri=path, root=path, filesystem=pafs.LocalFileSystem(), local=True)
@@ -140,8 +152,12 @@ def local_copy(location: str, cache_dir: str | None = None) -> str:
         if filesystem.get_file_info(path).type != pafs.FileType.Directory:
             raise FileNotFoundError(f"{location} is not a folder")
         target = cache_dir or tempfile.mkdtemp(prefix="raycompat-")
-        pafs.copy_files(path, target, source_filesystem=filesystem,
-                        destination_filesystem=pafs.LocalFileSystem())
+        pafs.copy_files(
+            path,
+            target,
+            source_filesystem=filesystem,
+            destination_filesystem=pafs.LocalFileSystem(),
+        )
     except FileNotFoundError:
         raise
     except Exception as exc:

@@ -1,4 +1,5 @@
 """One real local Ray cluster shared by the whole test session."""
+
 from __future__ import annotations
 
 import os
@@ -16,6 +17,8 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=TEST_RAY_CPUS, logging_level="warning", log_to_driver=True)
+        ray.init(
+            address="local", num_cpus=TEST_RAY_CPUS, logging_level="warning", log_to_driver=True
+        )
     yield ray
     ray.shutdown()

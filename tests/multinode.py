@@ -7,6 +7,7 @@ stopping them never touches the test session's embedded cluster (``ray stop`` wo
 every Ray process of the user). Jobs go through the real
 ``ray job submit`` CLI against the head's dashboard.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,24 @@ class LocalMultiNodeCluster:
     """Head + extra nodes on this machine; ``address`` is the dashboard URL for jobs."""
 
     def __init__(self, head_cpus: int = 2, head_resources: dict | None = None):
-        self.temp_dir = tempfile.mkdtemp(prefix="rc-")   # short: unix socket paths are limited
+        self.temp_dir = tempfile.mkdtemp(prefix="rc-")  # short: unix socket paths are limited
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.head_cpus = head_cpus
         self.head_resources = head_resources or {"head_node": 1}
         self.processes: list[subprocess.Popen] = []
         self.logs: list[str] = []
-        self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_TRAIN_V2_ENABLED="1",
-                        RAY_TRAIN_ENABLE_PRINT_PATCH="0", PYTHONUNBUFFERED="1")
+        self.env = dict(
+            os.environ,
+            RAY_AUTH_MODE="token",
+            RAY_TRAIN_V2_ENABLED="1",
+            RAY_TRAIN_ENABLE_PRINT_PATCH="0",
+            PYTHONUNBUFFERED="1",
+        )
         self.env.pop("RAY_ADDRESS", None)
-        subprocess.run([RAY, "get-auth-token", "--generate"], env=self.env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [RAY, "get-auth-token", "--generate"], env=self.env, check=True, capture_output=True
+        )
         with open(os.path.expanduser("~/.ray/auth_token")) as f:
             self.token = f.read().strip()
         self.node_ip = "127.0.0.1"
@@ -57,23 +64,41 @@ class LocalMultiNodeCluster:
     def _start(self, args: list[str], name: str) -> None:
         # every node of every cluster on this machine needs its own agent ports (the defaults
         # are fixed numbers, taken by the test session's own cluster)
-        args = args + [f"--dashboard-agent-listen-port={free_port()}",
-                       f"--dashboard-agent-grpc-port={free_port()}",
-                       f"--metrics-export-port={free_port()}",
-                       f"--runtime-env-agent-port={free_port()}"]
+        args = args + [
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+        ]
         log = os.path.join(self.temp_dir, f"{name}.log")
         self.logs.append(log)
         with open(log, "w") as out:
-            self.processes.append(subprocess.Popen(
-                [RAY, "start", "--block", *args], stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True))
+            self.processes.append(
+                subprocess.Popen(
+                    [RAY, "start", "--block", *args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                )
+            )
 
-    def start_head(self) -> "LocalMultiNodeCluster":
-        self._start(["--head", f"--node-ip-address={self.node_ip}", f"--port={self.gcs_port}",
-                     f"--dashboard-port={self.dashboard_port}", "--dashboard-host=127.0.0.1",
-                     f"--ray-client-server-port={free_port()}", f"--num-cpus={self.head_cpus}",
-                     f"--resources={json.dumps(self.head_resources)}", f"--temp-dir={self.temp_dir}",
-                     "--include-dashboard=true"], "head")
+    def start_head(self) -> LocalMultiNodeCluster:
+        self._start(
+            [
+                "--head",
+                f"--node-ip-address={self.node_ip}",
+                f"--port={self.gcs_port}",
+                f"--dashboard-port={self.dashboard_port}",
+                "--dashboard-host=127.0.0.1",
+                f"--ray-client-server-port={free_port()}",
+                f"--num-cpus={self.head_cpus}",
+                f"--resources={json.dumps(self.head_resources)}",
+                f"--temp-dir={self.temp_dir}",
+                "--include-dashboard=true",
+            ],
+            "head",
+        )
         self.wait_for_nodes(1)
         return self
 
@@ -84,14 +109,22 @@ class LocalMultiNodeCluster:
         name = f"node{len(self.processes)}"
         temp_dir = os.path.join(self.temp_dir, name)
         os.makedirs(temp_dir, exist_ok=True)
-        self._start([f"--address={self.node_ip}:{self.gcs_port}", f"--node-ip-address={self.node_ip}",
-                     f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}", f"--temp-dir={temp_dir}"],
-                    name)
+        self._start(
+            [
+                f"--address={self.node_ip}:{self.gcs_port}",
+                f"--node-ip-address={self.node_ip}",
+                f"--num-cpus={cpus}",
+                f"--resources={json.dumps(resources)}",
+                f"--temp-dir={temp_dir}",
+            ],
+            name,
+        )
         self.wait_for_nodes(len(self.processes))
 
     def _get(self, path: str):
-        request = urllib.request.Request(self.address + path,
-                                         headers={"Authorization": f"Bearer {self.token}"})
+        request = urllib.request.Request(
+            self.address + path, headers={"Authorization": f"Bearer {self.token}"}
+        )
         with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
@@ -104,9 +137,11 @@ class LocalMultiNodeCluster:
         deadline = time.time() + timeout
         last = None
         while time.time() < deadline:
-            for p, log in zip(self.processes, self.logs):
+            for p, log in zip(self.processes, self.logs, strict=False):
                 if p.poll() is not None:
-                    raise RuntimeError(f"ray start exited early ({p.returncode}):\n" + open(log).read()[-3000:])
+                    raise RuntimeError(
+                        f"ray start exited early ({p.returncode}):\n" + open(log).read()[-3000:]
+                    )
             try:
                 if len(self.nodes()) >= count:
                     return
@@ -123,11 +158,30 @@ class LocalMultiNodeCluster:
         deadline = time.time() + 60
         while True:
             out = subprocess.run(
-                [RAY, "job", "submit", "--address", self.address, "--working-dir", working_dir,
-                 "--submission-id", submission_id, "--no-wait", "--", *entrypoint],
-                env=self.env, capture_output=True, text=True, timeout=180)
-            if out.returncode == 0 or "No available agent" not in out.stdout + out.stderr \
-                    or time.time() > deadline:
+                [
+                    RAY,
+                    "job",
+                    "submit",
+                    "--address",
+                    self.address,
+                    "--working-dir",
+                    working_dir,
+                    "--submission-id",
+                    submission_id,
+                    "--no-wait",
+                    "--",
+                    *entrypoint,
+                ],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            if (
+                out.returncode == 0
+                or "No available agent" not in out.stdout + out.stderr
+                or time.time() > deadline
+            ):
                 break
             time.sleep(3.0)
         if out.returncode != 0:
@@ -140,8 +194,13 @@ class LocalMultiNodeCluster:
         return self._get(f"/api/jobs/{job_id}")["status"]
 
     def job_logs(self, job_id: str) -> str:
-        out = subprocess.run([RAY, "job", "logs", "--address", self.address, job_id],
-                             env=self.env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [RAY, "job", "logs", "--address", self.address, job_id],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return out.stdout + out.stderr
 
     def wait_for_job(self, job_id: str, timeout: float) -> tuple[str, list[str]]:

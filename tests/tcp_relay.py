@@ -2,6 +2,7 @@
 
 Lets `ray up` reach a test sshd on a free port: Ray's local provider always connects to the
 default SSH port of head_ip, unless a ProxyCommand says otherwise."""
+
 import os
 import selectors
 import socket
@@ -27,7 +28,7 @@ def main() -> None:
                 if not data:
                     return
                 while data:
-                    data = data[os.write(sys.stdout.fileno(), data):]
+                    data = data[os.write(sys.stdout.fileno(), data) :]
 
 
 if __name__ == "__main__":

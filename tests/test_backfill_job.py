@@ -1,4 +1,5 @@
 """jobs/simulate_backfill.py on tiny parquet files, run as a subprocess: a good run and each bad input."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,20 @@ def vec_col(a: np.ndarray) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1])
 
 
-def write_parquet(path, *, n_gallery=60, n_query=8, d_old=8, d_new=12, drop=None, nan_ids=(),
-                  no_gallery=False, bad_new_dim=False, adapted=True, seed=0):
+def write_parquet(
+    path,
+    *,
+    n_gallery=60,
+    n_query=8,
+    d_old=8,
+    d_new=12,
+    drop=None,
+    nan_ids=(),
+    no_gallery=False,
+    bad_new_dim=False,
+    adapted=True,
+    seed=0,
+):
     rng = np.random.default_rng(seed)
     n = n_gallery + n_query
     labels = np.concatenate([rng.integers(0, 5, n_gallery), rng.integers(0, 5, n_query)])
@@ -33,11 +46,18 @@ def write_parquet(path, *, n_gallery=60, n_query=8, d_old=8, d_new=12, drop=None
     ids = np.arange(1000, 1000 + n, dtype=np.int64)
     for i in nan_ids:
         new[list(ids).index(i), 2] = np.nan
-    cols = {"item_id": pa.array(ids), "label": pa.array(labels), "split": pa.array(split),
-            "old": vec_col(old), "new": vec_col(new)}
+    cols = {
+        "item_id": pa.array(ids),
+        "label": pa.array(labels),
+        "split": pa.array(split),
+        "old": vec_col(old),
+        "new": vec_col(new),
+    }
     if bad_new_dim:
-        cols["new"] = pa.array([list(map(float, r[: d_new - (i == 3)])) for i, r in enumerate(new)],
-                               type=pa.list_(pa.float32()))
+        cols["new"] = pa.array(
+            [list(map(float, r[: d_new - (i == 3)])) for i, r in enumerate(new)],
+            type=pa.list_(pa.float32()),
+        )
     if adapted:
         cols["adapted"] = vec_col(new + 0.1 * rng.standard_normal(new.shape).astype(np.float32))
     if drop:
@@ -48,18 +68,27 @@ def write_parquet(path, *, n_gallery=60, n_query=8, d_old=8, d_new=12, drop=None
 
 def run_job(*args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, JOB, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, JOB, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def make_bundle(path, d_new=12, d_old=8):
     import torch
+
     from raycompat.models import ClassifierHead, Embedder, ModelBundle, ProjectionMLP
 
     torch.manual_seed(0)
-    modules = {"embedder": Embedder("test_resnet", d_new, in_chans=1),
-               "head": ClassifierHead(d_new, 5, kind="cosface"),
-               "psi": ProjectionMLP(d_old, d_new, hidden_dim=16, num_blocks=1, role="psi")}
+    modules = {
+        "embedder": Embedder("test_resnet", d_new, in_chans=1),
+        "head": ClassifierHead(d_new, 5, kind="cosface"),
+        "psi": ProjectionMLP(d_old, d_new, hidden_dim=16, num_blocks=1, role="psi"),
+    }
     ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": 16}).save(str(path))
     return path
 
@@ -68,8 +97,20 @@ def test_good_run_writes_every_report(tmp_path):
     emb = write_parquet(tmp_path / "emb.parquet")
     model = make_bundle(tmp_path / "new_model")
     out = tmp_path / "out"
-    r = run_job("--embeddings", emb, "--new-model", model, "--grid-step", 25, "--k", 10,
-                "--gpus", 2, "--out", out)
+    r = run_job(
+        "--embeddings",
+        emb,
+        "--new-model",
+        model,
+        "--grid-step",
+        25,
+        "--k",
+        10,
+        "--gpus",
+        2,
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert "report:" in r.stdout
     data = json.loads((out / "curves.json").read_text())
@@ -89,25 +130,46 @@ def test_good_run_writes_every_report(tmp_path):
 def test_given_rate_and_explicit_names(tmp_path):
     emb = write_parquet(tmp_path / "emb.parquet", adapted=False)
     out = tmp_path / "out"
-    r = run_job("--embeddings", emb, "--policies", "random,sequential", "--modes", "compatible,cold",
-                "--items-per-s-per-gpu", 5, "--grid-step", 50, "--k", 5, "--no-plots", "--quiet",
-                "--out", out)
+    r = run_job(
+        "--embeddings",
+        emb,
+        "--policies",
+        "random,sequential",
+        "--modes",
+        "compatible,cold",
+        "--items-per-s-per-gpu",
+        5,
+        "--grid-step",
+        50,
+        "--k",
+        5,
+        "--no-plots",
+        "--quiet",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     data = json.loads((out / "curves.json").read_text())
     assert data["policies"] == ["random", "sequential"] and data["modes"] == ["compatible", "cold"]
     c = data["curves"][0]
-    assert c["seconds"][-1] == pytest.approx(60 / 5)          # 60 gallery items at 5 items/s
+    assert c["seconds"][-1] == pytest.approx(60 / 5)  # 60 gallery items at 5 items/s
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("missing_column", "missing column(s) ['old']"),
-    ("dim_mismatch", "dimension mismatch in column 'new'"),
-    ("unknown_policy", "unknown policy 'fastest'; allowed: random, sequential"),
-    ("unknown_mode", "unknown mode 'lukewarm'; allowed: compatible, adapted, rank_merge, naive_merge, cold"),
-    ("empty_gallery", "empty gallery"),
-    ("nan", "NaN or inf embeddings in gallery_new for 1 item(s), item ids [1005]"),
-    ("no_file", "embeddings not found"),
-])
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("missing_column", "missing column(s) ['old']"),
+        ("dim_mismatch", "dimension mismatch in column 'new'"),
+        ("unknown_policy", "unknown policy 'fastest'; allowed: random, sequential"),
+        (
+            "unknown_mode",
+            "unknown mode 'lukewarm'; allowed: compatible, adapted, rank_merge, naive_merge, cold",
+        ),
+        ("empty_gallery", "empty gallery"),
+        ("nan", "NaN or inf embeddings in gallery_new for 1 item(s), item ids [1005]"),
+        ("no_file", "embeddings not found"),
+    ],
+)
 def test_bad_input_names_the_problem(tmp_path, case, expect):
     path = tmp_path / "emb.parquet"
     args = []
@@ -123,7 +185,11 @@ def test_bad_input_names_the_problem(tmp_path, case, expect):
         path = tmp_path / "missing.parquet"
     else:
         write_parquet(path)
-        args = ["--policies", "random,fastest"] if case == "unknown_policy" else ["--modes", "lukewarm"]
+        args = (
+            ["--policies", "random,fastest"]
+            if case == "unknown_policy"
+            else ["--modes", "lukewarm"]
+        )
     r = run_job("--embeddings", path, "--out", tmp_path / "out", *args)
     assert r.returncode == 2
     assert expect in r.stderr
@@ -132,15 +198,25 @@ def test_bad_input_names_the_problem(tmp_path, case, expect):
     assert len(err_lines) == 1
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--polices", "random"], "unrecognized arguments: --polices"),
-    (["--grid", "25"], "unrecognized arguments: --grid"),          # no abbreviations
-    (["--k", "0"], "option 'k' = 0 must be >= 1"),
-    (["--gpus", "two"], "option 'gpus' must be an integer, got 'two'"),
-    (["--rank-merge-distance", "l1"], "option 'rank_merge_distance' = 'l1' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--polices", "random"], "unrecognized arguments: --polices"),
+        (["--grid", "25"], "unrecognized arguments: --grid"),  # no abbreviations
+        (["--k", "0"], "option 'k' = 0 must be >= 1"),
+        (["--gpus", "two"], "option 'gpus' must be an integer, got 'two'"),
+        (["--rank-merge-distance", "l1"], "option 'rank_merge_distance' = 'l1' is not allowed"),
+    ],
+)
 def test_bad_flag_exits_2_before_reading_anything(tmp_path, args, named):
-    r = run_job("--embeddings", tmp_path / "never_read.parquet", "--out", tmp_path / "out", *args, timeout=60)
+    r = run_job(
+        "--embeddings",
+        tmp_path / "never_read.parquet",
+        "--out",
+        tmp_path / "out",
+        *args,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout == ""
     assert named in r.stderr and "error:" in r.stderr and "Traceback" not in r.stderr
@@ -157,20 +233,30 @@ def test_bundle_modules_fill_the_adapted_and_rank_merge_arrays():
     import types
 
     import torch
-    from raycompat.backfill import GalleryEmbeddings, apply_bundle_modules, available_modes, simulate_backfill
+
+    from raycompat.backfill import (
+        GalleryEmbeddings,
+        apply_bundle_modules,
+        available_modes,
+        simulate_backfill,
+    )
     from raycompat.models import ProjectionMLP
 
     torch.manual_seed(0)
-    mods = {"psi": ProjectionMLP(8, 12, hidden_dim=16, num_blocks=1).eval(),
-            "rho": ProjectionMLP(12, 6, hidden_dim=16, num_blocks=1, role="rho").eval(),
-            "psi_rev": ProjectionMLP(6, 8, hidden_dim=16, num_blocks=1, role="psi_rev").eval()}
+    mods = {
+        "psi": ProjectionMLP(8, 12, hidden_dim=16, num_blocks=1).eval(),
+        "rho": ProjectionMLP(12, 6, hidden_dim=16, num_blocks=1, role="rho").eval(),
+        "psi_rev": ProjectionMLP(6, 8, hidden_dim=16, num_blocks=1, role="psi_rev").eval(),
+    }
     rng = np.random.default_rng(0)
     data = GalleryEmbeddings(
-        gallery_labels=rng.integers(0, 4, 50), query_labels=rng.integers(0, 4, 6),
+        gallery_labels=rng.integers(0, 4, 50),
+        query_labels=rng.integers(0, 4, 6),
         gallery_old=rng.standard_normal((50, 8)).astype(np.float32),
         gallery_new=rng.standard_normal((50, 12)).astype(np.float32),
         query_old=rng.standard_normal((6, 8)).astype(np.float32),
-        query_new=rng.standard_normal((6, 12)).astype(np.float32))
+        query_new=rng.standard_normal((6, 12)).astype(np.float32),
+    )
     out = apply_bundle_modules(data, types.SimpleNamespace(modules=mods))
     with torch.no_grad():
         psi = mods["psi"](torch.from_numpy(data.gallery_old)).numpy()
@@ -178,10 +264,18 @@ def test_bundle_modules_fill_the_adapted_and_rank_merge_arrays():
         rev = mods["psi_rev"](rho_q).numpy()
     np.testing.assert_allclose(out.gallery_adapted, psi, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out.query_rev, rev, rtol=1e-5, atol=1e-6)
-    assert set(available_modes(out)) == {"compatible", "adapted", "rank_merge", "naive_merge", "cold"}
+    assert set(available_modes(out)) == {
+        "compatible",
+        "adapted",
+        "rank_merge",
+        "naive_merge",
+        "cold",
+    }
     r = simulate_backfill(out, ["random"], ["adapted", "rank_merge"], grid_step=50, k=5)
     assert [c.mode for c in r.curves] == ["adapted", "rank_merge"]
-    r2 = simulate_backfill(out, ["random"], ["rank_merge"], grid_step=50, k=5, rank_merge_distance="sq_l2_raw")
+    r2 = simulate_backfill(
+        out, ["random"], ["rank_merge"], grid_step=50, k=5, rank_merge_distance="sq_l2_raw"
+    )
     assert np.isfinite(r2.curves[0].metrics["mAP"]).all()
 
 
@@ -190,8 +284,21 @@ def test_reports_go_to_storage_uri(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     write_parquet(store / "emb.parquet")
-    res = run_job(*["--embeddings", f"file://{store}/emb.parquet", "--storage", f"file://{store}",
-                   "--name", "exp1", "--policies", "random", "--modes", "compatible", "--no-plots"])
+    res = run_job(
+        *[
+            "--embeddings",
+            f"file://{store}/emb.parquet",
+            "--storage",
+            f"file://{store}",
+            "--name",
+            "exp1",
+            "--policies",
+            "random",
+            "--modes",
+            "compatible",
+            "--no-plots",
+        ]
+    )
     assert res.returncode == 0, res.stderr
     assert f"file://{store}/backfill/exp1/curves.json" in res.stdout
     assert json.loads((store / "backfill" / "exp1" / "curves.json").read_text())["n_items"] == 60

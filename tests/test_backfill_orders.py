@@ -1,5 +1,6 @@
 """One policy registry for offline and live backfill: the simulator's order equals the live
 controller's order, element for element, for every registered policy and served mode."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,15 @@ import pytest
 
 from raycompat.backfill import BackfillInputError, GalleryEmbeddings, simulate_backfill
 from raycompat.backfill.modes import MODES, SERVED_MODES, available_modes, mode_spec
-from raycompat.backfill.policies import (POLICIES, Policy, PolicyInputs, UncertaintyHead, available_policies,
-                                         parse_policies, policy_order)
+from raycompat.backfill.policies import (
+    POLICIES,
+    Policy,
+    PolicyInputs,
+    UncertaintyHead,
+    available_policies,
+    parse_policies,
+    policy_order,
+)
 from raycompat.serving.gallery_source import GallerySource, ParquetGallery, write_gallery_parquet
 from raycompat.serving.orders import policy_order_ids
 
@@ -26,13 +34,18 @@ def synthetic(seed=0, n=240, n_q=24, d_old=6, d_new=8, n_labels=8):
     qn = unit(mu[ql] + 0.3 * rng.standard_normal((n_q, d_new)))
     qo = unit(mu[ql, :d_old] + 0.8 * rng.standard_normal((n_q, d_old)))
     data = GalleryEmbeddings(
-        gallery_labels=gl, query_labels=ql, query_old=qo, query_new=qn, gallery_new=gn,
+        gallery_labels=gl,
+        query_labels=ql,
+        query_old=qo,
+        query_new=qn,
+        gallery_new=gn,
         gallery_old=unit(mu[gl, :d_old] + 0.8 * rng.standard_normal((n, d_old))),
         gallery_adapted=unit(gn + 0.5 * rng.standard_normal((n, d_new))),
         gallery_rho=unit(gn[:, :5] + 0.2 * rng.standard_normal((n, 5))),
         query_rho=unit(qn[:, :5] + 0.2 * rng.standard_normal((n_q, 5))),
         query_rev=unit(qo + 0.3 * rng.standard_normal((n_q, d_old))),
-        gallery_ids=rng.permutation(10 * n)[:n])            # ids are not row numbers
+        gallery_ids=rng.permutation(10 * n)[:n],
+    )  # ids are not row numbers
     head = UncertaintyHead(weight=mu.astype(np.float64), kind="cosface", scale=10.0)
     return data, head
 
@@ -50,16 +63,28 @@ class MemoryGallery(GallerySource):
 @pytest.mark.parametrize("seed", [0, 5])
 def test_simulator_order_equals_live_order_for_every_policy_and_served_mode(seed):
     data, head = synthetic(seed)
-    sim = simulate_backfill(data, POLICIES, SERVED_MODES, head=head, seed=seed, grid_step=50, k=10,
-                            learned_sample_fraction=0.1)
+    sim = simulate_backfill(
+        data,
+        POLICIES,
+        SERVED_MODES,
+        head=head,
+        seed=seed,
+        grid_step=50,
+        k=10,
+        learned_sample_fraction=0.1,
+    )
     source = MemoryGallery(data)
     for policy in available_policies():
         for mode in SERVED_MODES:
-            live = policy_order_ids(policy, source, mode=mode, seed=seed, head=head, learned_sample_fraction=0.1)
+            live = policy_order_ids(
+                policy, source, mode=mode, seed=seed, head=head, learned_sample_fraction=0.1
+            )
             want = data.gallery_ids[sim.orders[(policy, mode)]]
             assert live.dtype == np.int64 and np.array_equal(live, want), (policy, mode)
     # oracle depends on the mode, the others do not
-    assert not np.array_equal(sim.orders[("oracle", "compatible")], sim.orders[("oracle", "rank_merge")])
+    assert not np.array_equal(
+        sim.orders[("oracle", "compatible")], sim.orders[("oracle", "rank_merge")]
+    )
     assert np.array_equal(sim.orders[("random", "compatible")], sim.orders[("random", "adapted")])
 
 
@@ -67,8 +92,15 @@ def test_live_order_from_a_parquet_gallery(tmp_path):
     data, head = synthetic(1)
     path = write_gallery_parquet(str(tmp_path / "g.parquet"), data)
     source = ParquetGallery(path)
-    sim = simulate_backfill(data, ["uncertainty:margin", "learned", "oracle"], ["compatible", "naive_merge"],
-                            head=head, seed=3, grid_step=50, k=10)
+    sim = simulate_backfill(
+        data,
+        ["uncertainty:margin", "learned", "oracle"],
+        ["compatible", "naive_merge"],
+        head=head,
+        seed=3,
+        grid_step=50,
+        k=10,
+    )
     for (policy, mode), order in sim.orders.items():
         live = policy_order_ids(policy, source, mode=mode, seed=3, head=head)
         assert np.array_equal(live, data.gallery_ids[order]), (policy, mode)
@@ -82,8 +114,9 @@ def test_policies_that_need_only_n_work_without_embeddings():
             return np.arange(100, 107)
 
     assert np.array_equal(policy_order_ids("sequential", IdsOnly()), np.arange(100, 107))
-    assert np.array_equal(policy_order_ids("random", IdsOnly(), seed=2),
-                          100 + np.random.default_rng(2).permutation(7))
+    assert np.array_equal(
+        policy_order_ids("random", IdsOnly(), seed=2), 100 + np.random.default_rng(2).permutation(7)
+    )
     with pytest.raises(BackfillInputError, match="'oracle' needs the gallery's embeddings"):
         policy_order_ids("oracle", IdsOnly())
 
@@ -98,17 +131,35 @@ def test_unknown_policy_names_it_and_lists_the_registry():
 
 
 def test_registries_derive_the_name_lists():
-    assert POLICIES == tuple(available_policies()) == (
-        "random", "sequential", "uncertainty:least_confidence", "uncertainty:margin", "uncertainty:entropy",
-        "oracle", "learned")
-    assert all(issubclass(cls, Policy) and cls.name == name for name, cls in available_policies().items())
+    assert (
+        POLICIES
+        == tuple(available_policies())
+        == (
+            "random",
+            "sequential",
+            "uncertainty:least_confidence",
+            "uncertainty:margin",
+            "uncertainty:entropy",
+            "oracle",
+            "learned",
+        )
+    )
+    assert all(
+        issubclass(cls, Policy) and cls.name == name for name, cls in available_policies().items()
+    )
     assert MODES == ("compatible", "adapted", "rank_merge", "naive_merge", "cold")
-    assert SERVED_MODES == tuple(m for m in MODES if mode_spec(m).served) and "cold" not in SERVED_MODES
+    assert (
+        SERVED_MODES == tuple(m for m in MODES if mode_spec(m).served)
+        and "cold" not in SERVED_MODES
+    )
     assert mode_spec("rank_merge", "sq_l2_raw").old_side == "rev-old:l2raw"
     data, _ = synthetic(0)
     assert available_modes(data) == MODES
     assert available_modes(data.with_arrays(gallery_adapted=None, query_rev=None)) == (
-        "compatible", "naive_merge", "cold")
+        "compatible",
+        "naive_merge",
+        "cold",
+    )
 
 
 def test_missing_inputs_are_named_by_both_callers():
@@ -117,7 +168,13 @@ def test_missing_inputs_are_named_by_both_callers():
         policy_order_ids("uncertainty:entropy", MemoryGallery(data))
     with pytest.raises(BackfillInputError, match="classifier head"):
         simulate_backfill(data, ["uncertainty:entropy"], ["compatible"])
-    no_target = data.with_arrays(gallery_new=None, query_new=None, query_rho=None, query_rev=None,
-                                 gallery_rho=None, gallery_adapted=None)
+    no_target = data.with_arrays(
+        gallery_new=None,
+        query_new=None,
+        query_rho=None,
+        query_rev=None,
+        gallery_rho=None,
+        gallery_adapted=None,
+    )
     with pytest.raises(BackfillInputError, match="'learned' needs gallery_new"):
         policy_order_ids("learned", MemoryGallery(no_target))

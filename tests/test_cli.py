@@ -1,5 +1,6 @@
 """The ``raycompat`` console command: its help lists every job, an unknown job or a bad option
 of a job exits 2 with ``error:`` on stderr (no Ray started, no traceback)."""
+
 from __future__ import annotations
 
 import os
@@ -11,13 +12,27 @@ import pytest
 from raycompat.cli import JOBS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NINE_JOBS = ("quickstart", "reproduce", "train", "train-old", "train-ract", "embed-gallery",
-             "simulate-backfill", "hot-refresh", "serve-index")
+NINE_JOBS = (
+    "quickstart",
+    "reproduce",
+    "train",
+    "train-old",
+    "train-ract",
+    "embed-gallery",
+    "simulate-backfill",
+    "hot-refresh",
+    "serve-index",
+)
 
 
 def raycompat(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raycompat.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "raycompat.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_help_lists_every_job_with_its_summary():
@@ -34,11 +49,14 @@ def test_unknown_job_prints_usage_and_exits_2():
     assert "error: unknown job 'trian'" in proc.stderr and "train-old" in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (("quickstart", "--train-clases", "3"), "unrecognized arguments: --train-clases"),
-    (("train-ract", "--head", "foo"), "option 'head' = 'foo' is not allowed"),
-    (("reproduce", "--scale", "huge"), "option 'scale' = 'huge' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("quickstart", "--train-clases", "3"), "unrecognized arguments: --train-clases"),
+        (("train-ract", "--head", "foo"), "option 'head' = 'foo' is not allowed"),
+        (("reproduce", "--scale", "huge"), "option 'scale' = 'huge' is not allowed"),
+    ],
+)
 def test_bad_option_of_a_job_exits_2(args, message):
     proc = raycompat(*args)
     assert proc.returncode == 2, proc.stdout[-2000:]

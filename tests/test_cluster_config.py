@@ -1,4 +1,5 @@
 """cluster.yaml and the on-prem variant against the autoscaler schema and checks shipped with Ray."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,11 @@ def test_config_passes_rays_validator(name):
 def test_gpu_cluster_has_gpu_worker_types_with_bounds():
     config = _load("cluster.yaml")
     assert config["provider"]["type"] not in ("local", "fake_multinode")
-    gpu_types = {name: t for name, t in config["available_node_types"].items()
-                 if t["resources"].get("GPU", 0) > 0}
+    gpu_types = {
+        name: t
+        for name, t in config["available_node_types"].items()
+        if t["resources"].get("GPU", 0) > 0
+    }
     assert gpu_types and config["head_node_type"] not in gpu_types
     for t in gpu_types.values():
         assert 0 <= t["min_workers"] <= t["max_workers"] <= config["max_workers"]
@@ -44,16 +48,18 @@ def test_onprem_config_lists_machines():
     config = _load(os.path.join("deploy", "cluster-onprem.yaml"))
     assert config["provider"]["type"] == "local"
     prepared = prepare_config(config)
-    (node_type,) = prepared["available_node_types"].values()   # one type: the listed machines
-    assert node_type["min_workers"] == node_type["max_workers"] == len(config["provider"]["worker_ips"])
+    (node_type,) = prepared["available_node_types"].values()  # one type: the listed machines
+    assert (
+        node_type["min_workers"]
+        == node_type["max_workers"]
+        == len(config["provider"]["worker_ips"])
+    )
 
 
 def test_validator_rejects_a_broken_config():
     """The check above can fail: an unknown top-level key is refused by the schema."""
     import jsonschema
-    from ray.autoscaler._private.util import validate_config
-
-    from ray.autoscaler._private.util import prepare_config
+    from ray.autoscaler._private.util import prepare_config, validate_config
 
     config = prepare_config(_load("cluster.yaml"))
     config["max_wrokers"] = 3

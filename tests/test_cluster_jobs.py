@@ -8,6 +8,7 @@ new-embedder actors ask for the head's custom resource and its old-embedder acto
 second node's, so its embedding work must run on both nodes; every shard records the node ids
 of each embedding stage.
 """
+
 from __future__ import annotations
 
 import glob
@@ -16,13 +17,29 @@ import os
 
 import pyarrow.parquet as pq
 import pytest
-
 from multinode import LocalMultiNodeCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--backbone", "test_resnet", "--embed-dim", "16", "--epochs", "1", "--train-classes", "12",
-        "--images-per-class", "8", "--eval-classes", "4", "--gallery-per-class", "2",
-        "--distractor-classes", "2", "--batch-size", "16"]
+TINY = [
+    "--backbone",
+    "test_resnet",
+    "--embed-dim",
+    "16",
+    "--epochs",
+    "1",
+    "--train-classes",
+    "12",
+    "--images-per-class",
+    "8",
+    "--eval-classes",
+    "4",
+    "--gallery-per-class",
+    "2",
+    "--distractor-classes",
+    "2",
+    "--batch-size",
+    "16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,26 +58,43 @@ def _run_job(cluster, name: str, entrypoint: list[str], timeout: float = 600) ->
     status, seen = cluster.wait_for_job(job_id, timeout)
     logs = cluster.job_logs(job_id)
     assert status == "SUCCEEDED", f"{name}: {seen}\n{logs[-4000:]}"
-    assert seen[0] in ("PENDING", "RUNNING")    # it was polled while it ran
+    assert seen[0] in ("PENDING", "RUNNING")  # it was polled while it ran
     return logs
 
 
 def test_two_nodes_joined(two_node_cluster):
     nodes = two_node_cluster.nodes()
     assert len(nodes) == 2
-    custom = sorted(k for n in nodes for k in n["resources_total"] if k in ("head_node", "second_node"))
+    custom = sorted(
+        k for n in nodes for k in n["resources_total"] if k in ("head_node", "second_node")
+    )
     assert custom == ["head_node", "second_node"]
 
 
 def test_train_ract_job_runs_on_both_nodes(two_node_cluster, tmp_path):
     store = tmp_path / "store"
-    logs = _run_job(two_node_cluster, "train-ract", [
-        "python", "jobs/train_ract.py", *TINY, "--workers", "2", "--cpus-per-worker", "2",
-        "--storage", str(store), "--out", str(store / "models" / "ract")])
+    logs = _run_job(
+        two_node_cluster,
+        "train-ract",
+        [
+            "python",
+            "jobs/train_ract.py",
+            *TINY,
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "2",
+            "--storage",
+            str(store),
+            "--out",
+            str(store / "models" / "ract"),
+        ],
+    )
     manifest = json.loads((store / "models" / "ract" / "manifest.json").read_text())
     assert manifest["method"] == "ract" and manifest["predecessor"]
-    histories = glob.glob(str(store / "ract-*" / "checkpoint_*" / "history.json")) + \
-        glob.glob(str(store / "**" / "history.json"), recursive=True)
+    histories = glob.glob(str(store / "ract-*" / "checkpoint_*" / "history.json")) + glob.glob(
+        str(store / "**" / "history.json"), recursive=True
+    )
     assert histories, f"no history.json under {store}\n{logs[-2000:]}"
     node_ids = {n["node_id"] for n in two_node_cluster.nodes()}
     for path in set(histories):
@@ -74,18 +108,47 @@ def test_simulate_backfill_job(two_node_cluster, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     embeddings = write_parquet(store / "embeddings.parquet")
-    _run_job(two_node_cluster, "simulate-backfill", [
-        "python", "jobs/simulate_backfill.py", "--embeddings", str(embeddings),
-        "--policies", "random,sequential", "--modes", "compatible,cold",
-        "--items-per-s-per-gpu", "100", "--out", str(store / "backfill")], timeout=300)
+    _run_job(
+        two_node_cluster,
+        "simulate-backfill",
+        [
+            "python",
+            "jobs/simulate_backfill.py",
+            "--embeddings",
+            str(embeddings),
+            "--policies",
+            "random,sequential",
+            "--modes",
+            "compatible,cold",
+            "--items-per-s-per-gpu",
+            "100",
+            "--out",
+            str(store / "backfill"),
+        ],
+        timeout=300,
+    )
     curves = json.loads((store / "backfill" / "curves.json").read_text())
-    assert {(c["policy"], c["mode"]) for c in curves["curves"]} >= {("random", "compatible"),
-                                                                     ("sequential", "compatible")}
+    assert {(c["policy"], c["mode"]) for c in curves["curves"]} >= {
+        ("random", "compatible"),
+        ("sequential", "compatible"),
+    }
     assert glob.glob(str(store / "backfill" / "*.png"))
 
 
-GALLERY_SCENARIO = ["--train-classes", "10", "--eval-classes", "4", "--queries-per-class", "1",
-                    "--gallery-per-class", "3", "--distractor-classes", "3", "--distractors-per-class", "2"]
+GALLERY_SCENARIO = [
+    "--train-classes",
+    "10",
+    "--eval-classes",
+    "4",
+    "--queries-per-class",
+    "1",
+    "--gallery-per-class",
+    "3",
+    "--distractor-classes",
+    "3",
+    "--distractors-per-class",
+    "2",
+]
 
 
 def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
@@ -94,25 +157,64 @@ def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
     embedder actors pinned to the head / second node by custom resources."""
     items, chunk = 120, 40
     store = f"file://{tmp_path}/store"
-    logs = _run_job(two_node_cluster, "embed-gallery", [
-        "python", "jobs/embed_gallery.py", "--random-init", str(tmp_path / "models"), "--storage", store,
-        "--name", "tiny", "--columns", "old,new", "--items", str(items), *GALLERY_SCENARIO,
-        "--chunk-size", str(chunk), "--render-batch-size", "16", "--preprocess-batch-size", "16",
-        "--new-batch-size", "16", "--old-batch-size", "16", "--progress-every", "1000",
-        "--new-resources", json.dumps({"head_node": 0.01}), "--old-resources", json.dumps({"second_node": 0.01})],
-        timeout=300)
+    logs = _run_job(
+        two_node_cluster,
+        "embed-gallery",
+        [
+            "python",
+            "jobs/embed_gallery.py",
+            "--random-init",
+            str(tmp_path / "models"),
+            "--storage",
+            store,
+            "--name",
+            "tiny",
+            "--columns",
+            "old,new",
+            "--items",
+            str(items),
+            *GALLERY_SCENARIO,
+            "--chunk-size",
+            str(chunk),
+            "--render-batch-size",
+            "16",
+            "--preprocess-batch-size",
+            "16",
+            "--new-batch-size",
+            "16",
+            "--old-batch-size",
+            "16",
+            "--progress-every",
+            "1000",
+            "--new-resources",
+            json.dumps({"head_node": 0.01}),
+            "--old-resources",
+            json.dumps({"second_node": 0.01}),
+        ],
+        timeout=300,
+    )
     out = tmp_path / "store" / "embeddings" / "tiny"
     shards = sorted(glob.glob(str(out / "part-*.parquet")))
-    assert len(shards) == items // chunk, f"{os.listdir(out) if out.is_dir() else 'no output'}\n{logs[-3000:]}"
+    assert len(shards) == items // chunk, (
+        f"{os.listdir(out) if out.is_dir() else 'no output'}\n{logs[-3000:]}"
+    )
     assert {"_manifest.json", "_summary.json"} <= set(os.listdir(out))
     table = pq.read_table(f"{store}/embeddings/tiny").sort_by("item_id")
-    assert table.column("item_id").to_pylist() == list(range(items))   # every id exactly once
+    assert table.column("item_id").to_pylist() == list(range(items))  # every id exactly once
     assert [(f.name, str(f.type)) for f in table.schema] == [
-        ("item_id", "int64"), ("label", "int64"), ("split", "string"),
-        ("old", "fixed_size_list<element: float>[64]"), ("new", "fixed_size_list<element: float>[128]")]
+        ("item_id", "int64"),
+        ("label", "int64"),
+        ("split", "string"),
+        ("old", "fixed_size_list<element: float>[64]"),
+        ("new", "fixed_size_list<element: float>[128]"),
+    ]
     assert sorted(set(table.column("split").to_pylist())) == ["distractor", "gallery", "query"]
-    by_resource = {r: n["node_id"] for n in two_node_cluster.nodes() for r in n["resources_total"]
-                   if r in ("head_node", "second_node")}
+    by_resource = {
+        r: n["node_id"]
+        for n in two_node_cluster.nodes()
+        for r in n["resources_total"]
+        if r in ("head_node", "second_node")
+    }
     head, second = by_resource["head_node"], by_resource["second_node"]
     for path in shards:
         nodes = json.loads(pq.read_metadata(path).metadata[b"raycompat.chunk"])["nodes"]
@@ -136,30 +238,65 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, tmp_path):
     port = free_port()
     token = tmp_path / "token"
     token.write_text("cluster-secret-0123456789\n")
-    logs = _run_job(two_node_cluster, "serve-index", [
-        "python", "jobs/serve_index.py", "--gallery", "synthetic:300:8:12:5", "--num-shards", "2",
-        "--port", str(port), "--state-dir", str(tmp_path / "state"), "--token-file", str(token),
-        "--app-name", "cluster_index", "--no-fsync"], timeout=300)
+    logs = _run_job(
+        two_node_cluster,
+        "serve-index",
+        [
+            "python",
+            "jobs/serve_index.py",
+            "--gallery",
+            "synthetic:300:8:12:5",
+            "--num-shards",
+            "2",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--token-file",
+            str(token),
+            "--app-name",
+            "cluster_index",
+            "--no-fsync",
+        ],
+        timeout=300,
+    )
     assert "the index keeps running" in logs, logs[-3000:]
     base = f"http://127.0.0.1:{port}"
 
     def call(path, body=None, auth=False):
-        req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": "Bearer cluster-secret-0123456789"} if auth else {})})
+        req = urllib.request.Request(
+            base + path,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": "Bearer cluster-secret-0123456789"} if auth else {}),
+            },
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
-    status = call("/status")                              # the job has ended: the index still answers
+    status = call("/status")  # the job has ended: the index still answers
     assert status["items"]["old"] == 300 and status["items"]["new"] == 0, status
     hits = call("/search", {"vectors": [[1.0] + [0.0] * 11], "k": 3})["results"][0]
     assert len(hits) == 3 and all(h["representation"] == "old" for h in hits)
-    up = call("/admin/upsert", {"items": [{"id": hits[0]["id"], "representation": "new",
-                                           "vector": [1.0] + [0.0] * 11}]}, auth=True)
+    up = call(
+        "/admin/upsert",
+        {"items": [{"id": hits[0]["id"], "representation": "new", "vector": [1.0] + [0.0] * 11}]},
+        auth=True,
+    )
     assert up["applied"] == 1, up
-    assert call("/search", {"vectors": [[1.0] + [0.0] * 11], "k": 1})["results"][0][0]["representation"] == "new"
-    _run_job(two_node_cluster, "serve-index-stop", ["python", "jobs/serve_index.py", "--stop", "--app-name",
-                                                    "cluster_index"], timeout=120)
+    assert (
+        call("/search", {"vectors": [[1.0] + [0.0] * 11], "k": 1})["results"][0][0][
+            "representation"
+        ]
+        == "new"
+    )
+    _run_job(
+        two_node_cluster,
+        "serve-index-stop",
+        ["python", "jobs/serve_index.py", "--stop", "--app-name", "cluster_index"],
+        timeout=120,
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         call("/status")
     assert err.value.code == 404

@@ -1,4 +1,5 @@
 """GlyphDataset over scenario splits."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,15 @@ from raycompat.data import GlyphDataset, GlyphRenderer, build_scenario, default_
 
 def test_glyph_dataset():
     catalog = default_catalog()
-    s = build_scenario("open-data", catalog=catalog, num_train_classes=5, images_per_class=4,
-                       num_eval_classes=3, num_distractor_classes=0, distractors_per_class=0)
+    s = build_scenario(
+        "open-data",
+        catalog=catalog,
+        num_train_classes=5,
+        images_per_class=4,
+        num_eval_classes=3,
+        num_distractor_classes=0,
+        distractors_per_class=0,
+    )
     split = s["new_train"]
     ds = GlyphDataset(split, catalog=catalog, resolution=32, seed=1)
     assert len(ds) == len(split) == 15

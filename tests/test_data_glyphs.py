@@ -1,4 +1,5 @@
 """The built-in glyph catalog (pixel-based exclusions) and the renderer."""
+
 from __future__ import annotations
 
 import json
@@ -58,11 +59,15 @@ def test_notdef_rendering_is_not_a_class_glyph(catalog):
         notdef = G._raw_key(G.render_ink(path, G.NOTDEF_PROBE, G.DETECT_SIZE))
         classes = [i for i in range(0, catalog.num_classes, 7) if f in catalog.fonts_for_class(i)]
         for i in classes[:40]:
-            assert G._raw_key(G.render_ink(path, int(catalog.codepoints[i]), G.DETECT_SIZE)) != notdef
+            assert (
+                G._raw_key(G.render_ink(path, int(catalog.codepoints[i]), G.DETECT_SIZE)) != notdef
+            )
 
 
 def test_no_blank_class(catalog):
-    assert catalog.exclusions["blank_classes"], "space-like code points should have been found blank"
+    assert catalog.exclusions["blank_classes"], (
+        "space-like code points should have been found blank"
+    )
     assert ord(" ") in catalog.exclusions["blank_classes"]
     for i in range(catalog.num_classes):
         f = int(catalog.fonts_for_class(i)[i % len(catalog.fonts_for_class(i))])
@@ -70,12 +75,18 @@ def test_no_blank_class(catalog):
         assert img is not None and img.max() > 0, hex(catalog.codepoints[i])
 
 
-@pytest.mark.parametrize("font", ["DejaVuSans.ttf", "DejaVuSerif-Italic.ttf", "STIXGeneral.ttf", "cmr10.ttf"])
+@pytest.mark.parametrize(
+    "font", ["DejaVuSans.ttf", "DejaVuSerif-Italic.ttf", "STIXGeneral.ttf", "cmr10.ttf"]
+)
 def test_no_two_classes_identical_in_a_shared_font(catalog, font):
     f = [os.path.basename(p) for p in catalog.font_paths].index(font)
     classes = [i for i in range(catalog.num_classes) if f in catalog.fonts_for_class(i)]
-    imgs = np.stack([G.normalized_glyph(catalog.font_paths[f], int(catalog.codepoints[i]), G.DETECT_SIZE)
-                     for i in classes])
+    imgs = np.stack(
+        [
+            G.normalized_glyph(catalog.font_paths[f], int(catalog.codepoints[i]), G.DETECT_SIZE)
+            for i in classes
+        ]
+    )
     assert len({im.tobytes() for im in imgs}) == len(classes)
     assert G._near_identical_pairs(imgs) == []
 
@@ -106,7 +117,9 @@ def test_catalog_dict_roundtrip_and_cache(catalog, tmp_path):
     again = GlyphCatalog.from_dict(json.loads(json.dumps(catalog.to_dict())))
     assert np.array_equal(again.codepoints, catalog.codepoints)
     assert again.font_paths == catalog.font_paths
-    assert all(np.array_equal(again.fonts_for_class(i), catalog.fonts_for_class(i)) for i in (0, 5, 100))
+    assert all(
+        np.array_equal(again.fonts_for_class(i), catalog.fonts_for_class(i)) for i in (0, 5, 100)
+    )
     # build() reads the JSON cache keyed by fonts, min_fonts and version.
     d = catalog.to_dict()
     d["exclusions"] = dict(d["exclusions"], marker="from-cache")

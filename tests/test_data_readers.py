@@ -1,4 +1,5 @@
 """Readers for user data, on small fixtures written into tmp_path."""
+
 from __future__ import annotations
 
 import io
@@ -99,7 +100,9 @@ def test_gldv2_csv(tmp_path, caplog):
     for i in ids:
         write_jpg(root / i[0] / i[1] / i[2] / f"{i}.jpg", 100)
     csv_path = tmp_path / "train.csv"
-    csv_path.write_text("id,url,landmark_id\n" + "".join(f"{i},http://x/{i},{lm}\n" for i, lm in ids.items()))
+    csv_path.write_text(
+        "id,url,landmark_id\n" + "".join(f"{i},http://x/{i},{lm}\n" for i, lm in ids.items())
+    )
     rs = read_gldv2_csv(csv_path, root)
     assert rs.class_names == ["3", "7", "138"]
     assert rs.labels.tolist() == [1, 1, 2, 0]
@@ -134,8 +137,10 @@ def revisited(tmp_path):
     qimlist = ["q0", "q1"]
     for n in imlist + qimlist:
         write_jpg(root / "jpg" / f"{n}.jpg", 50, size=(40, 30))
-    gnd = [dict(bbx=[2, 3, 20, 25], easy=[0, 1], hard=[2], junk=[5]),
-           dict(bbx=[0, 0, 10, 10], easy=[], hard=[3, 4], junk=[0])]
+    gnd = [
+        dict(bbx=[2, 3, 20, 25], easy=[0, 1], hard=[2], junk=[5]),
+        dict(bbx=[0, 0, 10, 10], easy=[], hard=[3, 4], junk=[0]),
+    ]
     with open(root / "gnd_roxford5k.pkl", "wb") as fh:
         pickle.dump({"imlist": imlist, "qimlist": qimlist, "gnd": gnd}, fh)
     return root
@@ -178,8 +183,16 @@ def test_parquet_images(tmp_path, caplog):
 
     images = [png_bytes(10), png_bytes(20, mode="L"), b"garbage bytes", png_bytes(30)]
     path = tmp_path / "images.parquet"
-    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "label": [5, 2, 5, 9],
-                             "item_id": [100, 101, 102, 103]}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "image": pa.array(images, pa.binary()),
+                "label": [5, 2, 5, 9],
+                "item_id": [100, 101, 102, 103],
+            }
+        ),
+        path,
+    )
     rs = read_parquet_images(path)
     assert rs.class_names == ["2", "5", "9"]
     assert rs.labels.tolist() == [1, 0, 1, 2]
@@ -195,7 +208,9 @@ def test_parquet_images(tmp_path, caplog):
         read_parquet_images(path, image_column="pixels")
     # Hugging Face style struct column, no id column
     hf = tmp_path / "hf.parquet"
-    pq.write_table(pa.table({"image": [{"bytes": images[0], "path": "a.png"}], "label": ["cat"]}), hf)
+    pq.write_table(
+        pa.table({"image": [{"bytes": images[0], "path": "a.png"}], "label": ["cat"]}), hf
+    )
     rs = read_parquet_images(hf, id_column=None)
     assert rs.class_names == ["cat"] and rs[0].item_id == 0 and load_image(rs[0]).size == (12, 10)
 

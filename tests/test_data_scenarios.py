@@ -1,4 +1,5 @@
 """Upgrade scenario splits."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,20 @@ import pytest
 
 from raycompat.data import SCENARIOS, Scenario, Split, build_scenario, format_allocation
 
-SMALL = dict(catalog=1000, num_train_classes=40, images_per_class=20, num_eval_classes=30,
-             queries_per_class=2, gallery_per_class=5, num_distractor_classes=20, distractors_per_class=3)
+SMALL = dict(
+    catalog=1000,
+    num_train_classes=40,
+    images_per_class=20,
+    num_eval_classes=30,
+    queries_per_class=2,
+    gallery_per_class=5,
+    num_distractor_classes=20,
+    distractors_per_class=3,
+)
 
 
 def pairs(split: Split) -> set[tuple[int, int]]:
-    return set(zip(split.labels.tolist(), split.instances.tolist()))
+    return set(zip(split.labels.tolist(), split.instances.tolist(), strict=False))
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -138,19 +147,50 @@ def test_scenario_from_options_reads_the_jobs_size_options():
 
     from raycompat.data import ScenarioSizes, build_scenario, scenario_from_options
 
-    sizes = ScenarioSizes(scenario="extended-class", train_classes=12, images_per_class=6, eval_classes=5,
-                          queries_per_class=1, gallery_per_class=3, distractor_classes=4,
-                          distractors_per_class=2, data_seed=3)
+    sizes = ScenarioSizes(
+        scenario="extended-class",
+        train_classes=12,
+        images_per_class=6,
+        eval_classes=5,
+        queries_per_class=1,
+        gallery_per_class=3,
+        distractor_classes=4,
+        distractors_per_class=2,
+        data_seed=3,
+    )
     got = scenario_from_options(sizes, name="open-class", catalog=60)
-    want = build_scenario("open-class", catalog=60, seed=3, num_train_classes=12, images_per_class=6,
-                          num_eval_classes=5, queries_per_class=1, gallery_per_class=3,
-                          num_distractor_classes=4, distractors_per_class=2)
+    want = build_scenario(
+        "open-class",
+        catalog=60,
+        seed=3,
+        num_train_classes=12,
+        images_per_class=6,
+        num_eval_classes=5,
+        queries_per_class=1,
+        gallery_per_class=3,
+        num_distractor_classes=4,
+        distractors_per_class=2,
+    )
     assert got.to_dict() == want.to_dict()
     # a job's defaults: the sizes it does not set are build_scenario's defaults
-    partial = dataclasses.replace(ScenarioSizes(), scenario="open-class", train_classes=12, eval_classes=5,
-                                  distractor_classes=4, data_seed=3)
-    assert scenario_from_options(partial, catalog=60).to_dict() == build_scenario(
-        "open-class", catalog=60, seed=3, num_train_classes=12, num_eval_classes=5,
-        num_distractor_classes=4).to_dict()
-    with pytest.raises(TypeError, match="must be a ScenarioSizes"):   # no silent defaults
+    partial = dataclasses.replace(
+        ScenarioSizes(),
+        scenario="open-class",
+        train_classes=12,
+        eval_classes=5,
+        distractor_classes=4,
+        data_seed=3,
+    )
+    assert (
+        scenario_from_options(partial, catalog=60).to_dict()
+        == build_scenario(
+            "open-class",
+            catalog=60,
+            seed=3,
+            num_train_classes=12,
+            num_eval_classes=5,
+            num_distractor_classes=4,
+        ).to_dict()
+    )
+    with pytest.raises(TypeError, match="must be a ScenarioSizes"):  # no silent defaults
         scenario_from_options(argparse.Namespace(train_classes=12), catalog=60)

@@ -6,6 +6,7 @@ the workers' losses the one-process loss (gathered negatives, batch-softmax weig
 per-epoch passes included). Then every method trains a few DDP steps on 2 workers, the
 workers stay in sync, and its exported modules load back from a bundle.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_methods_losses import BATCH_LABELS, D_OLD, build, make_batch, slice_batch
 from torch.nn.parallel import DistributedDataParallel
 
 from raycompat.models import ModelBundle
-from test_methods_losses import BATCH_LABELS, D_OLD, build, make_batch, slice_batch
 
 # (case id, method, options, new embedding dim, head kind)
 CASES = [
@@ -30,15 +31,32 @@ CASES = [
     ("ract", "ract", {"tau": 0.2}, None, "cosface"),
     ("ract-triplet", "ract", {"form": "triplet"}, None, "cosface"),
     ("dmu", "dmu", {"psi_hidden": 16}, None, "arcface"),
-    ("dmu-lc", "dmu", {"psi_hidden": 16, "discriminativeness": "least_confidence"}, None, "arcface"),
+    (
+        "dmu-lc",
+        "dmu",
+        {"psi_hidden": 16, "discriminativeness": "least_confidence"},
+        None,
+        "arcface",
+    ),
     ("mcl", "mcl", {"psi_rev_blocks": 0, "temperature": 0.5}, None, "cosface"),
-    ("mcl-hard", "mcl", {"psi_rev_blocks": 0, "hard_mining": True, "distance": "l2"}, None, "cosface"),
+    (
+        "mcl-hard",
+        "mcl",
+        {"psi_rev_blocks": 0, "hard_mining": True, "distance": "l2"},
+        None,
+        "cosface",
+    ),
     ("cl", "cl", {"psi_rev_blocks": 0}, None, "cosface"),
     ("rqt", "rqt", {"psi_rev_blocks": 0}, None, "cosface"),
     ("p2s", "p2s", {}, None, "cosface"),
     ("ndpp", "ndpp", {"alpha_old": 0.5, "alpha_new": 0.5, "k": 2}, None, "cosface"),
-    ("odpp", "odpp", {"theta_old": 0.0, "theta_new": 0.0, "perturb_lr": 0.05, "perturb_epochs": 5},
-     None, "cosface"),
+    (
+        "odpp",
+        "odpp",
+        {"theta_old": 0.0, "theta_new": 0.0, "perturb_lr": 0.05, "perturb_epochs": 5},
+        None,
+        "cosface",
+    ),
 ]
 LOCAL = len(BATCH_LABELS) // 2
 
@@ -74,20 +92,23 @@ def _gradient_case(case, world: int, rank: int):
         losses /= world
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     buffers = {n: b.clone() for n, b in module.method.named_buffers()}
-    return dict(zip(sorted(terms), losses)), grads, buffers
+    return dict(zip(sorted(terms), losses, strict=False)), grads, buffers
 
 
 def _training_case(case, rank: int, out_dir: str):
     """Three DDP steps on 2 workers; parameters in sync; exports saved by rank 0 and reloaded."""
     module = _module(case)
     model = DistributedDataParallel(module, find_unused_parameters=False)
-    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.05,
-                                momentum=0.9)
+    optimizer = torch.optim.SGD(
+        [p for p in module.parameters() if p.requires_grad], lr=0.05, momentum=0.9
+    )
     before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     losses = []
     for step in range(3):
         module.method.on_epoch_start(step, module)
-        batch = slice_batch(make_batch(BATCH_LABELS, seed=10 + step), slice(rank * LOCAL, (rank + 1) * LOCAL))
+        batch = slice_batch(
+            make_batch(BATCH_LABELS, seed=10 + step), slice(rank * LOCAL, (rank + 1) * LOCAL)
+        )
         terms = model(batch)
         optimizer.zero_grad()
         terms["loss"].backward()
@@ -100,14 +121,21 @@ def _training_case(case, rank: int, out_dir: str):
     exported = {}
     if rank == 0:
         path = os.path.join(out_dir, case[0])
-        ModelBundle({"head": module.head, **module.method.exports()}, {"method": case[1]}).save(path)
+        ModelBundle({"head": module.head, **module.method.exports()}, {"method": case[1]}).save(
+            path
+        )
         loaded = ModelBundle.load(path)
         for name, exported_module in module.method.exports().items():
             state = exported_module.state_dict()
-            exported[name] = all(torch.equal(state[k], v)
-                                 for k, v in loaded.modules[name].state_dict().items())
-    return {"losses": losses, "in_sync": torch.equal(copies[0], copies[1]), "moved": moved,
-            "exported": exported}
+            exported[name] = all(
+                torch.equal(state[k], v) for k, v in loaded.modules[name].state_dict().items()
+            )
+    return {
+        "losses": losses,
+        "in_sync": torch.equal(copies[0], copies[1]),
+        "moved": moved,
+        "exported": exported,
+    }
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str):
@@ -117,8 +145,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str):
         gradients = {case[0]: _gradient_case(case, world, rank) for case in CASES}
         training = {case[0]: _training_case(case, rank, out_dir) for case in CASES}
         if rank == 0:
-            torch.save({"gradients": gradients, "training": training},
-                       os.path.join(out_dir, "results.pt"))
+            torch.save(
+                {"gradients": gradients, "training": training}, os.path.join(out_dir, "results.pt")
+            )
     finally:
         dist.destroy_process_group()
 
@@ -137,7 +166,11 @@ def test_two_workers_match_one_process(two_workers, case):
     losses2, grads2, buffers2 = two_workers["gradients"][case[0]]
     assert losses1.keys() == losses2.keys()
     for key in losses1:
-        assert torch.allclose(losses1[key], losses2[key], rtol=1e-5, atol=1e-6), (key, losses1, losses2)
+        assert torch.allclose(losses1[key], losses2[key], rtol=1e-5, atol=1e-6), (
+            key,
+            losses1,
+            losses2,
+        )
     assert grads1.keys() == grads2.keys() and grads1
     for name in grads1:
         assert grads1[name].abs().sum() > 0 or name.startswith("head"), name
@@ -162,6 +195,10 @@ def test_every_method_trains_on_two_workers_and_exports_load(two_workers, case):
     result = two_workers["training"][case[0]]
     assert all(torch.isfinite(torch.tensor(result["losses"]))), result
     assert result["in_sync"] and result["moved"]
-    expected = {"dmu": {"psi"}, "mcl": {"rho", "psi_rev"}, "cl": {"rho", "psi_rev"},
-                "rqt": {"rho", "psi_rev"}}.get(case[1], set())
+    expected = {
+        "dmu": {"psi"},
+        "mcl": {"rho", "psi_rev"},
+        "cl": {"rho", "psi_rev"},
+        "rqt": {"rho", "psi_rev"},
+    }.get(case[1], set())
     assert set(result["exported"]) == expected and all(result["exported"].values())

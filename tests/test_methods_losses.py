@@ -2,6 +2,7 @@
 
 The small stand-in models and data defined here are reused by test_methods_distributed.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,15 @@ from torch import nn
 
 from raycompat.config import ConfigError
 from raycompat.distributed import shard_indices
-from raycompat.methods import (MethodContext, TrainBatch, TrainingModule, build_method,
-                               parse_method_options)
+from raycompat.methods import (
+    MethodContext,
+    TrainBatch,
+    TrainingModule,
+    build_method,
+    parse_method_options,
+)
 from raycompat.methods.dmu import discriminativeness, selective_weights
-from raycompat.methods.gathered import (compatibility_logits, compatibility_triplet, hardest_half)
+from raycompat.methods.gathered import compatibility_logits, compatibility_triplet, hardest_half
 from raycompat.methods.ndpp import ndpp_prototypes, neighbour_repulsion
 from raycompat.methods.odpp import optimise_perturbation, perturbation_objective, random_pairs
 from raycompat.methods.prototypes import prototype_logits
@@ -27,9 +33,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with require
 
 # -- stand-ins shared with test_methods_distributed.py -------------------------------------
 IN_DIM, D_OLD, D_NEW = 10, 6, 8
-OLD_CLASSES = [0, 1, 2]            # catalog classes the old head knows (rows 0..2)
-NEW_CLASSES = [0, 1, 2, 3, 4]      # new head rows 0..4 (catalog ids equal rows here)
-BATCH_LABELS = [0, 0, 1, 3, 3, 4, 2, 1]   # global batch: two workers hold 4 each
+OLD_CLASSES = [0, 1, 2]  # catalog classes the old head knows (rows 0..2)
+NEW_CLASSES = [0, 1, 2, 3, 4]  # new head rows 0..4 (catalog ids equal rows here)
+BATCH_LABELS = [0, 0, 1, 3, 3, 4, 2, 1]  # global batch: two workers hold 4 each
 TRAIN_LABELS = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]  # 11 items: shards of 6 and 5 on 2 workers
 
 
@@ -48,16 +54,23 @@ class TinyEmbedder(nn.Module):
 def make_batch(labels, seed: int) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
     labels = torch.tensor(labels)
-    return TrainBatch(x_new=torch.randn(len(labels), IN_DIM, generator=g), labels=labels,
-                      new_targets=labels.clone(),
-                      x_old=torch.randn(len(labels), IN_DIM, generator=g),
-                      old_targets=torch.where(labels < len(OLD_CLASSES), labels, -1))
+    return TrainBatch(
+        x_new=torch.randn(len(labels), IN_DIM, generator=g),
+        labels=labels,
+        new_targets=labels.clone(),
+        x_old=torch.randn(len(labels), IN_DIM, generator=g),
+        old_targets=torch.where(labels < len(OLD_CLASSES), labels, -1),
+    )
 
 
 def slice_batch(batch: TrainBatch, rows) -> TrainBatch:
-    return TrainBatch(x_new=batch.x_new[rows], labels=batch.labels[rows],
-                      new_targets=batch.new_targets[rows], x_old=batch.x_old[rows],
-                      old_targets=batch.old_targets[rows])
+    return TrainBatch(
+        x_new=batch.x_new[rows],
+        labels=batch.labels[rows],
+        new_targets=batch.new_targets[rows],
+        x_old=batch.x_old[rows],
+        old_targets=batch.old_targets[rows],
+    )
 
 
 class ShardLoader:
@@ -69,20 +82,29 @@ class ShardLoader:
     def __call__(self):
         rows = torch.from_numpy(shard_indices(len(self.batch.labels)))
         for start in range(0, len(rows), self.batch_size):
-            yield slice_batch(self.batch, rows[start:start + self.batch_size])
+            yield slice_batch(self.batch, rows[start : start + self.batch_size])
 
 
 def build(method: str, options=None, new_dim: int = D_NEW, head: str = "cosface") -> TrainingModule:
     """A TrainingModule of tiny stand-ins, identical in every process (seeded)."""
     torch.manual_seed(1)
-    old = ModelBundle({"embedder": TinyEmbedder(IN_DIM, D_OLD),
-                       "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind="cosface")},
-                      {"classes": OLD_CLASSES}).freeze()
+    old = ModelBundle(
+        {
+            "embedder": TinyEmbedder(IN_DIM, D_OLD),
+            "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind="cosface"),
+        },
+        {"classes": OLD_CLASSES},
+    ).freeze()
     with torch.no_grad():
-        old.head.weight.normal_()          # well-spread old classifier rows
-    context = MethodContext(old=old, new_classes=NEW_CLASSES, old_classes=OLD_CLASSES,
-                            compatible_dim=D_OLD, device=torch.device("cpu"),
-                            epoch_pass_loader=ShardLoader(make_batch(TRAIN_LABELS, seed=7)))
+        old.head.weight.normal_()  # well-spread old classifier rows
+    context = MethodContext(
+        old=old,
+        new_classes=NEW_CLASSES,
+        old_classes=OLD_CLASSES,
+        compatible_dim=D_OLD,
+        device=torch.device("cpu"),
+        epoch_pass_loader=ShardLoader(make_batch(TRAIN_LABELS, seed=7)),
+    )
     torch.manual_seed(2)
     embedder = TinyEmbedder(IN_DIM, new_dim)
     head_module = ClassifierHead(new_dim, len(NEW_CLASSES), kind=head)
@@ -103,11 +125,24 @@ def test_ract_logit_layout_and_masks():
     logits = compatibility_logits(n, o, labels, tau, new_full=n)
     inf = float("-inf")
     s = lambda a, b: float(a @ b)  # noqa: E731
-    expected = torch.tensor([
-        [s(n[0], o[0]), inf, inf, s(n[0], o[2]), inf, inf, s(n[0], n[2])],
-        [s(n[1], o[1]), inf, inf, s(n[1], o[2]), inf, inf, s(n[1], n[2])],
-        [s(n[2], o[2]), s(n[2], o[0]), s(n[2], o[1]), inf, s(n[2], n[0]), s(n[2], n[1]), inf],
-    ]) / tau
+    expected = (
+        torch.tensor(
+            [
+                [s(n[0], o[0]), inf, inf, s(n[0], o[2]), inf, inf, s(n[0], n[2])],
+                [s(n[1], o[1]), inf, inf, s(n[1], o[2]), inf, inf, s(n[1], n[2])],
+                [
+                    s(n[2], o[2]),
+                    s(n[2], o[0]),
+                    s(n[2], o[1]),
+                    inf,
+                    s(n[2], n[0]),
+                    s(n[2], n[1]),
+                    inf,
+                ],
+            ]
+        )
+        / tau
+    )
     assert torch.equal(torch.isinf(logits), torch.isinf(expected))
     assert torch.allclose(logits[~torch.isinf(logits)], expected[~torch.isinf(expected)], atol=1e-6)
     vanilla = compatibility_logits(n, o, labels, tau)
@@ -199,7 +234,7 @@ def test_bct_sys_synthesises_class_means_and_uses_them():
     rows = torch.tensor([0, 0, 1, 3, 3, 4, 2, 1])  # classes 3, 4 -> synthesised rows 3, 4
     cos = F.normalize(emb[:, :D_OLD], dim=1) @ F.normalize(weight, dim=1).t()
     logits = 32 * cos
-    logits[torch.arange(8), rows] -= 32 * 0.4      # the old head is CosFace
+    logits[torch.arange(8), rows] -= 32 * 0.4  # the old head is CosFace
     assert float(got) == pytest.approx(float(F.cross_entropy(logits, rows)), rel=1e-5)
 
 
@@ -211,7 +246,9 @@ def test_bct_beta_and_kd_treat_unknown_classes():
     head = beta.method.old.head
     logits = head(emb[known][:, :D_OLD], batch.old_targets[known])
     want = F.cross_entropy(logits, batch.old_targets[known])
-    assert float(beta.method.compat_loss(beta, batch, emb)["influence"]) == pytest.approx(float(want), rel=1e-5)
+    assert float(beta.method.compat_loss(beta, batch, emb)["influence"]) == pytest.approx(
+        float(want), rel=1e-5
+    )
     kd = build("bct", {"variant": "kd", "kd_scale": 10.0})
     terms = kd.method.compat_loss(kd, batch, emb)
     teacher = F.softmax(10 * head.cosine(old[~known]), dim=1)
@@ -228,9 +265,11 @@ def test_dmu_weights_sum_to_one_and_favour_discriminative_samples():
     sm = F.softmax(torch.tensor([0.1, 2.0, 7.0]), dim=0)
     assert torch.allclose(w[known], (1 - sm) / 2) and w[2] == 0
     assert float(w.sum()) == pytest.approx(1.0)
-    assert w[0] > w[1] > w[3]               # lower entropy (more discriminative) -> more weight
-    assert torch.equal(selective_weights(torch.tensor([3.0, 1.0]), torch.tensor([False, True])),
-                       torch.tensor([0.0, 1.0]))
+    assert w[0] > w[1] > w[3]  # lower entropy (more discriminative) -> more weight
+    assert torch.equal(
+        selective_weights(torch.tensor([3.0, 1.0]), torch.tensor([False, True])),
+        torch.tensor([0.0, 1.0]),
+    )
 
 
 def test_dmu_discriminativeness_entropy_scale_and_least_confidence():
@@ -240,9 +279,14 @@ def test_dmu_discriminativeness_entropy_scale_and_least_confidence():
     entropy = -(p * p.log()).sum(dim=1)
     assert torch.allclose(discriminativeness(cos, rows, "entropy", 30.0), entropy, atol=1e-6)
     # Without the scale every entropy is ~log C (the paper's Eq.9 as printed).
-    assert torch.allclose(discriminativeness(cos, rows, "entropy", 1.0), torch.full((2,), math.log(3)), atol=0.2)
-    assert torch.allclose(discriminativeness(cos, rows, "least_confidence", 30.0),
-                          1 - p[torch.arange(2), rows], atol=1e-6)
+    assert torch.allclose(
+        discriminativeness(cos, rows, "entropy", 1.0), torch.full((2,), math.log(3)), atol=0.2
+    )
+    assert torch.allclose(
+        discriminativeness(cos, rows, "least_confidence", 30.0),
+        1 - p[torch.arange(2), rows],
+        atol=1e-6,
+    )
 
 
 def test_dmu_sbc_uses_the_old_classifier_with_arcface():
@@ -253,7 +297,9 @@ def test_dmu_sbc_uses_the_old_classifier_with_arcface():
     terms = module.method.compat_loss(module, batch, emb)
     old_head = module.method.old.head
     known = batch.old_targets >= 0
-    weights = selective_weights(discriminativeness(old_head.cosine(old), batch.old_targets, "entropy", 30.0), known)
+    weights = selective_weights(
+        discriminativeness(old_head.cosine(old), batch.old_targets, "entropy", 30.0), known
+    )
     cos = F.normalize(emb[:, :D_OLD], dim=1) @ F.normalize(old_head.weight, dim=1).t()
     sbc = 0.0
     for i in torch.nonzero(known).flatten().tolist():
@@ -267,10 +313,14 @@ def test_dmu_sbc_uses_the_old_classifier_with_arcface():
     # The new classifier does not enter L_SBC; the old one does.
     with torch.no_grad():
         module.head.weight.mul_(-1)
-    assert float(module.method.compat_loss(module, batch, emb)["sbc"]) == pytest.approx(sbc, rel=1e-5)
+    assert float(module.method.compat_loss(module, batch, emb)["sbc"]) == pytest.approx(
+        sbc, rel=1e-5
+    )
     with torch.no_grad():
         old_head.weight.mul_(-1)
-    assert float(module.method.compat_loss(module, batch, emb)["sbc"]) != pytest.approx(sbc, rel=1e-3)
+    assert float(module.method.compat_loss(module, batch, emb)["sbc"]) != pytest.approx(
+        sbc, rel=1e-3
+    )
     assert set(module.method.exports()) == {"psi"}
 
 
@@ -289,10 +339,12 @@ def test_mcl_symmetric_denominators_match_direct_computation():
     for i in range(5):
         p_old = sum(math.exp(-_d(rev[i], old[k])) for k in range(5) if labels[k] == labels[i])
         n_old = sum(math.exp(-_d(rev[i], old[k])) for k in range(5) if labels[k] != labels[i])
-        p_new = sum(math.exp(-_d(new[i], new[k])) for k in range(5) if labels[k] == labels[i] and k != i)
+        p_new = sum(
+            math.exp(-_d(new[i], new[k])) for k in range(5) if labels[k] == labels[i] and k != i
+        )
         n_new = sum(math.exp(-_d(new[i], new[k])) for k in range(5) if labels[k] != labels[i])
         old_sum += -math.log(p_old / (p_old + n_old + n_new))
-        if p_new > 0:   # anchor 4 has no other sample of its class: no new-system term
+        if p_new > 0:  # anchor 4 has no other sample of its class: no new-system term
             new_sum += -math.log(p_new / (p_new + n_new + n_old))
             printed_new += -math.log(p_new / (p_new + n_new + n_new))
     assert float(terms["mcl_old"]) == pytest.approx(old_sum / 5, rel=1e-5)
@@ -310,10 +362,17 @@ def test_cl_and_rqt_match_direct_computation():
         s = [math.exp(-_d(rev[i], old[k]) / 0.5) for k in range(4)]
         p = sum(s[k] for k in range(4) if labels[k] == labels[i])
         want += -math.log(p / sum(s))
-    assert float(cl.rank_merge_loss(new, rev, old, torch.tensor(labels))["cl"]) == pytest.approx(want / 4, rel=1e-5)
+    assert float(cl.rank_merge_loss(new, rev, old, torch.tensor(labels))["cl"]) == pytest.approx(
+        want / 4, rel=1e-5
+    )
     rqt = build("rqt", {"distance": "cosine", "psi_rev_blocks": 0}).method
-    want = sum(1 - float(F.normalize(rev[i], dim=0) @ F.normalize(old[i], dim=0)) for i in range(4)) / 4
-    assert float(rqt.rank_merge_loss(new, rev, old, torch.tensor(labels))["rqt"]) == pytest.approx(want, rel=1e-5)
+    want = (
+        sum(1 - float(F.normalize(rev[i], dim=0) @ F.normalize(old[i], dim=0)) for i in range(4))
+        / 4
+    )
+    assert float(rqt.rank_merge_loss(new, rev, old, torch.tensor(labels))["rqt"]) == pytest.approx(
+        want, rel=1e-5
+    )
 
 
 def test_hard_mining_keeps_the_hardest_half():
@@ -329,8 +388,9 @@ def test_rank_merge_methods_freeze_the_new_model_and_train_rho_psi_rev_only():
     for name in ("mcl", "cl", "rqt"):
         module = build(name, {"psi_rev_hidden": 16})
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-        assert trainable and all(n.startswith("method.psi_rev") or n.startswith("method.rho")
-                                 for n in trainable), trainable
+        assert trainable and all(
+            n.startswith("method.psi_rev") or n.startswith("method.rho") for n in trainable
+        ), trainable
         assert any(n.startswith("method.rho") for n in trainable) == (name == "mcl")
         assert set(module.method.exports()) == {"rho", "psi_rev"}
         terms = module(batch)
@@ -354,7 +414,9 @@ def test_p2s_logits_and_prototypes_over_every_new_class():
     emb, _ = features(module, batch)
     logits = F.normalize(emb[:, :D_OLD], dim=1) @ F.normalize(protos, dim=1).t() / 0.5
     want = F.cross_entropy(logits, batch.new_targets)
-    assert float(module.method.compat_loss(module, batch, emb)["p2s"]) == pytest.approx(float(want), rel=1e-5)
+    assert float(module.method.compat_loss(module, batch, emb)["p2s"]) == pytest.approx(
+        float(want), rel=1e-5
+    )
 
 
 def test_prototype_logits_perturb_the_positive_column_only():
@@ -371,7 +433,9 @@ def test_ndpp_repulsion_excludes_self_and_same_class_new_prototype():
     eye = torch.eye(3, dtype=torch.bool)
     r = neighbour_repulsion(old, old, 1, eye)
     # K=1: the nearest *other* prototype; the weight cancels: r^c = p^c - p^nn(c).
-    assert torch.allclose(r.float(), torch.stack([old[0] - old[1], old[1] - old[0], old[2] - old[1]]), atol=1e-6)
+    assert torch.allclose(
+        r.float(), torch.stack([old[0] - old[1], old[1] - old[0], old[2] - old[1]]), atol=1e-6
+    )
     # K=2, weights = cosines: r^0 = (0.8 (p0 - p1) + 0 (p0 - p2)) / 0.8
     r2 = neighbour_repulsion(old, old, 2, eye)
     assert torch.allclose(r2[0].float(), old[0] - old[1], atol=1e-6)
@@ -388,16 +452,18 @@ def test_ndpp_rebuilds_pseudo_prototypes_each_epoch_not_cumulatively():
     method = module.method
     method.on_epoch_start(0, module)
     first = method.pseudo_prototypes.clone()
-    method.on_epoch_start(1, module)           # same phi_n -> same prototypes, not added twice
+    method.on_epoch_start(1, module)  # same phi_n -> same prototypes, not added twice
     assert torch.allclose(method.pseudo_prototypes, first)
     with torch.no_grad():
         module.embedder.fc.weight.add_(1.0)
-    method.on_epoch_start(2, module)           # phi_n changed -> r_t changed
+    method.on_epoch_start(2, module)  # phi_n changed -> r_t changed
     assert not torch.allclose(method.pseudo_prototypes, first)
     new = torch.zeros(5, D_OLD)
     assert not torch.allclose(first, method.old_prototypes)
-    assert torch.allclose(ndpp_prototypes(method.old_prototypes, None, 0.5, 0.0, 2),
-                          ndpp_prototypes(method.old_prototypes, new, 0.5, 0.0, 2))
+    assert torch.allclose(
+        ndpp_prototypes(method.old_prototypes, None, 0.5, 0.0, 2),
+        ndpp_prototypes(method.old_prototypes, new, 0.5, 0.0, 2),
+    )
 
 
 def test_odpp_hinge_gradient():
@@ -420,8 +486,16 @@ def test_odpp_optimisation_is_seeded_and_reduces_the_objective():
     torch.manual_seed(0)
     p_old = F.normalize(torch.randn(6, 4) + 2.0, dim=1).double()
     p_new = F.normalize(torch.randn(6, 4) + 2.0, dim=1).double()
-    kwargs = dict(theta_old=0.6, theta_new=0.6, gamma=1.0, lr=0.01, epochs=20,
-                  pairs_per_epoch=64, batch_pairs=16, seed=5)
+    kwargs = dict(
+        theta_old=0.6,
+        theta_new=0.6,
+        gamma=1.0,
+        lr=0.01,
+        epochs=20,
+        pairs_per_epoch=64,
+        batch_pairs=16,
+        seed=5,
+    )
     r0 = torch.zeros(6, 4, dtype=torch.float64)
     r1 = optimise_perturbation(p_old, p_new, r0, **kwargs)
     assert torch.equal(r1, optimise_perturbation(p_old, p_new, r0, **kwargs))
@@ -435,8 +509,9 @@ def test_odpp_optimisation_is_seeded_and_reduces_the_objective():
 
 
 def test_odpp_uses_perturbed_positives_and_warm_starts():
-    module = build("odpp", {"theta_old": 0.0, "theta_new": 0.0, "perturb_lr": 0.05,
-                            "perturb_epochs": 3})
+    module = build(
+        "odpp", {"theta_old": 0.0, "theta_new": 0.0, "perturb_lr": 0.05, "perturb_epochs": 3}
+    )
     method = module.method
     method.on_epoch_start(0, module)
     r0 = method.perturbation.clone()
@@ -447,8 +522,16 @@ def test_odpp_uses_perturbed_positives_and_warm_starts():
     with torch.no_grad():
         feats = F.normalize(module.embedder(train.x_new)[:, :D_OLD], dim=1)
     new = torch.stack([feats[train.labels == c].mean(dim=0) for c in NEW_CLASSES])
-    kwargs = dict(theta_old=0.0, theta_new=0.0, gamma=1.0, lr=0.05, epochs=3, pairs_per_epoch=11,
-                  batch_pairs=1024, seed=1)   # seed = options.seed * 1000003 + epoch
+    kwargs = dict(
+        theta_old=0.0,
+        theta_new=0.0,
+        gamma=1.0,
+        lr=0.05,
+        epochs=3,
+        pairs_per_epoch=11,
+        batch_pairs=1024,
+        seed=1,
+    )  # seed = options.seed * 1000003 + epoch
     warm = optimise_perturbation(method.old_prototypes, new, r0, **kwargs)
     cold = optimise_perturbation(method.old_prototypes, new, torch.zeros_like(r0), **kwargs)
     assert torch.allclose(method.perturbation, warm, atol=1e-6)
@@ -456,16 +539,31 @@ def test_odpp_uses_perturbed_positives_and_warm_starts():
 
 
 # -- options ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,options,match", [
-    ("ract", {"tau": 0}, "'tau' = 0.0 must be >= "),
-    ("ract", {"form": "hinge"}, r"'form' = 'hinge' is not allowed; allowed values: \['contrastive', 'triplet'\]"),
-    ("dmu", {"discriminativeness": "margin"}, r"allowed values: \['entropy', 'least_confidence'\]"),
-    ("mcl", {"distance": "l1"}, r"allowed values: \['squared_l2', 'l2', 'cosine'\]"),
-    ("ndpp", {"k": 0}, "'k' = 0 must be >= 1"),
-    ("odpp", {"gamma": -1}, "'gamma' = -1.0 must be >= 0"),
-    ("p2s", {"temperature": 1}, r"unknown option 'temperature'; allowed options: \['lambda_compat', 'tau'\]"),
-    ("mcl", {"hard_mining": "maybe"}, "hard_mining' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "method,options,match",
+    [
+        ("ract", {"tau": 0}, "'tau' = 0.0 must be >= "),
+        (
+            "ract",
+            {"form": "hinge"},
+            r"'form' = 'hinge' is not allowed; allowed values: \['contrastive', 'triplet'\]",
+        ),
+        (
+            "dmu",
+            {"discriminativeness": "margin"},
+            r"allowed values: \['entropy', 'least_confidence'\]",
+        ),
+        ("mcl", {"distance": "l1"}, r"allowed values: \['squared_l2', 'l2', 'cosine'\]"),
+        ("ndpp", {"k": 0}, "'k' = 0 must be >= 1"),
+        ("odpp", {"gamma": -1}, "'gamma' = -1.0 must be >= 0"),
+        (
+            "p2s",
+            {"temperature": 1},
+            r"unknown option 'temperature'; allowed options: \['lambda_compat', 'tau'\]",
+        ),
+        ("mcl", {"hard_mining": "maybe"}, "hard_mining' must be true or false"),
+    ],
+)
 def test_bad_options_name_the_key_and_allowed_values(method, options, match):
     with pytest.raises(ConfigError, match=match):
         parse_method_options(method, options)

@@ -1,5 +1,6 @@
 """Methods inside the real Ray Train loop on 2 workers (the session's shared Ray cluster), and
 the train_ract job's command line."""
+
 from __future__ import annotations
 
 import os
@@ -19,37 +20,78 @@ DIM = 16
 
 @pytest.fixture(scope="module")
 def scenario() -> Scenario:
-    return build_scenario("extended-class", num_train_classes=8, images_per_class=8,
-                          num_eval_classes=4, queries_per_class=1, gallery_per_class=2,
-                          num_distractor_classes=2, distractors_per_class=1, seed=5)
+    return build_scenario(
+        "extended-class",
+        num_train_classes=8,
+        images_per_class=8,
+        num_eval_classes=4,
+        queries_per_class=1,
+        gallery_per_class=2,
+        num_distractor_classes=2,
+        distractors_per_class=1,
+        seed=5,
+    )
 
 
 def random_bundle(path, classes, seed: int) -> str:
     """An untrained (seeded) test_resnet bundle: enough to be a frozen old/initial model."""
     torch.manual_seed(seed)
-    modules = {"embedder": Embedder("test_resnet", DIM, in_chans=1),
-               "head": ClassifierHead(DIM, len(classes), kind="cosface")}
-    return ModelBundle(modules, {"classes": [int(c) for c in classes], "backbone": "test_resnet",
-                                 "method": "independent"}).save(str(path))
+    modules = {
+        "embedder": Embedder("test_resnet", DIM, in_chans=1),
+        "head": ClassifierHead(DIM, len(classes), kind="cosface"),
+    }
+    return ModelBundle(
+        modules,
+        {"classes": [int(c) for c in classes], "backbone": "test_resnet", "method": "independent"},
+    ).save(str(path))
 
 
 def config(scenario, tmp_path, **overrides) -> TrainConfig:
-    values = dict(backbone="test_resnet", embed_dim=DIM, head="cosface", epochs=1, batch_size=32,
-                  lr=0.05, scenario=scenario.to_dict(), split="new_train", num_workers=2,
-                  threads_per_worker=1, storage_path=str(tmp_path / "runs"), log_every=1000)
+    values = dict(
+        backbone="test_resnet",
+        embed_dim=DIM,
+        head="cosface",
+        epochs=1,
+        batch_size=32,
+        lr=0.05,
+        scenario=scenario.to_dict(),
+        split="new_train",
+        num_workers=2,
+        threads_per_worker=1,
+        storage_path=str(tmp_path / "runs"),
+        log_every=1000,
+    )
     values.update(overrides)
     return TrainConfig.from_dict(values)
 
 
 def test_ract_then_mcl_in_the_ray_train_loop_on_two_workers(ray_cluster, scenario, tmp_path):
     old = random_bundle(tmp_path / "old", scenario.splits["old_train"].classes, seed=0)
-    ract = fit(config(scenario, tmp_path, method="ract", old_model=old, run_name="ract",
-                      method_options={"tau": 0.05}), export_to=str(tmp_path / "ract"))
+    ract = fit(
+        config(
+            scenario,
+            tmp_path,
+            method="ract",
+            old_model=old,
+            run_name="ract",
+            method_options={"tau": 0.05},
+        ),
+        export_to=str(tmp_path / "ract"),
+    )
     assert ract.history[-1]["num_workers"] == 2 and ract.history[-1]["loss/compat"] > 0
     # mcl on the frozen RACT model (init_model) and the old one: only rho / psi_rev train.
-    mcl = fit(config(scenario, tmp_path, method="mcl", old_model=old, init_model=ract.bundle_path,
-                     run_name="mcl", method_options={"psi_rev_hidden": 32, "psi_rev_blocks": 1}),
-              export_to=str(tmp_path / "mcl"))
+    mcl = fit(
+        config(
+            scenario,
+            tmp_path,
+            method="mcl",
+            old_model=old,
+            init_model=ract.bundle_path,
+            run_name="mcl",
+            method_options={"psi_rev_hidden": 32, "psi_rev_blocks": 1},
+        ),
+        export_to=str(tmp_path / "mcl"),
+    )
     bundle = mcl.load()
     assert set(bundle.modules) == {"embedder", "head", "rho", "psi_rev"}
     assert bundle.manifest["method"] == "mcl"
@@ -64,10 +106,12 @@ def test_ract_then_mcl_in_the_ray_train_loop_on_two_workers(ray_cluster, scenari
 
 def test_train_ract_job_help_and_early_config_error():
     job = os.path.join(REPO, "jobs", "train_ract.py")
-    help_text = subprocess.run([sys.executable, job, "--help"], capture_output=True, text=True,
-                               timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, job, "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     assert "train_ract.py" in help_text and "ract:" in help_text and "mcl:" in help_text
-    proc = subprocess.run([sys.executable, job, "--opt", "tau=0"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, job, "--opt", "tau=0"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "'tau' = 0.0 must be >=" in proc.stderr
     assert "Traceback" not in proc.stderr and "training the old model" not in proc.stdout

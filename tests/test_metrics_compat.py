@@ -60,15 +60,21 @@ def test_p_scores_reproduce_ndpp_table():
     p = p_scores([76.21, 58.02, 12.67], m_nstar, [71.10, 46.42, 8.88], m_oo)
     assert (p["P_up"], p["P_comp"], p["P_1"]) == pytest.approx((50.87, 59.44, 54.80), abs=0.006)
     # scale invariance: fractions instead of percentages give the same scores
-    q = p_scores(np.array([76.21, 58.02, 12.67]) / 100, np.array(m_nstar) / 100,
-                 np.array([71.10, 46.42, 8.88]) / 100, np.array(m_oo) / 100)
+    q = p_scores(
+        np.array([76.21, 58.02, 12.67]) / 100,
+        np.array(m_nstar) / 100,
+        np.array([71.10, 46.42, 8.88]) / 100,
+        np.array(m_oo) / 100,
+    )
     assert q == pytest.approx(p)
 
 
 def test_p_scores_hand_worked_single_set():
     # M(n,n)=M(n*,n*) -> u = sigmoid(0) = 0.5 ; M(n,o)=M(o,o) -> v = sigmoid(0) = 0.5
     # P_up = P_comp = 50, P_1 = 100 * 2*0.25/1 = 50
-    assert p_scores(0.8, 0.8, 0.5, 0.5) == pytest.approx({"P_up": 50.0, "P_comp": 50.0, "P_1": 50.0})
+    assert p_scores(0.8, 0.8, 0.5, 0.5) == pytest.approx(
+        {"P_up": 50.0, "P_comp": 50.0, "P_1": 50.0}
+    )
     # M(n*,n*) == M(o,o): v undefined -> P_comp and P_1 nan, P_up defined
     p = p_scores(0.8, 0.5, 0.6, 0.5)
     assert not math.isnan(p["P_up"]) and math.isnan(p["P_comp"]) and math.isnan(p["P_1"])
@@ -87,7 +93,7 @@ def test_p_scores_vs_brute_force_random():
         ref = {
             "P_up": 100 * sum(u) / d,
             "P_comp": 100 * sum(v) / d,
-            "P_1": 100 * sum(2 * a * b / (a + b) for a, b in zip(u, v)) / d,
+            "P_1": 100 * sum(2 * a * b / (a + b) for a, b in zip(u, v, strict=False)) / d,
         }
         assert p_scores(nn, ns, no, oo) == pytest.approx(ref, abs=1e-12)
 
@@ -166,8 +172,14 @@ def test_regression_stats_hand_worked():
     assert st["drops"] == [(0.0, 0.5, pytest.approx(0.1))]
     # monotone curve with a flat step (a tie is not a drop)
     st = regression_stats([0, 0.5, 1], [0.3, 0.3, 0.4])
-    assert st == {"start": 0.3, "points_below_start": [], "drops": [], "max_drop": 0.0,
-                  "max_below_start": 0.0, "has_regression": False}
+    assert st == {
+        "start": 0.3,
+        "points_below_start": [],
+        "drops": [],
+        "max_drop": 0.0,
+        "max_below_start": 0.0,
+        "has_regression": False,
+    }
 
 
 @pytest.mark.parametrize("higher", [True, False])

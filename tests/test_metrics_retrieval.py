@@ -31,7 +31,7 @@ def bf_ranking(q, g):
     """Ranking by (-inner product, index); integer inputs -> exact float64 scores."""
     out = []
     for qi in q:
-        s = [sum(float(a) * float(b) for a, b in zip(qi, gj)) for gj in g]
+        s = [sum(float(a) * float(b) for a, b in zip(qi, gj, strict=False)) for gj in g]
         out.append(sorted(range(len(g)), key=lambda j: (-s[j], j)))
     return out
 
@@ -214,7 +214,9 @@ def test_ap_at_k_vs_brute_force(seed, k):
     assert mean_average_precision_at_k(rel, m, k) == pytest.approx(ref_mean, abs=1e-12)
     for kk in (1, 2, 7):
         c = correct_at_k(rel, kk)
-        assert c.tolist() == [bf_correct(list(padded[i]), ql[i], list(gl), kk) for i in range(len(q))]
+        assert c.tolist() == [
+            bf_correct(list(padded[i]), ql[i], list(gl), kk) for i in range(len(q))
+        ]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -229,16 +231,18 @@ def test_revisited_map_vs_brute_force(seed):
         if i == 0:
             ne = nh = 0  # a query with no positives at all
         easy.append(perm[:ne])
-        hard.append(perm[ne:ne + nh])
-        junk.append(perm[ne + nh:ne + nh + nj])
+        hard.append(perm[ne : ne + nh])
+        junk.append(perm[ne + nh : ne + nh + nj])
     got = revisited_easy_medium_hard(ranking, easy, hard, junk)
     setups = {
-        "easy": (easy, [np.concatenate([j, h]) for j, h in zip(junk, hard)]),
-        "medium": ([np.concatenate([e, h]) for e, h in zip(easy, hard)], junk),
-        "hard": (hard, [np.concatenate([j, e]) for j, e in zip(junk, easy)]),
+        "easy": (easy, [np.concatenate([j, h]) for j, h in zip(junk, hard, strict=False)]),
+        "medium": ([np.concatenate([e, h]) for e, h in zip(easy, hard, strict=False)], junk),
+        "hard": (hard, [np.concatenate([j, e]) for j, e in zip(junk, easy, strict=False)]),
     }
     for name, (pos, jk) in setups.items():
-        ref = bf_mean([bf_revisited_ap(list(ranking[i]), list(pos[i]), list(jk[i])) for i in range(n_q)])
+        ref = bf_mean(
+            [bf_revisited_ap(list(ranking[i]), list(pos[i]), list(jk[i])) for i in range(n_q)]
+        )
         if math.isnan(ref):
             assert math.isnan(got[name])
         else:
@@ -246,7 +250,9 @@ def test_revisited_map_vs_brute_force(seed):
     # partial ranking (top 20): positives beyond it count as not retrieved (npos is the
     # full positive count; the brute force computes npos from the sets, not the list)
     m_part, _ = revisited_map(ranking[:, :20], easy, junk)
-    ref = bf_mean([bf_revisited_ap(list(ranking[i, :20]), list(easy[i]), list(junk[i])) for i in range(n_q)])
+    ref = bf_mean(
+        [bf_revisited_ap(list(ranking[i, :20]), list(easy[i]), list(junk[i])) for i in range(n_q)]
+    )
     assert m_part == pytest.approx(ref, abs=1e-12) if not math.isnan(ref) else math.isnan(m_part)
 
 
@@ -273,7 +279,7 @@ def test_map_full_vs_brute_force(seed, junk_kind):
             jset = list(np.flatnonzero(junk[i]))
         pos = [j for j in range(len(g)) if gl[j] == ql[i]]
         ref_aps.append(bf_revisited_ap(list(ranking[i]), pos, jset))
-    for a, r in zip(aps, ref_aps):
+    for a, r in zip(aps, ref_aps, strict=False):
         if r is None:
             assert np.isnan(a)
         else:
@@ -289,20 +295,27 @@ def test_map_full_vs_brute_force(seed, junk_kind):
 @pytest.mark.parametrize("k", [10, 100])  # k=100 > gallery of 30
 def test_evaluate_retrieval_vs_brute_force(seed, k):
     rng, q, g, ql, gl = random_problem(seed, n_q=18, n_g=30)
-    res, per = evaluate_retrieval(q, g, ql, gl, k=k, ks=(1, 5, 10), normalize=False, return_per_query=True)
+    res, per = evaluate_retrieval(
+        q, g, ql, gl, k=k, ks=(1, 5, 10), normalize=False, return_per_query=True
+    )
     assert all(isinstance(v, float) for v in res.values())
     rankings = bf_ranking(q, g)
     valid = [i for i in range(len(q)) if any(x == ql[i] for x in gl)]
     ref_apk = bf_mean([bf_ap_at_k(rankings[i], ql[i], list(gl), k) for i in range(len(q))])
     ref_map = bf_mean(
-        [bf_revisited_ap(rankings[i], [j for j in range(len(g)) if gl[j] == ql[i]], []) for i in range(len(q))]
+        [
+            bf_revisited_ap(rankings[i], [j for j in range(len(g)) if gl[j] == ql[i]], [])
+            for i in range(len(q))
+        ]
     )
     assert res[f"mAP@{k}"] == pytest.approx(ref_apk, abs=1e-12)
     assert res["mAP"] == pytest.approx(ref_map, abs=1e-12)
     for kk in (1, 5, 10):
         ref = sum(bf_correct(rankings[i], ql[i], list(gl), kk) for i in valid) / len(valid)
         assert res[f"top{kk}"] == pytest.approx(ref, abs=1e-12)
-        assert per[f"correct@{kk}"].tolist() == [bf_correct(rankings[i], ql[i], list(gl), kk) for i in range(len(q))]
+        assert per[f"correct@{kk}"].tolist() == [
+            bf_correct(rankings[i], ql[i], list(gl), kk) for i in range(len(q))
+        ]
     assert res["num_queries"] == len(q) and res["num_valid_queries"] == len(valid)
 
 
@@ -313,7 +326,15 @@ def test_evaluate_retrieval_cosine_smoke_and_errors():
     q = g[:10] + 0.01 * rng.normal(size=(10, 8)).astype(np.float32)
     res = evaluate_retrieval(q, g, gl[:10], gl, k=20)
     assert res["top1"] == 1.0  # every query's nearest item is its own source (same label)
-    assert set(res) == {"mAP@20", "mAP", "top1", "top5", "top10", "num_queries", "num_valid_queries"}
+    assert set(res) == {
+        "mAP@20",
+        "mAP",
+        "top1",
+        "top5",
+        "top10",
+        "num_queries",
+        "num_valid_queries",
+    }
     res2 = evaluate_retrieval(q, g, gl[:10], gl, k=20, full_map=False)
     assert "mAP" not in res2 and res2["mAP@20"] == res["mAP@20"]
     with pytest.raises(ValueError, match="query labels"):

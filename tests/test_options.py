@@ -1,6 +1,7 @@
 """The options module (raycompat.config) through the jobs' option dataclasses: flags round trip
 to the same dataclass, nested scenario sizes, each job's defaults, and the errors a bad flag or
 value gives (an argparse error naming an unknown flag, a ConfigError naming a bad value)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,69 +23,171 @@ def quickstart(argv: list[str]) -> QuickstartOptions:
 
 
 def train(module, argv: list[str]):
-    defaults = {train_job: train_job.TRAIN_DEFAULTS, old_job: old_job.OLD_DEFAULTS,
-                ract_job: ract_job.RACT_DEFAULTS}[module]
+    defaults = {
+        train_job: train_job.TRAIN_DEFAULTS,
+        old_job: old_job.OLD_DEFAULTS,
+        ract_job: ract_job.RACT_DEFAULTS,
+    }[module]
     return train_job.parse_train_options(module.build_parser(), argv, defaults)
 
 
 def test_no_flags_give_the_jobs_defaults():
     assert quickstart([]) == QuickstartOptions()
-    assert quickstart([]).sizes.train_classes == 240 and quickstart([]).sizes.backbone == "lcnet_050"
+    assert (
+        quickstart([]).sizes.train_classes == 240 and quickstart([]).sizes.backbone == "lcnet_050"
+    )
     assert quickstart([]).output.name == "main" and quickstart([]).verbose is False
     assert train(train_job, []) == train_job.TRAIN_DEFAULTS
-    assert train(train_job, []).sizes == ScenarioSizes()    # train's sizes are the library defaults
+    assert train(train_job, []).sizes == ScenarioSizes()  # train's sizes are the library defaults
     assert train(old_job, []).split == "old_train" and train(old_job, []).method == "independent"
     ract = train(ract_job, [])
     assert (ract.method, ract.epochs, ract.batch_size) == ("ract", 3, 64)
-    assert (ract.sizes.backbone, ract.sizes.train_classes, ract.sizes.eval_classes) == ("lcnet_050", 40, 20)
+    assert (ract.sizes.backbone, ract.sizes.train_classes, ract.sizes.eval_classes) == (
+        "lcnet_050",
+        40,
+        20,
+    )
     assert ract.sizes.queries_per_class == train_job.TRAIN_SIZES.queries_per_class
     assert parse_reproduce_options([]).sizes == SCALES["default"].sizes
     assert parse_reproduce_options([]).output.name == "report"
 
 
 def test_flags_round_trip_to_the_same_dataclass():
-    argv = ["--out", "/tmp/qs", "--storage", "s3://b/p", "--name", "exp", "--address", "auto",
-            "--scenario", "open-class", "--train-classes", "30", "--images-per-class", "7",
-            "--eval-classes", "9", "--queries-per-class", "1", "--gallery-per-class", "3",
-            "--distractor-classes", "0", "--distractors-per-class", "0", "--resolution", "24",
-            "--backbone", "resnet10t", "--data-seed", "5", "--embed-dim", "32", "--head", "arcface",
-            "--old-epochs", "2", "--new-epochs", "1", "--batch-size", "16", "--lr", "0.05",
-            "--workers", "2", "--gpus", "0.5", "--seed", "4", "--verbose"]
+    argv = [
+        "--out",
+        "/tmp/qs",
+        "--storage",
+        "s3://b/p",
+        "--name",
+        "exp",
+        "--address",
+        "auto",
+        "--scenario",
+        "open-class",
+        "--train-classes",
+        "30",
+        "--images-per-class",
+        "7",
+        "--eval-classes",
+        "9",
+        "--queries-per-class",
+        "1",
+        "--gallery-per-class",
+        "3",
+        "--distractor-classes",
+        "0",
+        "--distractors-per-class",
+        "0",
+        "--resolution",
+        "24",
+        "--backbone",
+        "resnet10t",
+        "--data-seed",
+        "5",
+        "--embed-dim",
+        "32",
+        "--head",
+        "arcface",
+        "--old-epochs",
+        "2",
+        "--new-epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--workers",
+        "2",
+        "--gpus",
+        "0.5",
+        "--seed",
+        "4",
+        "--verbose",
+    ]
     got = quickstart(argv)
     want = dataclasses.replace(
-        QuickstartOptions(), address="auto", embed_dim=32, head="arcface", old_epochs=2, new_epochs=1,
-        batch_size=16, lr=0.05, workers=2, gpus=0.5, seed=4, verbose=True,
-        output=dataclasses.replace(QuickstartOptions().output, out="/tmp/qs", storage="s3://b/p", name="exp"),
-        sizes=ScenarioSizes(scenario="open-class", train_classes=30, images_per_class=7, eval_classes=9,
-                            queries_per_class=1, gallery_per_class=3, distractor_classes=0,
-                            distractors_per_class=0, resolution=24, backbone="resnet10t", data_seed=5))
+        QuickstartOptions(),
+        address="auto",
+        embed_dim=32,
+        head="arcface",
+        old_epochs=2,
+        new_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        workers=2,
+        gpus=0.5,
+        seed=4,
+        verbose=True,
+        output=dataclasses.replace(
+            QuickstartOptions().output, out="/tmp/qs", storage="s3://b/p", name="exp"
+        ),
+        sizes=ScenarioSizes(
+            scenario="open-class",
+            train_classes=30,
+            images_per_class=7,
+            eval_classes=9,
+            queries_per_class=1,
+            gallery_per_class=3,
+            distractor_classes=0,
+            distractors_per_class=0,
+            resolution=24,
+            backbone="resnet10t",
+            data_seed=5,
+        ),
+    )
     assert got == want
 
 
 def test_nested_size_flags_keep_the_jobs_other_defaults():
-    opts = train(ract_job, ["--train-classes", "12", "--opt", "tau=0.05", "--opt", "margin=0.2",
-                            "--pretrained", "/w.pth", "--epochs", "1"])
+    opts = train(
+        ract_job,
+        [
+            "--train-classes",
+            "12",
+            "--opt",
+            "tau=0.05",
+            "--opt",
+            "margin=0.2",
+            "--pretrained",
+            "/w.pth",
+            "--epochs",
+            "1",
+        ],
+    )
     assert opts.sizes == dataclasses.replace(ract_job.RACT_DEFAULTS.sizes, train_classes=12)
     assert opts.method_options == ("tau=0.05", "margin=0.2") and opts.pretrained_path == "/w.pth"
     assert opts.epochs == 1 and opts.batch_size == 64 and opts.method == "ract"
 
 
 def test_reproduce_scale_preset_then_flags():
-    cluster = parse_reproduce_options(["--scale", "cluster", "--train-classes", "50", "--psi-hidden", "32"])
+    cluster = parse_reproduce_options(
+        ["--scale", "cluster", "--train-classes", "50", "--psi-hidden", "32"]
+    )
     assert cluster.sizes == dataclasses.replace(SCALES["cluster"].sizes, train_classes=50)
     assert cluster.training == dataclasses.replace(SCALES["cluster"].training, psi_hidden=32)
     assert cluster.training.workers == 4 and cluster.sizes.backbone == "resnet18"
-    opts = parse_reproduce_options(["--scenarios", "extended-data, sequential", "--methods", "bct,dmu",
-                                    "--sequential-methods", "all"])
+    opts = parse_reproduce_options(
+        [
+            "--scenarios",
+            "extended-data, sequential",
+            "--methods",
+            "bct,dmu",
+            "--sequential-methods",
+            "all",
+        ]
+    )
     assert opts.scenarios == ("extended-data", "sequential") and opts.methods == ("bct", "dmu")
-    assert opts.sequential_methods == tuple(VARIANTS)          # 'all'
+    assert opts.sequential_methods == tuple(VARIANTS)  # 'all'
     assert ReproduceOptions.at_scale("cluster").training == SCALES["cluster"].training
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--train-clases", "3"], "--train-clases"),
-    (["--epochs", "1"], "--epochs"),              # a train flag is not a main-job flag
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--train-clases", "3"], "--train-clases"),
+        (["--epochs", "1"], "--epochs"),  # a train flag is not a main-job flag
+    ],
+)
 def test_unknown_flag_is_an_argparse_error_naming_it(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
         quickstart_parser().parse_args(argv)
@@ -92,11 +195,14 @@ def test_unknown_flag_is_an_argparse_error_naming_it(capsys, argv, flag):
     assert "unrecognized arguments: " + flag in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module, argv", [
-    (quickstart_parser, ["--train", "3"]),
-    (train_job.build_parser, ["--train-class", "3"]),
-    (old_job.build_parser, ["--method", "bct"]),  # the old model takes no method
-])
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        (quickstart_parser, ["--train", "3"]),
+        (train_job.build_parser, ["--train-class", "3"]),
+        (old_job.build_parser, ["--method", "bct"]),  # the old model takes no method
+    ],
+)
 def test_abbreviated_or_foreign_flag_is_refused(capsys, module, argv):
     with pytest.raises(SystemExit) as exit_info:
         module().parse_args(argv)
@@ -104,13 +210,19 @@ def test_abbreviated_or_foreign_flag_is_refused(capsys, module, argv):
     assert argv[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--train-classes", "0"], r"option 'train_classes' = 0 must be >= 1"),
-    (["--head", "foo"], r"option 'head' = 'foo' is not allowed; allowed values: \['softmax', 'cosface'"),
-    (["--lr", "fast"], r"option 'lr' must be a number, got 'fast'"),
-    (["--distractor-classes", "-1"], r"option 'distractor_classes' = -1 must be >= 0"),
-    (["--scenario", "open"], r"option 'scenario' = 'open' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--train-classes", "0"], r"option 'train_classes' = 0 must be >= 1"),
+        (
+            ["--head", "foo"],
+            r"option 'head' = 'foo' is not allowed; allowed values: \['softmax', 'cosface'",
+        ),
+        (["--lr", "fast"], r"option 'lr' must be a number, got 'fast'"),
+        (["--distractor-classes", "-1"], r"option 'distractor_classes' = -1 must be >= 0"),
+        (["--scenario", "open"], r"option 'scenario' = 'open' is not allowed"),
+    ],
+)
 def test_bad_value_is_a_config_error_naming_the_option(argv, message):
     with pytest.raises(ConfigError, match=message):
         quickstart(argv)
@@ -118,13 +230,25 @@ def test_bad_value_is_a_config_error_naming_the_option(argv, message):
         train(train_job, argv)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--methods", "bcx"], r"--methods: 'bcx' is not allowed"),
-    (["--scale", "huge"], r"option 'scale' = 'huge' is not allowed; "
-                          r"allowed values: \['default', 'cluster'\]"),
-    (["--arch-backbone", "resnet9000"], r"--arch-backbone 'resnet9000' is not a timm model name"),
-    (["--batch-size", "10", "--workers", "3"], r"--batch-size 10 must be divisible by --workers 3"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "bcx"], r"--methods: 'bcx' is not allowed"),
+        (
+            ["--scale", "huge"],
+            r"option 'scale' = 'huge' is not allowed; "
+            r"allowed values: \['default', 'cluster'\]",
+        ),
+        (
+            ["--arch-backbone", "resnet9000"],
+            r"--arch-backbone 'resnet9000' is not a timm model name",
+        ),
+        (
+            ["--batch-size", "10", "--workers", "3"],
+            r"--batch-size 10 must be divisible by --workers 3",
+        ),
+    ],
+)
 def test_reproduce_bad_values_name_the_option(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_reproduce_options(argv)

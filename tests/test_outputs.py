@@ -1,4 +1,5 @@
 """Job output locations (raycompat.outputs): --out / --storage / --name, checked at start."""
+
 from __future__ import annotations
 
 import os
@@ -15,40 +16,63 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_default_out_is_a_local_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    o = resolve_job_output("quickstart", out=None, storage=None, name="main", default_out="quickstart_out")
+    o = resolve_job_output(
+        "quickstart", out=None, storage=None, name="main", default_out="quickstart_out"
+    )
     assert o.local == o.destination == str(tmp_path / "quickstart_out")
     assert o.runs == str(tmp_path / "quickstart_out" / "runs") and not o.remote
     assert os.path.isdir(o.local) and o.publish() == o.local
 
 
 def test_storage_gives_report_and_runs_locations(tmp_path):
-    o = resolve_job_output("reproduce", out=None, storage=str(tmp_path / "store"), name="exp",
-                           default_out="reproduce_out")
+    o = resolve_job_output(
+        "reproduce",
+        out=None,
+        storage=str(tmp_path / "store"),
+        name="exp",
+        default_out="reproduce_out",
+    )
     assert o.local == str(tmp_path / "store" / "reproduce" / "exp")
     assert o.runs == str(tmp_path / "store" / "runs")
 
 
 def test_uri_destination_is_staged_and_published(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYCOMPAT_STAGING", str(tmp_path / "staging"))
-    o = resolve_job_output("quickstart", out=None, storage=f"file://{tmp_path}/bucket", name="run1",
-                           default_out="quickstart_out")
+    o = resolve_job_output(
+        "quickstart",
+        out=None,
+        storage=f"file://{tmp_path}/bucket",
+        name="run1",
+        default_out="quickstart_out",
+    )
     assert o.remote and o.destination == f"file://{tmp_path}/bucket/quickstart/run1"
-    assert o.runs == f"file://{tmp_path}/bucket/runs"       # Ray Train takes the URI itself
+    assert o.runs == f"file://{tmp_path}/bucket/runs"  # Ray Train takes the URI itself
     assert o.local.startswith(str(tmp_path / "staging"))
     with open(o.path("report.md"), "w") as f:
         f.write("# report\n")
     assert o.publish() == o.destination
     assert (tmp_path / "bucket" / "quickstart" / "run1" / "report.md").read_text() == "# report\n"
     # the same URI maps to the same staging folder: a re-run resumes from it
-    again = resolve_job_output("quickstart", out=o.destination, storage=None, name="x", default_out="y")
+    again = resolve_job_output(
+        "quickstart", out=o.destination, storage=None, name="x", default_out="y"
+    )
     assert again.local == o.local
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(out=None, storage="/proc/raycompat"), "--storage /proc/raycompat is not writable"),
-    (dict(out="/nonexistent-parent/x/out", storage=None), "the parent folder /nonexistent-parent/x does not exist"),
-    (dict(out=None, storage="/nonexistent-parent/x"), "the parent folder /nonexistent-parent does not exist"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(out=None, storage="/proc/raycompat"), "--storage /proc/raycompat is not writable"),
+        (
+            dict(out="/nonexistent-parent/x/out", storage=None),
+            "the parent folder /nonexistent-parent/x does not exist",
+        ),
+        (
+            dict(out=None, storage="/nonexistent-parent/x"),
+            "the parent folder /nonexistent-parent does not exist",
+        ),
+    ],
+)
 def test_unusable_locations_are_named(kw, message):
     with pytest.raises(StorageError, match=message.replace("/", "/")):
         resolve_job_output("quickstart", name="main", default_out="quickstart_out", **kw)
@@ -56,8 +80,13 @@ def test_unusable_locations_are_named(kw, message):
 
 @pytest.mark.parametrize("job", ["quickstart.py", "reproduce.py"])
 def test_jobs_refuse_unwritable_storage_before_starting_ray(job):
-    proc = subprocess.run([sys.executable, os.path.join("jobs", job), "--storage", "/proc/raycompat"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join("jobs", job), "--storage", "/proc/raycompat"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--storage /proc/raycompat is not writable" in proc.stderr
     assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr

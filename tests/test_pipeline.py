@@ -3,6 +3,7 @@
 Small random-init bundles (timm ``test_resnet``), a tiny glyph scenario plus generated
 distractors; vectors are compared with direct model calls on the same items.
 """
+
 from __future__ import annotations
 
 import io
@@ -25,9 +26,17 @@ from raycompat.config import ConfigError
 from raycompat.data import CorruptImageError, GlyphRenderer, build_scenario, default_catalog
 from raycompat.evaluation import embed_glyphs
 from raycompat.models import ModelBundle
-from raycompat.pipeline import (EXTRA_INSTANCE_BASE, GlyphGallerySource, IdPlan, OldFeatureSource,
-                                ParquetImageSource, PipelineOptions, RecordSource, embed_gallery,
-                                make_random_bundles)
+from raycompat.pipeline import (
+    EXTRA_INSTANCE_BASE,
+    GlyphGallerySource,
+    IdPlan,
+    OldFeatureSource,
+    ParquetImageSource,
+    PipelineOptions,
+    RecordSource,
+    embed_gallery,
+    make_random_bundles,
+)
 from raycompat.pipeline.ids import parse_ids_option
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,15 +45,31 @@ OLD_DIM, NEW_DIM = 16, 24
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    return make_random_bundles(str(tmp_path_factory.mktemp("models")), backbone="test_resnet", old_dim=OLD_DIM,
-                               new_dim=NEW_DIM, num_classes=12, psi_hidden=32, seed=3)
+    return make_random_bundles(
+        str(tmp_path_factory.mktemp("models")),
+        backbone="test_resnet",
+        old_dim=OLD_DIM,
+        new_dim=NEW_DIM,
+        num_classes=12,
+        psi_hidden=32,
+        seed=3,
+    )
 
 
 @pytest.fixture(scope="module")
 def scenario():
-    return build_scenario("extended-class", catalog=default_catalog(), num_train_classes=10, images_per_class=2,
-                          num_eval_classes=4, queries_per_class=1, gallery_per_class=3, num_distractor_classes=3,
-                          distractors_per_class=2, seed=1)
+    return build_scenario(
+        "extended-class",
+        catalog=default_catalog(),
+        num_train_classes=10,
+        images_per_class=2,
+        num_eval_classes=4,
+        queries_per_class=1,
+        gallery_per_class=3,
+        num_distractor_classes=3,
+        distractors_per_class=2,
+        seed=1,
+    )
 
 
 def small_options(**kw) -> PipelineOptions:
@@ -68,7 +93,10 @@ def direct(bundles, source, ids):
     with torch.no_grad():
         adapted = new_b.modules["psi"].eval()(torch.from_numpy(old)).numpy()
     head = UncertaintyHead.from_classifier_head(new_b.head)
-    unc = {f"unc_{k}": uncertainty_scores(old, head, k) for k in ("least_confidence", "margin", "entropy")}
+    unc = {
+        f"unc_{k}": uncertainty_scores(old, head, k)
+        for k in ("least_confidence", "margin", "entropy")
+    }
     return dict(old=old, new=new, adapted=adapted, label=labels, **unc)
 
 
@@ -106,11 +134,11 @@ def test_glyph_ids_are_stable_and_distractors_avoid_query_classes(scenario):
     labels, instances, codes = src.items(np.arange(src.num_ids()))
     assert codes.tolist() == [0] * q + [1] * g + [2] * (d + 50)
     assert np.array_equal(labels[:q], scenario.splits["query"].labels)
-    assert np.array_equal(instances[q:q + g], scenario.splits["gallery"].instances)
+    assert np.array_equal(instances[q : q + g], scenario.splits["gallery"].instances)
     eval_classes = set(scenario.splits["query"].labels.tolist())
-    assert not eval_classes & set(labels[q + g:].tolist())
-    assert (instances[q + g + d:] >= EXTRA_INSTANCE_BASE).all()
-    pairs = set(zip(labels.tolist(), instances.tolist()))
+    assert not eval_classes & set(labels[q + g :].tolist())
+    assert (instances[q + g + d :] >= EXTRA_INSTANCE_BASE).all()
+    pairs = set(zip(labels.tolist(), instances.tolist(), strict=False))
     assert len(pairs) == src.num_ids()  # every id is a different image
     again = GlyphGallerySource(scenario, extra_distractors=50, resolution=16, data_seed=2)
     ids = np.array([0, q + 1, src.num_ids() - 1])
@@ -122,26 +150,54 @@ def test_missing_models_and_bad_columns_are_named(scenario, tmp_path, bundles):
     with pytest.raises(ConfigError, match="old model is required"):
         embed_gallery(str(tmp_path / "a"), src, columns=("old",), log=quiet)
     with pytest.raises(ConfigError, match="unknown column 'newest'"):
-        embed_gallery(str(tmp_path / "b"), src, old_model=bundles[0], columns=("newest",), log=quiet)
+        embed_gallery(
+            str(tmp_path / "b"), src, old_model=bundles[0], columns=("newest",), log=quiet
+        )
     with pytest.raises(ConfigError, match="no 'psi' module"):
-        embed_gallery(str(tmp_path / "c"), src, old_model=bundles[0], new_model=bundles[0], columns=("adapted",),
-                      log=quiet)
+        embed_gallery(
+            str(tmp_path / "c"),
+            src,
+            old_model=bundles[0],
+            new_model=bundles[0],
+            columns=("adapted",),
+            log=quiet,
+        )
     with pytest.raises(ConfigError, match="not in the glyphs source"):
-        embed_gallery(str(tmp_path / "d"), src, old_model=bundles[0], columns=("old",), ids=[0, 10_000], log=quiet)
+        embed_gallery(
+            str(tmp_path / "d"),
+            src,
+            old_model=bundles[0],
+            columns=("old",),
+            ids=[0, 10_000],
+            log=quiet,
+        )
 
 
 # ----------------------------------------------------------------------------- on the Ray cluster
 def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
     src = GlyphGallerySource(scenario, extra_distractors=30, resolution=16, data_seed=2)
-    run = embed_gallery(str(tmp_path / "g"), src, old_model=bundles[0], new_model=bundles[1],
-                        columns=("old", "new", "adapted"), uncertainty=True, options=small_options(), log=quiet)
+    run = embed_gallery(
+        str(tmp_path / "g"),
+        src,
+        old_model=bundles[0],
+        new_model=bundles[1],
+        columns=("old", "new", "adapted"),
+        uncertainty=True,
+        options=small_options(),
+        log=quiet,
+    )
     schema = pq.read_schema(os.path.join(run.path, "part-000000.parquet"))
     assert [(f.name, str(f.type)) for f in schema] == [
-        ("item_id", "int64"), ("label", "int64"), ("split", "string"),
+        ("item_id", "int64"),
+        ("label", "int64"),
+        ("split", "string"),
         ("old", f"fixed_size_list<element: float>[{OLD_DIM}]"),
         ("new", f"fixed_size_list<element: float>[{NEW_DIM}]"),
         ("adapted", f"fixed_size_list<element: float>[{NEW_DIM}]"),
-        ("unc_least_confidence", "double"), ("unc_margin", "double"), ("unc_entropy", "double")]
+        ("unc_least_confidence", "double"),
+        ("unc_margin", "double"),
+        ("unc_entropy", "double"),
+    ]
     table = run.table()
     n = src.num_ids()
     assert table.column("item_id").to_pylist() == list(range(n))
@@ -151,7 +207,9 @@ def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
     for col in ("old", "new", "adapted"):
         np.testing.assert_allclose(vectors(table, col), ref[col], rtol=1e-4, atol=1e-5, err_msg=col)
     for col in ("unc_least_confidence", "unc_margin", "unc_entropy"):
-        np.testing.assert_allclose(table.column(col).to_numpy(), ref[col], rtol=1e-4, atol=1e-6, err_msg=col)
+        np.testing.assert_allclose(
+            table.column(col).to_numpy(), ref[col], rtol=1e-4, atol=1e-6, err_msg=col
+        )
     summary = run.summary
     assert summary["items_written"] == n and summary["items_skipped"] == 0
     assert any("OldFeatureStage" in s["operator"] for s in summary["stages"])
@@ -161,36 +219,82 @@ def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
     assert data.n_queries == len(scenario.splits["query"]) and data.n_items == n - data.n_queries
     assert data.gallery_adapted.shape == (data.n_items, NEW_DIM)
     # a second run with the same settings finds everything done
-    again = embed_gallery(run.path, src, old_model=bundles[0], new_model=bundles[1],
-                          columns=("old", "new", "adapted"), uncertainty=True, options=small_options(), log=quiet)
+    again = embed_gallery(
+        run.path,
+        src,
+        old_model=bundles[0],
+        new_model=bundles[1],
+        columns=("old", "new", "adapted"),
+        uncertainty=True,
+        options=small_options(),
+        log=quiet,
+    )
     assert again.summary["items_planned"] == 0 and again.summary["items_resumed"] == n
     # refreshing the stored old features with psi: no image, same adapted vectors and scores
-    refreshed = embed_gallery(str(tmp_path / "refresh"), OldFeatureSource(run.path), new_model=bundles[1],
-                              columns=("adapted",), uncertainty=True, options=small_options(), log=quiet).table()
-    assert refreshed.column_names == ["item_id", "label", "split", "adapted", "unc_least_confidence",
-                                      "unc_margin", "unc_entropy"]
+    refreshed = embed_gallery(
+        str(tmp_path / "refresh"),
+        OldFeatureSource(run.path),
+        new_model=bundles[1],
+        columns=("adapted",),
+        uncertainty=True,
+        options=small_options(),
+        log=quiet,
+    ).table()
+    assert refreshed.column_names == [
+        "item_id",
+        "label",
+        "split",
+        "adapted",
+        "unc_least_confidence",
+        "unc_margin",
+        "unc_entropy",
+    ]
     assert refreshed.column("split").to_pylist() == table.column("split").to_pylist()
     np.testing.assert_allclose(vectors(refreshed, "adapted"), ref["adapted"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(refreshed.column("unc_margin").to_numpy(), ref["unc_margin"], rtol=1e-4, atol=1e-6)
-    assert not any(s["operator"].startswith("MapBatches(EmbedStage)") for s in
-                   embed_gallery(str(tmp_path / "refresh"), OldFeatureSource(run.path), new_model=bundles[1],
-                                 columns=("adapted",), uncertainty=True, options=small_options(overwrite=True),
-                                 log=quiet).summary["stages"])
+    np.testing.assert_allclose(
+        refreshed.column("unc_margin").to_numpy(), ref["unc_margin"], rtol=1e-4, atol=1e-6
+    )
+    assert not any(
+        s["operator"].startswith("MapBatches(EmbedStage)")
+        for s in embed_gallery(
+            str(tmp_path / "refresh"),
+            OldFeatureSource(run.path),
+            new_model=bundles[1],
+            columns=("adapted",),
+            uncertainty=True,
+            options=small_options(overwrite=True),
+            log=quiet,
+        ).summary["stages"]
+    )
 
 
 def test_new_column_only_for_given_ids(ray_cluster, bundles, scenario, tmp_path):
     src = GlyphGallerySource(scenario, extra_distractors=30, resolution=16, data_seed=2)
     ids = [40, 3, 17, 51]
-    run = embed_gallery(str(tmp_path / "b"), src, new_model=bundles[1], columns=("new",), ids=ids,
-                        options=small_options(), log=quiet)
+    run = embed_gallery(
+        str(tmp_path / "b"),
+        src,
+        new_model=bundles[1],
+        columns=("new",),
+        ids=ids,
+        options=small_options(),
+        log=quiet,
+    )
     table = run.table()
     assert table.column_names == ["item_id", "label", "split", "new"]
     assert table.column("item_id").to_pylist() == sorted(ids)
     ref = direct(bundles, src, np.array(sorted(ids)))
     np.testing.assert_allclose(vectors(table, "new"), ref["new"], rtol=1e-4, atol=1e-5)
     with pytest.raises(ConfigError, match="different settings.*columns"):
-        embed_gallery(run.path, src, old_model=bundles[0], columns=("old",), ids=ids, options=small_options(),
-                      log=quiet)
+        embed_gallery(
+            run.path,
+            src,
+            old_model=bundles[0],
+            columns=("old",),
+            ids=ids,
+            options=small_options(),
+            log=quiet,
+        )
 
 
 def png(value: int) -> bytes:
@@ -210,19 +314,36 @@ def test_corrupt_images_skip_and_fail(ray_cluster, bundles, tmp_path):
     src = RecordSource.image_folder(str(root), resolution=16)
     bad_id = int(src.ids[src.paths.index(str(bad))])
     with pytest.raises(CorruptImageError, match=re.escape(f"item_id={bad_id} path={bad}")):
-        embed_gallery(str(tmp_path / "fail"), src, old_model=bundles[0], columns=("old",),
-                      options=small_options(on_corrupt="fail"), log=quiet)
-    run = embed_gallery(str(tmp_path / "skip"), src, old_model=bundles[0], columns=("old",),
-                        options=small_options(on_corrupt="skip"), log=quiet)
+        embed_gallery(
+            str(tmp_path / "fail"),
+            src,
+            old_model=bundles[0],
+            columns=("old",),
+            options=small_options(on_corrupt="fail"),
+            log=quiet,
+        )
+    run = embed_gallery(
+        str(tmp_path / "skip"),
+        src,
+        old_model=bundles[0],
+        columns=("old",),
+        options=small_options(on_corrupt="skip"),
+        log=quiet,
+    )
     assert run.table().column("item_id").to_pylist() == [i for i in range(6) if i != bad_id]
     assert [s["item_id"] for s in run.summary["skipped"]] == [bad_id]
     assert str(bad) in run.summary["skipped"][0]["error"]
     # the stored vectors are the old model applied to the decoded, resized images
     old_b = ModelBundle.load(bundles[0])
-    from raycompat.data import load_image
-    from raycompat.data import images_to_tensor
+    from raycompat.data import images_to_tensor, load_image
 
-    imgs = np.stack([np.asarray(load_image(src.paths[i], mode="L", resolution=16)) for i in range(6) if i != bad_id])
+    imgs = np.stack(
+        [
+            np.asarray(load_image(src.paths[i], mode="L", resolution=16))
+            for i in range(6)
+            if i != bad_id
+        ]
+    )
     with torch.no_grad():
         ref = old_b.embedder(images_to_tensor(imgs, 1)).numpy()
     np.testing.assert_allclose(vectors(run.table(), "old"), ref, rtol=1e-4, atol=1e-5)
@@ -231,17 +352,29 @@ def test_corrupt_images_skip_and_fail(ray_cluster, bundles, tmp_path):
 def test_parquet_and_gldv2_sources(ray_cluster, bundles, tmp_path):
     import pyarrow as pa
 
-    rows = {"item_id": [10, 11, 12, 13], "label": ["b", "a", "b", "a"],
-            "image": [png(10), png(90), b"broken", png(200)]}
+    rows = {
+        "item_id": [10, 11, 12, 13],
+        "label": ["b", "a", "b", "a"],
+        "image": [png(10), png(90), b"broken", png(200)],
+    }
     path = tmp_path / "imgs.parquet"
     pq.write_table(pa.table(rows), path, row_group_size=2)
     src = ParquetImageSource(str(path), resolution=16)
-    run = embed_gallery(str(tmp_path / "pq"), src, old_model=bundles[0], columns=("old",),
-                        options=small_options(on_corrupt="skip"), log=quiet)
+    run = embed_gallery(
+        str(tmp_path / "pq"),
+        src,
+        old_model=bundles[0],
+        columns=("old",),
+        options=small_options(on_corrupt="skip"),
+        log=quiet,
+    )
     t = run.table()
     assert t.column("item_id").to_pylist() == [10, 11, 13]
     assert t.column("label").to_pylist() == [1, 0, 0]
-    assert run.summary["skipped"][0]["item_id"] == 12 and "rowgroup1/row0" in run.summary["skipped"][0]["error"]
+    assert (
+        run.summary["skipped"][0]["item_id"] == 12
+        and "rowgroup1/row0" in run.summary["skipped"][0]["error"]
+    )
 
     image_root = tmp_path / "gld"
     ids = ["abc001", "abd002", "xyz003"]
@@ -250,12 +383,23 @@ def test_parquet_and_gldv2_sources(ray_cluster, bundles, tmp_path):
         p.parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (24, 20), (50 * k, 80, 120)).save(p, format="JPEG")
     csv = tmp_path / "train.csv"
-    csv.write_text("id,url,landmark_id\n" + "".join(f"{i},,{7 + k % 2}\n" for k, i in enumerate(ids)))
+    csv.write_text(
+        "id,url,landmark_id\n" + "".join(f"{i},,{7 + k % 2}\n" for k, i in enumerate(ids))
+    )
     gsrc = RecordSource.gldv2(str(csv), str(image_root), resolution=16)
-    run = embed_gallery(str(tmp_path / "gldout"), gsrc, old_model=bundles[0], columns=("old",),
-                        options=small_options(on_corrupt="skip"), log=quiet)
+    run = embed_gallery(
+        str(tmp_path / "gldout"),
+        gsrc,
+        old_model=bundles[0],
+        columns=("old",),
+        options=small_options(on_corrupt="skip"),
+        log=quiet,
+    )
     assert run.table().column("item_id").to_pylist() == [0, 1]
-    assert run.summary["skipped"][0]["item_id"] == 2 and "xyz003.jpg" in run.summary["skipped"][0]["error"]
+    assert (
+        run.summary["skipped"][0]["item_id"] == 2
+        and "xyz003.jpg" in run.summary["skipped"][0]["error"]
+    )
 
 
 def test_parquet_sources_reject_bad_files(tmp_path):
@@ -274,20 +418,56 @@ def test_parquet_sources_reject_bad_files(tmp_path):
     with pytest.raises(ConfigError, match=r"lacks column\(s\) \['label'\]"):
         ParquetImageSource(write("nolabel", item_id=[1, 2], image=[b"x", b"y"]))
     with pytest.raises(ConfigError, match="column 'label' of .* must hold integers, got string"):
-        OldFeatureSource(write("strlabel", item_id=[1, 2], label=["a", "b"], split=["gallery"] * 2, old=old))
+        OldFeatureSource(
+            write("strlabel", item_id=[1, 2], label=["a", "b"], split=["gallery"] * 2, old=old)
+        )
     with pytest.raises(ConfigError, match="old-feature source .*: duplicate item ids"):
-        OldFeatureSource(write("olddup", item_id=[3, 3], label=[0, 1], split=["gallery"] * 2, old=old))
+        OldFeatureSource(
+            write("olddup", item_id=[3, 3], label=[0, 1], split=["gallery"] * 2, old=old)
+        )
     with pytest.raises(ConfigError, match="old-feature source not found"):
         OldFeatureSource(str(tmp_path / "missing"))
 
 
 def _job(out, bundles, items, extra=()):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, os.path.join(REPO, "jobs", "embed_gallery.py"), "--out", str(out),
-           "--old-model", bundles[0], "--new-model", bundles[1], "--columns", "old,new", "--items", str(items),
-           "--train-classes", "10", "--eval-classes", "4", "--queries-per-class", "1", "--gallery-per-class", "3",
-           "--distractor-classes", "3", "--distractors-per-class", "2", "--data-seed", "1", "--resolution", "16",
-           "--chunk-size", "64", "--render-batch-size", "32", "--num-cpus", "2", *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "jobs", "embed_gallery.py"),
+        "--out",
+        str(out),
+        "--old-model",
+        bundles[0],
+        "--new-model",
+        bundles[1],
+        "--columns",
+        "old,new",
+        "--items",
+        str(items),
+        "--train-classes",
+        "10",
+        "--eval-classes",
+        "4",
+        "--queries-per-class",
+        "1",
+        "--gallery-per-class",
+        "3",
+        "--distractor-classes",
+        "3",
+        "--distractors-per-class",
+        "2",
+        "--data-seed",
+        "1",
+        "--resolution",
+        "16",
+        "--chunk-size",
+        "64",
+        "--render-batch-size",
+        "32",
+        "--num-cpus",
+        "2",
+        *extra,
+    ]
     return cmd, env
 
 
@@ -297,14 +477,18 @@ def test_kill_and_resume_is_exactly_once(ray_cluster, bundles, scenario, tmp_pat
     items = 2400
     cmd, env = _job(out, bundles, items)
     log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     deadline = time.time() + 300
     try:
         while time.time() < deadline and proc.poll() is None:
             if out.is_dir() and any(n.startswith("part-") for n in os.listdir(out)):
                 break
             time.sleep(0.2)
-        assert proc.poll() is None, "the job ended before it could be killed: " + open(tmp_path / "first.log").read()
+        assert proc.poll() is None, (
+            "the job ended before it could be killed: " + open(tmp_path / "first.log").read()
+        )
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
     finally:
         if proc.poll() is None:
@@ -322,8 +506,9 @@ def test_kill_and_resume_is_exactly_once(ray_cluster, bundles, scenario, tmp_pat
     table = pq.read_table(out).sort_by("item_id")
     ids = table.column("item_id").to_numpy()
     assert ids.tolist() == list(range(items))  # no loss, no duplicates
-    src = GlyphGallerySource(scenario, extra_distractors=items - scenario_items(scenario), resolution=16,
-                             data_seed=1)
+    src = GlyphGallerySource(
+        scenario, extra_distractors=items - scenario_items(scenario), resolution=16, data_seed=1
+    )
     sample = np.array([0, 5, 63, 64, 700, items - 1])
     ref = direct(bundles, src, sample)
     np.testing.assert_allclose(vectors(table.take(sample), "old"), ref["old"], rtol=1e-4, atol=1e-5)
@@ -342,7 +527,16 @@ def test_job_refuses_other_settings_and_runs_without_models(tmp_path, bundles):
     assert "items/s" in first.stdout and "Per-stage times" in first.stdout
     cmd2 = [c if c != "old,new" else "old" for c in cmd]
     second = subprocess.run(cmd2, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 2 and "different settings" in second.stderr and "columns" in second.stderr
-    no_models = [sys.executable, os.path.join(REPO, "jobs", "embed_gallery.py"), "--out", str(tmp_path / "n")]
+    assert (
+        second.returncode == 2
+        and "different settings" in second.stderr
+        and "columns" in second.stderr
+    )
+    no_models = [
+        sys.executable,
+        os.path.join(REPO, "jobs", "embed_gallery.py"),
+        "--out",
+        str(tmp_path / "n"),
+    ]
     third = subprocess.run(no_models, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 2 and "--random-init" in third.stderr

@@ -1,4 +1,5 @@
 """psi gallery refresh with BatchNorm folded: the same features as the psi module."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,5 +25,7 @@ def test_folded_psi_equals_the_module():
         expected = psi(torch.from_numpy(old)).numpy()
     folded = FoldedPsi(psi)
     assert folded.flops_per_feature == 2 * (12 * 32 + 32 * 32 + 32 * 32 + 32 * 20)
-    np.testing.assert_allclose(folded(torch.from_numpy(old)).numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        folded(torch.from_numpy(old)).numpy(), expected, rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(refresh(old, psi, batch_size=7), expected, rtol=1e-5, atol=1e-5)

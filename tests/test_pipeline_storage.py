@@ -5,6 +5,7 @@ The ``file://`` URIs go through pyarrow's filesystem layer exactly as ``s3://`` 
 do (listing, footers, manifest and summary); a ``SubTreeFileSystem`` stands in for an object
 store (no rename: the final object is written directly) in the shard-store test.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,26 +22,46 @@ import pytest
 
 from raycompat.backfill.gallery import load_parquet
 from raycompat.data import build_scenario, default_catalog
-from raycompat.pipeline import GlyphGallerySource, PipelineOptions, embed_gallery, make_random_bundles
+from raycompat.pipeline import (
+    GlyphGallerySource,
+    PipelineOptions,
+    embed_gallery,
+    make_random_bundles,
+)
 from raycompat.pipeline.job import main
 from raycompat.pipeline.location import OutputDir, resolve_output
 from raycompat.pipeline.writer import META_KEY, ShardStore, output_schema, shard_name
-from raycompat.storage import StorageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    return make_random_bundles(str(tmp_path_factory.mktemp("models")), backbone="test_resnet", old_dim=8,
-                               new_dim=12, num_classes=12, psi_hidden=16, seed=5)
+    return make_random_bundles(
+        str(tmp_path_factory.mktemp("models")),
+        backbone="test_resnet",
+        old_dim=8,
+        new_dim=12,
+        num_classes=12,
+        psi_hidden=16,
+        seed=5,
+    )
 
 
 @pytest.fixture(scope="module")
 def source():
-    scenario = build_scenario("extended-class", catalog=default_catalog(), num_train_classes=10, images_per_class=2,
-                              num_eval_classes=4, queries_per_class=1, gallery_per_class=3, num_distractor_classes=3,
-                              distractors_per_class=2, seed=1)
+    scenario = build_scenario(
+        "extended-class",
+        catalog=default_catalog(),
+        num_train_classes=10,
+        images_per_class=2,
+        num_eval_classes=4,
+        queries_per_class=1,
+        gallery_per_class=3,
+        num_distractor_classes=3,
+        distractors_per_class=2,
+        seed=1,
+    )
     return GlyphGallerySource(scenario, extra_distractors=30, resolution=16, data_seed=2)
 
 
@@ -62,14 +83,20 @@ def test_output_location_rules(tmp_path, monkeypatch):
     store = tmp_path / "store"
     store.mkdir()
     local = resolve_output(storage=str(store), name="g1")
-    assert local.uri == str(store / "embeddings" / "g1") and local.local and os.path.isdir(local.uri)
+    assert (
+        local.uri == str(store / "embeddings" / "g1") and local.local and os.path.isdir(local.uri)
+    )
     uri = resolve_output(storage=f"file://{tmp_path}/bucket/prefix", name="g2")
     assert uri.uri == f"file://{tmp_path}/bucket/prefix/embeddings/g2"
-    assert (tmp_path / "bucket" / "prefix" / "embeddings" / "g2").is_dir()   # created like a bucket prefix
-    given = resolve_output(out=f"file://{tmp_path}/elsewhere/g3", storage=str(store), name="ignored")
+    assert (
+        tmp_path / "bucket" / "prefix" / "embeddings" / "g2"
+    ).is_dir()  # created like a bucket prefix
+    given = resolve_output(
+        out=f"file://{tmp_path}/elsewhere/g3", storage=str(store), name="ignored"
+    )
     assert given.uri == f"file://{tmp_path}/elsewhere/g3"
     assert not (store / "embeddings" / "ignored").exists()
-    assert not [p for p in os.listdir(tmp_path / "elsewhere" / "g3")]   # the write probe is gone
+    assert not [p for p in os.listdir(tmp_path / "elsewhere" / "g3")]  # the write probe is gone
 
 
 def test_unwritable_storage_is_reported_at_start(tmp_path):
@@ -78,9 +105,22 @@ def test_unwritable_storage_is_reported_at_start(tmp_path):
     models = tmp_path / "models"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "embed_gallery.py"), "--storage",
-                          "/proc/raycompat-gallery", "--random-init", str(models), "--items", "100000"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "jobs", "embed_gallery.py"),
+            "--storage",
+            "/proc/raycompat-gallery",
+            "--random-init",
+            str(models),
+            "--items",
+            "100000",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     seconds = time.perf_counter() - started
     assert out.returncode == 2, out.stdout + out.stderr
     assert "error: --storage /proc/raycompat-gallery is not writable" in out.stderr
@@ -88,14 +128,29 @@ def test_unwritable_storage_is_reported_at_start(tmp_path):
     assert seconds < 60, seconds
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--out", "file:///proc/raycompat-gallery/g"], "--out file:///proc/raycompat-gallery/g is not writable"),
-    (["--storage", "nosuchscheme://bucket/x"], "--storage nosuchscheme://bucket/x: not a location pyarrow can open"),
-    (["--out", "/nonexistent-raycompat/a/b"], "--out /nonexistent-raycompat/a/b: the parent folder "
-                                              "/nonexistent-raycompat/a does not exist"),
-    (["--storage", "/proc/raycompat-gallery", "--out", "{tmp}/g"], "--storage /proc/raycompat-gallery is not writable"),
-    (["--storage", "{tmp}", "--name", "a/b"], "--name 'a/b': must be a plain folder name"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--out", "file:///proc/raycompat-gallery/g"],
+            "--out file:///proc/raycompat-gallery/g is not writable",
+        ),
+        (
+            ["--storage", "nosuchscheme://bucket/x"],
+            "--storage nosuchscheme://bucket/x: not a location pyarrow can open",
+        ),
+        (
+            ["--out", "/nonexistent-raycompat/a/b"],
+            "--out /nonexistent-raycompat/a/b: the parent folder "
+            "/nonexistent-raycompat/a does not exist",
+        ),
+        (
+            ["--storage", "/proc/raycompat-gallery", "--out", "{tmp}/g"],
+            "--storage /proc/raycompat-gallery is not writable",
+        ),
+        (["--storage", "{tmp}", "--name", "a/b"], "--name 'a/b': must be a plain folder name"),
+    ],
+)
 def test_bad_output_locations(tmp_path, capsys, argv, message):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(argv + ["--random-init", str(tmp_path / "models")]) == 2
@@ -104,21 +159,36 @@ def test_bad_output_locations(tmp_path, capsys, argv, message):
     assert not (tmp_path / "models").exists()
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--colums", "old"], "unrecognized arguments: --colums"),
-    (["--train", "10"], "unrecognized arguments: --train"),          # no abbreviations
-    (["--chunk-size", "0"], "option 'chunk_size' = 0 must be >= 1"),
-    (["--on-corrupt", "ignore"], "option 'on_corrupt' = 'ignore' is not allowed"),
-    (["--new-resources", "{gpu"], "--new-resources is not JSON"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--colums", "old"], "unrecognized arguments: --colums"),
+        (["--train", "10"], "unrecognized arguments: --train"),  # no abbreviations
+        (["--chunk-size", "0"], "option 'chunk_size' = 0 must be >= 1"),
+        (["--on-corrupt", "ignore"], "option 'on_corrupt' = 'ignore' is not allowed"),
+        (["--new-resources", "{gpu"], "--new-resources is not JSON"),
+    ],
+)
 def test_bad_flag_exits_2_before_anything_starts(tmp_path, args, named):
     """The real script: exit status 2, `error:` naming the flag on stderr, nothing on stdout,
     no models made, no Ray."""
     models = tmp_path / "models"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "embed_gallery.py"), "--random-init",
-                          str(models), "--out", str(tmp_path / "g"), *args],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "jobs", "embed_gallery.py"),
+            "--random-init",
+            str(models),
+            "--out",
+            str(tmp_path / "g"),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout == ""
     assert named in out.stderr and "error:" in out.stderr and "Traceback" not in out.stderr
@@ -139,14 +209,21 @@ def test_shard_store_writes_objects_directly_and_rewrites_truncated_ones(tmp_pat
 
     def columns(ids):
         ids = np.asarray(ids, np.int64)
-        return {"item_id": ids[::-1], "label": ids % 2, "split": np.array(["gallery"] * len(ids), object),
-                "old": np.tile(ids[::-1, None], (1, 3)).astype(np.float32),
-                "error": np.array([""] * len(ids), object)}
+        return {
+            "item_id": ids[::-1],
+            "label": ids % 2,
+            "split": np.array(["gallery"] * len(ids), object),
+            "old": np.tile(ids[::-1, None], (1, 3)).astype(np.float32),
+            "error": np.array([""] * len(ids), object),
+        }
 
     info = store.write(0, columns([0, 1, 2]), 3, nodes={"old": {"n2", "n1"}})
     assert info["nodes"] == {"old": ["n1", "n2"]}
     store.write(1, columns([3, 4, 5]), 3)
-    assert sorted(os.listdir(tmp_path / "bucket" / "g")) == [shard_name(0), shard_name(1)]   # no temp files
+    assert sorted(os.listdir(tmp_path / "bucket" / "g")) == [
+        shard_name(0),
+        shard_name(1),
+    ]  # no temp files
     table = pq.read_table(str(tmp_path / "bucket" / "g" / shard_name(0)))
     assert table.column("item_id").to_pylist() == [0, 1, 2] and table.schema.names == schema.names
     assert chunk_meta(tmp_path / "bucket" / "g" / shard_name(0))["nodes"] == {"old": ["n1", "n2"]}
@@ -163,16 +240,20 @@ def test_uri_output_is_written_and_resumed_exactly_once(ray_cluster, bundles, so
     vectors, the untouched shards kept."""
     uri = f"file://{tmp_path}/store/embeddings/g"
     folder = tmp_path / "store" / "embeddings" / "g"
-    kwargs = dict(old_model=bundles[0], new_model=bundles[1], columns=("old", "new"), options=small_options())
+    kwargs = dict(
+        old_model=bundles[0], new_model=bundles[1], columns=("old", "new"), options=small_options()
+    )
     run = embed_gallery(uri, source, log=lambda m: None, **kwargs)
     n = source.num_ids()
     num_chunks = -(-n // 12)
     assert run.path == uri and run.summary["out"] == uri
     shards = sorted(p for p in os.listdir(folder) if p.startswith("part-"))
-    assert len(shards) == num_chunks and {"_manifest.json", "_summary.json"} <= set(os.listdir(folder))
+    assert len(shards) == num_chunks and {"_manifest.json", "_summary.json"} <= set(
+        os.listdir(folder)
+    )
     first = run.table()
     assert first.column("item_id").to_pylist() == list(range(n))
-    assert first.column_names == ["item_id", "label", "split", "old", "new"]   # no node columns
+    assert first.column_names == ["item_id", "label", "split", "old", "new"]  # no node columns
     # where the work ran: this session's one node, for every embedding stage
     node = ray_cluster.get_runtime_context().get_node_id()
     assert chunk_meta(folder / shards[0])["nodes"] == {"new": [node], "old": [node]}
@@ -187,17 +268,29 @@ def test_uri_output_is_written_and_resumed_exactly_once(ray_cluster, bundles, so
     torn = folder / shard_name(2)
     torn.write_bytes(torn.read_bytes()[:100])
     (folder / f".{shard_name(3)}.tmp12345").write_bytes(b"partial")
-    kept = {p: os.stat(folder / p).st_mtime_ns for p in shards if p not in (shard_name(1), shard_name(2))}
+    kept = {
+        p: os.stat(folder / p).st_mtime_ns
+        for p in shards
+        if p not in (shard_name(1), shard_name(2))
+    }
     logs = []
     again = embed_gallery(uri, source, log=logs.append, **kwargs)
-    assert any("resuming: %d chunks" % (num_chunks - 2) in m and "1 partial temp file(s) removed" in m for m in logs)
+    assert any(
+        f"resuming: {num_chunks - 2} chunks" in m and "1 partial temp file(s) removed" in m
+        for m in logs
+    )
     assert again.summary["items_planned"] == 24 and again.summary["shards_written"] == 2
     assert again.summary["nodes"]["new"] == {node: 24}
     assert {p: os.stat(folder / p).st_mtime_ns for p in kept} == kept
     assert not [p for p in os.listdir(folder) if ".tmp" in p]
     table = again.table()
-    assert table.column("item_id").to_pylist() == list(range(n))   # no loss, no duplicates
+    assert table.column("item_id").to_pylist() == list(range(n))  # no loss, no duplicates
     for col in ("old", "new"):
-        np.testing.assert_array_equal(np.asarray(table.column(col).to_pylist(), np.float32),
-                                      np.asarray(first.column(col).to_pylist(), np.float32), err_msg=col)
-    assert pa.types.is_fixed_size_list(pq.read_schema(str(folder / shard_name(1))).field("new").type)
+        np.testing.assert_array_equal(
+            np.asarray(table.column(col).to_pylist(), np.float32),
+            np.asarray(first.column(col).to_pylist(), np.float32),
+            err_msg=col,
+        )
+    assert pa.types.is_fixed_size_list(
+        pq.read_schema(str(folder / shard_name(1))).field("new").type
+    )

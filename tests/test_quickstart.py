@@ -1,5 +1,6 @@
 """The main job end to end at a small scale, the BCT paper's first claim on it, and its
 determinism (two runs from fresh folders give the same numbers)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,15 +12,49 @@ from raycompat.outputs import OutputOptions
 from raycompat.quickstart import QUICKSTART_SIZES, QuickstartOptions, main, run_quickstart
 
 SMALL = QuickstartOptions(
-    sizes=dataclasses.replace(QUICKSTART_SIZES, train_classes=120, images_per_class=30, eval_classes=60,
-                              queries_per_class=2, gallery_per_class=6, distractor_classes=60,
-                              distractors_per_class=3, backbone="lcnet_050"),
-    embed_dim=64, old_epochs=14, new_epochs=12, batch_size=64)
+    sizes=dataclasses.replace(
+        QUICKSTART_SIZES,
+        train_classes=120,
+        images_per_class=30,
+        eval_classes=60,
+        queries_per_class=2,
+        gallery_per_class=6,
+        distractor_classes=60,
+        distractors_per_class=3,
+        backbone="lcnet_050",
+    ),
+    embed_dim=64,
+    old_epochs=14,
+    new_epochs=12,
+    batch_size=64,
+)
 #: the smallest main job: a few glyph classes, one epoch per model
-TINY_FLAGS = ["--train-classes", "8", "--images-per-class", "4", "--eval-classes", "4",
-              "--queries-per-class", "1", "--gallery-per-class", "2", "--distractor-classes", "2",
-              "--distractors-per-class", "1", "--backbone", "test_resnet", "--embed-dim", "8",
-              "--old-epochs", "1", "--new-epochs", "1", "--batch-size", "8"]
+TINY_FLAGS = [
+    "--train-classes",
+    "8",
+    "--images-per-class",
+    "4",
+    "--eval-classes",
+    "4",
+    "--queries-per-class",
+    "1",
+    "--gallery-per-class",
+    "2",
+    "--distractor-classes",
+    "2",
+    "--distractors-per-class",
+    "1",
+    "--backbone",
+    "test_resnet",
+    "--embed-dim",
+    "8",
+    "--old-epochs",
+    "1",
+    "--new-epochs",
+    "1",
+    "--batch-size",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +69,13 @@ def test_report_files_and_schema(quickstart_report):
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["evaluations"] == report["evaluations"]
     pairs = {(e["model"], e["query"], e["gallery"]) for e in on_disk["evaluations"]}
-    assert pairs == {("old", "old", "old"), ("bct", "bct", "bct"), ("bct", "bct", "old"),
-                     ("independent", "independent", "independent"),
-                     ("independent", "independent", "old")}
+    assert pairs == {
+        ("old", "old", "old"),
+        ("bct", "bct", "bct"),
+        ("bct", "bct", "old"),
+        ("independent", "independent", "independent"),
+        ("independent", "independent", "old"),
+    }
     for entry in on_disk["evaluations"]:
         assert set(entry) == {"model", "query", "gallery", "metric", "value"}
         assert 0.0 <= entry["value"] <= 1.0
@@ -73,18 +112,29 @@ def test_hot_refresh_curves_in_report(quickstart_report):
     assert len(grid) == 21 and grid[0] == 0.0 and grid[-1] == 1.0
     bct = {(r["policy"], r["mode"]) for r in curves if r["model"] == "bct"}
     assert bct == {(p, m) for p in HOT_REFRESH_POLICIES for m in HOT_REFRESH_MODES}
-    static = {(e["model"], e["query"], e["gallery"], e["metric"]): e["value"]
-              for e in on_disk["evaluations"]}
+    static = {
+        (e["model"], e["query"], e["gallery"], e["metric"]): e["value"]
+        for e in on_disk["evaluations"]
+    }
     for model in ("bct", "independent"):
         for metric in ("mAP@100", "mAP", "top1"):
-            ends = {r["fraction"]: r["value"] for r in curves
-                    if (r["model"], r["policy"], r["mode"], r["metric"]) ==
-                    (model, "random", "compatible", metric) and r["fraction"] in (0.0, 1.0)}
+            ends = {
+                r["fraction"]: r["value"]
+                for r in curves
+                if (r["model"], r["policy"], r["mode"], r["metric"])
+                == (model, "random", "compatible", metric)
+                and r["fraction"] in (0.0, 1.0)
+            }
             assert ends[0.0] == pytest.approx(static[(model, model, "old", metric)], abs=1e-6)
             assert ends[1.0] == pytest.approx(static[(model, model, model, metric)], abs=1e-6)
-    cold_nfr = [r["value"] for r in curves if (r["model"], r["mode"], r["metric"]) ==
-                ("bct", "cold", "NFR@1") and r["policy"] == "random" and r["fraction"] < 1.0]
-    assert cold_nfr and all(v == 0.0 for v in cold_nfr)   # old-old until the switch
+    cold_nfr = [
+        r["value"]
+        for r in curves
+        if (r["model"], r["mode"], r["metric"]) == ("bct", "cold", "NFR@1")
+        and r["policy"] == "random"
+        and r["fraction"] < 1.0
+    ]
+    assert cold_nfr and all(v == 0.0 for v in cold_nfr)  # old-old until the switch
     markdown = (out / "report.md").read_text()
     assert "## Hot refresh" in markdown
     for model, plots in on_disk["backfill_plots"].items():
@@ -125,4 +175,4 @@ def test_main_job_is_deterministic(ray_cluster, tmp_path):
     for name in ("old", "bct", "independent"):
         losses = [[e.get("loss/loss") for e in r["models"][name]["history"]] for r in reports]
         assert losses[0] == losses[1], name
-    assert first["models"]["old"]["run_path"] != second["models"]["old"]["run_path"]   # no reuse
+    assert first["models"]["old"]["run_path"] != second["models"]["old"]["run_path"]  # no reuse

@@ -1,4 +1,5 @@
 """Random-init bundles (smoke runs and benchmarks) must embed different images differently."""
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """The reproduction job end to end at a tiny scale on the shared Ray cluster: report files and
 structure, every sequential cross pair with DMU's chained psi, claims recomputed from the
 stored numbers, and a re-run that reuses every model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,19 +17,39 @@ from raycompat.reproduce.job import parse_reproduce_options
 from raycompat.reproduce.plan import DEFAULT_SIZES
 from raycompat.reproduce.report import TABLE_HEADERS
 
-TINY_SIZES = dataclasses.replace(DEFAULT_SIZES, train_classes=16, images_per_class=8, eval_classes=8,
-                                 queries_per_class=2, gallery_per_class=4, distractor_classes=8,
-                                 distractors_per_class=2, backbone="test_resnet")
-TINY = ScaleOptions(embed_dim=32, old_epochs=2, new_epochs=1, batch_size=32, psi_hidden=64,
-                    arch_backbone="test_efficientnet")
+TINY_SIZES = dataclasses.replace(
+    DEFAULT_SIZES,
+    train_classes=16,
+    images_per_class=8,
+    eval_classes=8,
+    queries_per_class=2,
+    gallery_per_class=4,
+    distractor_classes=8,
+    distractors_per_class=2,
+    backbone="test_resnet",
+)
+TINY = ScaleOptions(
+    embed_dim=32,
+    old_epochs=2,
+    new_epochs=1,
+    batch_size=32,
+    psi_hidden=64,
+    arch_backbone="test_efficientnet",
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce")
-    opts = ReproduceOptions(output=OutputOptions(out=str(out)), scenarios=("extended-data", "sequential"),
-                            methods=("bct", "dmu"), sequential_methods=("dmu",), sizes=TINY_SIZES,
-                            training=TINY, parallel=2).validated()
+    opts = ReproduceOptions(
+        output=OutputOptions(out=str(out)),
+        scenarios=("extended-data", "sequential"),
+        methods=("bct", "dmu"),
+        sequential_methods=("dmu",),
+        sizes=TINY_SIZES,
+        training=TINY,
+        parallel=2,
+    ).validated()
     return opts, out, run_reproduce(opts)
 
 
@@ -41,10 +62,23 @@ def test_report_files_tables_and_claims(tiny_run):
     ext = on_disk["results"]["test_sets"][0]
     assert set(ext["methods"]) == {"independent", "bct", "dmu"}
     for entry in ext["methods"].values():
-        for key in ("m_oo", "m_nn", "m_no", "update_gain", "delta_up", "delta_down", "P_up", "P_comp", "P_1"):
+        for key in (
+            "m_oo",
+            "m_nn",
+            "m_no",
+            "update_gain",
+            "delta_up",
+            "delta_down",
+            "P_up",
+            "P_comp",
+            "P_1",
+        ):
             assert key in entry
         assert 0.0 <= entry["m_nn"]["mAP@100"] <= 1.0 and 0.0 <= entry["P_1"] <= 100.0
-    assert ext["methods"]["dmu"]["m_nadapted"] is not None and ext["methods"]["dmu"]["cross_mode"] == "adapted"
+    assert (
+        ext["methods"]["dmu"]["m_nadapted"] is not None
+        and ext["methods"]["dmu"]["cross_mode"] == "adapted"
+    )
     assert ext["methods"]["bct"]["m_nadapted"] is None
 
     markdown = (out / "report.md").read_text()
@@ -59,8 +93,8 @@ def test_report_files_tables_and_claims(tiny_run):
     for c in claims.values():
         assert c["verdict"] in (HELD, PARTLY, NOT_HELD, NOT_MEASURED)
         assert c["measurement"] and c["verdict"] in markdown
-    assert claims["bct-variants"]["verdict"] == NOT_MEASURED        # bct-kd / bct-beta not trained
-    assert claims["rm-auc-gain"]["verdict"] == NOT_MEASURED         # mcl not trained
+    assert claims["bct-variants"]["verdict"] == NOT_MEASURED  # bct-kd / bct-beta not trained
+    assert claims["rm-auc-gain"]["verdict"] == NOT_MEASURED  # mcl not trained
     assert claims["dmu-adapted"]["verdict"] != NOT_MEASURED
     # the verdicts are a pure function of the stored numbers
     assert evaluate_claims(on_disk["results"]) == on_disk["claims"]
@@ -71,10 +105,17 @@ def test_sequential_chains_every_cross_pair(tiny_run):
     seq = report["results"]["sequential"]
     assert set(seq["pairs"]) == {"independent", "dmu"}
     for label, rows in seq["pairs"].items():
-        stored = {(r["query_generation"], r["gallery_generation"]) for r in rows if r["gallery_state"] == "stored"}
+        stored = {
+            (r["query_generation"], r["gallery_generation"])
+            for r in rows
+            if r["gallery_state"] == "stored"
+        }
         assert stored == {(1, 1), (2, 1), (2, 2), (3, 1), (3, 2), (3, 3)}, label
-    adapted = {(r["query_generation"], r["gallery_generation"]) for r in seq["pairs"]["dmu"]
-               if r["gallery_state"] == "adapted"}
+    adapted = {
+        (r["query_generation"], r["gallery_generation"])
+        for r in seq["pairs"]["dmu"]
+        if r["gallery_state"] == "adapted"
+    }
     assert adapted == {(2, 1), (3, 1), (3, 2)}
     assert not any(r["gallery_state"] == "adapted" for r in seq["pairs"]["independent"])
     # each generation of the DMU chain was trained against its own predecessor

@@ -11,15 +11,16 @@ from raycompat.index.search import exact_search, full_ranking, iter_full_ranking
 # ----------------------------------------------------------------- brute force (plain python)
 def brute_rank(q_row, gallery, normalize):
     """All gallery indices by (-score, index); scores in float64 with plain loops."""
+
     def norm(v):
         n = math.sqrt(sum(float(x) * float(x) for x in v))
         return [float(x) / n for x in v] if normalize else [float(x) for x in v]
 
     qv = norm(q_row)
     scores = []
-    for j, g in enumerate(gallery):
+    for _j, g in enumerate(gallery):
         gv = norm(g)
-        scores.append(sum(a * b for a, b in zip(qv, gv)))
+        scores.append(sum(a * b for a, b in zip(qv, gv, strict=False)))
     order = sorted(range(len(gallery)), key=lambda j: (-scores[j], j))
     return order, [scores[j] for j in order]
 
@@ -164,7 +165,9 @@ def test_l2_normalize():
     z = l2_normalize(np.array([[1.0, 2.0, 3.0]] * 3))
     assert (z == z[0]).all()
     # huge values do not overflow the norm
-    np.testing.assert_allclose(l2_normalize(np.array([[3e30, 4e30]], np.float32)), [[0.6, 0.8]], rtol=1e-6)
+    np.testing.assert_allclose(
+        l2_normalize(np.array([[3e30, 4e30]], np.float32)), [[0.6, 0.8]], rtol=1e-6
+    )
 
 
 def test_l2_normalize_zero_rows():

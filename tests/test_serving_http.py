@@ -1,5 +1,6 @@
 """The live index through real HTTP on Ray Serve: bad input and auth, offline == online against
 the simulator, durability under a replica kill, and a schemathesis fuzz of the OpenAPI schema."""
+
 import base64
 import io
 import os
@@ -21,21 +22,33 @@ def labelled_embeddings(n_items=600, n_queries=60, classes=30, d_old=16, d_new=2
     """Clustered old/new/adapted embeddings; the new model's first d_old dims are compatible."""
     rng = np.random.default_rng(seed)
     c_old = rng.standard_normal((classes, d_old))
-    c_new = np.concatenate([c_old + 0.3 * rng.standard_normal((classes, d_old)),
-                            rng.standard_normal((classes, d_new - d_old))], axis=1)
+    c_new = np.concatenate(
+        [
+            c_old + 0.3 * rng.standard_normal((classes, d_old)),
+            rng.standard_normal((classes, d_new - d_old)),
+        ],
+        axis=1,
+    )
     g_lab = rng.integers(0, classes, n_items)
     q_lab = rng.integers(0, classes, n_queries)
 
     def draw(centers, lab, s):
-        return (centers[lab] + s * rng.standard_normal((lab.size, centers.shape[1]))).astype(np.float32)
+        return (centers[lab] + s * rng.standard_normal((lab.size, centers.shape[1]))).astype(
+            np.float32
+        )
 
     g_new = draw(c_new, g_lab, 0.9)
     return GalleryEmbeddings(
-        gallery_labels=g_lab, gallery_old=draw(c_old, g_lab, 1.2), gallery_new=g_new,
+        gallery_labels=g_lab,
+        gallery_old=draw(c_old, g_lab, 1.2),
+        gallery_new=g_new,
         gallery_adapted=(g_new + 0.8 * rng.standard_normal(g_new.shape)).astype(np.float32),
-        query_labels=q_lab, query_old=draw(c_old, q_lab, 1.2), query_new=draw(c_new, q_lab, 0.9),
+        query_labels=q_lab,
+        query_old=draw(c_old, q_lab, 1.2),
+        query_new=draw(c_new, q_lab, 0.9),
         gallery_ids=np.arange(n_items, dtype=np.int64) * 7 + 3,
-        query_ids=np.arange(n_queries, dtype=np.int64) + 10_000_000)
+        query_ids=np.arange(n_queries, dtype=np.int64) + 10_000_000,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +83,20 @@ def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw)
     from raycompat.serving.client import ServingClient
     from raycompat.serving.config import serving_config
 
-    cfg = serving_config(gallery=gallery, state_dir=str(state_dir), port=port, app_name=app, token_file=token_file,
-                         **kw)
-    serve.run(build_app(cfg), name=app, route_prefix=prefix,
-              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    cfg = serving_config(
+        gallery=gallery,
+        state_dir=str(state_dir),
+        port=port,
+        app_name=app,
+        token_file=token_file,
+        **kw,
+    )
+    serve.run(
+        build_app(cfg),
+        name=app,
+        route_prefix=prefix,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    )
     client = ServingClient(f"http://127.0.0.1:{port}{prefix.rstrip('/')}", token=TOKEN)
     client.wait_ready()
     return cfg, client
@@ -84,9 +107,20 @@ def api(serve_port, gallery_parquet, token_file, tmp_path_factory):
     """A 2-shard app with small limits for the input tests (and the fuzz test)."""
     from ray import serve
 
-    cfg, client = deploy(serve_port, tmp_path_factory.mktemp("api_state"), gallery_parquet, token_file,
-                         app="api", prefix="/api", num_shards=2, max_k=50, max_queries=4, max_image_bytes=4096, max_upsert_items=8,
-                         fsync=False)
+    cfg, client = deploy(
+        serve_port,
+        tmp_path_factory.mktemp("api_state"),
+        gallery_parquet,
+        token_file,
+        app="api",
+        prefix="/api",
+        num_shards=2,
+        max_k=50,
+        max_queries=4,
+        max_image_bytes=4096,
+        max_upsert_items=8,
+        fsync=False,
+    )
     yield client
     serve.delete("api")
 
@@ -110,17 +144,29 @@ def png_b64(size=8):
 def test_search_status_metrics_and_openapi(api, gallery_parquet):
     data = load_parquet(gallery_parquet)
     ids, scores, reps = api.search(data.query_new[:3], k=5)
-    assert (ids >= 0).all() and (np.diff(scores, axis=1) <= 0).all() and set(reps.ravel()) == {"old"}
+    assert (
+        (ids >= 0).all() and (np.diff(scores, axis=1) <= 0).all() and set(reps.ravel()) == {"old"}
+    )
     assert set(ids.ravel()) <= set(data.gallery_ids.tolist())
     st = api.status()
     assert st["items"] == {"old": 600, "adapted": 0, "new": 0} and len(st["shards"]) == 2
-    assert sum(s["items"]["old"] for s in st["shards"]) == 600 and min(s["items"]["old"] for s in st["shards"]) > 0
+    assert (
+        sum(s["items"]["old"] for s in st["shards"]) == 600
+        and min(s["items"]["old"] for s in st["shards"]) > 0
+    )
     text = api.metrics()
     assert 'raycompat_serving_requests_total{endpoint="/search",status="200"}' in text
     assert "raycompat_serving_items{" in text and "raycompat_serving_request_seconds_bucket" in text
     spec = requests.get(api.base + "/openapi.json", timeout=10).json()
-    for path in ("/search", "/status", "/metrics", "/admin/upsert", "/admin/backfill/start",
-                 "/admin/backfill/pause", "/admin/backfill/resume"):
+    for path in (
+        "/search",
+        "/status",
+        "/metrics",
+        "/admin/upsert",
+        "/admin/backfill/start",
+        "/admin/backfill/pause",
+        "/admin/backfill/resume",
+    ):
         assert path in spec["paths"], path
     search_schema = spec["components"]["schemas"]["SearchRequest"]["properties"]["k"]
     assert search_schema["maximum"] == 50
@@ -130,22 +176,25 @@ def test_search_status_metrics_and_openapi(api, gallery_parquet):
 BAD_SEARCH = [
     ("{bad json", "malformed JSON"),
     ('{"vectors": [[1, 2, 3]], "k": 5}', "dimension mismatch"),
-    ('{"vectors": [[NaN' + ', 0' * 23 + ']], "k": 5}', "finite number"),
-    ('{"vectors": [[Infinity' + ', 0' * 23 + ']], "k": 5}', "finite number"),
-    ('{"vectors": [[' + ', '.join(['0'] * 24) + ']], "k": 5}', "zero vector"),
-    ('{"vectors": [[' + ', '.join(['1'] * 24) + ']], "k": 0}', "body.k"),
-    ('{"vectors": [[' + ', '.join(['1'] * 24) + ']], "k": 51}', "body.k"),
-    ('{"vectors": [[' + ', '.join(['1'] * 24) + ']], "k": -3}', "body.k"),
+    ('{"vectors": [[NaN' + ", 0" * 23 + ']], "k": 5}', "finite number"),
+    ('{"vectors": [[Infinity' + ", 0" * 23 + ']], "k": 5}', "finite number"),
+    ('{"vectors": [[' + ", ".join(["0"] * 24) + ']], "k": 5}', "zero vector"),
+    ('{"vectors": [[' + ", ".join(["1"] * 24) + ']], "k": 0}', "body.k"),
+    ('{"vectors": [[' + ", ".join(["1"] * 24) + ']], "k": 51}', "body.k"),
+    ('{"vectors": [[' + ", ".join(["1"] * 24) + ']], "k": -3}', "body.k"),
     ('{"vectors": ' + str([[1.0] * 24] * 5) + ', "k": 5}', "body.vectors"),
     ('{"vectors": [[1, 2], [1, 2, 3]], "k": 5}', "dimension mismatch"),
     ('{"k": 5}', "exactly one of"),
     ('{"vectors": [[1]], "images": ["AAAA"], "k": 5}', "exactly one of"),
     ('{"images": ["%%%not base64"], "k": 5}', "base64"),
-    ('{"images": ["' + base64.b64encode(b"not an image at all").decode() + '"], "k": 5}', "PNG or JPEG"),
-    ('{"vectors": [[' + ', '.join(['1'] * 16) + ']], "k": 5, "model": "older"}', "body.model"),
+    (
+        '{"images": ["' + base64.b64encode(b"not an image at all").decode() + '"], "k": 5}',
+        "PNG or JPEG",
+    ),
+    ('{"vectors": [[' + ", ".join(["1"] * 16) + ']], "k": 5, "model": "older"}', "body.model"),
     ('{"vectors": [["a"]], "k": 5}', "body.vectors[0][0]"),
-    ('[1, 2, 3]', "body"),
-    ('{"vectors": [[1e39' + ', 0' * 23 + ']], "k": 5}', "overflow"),
+    ("[1, 2, 3]", "body"),
+    ('{"vectors": [[1e39' + ", 0" * 23 + ']], "k": 5}', "overflow"),
 ]
 
 
@@ -154,8 +203,9 @@ def test_bad_search_input_is_a_4xx_naming_the_problem(api, raw, needle):
     r = post(api, "/search", raw=raw)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     body = r.json()
-    assert needle in body["error"] or any(needle in p["field"] or needle in p["message"]
-                                          for p in body["problems"]), body
+    assert needle in body["error"] or any(
+        needle in p["field"] or needle in p["message"] for p in body["problems"]
+    ), body
 
 
 def test_image_input_errors(api):
@@ -173,12 +223,16 @@ def test_admin_auth_and_upsert_errors(api):
     assert post(api, "/admin/upsert", {"items": [item]}).status_code == 401
     r = post(api, "/admin/upsert", {"items": [item]}, token="wrong-token-xxxxxxxxxxxx")
     assert r.status_code == 401 and "invalid admin token" in r.json()["error"]
-    r = requests.post(api.base + "/admin/backfill/start", json={}, headers={"Authorization": "Basic abc"})
+    r = requests.post(
+        api.base + "/admin/backfill/start", json={}, headers={"Authorization": "Basic abc"}
+    )
     assert r.status_code == 401
     for path in ("/admin/backfill/pause", "/admin/backfill/resume", "/admin/snapshot"):
         assert post(api, path, {}).status_code == 401
     r = post(api, "/admin/upsert", {"items": [dict(item, id=4)]}, token=TOKEN)
-    assert r.status_code == 404 and "unknown item id" in r.json()["error"] and "4" in r.json()["error"]
+    assert (
+        r.status_code == 404 and "unknown item id" in r.json()["error"] and "4" in r.json()["error"]
+    )
     r = post(api, "/admin/upsert", {"items": [dict(item, vector=[1.0] * 16)]}, token=TOKEN)
     assert r.status_code == 422 and "dimension mismatch" in r.json()["error"]
     r = post(api, "/admin/upsert", {"items": [dict(item, representation="newest")]}, token=TOKEN)
@@ -209,8 +263,9 @@ def test_binds_loopback_only(api):
 
 
 # ----------------------------------------------------------------------------- offline == online
-@pytest.mark.parametrize("mode,policy", [("compatible", "random"), ("adapted", "sequential"),
-                                         ("compatible", "oracle")])
+@pytest.mark.parametrize(
+    "mode,policy", [("compatible", "random"), ("adapted", "sequential"), ("compatible", "oracle")]
+)
 def test_offline_equals_online(serve_port, gallery_parquet, token_file, tmp_path, mode, policy):
     from ray import serve
 
@@ -218,13 +273,22 @@ def test_offline_equals_online(serve_port, gallery_parquet, token_file, tmp_path
 
     data = load_parquet(gallery_parquet)
     fractions = [0.0, 0.2, 0.5, 0.85, 1.0]
-    k = data.n_items                         # the full ranking: revisited mAP is compared too
+    k = data.n_items  # the full ranking: revisited mAP is compared too
     sim = simulate_backfill(data, [policy], [mode], fractions=fractions, k=k, seed=7)
-    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=3, mode=mode,
-                       max_k=k, fsync=False)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        num_shards=3,
+        mode=mode,
+        max_k=k,
+        fsync=False,
+    )
     try:
-        live = live_backfill_curve(client, data, fractions, policy=policy, seed=7, k=k, batch_size=37,
-                                   log=lambda m: None)
+        live = live_backfill_curve(
+            client, data, fractions, policy=policy, seed=7, k=k, batch_size=37, log=lambda m: None
+        )
     finally:
         serve.delete(APP)
     curve = sim.curve(policy, mode)
@@ -233,7 +297,7 @@ def test_offline_equals_online(serve_port, gallery_parquet, token_file, tmp_path
     assert set(cmp["max_abs_diff"]) == {f"mAP@{k}", "mAP", "top1", "NFR@1"}
     assert cmp["equal"], cmp
     m = np.asarray(live["metrics"][f"mAP@{k}"])
-    assert m[-1] != m[0]        # the backfill changed the ranking (the comparison is not vacuous)
+    assert m[-1] != m[0]  # the backfill changed the ranking (the comparison is not vacuous)
 
 
 # ----------------------------------------------------------------------------- durability
@@ -249,15 +313,22 @@ def _replica_actor(client, deployment: str):
     return ray.get_actor(name, namespace="serve"), name
 
 
-def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, gallery_parquet, token_file,
-                                                                   tmp_path):
+def test_kill_shard_replica_during_live_backfill_under_query_load(
+    serve_port, gallery_parquet, token_file, tmp_path
+):
     import ray
     from ray import serve
 
     data = load_parquet(gallery_parquet)
-    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2,
-                       snapshot_every=150)
-    outcomes = []            # (time, status code or exception name)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        num_shards=2,
+        snapshot_every=150,
+    )
+    outcomes = []  # (time, status code or exception name)
     dup_or_missing = []
     stop = threading.Event()
 
@@ -285,10 +356,17 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, ga
         while client.status()["backfill"]["position"] < 150:
             time.sleep(0.05)
         # an admin upsert acknowledged just before the crash: item moved back to 'old'
-        done_ids = set(np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))[:100].tolist())
+        done_ids = set(
+            np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))[:100].tolist()
+        )
         victim = sorted(done_ids)[0]
         special = np.linspace(-1, 1, 16).tolist()
-        assert client.upsert([{"id": int(victim), "representation": "old", "vector": special}])["applied"] == 1
+        assert (
+            client.upsert([{"id": int(victim), "representation": "old", "vector": special}])[
+                "applied"
+            ]
+            == 1
+        )
         before = client.status()["shards"]
         actor, name = _replica_actor(client, "shard-0")
         t_kill = time.time()
@@ -314,7 +392,7 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, ga
     try:
         st = client.status()
         shard0 = next(s for s in st["shards"] if s["shard"] == 0)
-        assert shard0["pid"] != next(s for s in before if s["shard"] == 0)["pid"]      # a new replica
+        assert shard0["pid"] != next(s for s in before if s["shard"] == 0)["pid"]  # a new replica
         assert shard0["recovery"]["snapshot"] is True
         # every item present, in the right representation: all new except the victim (old)
         assert st["items"] == {"old": 1, "adapted": 0, "new": 599}, st["items"]
@@ -336,23 +414,31 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(serve_port, ga
     failed = [o for o in outcomes if o[1] != 200]
     during = [o for o in outcomes if o[0] >= t_kill]
     before_lat = [o[2] for o in outcomes if o[0] < t_kill]
-    print(f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed ({len(during)} sent after the kill); "
-          f"codes {sorted({str(o[1]) for o in failed})}; "
-          f"failure window {max((o[0] for o in failed), default=t_kill) - t_kill:.2f} s; "
-          f"latency before the kill median {np.median(before_lat):.3f} s, after the kill median "
-          f"{np.median([o[2] for o in during]):.3f} s max {max(o[2] for o in during):.3f} s; "
-          f"controller upsert retries {st['backfill'].get('upsert_retries')}; "
-          f"shard-0 recovery {shard0['recovery']}")
+    print(
+        f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed ({len(during)} sent after the kill); "
+        f"codes {sorted({str(o[1]) for o in failed})}; "
+        f"failure window {max((o[0] for o in failed), default=t_kill) - t_kill:.2f} s; "
+        f"latency before the kill median {np.median(before_lat):.3f} s, after the kill median "
+        f"{np.median([o[2] for o in during]):.3f} s max {max(o[2] for o in during):.3f} s; "
+        f"controller upsert retries {st['backfill'].get('upsert_retries')}; "
+        f"shard-0 recovery {shard0['recovery']}"
+    )
     assert not dup_or_missing, dup_or_missing[:5]
-    assert all(o[1] == 503 or isinstance(o[1], str) for o in failed)   # outage answers 503, never 500
+    assert all(
+        o[1] == 503 or isinstance(o[1], str) for o in failed
+    )  # outage answers 503, never 500
     assert outcomes and outcomes[-1][1] == 200
 
 
-def test_backfill_controller_crash_resumes_from_checkpoint(serve_port, gallery_parquet, token_file, tmp_path):
+def test_backfill_controller_crash_resumes_from_checkpoint(
+    serve_port, gallery_parquet, token_file, tmp_path
+):
     import ray
     from ray import serve
 
-    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2, fsync=False)
+    _, client = deploy(
+        serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2, fsync=False
+    )
     try:
         client.start_backfill(policy="sequential", rate=200.0, batch_size=10)
         while client.status()["backfill"]["position"] < 100:
@@ -387,14 +473,23 @@ def test_fuzz_openapi_no_5xx(api):
     server_errors, calls, codes = [], [0], {}
     for result in schema.get_all_operations():
         op = result.ok()
-        strategy = st.one_of(op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE))
+        strategy = st.one_of(
+            op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE)
+        )
 
-        @settings(max_examples=30, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=30,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=strategy)
         def check(case):
             calls[0] += 1
-            r = case.call(base_url=api.base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+            r = case.call(
+                base_url=api.base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+            )
             codes[r.status_code] = codes.get(r.status_code, 0) + 1
             if r.status_code >= 500:
                 server_errors.append((case.method, case.path, r.status_code, r.text[:200]))
@@ -412,12 +507,19 @@ def _random_bundle(path, d_new=24, d_old=16, resolution=16):
     from raycompat.models import ClassifierHead, Embedder, ModelBundle
 
     torch.manual_seed(0)
-    modules = {"embedder": Embedder("test_resnet", d_new, in_chans=1), "head": ClassifierHead(d_new, 5, kind="cosface")}
-    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(str(path))
+    modules = {
+        "embedder": Embedder("test_resnet", d_new, in_chans=1),
+        "head": ClassifierHead(d_new, 5, kind="cosface"),
+    }
+    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(
+        str(path)
+    )
     return str(path)
 
 
-def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(serve_port, token_file, tmp_path):
+def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(
+    serve_port, token_file, tmp_path
+):
     """New vectors from the embedder actor pool (glyphs rendered + embedded by Ray actors holding
     the new model) and from a pipeline parquet output; image queries embedded by the router."""
     import pyarrow as pa
@@ -430,29 +532,58 @@ def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(serve
 
     bundle = _random_bundle(tmp_path / "new_model")
     n, rng = 80, np.random.default_rng(3)
-    classes, instances = np.arange(n) % 40, np.arange(n) // 40      # distinct glyph items
+    classes, instances = np.arange(n) % 40, np.arange(n) // 40  # distinct glyph items
     emb = ModelEmbedder(bundle)
     new = emb.embed_glyphs(classes, instances)
-    data = GalleryEmbeddings(gallery_labels=classes, gallery_old=rng.standard_normal((n, 16)).astype(np.float32),
-                             gallery_new=new, query_labels=classes[:4], query_new=new[:4],
-                             query_old=rng.standard_normal((4, 16)).astype(np.float32),
-                             gallery_ids=np.arange(n) + 100, query_ids=np.arange(4) + 10_000, compatible_dim=16)
+    data = GalleryEmbeddings(
+        gallery_labels=classes,
+        gallery_old=rng.standard_normal((n, 16)).astype(np.float32),
+        gallery_new=new,
+        query_labels=classes[:4],
+        query_new=new[:4],
+        query_old=rng.standard_normal((4, 16)).astype(np.float32),
+        gallery_ids=np.arange(n) + 100,
+        query_ids=np.arange(4) + 10_000,
+        compatible_dim=16,
+    )
     gallery = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
     items = str(tmp_path / "items.parquet")
-    pq.write_table(pa.table({"item_id": np.arange(n) + 100, "label": classes, "instance": instances}), items)
-    flipped = -new                                  # the "pipeline" wrote other vectors: we can tell them apart
+    pq.write_table(
+        pa.table({"item_id": np.arange(n) + 100, "label": classes, "instance": instances}), items
+    )
+    flipped = -new  # the "pipeline" wrote other vectors: we can tell them apart
     out = str(tmp_path / "pipeline.parquet")
-    pq.write_table(pa.table({"item_id": np.arange(n) + 100, "new": pa.FixedSizeListArray.from_arrays(
-        pa.array(flipped.reshape(-1)), 24)}), out)
-    _, client = deploy(serve_port, tmp_path / "state", gallery, token_file, num_shards=2, new_model=bundle,
-                       items=items, pipeline_output=out, fsync=False)
+    pq.write_table(
+        pa.table(
+            {
+                "item_id": np.arange(n) + 100,
+                "new": pa.FixedSizeListArray.from_arrays(pa.array(flipped.reshape(-1)), 24),
+            }
+        ),
+        out,
+    )
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery,
+        token_file,
+        num_shards=2,
+        new_model=bundle,
+        items=items,
+        pipeline_output=out,
+        fsync=False,
+    )
     try:
         client.start_backfill(policy="random", seed=0, batch_size=16, until=40, source="embedder")
         client.wait_backfill(40, timeout=240)
         order = np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))
         first = order[:40] - 100
         ids, scores, reps = client.search(l2_normalize(new[first]), k=1)
-        assert (ids[:, 0] == first + 100).all() and (reps[:, 0] == "new").all() and (scores[:, 0] > 0.999).all()
+        assert (
+            (ids[:, 0] == first + 100).all()
+            and (reps[:, 0] == "new").all()
+            and (scores[:, 0] > 0.999).all()
+        )
         # image queries: the router decodes the PNG and embeds it with the new model
         renderer = GlyphRenderer(default_catalog(), resolution=16, seed=0)
         imgs = renderer.render_batch(classes[first[:4]], instances[first[:4]])
@@ -487,15 +618,36 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
     from raycompat.pipeline.bundles import make_random_bundles
 
     models = tmp_path / "models"
-    make_random_bundles(str(models), backbone="test_resnet", old_dim=24, new_dim=24, num_classes=8,
-                        psi_hidden=32, resolution=32)
+    make_random_bundles(
+        str(models),
+        backbone="test_resnet",
+        old_dim=24,
+        new_dim=24,
+        num_classes=8,
+        psi_hidden=32,
+        resolution=32,
+    )
     store = tmp_path / "store"
-    opts = HotRefreshOptions(models=str(models), new_name="new", storage=str(store), name="tiny",
-                             port=serve_port, policy="sequential", k=20, num_shards=2, batch_size=23,
-                             fractions="0,0.3,0.6,1",
-                             sizes=dataclasses.replace(TINY_SIZES, eval_classes=12, queries_per_class=2,
-                                                       gallery_per_class=5, distractor_classes=4,
-                                                       distractors_per_class=3))
+    opts = HotRefreshOptions(
+        models=str(models),
+        new_name="new",
+        storage=str(store),
+        name="tiny",
+        port=serve_port,
+        policy="sequential",
+        k=20,
+        num_shards=2,
+        batch_size=23,
+        fractions="0,0.3,0.6,1",
+        sizes=dataclasses.replace(
+            TINY_SIZES,
+            eval_classes=12,
+            queries_per_class=2,
+            gallery_per_class=5,
+            distractor_classes=4,
+            distractors_per_class=3,
+        ),
+    )
     report = run_hot_refresh(opts, log=lambda m: None)
     out = store / "hot_refresh" / "tiny"
     assert report["out"] == str(out)
@@ -505,7 +657,7 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
     assert cmp["equal"], cmp
     assert report["live"]["counts"] == report["simulator"]["counts"] == [0, 22, 43, 72]
     m = report["live"]["metrics"]["mAP@20"]
-    assert m[0] != m[-1]                       # the backfill changed the ranking
+    assert m[0] != m[-1]  # the backfill changed the ranking
     assert report["final_status"]["items"]["new"] == 72
 
 
@@ -517,17 +669,23 @@ def rank_merge_bundle(tmp_path_factory):
     from raycompat.models import ClassifierHead, Embedder, ModelBundle, ProjectionMLP
 
     torch.manual_seed(3)
-    mods = {"embedder": Embedder("test_resnet", 24), "head": ClassifierHead(24, 30, "cosface"),
-            "rho": ProjectionMLP(24, 20, hidden_dim=32, num_blocks=1, role="rho"),
-            "psi_rev": ProjectionMLP(20, 16, hidden_dim=32, num_blocks=1, role="psi_rev")}
+    mods = {
+        "embedder": Embedder("test_resnet", 24),
+        "head": ClassifierHead(24, 30, "cosface"),
+        "rho": ProjectionMLP(24, 20, hidden_dim=32, num_blocks=1, role="rho"),
+        "psi_rev": ProjectionMLP(20, 16, hidden_dim=32, num_blocks=1, role="psi_rev"),
+    }
     path = str(tmp_path_factory.mktemp("rm_model") / "mcl")
-    ModelBundle(mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="mcl")).eval().save(path)
+    ModelBundle(
+        mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="mcl")
+    ).eval().save(path)
     return path
 
 
 @pytest.mark.parametrize("policy", ["random", "oracle"])
-def test_rank_merge_offline_equals_online(serve_port, gallery_parquet, rank_merge_bundle, token_file, tmp_path,
-                                          policy):
+def test_rank_merge_offline_equals_online(
+    serve_port, gallery_parquet, rank_merge_bundle, token_file, tmp_path, policy
+):
     """rank_merge served: the router maps each query through rho and psi_rev, new items hold
     rho(phi_n(g)); the live curve equals the simulator's rank_merge curve exactly."""
     from ray import serve
@@ -540,13 +698,22 @@ def test_rank_merge_offline_equals_online(serve_port, gallery_parquet, rank_merg
     fractions = [0.0, 0.3, 0.6, 1.0]
     k = 50
     sim = simulate_backfill(data, [policy], ["rank_merge"], fractions=fractions, k=k, seed=5)
-    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2, mode="rank_merge",
-                       new_model=rank_merge_bundle, fsync=False)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        num_shards=2,
+        mode="rank_merge",
+        new_model=rank_merge_bundle,
+        fsync=False,
+    )
     try:
         st = client.status()
         assert st["dims"]["new"] == 20 and st["dims"]["old"] == 16
-        live = live_backfill_curve(client, data, fractions, policy=policy, seed=5, k=k, batch_size=41,
-                                   log=lambda m: None)
+        live = live_backfill_curve(
+            client, data, fractions, policy=policy, seed=5, k=k, batch_size=41, log=lambda m: None
+        )
         hits = client.search(data.query_new[:3], k=5)
         assert client.status()["items"]["new"] == data.n_items
     finally:
@@ -556,7 +723,7 @@ def test_rank_merge_offline_equals_online(serve_port, gallery_parquet, rank_merg
     assert cmp["equal"], cmp
     m = np.asarray(live["metrics"][f"mAP@{k}"])
     assert m[-1] != m[0]
-    assert (hits[2] == "new").all()                   # after the backfill every hit is a new item
+    assert (hits[2] == "new").all()  # after the backfill every hit is a new item
 
 
 def test_rank_merge_needs_rho_and_psi_rev(gallery_parquet, tmp_path):
@@ -565,10 +732,14 @@ def test_rank_merge_needs_rho_and_psi_rev(gallery_parquet, tmp_path):
     from raycompat.serving.config import serving_config
 
     with pytest.raises(ConfigError, match="rank_merge.*new_model"):
-        build_app(serving_config(gallery=gallery_parquet, state_dir=str(tmp_path), mode="rank_merge"))
+        build_app(
+            serving_config(gallery=gallery_parquet, state_dir=str(tmp_path), mode="rank_merge")
+        )
 
 
-def test_naive_merge_offline_equals_online_and_needs_old_vectors(serve_port, gallery_parquet, token_file, tmp_path):
+def test_naive_merge_offline_equals_online_and_needs_old_vectors(
+    serve_port, gallery_parquet, token_file, tmp_path
+):
     """naive_merge served: each request carries the old model's query embeddings too; old-state
     items are scored old-old, new-state items new-new, merged. Live == simulator; a request
     without old_vectors (or with the wrong count) is a 422 naming the field."""
@@ -580,18 +751,36 @@ def test_naive_merge_offline_equals_online_and_needs_old_vectors(serve_port, gal
     fractions = [0.0, 0.25, 0.5, 1.0]
     k = 40
     sim = simulate_backfill(data, ["sequential"], ["naive_merge"], fractions=fractions, k=k, seed=2)
-    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2,
-                       mode="naive_merge", fsync=False)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        num_shards=2,
+        mode="naive_merge",
+        fsync=False,
+    )
     try:
         base = client.base
         q = data.query_new[:2].tolist()
         r = requests.post(base + "/search", json={"vectors": q, "k": 3}, timeout=30)
         assert r.status_code == 422 and "old_vectors" in r.text, r.text
-        r = requests.post(base + "/search", json={"vectors": q, "old_vectors": data.query_old[:1].tolist(), "k": 3},
-                          timeout=30)
+        r = requests.post(
+            base + "/search",
+            json={"vectors": q, "old_vectors": data.query_old[:1].tolist(), "k": 3},
+            timeout=30,
+        )
         assert r.status_code == 422 and "1 rows" in r.text, r.text
-        live = live_backfill_curve(client, data, fractions, policy="sequential", seed=2, k=k, batch_size=50,
-                                   log=lambda m: None)
+        live = live_backfill_curve(
+            client,
+            data,
+            fractions,
+            policy="sequential",
+            seed=2,
+            k=k,
+            batch_size=50,
+            log=lambda m: None,
+        )
     finally:
         serve.delete(APP)
     cmp = compare_curves(live, sim.curve("sequential", "naive_merge"), tol=1e-12)
@@ -608,33 +797,58 @@ def test_old_vectors_are_refused_outside_naive_merge(api):
 def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
     """Every served mode's default training trains the bundle it then serves, after the models
     that bundle depends on, each config checked the way the trainer checks it."""
+    from raycompat.data import build_scenario, default_catalog
     from raycompat.hot_refresh import HotRefreshOptions, new_model_name, tiny_training_plan
     from raycompat.train import TrainConfig
 
-    from raycompat.data import build_scenario, default_catalog
-
-    scenario = build_scenario("extended-class", catalog=default_catalog(), num_train_classes=40, images_per_class=8,
-                              num_eval_classes=4, queries_per_class=1, gallery_per_class=2,
-                              num_distractor_classes=2, distractors_per_class=1, seed=0)
+    scenario = build_scenario(
+        "extended-class",
+        catalog=default_catalog(),
+        num_train_classes=40,
+        images_per_class=8,
+        num_eval_classes=4,
+        queries_per_class=1,
+        gallery_per_class=2,
+        num_distractor_classes=2,
+        distractors_per_class=1,
+        seed=0,
+    )
     plan = tiny_training_plan(mode, 8, 6)
     names = [p[0] for p in plan]
     assert names[0] == "old" and names[-1] == new_model_name(HotRefreshOptions(mode=mode))
-    for i, (name, method, split, epochs, pred, init) in enumerate(plan):
-        assert all(dep in names[:i] for dep in (pred, init) if dep)       # dependencies come first
-        TrainConfig.from_dict(dict(method=method, backbone="test_resnet", epochs=epochs, split=split,
-                                   batch_size=64, scenario=scenario.to_dict(), old_model="/x/old" if pred else None,
-                                   init_model="/x/new" if init else None), check_paths=False)
+    for i, (_name, method, split, epochs, pred, init) in enumerate(plan):
+        assert all(dep in names[:i] for dep in (pred, init) if dep)  # dependencies come first
+        TrainConfig.from_dict(
+            dict(
+                method=method,
+                backbone="test_resnet",
+                epochs=epochs,
+                split=split,
+                batch_size=64,
+                scenario=scenario.to_dict(),
+                old_model="/x/old" if pred else None,
+                init_model="/x/new" if init else None,
+            ),
+            check_paths=False,
+        )
 
 
-@pytest.mark.parametrize("job, args, named", [
-    ("hot_refresh.py", ["--polcy", "random"], "unrecognized arguments: --polcy"),
-    ("hot_refresh.py", ["--eval", "12"], "unrecognized arguments: --eval"),        # no abbreviations
-    ("hot_refresh.py", ["--policy", "fastest"], "option 'policy' = 'fastest' is not allowed"),
-    ("hot_refresh.py", ["--fractions", "0,2"], "--fractions '0,2'"),
-    ("serve_index.py", ["--num-shard", "2"], "unrecognized arguments: --num-shard"),
-    ("serve_index.py", ["--num-shards", "0"], "option 'num_shards' = 0 must be >= 1"),
-    ("serve_index.py", ["--proxy-location", "Nowhere"], "option 'proxy_location' = 'Nowhere' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "job, args, named",
+    [
+        ("hot_refresh.py", ["--polcy", "random"], "unrecognized arguments: --polcy"),
+        ("hot_refresh.py", ["--eval", "12"], "unrecognized arguments: --eval"),  # no abbreviations
+        ("hot_refresh.py", ["--policy", "fastest"], "option 'policy' = 'fastest' is not allowed"),
+        ("hot_refresh.py", ["--fractions", "0,2"], "--fractions '0,2'"),
+        ("serve_index.py", ["--num-shard", "2"], "unrecognized arguments: --num-shard"),
+        ("serve_index.py", ["--num-shards", "0"], "option 'num_shards' = 0 must be >= 1"),
+        (
+            "serve_index.py",
+            ["--proxy-location", "Nowhere"],
+            "option 'proxy_location' = 'Nowhere' is not allowed",
+        ),
+    ],
+)
 def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, args, named):
     """A misspelt flag or a bad value stops the job before Ray starts: exit status 2, one
     `error:` line naming it on stderr, nothing on stdout, nothing written."""
@@ -645,8 +859,14 @@ def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, a
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = tmp_path / "out"
     extra = ["--out", str(out)] if job == "hot_refresh.py" else ["--state-dir", str(out)]
-    r = subprocess.run([sys.executable, os.path.join(repo, "jobs", job), *extra, *args], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, os.path.join(repo, "jobs", job), *extra, *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stdout == ""
     assert named in r.stderr and "error:" in r.stderr and "Traceback" not in r.stderr

@@ -1,4 +1,5 @@
 """Shard state without Ray: one representation per item, atomic upserts, snapshot + log recovery."""
+
 import os
 import threading
 
@@ -47,7 +48,9 @@ def test_search_matches_exact_search_and_moves_items(tmp_path):
     assert st.counts() == {"old": 150, "adapted": 0, "new": 50}
     S, I, R = st.search({"old": q, "new": l2_normalize(rng.standard_normal((5, 12)))}, 300)
     got = I[I >= 0]
-    assert got.size == 5 * 200 and all(np.unique(row[row >= 0]).size == 200 for row in I)  # every item exactly once
+    assert got.size == 5 * 200 and all(
+        np.unique(row[row >= 0]).size == 200 for row in I
+    )  # every item exactly once
     assert set(I[R == 2].ravel().tolist()) == set(ids[:50].tolist())
     with pytest.raises(UnknownItemError, match="unknown item"):
         st.upsert(np.array([2]), "new", new[:1])
@@ -59,7 +62,10 @@ def test_search_matches_exact_search_and_moves_items(tmp_path):
 def test_concurrent_queries_never_see_an_item_missing_or_twice(tmp_path):
     st, ids, rng = _state(tmp_path, n=300, fsync=False)
     newv = l2_normalize(rng.standard_normal((300, 12)))
-    q = {"old": l2_normalize(rng.standard_normal((3, 8))), "new": l2_normalize(rng.standard_normal((3, 12)))}
+    q = {
+        "old": l2_normalize(rng.standard_normal((3, 8))),
+        "new": l2_normalize(rng.standard_normal((3, 12))),
+    }
     bad = []
     stop = threading.Event()
 
@@ -73,7 +79,7 @@ def test_concurrent_queries_never_see_an_item_missing_or_twice(tmp_path):
     t = threading.Thread(target=reader)
     t.start()
     for s in range(0, 300, 7):
-        st.upsert(ids[s:s + 7], "new", newv[s:s + 7])
+        st.upsert(ids[s : s + 7], "new", newv[s : s + 7])
     stop.set()
     t.join()
     assert not bad and st.counts()["new"] == 300
@@ -87,15 +93,20 @@ def test_recovery_from_snapshot_and_log_with_torn_tail(tmp_path, factory):
     st.upsert(ids[30:60], "adapted", newv[30:60])
     before = st.items()
     st.log.close()
-    with open(os.path.join(st.directory, LOG_NAME), "ab") as fh:   # a crash in the middle of an append
+    with open(
+        os.path.join(st.directory, LOG_NAME), "ab"
+    ) as fh:  # a crash in the middle of an append
         fh.write(b"RCUL\x00\x01garbage")
     st2 = ShardState(st.directory, DIMS, factory=factory)
     assert st2.recovery["replayed_records"] == 2 and st2.recovery["truncated_bytes"] > 0
     after = st2.items()
     assert (after[0] == before[0]).all() and (after[1] == before[1]).all()
     assert np.array_equal(st2.reps["new"].export()[1], st.reps["new"].export()[1])
-    q = {"old": l2_normalize(rng.standard_normal((2, 8))), "new": l2_normalize(rng.standard_normal((2, 12))),
-         "adapted": l2_normalize(rng.standard_normal((2, 12)))}
+    q = {
+        "old": l2_normalize(rng.standard_normal((2, 8))),
+        "new": l2_normalize(rng.standard_normal((2, 12))),
+        "adapted": l2_normalize(rng.standard_normal((2, 12))),
+    }
     a, b = st.search(q, 20), st2.search(q, 20)
     assert (a[1] == b[1]).all()
     # a snapshot folds the log in; recovery then replays nothing
@@ -104,7 +115,9 @@ def test_recovery_from_snapshot_and_log_with_torn_tail(tmp_path, factory):
     assert st3.recovery["replayed_records"] == 0 and (st3.items()[1] == before[1]).all()
 
 
-@pytest.mark.parametrize("factory,train_min", [("Flat", 4096), ("IVF4,Flat", 10**9), ("IDMap,Flat", 4096)])
+@pytest.mark.parametrize(
+    "factory,train_min", [("Flat", 4096), ("IVF4,Flat", 10**9), ("IDMap,Flat", 4096)]
+)
 def test_search_ranks_by_canonical_scores_with_near_ties(tmp_path, factory, train_min):
     """Duplicated items and items one float32 step apart, some removed again: a shard's top-k
     (faiss Flat, or numpy before an index is trained) equals the brute-force top-k of the
@@ -115,12 +128,14 @@ def test_search_ranks_by_canonical_scores_with_near_ties(tmp_path, factory, trai
     rng = np.random.default_rng(len(factory) + train_min % 7)
     n, d = 3000, 24
     base = rng.standard_normal((n, d)).astype(np.float32)
-    base[1000:1400] = base[:400]                                   # exact ties
+    base[1000:1400] = base[:400]  # exact ties
     col = rng.integers(0, d, 300)
     base[1400:1700] = base[400:700]
-    base[1400 + np.arange(300), col] = np.nextafter(base[1400 + np.arange(300), col], np.float32(np.inf))
+    base[1400 + np.arange(300), col] = np.nextafter(
+        base[1400 + np.arange(300), col], np.float32(np.inf)
+    )
     vecs = l2_normalize(base)
-    ids = rng.permutation(10 * n)[:n].astype(np.int64)             # ids not in vector order
+    ids = rng.permutation(10 * n)[:n].astype(np.int64)  # ids not in vector order
     rep = RepIndex(d, factory=factory, train_min=train_min)
     rep.add(ids, vecs)
     gone = rng.choice(n, 200, replace=False)
@@ -130,7 +145,7 @@ def test_search_ranks_by_canonical_scores_with_near_ties(tmp_path, factory, trai
     for k in (1, 10, 150):
         S, I = rep.search(q, k)
         for r in range(q.shape[0]):
-            c = pair_scores(np.repeat(q[r:r + 1], keep.size, axis=0), vecs[keep])
+            c = pair_scores(np.repeat(q[r : r + 1], keep.size, axis=0), vecs[keep])
             order = np.lexsort((ids[keep], -c))[:k]
             assert I[r].tolist() == ids[keep][order].tolist(), (k, r)
             assert np.array_equal(S[r], c[order]), (k, r)

@@ -1,5 +1,6 @@
 """Serving pieces without Serve: scoring sides per served mode, admin token checks, Prometheus
 text, request validation, HTTP error bodies and the serving plan."""
+
 import dataclasses
 import json
 import pickle
@@ -25,15 +26,22 @@ def _simulator_sides(rng, rho, psi_rev, n=40, q=6, d_old=8, d_new=12):
     """Raw embeddings and the simulator's score sides by name (docs/methods.md "Query strategies"):
     ``(query, gallery)`` arrays, normalised after the compatible cut."""
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    e = dict(g_old=f32(n, d_old), g_new=f32(n, d_new), g_adapted=f32(n, d_new), q_new=f32(q, d_new),
-             q_old=f32(q, d_old))
+    e = dict(
+        g_old=f32(n, d_old),
+        g_new=f32(n, d_new),
+        g_adapted=f32(n, d_new),
+        q_new=f32(q, d_new),
+        q_old=f32(q, d_old),
+    )
     n_ = l2_normalize
-    sides = {"old-old": (n_(e["q_old"]), n_(e["g_old"])),
-             "new-old": (n_(np.ascontiguousarray(e["q_new"][:, :d_old])), n_(e["g_old"])),
-             "new-new": (n_(e["q_new"]), n_(e["g_new"])),
-             "new-adapted": (n_(e["q_new"]), n_(e["g_adapted"])),
-             "rev-old": (n_(psi_rev(rho(e["q_new"]))), n_(e["g_old"])),
-             "rho-rho": (n_(rho(e["q_new"])), n_(rho(e["g_new"])))}
+    sides = {
+        "old-old": (n_(e["q_old"]), n_(e["g_old"])),
+        "new-old": (n_(np.ascontiguousarray(e["q_new"][:, :d_old])), n_(e["g_old"])),
+        "new-new": (n_(e["q_new"]), n_(e["g_new"])),
+        "new-adapted": (n_(e["q_new"]), n_(e["g_adapted"])),
+        "rev-old": (n_(psi_rev(rho(e["q_new"]))), n_(e["g_old"])),
+        "rho-rho": (n_(rho(e["q_new"])), n_(rho(e["g_new"]))),
+    }
     return e, sides
 
 
@@ -50,13 +58,23 @@ def test_served_scores_equal_the_simulators_canonical_scores(mode):
     rho = lambda v: np.asarray(v, np.float32) @ w_rho  # noqa: E731 - stand-ins for the bundle's modules
     psi_rev = lambda v: np.asarray(v, np.float32) @ w_rev  # noqa: E731
     e, sim = _simulator_sides(rng, rho, psi_rev)
-    served = query_sides(e["q_new"], "new", 8, (rho, psi_rev) if mode == "rank_merge" else None,
-                         e["q_old"] if mode == "naive_merge" else None)
-    stored = {"old": l2_normalize(e["g_old"]), "adapted": l2_normalize(e["g_adapted"]),
-              "new": stored_new(e["g_new"], rho if mode == "rank_merge" else None)}
+    served = query_sides(
+        e["q_new"],
+        "new",
+        8,
+        (rho, psi_rev) if mode == "rank_merge" else None,
+        e["q_old"] if mode == "naive_merge" else None,
+    )
+    stored = {
+        "old": l2_normalize(e["g_old"]),
+        "adapted": l2_normalize(e["g_adapted"]),
+        "new": stored_new(e["g_new"], rho if mode == "rank_merge" else None),
+    }
     spec = mode_spec(mode)
     for rep, side_name in ((initial_representation(mode), spec.old_side), ("new", spec.new_side)):
-        assert np.array_equal(_all_pairs(served[rep], stored[rep]), _all_pairs(*sim[side_name])), rep
+        assert np.array_equal(_all_pairs(served[rep], stored[rep]), _all_pairs(*sim[side_name])), (
+            rep
+        )
 
 
 def test_old_model_queries_score_old_items_only():
@@ -81,7 +99,9 @@ def test_admin_token_from_file_or_environment(tmp_path):
 
     f = tmp_path / "token"
     f.write_text(f"  {GOOD}  \nsecond line\n")
-    assert load_admin_token(str(f), env={TOKEN_ENV: "another-token-from-env"}) == GOOD   # the file wins
+    assert (
+        load_admin_token(str(f), env={TOKEN_ENV: "another-token-from-env"}) == GOOD
+    )  # the file wins
     assert load_admin_token(None, env={TOKEN_ENV: f" {GOOD}\n"}) == GOOD
     assert load_admin_token(None, env={}) is None
     with pytest.raises(ConfigError, match="not found"):
@@ -93,17 +113,20 @@ def test_admin_token_from_file_or_environment(tmp_path):
         load_admin_token(None, env={TOKEN_ENV: "short"})
 
 
-@pytest.mark.parametrize("header,token,why", [
-    (f"Bearer {GOOD}", GOOD, None),
-    (f"bearer {GOOD} ", GOOD, None),
-    (f"Bearer {GOOD}", None, "disabled"),
-    (None, GOOD, "missing"),
-    ("", GOOD, "missing"),
-    (f"Basic {GOOD}", GOOD, "must be 'Bearer"),
-    ("Bearer", GOOD, "must be 'Bearer"),
-    ("Bearer wrong-token-of-enough-length", GOOD, "invalid admin token"),
-    ("Bearer \u00e9t\u00e9-token-with-unicode", GOOD, "invalid admin token"),
-])
+@pytest.mark.parametrize(
+    "header,token,why",
+    [
+        (f"Bearer {GOOD}", GOOD, None),
+        (f"bearer {GOOD} ", GOOD, None),
+        (f"Bearer {GOOD}", None, "disabled"),
+        (None, GOOD, "missing"),
+        ("", GOOD, "missing"),
+        (f"Basic {GOOD}", GOOD, "must be 'Bearer"),
+        ("Bearer", GOOD, "must be 'Bearer"),
+        ("Bearer wrong-token-of-enough-length", GOOD, "invalid admin token"),
+        ("Bearer \u00e9t\u00e9-token-with-unicode", GOOD, "invalid admin token"),
+    ],
+)
 def test_bearer_check(header, token, why):
     from raycompat.serving.auth import check_bearer
 
@@ -122,22 +145,35 @@ def test_prometheus_text_renders_and_parses():
     m.observe("/search", 200, 0.2, queries=2)
     m.observe("/search", 422, 0.0005)
     m.observe("/status", 503, 20.0)
-    text = m.render([("items", "Items held.", {"shard": "0", "representation": "old"}, 7),
-                     ("items", "Items held.", {"shard": "1", "representation": 'we"ird\nname'}, 3),
-                     ("shards_up", "Shards answering.", {}, 2)])
+    text = m.render(
+        [
+            ("items", "Items held.", {"shard": "0", "representation": "old"}, 7),
+            ("items", "Items held.", {"shard": "1", "representation": 'we"ird\nname'}, 3),
+            ("shards_up", "Shards answering.", {}, 2),
+        ]
+    )
     fam = {f.name: f for f in text_string_to_metric_families(text)}
-    reqs = {(s.labels["endpoint"], s.labels["status"]): s.value
-            for s in fam["raycompat_serving_requests"].samples if s.name.endswith("_total")}
+    reqs = {
+        (s.labels["endpoint"], s.labels["status"]): s.value
+        for s in fam["raycompat_serving_requests"].samples
+        if s.name.endswith("_total")
+    }
     assert reqs == {("/search", "200"): 2, ("/search", "422"): 1, ("/status", "503"): 1}
     assert fam["raycompat_serving_queries"].samples[0].value == 6
-    hist = [s for s in fam["raycompat_serving_request_seconds"].samples
-            if s.labels.get("endpoint") == "/search"]
+    hist = [
+        s
+        for s in fam["raycompat_serving_request_seconds"].samples
+        if s.labels.get("endpoint") == "/search"
+    ]
     buckets = [s.value for s in hist if s.name.endswith("_bucket")]
     assert len(buckets) == len(BUCKETS) + 1 and buckets == sorted(buckets) and buckets[-1] == 3
     assert next(s.value for s in hist if s.name.endswith("_count")) == 3
     assert next(s.value for s in hist if s.name.endswith("_sum")) == pytest.approx(0.2035)
     items = {s.labels["representation"]: s.value for s in fam["raycompat_serving_items"].samples}
-    assert items == {"old": 7.0, 'we"ird\nname': 3.0} and fam["raycompat_serving_items"].type == "gauge"
+    assert (
+        items == {"old": 7.0, 'we"ird\nname': 3.0}
+        and fam["raycompat_serving_items"].type == "gauge"
+    )
     assert fam["raycompat_serving_shards_up"].samples[0].value == 2
 
 
@@ -149,18 +185,29 @@ def models():
     return build_models(Limits(max_k=5, max_queries=2, max_image_bytes=30, max_upsert_items=3))
 
 
-GOOD_SEARCH = [{"vectors": [[1, 2]], "k": 5}, {"vectors": [[1, 2], [3, 4]]},
-               {"images": ["AAAA"], "k": 1}, {"vectors": [[1.0]], "old_vectors": [[0.5]], "model": "new"},
-               {"vectors": [[1.0]], "model": "old"}]
-BAD_SEARCH = [({"vectors": [[1]], "k": 6}, "k"), ({"vectors": [[1]], "k": 0}, "k"),
-              ({"vectors": [[1]] * 3}, "vectors"), ({"vectors": [[]]}, "vectors"),
-              ({"vectors": [[float("nan")]]}, "vectors"), ({"vectors": [[float("inf")]]}, "vectors"),
-              ({"vectors": [["a"]]}, "vectors"), ({"k": 3}, "exactly one"),
-              ({"vectors": [[1]], "images": ["AAAA"]}, "exactly one"), ({"images": ["A" * 41]}, "images"),
-              ({"images": ["AAAA"], "model": "old"}, "new model"),
-              ({"vectors": [[1]], "model": "older"}, "model"),
-              ({"old_vectors": [[1]], "images": ["AAAA"]}, "old_vectors"),
-              ({"vectors": [[1]], "top": 3}, "top")]
+GOOD_SEARCH = [
+    {"vectors": [[1, 2]], "k": 5},
+    {"vectors": [[1, 2], [3, 4]]},
+    {"images": ["AAAA"], "k": 1},
+    {"vectors": [[1.0]], "old_vectors": [[0.5]], "model": "new"},
+    {"vectors": [[1.0]], "model": "old"},
+]
+BAD_SEARCH = [
+    ({"vectors": [[1]], "k": 6}, "k"),
+    ({"vectors": [[1]], "k": 0}, "k"),
+    ({"vectors": [[1]] * 3}, "vectors"),
+    ({"vectors": [[]]}, "vectors"),
+    ({"vectors": [[float("nan")]]}, "vectors"),
+    ({"vectors": [[float("inf")]]}, "vectors"),
+    ({"vectors": [["a"]]}, "vectors"),
+    ({"k": 3}, "exactly one"),
+    ({"vectors": [[1]], "images": ["AAAA"]}, "exactly one"),
+    ({"images": ["A" * 41]}, "images"),
+    ({"images": ["AAAA"], "model": "old"}, "new model"),
+    ({"vectors": [[1]], "model": "older"}, "model"),
+    ({"old_vectors": [[1]], "images": ["AAAA"]}, "old_vectors"),
+    ({"vectors": [[1]], "top": 3}, "top"),
+]
 
 
 @pytest.mark.parametrize("body", GOOD_SEARCH)
@@ -173,18 +220,34 @@ def test_search_request_accepts_good_input(models, body):
 def test_search_request_rejects_bad_input_naming_it(models, body, needle):
     with pytest.raises(ValidationError) as err:
         models.SearchRequest.model_validate(body)
-    assert any(needle in ".".join(map(str, e["loc"])) or needle in e["msg"] for e in err.value.errors())
+    assert any(
+        needle in ".".join(map(str, e["loc"])) or needle in e["msg"] for e in err.value.errors()
+    )
 
 
 def test_admin_requests_validate(models):
     item = {"id": 3, "representation": "new", "vector": [0.5, 0.5]}
     assert models.UpsertRequest.model_validate({"items": [item] * 3}).items[0].id == 3
-    for bad in ({"items": [item] * 4}, {"items": []}, {"items": [dict(item, id=-1)]},
-                {"items": [dict(item, representation="newest")]}, {"items": [dict(item, extra=1)]}):
+    for bad in (
+        {"items": [item] * 4},
+        {"items": []},
+        {"items": [dict(item, id=-1)]},
+        {"items": [dict(item, representation="newest")]},
+        {"items": [dict(item, extra=1)]},
+    ):
         with pytest.raises(ValidationError):
             models.UpsertRequest.model_validate(bad)
-    assert models.BackfillStartRequest.model_validate({"policy": "sequential", "batch_size": 3}).rate is None
-    for bad in ({"batch_size": 4}, {"policy": "best"}, {"rate": 0}, {"source": "disk"}, {"until": -1}):
+    assert (
+        models.BackfillStartRequest.model_validate({"policy": "sequential", "batch_size": 3}).rate
+        is None
+    )
+    for bad in (
+        {"batch_size": 4},
+        {"policy": "best"},
+        {"rate": 0},
+        {"source": "disk"},
+        {"until": -1},
+    ):
         with pytest.raises(ValidationError):
             models.BackfillStartRequest.model_validate(bad)
     assert models.BackfillResumeRequest.model_validate({"until": 10}).until == 10
@@ -196,14 +259,30 @@ def test_admin_requests_validate(models):
 def test_validation_errors_become_one_line_naming_the_field():
     from raycompat.serving.errors import problem_field, validation_error
 
-    assert problem_field(("body", "vectors", 0, 2)) == "body.vectors[0][2]" and problem_field(()) == ""
-    head, problems = validation_error([{"loc": ("body", "k"), "msg": "too big", "type": "less_than_equal"},
-                                       {"loc": ("body", "vectors", 1), "msg": "bad", "type": "x"}])
+    assert (
+        problem_field(("body", "vectors", 0, 2)) == "body.vectors[0][2]" and problem_field(()) == ""
+    )
+    head, problems = validation_error(
+        [
+            {"loc": ("body", "k"), "msg": "too big", "type": "less_than_equal"},
+            {"loc": ("body", "vectors", 1), "msg": "bad", "type": "x"},
+        ]
+    )
     assert head == "invalid request: body.k: too big"
-    assert problems == [{"field": "body.k", "message": "too big"},
-                        {"field": "body.vectors[1]", "message": "bad"}]
-    head, _ = validation_error([{"loc": ("body", 4), "msg": "JSON decode error", "type": "json_invalid",
-                                 "ctx": {"error": "Expecting value"}}])
+    assert problems == [
+        {"field": "body.k", "message": "too big"},
+        {"field": "body.vectors[1]", "message": "bad"},
+    ]
+    head, _ = validation_error(
+        [
+            {
+                "loc": ("body", 4),
+                "msg": "JSON decode error",
+                "type": "json_invalid",
+                "ctx": {"error": "Expecting value"},
+            }
+        ]
+    )
     assert head == "malformed JSON: Expecting value"
 
 
@@ -211,7 +290,10 @@ def test_error_mapping_statuses():
     from raycompat.serving.embedder_pool import ImageInputError
     from raycompat.serving.errors import error_response, image_error, internal_error, unavailable
 
-    assert image_error(ImageInputError("images[0]: image of 9 bytes exceeds the limit of 4")).status == 413
+    assert (
+        image_error(ImageInputError("images[0]: image of 9 bytes exceeds the limit of 4")).status
+        == 413
+    )
     assert image_error(ImageInputError("images[0]: invalid base64")).status == 400
     e = unavailable("shard 1", TimeoutError())
     assert (e.status, e.message) == (503, "shard 1 unavailable: TimeoutError")
@@ -232,8 +314,13 @@ def test_plan_derives_dims_counts_and_models(tmp_path):
     (new / "manifest.json").write_text(json.dumps({"method": "bct", "embed_dim": 12}))
     old = tmp_path / "old"
     old.mkdir()
-    cfg = serving_config(gallery="synthetic:50:8:12:0", state_dir=str(tmp_path / "s"), new_model=str(new),
-                         old_model=str(old), max_k=7)
+    cfg = serving_config(
+        gallery="synthetic:50:8:12:0",
+        state_dir=str(tmp_path / "s"),
+        new_model=str(new),
+        old_model=str(old),
+        max_k=7,
+    )
     plan = build_plan(cfg)
     assert plan.dims == RepDims(old=8, adapted=12, new=12)
     assert plan.dims.as_dict() == {"old": 8, "adapted": 12, "new": 12}
@@ -244,10 +331,12 @@ def test_plan_derives_dims_counts_and_models(tmp_path):
     assert models["old"] == {"path": str(old)}
     assert models["new"]["method"] == "bct" and models["new"]["embed_dim"] == 12
     assert len(models["new"]["manifest_sha256"]) == 16
-    assert pickle.loads(pickle.dumps(plan)) == plan           # what Ray Serve ships to every replica
+    assert pickle.loads(pickle.dumps(plan)) == plan  # what Ray Serve ships to every replica
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.config.num_shards = 3
-    adapted = build_plan(serving_config(gallery="synthetic:50:8:12:0", mode="adapted", compatible_dim=4))
+    adapted = build_plan(
+        serving_config(gallery="synthetic:50:8:12:0", mode="adapted", compatible_dim=4)
+    )
     assert adapted.compatible_dim == 4 and adapted.initial_representation == "adapted"
 
 

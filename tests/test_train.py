@@ -1,5 +1,6 @@
 """The Ray Train loop on the session's real local cluster: DDP sync, worker-kill resume,
 and configuration errors."""
+
 from __future__ import annotations
 
 import os
@@ -20,16 +21,37 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny_scenario():
-    return build_scenario("extended-class", num_train_classes=12, images_per_class=16,
-                          num_eval_classes=6, queries_per_class=1, gallery_per_class=3,
-                          num_distractor_classes=4, distractors_per_class=2, seed=3)
+    return build_scenario(
+        "extended-class",
+        num_train_classes=12,
+        images_per_class=16,
+        num_eval_classes=6,
+        queries_per_class=1,
+        gallery_per_class=3,
+        num_distractor_classes=4,
+        distractors_per_class=2,
+        seed=3,
+    )
 
 
 def tiny_config(scenario, tmp_path, **overrides) -> TrainConfig:
-    values = dict(method="independent", backbone="test_resnet", embed_dim=16, head="cosface",
-                  epochs=2, batch_size=32, lr=0.05, scenario=scenario.to_dict(), split="new_train",
-                  num_workers=1, threads_per_worker=1, storage_path=str(tmp_path / "runs"),
-                  run_name="tiny", diagnostics_dir=str(tmp_path / "diag"), log_every=1000)
+    values = dict(
+        method="independent",
+        backbone="test_resnet",
+        embed_dim=16,
+        head="cosface",
+        epochs=2,
+        batch_size=32,
+        lr=0.05,
+        scenario=scenario.to_dict(),
+        split="new_train",
+        num_workers=1,
+        threads_per_worker=1,
+        storage_path=str(tmp_path / "runs"),
+        run_name="tiny",
+        diagnostics_dir=str(tmp_path / "diag"),
+        log_every=1000,
+    )
     values.update(overrides)
     return TrainConfig.from_dict(values)
 
@@ -54,9 +76,16 @@ def test_two_worker_ddp_keeps_parameters_identical(ray_cluster, tiny_scenario, t
 def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     """SIGKILL the training worker once Ray Train has registered the epoch-2 checkpoint; the run
     must restart the worker (FailureConfig) and go on from that checkpoint, not from scratch."""
-    scenario = build_scenario("extended-data", num_train_classes=12, images_per_class=64,
-                              num_eval_classes=4, queries_per_class=1, gallery_per_class=2,
-                              num_distractor_classes=0, seed=5)
+    scenario = build_scenario(
+        "extended-data",
+        num_train_classes=12,
+        images_per_class=64,
+        num_eval_classes=4,
+        queries_per_class=1,
+        gallery_per_class=2,
+        num_distractor_classes=0,
+        seed=5,
+    )
     cfg = tiny_config(scenario, tmp_path, epochs=10, run_name="kill", max_failures=2)
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(run=fit(cfg)), daemon=True)
@@ -64,7 +93,9 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     # Ray Train's controller records each registered checkpoint in this snapshot file.
     snapshot = tmp_path / "runs" / "kill" / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 240
-    while time.time() < deadline and not (snapshot.exists() and "epoch_0002" in snapshot.read_text()):
+    while time.time() < deadline and not (
+        snapshot.exists() and "epoch_0002" in snapshot.read_text()
+    ):
         time.sleep(0.05)
     assert snapshot.exists() and "epoch_0002" in snapshot.read_text(), "no registered checkpoint"
     pid = int((tmp_path / "diag" / "pid_rank0.txt").read_text())
@@ -87,18 +118,34 @@ def test_bad_configuration_names_the_key():
         TrainConfig.from_dict({"method": "bcx", "scenario": {"splits": {"new_train": {}}}})
     with pytest.raises(ConfigError, match="unknown option 'epochz'"):
         TrainConfig.from_dict({"epochz": 3})
-    with pytest.raises(ConfigError, match="'variant' = 'gamma' is not allowed.*'sys', 'beta', 'kd'"):
-        TrainConfig.from_dict({"method": "bct", "method_options": {"variant": "gamma"},
-                               "old_model": "x", "scenario": {"splits": {"new_train": {}}}})
+    with pytest.raises(
+        ConfigError, match="'variant' = 'gamma' is not allowed.*'sys', 'beta', 'kd'"
+    ):
+        TrainConfig.from_dict(
+            {
+                "method": "bct",
+                "method_options": {"variant": "gamma"},
+                "old_model": "x",
+                "scenario": {"splits": {"new_train": {}}},
+            }
+        )
     with pytest.raises(ConfigError, match="needs old_model"):
         TrainConfig.from_dict({"method": "bct", "scenario": {"splits": {"new_train": {}}}})
 
 
 def test_train_job_reports_config_error_without_traceback():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "train.py"), "--method", "nope"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "jobs", "train.py"), "--method", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "unknown method 'nope'" in proc.stderr and "Traceback" not in proc.stderr
-    help_text = subprocess.run([sys.executable, os.path.join(REPO, "jobs", "train.py"), "--help"],
-                               capture_output=True, text=True, timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, os.path.join(REPO, "jobs", "train.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "bct:" in help_text and "variant='sys'" in help_text and "independent:" in help_text

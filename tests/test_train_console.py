@@ -1,5 +1,6 @@
 """What a training run prints: Ray Train's per-report INFO lines off unless the job is
 verbose, and the verbose switch handed to the Ray Train workers."""
+
 from __future__ import annotations
 
 import torch

@@ -20,17 +20,32 @@ Main entry points: :func:`simulate_backfill` (in-memory :class:`GalleryEmbedding
 :class:`SimulationResult`), :func:`backfill_curve_rows` (the same as flat rows for a
 report), :func:`raycompat.backfill.report.write_reports` (JSON / markdown / PNG).
 """
+
 import importlib
 
 _EXPORTS = {
-    "CostModel": "cost", "measure_items_per_s": "cost",
-    "BackfillInputError": "gallery", "GalleryEmbeddings": "gallery", "load_parquet": "gallery",
-    "backfill_counts": "grid", "cold_counts": "grid", "default_grid": "grid",
-    "MODES": "modes", "SERVED_MODES": "modes", "ModeSpec": "modes", "SideBuilder": "modes",
-    "apply_bundle_modules": "modes", "available_modes": "modes", "mode_spec": "modes",
-    "POLICIES": "policies", "PolicyInputs": "policies", "UncertaintyHead": "policies",
+    "CostModel": "cost",
+    "measure_items_per_s": "cost",
+    "BackfillInputError": "gallery",
+    "GalleryEmbeddings": "gallery",
+    "load_parquet": "gallery",
+    "backfill_counts": "grid",
+    "cold_counts": "grid",
+    "default_grid": "grid",
+    "MODES": "modes",
+    "SERVED_MODES": "modes",
+    "ModeSpec": "modes",
+    "SideBuilder": "modes",
+    "apply_bundle_modules": "modes",
+    "available_modes": "modes",
+    "mode_spec": "modes",
+    "POLICIES": "policies",
+    "PolicyInputs": "policies",
+    "UncertaintyHead": "policies",
     "policy_order": "policies",
-    "Curve": "simulator", "SimulationResult": "simulator", "backfill_curve_rows": "simulator",
+    "Curve": "simulator",
+    "SimulationResult": "simulator",
+    "backfill_curve_rows": "simulator",
     "simulate_backfill": "simulator",
 }
 

@@ -19,11 +19,12 @@ spreads the blocks over worker threads that each run their matrix products
 with one intra-op thread, so the callback's bookkeeping on one core overlaps
 the matrix product on the other instead of idling it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Tuple
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ def nonzero_2d(mask: torch.Tensor, with_flat: bool = False):
     width = mask.shape[1]
     if mask.device.type == "cpu":
         flat_np = np.flatnonzero(mask.contiguous().numpy())
-        rows_np = flat_np // width                  # numpy's integer division is the faster one
+        rows_np = flat_np // width  # numpy's integer division is the faster one
         rows, cols = torch.from_numpy(rows_np), torch.from_numpy(flat_np - rows_np * width)
         flat = torch.from_numpy(flat_np)
     else:
@@ -130,7 +131,9 @@ def fp32_matmul():
         torch.backends.cudnn.allow_tf32 = prev_cudnn
 
 
-def block_rows(n_queries: int, n_items: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Tuple[int, int]:
+def block_rows(
+    n_queries: int, n_items: int, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> tuple[int, int]:
     """(query chunk rows, gallery block rows) such that one float32 score block fits ``block_bytes``.
 
     All queries go in one chunk when at least 512 gallery rows still fit; the
@@ -144,7 +147,7 @@ def block_rows(n_queries: int, n_items: int, block_bytes: int = DEFAULT_BLOCK_BY
         qc = max(1, elems // 512)
     gb = max(1, min(max(n_items, 1), elems // qc))
     if gb > 512:
-        gb -= gb % 256          # whole tiles, and sizes the matmul kernels like
+        gb -= gb % 256  # whole tiles, and sizes the matmul kernels like
     return qc, gb
 
 
@@ -162,7 +165,7 @@ def iter_score_blocks(
     query_rows: int | None = None,
     gallery_rows: int | None = None,
     reuse: bool = True,
-) -> Iterator[Tuple[int, int, int, int, torch.Tensor]]:
+) -> Iterator[tuple[int, int, int, int, torch.Tensor]]:
     """Yield ``(q0, q1, g0, g1, S)`` with ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32, on device).
 
     Query chunks are the outer loop (each chunk is moved to the device once),
@@ -235,18 +238,25 @@ def map_score_blocks(
     if dev.type != "cpu":
         workers = 1
     if workers == 1:
-        for q0, q1, g0, g1, S in iter_score_blocks(queries, gallery, device=dev, query_rows=query_rows,
-                                                   gallery_rows=gallery_rows):
+        for q0, q1, g0, g1, S in iter_score_blocks(
+            queries, gallery, device=dev, query_rows=query_rows, gallery_rows=gallery_rows
+        ):
             fn(0, q0, q1, g0, g1, S)
         return
     n_q, n_g = queries.shape[0], gallery.shape[0]
-    todo = iter([(q0, min(n_q, q0 + query_rows), g0, min(n_g, g0 + gallery_rows))
-                 for q0 in range(0, n_q, query_rows) for g0 in range(0, n_g, gallery_rows)])
+    todo = iter(
+        [
+            (q0, min(n_q, q0 + query_rows), g0, min(n_g, g0 + gallery_rows))
+            for q0 in range(0, n_q, query_rows)
+            for g0 in range(0, n_g, gallery_rows)
+        ]
+    )
     _run_block_workers(queries, gallery, fn, todo, dev, workers)
 
 
-def _run_block_workers(queries: np.ndarray, gallery: np.ndarray, fn, todo: Iterator, dev: torch.device,
-                       workers: int) -> None:
+def _run_block_workers(
+    queries: np.ndarray, gallery: np.ndarray, fn, todo: Iterator, dev: torch.device, workers: int
+) -> None:
     """:func:`map_score_blocks` on ``workers`` threads (one intra-op thread each) that take
     the blocks of ``todo`` one at a time; the first exception stops them and is re-raised."""
     lock = threading.Lock()
@@ -255,7 +265,7 @@ def _run_block_workers(queries: np.ndarray, gallery: np.ndarray, fn, todo: Itera
     def work(slot: int) -> None:
         buf = None
         try:
-            torch.set_grad_enabled(False)    # grad mode is per thread
+            torch.set_grad_enabled(False)  # grad mode is per thread
             while not errors:
                 with lock:
                     blk = next(todo, None)
@@ -336,7 +346,7 @@ def _entries_above(S: torch.Tensor, kth: torch.Tensor, use_tiles: bool = True):
     if len(rr) == 1:
         return (rr[0], cc[0], vv[0]), frac
     r, c, v = torch.cat(rr), torch.cat(cc), torch.cat(vv)
-    o = torch.sort(r * B + c).indices          # tiles + the last partial tile: row-major again
+    o = torch.sort(r * B + c).indices  # tiles + the last partial tile: row-major again
     return (r.index_select(0, o), c.index_select(0, o), v.index_select(0, o)), frac
 
 
@@ -363,7 +373,7 @@ def exact_topk(
     *,
     device=None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> Tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k inner-product search, blockwise with torch (no normalisation here).
 
     Same result contract as :func:`raycompat.index.exact_search` with
@@ -392,7 +402,9 @@ def exact_topk(
     tile_frac = 1.0
     n_blocks = 0
     with fp32_matmul(), torch.no_grad():
-        for q0, q1, g0, g1, S in iter_score_blocks(queries, gallery, device=dev, block_bytes=block_bytes):
+        for q0, q1, g0, _g1, S in iter_score_blocks(
+            queries, gallery, device=dev, block_bytes=block_bytes
+        ):
             S, rows_all = lists.fill(q0, g0, S)
             if S is None:
                 continue
@@ -424,14 +436,14 @@ class _TopKLists:
         self.kk = kk
         self.best_s = torch.full((n_q, kk), -float("inf"), dtype=torch.float32, device=dev)
         self.best_i = torch.full((n_q, kk), -1, dtype=torch.int64, device=dev)
-        self.filled = torch.zeros(n_q, dtype=torch.int64, device=dev)       # real entries in the list
-        self.pending: list = []            # candidates not merged yet: (query rows, ids, scores)
+        self.filled = torch.zeros(n_q, dtype=torch.int64, device=dev)  # real entries in the list
+        self.pending: list = []  # candidates not merged yet: (query rows, ids, scores)
         self.n_pending = 0
 
     def fill(self, q0: int, g0: int, S: torch.Tensor):
         """Merge block ``S`` into the lists of its rows that are not full yet; returns the
         rest of the block and its rows (``(S, None)``: every row full; ``(None, _)``: none)."""
-        full = self.filled[q0:q0 + S.shape[0]] >= self.kk
+        full = self.filled[q0 : q0 + S.shape[0]] >= self.kk
         if bool(full.all()):
             return S, None
         self.flush()
@@ -460,12 +472,14 @@ class _TopKLists:
         r = torch.cat([p[0] for p in pending])
         ids = torch.cat([p[1] for p in pending])
         v = torch.cat([p[2] for p in pending])
-        o = torch.sort(r, stable=True).indices   # by row; blocks were appended in index order
-        rows, cs, ci = _pad_by_row(r.index_select(0, o), ids.index_select(0, o), v.index_select(0, o))
+        o = torch.sort(r, stable=True).indices  # by row; blocks were appended in index order
+        rows, cs, ci = _pad_by_row(
+            r.index_select(0, o), ids.index_select(0, o), v.index_select(0, o)
+        )
         _merge(self.best_s, self.best_i, 0, (rows, cs, ci), 0, self.kk)
         self.pending, self.n_pending = [], 0
 
-    def result(self, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    def result(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 scores and int64 indices ``[Q, k]``, padded with ``-inf`` / ``-1``."""
         n_q, kk = self.best_s.shape
         out_s = np.full((n_q, k), -np.inf, dtype=np.float32)
@@ -490,12 +504,14 @@ def _merge(best_s, best_i, q0, cand, g0, kk):
     cur_s, cur_i = best_s[g], best_i[g]
     ids = cc + g0
     if bool(torch.isinf(cur_s[:, -1]).any()):
-        all_s, all_i = _sorted_candidates(torch.cat([cur_s, cs], dim=1), torch.cat([cur_i, ids], dim=1))
+        all_s, all_i = _sorted_candidates(
+            torch.cat([cur_s, cs], dim=1), torch.cat([cur_i, ids], dim=1)
+        )
         best_s[g] = all_s[:, :kk]
         best_i[g] = all_i[:, :kk]
         return
     w = cs.shape[1]
-    order = torch.sort(cs, dim=1, descending=True, stable=True).indices   # ties keep index order
+    order = torch.sort(cs, dim=1, descending=True, stable=True).indices  # ties keep index order
     c_s, c_i = torch.gather(cs, 1, order), torch.gather(ids, 1, order)
     dev = cs.device
     pos_c = torch.searchsorted(-cur_s, -c_s, right=True) + torch.arange(w, device=dev)

@@ -10,6 +10,7 @@ reaching ``n(t)`` backfilled items (the grid's rounding rule, see
 The per-GPU rate is either given or measured (:func:`measure_items_per_s`,
 forward passes of the new embedder on random inputs of the model's size).
 """
+
 from __future__ import annotations
 
 import time
@@ -28,14 +29,16 @@ class CostModel:
 
     items_per_s_per_gpu: float
     num_gpus: int = 1
-    source: str = "given"            # "given" or "measured"
+    source: str = "given"  # "given" or "measured"
 
     def __post_init__(self):
         r = self.items_per_s_per_gpu
         if r is None or not np.isfinite(r) or r <= 0:
             raise BackfillInputError(f"items per second per GPU must be > 0, got {r!r}")
         if int(self.num_gpus) != self.num_gpus or self.num_gpus < 1:
-            raise BackfillInputError(f"number of GPUs must be a positive integer, got {self.num_gpus!r}")
+            raise BackfillInputError(
+                f"number of GPUs must be a positive integer, got {self.num_gpus!r}"
+            )
         self.items_per_s_per_gpu = float(r)
         self.num_gpus = int(self.num_gpus)
 
@@ -53,8 +56,9 @@ class CostModel:
         return d
 
 
-def measure_items_per_s(bundle, *, batch_size: int = 32, repeats: int = 2, device: str = "cpu",
-                        warmup: int = 1) -> float:
+def measure_items_per_s(
+    bundle, *, batch_size: int = 32, repeats: int = 2, device: str = "cpu", warmup: int = 1
+) -> float:
     """Items/s of ``bundle.embedder`` on random inputs shaped like its training images.
 
     Uses ``manifest['in_chans']`` and ``manifest['resolution']`` (defaults 1 and 32).

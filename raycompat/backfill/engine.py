@@ -73,12 +73,14 @@ exactly), and :func:`ranks_from_counts` (b) (histograms added, turned into ranks
 passes over gallery rows ``g0:g1`` that cover the gallery add up to the same ranks, bit for
 bit, in any order: the unit of work of a distributed simulation.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,7 +131,7 @@ _TILE = 128
 _TABLE_MAX = 32
 
 
-def METRIC_NAMES(k: int) -> Tuple[str, str, str, str]:
+def METRIC_NAMES(k: int) -> tuple[str, str, str, str]:
     """Metric keys of a curve: ``mAP@k``, ``mAP`` (revisited full), ``top1``, ``NFR@1``."""
     return (f"mAP@{k}", "mAP", "top1", "NFR@1")
 
@@ -164,7 +166,7 @@ class CurveSpec:
     counts: np.ndarray
     order: np.ndarray | None = None
 
-    def sides(self) -> List[str]:
+    def sides(self) -> list[str]:
         out = [self.old_side]
         if self.new_side is not None and self.new_side != self.old_side:
             out.append(self.new_side)
@@ -176,9 +178,9 @@ class CurveRanks:
     """Ranks of every positive pair at every grid point of one curve."""
 
     key: Any
-    counts: np.ndarray            # [J]
-    seg: np.ndarray               # [N] int32 segment of each item
-    ranks: np.ndarray             # [J, P] int64, 0-based rank in the mixed gallery
+    counts: np.ndarray  # [J]
+    seg: np.ndarray  # [N] int32 segment of each item
+    ranks: np.ndarray  # [J, P] int64, 0-based rank in the mixed gallery
 
     def states(self, j: int) -> np.ndarray:
         """int8 [N]: 1 = item holds its new vector at grid point j, 0 = old (one vector each)."""
@@ -187,13 +189,13 @@ class CurveRanks:
 
 @dataclass
 class EngineResult:
-    pairs_q: np.ndarray           # [P] query of each positive pair (sorted by query, then item)
-    pairs_i: np.ndarray           # [P] gallery index of each positive pair
-    npos: np.ndarray              # [Q] positives per query
+    pairs_q: np.ndarray  # [P] query of each positive pair (sorted by query, then item)
+    pairs_i: np.ndarray  # [P] gallery index of each positive pair
+    npos: np.ndarray  # [Q] positives per query
     n_items: int
-    curves: List[CurveRanks]
-    stats: Dict[str, Any] = field(default_factory=dict)
-    debug: Dict[str, Any] = field(default_factory=dict)
+    curves: list[CurveRanks]
+    stats: dict[str, Any] = field(default_factory=dict)
+    debug: dict[str, Any] = field(default_factory=dict)
 
     def curve(self, key) -> CurveRanks:
         for c in self.curves:
@@ -203,7 +205,7 @@ class EngineResult:
 
 
 # ----------------------------------------------------------------------------- pairs
-def positive_pairs(query_labels, gallery_labels) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def positive_pairs(query_labels, gallery_labels) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All (query, gallery item) pairs with equal labels, sorted by query then item.
 
     Returns ``(pairs_q, pairs_i, npos)`` (int64).  Relevance is label equality,
@@ -215,7 +217,7 @@ def positive_pairs(query_labels, gallery_labels) -> Tuple[np.ndarray, np.ndarray
         raise ValueError("labels must be 1-D")
     both = np.concatenate([ql, gl]) if ql.dtype != gl.dtype else None
     if both is not None:
-        ql, gl = both[: ql.size], both[ql.size:]
+        ql, gl = both[: ql.size], both[ql.size :]
     order = np.argsort(gl, kind="stable")
     sl = gl[order]
     lo = np.searchsorted(sl, ql, side="left")
@@ -239,7 +241,7 @@ def positive_pairs(query_labels, gallery_labels) -> Tuple[np.ndarray, np.ndarray
 #   key(v) > key(hi)  =>  v > hi;      v >= lo  =>  key(v) >= key(lo).
 
 
-def _key_span(norms: Sequence[Tuple[np.ndarray, float]]) -> float:
+def _key_span(norms: Sequence[tuple[np.ndarray, float]]) -> float:
     """C: a power of two with every score (and error band) strictly inside (-C/2, C/2).
 
     ``norms``: per side, (query row norms, an upper bound of the gallery row norms).
@@ -249,7 +251,9 @@ def _key_span(norms: Sequence[Tuple[np.ndarray, float]]) -> float:
         bound = max(bound, float(qn.max(initial=0.0)) * gmax)
     if not bound * 1.001 < float(np.finfo(np.float32).max):
         # the passes rely on finite scores (a +inf score would pass every threshold table)
-        raise ValueError(f"scores may overflow float32 (|q| * |g| up to {bound:.3g}); rescale the embeddings")
+        raise ValueError(
+            f"scores may overflow float32 (|q| * |g| up to {bound:.3g}); rescale the embeddings"
+        )
     # every score lies within +-bound*(1 + gamma_D) < C/2 - 1 (rounding of the float32 dot)
     return float(2.0 ** np.ceil(np.log2(2.0 * bound * 1.001 + 4.0)))
 
@@ -271,8 +275,8 @@ def _row_norms(a: np.ndarray, chunk: int = 8192) -> np.ndarray:
     """Row L2 norms (float64 result; chunked so the float64 temporaries stay small)."""
     out = np.empty(a.shape[0], dtype=np.float64)
     for s in range(0, a.shape[0], chunk):
-        b = a[s:s + chunk].astype(np.float64)
-        out[s:s + chunk] = np.sqrt(np.einsum("ij,ij->i", b, b))
+        b = a[s : s + chunk].astype(np.float64)
+        out[s : s + chunk] = np.sqrt(np.einsum("ij,ij->i", b, b))
     return out
 
 
@@ -280,10 +284,10 @@ def _max_row_norm(a: np.ndarray, chunk: int = 8192) -> float:
     """Largest row norm, as an upper bound (float32 sums, inflated by a safe relative margin)."""
     m = 0.0
     for s in range(0, a.shape[0], chunk):
-        b = a[s:s + chunk]
+        b = a[s : s + chunk]
         m = max(m, float(np.einsum("ij,ij->i", b, b).max(initial=0.0)))
     # float32 sum of squares: relative error <= D * 2^-24 (< 1e-3 for D < 16000)
-    return float(np.sqrt(m * (1.0 + 1e-3 + a.shape[1] * 2.0 ** -23))) if a.size else 0.0
+    return float(np.sqrt(m * (1.0 + 1e-3 + a.shape[1] * 2.0**-23))) if a.size else 0.0
 
 
 # ----------------------------------------------------------------------------- thresholds
@@ -294,8 +298,16 @@ class _SideValues:
     query q on Y (:func:`raycompat.index.canonical.float32_score_error`).
     """
 
-    def __init__(self, side: Side, pq: np.ndarray, pi: np.ndarray, sentinel: np.ndarray,
-                 band_scale: float, qn: np.ndarray, gmax: float):
+    def __init__(
+        self,
+        side: Side,
+        pq: np.ndarray,
+        pi: np.ndarray,
+        sentinel: np.ndarray,
+        band_scale: float,
+        qn: np.ndarray,
+        gmax: float,
+    ):
         n_pairs = pq.size
         real = np.flatnonzero(~sentinel)
         self.v64 = np.full(n_pairs, -np.inf)
@@ -317,8 +329,15 @@ class _Merged:
     cost grows only with the logarithm of the number of thresholds.
     """
 
-    def __init__(self, ynames: List[str], values: Dict[str, _SideValues], pq: np.ndarray,
-                 n_queries: int, span: float, device: torch.device):
+    def __init__(
+        self,
+        ynames: list[str],
+        values: dict[str, _SideValues],
+        pq: np.ndarray,
+        n_queries: int,
+        span: float,
+        device: torch.device,
+    ):
         n_pairs = pq.size
         self.ynames = ynames
         src_y = np.repeat(np.arange(len(ynames)), n_pairs)
@@ -329,7 +348,7 @@ class _Merged:
         dq = np.max(np.stack([values[y].delta_q for y in ynames]), axis=0)
         d = np.where(np.isneginf(v), 0.0, dq[pq[src_p]])
         q = pq[src_p]
-        order = np.lexsort((src_y, src_p, v, q))                 # query, value, pair, side
+        order = np.lexsort((src_y, src_p, v, q))  # query, value, pair, side
         self.src_y, self.src_p = src_y[order], src_p[order]
         self.sorted_q = q[order]
         m = order.size
@@ -350,7 +369,7 @@ class _Merged:
             self._set_tables(lo, hi, n_queries, device)
 
     @staticmethod
-    def _edges(sv: np.ndarray, sd: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def _edges(sv: np.ndarray, sd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float32 lower and upper edges ``v -+ delta`` of the sorted thresholds (rounded
         outwards; ``-inf`` for the debug sentinels)."""
         neg = np.isneginf(sv)
@@ -359,15 +378,20 @@ class _Merged:
             hi = np.where(neg, np.float32(-np.inf), _round_f32(sv + sd, "up")).astype(np.float32)
         return lo, hi
 
-    def _set_keys(self, lo: np.ndarray, hi: np.ndarray, n_queries: int, span: float,
-                  device: torch.device) -> None:
+    def _set_keys(
+        self, lo: np.ndarray, hi: np.ndarray, n_queries: int, span: float, device: torch.device
+    ) -> None:
         """float64 keys ``q*C + edge`` of every edge (see _key_span); edges clamped to
         +-(C/2 - 1), still beyond every possible score, so a clamped edge decides nothing
         wrongly."""
         lim = span / 2 - 1.0
         qoff = self.sorted_q.astype(np.float64) * span
-        lo_k = qoff + np.where(np.isneginf(lo), -span / 2, np.clip(lo.astype(np.float64), -lim, lim))
-        hi_k = qoff + np.where(np.isneginf(hi), -span / 2, np.clip(hi.astype(np.float64), -lim, lim))
+        lo_k = qoff + np.where(
+            np.isneginf(lo), -span / 2, np.clip(lo.astype(np.float64), -lim, lim)
+        )
+        hi_k = qoff + np.where(
+            np.isneginf(hi), -span / 2, np.clip(hi.astype(np.float64), -lim, lim)
+        )
         if self.size and ((np.diff(lo_k) < 0).any() or (np.diff(hi_k) < 0).any()):
             raise AssertionError("internal error: threshold edges are not sorted")
         self.lo_keys = torch.from_numpy(lo_k).to(device)
@@ -376,7 +400,9 @@ class _Merged:
         self.span = span
         self.qoff = torch.arange(n_queries, dtype=torch.float64, device=device) * span
 
-    def _set_tables(self, lo: np.ndarray, hi: np.ndarray, n_queries: int, device: torch.device) -> None:
+    def _set_tables(
+        self, lo: np.ndarray, hi: np.ndarray, n_queries: int, device: torch.device
+    ) -> None:
         """``[Q, T]`` float32 edges of each query's thresholds in its own row, +inf padded."""
         m = self.size
         t = max(self.tmax, 1)
@@ -387,7 +413,7 @@ class _Merged:
         lo_tab[self.sorted_q, col] = lo
         self.hi_tab = torch.from_numpy(hi_tab).to(device)
         self.lo_tab = torch.from_numpy(lo_tab[:, :t]).to(device)
-        self.lo_next = torch.from_numpy(lo_tab.reshape(-1)).to(device)   # row stride t + 1
+        self.lo_next = torch.from_numpy(lo_tab.reshape(-1)).to(device)  # row stride t + 1
         self.first = torch.from_numpy(self.off[:-1]).to(device)
 
     def locate(self, qg: torch.Tensor, vals: torch.Tensor):
@@ -402,7 +428,9 @@ class _Merged:
 
     def _locate_in_rows(self, qg: torch.Tensor, vals: torch.Tensor):
         """:meth:`locate` by a batched sorted search of each score in its query's table row."""
-        b = torch.searchsorted(self.hi_tab.index_select(0, qg), vals[:, None], right=False).squeeze(1)
+        b = torch.searchsorted(self.hi_tab.index_select(0, qg), vals[:, None], right=False).squeeze(
+            1
+        )
         t = self.hi_tab.shape[1]
         # ambiguous iff the next threshold's lower edge is <= the score (+inf past the row's end)
         near = self.lo_next.index_select(0, qg * (t + 1) + b) <= vals
@@ -411,8 +439,9 @@ class _Merged:
             return bucket, None, None, None
         amb = torch.nonzero(near).squeeze(1)
         qa = qg.index_select(0, amb)
-        b_lo = torch.searchsorted(self.lo_tab.index_select(0, qa), vals.index_select(0, amb)[:, None],
-                                  right=True).squeeze(1)
+        b_lo = torch.searchsorted(
+            self.lo_tab.index_select(0, qa), vals.index_select(0, amb)[:, None], right=True
+        ).squeeze(1)
         first = self.first.index_select(0, qa)
         return bucket, amb, first + b.index_select(0, amb), first + b_lo
 
@@ -453,10 +482,15 @@ def _survivors(S: torch.Tensor, lm: torch.Tensor, use_tiles: bool = True):
         if frac <= 0.25:
             parts = []
             if tr.numel():
-                sel = tiles[tr, tc]                               # [n, TILE] copy
+                sel = tiles[tr, tc]  # [n, TILE] copy
                 a, b = nonzero_2d(sel >= lm.index_select(0, tr)[:, None])
-                parts.append((tr.index_select(0, a), tc.index_select(0, a) * _TILE + b,
-                              sel.view(-1).index_select(0, a * _TILE + b)))
+                parts.append(
+                    (
+                        tr.index_select(0, a),
+                        tc.index_select(0, a) * _TILE + b,
+                        sel.view(-1).index_select(0, a * _TILE + b),
+                    )
+                )
             if bt < B:
                 rest = S[:, bt:]
                 rr, cc = nonzero_2d(rest >= lm[:, None])
@@ -480,10 +514,10 @@ class Segmentations:
     """The distinct segmentations of the curves (shared by curves with equal order and counts,
     :func:`raycompat.backfill.grid.segments`)."""
 
-    arrays: List[np.ndarray]            # [N] int32 segment of each item
-    tensors: List[torch.Tensor]         # the same, int64 on the pass device
-    sizes: List[int]                    # segments of each: grid points + 1
-    of_curve: List[int]                 # the segmentation of each curve
+    arrays: list[np.ndarray]  # [N] int32 segment of each item
+    tensors: list[torch.Tensor]  # the same, int64 on the pass device
+    sizes: list[int]  # segments of each: grid points + 1
+    of_curve: list[int]  # the segmentation of each curve
 
 
 class _SidePass:
@@ -498,14 +532,25 @@ class _SidePass:
     (``slot``), summed after the pass.
     """
 
-    def __init__(self, mx: _Merged, seg_ids: List[int], segs: Segmentations, workers: int,
-                 device: torch.device, g0: int = 0, g1: int | None = None):
+    def __init__(
+        self,
+        mx: _Merged,
+        seg_ids: list[int],
+        segs: Segmentations,
+        workers: int,
+        device: torch.device,
+        g0: int = 0,
+        g1: int | None = None,
+    ):
         self.mx = mx
         self.seg_np, self.seg_t, self.n_segs = segs.arrays, segs.tensors, segs.sizes
-        self.constant = {si: int(self.seg_np[si][0]) for si in seg_ids
-                         if self.seg_np[si].min() == self.seg_np[si].max()}
+        self.constant = {
+            si: int(self.seg_np[si][0])
+            for si in seg_ids
+            if self.seg_np[si].min() == self.seg_np[si].max()
+        }
         counted = [si for si in seg_ids if si not in self.constant] or seg_ids[:1]
-        self.base: Dict[int, int] = {}
+        self.base: dict[int, int] = {}
         size = 0
         for si in counted:
             self.base[si] = size
@@ -515,16 +560,29 @@ class _SidePass:
         g1 = self.seg_np[0].size if g1 is None else g1
         self.total = float(mx.lo_min.size * (g1 - g0))
         self.workers = workers if device.type == "cpu" else 1
-        self.acc = [torch.zeros(size, dtype=torch.int64, device=device) for _ in range(self.workers)]
+        self.acc = [
+            torch.zeros(size, dtype=torch.int64, device=device) for _ in range(self.workers)
+        ]
         self.ones = torch.ones(1, dtype=torch.int64, device=device)
         self.lo_min = torch.from_numpy(mx.lo_min).to(device)
         self.device = device
-        self.band: List[Tuple[np.ndarray, ...]] = []
+        self.band: list[tuple[np.ndarray, ...]] = []
         self.progress = None
         self._lock = threading.Lock()
         self._done = 0
-        self._w = [{"survivors": 0, "band_entries": 0, "blocks": 0, "tile_frac": 0.0, "seconds_matmul": 0.0,
-                    "seconds_filter": 0.0, "seconds_count": 0.0, "t_end": 0.0} for _ in range(self.workers)]
+        self._w = [
+            {
+                "survivors": 0,
+                "band_entries": 0,
+                "blocks": 0,
+                "tile_frac": 0.0,
+                "seconds_matmul": 0.0,
+                "seconds_filter": 0.0,
+                "seconds_count": 0.0,
+                "t_end": 0.0,
+            }
+            for _ in range(self.workers)
+        ]
 
     def begin(self) -> None:
         """Start the stage clocks (a worker's matrix-product time runs until its block arrives)."""
@@ -564,7 +622,9 @@ class _SidePass:
                 self.progress(self._done / self.total)
         w["t_end"] = time.perf_counter()
 
-    def _count(self, slot: int, qg: torch.Tensor, col: torch.Tensor, g0: int, g1: int, vals: torch.Tensor):
+    def _count(
+        self, slot: int, qg: torch.Tensor, col: torch.Tensor, g0: int, g1: int, vals: torch.Tensor
+    ):
         """Add survivors (query ``qg``, item ``g0 + col``, score ``vals``) to the histograms;
         keep the ambiguous ones for the exact resolution after the pass."""
         mx = self.mx
@@ -576,16 +636,20 @@ class _SidePass:
             acc.index_add_(0, flat, self.ones.expand(flat.numel()))
         if amb is not None:
             self._w[slot]["band_entries"] += int(amb.numel())
-            self.band.append(tuple(z.cpu().numpy() for z in (
-                col.index_select(0, amb) + g0, vals.index_select(0, amb), b_hi, b_lo)))
+            self.band.append(
+                tuple(
+                    z.cpu().numpy()
+                    for z in (col.index_select(0, amb) + g0, vals.index_select(0, amb), b_hi, b_lo)
+                )
+            )
 
     def histogram(self, si: int) -> np.ndarray:
         """int64 ``[segments, width]`` histogram of segmentation ``si`` (summed over workers)."""
         if si in self.base:
             nseg = self.n_segs[si]
-            tot = self.acc[0][self.base[si]: self.base[si] + nseg * self.mx.width].clone()
+            tot = self.acc[0][self.base[si] : self.base[si] + nseg * self.mx.width].clone()
             for acc in self.acc[1:]:
-                tot += acc[self.base[si]: self.base[si] + nseg * self.mx.width]
+                tot += acc[self.base[si] : self.base[si] + nseg * self.mx.width]
             return tot.cpu().numpy().reshape(nseg, self.mx.width)
         other = next(iter(self.base))
         c0 = self.constant[si]
@@ -593,7 +657,7 @@ class _SidePass:
         H[c0] = self.histogram(other).sum(axis=0)
         return H
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Survivors, band entries and stage seconds (summed over workers)."""
         return {k: sum(w[k] for w in self._w) for k in _PASS_STAT_KEYS}
 
@@ -608,16 +672,16 @@ class RankPlan:
     """What every block pass and the rank assembly share, built once from the inputs by
     :func:`plan_ranks` (pairs, thresholds, segmentations, block sizes); no score yet."""
 
-    curves: List[CurveSpec]
-    used: List[str]                               # pass sides, in order of first use
-    pairs_q: np.ndarray                           # [P'] positive pairs, then (debug) one
-    pairs_i: np.ndarray                           #      sentinel per query at item N
-    npos: np.ndarray                              # [Q] positives per query
-    n_real: int                                   # P: real pairs (the first P of P')
+    curves: list[CurveSpec]
+    used: list[str]  # pass sides, in order of first use
+    pairs_q: np.ndarray  # [P'] positive pairs, then (debug) one
+    pairs_i: np.ndarray  #      sentinel per query at item N
+    npos: np.ndarray  # [Q] positives per query
+    n_real: int  # P: real pairs (the first P of P')
     n_items: int
-    values: Dict[str, _SideValues]                # per side: canonical threshold values
-    merged: Dict[str, _Merged]                    # per pass side: its merged thresholds
-    targets: Dict[str, List[Tuple[int, int]]]     # per pass side: (curve, role 0 old / 1 new)
+    values: dict[str, _SideValues]  # per side: canonical threshold values
+    merged: dict[str, _Merged]  # per pass side: its merged thresholds
+    targets: dict[str, list[tuple[int, int]]]  # per pass side: (curve, role 0 old / 1 new)
     segs: Segmentations
     device: torch.device
     query_rows: int
@@ -629,18 +693,19 @@ class RankPlan:
         """bool [P']: which pairs are debug sentinels."""
         return np.arange(self.pairs_q.size) >= self.n_real
 
-    def seg_ids(self, xname: str) -> List[int]:
+    def seg_ids(self, xname: str) -> list[int]:
         """The segmentations the pass over side ``xname`` histograms."""
         return sorted({self.segs.of_curve[ci] for ci, _ in self.targets[xname]})
 
 
-def _check_inputs(sides: Mapping[str, Side], curves: Sequence[CurveSpec], n_q: int,
-                  n_items: int) -> List[str]:
+def _check_inputs(
+    sides: Mapping[str, Side], curves: Sequence[CurveSpec], n_q: int, n_items: int
+) -> list[str]:
     """The pass sides the curves use (in order of first use); a missing side, a backfill
     without a new side or a side of the wrong size raises."""
     if n_items == 0:
         raise ValueError("the gallery is empty")
-    used: List[str] = []
+    used: list[str] = []
     for c in curves:
         for s in c.sides():
             if s not in sides:
@@ -654,17 +719,20 @@ def _check_inputs(sides: Mapping[str, Side], curves: Sequence[CurveSpec], n_q: i
         if side.queries.shape[0] != n_q or side.gallery.shape[0] != n_items:
             raise ValueError(
                 f"side {s!r} has {side.queries.shape[0]} queries x {side.gallery.shape[0]} items, "
-                f"labels say {n_q} x {n_items}")
+                f"labels say {n_q} x {n_items}"
+            )
     return used
 
 
-def _segmentations(curves: Sequence[CurveSpec], n_items: int, device: torch.device) -> Segmentations:
+def _segmentations(
+    curves: Sequence[CurveSpec], n_items: int, device: torch.device
+) -> Segmentations:
     """One segmentation per distinct (order, counts) of the curves."""
-    arrays: List[np.ndarray] = []
-    tensors: List[torch.Tensor] = []
-    sizes: List[int] = []
-    cache: Dict[Tuple[int, bytes], int] = {}
-    of_curve: List[int] = []
+    arrays: list[np.ndarray] = []
+    tensors: list[torch.Tensor] = []
+    sizes: list[int] = []
+    cache: dict[tuple[int, bytes], int] = {}
+    of_curve: list[int] = []
     for c in curves:
         counts = np.asarray(c.counts, dtype=np.int64)
         key = (id(c.order), counts.tobytes())
@@ -678,9 +746,9 @@ def _segmentations(curves: Sequence[CurveSpec], n_items: int, device: torch.devi
     return Segmentations(arrays, tensors, sizes, of_curve)
 
 
-def _sides_sharing(curves: Sequence[CurveSpec], xname: str) -> List[str]:
+def _sides_sharing(curves: Sequence[CurveSpec], xname: str) -> list[str]:
     """Every side that shares a curve with side ``xname`` (itself included), in order."""
-    ys: List[str] = []
+    ys: list[str] = []
     for c in curves:
         if xname in c.sides():
             for y in c.sides():
@@ -720,13 +788,34 @@ def plan_ranks(
     span = _key_span(list(norms.values()))
     segs = _segmentations(curves, n_items, dev)
     merged = {x: _Merged(_sides_sharing(curves, x), values, pq, n_q, span, dev) for x in used}
-    targets = {x: [(ci, role) for ci, c in enumerate(curves)
-                   for role, name in ((0, c.old_side), (1, c.new_side)) if name == x] for x in used}
+    targets = {
+        x: [
+            (ci, role)
+            for ci, c in enumerate(curves)
+            for role, name in ((0, c.old_side), (1, c.new_side))
+            if name == x
+        ]
+        for x in used
+    }
     qc, gb = block_rows(n_q, n_items, block_bytes)
     n_workers = default_workers(dev) if workers is None else max(1, int(workers))
-    return RankPlan(curves=list(curves), used=used, pairs_q=pq, pairs_i=pi, npos=npos, n_real=n_real,
-                    n_items=n_items, values=values, merged=merged, targets=targets, segs=segs,
-                    device=dev, query_rows=qc, gallery_rows=gb, workers=n_workers)
+    return RankPlan(
+        curves=list(curves),
+        used=used,
+        pairs_q=pq,
+        pairs_i=pi,
+        npos=npos,
+        n_real=n_real,
+        n_items=n_items,
+        values=values,
+        merged=merged,
+        targets=targets,
+        segs=segs,
+        device=dev,
+        query_rows=qc,
+        gallery_rows=gb,
+        workers=n_workers,
+    )
 
 
 # ----------------------------------------------------------------------------- (a) block pass
@@ -735,10 +824,10 @@ class SideCounts:
     """What a block pass over one score side found: the decided scores as histograms, and
     the near-ties resolved exactly as (item, merged threshold) pairs the item precedes."""
 
-    histograms: Dict[int, np.ndarray]     # segmentation -> int64 [segments, width]
-    tie_items: np.ndarray                 # int64 gallery index of each resolved near-tie
-    tie_thresholds: np.ndarray            # int64 merged threshold index it precedes
-    stats: Dict[str, Any]
+    histograms: dict[int, np.ndarray]  # segmentation -> int64 [segments, width]
+    tie_items: np.ndarray  # int64 gallery index of each resolved near-tie
+    tie_thresholds: np.ndarray  # int64 merged threshold index it precedes
+    stats: dict[str, Any]
 
 
 @dataclass
@@ -747,11 +836,12 @@ class BlockCounts:
 
     g0: int
     g1: int
-    sides: Dict[str, SideCounts]
+    sides: dict[str, SideCounts]
 
 
-def block_pass(plan: RankPlan, sides: Mapping[str, Side], g0: int = 0, g1: int | None = None, *,
-               progress=None) -> BlockCounts:
+def block_pass(
+    plan: RankPlan, sides: Mapping[str, Side], g0: int = 0, g1: int | None = None, *, progress=None
+) -> BlockCounts:
     """Score gallery rows ``g0:g1`` against every query for each pass side, histogram the
     scores against the positives' thresholds per segment, and resolve the near-ties exactly
     (see the module docstring).  Blocks that cover the gallery add up
@@ -759,14 +849,16 @@ def block_pass(plan: RankPlan, sides: Mapping[str, Side], g0: int = 0, g1: int |
     g1 = plan.n_items if g1 is None else int(g1)
     if not 0 <= g0 < g1 <= plan.n_items:
         raise ValueError(f"gallery block {g0}:{g1} is not inside 0:{plan.n_items}")
-    out: Dict[str, SideCounts] = {}
+    out: dict[str, SideCounts] = {}
     for xname in plan.used:
         report = None if progress is None else (lambda frac, _x=xname: progress(_x, frac))
         out[xname] = _side_block_pass(plan, xname, sides[xname], g0, g1, report)
     return BlockCounts(g0=int(g0), g1=g1, sides=out)
 
 
-def _side_block_pass(plan: RankPlan, xname: str, side: Side, g0: int, g1: int, progress) -> SideCounts:
+def _side_block_pass(
+    plan: RankPlan, xname: str, side: Side, g0: int, g1: int, progress
+) -> SideCounts:
     """:func:`block_pass` for one side: the blockwise float32 pass, then the exact ties."""
     t0 = time.perf_counter()
     seg_ids = plan.seg_ids(xname)
@@ -774,31 +866,44 @@ def _side_block_pass(plan: RankPlan, xname: str, side: Side, g0: int, g1: int, p
     sp.progress = progress
     with fp32_matmul(), torch.no_grad():
         sp.begin()
-        map_score_blocks(side.queries, side.gallery[g0:g1], sp.block, device=plan.device,
-                         query_rows=plan.query_rows, gallery_rows=plan.gallery_rows, workers=plan.workers)
+        map_score_blocks(
+            side.queries,
+            side.gallery[g0:g1],
+            sp.block,
+            device=plan.device,
+            query_rows=plan.query_rows,
+            gallery_rows=plan.gallery_rows,
+            workers=plan.workers,
+        )
         release_memory()
-    stats = {"seconds": time.perf_counter() - t0, "dim": int(side.queries.shape[1]),
-             "thresholds_per_query": plan.merged[xname].tmax, "workers": sp.workers, **sp.stats()}
+    stats = {
+        "seconds": time.perf_counter() - t0,
+        "dim": int(side.queries.shape[1]),
+        "thresholds_per_query": plan.merged[xname].tmax,
+        "workers": sp.workers,
+        **sp.stats(),
+    }
     histograms = {si: sp.histogram(si) for si in seg_ids}
     tie_items, tie_thresholds = _resolve_near_ties(plan, xname, side, sp.band)
     return SideCounts(histograms, tie_items, tie_thresholds, stats)
 
 
-def _resolve_near_ties(plan: RankPlan, xname: str, side: Side,
-                       band: List[Tuple[np.ndarray, ...]]) -> Tuple[np.ndarray, np.ndarray]:
+def _resolve_near_ties(
+    plan: RankPlan, xname: str, side: Side, band: list[tuple[np.ndarray, ...]]
+) -> tuple[np.ndarray, np.ndarray]:
     """The ambiguous (survivor, threshold) pairs of a pass decided by canonical scores and
     the index tie rule: ``(items, merged thresholds)`` of the pairs where the item precedes."""
     if not band:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     mx = plan.merged[xname]
     x_b, _, bhi_b, blo_b = (np.concatenate([p[i] for p in band]) for i in range(4))
-    n_amb = blo_b - bhi_b                     # ambiguous thresholds: merged indices [b_hi, b_lo)
+    n_amb = blo_b - bhi_b  # ambiguous thresholds: merged indices [b_hi, b_lo)
     rep = np.repeat(np.arange(x_b.size), n_amb)
     first = np.repeat(np.cumsum(n_amb) - n_amb, n_amb)
     t = bhi_b[rep] + (np.arange(rep.size) - first)
     ys = mx.src_y[t]
     ps = mx.src_p[t]
-    thr = np.empty(t.size, dtype=np.float64)            # canonical threshold values
+    thr = np.empty(t.size, dtype=np.float64)  # canonical threshold values
     for yi, yname in enumerate(mx.ynames):
         m = ys == yi
         thr[m] = plan.values[yname].v64[ps[m]]
@@ -816,7 +921,7 @@ def ranks_from_counts(plan: RankPlan, blocks: Sequence[BlockCounts]) -> EngineRe
     covered = sum(b.g1 - b.g0 for b in blocks)
     if covered != plan.n_items:
         raise ValueError(f"the blocks cover {covered} gallery rows, the gallery has {plan.n_items}")
-    counts_m: Dict[Tuple[int, int], np.ndarray] = {}          # (curve, role) -> [nseg, M] int32
+    counts_m: dict[tuple[int, int], np.ndarray] = {}  # (curve, role) -> [nseg, M] int32
     for xname in plan.used:
         parts = [b.sides[xname] for b in blocks]
         hist = {si: _sum_arrays([p.histograms[si] for p in parts]) for si in plan.seg_ids(xname)}
@@ -829,26 +934,42 @@ def ranks_from_counts(plan: RankPlan, blocks: Sequence[BlockCounts]) -> EngineRe
                 np.add.at(cm, (plan.segs.arrays[si][tie_items], tie_thresholds), 1)
             counts_m[(ci, role)] = cm
         del hist
-    out_curves: List[CurveRanks] = []
+    out_curves: list[CurveRanks] = []
     items_counted = {}
     for ci, c in enumerate(plan.curves):
         ranks = _curve_ranks(plan, ci, counts_m)
         if plan.n_real < plan.pairs_q.size:
-            items_counted[c.key] = ranks[:, plan.n_real:].copy()   # sentinel: every item precedes it
-        out_curves.append(CurveRanks(key=c.key, counts=np.asarray(c.counts, dtype=np.int64),
-                                     seg=plan.segs.arrays[plan.segs.of_curve[ci]],
-                                     ranks=np.ascontiguousarray(ranks[:, :plan.n_real])))
-    stats: Dict[str, Any] = {"sides": {x: _sum_stats([b.sides[x].stats for b in blocks]) for x in plan.used},
-                             "device": str(plan.device), "pairs": int(plan.n_real)}
-    result = EngineResult(pairs_q=plan.pairs_q[:plan.n_real], pairs_i=plan.pairs_i[:plan.n_real],
-                          npos=plan.npos, n_items=plan.n_items, curves=out_curves, stats=stats)
+            items_counted[c.key] = ranks[
+                :, plan.n_real :
+            ].copy()  # sentinel: every item precedes it
+        out_curves.append(
+            CurveRanks(
+                key=c.key,
+                counts=np.asarray(c.counts, dtype=np.int64),
+                seg=plan.segs.arrays[plan.segs.of_curve[ci]],
+                ranks=np.ascontiguousarray(ranks[:, : plan.n_real]),
+            )
+        )
+    stats: dict[str, Any] = {
+        "sides": {x: _sum_stats([b.sides[x].stats for b in blocks]) for x in plan.used},
+        "device": str(plan.device),
+        "pairs": int(plan.n_real),
+    }
+    result = EngineResult(
+        pairs_q=plan.pairs_q[: plan.n_real],
+        pairs_i=plan.pairs_i[: plan.n_real],
+        npos=plan.npos,
+        n_items=plan.n_items,
+        curves=out_curves,
+        stats=stats,
+    )
     if items_counted:
         result.debug["items_counted"] = items_counted
         _check_items_counted(items_counted, plan.n_items)
     return result
 
 
-def _sum_arrays(arrays: List[np.ndarray]) -> np.ndarray:
+def _sum_arrays(arrays: list[np.ndarray]) -> np.ndarray:
     """Sum of the arrays (the array itself when there is one)."""
     total = arrays[0]
     for a in arrays[1:]:
@@ -856,7 +977,7 @@ def _sum_arrays(arrays: List[np.ndarray]) -> np.ndarray:
     return total
 
 
-def _sum_stats(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's pass statistics over several blocks: seconds and counters summed."""
     out = dict(parts[0])
     for p in parts[1:]:
@@ -876,7 +997,7 @@ def _threshold_counts(mx: _Merged, H: np.ndarray) -> np.ndarray:
     return (RC[:, tpos + tq + 1] - RC[:, mx.off[tq + 1] + tq + 1]).astype(np.int32)
 
 
-def _pair_counts(plan: RankPlan, ci: int, counts_m) -> Dict[Tuple[int, str], np.ndarray]:
+def _pair_counts(plan: RankPlan, ci: int, counts_m) -> dict[tuple[int, str], np.ndarray]:
     """Per (role, threshold side): int32 ``[segments, P']`` items of each segment, scored on
     the role's side, that precede each positive pair's threshold on the threshold side."""
     c = plan.curves[ci]
@@ -906,9 +1027,9 @@ def _curve_ranks(plan: RankPlan, ci: int, counts_m) -> np.ndarray:
     def rank_with(yname):
         new_c = per.get((1, yname), zero)
         old_c = per.get((0, yname), zero)
-        pn = np.cumsum(new_c, axis=0, dtype=np.int64)[:J]    # sum_{s <= j} new-state items
+        pn = np.cumsum(new_c, axis=0, dtype=np.int64)[:J]  # sum_{s <= j} new-state items
         co = np.cumsum(old_c, axis=0, dtype=np.int64)
-        so = co[-1][None, :] - co[:J]                        # sum_{s > j} old-state items
+        so = co[-1][None, :] - co[:J]  # sum_{s > j} old-state items
         return pn + so
 
     r_old = rank_with(c.old_side)
@@ -920,12 +1041,14 @@ def _curve_ranks(plan: RankPlan, ci: int, counts_m) -> np.ndarray:
     return np.where(is_new, r_new, r_old)
 
 
-def _check_items_counted(items_counted: Dict[Any, np.ndarray], n_items: int) -> None:
+def _check_items_counted(items_counted: dict[Any, np.ndarray], n_items: int) -> None:
     """Debug: at every grid point every item precedes the sentinel once (one vector per item)."""
     for key, cnt in items_counted.items():
         if not (cnt == n_items).all():
-            raise AssertionError(f"curve {key!r}: an item was counted {cnt.min()}..{cnt.max()} "
-                                 f"times instead of once per grid point ({n_items} items)")
+            raise AssertionError(
+                f"curve {key!r}: an item was counted {cnt.min()}..{cnt.max()} "
+                f"times instead of once per grid point ({n_items} items)"
+            )
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -963,8 +1086,17 @@ def compute_ranks(
             :func:`raycompat.backfill.blocks.map_score_blocks`); 1 on other devices.
     """
     t_start = time.perf_counter()
-    plan = plan_ranks(sides, curves, query_labels, gallery_labels, device=device, block_bytes=block_bytes,
-                      debug=debug, band_scale=band_scale, workers=workers)
+    plan = plan_ranks(
+        sides,
+        curves,
+        query_labels,
+        gallery_labels,
+        device=device,
+        block_bytes=block_bytes,
+        debug=debug,
+        band_scale=band_scale,
+        workers=workers,
+    )
     result = ranks_from_counts(plan, [block_pass(plan, sides, progress=progress)])
     result.stats["seconds"] = time.perf_counter() - t_start
     return result
@@ -1041,11 +1173,15 @@ def metrics_from_ranks(
         out[names[0]][j] = mean_average_precision_at_k(rel, npos, k)
         if return_per_query:
             from raycompat.metrics import average_precision_at_k
+
             per["ap@k"][j] = average_precision_at_k(rel, npos, k)
         out[names[1]][j] = _mean_valid(aps_full[j], valid)
         c1 = correct_at_k(rel, 1)
         per["correct1"][j] = c1
         out[names[2]][j] = _mean_valid(c1.astype(np.float64), valid)
-        out[names[3]][j] = (negative_flip_rate(reference_correct, c1)
-                            if reference_correct is not None else float("nan"))
+        out[names[3]][j] = (
+            negative_flip_rate(reference_correct, c1)
+            if reference_correct is not None
+            else float("nan")
+        )
     return (out, per) if return_per_query else out

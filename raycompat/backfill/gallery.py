@@ -22,11 +22,12 @@ one-line message naming it: a missing column, a dimension mismatch, an empty
 gallery, NaN/inf embeddings (with the offending item ids), duplicate ids,
 unknown split values.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Dict, Sequence
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class GalleryEmbeddings:
     compatible_dim: int | None = None
     normalized: bool = False
     source: str = "memory"
-    extra: Dict[str, object] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self):
         self.gallery_labels = np.asarray(self.gallery_labels)
@@ -96,8 +97,16 @@ class GalleryEmbeddings:
             self.query_ids = np.arange(self.query_labels.shape[0], dtype=np.int64)
         self.gallery_ids = np.asarray(self.gallery_ids)
         self.query_ids = np.asarray(self.query_ids)
-        for name in ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho",
-                     "query_old", "query_new", "query_rho", "query_rev"):
+        for name in (
+            "gallery_old",
+            "gallery_new",
+            "gallery_adapted",
+            "gallery_rho",
+            "query_old",
+            "query_new",
+            "query_rho",
+            "query_rev",
+        ):
             a = getattr(self, name)
             if a is not None:
                 a = np.asarray(a)
@@ -157,10 +166,12 @@ class GalleryEmbeddings:
         if self.gallery_ids.shape != (n,) or self.query_ids.shape != (q,):
             raise BackfillInputError(
                 f"item ids do not match the labels: {self.gallery_ids.shape} gallery ids for {n} items, "
-                f"{self.query_ids.shape} query ids for {q} queries")
-        for side, rows, names in (("gallery", n, ("gallery_old", "gallery_new", "gallery_adapted",
-                                                  "gallery_rho")),
-                                  ("query", q, ("query_old", "query_new", "query_rho", "query_rev"))):
+                f"{self.query_ids.shape} query ids for {q} queries"
+            )
+        for _side, rows, names in (
+            ("gallery", n, ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho")),
+            ("query", q, ("query_old", "query_new", "query_rho", "query_rev")),
+        ):
             for name in names:
                 a = getattr(self, name)
                 if a is None:
@@ -174,24 +185,39 @@ class GalleryEmbeddings:
 
     def _check_dims(self) -> None:
         """Arrays compared with each other have the same dimension; ``compatible_dim`` fits."""
-        pairs = [("query_old", "gallery_old"), ("query_new", "gallery_new"),
-                 ("gallery_new", "gallery_adapted"), ("query_new", "gallery_adapted"),
-                 ("query_rho", "gallery_rho"), ("query_rev", "gallery_old")]
+        pairs = [
+            ("query_old", "gallery_old"),
+            ("query_new", "gallery_new"),
+            ("gallery_new", "gallery_adapted"),
+            ("query_new", "gallery_adapted"),
+            ("query_rho", "gallery_rho"),
+            ("query_rev", "gallery_old"),
+        ]
         for a_name, b_name in pairs:
             a, b = getattr(self, a_name), getattr(self, b_name)
             if a is not None and b is not None and a.shape[1] != b.shape[1]:
                 raise BackfillInputError(
-                    f"dimension mismatch: {a_name} has dim {a.shape[1]} but {b_name} has dim {b.shape[1]}")
+                    f"dimension mismatch: {a_name} has dim {a.shape[1]} but {b_name} has dim {b.shape[1]}"
+                )
         if self.compatible_dim is not None:
             nd = self.new_dim
             if not 0 < int(self.compatible_dim) <= (nd if nd is not None else self.old_dim):
                 raise BackfillInputError(
-                    f"compatible_dim={self.compatible_dim} must be in [1, D_new={nd}]")
+                    f"compatible_dim={self.compatible_dim} must be in [1, D_new={nd}]"
+                )
 
     def _check_values(self) -> None:
         """No NaN or inf embedding; no duplicate item id."""
-        for name in ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho",
-                     "query_old", "query_new", "query_rho", "query_rev"):
+        for name in (
+            "gallery_old",
+            "gallery_new",
+            "gallery_adapted",
+            "gallery_rho",
+            "query_old",
+            "query_new",
+            "query_rho",
+            "query_rev",
+        ):
             a = getattr(self, name)
             if a is None:
                 continue
@@ -200,7 +226,8 @@ class GalleryEmbeddings:
                 ids = (self.gallery_ids if name.startswith("gallery") else self.query_ids)[bad]
                 raise BackfillInputError(
                     f"NaN or inf embeddings in {name} for {int(bad.sum())} item(s), "
-                    f"item ids {_ids_preview(ids)}")
+                    f"item ids {_ids_preview(ids)}"
+                )
         for what, ids in (("gallery", self.gallery_ids), ("query", self.query_ids)):
             u, c = np.unique(ids, return_counts=True)
             if (c > 1).any():
@@ -212,7 +239,7 @@ class GalleryEmbeddings:
             if getattr(self, name) is None:
                 raise BackfillInputError(f"{why} needs {name}, which is missing")
 
-    def with_arrays(self, **arrays) -> "GalleryEmbeddings":
+    def with_arrays(self, **arrays) -> GalleryEmbeddings:
         """A copy with some arrays added or replaced (validated again)."""
         return replace(self, **arrays)
 
@@ -220,7 +247,7 @@ class GalleryEmbeddings:
 def _nonfinite_rows(a: np.ndarray, chunk: int = 1 << 15) -> np.ndarray:
     bad = np.zeros(a.shape[0], dtype=bool)
     for s in range(0, a.shape[0], chunk):
-        bad[s:s + chunk] = ~np.isfinite(a[s:s + chunk]).all(axis=1)
+        bad[s : s + chunk] = ~np.isfinite(a[s : s + chunk]).all(axis=1)
     return bad
 
 
@@ -245,12 +272,14 @@ def _vector_column(table, name: str, ids: np.ndarray) -> np.ndarray:
             raise BackfillInputError(
                 f"dimension mismatch in column {name!r}: rows have lengths "
                 f"{sorted(set(lengths.tolist()))[:5]}, "
-                f"e.g. item ids {_ids_preview(ids[bad])}")
+                f"e.g. item ids {_ids_preview(ids[bad])}"
+            )
         dim = int(lengths[0]) if lengths.size else 0
         values = arr.flatten()
     else:
         raise BackfillInputError(
-            f"column {name!r} must be fixed_size_list<float32> (an embedding), got {t}")
+            f"column {name!r} must be fixed_size_list<float32> (an embedding), got {t}"
+        )
     if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
         raise BackfillInputError(f"column {name!r} must hold floats, got {values.type}")
     out = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
@@ -272,16 +301,20 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise BackfillInputError(
-            f"missing column(s) {missing} in {path}; found {table.column_names}")
+            f"missing column(s) {missing} in {path}; found {table.column_names}"
+        )
     ids = table.column("item_id").to_numpy(zero_copy_only=False)
     if ids.dtype.kind not in "iu":
-        raise BackfillInputError(f"column 'item_id' must be int64, got {table.schema.field('item_id').type}")
+        raise BackfillInputError(
+            f"column 'item_id' must be int64, got {table.schema.field('item_id').type}"
+        )
     ids = ids.astype(np.int64)
     split = np.asarray(table.column("split").to_pylist(), dtype=object)
     unknown = sorted({str(s) for s in split if s not in SPLITS})
     if unknown:
         raise BackfillInputError(
-            f"unknown split value(s) {unknown[:5]} in column 'split'; allowed: query, gallery, distractor")
+            f"unknown split value(s) {unknown[:5]} in column 'split'; allowed: query, gallery, distractor"
+        )
     kind = np.array([SPLITS[s] for s in split], dtype=object)
     is_q = kind == "query"
     is_g = kind == "gallery"
@@ -292,14 +325,24 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
     if "adapted" in vecs and vecs["adapted"].shape[1] != vecs["new"].shape[1]:
         raise BackfillInputError(
             f"dimension mismatch: column 'adapted' has dim {vecs['adapted'].shape[1]}, "
-            f"column 'new' has dim {vecs['new'].shape[1]}")
+            f"column 'new' has dim {vecs['new'].shape[1]}"
+        )
     if not is_g.any():
-        raise BackfillInputError(f"empty gallery: no rows with split 'gallery' or 'distractor' in {path}")
+        raise BackfillInputError(
+            f"empty gallery: no rows with split 'gallery' or 'distractor' in {path}"
+        )
     if not is_q.any():
         raise BackfillInputError(f"no queries: no rows with split 'query' in {path}")
     return GalleryEmbeddings(
-        gallery_labels=labels[is_g], gallery_old=vecs["old"][is_g], gallery_new=vecs["new"][is_g],
+        gallery_labels=labels[is_g],
+        gallery_old=vecs["old"][is_g],
+        gallery_new=vecs["new"][is_g],
         gallery_adapted=vecs["adapted"][is_g] if "adapted" in vecs else None,
-        query_labels=labels[is_q], query_old=vecs["old"][is_q], query_new=vecs["new"][is_q],
-        gallery_ids=ids[is_g], query_ids=ids[is_q], compatible_dim=compatible_dim,
-        source=path if "://" in str(path) else os.path.abspath(path))
+        query_labels=labels[is_q],
+        query_old=vecs["old"][is_q],
+        query_new=vecs["new"][is_q],
+        gallery_ids=ids[is_g],
+        query_ids=ids[is_q],
+        compatible_dim=compatible_dim,
+        source=path if "://" in str(path) else os.path.abspath(path),
+    )

@@ -17,9 +17,10 @@ grid point ``j`` iff ``seg(x) <= j`` (i.e. ``pos(x) < n_j``).  So at every grid
 point each item holds exactly one vector, and segments ``<= j`` are exactly the
 backfilled ones.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -50,8 +51,9 @@ def default_grid(step_percent: float = 5.0) -> np.ndarray:
 
 def check_grid(fractions: Iterable[float]) -> np.ndarray:
     """Validate a grid: 1-D, finite, within [0, 1], strictly increasing."""
-    t = np.asarray(list(fractions) if not isinstance(fractions, np.ndarray) else fractions,
-                   dtype=np.float64)
+    t = np.asarray(
+        list(fractions) if not isinstance(fractions, np.ndarray) else fractions, dtype=np.float64
+    )
     if t.ndim != 1 or t.size == 0:
         raise ValueError("the grid must be a non-empty 1-D list of fractions")
     if not np.isfinite(t).all() or (t < 0).any() or (t > 1).any():
@@ -81,15 +83,23 @@ def segments(order: np.ndarray | None, counts: np.ndarray, n_items: int) -> np.n
     item backfilled at position p); ``None`` means the identity.
     """
     counts = np.asarray(counts, dtype=np.int64)
-    if counts.ndim != 1 or (np.diff(counts) < 0).any() or (counts < 0).any() or (counts > n_items).any():
+    if (
+        counts.ndim != 1
+        or (np.diff(counts) < 0).any()
+        or (counts < 0).any()
+        or (counts > n_items).any()
+    ):
         raise ValueError("counts must be non-decreasing integers in [0, N]")
     pos = np.arange(n_items, dtype=np.int64)
     seg_by_pos = np.searchsorted(counts, pos, side="right").astype(np.int32)
     if order is None:
         return seg_by_pos
     order = np.asarray(order, dtype=np.int64)
-    if order.shape != (n_items,) or (n_items and (order.min() < 0 or order.max() >= n_items)) or \
-            (np.bincount(order, minlength=n_items) != 1).any():
+    if (
+        order.shape != (n_items,)
+        or (n_items and (order.min() < 0 or order.max() >= n_items))
+        or (np.bincount(order, minlength=n_items) != 1).any()
+    ):
         raise ValueError(f"order must be a permutation of the {n_items} item indices")
     seg = np.empty(n_items, dtype=np.int32)
     seg[order] = seg_by_pos

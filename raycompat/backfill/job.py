@@ -10,6 +10,7 @@ Every input problem raises :class:`~raycompat.backfill.gallery.BackfillInputErro
 ``ConfigError`` for an option) with a one-line message; ``main`` prints it on stderr and
 exits with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,15 @@ from dataclasses import dataclass
 from raycompat.backfill.gallery import BackfillInputError, load_parquet
 from raycompat.backfill.modes import MODES, apply_bundle_modules, available_modes, parse_modes
 from raycompat.backfill.policies import POLICIES, UncertaintyHead, parse_policies
-from raycompat.config import (ConfigError, add_options, choices, make_parser, option, options_from_args,
-                              positive)
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    make_parser,
+    option,
+    options_from_args,
+    positive,
+)
 from raycompat.console import fail, job_main
 
 __all__ = ["BackfillJobOptions", "build_parser", "run", "main"]
@@ -32,36 +40,57 @@ __all__ = ["BackfillJobOptions", "build_parser", "run", "main"]
 class BackfillJobOptions:
     """Every flag of the simulate-backfill job."""
 
-    embeddings: str | None = option(None, help="required: parquet file or folder: item_id, label, split "
-                                               "(query/gallery/distractor), old, new, optional adapted")
-    new_model: str | None = option(None, help="new model bundle: its head drives the uncertainty "
-                                              "policies; psi, rho, psi_rev modules give the adapted and "
-                                              "rank_merge modes")
-    old_model: str | None = option(None, help="old model bundle (checked against the 'old' column's "
-                                              "dimension)")
-    policies: str | None = option(None, help=f"comma-separated; allowed: {', '.join(POLICIES)} "
-                                             "(none: all that the inputs allow)")
-    modes: str | None = option(None, help=f"comma-separated; allowed: {', '.join(MODES)} "
-                                          "(none: all that the inputs allow)")
+    embeddings: str | None = option(
+        None,
+        help="required: parquet file or folder: item_id, label, split "
+        "(query/gallery/distractor), old, new, optional adapted",
+    )
+    new_model: str | None = option(
+        None,
+        help="new model bundle: its head drives the uncertainty "
+        "policies; psi, rho, psi_rev modules give the adapted and "
+        "rank_merge modes",
+    )
+    old_model: str | None = option(
+        None, help="old model bundle (checked against the 'old' column's dimension)"
+    )
+    policies: str | None = option(
+        None,
+        help=f"comma-separated; allowed: {', '.join(POLICIES)} (none: all that the inputs allow)",
+    )
+    modes: str | None = option(
+        None, help=f"comma-separated; allowed: {', '.join(MODES)} (none: all that the inputs allow)"
+    )
     grid_step: float = positive(5.0, help="grid step in percent (5: 21 points)")
     k: int = positive(100, help="cut-off of mAP@k")
     seed: int = option(0, help="seed of the random and learned policies")
-    items_per_s_per_gpu: float | None = option(None, min=1e-12, help="backfill rate per GPU for the time "
-                                                                     "axis (none: measured with --new-model)")
+    items_per_s_per_gpu: float | None = option(
+        None,
+        min=1e-12,
+        help="backfill rate per GPU for the time axis (none: measured with --new-model)",
+    )
     gpus: int = positive(1, help="number of GPUs backfilling")
-    newstar_metrics: str | None = option(None, help="JSON file {metric: value} of the paragon new*-new* "
-                                                    "(enables AUC gain)")
+    newstar_metrics: str | None = option(
+        None, help="JSON file {metric: value} of the paragon new*-new* (enables AUC gain)"
+    )
     learned_sample: float = option(0.02, help="held-out sample fraction of the learned policy")
-    rank_merge_distance: str = choices("sq_l2", "sq_l2_raw", default="sq_l2",
-                                       help="distance of the rank_merge mode")
+    rank_merge_distance: str = choices(
+        "sq_l2", "sq_l2_raw", default="sq_l2", help="distance of the rank_merge mode"
+    )
     device: str = option("auto", help="torch device for scoring (auto: cuda if available)")
-    storage: str | None = option(None, help="shared storage: a local path or any URI pyarrow opens "
-                                            "(s3://bucket/prefix, gs://..., file:///nfs/...); checked for "
-                                            "writing at start; the report goes to <storage>/backfill/<name> "
-                                            "unless --out is given")
+    storage: str | None = option(
+        None,
+        help="shared storage: a local path or any URI pyarrow opens "
+        "(s3://bucket/prefix, gs://..., file:///nfs/...); checked for "
+        "writing at start; the report goes to <storage>/backfill/<name> "
+        "unless --out is given",
+    )
     name: str = option("simulation", help="report folder name under <storage>/backfill")
-    out: str | None = option(None, help="report folder or URI (none: backfill_out, or "
-                                        "<storage>/backfill/<name> with --storage)")
+    out: str | None = option(
+        None,
+        help="report folder or URI (none: backfill_out, or "
+        "<storage>/backfill/<name> with --storage)",
+    )
     plots: bool = option(True, help="write the PNG plots (--no-plots skips them)")
     quiet: bool = option(False, help="no progress messages")
 
@@ -70,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         prog="simulate_backfill",
         description="Simulate hot-refresh backfilling of a gallery: exact mAP@k / mAP / top-1 / NFR@1 "
-                    "curves for each backfill policy and query mode, with AUCs, regression statistics, "
-                    "a simulated time axis, and JSON / markdown / PNG reports.")
+        "curves for each backfill policy and query mode, with AUCs, regression statistics, "
+        "a simulated time axis, and JSON / markdown / PNG reports.",
+    )
     add_options(parser, BackfillJobOptions)
     return parser
 
@@ -86,7 +116,9 @@ def _load_bundle(path: str, what: str):
     except FileNotFoundError as exc:
         raise BackfillInputError(f"{what}: {exc}") from exc
     except Exception as exc:
-        raise BackfillInputError(f"{what}: cannot load bundle {path}: {exc}".splitlines()[0]) from exc
+        raise BackfillInputError(
+            f"{what}: cannot load bundle {path}: {exc}".splitlines()[0]
+        ) from exc
 
 
 def _output(opts: BackfillJobOptions):
@@ -95,8 +127,13 @@ def _output(opts: BackfillJobOptions):
     from raycompat.storage import StorageError
 
     try:
-        return resolve_job_output("backfill", out=opts.out, storage=opts.storage, name=opts.name,
-                                  default_out="backfill_out")
+        return resolve_job_output(
+            "backfill",
+            out=opts.out,
+            storage=opts.storage,
+            name=opts.name,
+            default_out="backfill_out",
+        )
     except StorageError as exc:
         raise BackfillInputError(str(exc)) from exc
 
@@ -109,18 +146,22 @@ def _load_inputs(opts: BackfillJobOptions, say):
     compatible_dim = new_bundle.manifest.get("compatible_dim") if new_bundle is not None else None
     say(f"loading {opts.embeddings}")
     data = load_parquet(opts.embeddings, compatible_dim=compatible_dim)
-    say(f"{data.n_items:,} gallery items, {data.n_queries:,} queries, old dim {data.old_dim}, "
-        f"new dim {data.new_dim}")
+    say(
+        f"{data.n_items:,} gallery items, {data.n_queries:,} queries, old dim {data.old_dim}, "
+        f"new dim {data.new_dim}"
+    )
     if old_bundle is not None and old_bundle.embed_dim != data.old_dim:
         raise BackfillInputError(
             f"dimension mismatch: --old-model embeds {old_bundle.embed_dim} dims, "
-            f"column 'old' has {data.old_dim}")
+            f"column 'old' has {data.old_dim}"
+        )
     head = None
     if new_bundle is not None:
         if new_bundle.embed_dim != data.new_dim:
             raise BackfillInputError(
                 f"dimension mismatch: --new-model embeds {new_bundle.embed_dim} dims, "
-                f"column 'new' has {data.new_dim}")
+                f"column 'new' has {data.new_dim}"
+            )
         data = apply_bundle_modules(data, new_bundle)
         if "head" in new_bundle.modules:
             head = UncertaintyHead.from_classifier_head(new_bundle.head)
@@ -172,8 +213,11 @@ def _published(written: dict, output) -> dict:
     if where == output.local:
         return written
     rename = lambda p: where + "/" + os.path.basename(p)  # noqa: E731
-    return {"json": rename(written["json"]), "markdown": rename(written["markdown"]),
-            "plots": [rename(p) for p in written["plots"]]}
+    return {
+        "json": rename(written["json"]),
+        "markdown": rename(written["markdown"]),
+        "plots": [rename(p) for p in written["plots"]],
+    }
 
 
 def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
@@ -200,10 +244,20 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     references = _references(opts.newstar_metrics)
     say(f"policies: {', '.join(policies)}; modes: {', '.join(modes)}")
     result = simulate_backfill(
-        data, policies, modes, grid_step=opts.grid_step, k=opts.k, seed=opts.seed, head=head,
-        cost=cost, references=references, learned_sample_fraction=opts.learned_sample,
-        rank_merge_distance=opts.rank_merge_distance, device=None if opts.device == "auto" else opts.device,
-        progress=say)
+        data,
+        policies,
+        modes,
+        grid_step=opts.grid_step,
+        k=opts.k,
+        seed=opts.seed,
+        head=head,
+        cost=cost,
+        references=references,
+        learned_sample_fraction=opts.learned_sample,
+        rank_merge_distance=opts.rank_merge_distance,
+        device=None if opts.device == "auto" else opts.device,
+        progress=say,
+    )
     title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
     return _published(write_reports(result, output.local, plots=opts.plots, title=title), output)
 

@@ -34,10 +34,10 @@ Every mode is one registered :class:`ModeSpec` (:func:`register_mode`): ``MODES`
 ``SERVED_MODES`` (the live index's modes, used by ``raycompat.serving``) and
 :func:`available_modes` are derived from the registry.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Tuple
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class ModeSpec:
         return not self.needs_compatible_subspace or data.compat_dim == data.old_dim
 
 
-_MODES: Dict[str, ModeSpec] = {}
+_MODES: dict[str, ModeSpec] = {}
 
 
 def register_mode(spec: ModeSpec) -> ModeSpec:
@@ -97,14 +97,34 @@ def register_mode(spec: ModeSpec) -> ModeSpec:
 
 
 register_mode(ModeSpec("compatible", "new-old", "new-new", needs_compatible_subspace=True))
-register_mode(ModeSpec("adapted", "new-adapted", "new-new",
-                       arrays=("query_new", "gallery_new", "gallery_adapted")))
-register_mode(ModeSpec("rank_merge", "rev-old", "rho-rho", distance_sides=True,
-                       arrays=("query_new", "gallery_new", "query_rho", "gallery_rho", "query_rev")))
-register_mode(ModeSpec("naive_merge", "old-old", "new-new", arrays=("query_new", "gallery_new", "query_old")))
+register_mode(
+    ModeSpec(
+        "adapted", "new-adapted", "new-new", arrays=("query_new", "gallery_new", "gallery_adapted")
+    )
+)
+register_mode(
+    ModeSpec(
+        "rank_merge",
+        "rev-old",
+        "rho-rho",
+        distance_sides=True,
+        arrays=("query_new", "gallery_new", "query_rho", "gallery_rho", "query_rev"),
+    )
+)
+register_mode(
+    ModeSpec("naive_merge", "old-old", "new-new", arrays=("query_new", "gallery_new", "query_old"))
+)
 # cold has no live form: it re-embeds nothing until t = 1
-register_mode(ModeSpec("cold", "old-old", "new-new", schedule="cold", served=False,
-                       arrays=("query_new", "gallery_new", "query_old")))
+register_mode(
+    ModeSpec(
+        "cold",
+        "old-old",
+        "new-new",
+        schedule="cold",
+        served=False,
+        arrays=("query_new", "gallery_new", "query_old"),
+    )
+)
 
 MODES = tuple(_MODES)
 #: the modes the live index serves
@@ -118,14 +138,15 @@ def mode_spec(name: str, rank_merge_distance: str = "sq_l2") -> ModeSpec:
     if rank_merge_distance not in RANK_MERGE_DISTANCES:
         raise BackfillInputError(
             f"unknown rank_merge distance {rank_merge_distance!r}; "
-            f"allowed: {', '.join(RANK_MERGE_DISTANCES)}")
+            f"allowed: {', '.join(RANK_MERGE_DISTANCES)}"
+        )
     spec = _MODES[name]
     if spec.distance_sides and rank_merge_distance == "sq_l2_raw":
         return replace(spec, old_side=spec.old_side + ":l2raw", new_side=spec.new_side + ":l2raw")
     return spec
 
 
-def parse_modes(names) -> Tuple[str, ...]:
+def parse_modes(names) -> tuple[str, ...]:
     """Comma string or sequence -> validated tuple of mode names (unknown names raise)."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -152,8 +173,11 @@ def _augment(a: np.ndarray, query: bool) -> np.ndarray:
     """Vectors whose inner products give -d/2 for squared L2 (see module docstring)."""
     a64 = a.astype(np.float64)
     sq = np.einsum("ij,ij->i", a64, a64)
-    extra = np.stack([-sq / 2.0, np.ones_like(sq)], axis=1) if query else \
-        np.stack([np.ones_like(sq), -sq / 2.0], axis=1)
+    extra = (
+        np.stack([-sq / 2.0, np.ones_like(sq)], axis=1)
+        if query
+        else np.stack([np.ones_like(sq), -sq / 2.0], axis=1)
+    )
     return np.concatenate([a, extra.astype(np.float32)], axis=1)
 
 
@@ -162,8 +186,8 @@ class SideBuilder:
 
     def __init__(self, data: GalleryEmbeddings):
         self.data = data
-        self._cache: Dict[str, object] = {}
-        self._norm: Dict[str, np.ndarray] = {}
+        self._cache: dict[str, object] = {}
+        self._norm: dict[str, np.ndarray] = {}
 
     def _n(self, attr: str, why: str) -> np.ndarray:
         if attr not in self._norm:
@@ -194,11 +218,14 @@ class SideBuilder:
                 raise BackfillInputError(
                     f"dimension mismatch: mode 'compatible' compares phi_n(q)[:D_old] with phi_o(g), "
                     f"needs a compatible subspace of D_old={d.old_dim} dims, new embeddings have "
-                    f"{d.new_dim} dims (compatible_dim={d.compatible_dim})")
+                    f"{d.new_dim} dims (compatible_dim={d.compatible_dim})"
+                )
             if dc == d.query_new.shape[1]:
                 q = self._n("query_new", why)
             else:
-                q = _normalized(np.ascontiguousarray(d.query_new[:, :dc]), "query_new[:, :D_old]", False)
+                q = _normalized(
+                    np.ascontiguousarray(d.query_new[:, :dc]), "query_new[:, :D_old]", False
+                )
             s = Side(q, self._n("gallery_old", why))
         elif base == "new-adapted":
             s = Side(self._n("query_new", why), self._n("gallery_adapted", why))
@@ -221,19 +248,23 @@ class SideBuilder:
         if q is None or g is None:
             raise BackfillInputError(
                 f"mode 'rank_merge' needs {qn} and {gn} (rho / psi_rev outputs): pass a new model "
-                "with 'rho' and 'psi_rev' modules")
+                "with 'rho' and 'psi_rev' modules"
+            )
         if raw:
             return Side(_augment(q, True), _augment(g, False))
         return Side(self._n(qn, why), self._n(gn, why))
 
-    def mode_sides(self, mode: str, rank_merge_distance: str = "sq_l2") -> Tuple[ModeSpec, object, object]:
+    def mode_sides(
+        self, mode: str, rank_merge_distance: str = "sq_l2"
+    ) -> tuple[ModeSpec, object, object]:
         spec = mode_spec(mode, rank_merge_distance)
         return spec, self.side(spec.old_side), self.side(spec.new_side)
 
 
 # ----------------------------------------------------------------------------- models
-def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *,
-                         batch_size: int = 8192) -> GalleryEmbeddings:
+def apply_bundle_modules(
+    data: GalleryEmbeddings, new_bundle, *, batch_size: int = 8192
+) -> GalleryEmbeddings:
     """Fill ``gallery_adapted`` (psi), ``gallery_rho`` / ``query_rho`` (rho) and ``query_rev``
     (psi_rev after rho) from a new :class:`raycompat.models.ModelBundle`'s modules, when the
     bundle has them and the arrays are missing.
@@ -254,7 +285,8 @@ def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *,
         in_dim = getattr(module, "in_dim", x.shape[1])
         if in_dim != x.shape[1]:
             raise BackfillInputError(
-                f"dimension mismatch: module {name!r} expects {in_dim} dims, {what} has {x.shape[1]}")
+                f"dimension mismatch: module {name!r} expects {in_dim} dims, {what} has {x.shape[1]}"
+            )
 
     updates = {}
     if data.gallery_adapted is None and "psi" in modules:
@@ -274,7 +306,6 @@ def apply_bundle_modules(data: GalleryEmbeddings, new_bundle, *,
     return data.with_arrays(**updates) if updates else data
 
 
-def available_modes(data: GalleryEmbeddings) -> Tuple[str, ...]:
+def available_modes(data: GalleryEmbeddings) -> tuple[str, ...]:
     """Modes whose arrays are all present (used for defaults), in registry order."""
     return tuple(name for name, spec in _MODES.items() if spec.available(data))
-

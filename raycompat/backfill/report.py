@@ -12,11 +12,11 @@
 
 All values are fractions in [0, 1] in the JSON; the markdown shows percentages.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List
 
 import numpy as np
 
@@ -46,14 +46,16 @@ def _regression_text(reg) -> str:
         return "none"
     parts = []
     if reg["points_below_start"]:
-        parts.append(f"{len(reg['points_below_start'])} pt below start "
-                     f"(max {100 * reg['max_below_start']:.2f})")
+        parts.append(
+            f"{len(reg['points_below_start'])} pt below start "
+            f"(max {100 * reg['max_below_start']:.2f})"
+        )
     if reg["drops"]:
         parts.append(f"{len(reg['drops'])} drop(s) (max {100 * reg['max_drop']:.2f})")
     return "; ".join(parts)
 
 
-def _setup_lines(result) -> List[str]:
+def _setup_lines(result) -> list[str]:
     """The gallery, metrics, grid and cost model, in words."""
     lines = [
         f"Gallery: {result.n_items:,} items; queries: {result.n_queries:,} "
@@ -63,83 +65,146 @@ def _setup_lines(result) -> List[str]:
         f"{len(result.fractions)} points from {100 * result.fractions[0]:g}% "
         f"to {100 * result.fractions[-1]:g}%; "
         "at fraction t the first floor(t*N + 1/2) items of the policy's order hold their new vector; "
-        "ties ranked by lower gallery index.", ""]
+        "ties ranked by lower gallery index.",
+        "",
+    ]
     if result.cost is not None:
         c = result.cost
         total = c.seconds([result.n_items])[0]
         unit, div = _time_unit(total)
-        lines.append(f"Cost model ({c.source}): {c.items_per_s_per_gpu:g} items/s per GPU "
-                     f"x {c.num_gpus} GPU(s) "
-                     f"= {c.items_per_s:g} items/s; the full backfill of {result.n_items:,} items takes "
-                     f"{total / div:,.2f} {unit}; time(t) = n(t) / ({c.items_per_s:g} items/s).")
+        lines.append(
+            f"Cost model ({c.source}): {c.items_per_s_per_gpu:g} items/s per GPU "
+            f"x {c.num_gpus} GPU(s) "
+            f"= {c.items_per_s:g} items/s; the full backfill of {result.n_items:,} items takes "
+            f"{total / div:,.2f} {unit}; time(t) = n(t) / ({c.items_per_s:g} items/s)."
+        )
     else:
-        lines.append("Cost model: none (pass items per second per GPU, or a new model to measure it, "
-                     "to get a simulated time axis).")
+        lines.append(
+            "Cost model: none (pass items per second per GPU, or a new model to measure it, "
+            "to get a simulated time axis)."
+        )
     return lines + [""]
 
 
-def _references_lines(result) -> List[str]:
+def _references_lines(result) -> list[str]:
     if not result.references:
         return []
-    rows = [[ref] + [_pct(v.get(n)) for n in result.metric_names] for ref, v in result.references.items()]
-    return ["## References (static searches)", "",
-            markdown_table(["retrieval"] + list(result.metric_names), rows, digits=2), ""]
+    rows = [
+        [ref] + [_pct(v.get(n)) for n in result.metric_names]
+        for ref, v in result.references.items()
+    ]
+    return [
+        "## References (static searches)",
+        "",
+        markdown_table(["retrieval"] + list(result.metric_names), rows, digits=2),
+        "",
+    ]
 
 
-def _summary_lines(result) -> List[str]:
+def _summary_lines(result) -> list[str]:
     """Per policy, mode and metric: t=0, t=50%, t=100%, AUC, AUC gain, regression."""
-    headers = ["policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC", "AUC gain", "regression"]
+    headers = [
+        "policy",
+        "mode",
+        "metric",
+        "t=0",
+        "t=50%",
+        "t=100%",
+        "AUC",
+        "AUC gain",
+        "regression",
+    ]
     rows = []
     mid = int(np.argmin(np.abs(result.fractions - 0.5)))
     for c in result.curves:
         for n in result.metric_names:
             s = c.summary.get(n, {})
             v = c.metrics[n]
-            rows.append([c.policy, c.mode, n, _pct(v[0]), _pct(v[mid]), _pct(v[-1]), _pct(s.get("auc")),
-                         _pct(s.get("auc_gain")), _regression_text(s.get("regression"))])
-    return ["## Summary per policy and mode", "",
-            "AUC: trapezoid area over t in [0, 1] (RM); AUC gain: (AUC - AUC(old-old)) / "
-            "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference); "
-            "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
-            "for NFR, rises).", "",
-            markdown_table(headers, rows, digits=2), ""]
+            rows.append(
+                [
+                    c.policy,
+                    c.mode,
+                    n,
+                    _pct(v[0]),
+                    _pct(v[mid]),
+                    _pct(v[-1]),
+                    _pct(s.get("auc")),
+                    _pct(s.get("auc_gain")),
+                    _regression_text(s.get("regression")),
+                ]
+            )
+    return [
+        "## Summary per policy and mode",
+        "",
+        "AUC: trapezoid area over t in [0, 1] (RM); AUC gain: (AUC - AUC(old-old)) / "
+        "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference); "
+        "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
+        "for NFR, rises).",
+        "",
+        markdown_table(headers, rows, digits=2),
+        "",
+    ]
 
 
-def _metric_table_lines(result, n: str) -> List[str]:
+def _metric_table_lines(result, n: str) -> list[str]:
     """Metric ``n`` (%) of every curve at each backfill fraction (and the simulated time)."""
     unit, div = "s", 1.0
     if result.cost is not None:
         unit, div = _time_unit(float(result.cost.seconds([result.n_items])[0]))
-    cols = ["backfilled"] + ([f"time ({unit})"] if result.cost is not None else []) + \
-        [f"{c.policy} / {c.mode}" for c in result.curves]
+    cols = (
+        ["backfilled"]
+        + ([f"time ({unit})"] if result.cost is not None else [])
+        + [f"{c.policy} / {c.mode}" for c in result.curves]
+    )
     rows = []
     for j, t in enumerate(result.fractions):
         row = [f"{100 * t:g}%"]
         if result.cost is not None:
-            row.append(float(result.cost.seconds([result.curves[0].counts[j]])[0]) / div
-                       if result.curves else None)
+            row.append(
+                float(result.cost.seconds([result.curves[0].counts[j]])[0]) / div
+                if result.curves
+                else None
+            )
         row += [_pct(c.metrics[n][j]) for c in result.curves]
         rows.append(row)
     return [f"## {n} (%) at each backfill fraction", "", markdown_table(cols, rows, digits=2), ""]
 
 
-def markdown_report(result, *, title: str = "Backfill simulation", plots: List[str] | None = None) -> str:
+def markdown_report(
+    result, *, title: str = "Backfill simulation", plots: list[str] | None = None
+) -> str:
     """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve tables."""
-    lines = [f"# {title}", ""] + _setup_lines(result) + _references_lines(result) + _summary_lines(result)
+    lines = (
+        [f"# {title}", ""]
+        + _setup_lines(result)
+        + _references_lines(result)
+        + _summary_lines(result)
+    )
     for n in result.metric_names:
         lines += _metric_table_lines(result, n)
     if plots:
-        lines += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots] + [""]
+        lines += (
+            ["## Plots", ""]
+            + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
+            + [""]
+        )
     return "\n".join(lines)
 
 
-def write_reports(result, out_dir: str, *, plots: bool = True, title: str = "Backfill simulation",
-                  extra: Dict | None = None) -> Dict[str, object]:
+def write_reports(
+    result,
+    out_dir: str,
+    *,
+    plots: bool = True,
+    title: str = "Backfill simulation",
+    extra: dict | None = None,
+) -> dict[str, object]:
     """Write ``curves.json``, ``curves.md`` and the PNGs; returns ``{"json", "markdown", "plots"}`` paths."""
     os.makedirs(out_dir, exist_ok=True)
-    pngs: List[str] = []
+    pngs: list[str] = []
     if plots:
         from raycompat.backfill.plots import plot_curves
+
         pngs = plot_curves(result, out_dir)
     payload = result.to_dict()
     if extra:
@@ -153,6 +218,6 @@ def write_reports(result, out_dir: str, *, plots: bool = True, title: str = "Bac
     return {"json": jpath, "markdown": mpath, "plots": pngs}
 
 
-def load_json(path: str) -> Dict:
+def load_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)

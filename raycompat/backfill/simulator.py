@@ -25,27 +25,35 @@ searches; free when a curve already uses the side).  ``AUC(old-old)`` is the
 old-old value (a flat curve); ``new*-new*`` (the paragon, trained without a
 compatibility term) must be given in ``references`` to get AUC gains.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
 from raycompat.backfill.cost import CostModel
-from raycompat.backfill.engine import CurveSpec, METRIC_NAMES, compute_ranks, metrics_from_ranks
+from raycompat.backfill.engine import METRIC_NAMES, CurveSpec, compute_ranks, metrics_from_ranks
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
 from raycompat.backfill.grid import backfill_counts, check_grid, cold_counts, default_grid
 from raycompat.backfill.modes import ModeSpec, SideBuilder, mode_spec, parse_modes
-from raycompat.backfill.policies import (PolicyInputs, UncertaintyHead, check_policy_inputs, parse_policies,
-                                         policy_class, policy_order)
+from raycompat.backfill.policies import (
+    PolicyInputs,
+    UncertaintyHead,
+    check_policy_inputs,
+    parse_policies,
+    policy_class,
+    policy_order,
+)
 from raycompat.metrics import auc, auc_gain, regression_stats
 
 __all__ = ["Curve", "SimulationResult", "simulate_backfill", "backfill_curve_rows"]
 
-COLD_POLICY = "any"   # the cold curve does not depend on the policy
+COLD_POLICY = "any"  # the cold curve does not depend on the policy
 
 
 @dataclass
@@ -56,9 +64,9 @@ class Curve:
     mode: str
     fractions: np.ndarray
     counts: np.ndarray
-    metrics: Dict[str, np.ndarray]
+    metrics: dict[str, np.ndarray]
     seconds: np.ndarray | None = None
-    summary: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    summary: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -72,15 +80,15 @@ class SimulationResult:
     n_items: int
     n_queries: int
     n_valid_queries: int
-    policies: List[str]
-    modes: List[str]
-    curves: List[Curve]
-    references: Dict[str, Dict[str, float]]
+    policies: list[str]
+    modes: list[str]
+    curves: list[Curve]
+    references: dict[str, dict[str, float]]
     cost: CostModel | None
-    stats: Dict[str, Any]
-    config: Dict[str, Any]
+    stats: dict[str, Any]
+    config: dict[str, Any]
     #: the policy orders, ``{(policy, mode): permutation}`` (not written to JSON)
-    orders: Dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
+    orders: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
 
     def states(self, policy: str, mode: str, j: int) -> np.ndarray:
         """int8 ``[N]`` at grid point ``j``: 1 = the item holds its new vector, 0 = its old one."""
@@ -100,7 +108,7 @@ class SimulationResult:
                 return c
         raise KeyError((policy, mode))
 
-    def rows(self) -> List[Dict[str, Any]]:
+    def rows(self) -> list[dict[str, Any]]:
         """Flat rows ``{policy, mode, fraction, metric, value, items_backfilled, seconds}``.
 
         Every requested (policy, mode) pair has rows; the cold curve (policy
@@ -113,27 +121,32 @@ class SimulationResult:
                 for name in self.metric_names:
                     for j, t in enumerate(c.fractions):
                         v = float(c.metrics[name][j])
-                        out.append({
-                            "policy": pol, "mode": c.mode, "fraction": float(t), "metric": name,
-                            "value": v if np.isfinite(v) else None,
-                            "items_backfilled": int(c.counts[j]),
-                            "seconds": None if c.seconds is None else float(c.seconds[j]),
-                        })
+                        out.append(
+                            {
+                                "policy": pol,
+                                "mode": c.mode,
+                                "fraction": float(t),
+                                "metric": name,
+                                "value": v if np.isfinite(v) else None,
+                                "items_backfilled": int(c.counts[j]),
+                                "seconds": None if c.seconds is None else float(c.seconds[j]),
+                            }
+                        )
         return out
 
-    def summary_rows(self) -> List[Dict[str, Any]]:
+    def summary_rows(self) -> list[dict[str, Any]]:
         """``{policy, mode, metric, start, end, min, max, auc, auc_gain, full_range, regression}``
         per curve and metric (the cold curve repeated under each policy, as in :meth:`rows`)."""
         out = []
         for c in self.curves:
-            for pol in (self.policies if c.mode == "cold" else [c.policy]):
+            for pol in self.policies if c.mode == "cold" else [c.policy]:
                 for name in self.metric_names:
                     s = dict(c.summary.get(name, {}))
                     s.update(policy=pol, mode=c.mode, metric=name)
                     out.append(s)
         return out
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready (lists and python floats; NaN kept as float('nan'))."""
         return {
             "k": self.k,
@@ -148,7 +161,8 @@ class SimulationResult:
             "cost_model": None if self.cost is None else self.cost.to_dict(),
             "curves": [
                 {
-                    "policy": c.policy, "mode": c.mode,
+                    "policy": c.policy,
+                    "mode": c.mode,
                     "fractions": [float(x) for x in c.fractions],
                     "items_backfilled": [int(x) for x in c.counts],
                     "seconds": None if c.seconds is None else [float(x) for x in c.seconds],
@@ -169,15 +183,23 @@ class SimulationResult:
 class _Plan:
     """The checked inputs of one simulation: names, cut-off, grid, and each mode's spec."""
 
-    policies: List[str]
-    modes: List[str]
+    policies: list[str]
+    modes: list[str]
     k: int
     grid: np.ndarray
-    specs: Dict[str, ModeSpec]
+    specs: dict[str, ModeSpec]
 
 
-def _check_inputs(data: GalleryEmbeddings, policies, modes, k, fractions, grid_step: float,
-                  reference_correct, inputs: PolicyInputs) -> _Plan:
+def _check_inputs(
+    data: GalleryEmbeddings,
+    policies,
+    modes,
+    k,
+    fractions,
+    grid_step: float,
+    reference_correct,
+    inputs: PolicyInputs,
+) -> _Plan:
     """Validate names, k, the grid, every policy's needs and every mode's sides (errors name the
     problem before any scoring pass)."""
     policies = list(parse_policies(policies))
@@ -190,20 +212,22 @@ def _check_inputs(data: GalleryEmbeddings, policies, modes, k, fractions, grid_s
         raise BackfillInputError(str(exc)) from exc
     check_policy_inputs(policies, inputs)
     specs = {m: mode_spec(m, inputs.rank_merge_distance) for m in modes}
-    for spec in specs.values():       # build (and check) every side up front
+    for spec in specs.values():  # build (and check) every side up front
         inputs.sides.side(spec.old_side)
         inputs.sides.side(spec.new_side)
     if reference_correct is not None and np.shape(reference_correct) != (data.n_queries,):
-        raise BackfillInputError(f"reference_correct must have one entry per query ({data.n_queries}), "
-                                 f"got {np.shape(reference_correct)}")
+        raise BackfillInputError(
+            f"reference_correct must have one entry per query ({data.n_queries}), "
+            f"got {np.shape(reference_correct)}"
+        )
     return _Plan(policies, modes, int(k), grid, specs)
 
 
 def _build_orders(plan: _Plan, inputs: PolicyInputs, say: Callable[[str], None]):
     """``{(policy, hot mode): order}`` through :func:`policy_order` (per-mode policies once per
     hot mode, the others once), and the seconds each policy took."""
-    orders: Dict[tuple, np.ndarray] = {}
-    seconds: Dict[str, float] = {}
+    orders: dict[tuple, np.ndarray] = {}
+    seconds: dict[str, float] = {}
     hot_modes = [m for m in plan.modes if plan.specs[m].schedule == "hot"]
     for p in plan.policies:
         t0 = time.perf_counter()
@@ -225,7 +249,7 @@ def _curve_specs(plan: _Plan, orders, n: int, want_old_old: bool):
     """The engine's curves: one per policy x hot mode (states at every grid point from the
     order), one per cold mode, and the static references; returns ``(curves, references)``."""
     counts, ccounts = backfill_counts(plan.grid, n), cold_counts(plan.grid, n)
-    curves: List[CurveSpec] = []
+    curves: list[CurveSpec] = []
     for m in plan.modes:
         spec = plan.specs[m]
         if spec.schedule == "cold":
@@ -243,14 +267,24 @@ def _curve_specs(plan: _Plan, orders, n: int, want_old_old: bool):
     return curves, static
 
 
-def _rank(data: GalleryEmbeddings, builder: SideBuilder, curves, *, device, block_bytes, debug,
-          say: Callable[[str], None]):
+def _rank(
+    data: GalleryEmbeddings,
+    builder: SideBuilder,
+    curves,
+    *,
+    device,
+    block_bytes,
+    debug,
+    say: Callable[[str], None],
+):
     """Ranks of every positive on every curve: one scoring pass per distinct side (the engine)."""
     sides = {}
     for c in curves:
         for s in c.sides():
             sides[s] = builder.side(s)
-    say(f"scoring {len(sides)} side(s): {', '.join(sides)} ({data.n_items} items x {data.n_queries} queries)")
+    say(
+        f"scoring {len(sides)} side(s): {', '.join(sides)} ({data.n_items} items x {data.n_queries} queries)"
+    )
     last = {}
 
     def eng_progress(side, frac):
@@ -259,14 +293,22 @@ def _rank(data: GalleryEmbeddings, builder: SideBuilder, curves, *, device, bloc
             last[side] = pct
             say(f"  side {side}: {100 * frac:.0f}%")
 
-    return compute_ranks(sides, curves, data.query_labels, data.gallery_labels, device=device,
-                         block_bytes=block_bytes, debug=debug, progress=eng_progress)
+    return compute_ranks(
+        sides,
+        curves,
+        data.query_labels,
+        data.gallery_labels,
+        device=device,
+        block_bytes=block_bytes,
+        debug=debug,
+        progress=eng_progress,
+    )
 
 
 def _references(res, static, k: int, reference_correct, references):
     """Metrics of the static references, and the per-query old-old top-1 correctness NFR@1
     compares against (``reference_correct`` when given); returns ``(refs, ref_correct)``."""
-    refs: Dict[str, Dict[str, float]] = {}
+    refs: dict[str, dict[str, float]] = {}
     ref_correct = None if reference_correct is None else np.asarray(reference_correct, dtype=bool)
     if "old-old" in static and ref_correct is None:
         cr = res.curve(("reference", "old-old"))
@@ -281,39 +323,61 @@ def _references(res, static, k: int, reference_correct, references):
     return refs, ref_correct
 
 
-def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost) -> List[Curve]:
+def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost) -> list[Curve]:
     """Per policy x mode: the metrics at every grid point, the simulated seconds, the summaries."""
-    out: List[Curve] = []
+    out: list[Curve] = []
     for c in curves:
         if c.key[0] == "reference":
             continue
         cr = res.curve(c.key)
         mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, plan.k, ref_correct)
-        cv = Curve(policy=c.key[0], mode=c.key[1], fractions=plan.grid.copy(), counts=cr.counts.copy(),
-                   metrics=mv, seconds=None if cost is None else cost.seconds(cr.counts))
-        cv.summary = {name: _summaries(name, plan.grid, mv[name], refs) for name in METRIC_NAMES(plan.k)}
+        cv = Curve(
+            policy=c.key[0],
+            mode=c.key[1],
+            fractions=plan.grid.copy(),
+            counts=cr.counts.copy(),
+            metrics=mv,
+            seconds=None if cost is None else cost.seconds(cr.counts),
+        )
+        cv.summary = {
+            name: _summaries(name, plan.grid, mv[name], refs) for name in METRIC_NAMES(plan.k)
+        }
         out.append(cv)
     return out
 
 
-def _config(plan: _Plan, data: GalleryEmbeddings, inputs: PolicyInputs) -> Dict[str, Any]:
+def _config(plan: _Plan, data: GalleryEmbeddings, inputs: PolicyInputs) -> dict[str, Any]:
     return {
-        "policies": plan.policies, "modes": plan.modes, "k": plan.k, "seed": inputs.seed,
-        "grid": [float(x) for x in plan.grid], "rounding": "n(t) = floor(t*N + 1/2)",
+        "policies": plan.policies,
+        "modes": plan.modes,
+        "k": plan.k,
+        "seed": inputs.seed,
+        "grid": [float(x) for x in plan.grid],
+        "rounding": "n(t) = floor(t*N + 1/2)",
         "tie_rule": "descending score, ties by ascending gallery index",
         "learned_sample_fraction": inputs.learned_sample_fraction,
-        "rank_merge_distance": inputs.rank_merge_distance, "source": data.source,
-        "compatible_dim": data.compat_dim, "old_dim": data.old_dim, "new_dim": data.new_dim,
+        "rank_merge_distance": inputs.rank_merge_distance,
+        "source": data.source,
+        "compatible_dim": data.compat_dim,
+        "old_dim": data.old_dim,
+        "new_dim": data.new_dim,
     }
 
 
-def _summaries(name: str, fractions: np.ndarray, values: np.ndarray, refs: Mapping[str, Mapping[str, float]],
-               ) -> Dict[str, Any]:
-    out: Dict[str, Any] = {
-        "start": float(values[0]), "end": float(values[-1]),
+def _summaries(
+    name: str,
+    fractions: np.ndarray,
+    values: np.ndarray,
+    refs: Mapping[str, Mapping[str, float]],
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "start": float(values[0]),
+        "end": float(values[-1]),
         "min": float(np.nanmin(values)) if np.isfinite(values).any() else float("nan"),
         "max": float(np.nanmax(values)) if np.isfinite(values).any() else float("nan"),
-        "auc": None, "auc_gain": None, "full_range": bool(fractions[0] == 0.0 and fractions[-1] == 1.0),
+        "auc": None,
+        "auc_gain": None,
+        "full_range": bool(fractions[0] == 0.0 and fractions[-1] == 1.0),
     }
     if np.isnan(values).any():
         out["regression"] = None
@@ -323,8 +387,14 @@ def _summaries(name: str, fractions: np.ndarray, values: np.ndarray, refs: Mappi
     out["regression"] = regression_stats(fractions, values, higher_is_better=higher)
     oo = refs.get("old-old", {}).get(name)
     ns = refs.get("new*-new*", {}).get(name)
-    if higher and out["full_range"] and oo is not None and ns is not None \
-            and np.isfinite(oo) and np.isfinite(ns):
+    if (
+        higher
+        and out["full_range"]
+        and oo is not None
+        and ns is not None
+        and np.isfinite(oo)
+        and np.isfinite(ns)
+    ):
         # AUC of a flat reference curve over [0, 1] is its value
         g = auc_gain(out["auc"], oo, ns)
         out["auc_gain"] = None if not np.isfinite(g) else float(g)
@@ -377,10 +447,17 @@ def simulate_backfill(
     t_all = time.perf_counter()
     say = progress or (lambda msg: None)
     builder = SideBuilder(data)
-    inputs = PolicyInputs(n_items=data.n_items, data=data, head=head, seed=seed,
-                          learned_sample_fraction=learned_sample_fraction,
-                          rank_merge_distance=rank_merge_distance, device=device, block_bytes=block_bytes,
-                          sides=builder)
+    inputs = PolicyInputs(
+        n_items=data.n_items,
+        data=data,
+        head=head,
+        seed=seed,
+        learned_sample_fraction=learned_sample_fraction,
+        rank_merge_distance=rank_merge_distance,
+        device=device,
+        block_bytes=block_bytes,
+        sides=builder,
+    )
     plan = _check_inputs(data, policies, modes, k, fractions, grid_step, reference_correct, inputs)
     orders, policy_seconds = _build_orders(plan, inputs, say)
     want_oo = reference_correct is None and data.query_old is not None
@@ -388,16 +465,31 @@ def simulate_backfill(
     res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
     refs, ref_correct = _references(res, static, plan.k, reference_correct, references)
     out_curves = _metric_curves(plan, curves, res, ref_correct, refs, cost)
-    stats = {"policy_seconds": policy_seconds, "engine": res.stats, "seconds": time.perf_counter() - t_all}
+    stats = {
+        "policy_seconds": policy_seconds,
+        "engine": res.stats,
+        "seconds": time.perf_counter() - t_all,
+    }
     return SimulationResult(
-        k=plan.k, fractions=plan.grid, n_items=data.n_items, n_queries=data.n_queries,
-        n_valid_queries=int((res.npos > 0).sum()), policies=plan.policies, modes=plan.modes,
-        curves=out_curves, references=refs, cost=cost, stats=stats, config=_config(plan, data, inputs),
-        orders=orders)
+        k=plan.k,
+        fractions=plan.grid,
+        n_items=data.n_items,
+        n_queries=data.n_queries,
+        n_valid_queries=int((res.npos > 0).sum()),
+        policies=plan.policies,
+        modes=plan.modes,
+        curves=out_curves,
+        references=refs,
+        cost=cost,
+        stats=stats,
+        config=_config(plan, data, inputs),
+        orders=orders,
+    )
 
 
-def backfill_curve_rows(data: GalleryEmbeddings, policies=("random", "sequential"), modes=("compatible",),
-                        **kwargs) -> Dict[str, Any]:
+def backfill_curve_rows(
+    data: GalleryEmbeddings, policies=("random", "sequential"), modes=("compatible",), **kwargs
+) -> dict[str, Any]:
     """In-memory embeddings -> ``{"rows": [...], "summary": [...], "references": {...}}``.
 
     ``rows`` are flat ``{policy, mode, fraction, metric, value, items_backfilled,
@@ -406,6 +498,11 @@ def backfill_curve_rows(data: GalleryEmbeddings, policies=("random", "sequential
     Keyword arguments go to :func:`simulate_backfill`.
     """
     r = simulate_backfill(data, policies, modes, **kwargs)
-    return {"rows": r.rows(), "summary": r.summary_rows(), "references": r.references,
-            "cost_model": None if r.cost is None else r.cost.to_dict(), "k": r.k,
-            "fractions": [float(x) for x in r.fractions]}
+    return {
+        "rows": r.rows(),
+        "summary": r.summary_rows(),
+        "references": r.references,
+        "cost_model": None if r.cost is None else r.cost.to_dict(),
+        "k": r.k,
+        "fractions": [float(x) for x in r.fractions],
+    }

@@ -15,17 +15,40 @@ from .readers import (
     read_parquet_images,
     read_revisited,
 )
-from .scenarios import (SCENARIOS, Scenario, ScenarioSizes, Split, build_scenario, catalog_for, format_allocation,
-                        scenario_from_options)
+from .scenarios import (
+    SCENARIOS,
+    Scenario,
+    ScenarioSizes,
+    Split,
+    build_scenario,
+    catalog_for,
+    format_allocation,
+    scenario_from_options,
+)
 
 _LAZY = {"GlyphDataset", "ImageRecordDataset", "collate_skip_none", "images_to_tensor", "to_tensor"}
 
 __all__ = [
-    "GlyphCatalog", "GlyphRenderer", "default_catalog",
-    "SCENARIOS", "Scenario", "ScenarioSizes", "Split", "build_scenario", "catalog_for", "format_allocation",
+    "GlyphCatalog",
+    "GlyphRenderer",
+    "default_catalog",
+    "SCENARIOS",
+    "Scenario",
+    "ScenarioSizes",
+    "Split",
+    "build_scenario",
+    "catalog_for",
+    "format_allocation",
     "scenario_from_options",
-    "CorruptImageError", "ImageRecord", "RecordSet", "RevisitedData", "load_image",
-    "read_image_folder", "read_gldv2_csv", "read_revisited", "read_parquet_images",
+    "CorruptImageError",
+    "ImageRecord",
+    "RecordSet",
+    "RevisitedData",
+    "load_image",
+    "read_image_folder",
+    "read_gldv2_csv",
+    "read_revisited",
+    "read_parquet_images",
     *sorted(_LAZY),
 ]
 

@@ -13,7 +13,14 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .glyphs import GlyphRenderer
-from .readers import ImageRecord, RecordSet, _check_on_error, load_image, report_skipped, verify_records
+from .readers import (
+    ImageRecord,
+    RecordSet,
+    _check_on_error,
+    load_image,
+    report_skipped,
+    verify_records,
+)
 from .scenarios import Split
 
 logger = logging.getLogger(__name__)
@@ -51,8 +58,18 @@ class GlyphDataset(Dataset):
     small splits); otherwise each item is rendered on access (deterministically).
     """
 
-    def __init__(self, split: Split, renderer: GlyphRenderer | None = None, *, catalog=None, resolution: int = 32,
-                 seed: int = 0, augment: bool = True, in_chans: int = 1, cache: bool = False):
+    def __init__(
+        self,
+        split: Split,
+        renderer: GlyphRenderer | None = None,
+        *,
+        catalog=None,
+        resolution: int = 32,
+        seed: int = 0,
+        augment: bool = True,
+        in_chans: int = 1,
+        cache: bool = False,
+    ):
         if renderer is None:
             if catalog is None:
                 from .glyphs import default_catalog
@@ -81,7 +98,9 @@ class GlyphDataset(Dataset):
 
     def __getitem__(self, i: int):
         if not -len(self) <= i < len(self):
-            raise IndexError(f"index {i} out of range for split {self.split.name!r} of {len(self)} items")
+            raise IndexError(
+                f"index {i} out of range for split {self.split.name!r} of {len(self)} items"
+            )
         return to_tensor(self.image(i), self.in_chans), int(self.split.labels[i])
 
 
@@ -96,8 +115,16 @@ class ImageRecordDataset(Dataset):
     ``use_bbox`` crops records that carry a box (revisited queries).
     """
 
-    def __init__(self, records, resolution: int = 224, in_chans: int = 3, *, on_error: str = "raise",
-                 verify: bool = False, use_bbox: bool = True):
+    def __init__(
+        self,
+        records,
+        resolution: int = 224,
+        in_chans: int = 3,
+        *,
+        on_error: str = "raise",
+        verify: bool = False,
+        use_bbox: bool = True,
+    ):
         _check_on_error(on_error)
         if isinstance(records, RecordSet):
             records = records.records
@@ -108,7 +135,9 @@ class ImageRecordDataset(Dataset):
         self.use_bbox = use_bbox
         self.skipped: list[str] = []
         if verify:
-            self.records, self.skipped = verify_records(self.records, on_error, where="ImageRecordDataset")
+            self.records, self.skipped = verify_records(
+                self.records, on_error, where="ImageRecordDataset"
+            )
 
     def __len__(self) -> int:
         return len(self.records)
@@ -121,8 +150,14 @@ class ImageRecordDataset(Dataset):
         rec = self.records[i]
         mode = "RGB" if self.in_chans == 3 else "L"
         bbox = rec.bbox if self.use_bbox else None
-        img = load_image(rec.data if rec.data is not None else rec.path, mode=mode, resolution=self.resolution,
-                         on_error=self.on_error, source=rec.source, bbox=bbox)
+        img = load_image(
+            rec.data if rec.data is not None else rec.path,
+            mode=mode,
+            resolution=self.resolution,
+            on_error=self.on_error,
+            source=rec.source,
+            bbox=bbox,
+        )
         if img is None:
             if rec.source not in self.skipped:
                 self.skipped.append(rec.source)
@@ -140,5 +175,7 @@ def collate_skip_none(batch):
     many were dropped. Returns ``None`` for a batch with no readable item."""
     kept = [b for b in batch if b is not None]
     if len(kept) < len(batch):
-        logger.warning("dropped %d unreadable image(s) from a batch of %d", len(batch) - len(kept), len(batch))
+        logger.warning(
+            "dropped %d unreadable image(s) from a batch of %d", len(batch) - len(kept), len(batch)
+        )
     return default_collate(kept) if kept else None

@@ -105,13 +105,13 @@ def render_ink(path: str, codepoint: int, size: int):
     return ink, (box[0] - pad + left, box[1] - pad + top)
 
 
-_SIZE_LADDER_STEP = 2 ** 0.25
+_SIZE_LADDER_STEP = 2**0.25
 
 
 def _ladder(size: float) -> int:
     """Round a font size up to a coarse geometric ladder (bounds font objects)."""
     k = int(np.ceil(np.log(max(size, 1.0)) / np.log(_SIZE_LADDER_STEP) - 1e-9))
-    return int(round(_SIZE_LADDER_STEP ** k))
+    return int(round(_SIZE_LADDER_STEP**k))
 
 
 def normalized_glyph(path: str, codepoint: int, canvas: int, fill: float = GLYPH_FILL, first=None):
@@ -135,7 +135,9 @@ def normalized_glyph(path: str, codepoint: int, canvas: int, fill: float = GLYPH
     nw, nh = max(1, int(round(w * scale))), max(1, int(round(h * scale)))
     glyph = Image.fromarray(ink)
     if (nw, nh) != (w, h):
-        glyph = glyph.resize((nw, nh), Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BILINEAR)
+        glyph = glyph.resize(
+            (nw, nh), Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BILINEAR
+        )
     out = Image.new("L", (canvas, canvas), 0)
     out.paste(glyph, ((canvas - nw) // 2, (canvas - nh) // 2))
     return np.asarray(out)
@@ -180,7 +182,7 @@ def _near_identical_pairs(images: np.ndarray) -> list[tuple[int, int]]:
     limit = NEAR_MEAN_DIFF * NEAR_MAX_DIFF * x.shape[1] + 1.0
     ii, jj = np.nonzero(np.triu(d2 <= limit, k=1))
     pairs = []
-    for i, j in zip(ii.tolist(), jj.tolist()):
+    for i, j in zip(ii.tolist(), jj.tolist(), strict=False):
         diff = np.abs(x[i] - x[j])
         if diff.max() <= NEAR_MAX_DIFF and diff.mean() <= NEAR_MEAN_DIFF:
             pairs.append((i, j))
@@ -218,7 +220,9 @@ def _class_sums(images: np.ndarray, labels: np.ndarray, num_classes: int) -> np.
     return total
 
 
-def _prototype_ranks(images: np.ndarray, labels: np.ndarray, groups: np.ndarray, num_classes: int) -> np.ndarray:
+def _prototype_ranks(
+    images: np.ndarray, labels: np.ndarray, groups: np.ndarray, num_classes: int
+) -> np.ndarray:
     """For each image, how many other classes' prototypes are nearer to it than its
     own class's prototype, where prototypes are mean images over the fonts OUTSIDE
     the image's group (so a family cannot vouch for itself); -1 where no font
@@ -232,9 +236,13 @@ def _prototype_ranks(images: np.ndarray, labels: np.ndarray, groups: np.ndarray,
         protos = total / np.maximum(count, 1)[:, None]
         psq = np.where(count > 0, (protos * protos).sum(1), np.inf)
         for s in range(0, len(mine), 2048):
-            idx = mine[s:s + 2048]
+            idx = mine[s : s + 2048]
             x, lab = images[idx], labels[idx]
-            d = (x * x).sum(1)[:, None] + psq[None, :] - 2.0 * np.where(count > 0, x @ protos.T, 0.0)
+            d = (
+                (x * x).sum(1)[:, None]
+                + psq[None, :]
+                - 2.0 * np.where(count > 0, x @ protos.T, 0.0)
+            )
             own = d[np.arange(len(idx)), lab].copy()
             d[np.arange(len(idx)), lab] = np.inf
             ranks[idx] = np.where(count[lab] > 0, (d < own[:, None]).sum(1), -1)
@@ -250,7 +258,9 @@ def _cache_key(paths: list[str], min_fonts: int) -> str:
     for p in paths:
         h.update(f"{os.path.basename(p)}:{os.path.getsize(p)};".encode())
     h.update(f"pil={pil_version};freetype={features.version('freetype2')};".encode())
-    h.update(f"min_fonts={min_fonts};v={CATALOG_VERSION};size={DETECT_SIZE};fill={GLYPH_FILL}".encode())
+    h.update(
+        f"min_fonts={min_fonts};v={CATALOG_VERSION};size={DETECT_SIZE};fill={GLYPH_FILL}".encode()
+    )
     return h.hexdigest()[:16]
 
 
@@ -316,7 +326,7 @@ class GlyphCatalog:
         }
 
     @classmethod
-    def from_dict(cls, d: dict, fonts: str | Path | None = None) -> "GlyphCatalog":
+    def from_dict(cls, d: dict, fonts: str | Path | None = None) -> GlyphCatalog:
         base = Path(fonts) if fonts is not None else font_dir()
         return cls(
             d["codepoints"],
@@ -328,7 +338,9 @@ class GlyphCatalog:
 
     # -- construction ------------------------------------------------------------
     @classmethod
-    def build(cls, min_fonts: int = 8, cache_dir: str | Path | None = None, use_cache: bool = True) -> "GlyphCatalog":
+    def build(
+        cls, min_fonts: int = 8, cache_dir: str | Path | None = None, use_cache: bool = True
+    ) -> GlyphCatalog:
         """Build (or load from the JSON cache) the catalog of classes drawn by at
         least ``min_fonts`` distinct fonts after all pixel-based exclusions."""
         paths = font_files()
@@ -355,12 +367,14 @@ class GlyphCatalog:
         return catalog
 
     @classmethod
-    def _detect(cls, paths: list[str], min_fonts: int) -> "GlyphCatalog":
+    def _detect(cls, paths: list[str], min_fonts: int) -> GlyphCatalog:
         names = [os.path.basename(p) for p in paths]
         cmaps = [font_cmap(p) for p in paths]
 
         # (a) placeholder fonts: most sampled code points draw the same box.
-        frac = {names[f]: round(_placeholder_fraction(paths[f], cmaps[f]), 3) for f in range(len(paths))}
+        frac = {
+            names[f]: round(_placeholder_fraction(paths[f], cmaps[f]), 3) for f in range(len(paths))
+        }
         placeholder_fonts = sorted(n for n, v in frac.items() if v > PLACEHOLDER_FONT_FRACTION)
         fonts = [f for f in range(len(paths)) if names[f] not in placeholder_fonts]
 
@@ -429,11 +443,18 @@ class GlyphCatalog:
         # the same code point in the other fonts (compared with class prototypes).
         mismapped_fonts, agreement, inconsistent_glyphs = [], {}, 0
         alive = [cp for cp in candidates if cp not in duplicate_classes and cp not in blank_classes]
-        cohort = np.array(_cmap_cohorts([cmaps[f] if f in fonts else [] for f in range(len(paths))]))
+        cohort = np.array(
+            _cmap_cohorts([cmaps[f] if f in fonts else [] for f in range(len(paths))])
+        )
         for stage in ("fonts", "glyphs"):
             index = {cp: i for i, cp in enumerate(alive)}
-            entries = [(f, cp) for f in fonts if names[f] not in mismapped_fonts
-                       for cp in sorted(glyphs[f]) if cp in index]
+            entries = [
+                (f, cp)
+                for f in fonts
+                if names[f] not in mismapped_fonts
+                for cp in sorted(glyphs[f])
+                if cp in index
+            ]
             imgs = np.stack([glyphs[f][cp].ravel() for f, cp in entries]).astype(np.float32) / 255.0
             labels = np.array([index[cp] for _, cp in entries], np.int64)
             font_of = np.array([f for f, _ in entries])
@@ -450,7 +471,7 @@ class GlyphCatalog:
                         glyphs[f].clear()
             else:
                 limit = max(5, INCONSISTENT_RANK_FRACTION * len(alive))
-                for (f, cp), r in zip(entries, ranks.tolist()):
+                for (f, cp), r in zip(entries, ranks.tolist(), strict=False):
                     if r > limit:
                         del glyphs[f][cp]
                         inconsistent_glyphs += 1
@@ -488,7 +509,12 @@ class GlyphCatalog:
             "min_fonts": min_fonts,
             "detect_size": DETECT_SIZE,
         }
-        return cls(kept, [paths[f] for f in used], [[remap[f] for f in fs] for fs in kept_fonts], exclusions)
+        return cls(
+            kept,
+            [paths[f] for f in used],
+            [[remap[f] for f in fs] for fs in kept_fonts],
+            exclusions,
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -538,8 +564,14 @@ class GlyphRenderer:
     Images are uint8, single channel, bright glyph on a dark background.
     """
 
-    def __init__(self, catalog: GlyphCatalog, resolution: int = 32, seed: int = 0, augment: bool = True,
-                 cache_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        catalog: GlyphCatalog,
+        resolution: int = 32,
+        seed: int = 0,
+        augment: bool = True,
+        cache_bytes: int = 64 << 20,
+    ):
         if int(resolution) < 4:
             raise ValueError(f"resolution must be >= 4, got {resolution}")
         if int(seed) < 0:
@@ -627,8 +659,16 @@ class GlyphRenderer:
         cx = cy = big / 2.0
         ox = cx - (ia * (cx + tx) + ib * (cy + ty))
         oy = cy - (ic * (cx + tx) + id_ * (cy + ty))
-        img = Image.fromarray(base).transform((big, big), Image.Transform.AFFINE, (ia, ib, ox, ic, id_, oy),
-                                              resample=Image.Resampling.BILINEAR).reduce(2)
+        img = (
+            Image.fromarray(base)
+            .transform(
+                (big, big),
+                Image.Transform.AFFINE,
+                (ia, ib, ox, ic, id_, oy),
+                resample=Image.Resampling.BILINEAR,
+            )
+            .reduce(2)
+        )
 
         # Contrast: glyph and background intensities.
         fg = 170.0 + 85.0 * u[7]
@@ -651,8 +691,12 @@ class GlyphRenderer:
         # Blur.
         if u[13] < 0.5:
             radius = (0.3 + 0.6 * u[14]) * r / 32.0
-            arr = np.asarray(Image.fromarray((arr + 0.5).astype(np.uint8)).filter(ImageFilter.GaussianBlur(radius)),
-                             dtype=np.float32)
+            arr = np.asarray(
+                Image.fromarray((arr + 0.5).astype(np.uint8)).filter(
+                    ImageFilter.GaussianBlur(radius)
+                ),
+                dtype=np.float32,
+            )
 
         # Sensor noise.
         sigma = 10.0 * u[15]
@@ -665,7 +709,9 @@ class GlyphRenderer:
         cls_ = np.asarray(class_indices, dtype=np.int64).ravel()
         ins = np.asarray(instances, dtype=np.int64).ravel()
         if cls_.shape != ins.shape:
-            raise ValueError(f"class_indices ({cls_.size}) and instances ({ins.size}) differ in length")
+            raise ValueError(
+                f"class_indices ({cls_.size}) and instances ({ins.size}) differ in length"
+            )
         out = np.empty((cls_.size, self.resolution, self.resolution), np.uint8)
         for k in range(cls_.size):
             out[k] = self.render(cls_[k], ins[k], view)

@@ -22,7 +22,18 @@ from PIL import Image, UnidentifiedImageError
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+IMAGE_EXTENSIONS = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".bmp",
+    ".gif",
+    ".webp",
+    ".tif",
+    ".tiff",
+    ".ppm",
+    ".pgm",
+)
 ON_ERROR = ("raise", "skip")
 #: How many skipped paths a warning lists before summarising.
 _LIST_LIMIT = 20
@@ -95,8 +106,15 @@ def report_skipped(where: str, skipped: list[str]) -> None:
     logger.warning("skipped %d unreadable image(s) in %s: %s%s", len(skipped), where, shown, more)
 
 
-def load_image(src, *, mode: str | None = None, resolution: int | None = None, on_error: str = "raise",
-               source: str | None = None, bbox=None) -> Image.Image | None:
+def load_image(
+    src,
+    *,
+    mode: str | None = None,
+    resolution: int | None = None,
+    on_error: str = "raise",
+    source: str | None = None,
+    bbox=None,
+) -> Image.Image | None:
     """Decode an image fully from a path, bytes or an ``ImageRecord``.
 
     ``mode`` converts (e.g. ``'L'``, ``'RGB'``); ``bbox`` crops (x0, y0, x1, y1);
@@ -126,7 +144,13 @@ def load_image(src, *, mode: str | None = None, resolution: int | None = None, o
         with opener() as im:
             im.load()
             img = im.convert(mode) if mode is not None and im.mode != mode else im.copy()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+    ) as exc:
         if on_error == "raise":
             raise CorruptImageError(f"cannot decode image {name}: {exc}") from exc
         logger.warning("skipping unreadable image %s: %s", name, exc)
@@ -174,8 +198,14 @@ def _require_file(path: Path, what: str) -> None:
         raise FileNotFoundError(f"{what} not found: {path}")
 
 
-def read_image_folder(root, *, split: str = "train", extensions=IMAGE_EXTENSIONS, verify: bool = False,
-                      on_error: str = "raise") -> RecordSet:
+def read_image_folder(
+    root,
+    *,
+    split: str = "train",
+    extensions=IMAGE_EXTENSIONS,
+    verify: bool = False,
+    on_error: str = "raise",
+) -> RecordSet:
     """``root/<class_name>/<images>`` (ImageNet layout). Labels follow sorted class
     names; item ids follow sorted (class, file name). ``verify`` decodes every image."""
     _check_on_error(on_error)
@@ -190,7 +220,9 @@ def read_image_folder(root, *, split: str = "train", extensions=IMAGE_EXTENSIONS
     for d in class_dirs:
         files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in exts)
         if not files:
-            logger.warning("class folder %s has no images with extensions %s; ignored", d, ", ".join(exts))
+            logger.warning(
+                "class folder %s has no images with extensions %s; ignored", d, ", ".join(exts)
+            )
             continue
         label = len(names)
         names.append(d.name)
@@ -208,8 +240,15 @@ def gldv2_image_path(image_root, image_id: str) -> str:
     return str(Path(image_root) / image_id[0] / image_id[1] / image_id[2] / f"{image_id}.jpg")
 
 
-def read_gldv2_csv(csv_path, image_root, *, split: str = "train", check_files: bool = True, verify: bool = False,
-                   on_error: str = "raise") -> RecordSet:
+def read_gldv2_csv(
+    csv_path,
+    image_root,
+    *,
+    split: str = "train",
+    check_files: bool = True,
+    verify: bool = False,
+    on_error: str = "raise",
+) -> RecordSet:
     """Google Landmarks v2 ``train.csv`` (columns ``id,url,landmark_id``; ``url`` is
     optional) or ``train_clean.csv`` (``landmark_id,images`` with space-separated ids).
     Labels are landmark ids renumbered 0..n-1 in sorted order (``class_names`` holds
@@ -233,8 +272,10 @@ def read_gldv2_csv(csv_path, image_root, *, split: str = "train", check_files: b
         else:
             need = ["id", "landmark_id"] if "images" not in cols else ["landmark_id"]
             missing = [c for c in need if c not in cols]
-            raise ValueError(f"GLDv2 csv {csv_path} lacks column(s) {missing}; has {cols} "
-                             f"(expected id,url,landmark_id or landmark_id,images)")
+            raise ValueError(
+                f"GLDv2 csv {csv_path} lacks column(s) {missing}; has {cols} "
+                f"(expected id,url,landmark_id or landmark_id,images)"
+            )
     if not rows:
         raise ValueError(f"GLDv2 csv {csv_path} has no rows")
     try:
@@ -247,7 +288,9 @@ def read_gldv2_csv(csv_path, image_root, *, split: str = "train", check_files: b
         path = gldv2_image_path(image_root, image_id)
         if check_files and not os.path.isfile(path):
             if on_error == "raise":
-                raise FileNotFoundError(f"image file not found: {path} (id {image_id} in {csv_path})")
+                raise FileNotFoundError(
+                    f"image file not found: {path} (id {image_id} in {csv_path})"
+                )
             skipped.append(path)
             continue
         records.append(ImageRecord(path, label_of[lm], item, split))
@@ -275,7 +318,9 @@ class RevisitedData:
         revisited protocol level: easy (ok=easy, junk=junk+hard), medium
         (ok=easy+hard, junk=junk), hard (ok=hard, junk=junk+easy)."""
         if level not in REVISITED_LEVELS:
-            raise ValueError(f"unknown revisited protocol level {level!r}; expected one of {REVISITED_LEVELS}")
+            raise ValueError(
+                f"unknown revisited protocol level {level!r}; expected one of {REVISITED_LEVELS}"
+            )
         out = []
         for g in self.ground_truth:
             easy, hard, junk = g["easy"], g["hard"], g["junk"]
@@ -285,12 +330,15 @@ class RevisitedData:
                 ok, ign = np.concatenate([easy, hard]), junk
             else:
                 ok, ign = hard, np.concatenate([junk, easy])
-            out.append({"ok": np.unique(ok).astype(np.int64), "junk": np.unique(ign).astype(np.int64)})
+            out.append(
+                {"ok": np.unique(ok).astype(np.int64), "junk": np.unique(ign).astype(np.int64)}
+            )
         return out
 
 
-def read_revisited(root, dataset: str, *, check_files: bool = True, verify: bool = False,
-                   on_error: str = "raise") -> RevisitedData:
+def read_revisited(
+    root, dataset: str, *, check_files: bool = True, verify: bool = False, on_error: str = "raise"
+) -> RevisitedData:
     """``root/gnd_<dataset>.pkl`` (keys ``imlist``, ``qimlist``, ``gnd``) and
     ``root/jpg/<name>.jpg``; the revisitop layout ``root/<dataset>/...`` also works."""
     _check_on_error(on_error)
@@ -309,7 +357,9 @@ def read_revisited(root, dataset: str, *, check_files: bool = True, verify: bool
         if key not in cfg:
             raise ValueError(f"revisited ground truth {pkl} lacks key {key!r}")
     if len(cfg["gnd"]) != len(cfg["qimlist"]):
-        raise ValueError(f"{pkl}: {len(cfg['gnd'])} ground-truth entries for {len(cfg['qimlist'])} queries")
+        raise ValueError(
+            f"{pkl}: {len(cfg['gnd'])} ground-truth entries for {len(cfg['qimlist'])} queries"
+        )
     n = len(cfg["imlist"])
     gts = []
     for q, g in enumerate(cfg["gnd"]):
@@ -348,9 +398,16 @@ def read_revisited(root, dataset: str, *, check_files: bool = True, verify: bool
     return RevisitedData(dataset, gallery, queries, gts, skipped)
 
 
-def read_parquet_images(path, image_column: str = "image", label_column: str | None = "label",
-                        id_column: str | None = "item_id", *, split: str = "train", verify: bool = False,
-                        on_error: str = "raise") -> RecordSet:
+def read_parquet_images(
+    path,
+    image_column: str = "image",
+    label_column: str | None = "label",
+    id_column: str | None = "item_id",
+    *,
+    split: str = "train",
+    verify: bool = False,
+    on_error: str = "raise",
+) -> RecordSet:
     """Parquet rows with encoded image bytes (binary column, or a struct with a
     ``bytes`` field as Hugging Face writes). Labels are renumbered 0..n-1 in sorted
     order of the label values (``class_names`` keeps them); ``label_column=None``
@@ -364,15 +421,19 @@ def read_parquet_images(path, image_column: str = "image", label_column: str | N
     wanted = [c for c in (image_column, label_column, id_column) if c is not None]
     missing = [c for c in wanted if c not in schema.names]
     if missing:
-        raise ValueError(f"parquet {path} lacks column(s) {missing}; has {schema.names}"
-                         + (" (pass id_column=None to number rows)" if id_column in missing else ""))
+        raise ValueError(
+            f"parquet {path} lacks column(s) {missing}; has {schema.names}"
+            + (" (pass id_column=None to number rows)" if id_column in missing else "")
+        )
     table = pq.read_table(path, columns=wanted)
     images = table.column(image_column).to_pylist()
     ids = table.column(id_column).to_pylist() if id_column else list(range(table.num_rows))
     try:
         ids = [int(i) for i in ids]
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"parquet {path}: id column {id_column!r} must hold integers ({exc})") from exc
+        raise ValueError(
+            f"parquet {path}: id column {id_column!r} must hold integers ({exc})"
+        ) from exc
     if label_column is not None:
         raw = table.column(label_column).to_pylist()
         keys = sorted({v for v in raw if v is not None})
@@ -382,13 +443,15 @@ def read_parquet_images(path, image_column: str = "image", label_column: str | N
     else:
         labels, names = [-1] * table.num_rows, []
     records, skipped = [], []
-    for row, (img, label, item) in enumerate(zip(images, labels, ids)):
+    for row, (img, label, item) in enumerate(zip(images, labels, ids, strict=False)):
         if isinstance(img, dict):
             img = img.get("bytes")
         where = f"{path}#{row}"
         if not isinstance(img, (bytes, bytearray)) or not img:
             if on_error == "raise":
-                raise CorruptImageError(f"no image bytes in {where} (item_id={item}, column {image_column!r})")
+                raise CorruptImageError(
+                    f"no image bytes in {where} (item_id={item}, column {image_column!r})"
+                )
             skipped.append(f"{where} (item_id={item})")
             continue
         records.append(ImageRecord(where, label, item, split, data=bytes(img)))

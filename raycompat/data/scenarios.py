@@ -45,14 +45,20 @@ class Split:
         self.labels = np.asarray(self.labels, dtype=np.int64).ravel()
         self.instances = np.asarray(self.instances, dtype=np.int64).ravel()
         if self.labels.shape != self.instances.shape:
-            raise ValueError(f"split {self.name!r}: {self.labels.size} labels but {self.instances.size} instances")
+            raise ValueError(
+                f"split {self.name!r}: {self.labels.size} labels but {self.instances.size} instances"
+            )
 
     def __len__(self) -> int:
         return int(self.labels.size)
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, Split) and self.name == other.name
-                and np.array_equal(self.labels, other.labels) and np.array_equal(self.instances, other.instances))
+        return (
+            isinstance(other, Split)
+            and self.name == other.name
+            and np.array_equal(self.labels, other.labels)
+            and np.array_equal(self.instances, other.instances)
+        )
 
     @property
     def classes(self) -> np.ndarray:
@@ -60,10 +66,14 @@ class Split:
         return np.unique(self.labels)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "labels": self.labels.tolist(), "instances": self.instances.tolist()}
+        return {
+            "name": self.name,
+            "labels": self.labels.tolist(),
+            "instances": self.instances.tolist(),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Split":
+    def from_dict(cls, d: dict) -> Split:
         return cls(d["name"], d["labels"], d["instances"])
 
 
@@ -89,7 +99,9 @@ class Scenario:
 
     def train_generations(self) -> list[str]:
         """Training split names, oldest model first."""
-        gens = sorted((k for k in self.splits if k.startswith("train_")), key=lambda k: int(k.split("_")[1]))
+        gens = sorted(
+            (k for k in self.splits if k.startswith("train_")), key=lambda k: int(k.split("_")[1])
+        )
         return gens or ["old_train", "new_train"]
 
     @property
@@ -103,15 +115,29 @@ class Scenario:
     def allocation_rows(self) -> list[dict]:
         """One dict per split (training generations first): split, alias_of,
         classes, images."""
-        order = [*self.train_generations(), *(a for a in ("old_train", "new_train") if a in self.aliases),
-                 *_EVAL_SPLITS]
-        return [{"split": key, "alias_of": self.aliases.get(key), "classes": int(len(self.splits[key].classes)),
-                 "images": len(self.splits[key])} for key in order]
+        order = [
+            *self.train_generations(),
+            *(a for a in ("old_train", "new_train") if a in self.aliases),
+            *_EVAL_SPLITS,
+        ]
+        return [
+            {
+                "split": key,
+                "alias_of": self.aliases.get(key),
+                "classes": int(len(self.splits[key].classes)),
+                "images": len(self.splits[key]),
+            }
+            for key in order
+        ]
 
     def allocation_table(self) -> str:
         """Markdown table: split, #classes, #images (aliases noted)."""
-        rows = [f"Scenario `{self.name}` (seed {self.seed})", "", "| split | #classes | #images |",
-                "|---|---:|---:|"]
+        rows = [
+            f"Scenario `{self.name}` (seed {self.seed})",
+            "",
+            "| split | #classes | #images |",
+            "|---|---:|---:|",
+        ]
         for row in self.allocation_rows():
             label = f"{row['split']} (= {row['alias_of']})" if row["alias_of"] else row["split"]
             rows.append(f"| {label} | {row['classes']} | {row['images']} |")
@@ -131,9 +157,11 @@ class Scenario:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Scenario":
+    def from_dict(cls, d: dict) -> Scenario:
         splits = {k: Split.from_dict(v) for k, v in d["splits"].items()}
-        return cls(d["name"], int(d["seed"]), splits, dict(d.get("params", {})), dict(d.get("aliases", {})))
+        return cls(
+            d["name"], int(d["seed"]), splits, dict(d.get("params", {})), dict(d.get("aliases", {}))
+        )
 
 
 def format_allocation(scenario: Scenario) -> str:
@@ -182,10 +210,15 @@ def build_scenario(
     """
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; expected one of: {', '.join(SCENARIOS)}")
-    sizes = dict(num_train_classes=num_train_classes, images_per_class=images_per_class,
-                 num_eval_classes=num_eval_classes, queries_per_class=queries_per_class,
-                 gallery_per_class=gallery_per_class, num_distractor_classes=num_distractor_classes,
-                 distractors_per_class=distractors_per_class)
+    sizes = dict(
+        num_train_classes=num_train_classes,
+        images_per_class=images_per_class,
+        num_eval_classes=num_eval_classes,
+        queries_per_class=queries_per_class,
+        gallery_per_class=gallery_per_class,
+        num_distractor_classes=num_distractor_classes,
+        distractors_per_class=distractors_per_class,
+    )
     for key, value in sizes.items():
         minimum = 0 if key in ("num_distractor_classes", "distractors_per_class") else 1
         if int(value) != value or value < minimum:
@@ -208,12 +241,13 @@ def build_scenario(
         raise ValueError(
             f"catalog has too few classes: {num_classes} < {needed} needed "
             f"(num_train_classes={num_train_classes} + num_eval_classes={num_eval_classes} "
-            f"+ num_distractor_classes={num_distractor_classes})")
+            f"+ num_distractor_classes={num_distractor_classes})"
+        )
 
     perm = np.random.default_rng([int(seed), 0x5CE7]).permutation(num_classes).astype(np.int64)
     train = perm[:num_train_classes]  # random order: prefixes are random subsets
-    evals = np.sort(perm[num_train_classes:num_train_classes + num_eval_classes])
-    distractor = np.sort(perm[num_train_classes + num_eval_classes:needed])
+    evals = np.sort(perm[num_train_classes : num_train_classes + num_eval_classes])
+    distractor = np.sort(perm[num_train_classes + num_eval_classes : needed])
 
     images = np.arange(images_per_class)
     splits: dict[str, Split] = {}
@@ -224,29 +258,41 @@ def build_scenario(
         k = min(images_per_class - 1, max(1, int(round(old_fraction * images_per_class))))
         classes = np.sort(train)
         splits["old_train"] = _split("old_train", classes, images[:k])
-        splits["new_train"] = _split("new_train", classes, images if name == "extended-data" else images[k:])
+        splits["new_train"] = _split(
+            "new_train", classes, images if name == "extended-data" else images[k:]
+        )
     elif name in ("open-class", "extended-class"):
         old = _take(train, old_fraction, "old_fraction")
         if name == "open-class" and len(old) == len(train):
             raise ValueError(f"old_fraction={old_fraction} leaves no new classes for 'open-class'")
-        new = train if name == "extended-class" else train[len(old):]
+        new = train if name == "extended-class" else train[len(old) :]
         splits["old_train"] = _split("old_train", np.sort(old), images)
         splits["new_train"] = _split("new_train", np.sort(new), images)
     else:  # sequential
         fractions = [float(f) for f in sequential_fractions]
-        if len(fractions) < 2 or any(b < a for a, b in zip(fractions, fractions[1:])):
-            raise ValueError(f"sequential_fractions must be >= 2 non-decreasing values, got {sequential_fractions}")
+        if len(fractions) < 2 or any(b < a for a, b in zip(fractions, fractions[1:], strict=False)):
+            raise ValueError(
+                f"sequential_fractions must be >= 2 non-decreasing values, got {sequential_fractions}"
+            )
         for g, frac in enumerate(fractions, start=1):
-            splits[f"train_{g}"] = _split(f"train_{g}", np.sort(_take(train, frac, "sequential_fractions")), images)
+            splits[f"train_{g}"] = _split(
+                f"train_{g}", np.sort(_take(train, frac, "sequential_fractions")), images
+            )
         aliases = {"old_train": "train_1", "new_train": f"train_{len(fractions)}"}
 
     splits["query"] = _split("query", evals, np.arange(queries_per_class))
-    splits["gallery"] = _split("gallery", evals, np.arange(queries_per_class, queries_per_class + gallery_per_class))
+    splits["gallery"] = _split(
+        "gallery", evals, np.arange(queries_per_class, queries_per_class + gallery_per_class)
+    )
     splits["distractors"] = _split("distractors", distractor, np.arange(distractors_per_class))
 
-    params = dict(sizes, old_fraction=float(old_fraction),
-                  sequential_fractions=[float(f) for f in sequential_fractions], num_catalog_classes=num_classes,
-                  catalog_fingerprint=fingerprint)
+    params = dict(
+        sizes,
+        old_fraction=float(old_fraction),
+        sequential_fractions=[float(f) for f in sequential_fractions],
+        num_catalog_classes=num_classes,
+        catalog_fingerprint=fingerprint,
+    )
     return Scenario(name, int(seed), splits, params, aliases)
 
 
@@ -260,24 +306,37 @@ class ScenarioSizes:
     scenario: str = choices(*SCENARIOS, default="extended-class", help="upgrade scenario")
     train_classes: int = positive(DEFAULTS["num_train_classes"], help="classes the models train on")
     images_per_class: int = positive(DEFAULTS["images_per_class"], help="training images per class")
-    eval_classes: int = positive(DEFAULTS["num_eval_classes"], help="held-out query/gallery classes")
+    eval_classes: int = positive(
+        DEFAULTS["num_eval_classes"], help="held-out query/gallery classes"
+    )
     queries_per_class: int = positive(DEFAULTS["queries_per_class"], help="queries per eval class")
-    gallery_per_class: int = positive(DEFAULTS["gallery_per_class"], help="gallery positives per eval class")
-    distractor_classes: int = nonnegative(DEFAULTS["num_distractor_classes"], help="distractor classes")
-    distractors_per_class: int = nonnegative(DEFAULTS["distractors_per_class"],
-                                             help="gallery distractors per class")
+    gallery_per_class: int = positive(
+        DEFAULTS["gallery_per_class"], help="gallery positives per eval class"
+    )
+    distractor_classes: int = nonnegative(
+        DEFAULTS["num_distractor_classes"], help="distractor classes"
+    )
+    distractors_per_class: int = nonnegative(
+        DEFAULTS["distractors_per_class"], help="gallery distractors per class"
+    )
     resolution: int = positive(32, help="glyph image side in pixels")
     backbone: str = option("resnet10t", help="any timm model name")
     data_seed: int = nonnegative(0, help="seed of the class split and the renderer")
 
-    def build(self, catalog=None, name: str | None = None) -> "Scenario":
+    def build(self, catalog=None, name: str | None = None) -> Scenario:
         """:func:`build_scenario` at these sizes (``name`` overrides :attr:`scenario`)."""
         return build_scenario(
-            name or self.scenario, catalog=catalog, seed=self.data_seed,
-            num_train_classes=self.train_classes, images_per_class=self.images_per_class,
-            num_eval_classes=self.eval_classes, queries_per_class=self.queries_per_class,
-            gallery_per_class=self.gallery_per_class, num_distractor_classes=self.distractor_classes,
-            distractors_per_class=self.distractors_per_class)
+            name or self.scenario,
+            catalog=catalog,
+            seed=self.data_seed,
+            num_train_classes=self.train_classes,
+            images_per_class=self.images_per_class,
+            num_eval_classes=self.eval_classes,
+            queries_per_class=self.queries_per_class,
+            gallery_per_class=self.gallery_per_class,
+            num_distractor_classes=self.distractor_classes,
+            distractors_per_class=self.distractors_per_class,
+        )
 
 
 def scenario_from_options(sizes: ScenarioSizes, name: str | None = None, catalog=None) -> Scenario:
@@ -303,5 +362,6 @@ def catalog_for(scenario: Scenario):
         raise ValueError(
             f"scenario {scenario.name!r} was built on glyph catalog {expected}, but this machine's "
             f"catalog is {catalog.fingerprint} ({catalog.num_classes} classes): the fonts, Pillow or "
-            "FreeType differ, so class indices would name other characters")
+            "FreeType differ, so class indices would name other characters"
+        )
     return catalog

@@ -17,16 +17,23 @@ the bulk of the work: they are within :func:`float32_score_error` of the canonic
 they decide every pair that lies further apart than that, and only the pairs inside that
 band are recomputed canonically (:func:`rerank_top_k` for a top-k search).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["pair_scores", "pair_scores_at", "dot_error_bound", "float32_score_error", "rerank_top_k"]
+__all__ = [
+    "pair_scores",
+    "pair_scores_at",
+    "dot_error_bound",
+    "float32_score_error",
+    "rerank_top_k",
+]
 
-_U32 = 2.0 ** -24        # unit roundoff of float32
-_ROWS = 1 << 15          # pairs per float64 chunk
+_U32 = 2.0**-24  # unit roundoff of float32
+_ROWS = 1 << 15  # pairs per float64 chunk
 
 
 def pair_scores(queries: np.ndarray, items: np.ndarray) -> np.ndarray:
@@ -38,17 +45,20 @@ def pair_scores(queries: np.ndarray, items: np.ndarray) -> np.ndarray:
     a = np.asarray(queries)
     b = np.asarray(items)
     if a.shape != b.shape or a.ndim != 2:
-        raise ValueError(f"pair_scores needs two [n, dim] arrays of the same shape, got {a.shape} and {b.shape}")
+        raise ValueError(
+            f"pair_scores needs two [n, dim] arrays of the same shape, got {a.shape} and {b.shape}"
+        )
     out = np.empty(a.shape[0], dtype=np.float64)
     for s in range(0, a.shape[0], _ROWS):
-        x = np.ascontiguousarray(a[s:s + _ROWS], dtype=np.float32).astype(np.float64)
-        y = np.ascontiguousarray(b[s:s + _ROWS], dtype=np.float32).astype(np.float64)
-        out[s:s + _ROWS] = np.einsum("ij,ij->i", x, y)
+        x = np.ascontiguousarray(a[s : s + _ROWS], dtype=np.float32).astype(np.float64)
+        y = np.ascontiguousarray(b[s : s + _ROWS], dtype=np.float32).astype(np.float64)
+        out[s : s + _ROWS] = np.einsum("ij,ij->i", x, y)
     return out
 
 
-def pair_scores_at(queries: np.ndarray, query_rows: np.ndarray, items: np.ndarray,
-                   item_rows: np.ndarray) -> np.ndarray:
+def pair_scores_at(
+    queries: np.ndarray, query_rows: np.ndarray, items: np.ndarray, item_rows: np.ndarray
+) -> np.ndarray:
     """:func:`pair_scores` of ``(queries[query_rows[r]], items[item_rows[r]])``, gathering the
     rows chunk by chunk (memory stays a few chunks, however many pairs)."""
     query_rows = np.asarray(query_rows, np.int64)
@@ -58,7 +68,9 @@ def pair_scores_at(queries: np.ndarray, query_rows: np.ndarray, items: np.ndarra
     out = np.empty(query_rows.size, dtype=np.float64)
     step = _ROWS // 4
     for s in range(0, query_rows.size, step):
-        out[s:s + step] = pair_scores(queries[query_rows[s:s + step]], items[item_rows[s:s + step]])
+        out[s : s + step] = pair_scores(
+            queries[query_rows[s : s + step]], items[item_rows[s : s + step]]
+        )
     return out
 
 
@@ -77,12 +89,21 @@ def float32_score_error(dim: int, query_norm, item_norm_max: float):
     ``query_norm`` and items of norm at most ``item_norm_max``: the float32 error bound
     doubled (the doubling covers the canonical score's own float64 rounding, which is
     ~2^-29 times smaller)."""
-    return 2.0 * dot_error_bound(dim) * np.asarray(query_norm, dtype=np.float64) * float(item_norm_max) + 1e-30
+    return (
+        2.0 * dot_error_bound(dim) * np.asarray(query_norm, dtype=np.float64) * float(item_norm_max)
+        + 1e-30
+    )
 
 
-def rerank_top_k(queries: np.ndarray, scores32: np.ndarray, ids: np.ndarray, k: int,
-                 vectors_of: Callable[[np.ndarray], np.ndarray], item_norm_max: float,
-                 complete: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rerank_top_k(
+    queries: np.ndarray,
+    scores32: np.ndarray,
+    ids: np.ndarray,
+    k: int,
+    vectors_of: Callable[[np.ndarray], np.ndarray],
+    item_norm_max: float,
+    complete: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The canonical top-k among float32 candidates ``(scores32, ids)`` ``[Q, F]`` (``-1``
     ids are empty slots): candidates re-scored with :func:`pair_scores`, sorted by
     (canonical score descending, id ascending).
@@ -116,7 +137,7 @@ def rerank_top_k(queries: np.ndarray, scores32: np.ndarray, ids: np.ndarray, k: 
         qn = np.sqrt(np.einsum("ij,ij->i", q.astype(np.float64), q.astype(np.float64)))
         err = float32_score_error(q.shape[1], qn, item_norm_max)
         s32 = np.where(valid, scores32, np.inf).astype(np.float64)
-        last = s32.min(axis=1)                          # lowest fetched float32 score
+        last = s32.min(axis=1)  # lowest fetched float32 score
         kth = out_s[:, k - 1] if kk == k else np.full(n_q, -np.inf)
         exact = (valid.sum(axis=1) >= k) & (last + err < kth)
     return out_s, out_i, exact

@@ -35,7 +35,7 @@ always tie.  The two functions may differ in the last bit for the same pair
 
 from __future__ import annotations
 
-from typing import Iterator, Tuple
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -96,13 +96,13 @@ def l2_normalize(x, *, zero: str = "raise") -> np.ndarray:
     out = np.empty_like(arr)
     zero_rows = []
     for start in range(0, arr.shape[0], _NORM_CHUNK_ROWS):
-        block = arr[start:start + _NORM_CHUNK_ROWS]
+        block = arr[start : start + _NORM_CHUNK_ROWS]
         norms = np.sqrt(np.einsum("ij,ij->i", block.astype(np.float64), block.astype(np.float64)))
         is_zero = norms == 0.0
         if is_zero.any():
             zero_rows.append(np.flatnonzero(is_zero) + start)
         safe = np.where(is_zero, 1.0, norms)
-        out[start:start + _NORM_CHUNK_ROWS] = (block / safe[:, None]).astype(np.float32)
+        out[start : start + _NORM_CHUNK_ROWS] = (block / safe[:, None]).astype(np.float32)
     if zero_rows and zero == "raise":
         bad = np.concatenate(zero_rows)
         raise ValueError(
@@ -112,7 +112,7 @@ def l2_normalize(x, *, zero: str = "raise") -> np.ndarray:
     return out[0] if squeeze else out
 
 
-def _validate_pair(queries, gallery) -> Tuple[np.ndarray, np.ndarray]:
+def _validate_pair(queries, gallery) -> tuple[np.ndarray, np.ndarray]:
     q = _as_2d_float32(queries, "queries")
     g = _as_2d_float32(gallery, "gallery")
     if g.shape[0] == 0:
@@ -134,7 +134,7 @@ def _check_k(k) -> int:
     return int(k)
 
 
-def _sort_ties(scores: np.ndarray, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _sort_ties(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sort each row by (-score, id): stable lexicographic sort."""
     order = np.lexsort((ids, -scores), axis=-1)
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
@@ -148,7 +148,7 @@ def exact_search(
     normalize: bool = True,
     extra: int | None = None,
     max_bytes: int = _DEFAULT_MAX_BYTES,
-) -> Tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k inner-product search (cosine when ``normalize=True``).
 
     Uses faiss ``IndexFlatIP`` (exhaustive, exact).  Results are ordered by
@@ -203,7 +203,7 @@ def exact_search(
         rows_per_chunk = max(1, int(max_bytes // (12 * fetch)))
         unresolved = []
         for start in range(0, pending.size, rows_per_chunk):
-            rows = pending[start:start + rows_per_chunk]
+            rows = pending[start : start + rows_per_chunk]
             scores, ids = index.search(q[rows], fetch)
             if not np.isfinite(scores).all() or (ids < 0).any():
                 raise ValueError(
@@ -258,7 +258,7 @@ def iter_full_ranking(
         g = l2_normalize(g)
     rows = _rows_per_chunk(g.shape[0], chunk_size, max_bytes)
     for start in range(0, q.shape[0], rows):
-        scores = q[start:start + rows] @ g.T
+        scores = q[start : start + rows] @ g.T
         if not np.isfinite(scores).all():
             raise ValueError(
                 "inner products overflowed float32; rescale the embeddings or use normalize=True"
@@ -294,11 +294,15 @@ def full_ranking(
     ranks = np.empty((q.shape[0], g.shape[0]), dtype=np.int64)
     scores = np.empty((q.shape[0], g.shape[0]), dtype=np.float32) if return_scores else None
     for item in iter_full_ranking(
-        q, g, normalize=normalize, chunk_size=chunk_size, max_bytes=max_bytes,
+        q,
+        g,
+        normalize=normalize,
+        chunk_size=chunk_size,
+        max_bytes=max_bytes,
         return_scores=return_scores,
     ):
         start, r = item[0], item[1]
-        ranks[start:start + r.shape[0]] = r
+        ranks[start : start + r.shape[0]] = r
         if return_scores:
-            scores[start:start + r.shape[0]] = item[2]
+            scores[start : start + r.shape[0]] = item[2]
     return (ranks, scores) if return_scores else ranks

@@ -9,15 +9,37 @@ Methods (docs/methods.md, Training objectives): ``independent``, ``l2`` and ``bc
 ``prototypes`` (distributed per-class means) and, in ``raycompat.models``, the ArcFace /
 CosFace margin (``margin_logits``).
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from raycompat.config import ConfigError, parse_options
-from raycompat.methods import (bct, cl, contrastive, dmu, independent, l2, mcl, ndpp,  # noqa: F401
-                               odpp, p2s, ract, rqt)  # (registration)
-from raycompat.methods.base import (CompatMethod, MethodContext, TrainBatch, TrainingModule,
-                                    available_methods, register_method)
+
+# the imports register the methods
+from raycompat.methods import (  # noqa: F401
+    bct,
+    cl,
+    contrastive,
+    dmu,
+    independent,
+    l2,
+    mcl,
+    ndpp,
+    odpp,
+    p2s,
+    ract,
+    rqt,
+)
+from raycompat.methods.base import (
+    CompatMethod,
+    MethodContext,
+    TrainBatch,
+    TrainingModule,
+    available_methods,
+    register_method,
+)
 
 
 def method_class(name: str) -> type[CompatMethod]:
@@ -31,12 +53,23 @@ def parse_method_options(name: str, options: Mapping[str, Any] | None):
     return parse_options(method_class(name).Options, options, owner=f"method {name}")
 
 
-def build_method(name: str, options: Mapping[str, Any] | None, context: MethodContext) -> CompatMethod:
+def build_method(
+    name: str, options: Mapping[str, Any] | None, context: MethodContext
+) -> CompatMethod:
     cls = method_class(name)
     if cls.needs_old_model and context.old is None:
         raise ConfigError(f"method {name!r} needs an old model (--old-model PATH)")
     return cls(parse_method_options(name, options), context)
 
 
-__all__ = ["CompatMethod", "MethodContext", "TrainBatch", "TrainingModule", "available_methods",
-           "register_method", "method_class", "parse_method_options", "build_method"]
+__all__ = [
+    "CompatMethod",
+    "MethodContext",
+    "TrainBatch",
+    "TrainingModule",
+    "available_methods",
+    "register_method",
+    "method_class",
+    "parse_method_options",
+    "build_method",
+]

@@ -13,11 +13,13 @@ process (every worker holds the same number of samples). Per-sample terms are a 
 terms that couple samples (gathered negatives, batch-softmax weights) are computed over the
 global batch with the helpers of ``raycompat.methods.gathered``.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,7 @@ class MethodContext:
     device: torch.device
     # Yields this worker's shard of the training set once (no shuffle, no padding) as
     # TrainBatch objects, for per-epoch passes (prototypes, synthesised classifier rows).
-    epoch_pass_loader: Callable[[], Iterator["TrainBatch"]] | None = None
+    epoch_pass_loader: Callable[[], Iterator[TrainBatch]] | None = None
 
 
 class CompatMethod(nn.Module):
@@ -88,10 +90,10 @@ class CompatMethod(nn.Module):
         ``TrainingModule`` before the loop moves it to the device, wraps it in DDP and builds
         the optimizer. Default: nothing."""
 
-    def on_epoch_start(self, epoch: int, model: "TrainingModule") -> None:
+    def on_epoch_start(self, epoch: int, model: TrainingModule) -> None:
         """Distributed per-epoch pass (prototypes, synthesised rows). Default: nothing."""
 
-    def compute_loss(self, model: "TrainingModule", batch: TrainBatch) -> dict[str, torch.Tensor]:
+    def compute_loss(self, model: TrainingModule, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Loss terms of one batch; ``'loss'`` is the total that is back-propagated."""
         emb = model.embedder(batch.x_new)
         terms = {"cls": F.cross_entropy(model.head(emb, batch.new_targets), batch.new_targets)}
@@ -104,8 +106,9 @@ class CompatMethod(nn.Module):
         terms["loss"] = total
         return terms
 
-    def compat_loss(self, model: "TrainingModule", batch: TrainBatch,
-                    emb: torch.Tensor) -> dict[str, torch.Tensor]:
+    def compat_loss(
+        self, model: TrainingModule, batch: TrainBatch, emb: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """The compatibility term(s); empty for the independent paragon."""
         return {}
 

@@ -12,6 +12,7 @@ ways to treat samples whose class the old head does not know:
 Dimension change: only the first ``D_o`` dims of the new embedding meet the old classifier
 (``compatible_part``); the same subspace is used in cross-model search.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,9 +59,12 @@ class BCT(CompatMethod):
             return
         base = len(self.context.old_classes)
         sums, counts = class_mean_features(
-            self.context, self.synth_rows.shape[0],
-            lambda t: torch.where(self.synth_row_of_new_target[t] >= 0,
-                                  self.synth_row_of_new_target[t] - base, -1))
+            self.context,
+            self.synth_rows.shape[0],
+            lambda t: torch.where(
+                self.synth_row_of_new_target[t] >= 0, self.synth_row_of_new_target[t] - base, -1
+            ),
+        )
         if (counts == 0).any():
             missing = int((counts == 0).sum())
             raise RuntimeError(f"bct-sys: {missing} new classes have no training sample")
@@ -79,8 +83,9 @@ class BCT(CompatMethod):
             return {"influence": F.cross_entropy(old_head(part, rows, weight=weight), rows)}
         # beta (and kd's known part): mean over the known samples of the global batch.
         safe_rows = old_rows.clamp(min=0)
-        ce = F.cross_entropy(old_head(part, torch.where(known, old_rows, -1)), safe_rows,
-                             reduction="none")
+        ce = F.cross_entropy(
+            old_head(part, torch.where(known, old_rows, -1)), safe_rows, reduction="none"
+        )
         terms = {"influence": global_mean(ce, known)}
         if variant == "kd":
             unknown = ~known

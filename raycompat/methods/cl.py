@@ -6,6 +6,7 @@ others, ``k`` over the global batch gathered from every DDP worker (see ``gather
 ``rho`` is the identity here; optional hard mining keeps the hardest half of positives and
 of negatives per anchor (RM footnote 2).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from raycompat.methods.rank_merge import RankMergeMethod, log_sums, pairwise_dis
 @register_method
 class CL(RankMergeMethod):
     name = "cl"
-    description = "RM baseline: supervised contrastive reverse transform, backward system only (Eq.10)"
+    description = (
+        "RM baseline: supervised contrastive reverse transform, backward system only (Eq.10)"
+    )
 
     @dataclass
     class Options(RankMergeMethod.Options):
@@ -31,8 +34,13 @@ class CL(RankMergeMethod):
     def backward_system(self, rev, old, labels):
         """(log P_old, log N_old) per anchor of the gathered batch."""
         same = same_label(labels, labels)
-        return log_sums(pairwise_distance(rev, old, self.options.distance), same, ~same,
-                        self.options.temperature, self.options.hard_mining)
+        return log_sums(
+            pairwise_distance(rev, old, self.options.distance),
+            same,
+            ~same,
+            self.options.temperature,
+            self.options.hard_mining,
+        )
 
     def rank_merge_loss(self, new, rev, old, labels):
         labels, rev, old = gather(labels, rev, old)

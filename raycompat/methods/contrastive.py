@@ -6,6 +6,7 @@ with ``n = phi_n(x)[:D_o]``, ``o = phi_o(x)``, both L2-normalised, tau=0.05, and
 ``gathered``). ``form=triplet``: the appendix Eq.14 with the sign docs/methods.md corrects,
 ``mean_k max(0, s(n_i,o_k) - s(n_i,o_i) + m)``, m=0.8.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,14 +17,20 @@ import torch.nn.functional as F
 
 from raycompat.config import choices, nonnegative, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
-from raycompat.methods.gathered import (compatibility_logits, compatibility_triplet, gather,
-                                        global_batch_loss)
+from raycompat.methods.gathered import (
+    compatibility_logits,
+    compatibility_triplet,
+    gather,
+    global_batch_loss,
+)
 
 
 @register_method
 class Contrastive(CompatMethod):
     name = "contrastive"
-    description = "vanilla compatible training (RACT Eq.5): new-to-old negatives over the global batch"
+    description = (
+        "vanilla compatible training (RACT Eq.5): new-to-old negatives over the global batch"
+    )
     # RACT adds the new-to-new negatives block (Eq.6).
     new_to_new: ClassVar[bool] = False
 

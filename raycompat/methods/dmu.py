@@ -22,6 +22,7 @@
   1024) maps the detached old feature into the new space; trained jointly with ``phi_n`` and
   exported as ``psi`` for the gallery-side forward adaptation.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -36,8 +37,9 @@ from raycompat.methods.gathered import gather, local_share, local_slice
 from raycompat.models import PsiMLP, margin_logits
 
 
-def discriminativeness(cos_old: torch.Tensor, old_rows: torch.Tensor, kind: str,
-                       scale: float) -> torch.Tensor:
+def discriminativeness(
+    cos_old: torch.Tensor, old_rows: torch.Tensor, kind: str, scale: float
+) -> torch.Tensor:
     """``Lambda(x)`` from the old classifier's cosines ``cos(w_o, phi_o(x))`` [B, C_o]:
     the entropy of ``softmax(scale * cos)`` (DMU Eq.9) or ``1 - p_y`` (least confidence)."""
     log_p = F.log_softmax(scale * cos_old, dim=1)
@@ -61,8 +63,10 @@ def selective_weights(uncertainty: torch.Tensor, known: torch.Tensor) -> torch.T
 @register_method
 class DMU(CompatMethod):
     name = "dmu"
-    description = ("Darwinian model upgrades: selective backward compatibility + forward-adaptive "
-                   "psi (exported as 'psi'); use --head arcface")
+    description = (
+        "Darwinian model upgrades: selective backward compatibility + forward-adaptive "
+        "psi (exported as 'psi'); use --head arcface"
+    )
 
     @dataclass
     class Options:
@@ -75,9 +79,14 @@ class DMU(CompatMethod):
 
     def setup(self, embedder, head):
         if getattr(head, "kind", "arcface") != "arcface":
-            warnings.warn(f"dmu: the new head is {head.kind!r}; DMU's L_new and L_FA use ArcFace "
-                          "(--head arcface)", stacklevel=2)
-        self.psi = PsiMLP(self.old.embed_dim, embedder.embed_dim, hidden_dim=self.options.psi_hidden)
+            warnings.warn(
+                f"dmu: the new head is {head.kind!r}; DMU's L_new and L_FA use ArcFace "
+                "(--head arcface)",
+                stacklevel=2,
+            )
+        self.psi = PsiMLP(
+            self.old.embed_dim, embedder.embed_dim, hidden_dim=self.options.psi_hidden
+        )
 
     def exports(self):
         return {"psi": self.psi}
@@ -89,12 +98,18 @@ class DMU(CompatMethod):
         rows = batch.old_targets
         known = rows >= 0
         with torch.no_grad():
-            uncertainty = discriminativeness(old_head.cosine(old), rows, opts.discriminativeness,
-                                             opts.entropy_scale)
+            uncertainty = discriminativeness(
+                old_head.cosine(old), rows, opts.discriminativeness, opts.entropy_scale
+            )
             all_uncertainty, all_known = gather(uncertainty, known)
             weights = local_slice(selective_weights(all_uncertainty, all_known), len(rows))
-        logits = margin_logits(old_head.cosine(self.compatible_part(emb)),
-                               torch.where(known, rows, -1), "arcface", opts.arc_scale, opts.arc_margin)
+        logits = margin_logits(
+            old_head.cosine(self.compatible_part(emb)),
+            torch.where(known, rows, -1),
+            "arcface",
+            opts.arc_scale,
+            opts.arc_margin,
+        )
         sbc = F.cross_entropy(logits, rows.clamp(min=0), reduction="none")
         fa = F.cross_entropy(model.head(self.psi(old), batch.new_targets), batch.new_targets)
         return {"sbc": local_share((weights * sbc).sum()), "fa": fa}

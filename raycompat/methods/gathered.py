@@ -17,6 +17,7 @@ global batch:
 
 The gathered contrastive logits of RACT Eq.5/6 (docs/methods.md, Training objectives) are written here once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ def gather(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
 def local_slice(global_tensor: torch.Tensor, local_size: int) -> torch.Tensor:
     """This worker's rows of a tensor gathered in rank order."""
     start = rank() * local_size
-    return global_tensor[start:start + local_size]
+    return global_tensor[start : start + local_size]
 
 
 def global_batch_loss(loss: torch.Tensor) -> torch.Tensor:
@@ -74,8 +75,13 @@ def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor, dim: int = 1) -> torch
     return torch.logsumexp(x.masked_fill(~mask, NEG), dim=dim)
 
 
-def compatibility_logits(new_part: torch.Tensor, old: torch.Tensor, labels: torch.Tensor,
-                         tau: float, new_full: torch.Tensor | None = None) -> torch.Tensor:
+def compatibility_logits(
+    new_part: torch.Tensor,
+    old: torch.Tensor,
+    labels: torch.Tensor,
+    tau: float,
+    new_full: torch.Tensor | None = None,
+) -> torch.Tensor:
     """RACT Eq.5 / Eq.6 logits (docs/methods.md, Training objectives), target column 0:
     ``[s(n_i,o_i) | s(n_i,o_k) for k | s(n_i,n_k) for k] / tau``.
 
@@ -92,8 +98,13 @@ def compatibility_logits(new_part: torch.Tensor, old: torch.Tensor, labels: torc
     return torch.cat(blocks, dim=1) / tau
 
 
-def compatibility_triplet(new_part: torch.Tensor, old: torch.Tensor, labels: torch.Tensor,
-                          margin: float, new_full: torch.Tensor | None = None) -> torch.Tensor:
+def compatibility_triplet(
+    new_part: torch.Tensor,
+    old: torch.Tensor,
+    labels: torch.Tensor,
+    margin: float,
+    new_full: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-anchor triplet form (RACT appendix Eq.14 / Eq.15, docs/methods.md, Training objectives):
     ``mean_{k not in p(i)} [max(0, s(n_i,o_k) - s(n_i,o_i) + m) (+ max(0, s(n_i,n_k) - s(n_i,o_i) + m))]``.
 
@@ -116,7 +127,8 @@ def hardest_half(distance: torch.Tensor, mask: torch.Tensor, largest: bool) -> t
     fill = float("-inf") if largest else float("inf")
     key = distance.detach().masked_fill(~mask, fill)
     order = torch.sort(key, dim=1, descending=largest, stable=True).indices
-    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(
-        key.shape[1], device=key.device).expand_as(order).contiguous())
+    ranks = torch.empty_like(order).scatter_(
+        1, order, torch.arange(key.shape[1], device=key.device).expand_as(order).contiguous()
+    )
     keep = (mask.sum(dim=1, keepdim=True) + 1) // 2
     return mask & (ranks < keep)

@@ -1,5 +1,6 @@
 """``independent``: the paragon new* (and every old model): L_cls only
 (docs/methods.md, Training objectives)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

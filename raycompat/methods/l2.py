@@ -4,6 +4,7 @@ mean.
 
 It needs ``D_new == D_old``; BCT shows it fails (new-to-old search below old-to-old).
 """
+
 from __future__ import annotations
 
 from raycompat.config import ConfigError
@@ -18,13 +19,17 @@ class L2(CompatMethod):
     @classmethod
     def check_config(cls, cfg, old_manifest):
         if old_manifest is not None and int(old_manifest["embed_dim"]) != cfg.embed_dim:
-            raise ConfigError(f"method 'l2' needs embed_dim == the old model's "
-                              f"({old_manifest['embed_dim']}), got {cfg.embed_dim}")
+            raise ConfigError(
+                f"method 'l2' needs embed_dim == the old model's "
+                f"({old_manifest['embed_dim']}), got {cfg.embed_dim}"
+            )
 
     def setup(self, embedder, head):
         if embedder.embed_dim != self.old.embed_dim:
-            raise ConfigError(f"method 'l2' needs embed_dim == the old model's ({self.old.embed_dim}), "
-                              f"got {embedder.embed_dim}")
+            raise ConfigError(
+                f"method 'l2' needs embed_dim == the old model's ({self.old.embed_dim}), "
+                f"got {embedder.embed_dim}"
+            )
 
     def compat_loss(self, model, batch, emb):
         diff = emb - self.old_features(batch.x_old)

@@ -17,6 +17,7 @@ half of positives and of negatives per anchor, in each system.
 ``rho`` is one Linear initialised to the identity by default (``rho_blocks=0``); with
 hidden blocks it is ``rho_blocks`` x [Linear-BN-ReLU] + Linear.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,13 +34,15 @@ from raycompat.methods.rank_merge import log_sums, pairwise_distance
 @register_method
 class MCL(CL):
     name = "mcl"
-    description = ("RM: metric-compatible contrastive training of rho and psi_rev on frozen old/new "
-                   "models (exported as 'rho', 'psi_rev'); needs --init-model")
+    description = (
+        "RM: metric-compatible contrastive training of rho and psi_rev on frozen old/new "
+        "models (exported as 'rho', 'psi_rev'); needs --init-model"
+    )
     trains_rho = True
 
     @dataclass
     class Options(CL.Options):
-        rho_dim: int = nonnegative(0)          # 0: the new embedder's dimension
+        rho_dim: int = nonnegative(0)  # 0: the new embedder's dimension
         rho_hidden: int = positive(1024)
         rho_blocks: int = nonnegative(0)
 
@@ -49,10 +52,22 @@ class MCL(CL):
         log_p_old, log_n_old = self.backward_system(rev, old, labels)
         same = same_label(labels, labels)
         others = same & ~torch.eye(len(labels), dtype=torch.bool, device=labels.device)
-        log_p_new, log_n_new = log_sums(pairwise_distance(new, new, opts.distance), others, ~same,
-                                        opts.temperature, opts.hard_mining)
-        old_term = torch.logsumexp(torch.stack([log_p_old, log_n_old, log_n_new]), dim=0) - log_p_old
-        new_term = torch.logsumexp(torch.stack([log_p_new, log_n_new, log_n_old]), dim=0) - log_p_new
+        log_p_new, log_n_new = log_sums(
+            pairwise_distance(new, new, opts.distance),
+            others,
+            ~same,
+            opts.temperature,
+            opts.hard_mining,
+        )
+        old_term = (
+            torch.logsumexp(torch.stack([log_p_old, log_n_old, log_n_new]), dim=0) - log_p_old
+        )
+        new_term = (
+            torch.logsumexp(torch.stack([log_p_new, log_n_new, log_n_old]), dim=0) - log_p_new
+        )
         valid = others.any(dim=1)
         new_loss = new_term[valid].mean() if valid.any() else new_term.sum() * 0.0
-        return {"mcl_old": global_batch_loss(old_term.mean()), "mcl_new": global_batch_loss(new_loss)}
+        return {
+            "mcl_old": global_batch_loss(old_term.mean()),
+            "mcl_new": global_batch_loss(new_loss),
+        }

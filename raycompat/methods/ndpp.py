@@ -15,6 +15,7 @@ K-NN among thousands of classes never meets one; with few classes the signed wei
 sum to ~0). The loss is P2S with the pseudo-old prototype in the positive column only (Eq.6):
 negatives keep the real ``p_o^c'``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ from raycompat.methods.base import register_method
 from raycompat.methods.p2s import P2S
 
 
-def neighbour_repulsion(anchors: torch.Tensor, bank: torch.Tensor, k: int,
-                        exclude: torch.Tensor) -> torch.Tensor:
+def neighbour_repulsion(
+    anchors: torch.Tensor, bank: torch.Tensor, k: int, exclude: torch.Tensor
+) -> torch.Tensor:
     """``r^c = sum_{c' in K(c)} w_cc' (anchors^c - bank^c') / sum_{c' in K(c)} w_cc'`` over the
     ``k`` most cosine-similar bank rows not ``exclude``d ([C, Cb] bool), ``w = max(cos, 0)``;
     0 for an anchor with no positive-weight neighbour. float64."""
@@ -36,16 +38,17 @@ def neighbour_repulsion(anchors: torch.Tensor, bank: torch.Tensor, k: int,
     sims = F.normalize(anchors, dim=1) @ F.normalize(bank, dim=1).t()
     sims = sims.masked_fill(exclude, float("-inf"))
     k = min(k, bank.shape[0])
-    top, index = sims.topk(k, dim=1)                       # [C, k]
-    weights = top.clamp(min=0.0)                           # -inf (excluded) -> 0 as well
-    diffs = anchors[:, None, :] - bank[index]              # [C, k, D]
+    top, index = sims.topk(k, dim=1)  # [C, k]
+    weights = top.clamp(min=0.0)  # -inf (excluded) -> 0 as well
+    diffs = anchors[:, None, :] - bank[index]  # [C, k, D]
     total = weights.sum(dim=1, keepdim=True)
     r = (weights[:, :, None] * diffs).sum(dim=1) / total.clamp(min=1e-12)
     return torch.where(total > 0, r, torch.zeros_like(r))
 
 
-def ndpp_prototypes(old: torch.Tensor, new: torch.Tensor | None, alpha_old: float,
-                    alpha_new: float, k: int) -> torch.Tensor:
+def ndpp_prototypes(
+    old: torch.Tensor, new: torch.Tensor | None, alpha_old: float, alpha_new: float, k: int
+) -> torch.Tensor:
     """NDPP Eq.8 pseudo-old prototypes from the old and (current) new prototypes [C, D_o]."""
     eye = torch.eye(old.shape[0], dtype=torch.bool, device=old.device)
     p_hat = old.double() + alpha_old * neighbour_repulsion(old, old, k, eye)
@@ -57,7 +60,9 @@ def ndpp_prototypes(old: torch.Tensor, new: torch.Tensor | None, alpha_old: floa
 @register_method
 class NDPP(P2S):
     name = "ndpp"
-    description = "P2S with neighbour-driven prototype perturbation, rebuilt every epoch (NDPP Eq.8)"
+    description = (
+        "P2S with neighbour-driven prototype perturbation, rebuilt every epoch (NDPP Eq.8)"
+    )
 
     @dataclass
     class Options(P2S.Options):
@@ -74,8 +79,9 @@ class NDPP(P2S):
 
     def perturb(self, epoch, new_prototypes):
         o = self.options
-        self.pseudo_prototypes.copy_(ndpp_prototypes(self.old_prototypes, new_prototypes,
-                                                     o.alpha_old, o.alpha_new, o.k))
+        self.pseudo_prototypes.copy_(
+            ndpp_prototypes(self.old_prototypes, new_prototypes, o.alpha_old, o.alpha_new, o.k)
+        )
 
     def positive_prototypes(self):
         return self.pseudo_prototypes

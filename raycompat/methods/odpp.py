@@ -18,6 +18,7 @@ Determinism: the optimisation runs in float64 on every worker from the all-reduc
 identical) prototypes with a generator seeded by ``seed`` and the epoch, so every worker
 ends with the same ``r`` whatever the number of workers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,15 @@ from raycompat.methods.base import register_method
 from raycompat.methods.p2s import P2S
 
 
-def perturbation_objective(p_old: torch.Tensor, r: torch.Tensor, p_new: torch.Tensor | None,
-                           pairs: torch.Tensor, theta_old: float, theta_new: float,
-                           gamma: float) -> torch.Tensor:
+def perturbation_objective(
+    p_old: torch.Tensor,
+    r: torch.Tensor,
+    p_new: torch.Tensor | None,
+    pairs: torch.Tensor,
+    theta_old: float,
+    theta_new: float,
+    gamma: float,
+) -> torch.Tensor:
     """Eq.11 summed over ``pairs`` [P, 2] of distinct classes ``(c, c')``."""
     c, c2 = pairs[:, 0], pairs[:, 1]
     q = p_old[c] + r[c]
@@ -49,10 +56,20 @@ def random_pairs(num_classes: int, count: int, generator: torch.Generator) -> to
     return torch.stack([c, c2], dim=1)
 
 
-def optimise_perturbation(p_old: torch.Tensor, p_new: torch.Tensor | None, r_init: torch.Tensor, *,
-                          theta_old: float, theta_new: float, gamma: float, lr: float,
-                          epochs: int, pairs_per_epoch: int, batch_pairs: int,
-                          seed: int) -> torch.Tensor:
+def optimise_perturbation(
+    p_old: torch.Tensor,
+    p_new: torch.Tensor | None,
+    r_init: torch.Tensor,
+    *,
+    theta_old: float,
+    theta_new: float,
+    gamma: float,
+    lr: float,
+    epochs: int,
+    pairs_per_epoch: int,
+    batch_pairs: int,
+    seed: int,
+) -> torch.Tensor:
     """Minimise Eq.11 over ``r`` by SGD from ``r_init``; deterministic in ``seed``."""
     num_classes = p_old.shape[0]
     if num_classes < 2 or epochs == 0 or pairs_per_epoch == 0:
@@ -65,9 +82,13 @@ def optimise_perturbation(p_old: torch.Tensor, p_new: torch.Tensor | None, r_ini
     with torch.enable_grad():
         for _ in range(epochs):
             for start in range(0, pairs_per_epoch, batch_pairs):
-                pairs = random_pairs(num_classes, min(batch_pairs, pairs_per_epoch - start), generator)
+                pairs = random_pairs(
+                    num_classes, min(batch_pairs, pairs_per_epoch - start), generator
+                )
                 optimiser.zero_grad(set_to_none=True)
-                perturbation_objective(p_old, r, p_new, pairs, theta_old, theta_new, gamma).backward()
+                perturbation_objective(
+                    p_old, r, p_new, pairs, theta_old, theta_new, gamma
+                ).backward()
                 optimiser.step()
     return r.detach().to(device=r_init.device, dtype=r_init.dtype)
 
@@ -75,7 +96,9 @@ def optimise_perturbation(p_old: torch.Tensor, p_new: torch.Tensor | None, r_ini
 @register_method
 class ODPP(P2S):
     name = "odpp"
-    description = "P2S with optimisation-driven prototype perturbation, re-optimised every epoch (Eq.11)"
+    description = (
+        "P2S with optimisation-driven prototype perturbation, re-optimised every epoch (Eq.11)"
+    )
 
     @dataclass
     class Options(P2S.Options):
@@ -84,7 +107,7 @@ class ODPP(P2S):
         gamma: float = nonnegative(1.0)
         perturb_lr: float = positive(1e-3)
         perturb_epochs: int = nonnegative(50)
-        pairs_per_epoch: int = nonnegative(0)     # 0: the number of training images
+        pairs_per_epoch: int = nonnegative(0)  # 0: the number of training images
         batch_pairs: int = positive(1024)
         seed: int = 0
 
@@ -97,11 +120,21 @@ class ODPP(P2S):
 
     def perturb(self, epoch, new_prototypes):
         o = self.options
-        self.perturbation.copy_(optimise_perturbation(
-            self.old_prototypes, new_prototypes, self.perturbation, theta_old=o.theta_old,
-            theta_new=o.theta_new, gamma=o.gamma, lr=o.perturb_lr, epochs=o.perturb_epochs,
-            pairs_per_epoch=o.pairs_per_epoch or self.num_images, batch_pairs=o.batch_pairs,
-            seed=o.seed * 1_000_003 + epoch))
+        self.perturbation.copy_(
+            optimise_perturbation(
+                self.old_prototypes,
+                new_prototypes,
+                self.perturbation,
+                theta_old=o.theta_old,
+                theta_new=o.theta_new,
+                gamma=o.gamma,
+                lr=o.perturb_lr,
+                epochs=o.perturb_epochs,
+                pairs_per_epoch=o.pairs_per_epoch or self.num_images,
+                batch_pairs=o.batch_pairs,
+                seed=o.seed * 1_000_003 + epoch,
+            )
+        )
 
     def positive_prototypes(self):
         return self.old_prototypes + self.perturbation

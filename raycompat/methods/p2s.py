@@ -6,6 +6,7 @@ class of the new head (classes the old model never saw included), computed once 
 distributed pass of ``prototypes``; ``L_bc = CE(cos(phi_n(x)[:D_o], P_o) / tau, y)``, tau=0.07.
 NDPP and ODPP subclass this and only change the positive column (``positive_prototypes``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,12 @@ import torch.nn.functional as F
 
 from raycompat.config import nonnegative, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
-from raycompat.methods.prototypes import (class_prototypes, normalised_new_features,
-                                          normalised_old_features, prototype_logits)
+from raycompat.methods.prototypes import (
+    class_prototypes,
+    normalised_new_features,
+    normalised_old_features,
+    prototype_logits,
+)
 
 
 @register_method
@@ -50,8 +55,9 @@ class P2S(CompatMethod):
             features["new"] = normalised_new_features(model.embedder, self.context.compatible_dim)
         new_prototypes = None
         if features:
-            protos, counts = class_prototypes(self.context, self.num_classes, features,
-                                              modules=(model.embedder,))
+            protos, counts = class_prototypes(
+                self.context, self.num_classes, features, modules=(model.embedder,)
+            )
             self.num_images = int(counts.sum())
             if "old" in protos:
                 self.old_prototypes.copy_(protos["old"])
@@ -70,6 +76,11 @@ class P2S(CompatMethod):
         return None
 
     def compat_loss(self, model, batch: TrainBatch, emb):
-        logits = prototype_logits(self.compatible_part(emb), batch.new_targets, self.old_prototypes,
-                                  self.options.tau, self.positive_prototypes())
+        logits = prototype_logits(
+            self.compatible_part(emb),
+            batch.new_targets,
+            self.old_prototypes,
+            self.options.tau,
+            self.positive_prototypes(),
+        )
         return {"p2s": F.cross_entropy(logits, batch.new_targets)}

@@ -5,10 +5,11 @@ Each worker sums the features of its shard per class in float64; the sums and co
 all-reduced, so every worker ends with the same prototypes, whatever the number of workers.
 The embedders run in eval mode, so a sample's feature does not depend on its batch.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -29,20 +30,25 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             yield
     finally:
-        for m, mode in zip(modules, modes):
+        for m, mode in zip(modules, modes, strict=False):
             m.train(mode)
 
 
-def class_sums(context, num_rows: int, features: Mapping[str, tuple[Features, int]],
-               row_of_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def class_sums(
+    context,
+    num_rows: int,
+    features: Mapping[str, tuple[Features, int]],
+    row_of_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One pass over the training set (``context.epoch_pass_loader``): per-row sums of every
     feature function (``name -> (fn, width)``), float64, all-reduced over workers, and the
     per-row counts. ``row_of_target`` maps a batch's new-head targets to rows (``-1``: skip);
     default identity.
     """
-    sums = {name: torch.zeros(num_rows, width, dtype=torch.float64, device=context.device)
-            for name, (_, width) in features.items()}
+    sums = {
+        name: torch.zeros(num_rows, width, dtype=torch.float64, device=context.device)
+        for name, (_, width) in features.items()
+    }
     counts = torch.zeros(num_rows, dtype=torch.float64, device=context.device)
     with torch.no_grad():
         for batch in context.epoch_pass_loader():
@@ -65,13 +71,18 @@ def class_mean_features(context, num_rows: int, row_of_target) -> tuple[torch.Te
     classifier rows from it) and the counts; see ``class_sums``."""
     old = context.old.embedder
     with eval_mode(old):
-        sums, counts = class_sums(context, num_rows, {"old": (lambda b: old(b.x_old), old.embed_dim)},
-                                  row_of_target)
+        sums, counts = class_sums(
+            context, num_rows, {"old": (lambda b: old(b.x_old), old.embed_dim)}, row_of_target
+        )
     return sums["old"], counts
 
 
-def class_prototypes(context, num_rows: int, features: Mapping[str, tuple[Features, int]],
-                     modules: tuple[nn.Module, ...] = ()) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def class_prototypes(
+    context,
+    num_rows: int,
+    features: Mapping[str, tuple[Features, int]],
+    modules: tuple[nn.Module, ...] = (),
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Prototypes ``p^c = mean_{x in c} f(x)`` (float32) for every ``name -> (fn, width)``, over the
     rows of the new head (every class of the new training set, classes unseen by the old
     model included), with ``modules`` in eval mode during the pass; and the per-class counts."""
@@ -91,11 +102,18 @@ def normalised_old_features(context) -> tuple[Features, int]:
 
 def normalised_new_features(embedder: nn.Module, compatible_dim: int) -> tuple[Features, int]:
     """``normalize(phi_n(x_new)[:D_o])``: new prototypes in the compatible subspace."""
-    return (lambda batch: F.normalize(embedder(batch.x_new)[:, :compatible_dim], dim=1)), compatible_dim
+    return (
+        lambda batch: F.normalize(embedder(batch.x_new)[:, :compatible_dim], dim=1)
+    ), compatible_dim
 
 
-def prototype_logits(emb: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor,
-                     tau: float, positives: torch.Tensor | None = None) -> torch.Tensor:
+def prototype_logits(
+    emb: torch.Tensor,
+    targets: torch.Tensor,
+    negatives: torch.Tensor,
+    tau: float,
+    positives: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``cos(e_n, P) / tau`` against every prototype row (P2S, NDPP Eq.2); with ``positives``
     the target column uses ``cos(e_n, p_hat^y)`` instead and every other column keeps the real
     prototype (NDPP Eq.6: pseudo-old positive, real old negatives)."""

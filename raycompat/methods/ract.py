@@ -7,6 +7,7 @@ new-to-new block uses the whole new embedding; new-to-old the first ``D_o`` dims
 ``form=triplet``: appendix Eq.15 with the corrected sign, ``mean_k [max(0, s(n_i,o_k) -
 s(n_i,o_i) + m) + max(0, s(n_i,n_k) - s(n_i,o_i) + m)]``, m=0.8.
 """
+
 from __future__ import annotations
 
 from raycompat.methods.base import register_method

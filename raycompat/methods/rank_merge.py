@@ -15,6 +15,7 @@ distance ``1 - cos``; the gallery side must use the same (``distance`` in the ma
 method options). ``s_ik = exp(-d_ik / temperature)``; temperature 1 is the paper's form
 (the temperature is an addition, configurable).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,13 @@ def identity_rho(dim: int) -> ProjectionMLP:
     return rho
 
 
-def log_sums(distance: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor,
-             temperature: float, hard_mining: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def log_sums(
+    distance: torch.Tensor,
+    positives: torch.Tensor,
+    negatives: torch.Tensor,
+    temperature: float,
+    hard_mining: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per anchor ``(log P, log N)`` with ``P = sum_pos s_ik``, ``N = sum_neg s_ik`` and
     ``s_ik = exp(-d_ik / temperature)``; ``hard_mining`` keeps the hardest half of each set."""
     if hard_mining:
@@ -91,11 +97,20 @@ class RankMergeMethod(CompatMethod):
             # Starts as the identity: rho^new = phi_n keeps its discriminability at step 0.
             self.rho = identity_rho(dim)
         else:
-            self.rho = ProjectionMLP(dim, opts.rho_dim or dim, hidden_dim=opts.rho_hidden,
-                                     num_blocks=opts.rho_blocks, role="rho")
-        self.psi_rev = ProjectionMLP(self.rho.out_dim, self.old.embed_dim,
-                                     hidden_dim=self.options.psi_rev_hidden,
-                                     num_blocks=self.options.psi_rev_blocks, role="psi_rev")
+            self.rho = ProjectionMLP(
+                dim,
+                opts.rho_dim or dim,
+                hidden_dim=opts.rho_hidden,
+                num_blocks=opts.rho_blocks,
+                role="rho",
+            )
+        self.psi_rev = ProjectionMLP(
+            self.rho.out_dim,
+            self.old.embed_dim,
+            hidden_dim=self.options.psi_rev_hidden,
+            num_blocks=self.options.psi_rev_blocks,
+            role="psi_rev",
+        )
 
     def exports(self) -> dict[str, nn.Module]:
         return {"rho": self.rho, "psi_rev": self.psi_rev}
@@ -105,12 +120,14 @@ class RankMergeMethod(CompatMethod):
         with torch.no_grad():
             feat = model.embedder(batch.x_new)
         new = self.rho(feat)
-        terms = self.rank_merge_loss(new, self.psi_rev(new), self.old_features(batch.x_old),
-                                     batch.labels)
+        terms = self.rank_merge_loss(
+            new, self.psi_rev(new), self.old_features(batch.x_old), batch.labels
+        )
         terms["loss"] = sum(terms.values())
         return terms
 
-    def rank_merge_loss(self, new: torch.Tensor, rev: torch.Tensor, old: torch.Tensor,
-                        labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def rank_merge_loss(
+        self, new: torch.Tensor, rev: torch.Tensor, old: torch.Tensor, labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """``new = rho(phi_n(x))``, ``rev = psi_rev(new)``, ``old = phi_o(x)``, unnormalised."""
         raise NotImplementedError

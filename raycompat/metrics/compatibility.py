@@ -17,8 +17,6 @@ arguments use the same scale (every score here is a ratio).
 
 from __future__ import annotations
 
-from typing import Dict
-
 import numpy as np
 
 __all__ = [
@@ -99,7 +97,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def p_scores(m_nn, m_nstar, m_no, m_oo) -> Dict[str, float]:
+def p_scores(m_nn, m_nstar, m_no, m_oo) -> dict[str, float]:
     """P_up / P_comp / P_1 (NDPP Tables II-IV, after AdvBCT), over test sets d.
 
     Per test set d::
@@ -125,7 +123,9 @@ def p_scores(m_nn, m_nstar, m_no, m_oo) -> Dict[str, float]:
     no, oo = _arr(m_no, "m_no").ravel(), _arr(m_oo, "m_oo").ravel()
     shapes = {nn.shape, ns.shape, no.shape, oo.shape}
     if len(shapes) != 1:
-        raise ValueError(f"all four inputs need one value per test set, got shapes {sorted(shapes)}")
+        raise ValueError(
+            f"all four inputs need one value per test set, got shapes {sorted(shapes)}"
+        )
     if nn.size == 0:
         raise ValueError("p_scores needs at least one test set")
     u = _sigmoid(_safe_div(nn - ns, ns))
@@ -138,7 +138,7 @@ def p_scores(m_nn, m_nstar, m_no, m_oo) -> Dict[str, float]:
     }
 
 
-def compatibility_report(m_oo, m_no, m_nn, m_nstar) -> Dict[str, float]:
+def compatibility_report(m_oo, m_no, m_nn, m_nstar) -> dict[str, float]:
     """All scalar compatibility scores for one metric on one test set.
 
     Keys: ``compatible`` (1.0 / 0.0, BCT criterion), ``update_gain`` (BCT Eq.9),

@@ -7,14 +7,12 @@ Specification: docs/methods.md, section "Metrics" ("Regression", "AUC", "AUC gai
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 import numpy as np
 
 __all__ = ["auc", "auc_gain", "regression_stats"]
 
 
-def _curve(fractions, values) -> Tuple[np.ndarray, np.ndarray]:
+def _curve(fractions, values) -> tuple[np.ndarray, np.ndarray]:
     t = np.asarray(fractions, dtype=np.float64)
     v = np.asarray(values, dtype=np.float64)
     if t.ndim != 1 or v.ndim != 1 or t.shape != v.shape:
@@ -82,7 +80,7 @@ def auc_gain(auc_method, auc_oldold, auc_newstar):
     return out
 
 
-def regression_stats(fractions, values, higher_is_better: bool = True) -> Dict[str, object]:
+def regression_stats(fractions, values, higher_is_better: bool = True) -> dict[str, object]:
     """Model regression along a backfill curve (RACT Eq.3; docs/methods.md, Metrics, "Regression").
 
     RACT Eq.3 calls it regression when a partly backfilled gallery scores below
@@ -107,10 +105,10 @@ def regression_stats(fractions, values, higher_is_better: bool = True) -> Dict[s
     worse_than_start = sign * (start - v) > 0
     worse_than_start[0] = False
     step = sign * (v[:-1] - v[1:])  # > 0: worsening
-    drops: List[Tuple[float, float, float]] = [
+    drops: list[tuple[float, float, float]] = [
         (float(t[i]), float(t[i + 1]), float(step[i])) for i in np.flatnonzero(step > 0)
     ]
-    below: List[float] = [float(x) for x in t[worse_than_start]]
+    below: list[float] = [float(x) for x in t[worse_than_start]]
     shortfall = sign * (start - v[worse_than_start])
     return {
         "start": float(start),

@@ -17,7 +17,7 @@ numpy.  Conventions used throughout:
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ _CHUNK_ELEMENTS = 1 << 22  # entries of a [chunk, N] working array
 
 
 # --------------------------------------------------------------------------- helpers
-def _as_ranking(ranked_indices, n_gallery: Optional[int] = None) -> np.ndarray:
+def _as_ranking(ranked_indices, n_gallery: int | None = None) -> np.ndarray:
     r = np.asarray(ranked_indices)
     if r.ndim != 2:
         raise ValueError(f"ranked indices must be 2-D [Q, k], got shape {r.shape}")
@@ -72,7 +72,7 @@ def _as_relevance(ranked_relevance) -> np.ndarray:
     return rel
 
 
-def _labels(query_labels, gallery_labels) -> Tuple[np.ndarray, np.ndarray]:
+def _labels(query_labels, gallery_labels) -> tuple[np.ndarray, np.ndarray]:
     ql = np.asarray(query_labels)
     gl = np.asarray(gallery_labels)
     if ql.ndim != 1 or gl.ndim != 1:
@@ -94,7 +94,7 @@ def _nanmean_or_nan(x: np.ndarray) -> float:
     return float(x[valid].mean()) if valid.any() else float("nan")
 
 
-def _junk_rows(junk_mask, rows: slice, n_queries: int, n_gallery: int) -> Optional[np.ndarray]:
+def _junk_rows(junk_mask, rows: slice, n_queries: int, n_gallery: int) -> np.ndarray | None:
     """Junk mask for a chunk of queries: [N] (shared) or [Q, N] (per query)."""
     if junk_mask is None:
         return None
@@ -145,7 +145,7 @@ def num_relevant_from_labels(query_labels, gallery_labels, junk_mask=None) -> np
 
 
 # --------------------------------------------------------------------------- AP@k
-def average_precision_at_k(ranked_relevance, num_relevant, k: Optional[int] = None) -> np.ndarray:
+def average_precision_at_k(ranked_relevance, num_relevant, k: int | None = None) -> np.ndarray:
     """Per-query AP@k, GLDv2 definition (docs/methods.md, "Metrics"; RACT uses mAP@100).
 
     ``AP@k = (1 / min(m, k)) * sum_{i<=k} P(i) * rel(i)`` where ``P(i)`` is the
@@ -180,7 +180,7 @@ def average_precision_at_k(ranked_relevance, num_relevant, k: Optional[int] = No
         return np.where(denom > 0, s / np.where(denom > 0, denom, 1.0), np.nan)
 
 
-def mean_average_precision_at_k(ranked_relevance, num_relevant, k: Optional[int] = None) -> float:
+def mean_average_precision_at_k(ranked_relevance, num_relevant, k: int | None = None) -> float:
     """mAP@k: mean of :func:`average_precision_at_k` over queries with ``m > 0``.
 
     Queries without any relevant gallery item are excluded (not counted as 0);
@@ -217,7 +217,7 @@ def average_precision_from_ranks(ranks, npos: int) -> float:
     return float(((prec0 + prec1) / 2.0).sum() / npos)
 
 
-def _trapezoid_ap(pos: np.ndarray, junk: Optional[np.ndarray], npos: np.ndarray) -> np.ndarray:
+def _trapezoid_ap(pos: np.ndarray, junk: np.ndarray | None, npos: np.ndarray) -> np.ndarray:
     """Vectorised revisited AP over a chunk.
 
     pos, junk: bool [c, L] masks over the ranked list (junk already excludes
@@ -269,7 +269,7 @@ def revisited_average_precision(ranking, positives, junk=None) -> np.ndarray:
     for i in range(n_q):
         pos_set = np.unique(np.asarray(positives[i], dtype=np.int64))
         junk_set = None if junk is None else np.unique(np.asarray(junk[i], dtype=np.int64))
-        row = r[i:i + 1]
+        row = r[i : i + 1]
         pmask = np.isin(row, pos_set) & (row >= 0)
         jmask = None
         if junk_set is not None and junk_set.size:
@@ -279,7 +279,7 @@ def revisited_average_precision(ranking, positives, junk=None) -> np.ndarray:
     return out
 
 
-def revisited_map(ranking, positives, junk=None) -> Tuple[float, np.ndarray]:
+def revisited_map(ranking, positives, junk=None) -> tuple[float, np.ndarray]:
     """Full mAP, revisited Oxford/Paris protocol (docs/methods.md, "Metrics").
 
     Junk removed from the ranking, AP by trapezoids
@@ -292,7 +292,7 @@ def revisited_map(ranking, positives, junk=None) -> Tuple[float, np.ndarray]:
     return _nanmean_or_nan(aps), aps
 
 
-def revisited_easy_medium_hard(ranking, easy, hard, junk) -> Dict[str, float]:
+def revisited_easy_medium_hard(ranking, easy, hard, junk) -> dict[str, float]:
     """mAP under the revisited Easy / Medium / Hard ground-truth settings.
 
     Per query, ``easy``, ``hard`` and ``junk`` are gallery-index lists:
@@ -310,7 +310,10 @@ def revisited_easy_medium_hard(ranking, easy, hard, junk) -> Dict[str, float]:
         )
 
     def cat(a, b):
-        return [np.concatenate([np.asarray(x, np.int64), np.asarray(y, np.int64)]) for x, y in zip(a, b)]
+        return [
+            np.concatenate([np.asarray(x, np.int64), np.asarray(y, np.int64)])
+            for x, y in zip(a, b, strict=False)
+        ]
 
     return {
         "easy": revisited_map(ranking, easy, cat(junk, hard))[0],
@@ -358,7 +361,7 @@ def map_full(
         if r_all.shape[0] != n_q:
             raise ValueError(f"ranking has {r_all.shape[0]} rows but there are {n_q} query labels")
         step = max(1, _CHUNK_ELEMENTS // max(r_all.shape[1], 1))
-        chunks: Iterable = ((s, r_all[s:s + step]) for s in range(0, n_q, step))
+        chunks: Iterable = ((s, r_all[s : s + step]) for s in range(0, n_q, step))
     else:
         chunks = full_ranking_indices
     seen = 0
@@ -366,7 +369,9 @@ def map_full(
         start, r = item[0], _as_ranking(item[1], n_g)
         c = r.shape[0]
         if start < 0 or start + c > n_q:
-            raise ValueError(f"ranking chunk rows {start}:{start + c} out of range for {n_q} queries")
+            raise ValueError(
+                f"ranking chunk rows {start}:{start + c} out of range for {n_q} queries"
+            )
         sl = slice(start, start + c)
         valid = r >= 0
         safe = np.where(valid, r, 0)
@@ -395,7 +400,9 @@ def correct_at_k(ranked_relevance, k: int = 1) -> np.ndarray:
     return rel[:, :k].any(axis=1)
 
 
-def cmc_top_k(ranked_relevance, ks: Sequence[int] = (1, 5, 10), num_relevant=None) -> Dict[int, float]:
+def cmc_top_k(
+    ranked_relevance, ks: Sequence[int] = (1, 5, 10), num_relevant=None
+) -> dict[int, float]:
     """CMC top-k accuracy for each k in ``ks`` (docs/methods.md, "Metrics").
 
     A query is correct at k if a relevant item is in its top k.  When
@@ -428,7 +435,9 @@ def negative_flips(correct_old_old, correct_now) -> np.ndarray:
     a = np.asarray(correct_old_old)
     b = np.asarray(correct_now)
     if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"correctness arrays must be 1-D with equal shapes, got {a.shape} and {b.shape}")
+        raise ValueError(
+            f"correctness arrays must be 1-D with equal shapes, got {a.shape} and {b.shape}"
+        )
     return a.astype(bool) & ~b.astype(bool)
 
 
@@ -477,8 +486,8 @@ def evaluate_ranking(
             f"ranking has {rel.shape[1]} columns, need {min(need, gl.shape[0])} for k={k}, ks={ks}"
         )
     ap_k = average_precision_at_k(rel, m, k)
-    out: Dict[str, float] = {f"mAP@{k}": _nanmean_or_nan(ap_k)}
-    per: Dict[str, np.ndarray] = {f"ap@{k}": ap_k}
+    out: dict[str, float] = {f"mAP@{k}": _nanmean_or_nan(ap_k)}
+    per: dict[str, np.ndarray] = {f"ap@{k}": ap_k}
     keep = m > 0
     for kk in ks:
         c = correct_at_k(rel, kk)

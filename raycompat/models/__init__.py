@@ -1,8 +1,18 @@
 """Models: timm embedder with GeM, classifier heads, projection MLPs, bundles on disk."""
+
 from raycompat.models.bundle import ModelBundle, build_module
 from raycompat.models.embedder import Embedder, GeM
 from raycompat.models.heads import ClassifierHead, margin_logits
 from raycompat.models.psi import FeatureMap, ProjectionMLP, PsiMLP
 
-__all__ = ["ModelBundle", "build_module", "Embedder", "GeM", "ClassifierHead", "margin_logits",
-           "ProjectionMLP", "PsiMLP", "FeatureMap"]
+__all__ = [
+    "ModelBundle",
+    "build_module",
+    "Embedder",
+    "GeM",
+    "ClassifierHead",
+    "margin_logits",
+    "ProjectionMLP",
+    "PsiMLP",
+    "FeatureMap",
+]

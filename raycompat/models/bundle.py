@@ -5,6 +5,7 @@ Every module carries a ``spec`` dict (its constructor arguments), so a bundle re
 itself from the manifest alone. Weights are loaded with ``weights_only=True``: nothing is
 unpickled beyond tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,12 @@ def _versions() -> dict[str, str]:
     import timm
 
     import raycompat
-    return {"raycompat": getattr(raycompat, "__version__", "0"), "torch": torch.__version__,
-            "timm": timm.__version__}
+
+    return {
+        "raycompat": getattr(raycompat, "__version__", "0"),
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+    }
 
 
 @dataclass
@@ -74,17 +79,17 @@ class ModelBundle:
     def classes(self) -> list[int]:
         return list(self.manifest.get("classes", []))
 
-    def eval(self) -> "ModelBundle":
+    def eval(self) -> ModelBundle:
         for module in self.modules.values():
             module.eval()
         return self
 
-    def to(self, device) -> "ModelBundle":
+    def to(self, device) -> ModelBundle:
         for module in self.modules.values():
             module.to(device)
         return self
 
-    def freeze(self) -> "ModelBundle":
+    def freeze(self) -> ModelBundle:
         self.eval()
         for module in self.modules.values():
             module.requires_grad_(False)
@@ -110,7 +115,7 @@ class ModelBundle:
         return path
 
     @classmethod
-    def load(cls, path: str, device: str | torch.device = "cpu") -> "ModelBundle":
+    def load(cls, path: str, device: str | torch.device = "cpu") -> ModelBundle:
         """Load a bundle folder: a local path, or a storage URI (downloaded first)."""
         from raycompat.storage import is_uri, local_copy
 
@@ -124,8 +129,9 @@ class ModelBundle:
         modules: dict[str, nn.Module] = {}
         for name, spec in manifest.get("modules", {}).items():
             module = build_module(spec)
-            state = torch.load(os.path.join(path, f"{name}.pt"), map_location=device,
-                               weights_only=True)
+            state = torch.load(
+                os.path.join(path, f"{name}.pt"), map_location=device, weights_only=True
+            )
             module.load_state_dict(state)
             modules[name] = module.to(device).eval()
         return cls(modules, manifest)

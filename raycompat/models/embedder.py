@@ -3,6 +3,7 @@
 Retrieval uses the L2-normalised output; training losses receive the raw FC output and
 normalise where their equation says so.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ class Embedder(nn.Module):
         self.pool = GeM(gem_p)
         self.fc = nn.Linear(self.backbone.num_features, embed_dim)
         self.embed_dim = embed_dim
-        self.spec = dict(type="embedder", backbone=backbone, embed_dim=embed_dim,
-                         in_chans=in_chans, gem_p=gem_p)
+        self.spec = dict(
+            type="embedder", backbone=backbone, embed_dim=embed_dim, in_chans=in_chans, gem_p=gem_p
+        )
 
     def _freeze_unused_backbone_parameters(self, in_chans: int) -> None:
         """Some timm models keep head layers (e.g. LCNet/MobileNetV3 ``conv_head``) that
@@ -70,7 +72,7 @@ class Embedder(nn.Module):
         x = torch.zeros(2, in_chans, *size)
         was_training = self.backbone.training
         self.backbone.eval()
-        with torch.enable_grad():   # also when the model is built inside torch.no_grad()
+        with torch.enable_grad():  # also when the model is built inside torch.no_grad()
             self.backbone.forward_features(x).float().sum().backward()
         for p in self.backbone.parameters():
             if p.requires_grad and p.grad is None:

@@ -3,6 +3,7 @@
 The cosine heads share one normalised weight matrix (``CosineClassifier``) and differ
 only in the margin they put on the target logit, written once in ``margin_logits``.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,13 +14,14 @@ from torch import nn
 
 HEAD_DEFAULTS = {
     "softmax": dict(),
-    "cosface": dict(scale=32.0, margin=0.4),   # BCT faces
-    "arcface": dict(scale=30.0, margin=0.3),   # DMU landmarks
+    "cosface": dict(scale=32.0, margin=0.4),  # BCT faces
+    "arcface": dict(scale=30.0, margin=0.3),  # DMU landmarks
 }
 
 
-def margin_logits(cos: torch.Tensor, labels: torch.Tensor | None, kind: str,
-                  scale: float, margin: float) -> torch.Tensor:
+def margin_logits(
+    cos: torch.Tensor, labels: torch.Tensor | None, kind: str, scale: float, margin: float
+) -> torch.Tensor:
     """Scaled cosine logits with the target margin of CosFace (s*(cos-m)) or ArcFace (s*cos(theta+m)).
 
     ``labels`` entries < 0 get no margin (samples whose class the head does not know).
@@ -36,8 +38,9 @@ def margin_logits(cos: torch.Tensor, labels: torch.Tensor | None, kind: str,
         sin = torch.sqrt((1.0 - target_cos.pow(2)).clamp(min=1e-9))
         shifted = target_cos * math.cos(margin) - sin * math.sin(margin)
         threshold = math.cos(math.pi - margin)
-        target_new = torch.where(target_cos > threshold, shifted,
-                                 target_cos - math.sin(math.pi - margin) * margin)
+        target_new = torch.where(
+            target_cos > threshold, shifted, target_cos - math.sin(math.pi - margin) * margin
+        )
     else:
         raise ValueError(f"unknown margin kind {kind!r}")
     target_new = torch.where(known, target_new, target_cos)
@@ -52,8 +55,14 @@ class ClassifierHead(nn.Module):
     cosine logits used for uncertainty (RACT Eq.9-11) and DMU's discriminativeness.
     """
 
-    def __init__(self, embed_dim: int, num_classes: int, kind: str = "softmax",
-                 scale: float | None = None, margin: float | None = None):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_classes: int,
+        kind: str = "softmax",
+        scale: float | None = None,
+        margin: float | None = None,
+    ):
         super().__init__()
         if kind not in HEAD_DEFAULTS:
             raise ValueError(f"unknown head {kind!r}; allowed: {sorted(HEAD_DEFAULTS)}")
@@ -64,8 +73,14 @@ class ClassifierHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_classes, embed_dim))
         nn.init.normal_(self.weight, std=0.01)
         self.bias = nn.Parameter(torch.zeros(num_classes)) if kind == "softmax" else None
-        self.spec = dict(type="head", embed_dim=embed_dim, num_classes=num_classes, kind=kind,
-                         scale=self.scale, margin=self.margin)
+        self.spec = dict(
+            type="head",
+            embed_dim=embed_dim,
+            num_classes=num_classes,
+            kind=kind,
+            scale=self.scale,
+            margin=self.margin,
+        )
 
     @property
     def num_classes(self) -> int:
@@ -75,8 +90,12 @@ class ClassifierHead(nn.Module):
         w = self.weight if weight is None else weight
         return F.linear(F.normalize(emb, dim=-1), F.normalize(w, dim=-1))
 
-    def forward(self, emb: torch.Tensor, labels: torch.Tensor | None = None,
-                weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        emb: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Training logits. ``weight`` overrides the rows (e.g. BCT-sys synthesised classes)."""
         if self.kind == "softmax":
             w = self.weight if weight is None else weight

@@ -4,8 +4,10 @@
 - RM rho (head on phi_n) and psi_rev (new -> old reverse query transform) reuse the same
   building block with their own depth (docs/methods.md, Training objectives).
 """
+
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -13,19 +15,35 @@ from torch import nn
 class ProjectionMLP(nn.Module):
     """``num_blocks`` x [Linear-BN-ReLU] followed by a Linear to ``out_dim``."""
 
-    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 1024, num_blocks: int = 3,
-                 role: str = "psi"):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        hidden_dim: int = 1024,
+        num_blocks: int = 3,
+        role: str = "psi",
+    ):
         super().__init__()
         layers: list[nn.Module] = []
         width = in_dim
         for _ in range(num_blocks):
-            layers += [nn.Linear(width, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True)]
+            layers += [
+                nn.Linear(width, hidden_dim),
+                nn.BatchNorm1d(hidden_dim),
+                nn.ReLU(inplace=True),
+            ]
             width = hidden_dim
         layers.append(nn.Linear(width, out_dim))
         self.net = nn.Sequential(*layers)
         self.in_dim, self.out_dim = in_dim, out_dim
-        self.spec = dict(type="mlp", in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim,
-                         num_blocks=num_blocks, role=role)
+        self.spec = dict(
+            type="mlp",
+            in_dim=in_dim,
+            out_dim=out_dim,
+            hidden_dim=hidden_dim,
+            num_blocks=num_blocks,
+            role=role,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -54,16 +72,16 @@ class FeatureMap:
         self.out_dim = getattr(module, "out_dim", None)
         self.batch_size = int(batch_size)
 
-    def __call__(self, x) -> "np.ndarray":
-        import numpy as np
-
+    def __call__(self, x) -> np.ndarray:
         x = np.asarray(x)
         if x.ndim != 2 or (self.in_dim is not None and x.shape[1] != self.in_dim):
             raise ValueError(f"expected [n, {self.in_dim}] features, got shape {x.shape}")
         out = []
         with torch.no_grad():
             for s in range(0, x.shape[0], self.batch_size):
-                chunk = torch.from_numpy(np.ascontiguousarray(x[s:s + self.batch_size], dtype=np.float64))
+                chunk = torch.from_numpy(
+                    np.ascontiguousarray(x[s : s + self.batch_size], dtype=np.float64)
+                )
                 out.append(self.module(chunk).numpy().astype(np.float32))
         if not out:
             return np.zeros((0, self.out_dim or 0), np.float32)

@@ -4,15 +4,35 @@ old / new embedder pools -> psi and uncertainty -> resumable parquet shards.
 The library call is :func:`embed_gallery`; :mod:`raycompat.pipeline.job` is its command line
 (``raycompat embed-gallery``, ``jobs/embed_gallery.py``).
 """
+
 from raycompat.pipeline.bundles import bundle_fingerprint, make_random_bundles
 from raycompat.pipeline.ids import IdPlan
 from raycompat.pipeline.job import EmbedGalleryOptions, GalleryRun, embed_gallery, main
 from raycompat.pipeline.options import ExecutionOptions, PipelineOptions, StageOptions
-from raycompat.pipeline.sources import (EXTRA_INSTANCE_BASE, GallerySource, GlyphGallerySource,
-                                        OldFeatureSource, ParquetImageSource, RecordSource)
+from raycompat.pipeline.sources import (
+    EXTRA_INSTANCE_BASE,
+    GallerySource,
+    GlyphGallerySource,
+    OldFeatureSource,
+    ParquetImageSource,
+    RecordSource,
+)
 
-__all__ = ["embed_gallery", "GalleryRun", "main", "EmbedGalleryOptions", "PipelineOptions", "ExecutionOptions",
-           "StageOptions", "IdPlan",
-           "GallerySource", "GlyphGallerySource", "OldFeatureSource", "RecordSource", "ParquetImageSource",
-           "EXTRA_INSTANCE_BASE",
-           "bundle_fingerprint", "make_random_bundles"]
+__all__ = [
+    "embed_gallery",
+    "GalleryRun",
+    "main",
+    "EmbedGalleryOptions",
+    "PipelineOptions",
+    "ExecutionOptions",
+    "StageOptions",
+    "IdPlan",
+    "GallerySource",
+    "GlyphGallerySource",
+    "OldFeatureSource",
+    "RecordSource",
+    "ParquetImageSource",
+    "EXTRA_INSTANCE_BASE",
+    "bundle_fingerprint",
+    "make_random_bundles",
+]

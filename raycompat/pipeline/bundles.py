@@ -1,13 +1,13 @@
 """The models a gallery run uses: old and new bundles (psi and the new head live in the new
 bundle), their fingerprints for the output manifest, and small random-init bundles for smoke
 runs, tests and benchmarks (no training)."""
+
 from __future__ import annotations
 
 import hashlib
 import os
 
 from raycompat.config import ConfigError
-
 
 _LOCAL_COPIES: dict[str, str] = {}
 
@@ -59,12 +59,20 @@ def embedder_info(path: str) -> dict:
     spec = modules.get("embedder")
     if spec is None:
         raise ConfigError(f"model bundle {path!r} has no 'embedder' module (has {sorted(modules)})")
-    return {"embed_dim": int(spec["embed_dim"]), "in_chans": int(spec.get("in_chans", manifest.get("in_chans", 1))),
-            "resolution": manifest.get("resolution"), "modules": sorted(modules),
-            "psi_dims": (int(modules["psi"]["in_dim"]), int(modules["psi"]["out_dim"])) if "psi" in modules else None}
+    return {
+        "embed_dim": int(spec["embed_dim"]),
+        "in_chans": int(spec.get("in_chans", manifest.get("in_chans", 1))),
+        "resolution": manifest.get("resolution"),
+        "modules": sorted(modules),
+        "psi_dims": (int(modules["psi"]["in_dim"]), int(modules["psi"]["out_dim"]))
+        if "psi" in modules
+        else None,
+    }
 
 
-def calibrate_batchnorm(embedder, resolution: int, seed: int, batches: int = 4, batch_size: int = 64) -> None:
+def calibrate_batchnorm(
+    embedder, resolution: int, seed: int, batches: int = 4, batch_size: int = 64
+) -> None:
     """Set the BatchNorm running statistics of a random-init embedder from a few forward passes
     on noise images. Without it, timm's default statistics (mean 0, var 1) let activations
     shrink layer by layer in eval mode (LCNet: ~1e-9 after the last block), and every input
@@ -74,21 +82,31 @@ def calibrate_batchnorm(embedder, resolution: int, seed: int, batches: int = 4, 
     norms = [m for m in embedder.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     for m in norms:
         m.reset_running_stats()
-        m.momentum = None               # cumulative average over the calibration batches
+        m.momentum = None  # cumulative average over the calibration batches
     gen = torch.Generator().manual_seed(seed)
     in_chans = int(embedder.spec.get("in_chans", 1))
     embedder.train()
     with torch.no_grad():
         for _ in range(batches):
-            embedder(torch.rand(batch_size, in_chans, resolution, resolution, generator=gen) * 2 - 1)
+            embedder(
+                torch.rand(batch_size, in_chans, resolution, resolution, generator=gen) * 2 - 1
+            )
     for m in norms:
         m.momentum = 0.1
     embedder.eval()
 
 
-def make_random_bundles(out_dir: str, backbone: str = "lcnet_050", old_dim: int = 64, new_dim: int = 128,
-                        num_classes: int = 100, psi_hidden: int = 1024, resolution: int = 32, seed: int = 0,
-                        head: str = "cosface") -> tuple[str, str]:
+def make_random_bundles(
+    out_dir: str,
+    backbone: str = "lcnet_050",
+    old_dim: int = 64,
+    new_dim: int = 128,
+    num_classes: int = 100,
+    psi_hidden: int = 1024,
+    resolution: int = 32,
+    seed: int = 0,
+    head: str = "cosface",
+) -> tuple[str, str]:
     """Save a random-init old bundle (embedder + head) and new bundle (embedder + head + psi)
     under ``out_dir``; returns ``(old_path, new_path)``. Deterministic in ``seed``; existing
     bundles made with the same arguments are reused."""
@@ -98,23 +116,46 @@ def make_random_bundles(out_dir: str, backbone: str = "lcnet_050", old_dim: int 
 
     from raycompat.models import ClassifierHead, Embedder, ModelBundle, PsiMLP
 
-    args = dict(backbone=backbone, old_dim=old_dim, new_dim=new_dim, num_classes=num_classes,
-                psi_hidden=psi_hidden, resolution=resolution, seed=seed, head=head, bn_calibrated=True)
+    args = dict(
+        backbone=backbone,
+        old_dim=old_dim,
+        new_dim=new_dim,
+        num_classes=num_classes,
+        psi_hidden=psi_hidden,
+        resolution=resolution,
+        seed=seed,
+        head=head,
+        bn_calibrated=True,
+    )
     paths = (os.path.join(out_dir, "old"), os.path.join(out_dir, "new"))
     stamp = os.path.join(out_dir, "random_init.json")
-    if all(os.path.isfile(os.path.join(p, "manifest.json")) for p in paths) and os.path.isfile(stamp):
+    if all(os.path.isfile(os.path.join(p, "manifest.json")) for p in paths) and os.path.isfile(
+        stamp
+    ):
         with open(stamp) as fh:
             if json.load(fh) == args:
                 return paths
-    common = dict(in_chans=1, resolution=resolution, classes=list(range(num_classes)), random_init=True)
+    common = dict(
+        in_chans=1, resolution=resolution, classes=list(range(num_classes)), random_init=True
+    )
     torch.manual_seed(seed)
-    old = ModelBundle({"embedder": Embedder(backbone, old_dim), "head": ClassifierHead(old_dim, num_classes, head)},
-                      dict(common, method="random-init old"))
+    old = ModelBundle(
+        {
+            "embedder": Embedder(backbone, old_dim),
+            "head": ClassifierHead(old_dim, num_classes, head),
+        },
+        dict(common, method="random-init old"),
+    )
     torch.manual_seed(seed + 1)
-    new = ModelBundle({"embedder": Embedder(backbone, new_dim), "head": ClassifierHead(new_dim, num_classes, head),
-                       "psi": PsiMLP(old_dim, new_dim, hidden_dim=psi_hidden)},
-                      dict(common, method="random-init new", compatible_dim=min(old_dim, new_dim)))
-    for bundle, path in zip((old, new), paths):
+    new = ModelBundle(
+        {
+            "embedder": Embedder(backbone, new_dim),
+            "head": ClassifierHead(new_dim, num_classes, head),
+            "psi": PsiMLP(old_dim, new_dim, hidden_dim=psi_hidden),
+        },
+        dict(common, method="random-init new", compatible_dim=min(old_dim, new_dim)),
+    )
+    for bundle, path in zip((old, new), paths, strict=False):
         calibrate_batchnorm(bundle.embedder, resolution, seed)
         bundle.eval().save(path)
     os.makedirs(out_dir, exist_ok=True)

@@ -5,6 +5,7 @@ ids (``--ids``: what a backfill batch asks for). Chunk ``k`` always holds the id
 positions ``[k * chunk_size, (k + 1) * chunk_size)``, so the same plan cuts into the same
 chunks on every run, and each id belongs to exactly one chunk (exactly-once output).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,7 @@ class IdPlan:
             self.ids = ids
 
     @classmethod
-    def from_ids(cls, ids, chunk_size: int) -> "IdPlan":
+    def from_ids(cls, ids, chunk_size: int) -> IdPlan:
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if ids.size == 0:
             raise ConfigError("the id list is empty: nothing to embed")
@@ -76,9 +77,19 @@ class IdPlan:
     def describe(self) -> dict:
         """What identifies the plan (recorded in the output manifest)."""
         if self.ids is None:
-            return {"kind": "range", "start": self.start, "stop": self.stop, "chunk_size": self.chunk_size}
+            return {
+                "kind": "range",
+                "start": self.start,
+                "stop": self.stop,
+                "chunk_size": self.chunk_size,
+            }
         digest = hashlib.sha256(self.ids.tobytes()).hexdigest()[:16]
-        return {"kind": "ids", "count": int(self.ids.size), "sha256": digest, "chunk_size": self.chunk_size}
+        return {
+            "kind": "ids",
+            "count": int(self.ids.size),
+            "sha256": digest,
+            "chunk_size": self.chunk_size,
+        }
 
 
 def parse_ids_option(value: str) -> np.ndarray:
@@ -90,7 +101,9 @@ def parse_ids_option(value: str) -> np.ndarray:
         try:
             a, b = int(lo), int(hi)
         except ValueError:
-            raise ConfigError(f"--ids {value!r}: a range must look like START:STOP (integers)") from None
+            raise ConfigError(
+                f"--ids {value!r}: a range must look like START:STOP (integers)"
+            ) from None
         if not 0 <= a < b:
             raise ConfigError(f"--ids {value!r}: need 0 <= START < STOP")
         return np.arange(a, b, dtype=np.int64)
@@ -103,4 +116,6 @@ def parse_ids_option(value: str) -> np.ndarray:
     try:
         return np.array([int(t) for t in text], dtype=np.int64)
     except ValueError as exc:
-        raise ConfigError(f"--ids file {value}: every entry must be an integer item id ({exc})") from None
+        raise ConfigError(
+            f"--ids file {value}: every entry must be an integer item id ({exc})"
+        ) from None

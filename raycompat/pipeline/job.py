@@ -13,6 +13,7 @@ Only the stages the requested columns need are built. Output (``raycompat.pipeli
 local folder or a URI (``raycompat.pipeline.location``); the job's ``--storage S`` puts it at
 ``S/embeddings/<--name>``. See docs/architecture.md (Data flow, Jobs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,26 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from raycompat.config import (ConfigError, add_options, choices, make_parser, nonnegative, option,
-                              options_from_args)
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    make_parser,
+    nonnegative,
+    option,
+    options_from_args,
+)
 from raycompat.console import fail, job_main, quiet_ray
 from raycompat.data.readers import CorruptImageError
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.pipeline.ids import IdPlan, parse_ids_option
-from raycompat.pipeline.options import (ExecutionOptions, PipelineOptions, StageFlags, parse_columns,
-                                        pipeline_options)
+from raycompat.pipeline.options import (
+    ExecutionOptions,
+    PipelineOptions,
+    StageFlags,
+    parse_columns,
+    pipeline_options,
+)
 from raycompat.pipeline.stages import UNCERTAINTY_COLUMNS
 
 __all__ = ["EmbedGalleryOptions", "GalleryRun", "embed_gallery", "build_parser", "run_job", "main"]
@@ -71,20 +84,27 @@ class StagePlan:
 
 
 # ----------------------------------------------------------------------------- models and stages
-def _check_models(columns, uncertainty, old_model, new_model,
-                  stored_old_dim: int | None) -> tuple[bool, bool]:
+def _check_models(
+    columns, uncertainty, old_model, new_model, stored_old_dim: int | None
+) -> tuple[bool, bool]:
     """``(need_old, need_new_bundle)``; ``ConfigError`` when a needed model is missing."""
     if stored_old_dim is not None and "new" in columns:
-        raise ConfigError("column 'new' needs images; the old-feature source only has old features "
-                          "(it serves 'old', 'adapted' and uncertainty)")
+        raise ConfigError(
+            "column 'new' needs images; the old-feature source only has old features "
+            "(it serves 'old', 'adapted' and uncertainty)"
+        )
     need_old = stored_old_dim is None and ("old" in columns or "adapted" in columns or uncertainty)
     need_new_bundle = "new" in columns or "adapted" in columns or uncertainty
     if need_old and not old_model:
-        raise ConfigError("the old model is required for columns old/adapted and uncertainty: pass "
-                          "--old-model (a saved bundle folder) or --random-init DIR for a smoke run")
+        raise ConfigError(
+            "the old model is required for columns old/adapted and uncertainty: pass "
+            "--old-model (a saved bundle folder) or --random-init DIR for a smoke run"
+        )
     if need_new_bundle and not new_model:
-        raise ConfigError("the new model is required for columns new/adapted and uncertainty: pass "
-                          "--new-model (a saved bundle folder) or --random-init DIR for a smoke run")
+        raise ConfigError(
+            "the new model is required for columns new/adapted and uncertainty: pass "
+            "--new-model (a saved bundle folder) or --random-init DIR for a smoke run"
+        )
     return need_old, need_new_bundle
 
 
@@ -98,29 +118,40 @@ def _output_dims(columns, uncertainty, old_info, new_info, new_model) -> dict:
             dims["new"] = new_info["embed_dim"]
         else:
             if new_info["psi_dims"] is None:
-                raise ConfigError(f"column 'adapted' needs psi, but the new model {new_model!r} has no 'psi' "
-                                  f"module (modules: {new_info['modules']}); psi comes from DMU training")
+                raise ConfigError(
+                    f"column 'adapted' needs psi, but the new model {new_model!r} has no 'psi' "
+                    f"module (modules: {new_info['modules']}); psi comes from DMU training"
+                )
             if new_info["psi_dims"][0] != old_info["embed_dim"]:
-                raise ConfigError(f"psi of {new_model!r} expects {new_info['psi_dims'][0]}-dim old features, "
-                                  f"the old model gives {old_info['embed_dim']}")
+                raise ConfigError(
+                    f"psi of {new_model!r} expects {new_info['psi_dims'][0]}-dim old features, "
+                    f"the old model gives {old_info['embed_dim']}"
+                )
             dims["adapted"] = new_info["psi_dims"][1]
     if uncertainty and "head" not in new_info["modules"]:
-        raise ConfigError(f"uncertainty needs the new model's classifier head; {new_model!r} has none")
+        raise ConfigError(
+            f"uncertainty needs the new model's classifier head; {new_model!r} has none"
+        )
     if uncertainty and old_info["embed_dim"] > new_info["embed_dim"]:
-        raise ConfigError(f"uncertainty needs D_old <= D_new, got {old_info['embed_dim']} > "
-                          f"{new_info['embed_dim']}")
+        raise ConfigError(
+            f"uncertainty needs D_old <= D_new, got {old_info['embed_dim']} > "
+            f"{new_info['embed_dim']}"
+        )
     return dims
 
 
-def resolve_models(columns, uncertainty, old_model, new_model,
-                   stored_old_dim: int | None = None) -> StagePlan:
+def resolve_models(
+    columns, uncertainty, old_model, new_model, stored_old_dim: int | None = None
+) -> StagePlan:
     """Which stages run and the output dims. ``stored_old_dim``: the source already holds old
     features (``OldFeatureSource``) of that dimension, so no image stage and no old model."""
     from raycompat.pipeline.bundles import embedder_info
 
     if stored_old_dim is not None:
         old_model = None
-    need_old, need_new_bundle = _check_models(columns, uncertainty, old_model, new_model, stored_old_dim)
+    need_old, need_new_bundle = _check_models(
+        columns, uncertainty, old_model, new_model, stored_old_dim
+    )
     old_info = embedder_info(old_model) if need_old else None
     if stored_old_dim is not None:
         old_info = {"embed_dim": int(stored_old_dim)}
@@ -144,15 +175,24 @@ def _id_blocks(todo, plan: IdPlan, size: int) -> list:
     stream out of the render tasks batch by batch instead of a whole chunk at a time."""
     import pyarrow as pa
 
-    return [pa.table({"item_id": ids[k:k + size]})
-            for ids in (plan.chunk_ids(c) for c in todo) for k in range(0, len(ids), size)]
+    return [
+        pa.table({"item_id": ids[k : k + size]})
+        for ids in (plan.chunk_ids(c) for c in todo)
+        for k in range(0, len(ids), size)
+    ]
 
 
 def _task_stage(ds, fn, stage, **kw):
     from ray.data import TaskPoolStrategy
 
-    return ds.map_batches(fn, batch_size=stage.batch_size, num_cpus=stage.num_cpus,
-                          resources=_resources(stage), compute=TaskPoolStrategy(size=stage.concurrency), **kw)
+    return ds.map_batches(
+        fn,
+        batch_size=stage.batch_size,
+        num_cpus=stage.num_cpus,
+        resources=_resources(stage),
+        compute=TaskPoolStrategy(size=stage.concurrency),
+        **kw,
+    )
 
 
 def _actor_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, **kwargs):
@@ -160,13 +200,28 @@ def _actor_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, **k
     from ray.data import ActorPoolStrategy
 
     g = _gpus(stage, opts, cluster_gpus)
-    return ds.map_batches(cls, fn_constructor_kwargs=dict(kwargs, threads=opts.threads, use_gpu=g > 0),
-                          batch_size=stage.batch_size, num_cpus=stage.num_cpus, num_gpus=g or None,
-                          resources=_resources(stage), compute=ActorPoolStrategy(size=stage.concurrency))
+    return ds.map_batches(
+        cls,
+        fn_constructor_kwargs=dict(kwargs, threads=opts.threads, use_gpu=g > 0),
+        batch_size=stage.batch_size,
+        num_cpus=stage.num_cpus,
+        num_gpus=g or None,
+        resources=_resources(stage),
+        compute=ActorPoolStrategy(size=stage.concurrency),
+    )
 
 
-def build_dataset(todo, plan, source, old_model, new_model, stages: StagePlan, columns, uncertainty,
-                  opts: PipelineOptions):
+def build_dataset(
+    todo,
+    plan,
+    source,
+    old_model,
+    new_model,
+    stages: StagePlan,
+    columns,
+    uncertainty,
+    opts: PipelineOptions,
+):
     """The lazy Ray Data pipeline for chunks ``todo``."""
     import ray
 
@@ -175,22 +230,48 @@ def build_dataset(todo, plan, source, old_model, new_model, stages: StagePlan, c
     st = opts.stages
     cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
     ds = ray.data.from_arrow(_id_blocks(todo, plan, st["render"].batch_size))
-    ds = _task_stage(ds, load_images, st["render"],
-                     fn_kwargs={"source": source, "on_corrupt": opts.on_corrupt})
+    ds = _task_stage(
+        ds, load_images, st["render"], fn_kwargs={"source": source, "on_corrupt": opts.on_corrupt}
+    )
     need_old, need_new = stages.need_old, stages.need_new
     if getattr(source, "provides_old", False):  # stored old features: no image, no backbone
         need_old = need_new = False
     else:
         ds = _task_stage(ds, preprocess, st["preprocess"])
     if need_new:
-        ds = _actor_stage(ds, EmbedStage, st["new"], opts, cluster_gpus, bundle_path=new_model, column="new",
-                          drop_pixels=not need_old)
+        ds = _actor_stage(
+            ds,
+            EmbedStage,
+            st["new"],
+            opts,
+            cluster_gpus,
+            bundle_path=new_model,
+            column="new",
+            drop_pixels=not need_old,
+        )
     if need_old:
-        ds = _actor_stage(ds, EmbedStage, st["old"], opts, cluster_gpus, bundle_path=old_model, column="old",
-                          drop_pixels=True)
+        ds = _actor_stage(
+            ds,
+            EmbedStage,
+            st["old"],
+            opts,
+            cluster_gpus,
+            bundle_path=old_model,
+            column="old",
+            drop_pixels=True,
+        )
     if stages.need_feature_stage:
-        ds = _actor_stage(ds, OldFeatureStage, st["adapt"], opts, cluster_gpus, new_bundle_path=new_model,
-                          adapt="adapted" in columns, uncertainty=uncertainty, drop_old="old" not in columns)
+        ds = _actor_stage(
+            ds,
+            OldFeatureStage,
+            st["adapt"],
+            opts,
+            cluster_gpus,
+            new_bundle_path=new_model,
+            adapt="adapted" in columns,
+            uncertainty=uncertainty,
+            drop_old="old" not in columns,
+        )
     return ds
 
 
@@ -237,8 +318,9 @@ class _Output:
     removed: int
 
 
-def _open_output(out, opts: PipelineOptions, source, plan: IdPlan, columns, unc_cols, models: dict,
-                 dims: dict) -> _Output:
+def _open_output(
+    out, opts: PipelineOptions, source, plan: IdPlan, columns, unc_cols, models: dict, dims: dict
+) -> _Output:
     """Create and check ``out`` (``StorageError`` otherwise), write or check its manifest
     (``ConfigError`` for other settings) and find the complete shards."""
     from raycompat.pipeline.location import OutputDir
@@ -248,7 +330,9 @@ def _open_output(out, opts: PipelineOptions, source, plan: IdPlan, columns, unc_
     location = OutputDir.open(out)
     if opts.overwrite:
         location.clear()
-    resuming = check_or_write(location, content_manifest(source, plan, columns, unc_cols, models, dims))
+    resuming = check_or_write(
+        location, content_manifest(source, plan, columns, unc_cols, models, dims)
+    )
     schema = output_schema(dims, unc_cols)
     store = ShardStore(location, schema)
     removed = store.remove_temp_files()
@@ -281,51 +365,98 @@ def _stream(ds, assembler, memory, planned: int, todo, opts: PipelineOptions, ou
                 got = assembler.received
                 rate = got / max(now - started, 1e-9)
                 eta = (planned - got) / rate if rate > 0 else float("inf")
-                log(f"[embed_gallery] {got}/{planned} items embedded ({100 * got / planned:.1f} %), "
+                log(
+                    f"[embed_gallery] {got}/{planned} items embedded ({100 * got / planned:.1f} %), "
                     f"{assembler.written_chunks}/{len(todo)} shards written, {rate:.0f} items/s, "
-                    f"ETA {eta:.0f} s, peak memory PSS {memory.peak_pss_mib:.0f} MiB")
+                    f"ETA {eta:.0f} s, peak memory PSS {memory.peak_pss_mib:.0f} MiB"
+                )
     except Exception as exc:  # Ray Data wraps a failing stage's exception
         message = _find_corrupt(exc)
         if message:
             raise CorruptImageError(
                 f"{message}. {assembler.written_chunks} complete shard(s) kept in {out}; rerun with "
-                "--on-corrupt skip to skip such images (the run resumes)") from None
+                "--on-corrupt skip to skip such images (the run resumes)"
+            ) from None
         raise
     return first
 
 
-def _summary(out: str, plan: IdPlan, planned: int, resumed_items: int, assembler, seconds: float, first,
-             columns, unc_cols, dims: dict, memory, stages: list, opts: PipelineOptions) -> dict:
+def _summary(
+    out: str,
+    plan: IdPlan,
+    planned: int,
+    resumed_items: int,
+    assembler,
+    seconds: float,
+    first,
+    columns,
+    unc_cols,
+    dims: dict,
+    memory,
+    stages: list,
+    opts: PipelineOptions,
+) -> dict:
     """What ``_summary.json`` holds (and :func:`format_summary` prints)."""
     skipped = assembler.skipped
     return {
-        "out": out, "items_planned": planned, "items_total": len(plan), "items_resumed": resumed_items,
-        "items_written": assembler.written_items, "items_skipped": len(skipped), "skipped": skipped[:1000],
-        "shards_written": assembler.written_chunks, "seconds": seconds,
+        "out": out,
+        "items_planned": planned,
+        "items_total": len(plan),
+        "items_resumed": resumed_items,
+        "items_written": assembler.written_items,
+        "items_skipped": len(skipped),
+        "skipped": skipped[:1000],
+        "shards_written": assembler.written_chunks,
+        "seconds": seconds,
         "items_per_s": (assembler.written_items + len(skipped)) / seconds if seconds > 0 else 0.0,
         "first_output_s": first[0] if first else None,
-        "steady_items_per_s": ((assembler.received - first[1]) / (seconds - first[0])
-                               if first and seconds > first[0] else None),
-        "columns": list(columns), "uncertainty_columns": list(unc_cols), "dims": dims,
-        "memory": {"peak_rss_mib": memory.peak_rss_mib, "peak_pss_mib": memory.peak_pss_mib,
-                   "what": "sum over the driver and every process it started (embedded Ray: GCS, raylet, "
-                           "workers, actors); PSS splits shared pages such as the object store",
-                   **memory.halves(), "series_s_items_rss_pss": memory.thinned_series()},
-        "stages": stages, "options": asdict(opts),
+        "steady_items_per_s": (
+            (assembler.received - first[1]) / (seconds - first[0])
+            if first and seconds > first[0]
+            else None
+        ),
+        "columns": list(columns),
+        "uncertainty_columns": list(unc_cols),
+        "dims": dims,
+        "memory": {
+            "peak_rss_mib": memory.peak_rss_mib,
+            "peak_pss_mib": memory.peak_pss_mib,
+            "what": "sum over the driver and every process it started (embedded Ray: GCS, raylet, "
+            "workers, actors); PSS splits shared pages such as the object store",
+            **memory.halves(),
+            "series_s_items_rss_pss": memory.thinned_series(),
+        },
+        "stages": stages,
+        "options": asdict(opts),
         # where the embedding stages ran (this run's rows): {stage: {Ray node id: rows}}
-        "nodes": {stage: dict(sorted(per_node.items()))
-                  for stage, per_node in sorted(assembler.node_items.items())},
+        "nodes": {
+            stage: dict(sorted(per_node.items()))
+            for stage, per_node in sorted(assembler.node_items.items())
+        },
     }
 
 
-def _log_start(log, source, plan: IdPlan, columns, uncertainty: bool, out: str, output: _Output, todo,
-               resumed_items: int) -> None:
-    log(f"[embed_gallery] {source.kind} source, {len(plan)} items in {plan.num_chunks} chunks of "
-        f"{plan.chunk_size}; columns {list(columns)}{' + uncertainty' if uncertainty else ''} -> {out}")
+def _log_start(
+    log,
+    source,
+    plan: IdPlan,
+    columns,
+    uncertainty: bool,
+    out: str,
+    output: _Output,
+    todo,
+    resumed_items: int,
+) -> None:
+    log(
+        f"[embed_gallery] {source.kind} source, {len(plan)} items in {plan.num_chunks} chunks of "
+        f"{plan.chunk_size}; columns {list(columns)}{' + uncertainty' if uncertainty else ''} -> {out}"
+    )
     if output.resuming:
         removed = output.removed
-        log(f"[embed_gallery] resuming: {len(output.done)} chunks ({resumed_items} items) already complete, "
-            f"{len(todo)} to do{f', {removed} partial temp file(s) removed' if removed else ''}")
+        log(
+            f"[embed_gallery] resuming: {len(output.done)} chunks ({resumed_items} items) already complete, "
+            f"{len(todo)} to do{f', {removed} partial temp file(s) removed' if removed else ''}"
+        )
 
 
 def _finish(output: _Output, summary: dict, skipped: list, log) -> None:
@@ -339,9 +470,18 @@ def _finish(output: _Output, summary: dict, skipped: list, log) -> None:
     log(format_summary(summary))
 
 
-def embed_gallery(out, source, *, old_model: str | None = None, new_model: str | None = None,
-                  columns=("old", "new"), uncertainty: bool = False, ids=None,
-                  options: PipelineOptions | None = None, log=print) -> GalleryRun:
+def embed_gallery(
+    out,
+    source,
+    *,
+    old_model: str | None = None,
+    new_model: str | None = None,
+    columns=("old", "new"),
+    uncertainty: bool = False,
+    ids=None,
+    options: PipelineOptions | None = None,
+    log=print,
+) -> GalleryRun:
     """Embed ``source``'s items (all, or ``ids``) into parquet shards under ``out``: a local
     folder, any URI pyarrow's filesystems open (``s3://bucket/gallery``, ``file:///nfs/g``),
     or a checked ``raycompat.pipeline.location.OutputDir``; it is created and checked for
@@ -368,8 +508,10 @@ def embed_gallery(out, source, *, old_model: str | None = None, new_model: str |
         old_model = None
     plan = _id_plan(source, ids, opts.chunk_size)
     unc_cols = tuple(UNCERTAINTY_COLUMNS.values()) if uncertainty else ()
-    models = {"old": old_model if stages.need_old else None,
-              "new": new_model if (stages.need_new or stages.need_feature_stage) else None}
+    models = {
+        "old": old_model if stages.need_old else None,
+        "new": new_model if (stages.need_new or stages.need_feature_stage) else None,
+    }
     output = _open_output(out, opts, source, plan, columns, unc_cols, models, stages.dims)
     out = output.location.uri
     todo = [c for c in range(plan.num_chunks) if c not in output.done]
@@ -385,14 +527,29 @@ def embed_gallery(out, source, *, old_model: str | None = None, new_model: str |
     first = None
     with MemorySampler(opts.memory_interval_s, progress=lambda: assembler.received) as memory:
         if todo:
-            ds = build_dataset(todo, plan, source, old_model, new_model, stages, columns, uncertainty, opts)
+            ds = build_dataset(
+                todo, plan, source, old_model, new_model, stages, columns, uncertainty, opts
+            )
             first = _stream(ds, assembler, memory, planned, todo, opts, out, log)
             stage_rows = stage_times(ds)
     seconds = time.perf_counter() - started
     if assembler.open_chunks:
         raise RuntimeError(f"{assembler.open_chunks} chunk(s) received only part of their ids")
-    summary = _summary(out, plan, planned, resumed_items, assembler, seconds, first, columns, unc_cols,
-                       stages.dims, memory, stage_rows, opts)
+    summary = _summary(
+        out,
+        plan,
+        planned,
+        resumed_items,
+        assembler,
+        seconds,
+        first,
+        columns,
+        unc_cols,
+        stages.dims,
+        memory,
+        stage_rows,
+        opts,
+    )
     _finish(output, summary, assembler.skipped, log)
     return GalleryRun(out, summary)
 
@@ -402,48 +559,81 @@ def embed_gallery(out, source, *, old_model: str | None = None, new_model: str |
 class EmbedGalleryOptions:
     """Every flag of the embed-gallery job (``execution`` and ``stages`` do not change the output)."""
 
-    storage: str | None = option(None, help="shared storage: a local path or any URI pyarrow opens "
-                                            "(s3://bucket/prefix, gs://..., file:///nfs/...); the output "
-                                            "goes to <storage>/embeddings/<name> unless --out is given")
+    storage: str | None = option(
+        None,
+        help="shared storage: a local path or any URI pyarrow opens "
+        "(s3://bucket/prefix, gs://..., file:///nfs/...); the output "
+        "goes to <storage>/embeddings/<name> unless --out is given",
+    )
     name: str = option("gallery", help="output folder name under <storage>/embeddings")
-    out: str | None = option(None, help="output folder or URI (parquet shards + _manifest.json + "
-                                        "_summary.json); default gallery_out, or <storage>/embeddings/<name>")
+    out: str | None = option(
+        None,
+        help="output folder or URI (parquet shards + _manifest.json + "
+        "_summary.json); default gallery_out, or <storage>/embeddings/<name>",
+    )
     address: str | None = option(None, help="Ray address (none: an embedded local cluster)")
     num_cpus: int | None = option(None, min=1, help="CPUs of the embedded local cluster")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
     old_model: str | None = option(None, help="old model bundle folder")
-    new_model: str | None = option(None, help="new model bundle folder (its psi and head give "
-                                              "adapted/uncertainty)")
-    random_init: str | None = option(None, help="smoke run without trained models: create (or reuse) "
-                                                "random-init lcnet_050 bundles under this folder (old 64-d, "
-                                                "new 128-d with psi) and use them")
-    columns: tuple[str, ...] = option(("old", "new", "adapted"),
-                                      help="representations: any of old,new,adapted; e.g. 'old' for the "
-                                           "initial gallery, 'new' with --ids for a backfill batch")
-    uncertainty: bool = option(False, help="also compute unc_least_confidence, unc_margin, unc_entropy "
-                                           "(RACT Eq.9-11)")
-    ids: str | None = option(None, help="only these item ids: START:STOP, or a file of ids (text or .npy)")
-    source: str = choices(*SOURCES, default="glyphs",
-                          help="old_features: refresh stored old features (an earlier output) with psi / "
-                               "uncertainty, no images")
-    path: str | None = option(None, help="image folder, parquet file/folder, GLDv2 csv, or old-feature "
-                                         "parquet folder")
+    new_model: str | None = option(
+        None, help="new model bundle folder (its psi and head give adapted/uncertainty)"
+    )
+    random_init: str | None = option(
+        None,
+        help="smoke run without trained models: create (or reuse) "
+        "random-init lcnet_050 bundles under this folder (old 64-d, "
+        "new 128-d with psi) and use them",
+    )
+    columns: tuple[str, ...] = option(
+        ("old", "new", "adapted"),
+        help="representations: any of old,new,adapted; e.g. 'old' for the "
+        "initial gallery, 'new' with --ids for a backfill batch",
+    )
+    uncertainty: bool = option(
+        False, help="also compute unc_least_confidence, unc_margin, unc_entropy (RACT Eq.9-11)"
+    )
+    ids: str | None = option(
+        None, help="only these item ids: START:STOP, or a file of ids (text or .npy)"
+    )
+    source: str = choices(
+        *SOURCES,
+        default="glyphs",
+        help="old_features: refresh stored old features (an earlier output) with psi / "
+        "uncertainty, no images",
+    )
+    path: str | None = option(
+        None, help="image folder, parquet file/folder, GLDv2 csv, or old-feature parquet folder"
+    )
     image_root: str | None = option(None, help="GLDv2 image root (a/b/c/<id>.jpg layout)")
     image_column: str = option("image", help="image bytes column of a parquet source")
     label_column: str = option("label", help="label column of a parquet source ('' for none)")
     id_column: str = option("item_id", help="id column of a parquet source")
-    split: str = choices("query", "gallery", "distractor", default="gallery",
-                         help="split of every item of a folder/parquet/GLDv2 source")
-    image_resolution: int | None = option(None, flag="--resolution", min=1,
-                                          help="image side in pixels (default: the old model's training "
-                                               "resolution, else 32)")
-    scenario_json: str | None = option(None, help="built-in glyph source: a saved scenario "
-                                                  "(e.g. quickstart_out/scenario.json)")
-    sizes: ScenarioSizes = option(ScenarioSizes(), help="built-in glyph source: the scenario "
-                                                        "(ScenarioSizes' own defaults)")
+    split: str = choices(
+        "query",
+        "gallery",
+        "distractor",
+        default="gallery",
+        help="split of every item of a folder/parquet/GLDv2 source",
+    )
+    image_resolution: int | None = option(
+        None,
+        flag="--resolution",
+        min=1,
+        help="image side in pixels (default: the old model's training resolution, else 32)",
+    )
+    scenario_json: str | None = option(
+        None, help="built-in glyph source: a saved scenario (e.g. quickstart_out/scenario.json)"
+    )
+    sizes: ScenarioSizes = option(
+        ScenarioSizes(), help="built-in glyph source: the scenario (ScenarioSizes' own defaults)"
+    )
     distractors: int = nonnegative(0, help="built-in glyph source: extra generated distractors")
-    items: int | None = option(None, min=1, help="built-in glyph source: total items (scenario + generated "
-                                                 "distractors); overrides --distractors")
+    items: int | None = option(
+        None,
+        min=1,
+        help="built-in glyph source: total items (scenario + generated "
+        "distractors); overrides --distractors",
+    )
     execution: ExecutionOptions = option(ExecutionOptions(), help="how the run executes")
     stages: StageFlags = option(factory=StageFlags, help="per-stage Ray Data resources")
 
@@ -456,8 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         prog="embed_gallery",
         description="Embed a gallery with the old model, the new model and psi (Ray Data, streaming, "
-                    "resumable) into parquet shards: item_id, label, split, old/new/adapted vectors, "
-                    "uncertainty scores.")
+        "resumable) into parquet shards: item_id, label, split, old/new/adapted vectors, "
+        "uncertainty scores.",
+    )
     add_options(parser, EmbedGalleryOptions, exclude=UNUSED_SIZES)
     return parser
 
@@ -494,8 +685,9 @@ def _file_source(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
             if not opts.image_root:
                 raise ConfigError("--source gldv2 needs --image-root")
             return RecordSource.gldv2(opts.path, opts.image_root, **kw)
-        return ParquetImageSource(opts.path, opts.image_column, opts.label_column or None, opts.id_column,
-                                  **kw)
+        return ParquetImageSource(
+            opts.path, opts.image_column, opts.label_column or None, opts.id_column, **kw
+        )
     except (FileNotFoundError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -548,8 +740,16 @@ def run_job(opts: EmbedGalleryOptions) -> GalleryRun:
     ids = parse_ids_option(opts.ids) if opts.ids else None
     quiet_ray(opts.verbose)
     connect(opts.address, num_cpus=opts.num_cpus)
-    return embed_gallery(output, source, old_model=old_model, new_model=new_model, columns=columns,
-                         uncertainty=opts.uncertainty, ids=ids, options=options)
+    return embed_gallery(
+        output,
+        source,
+        old_model=old_model,
+        new_model=new_model,
+        columns=columns,
+        uncertainty=opts.uncertainty,
+        ids=ids,
+        options=options,
+    )
 
 
 @job_main

@@ -13,6 +13,7 @@ object store (``s3://``, ``gs://``...) the final object is written directly (a P
 multipart upload becomes visible only when it completes) and the shard completeness check
 (footer and row count, ``raycompat.pipeline.writer``) guards resume on any other filesystem.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,12 +40,14 @@ class OutputDir:
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
 
     @classmethod
-    def open(cls, location, what: str = "--out", check: bool = True) -> "OutputDir":
+    def open(cls, location, what: str = "--out", check: bool = True) -> OutputDir:
         """``location``: a path, a URI, a :class:`Storage` or an ``OutputDir``. Creates the
         folder (and, for a local path, its parents) and checks that it can be written."""
         if isinstance(location, OutputDir):
             return location
-        storage = location if isinstance(location, Storage) else open_storage(str(location), check=False)
+        storage = (
+            location if isinstance(location, Storage) else open_storage(str(location), check=False)
+        )
         out = cls(storage)
         if check:
             out.ensure_writable(what)
@@ -58,10 +61,10 @@ class OutputDir:
                 except OSError as exc:
                     raise StorageError(f"--storage {self.uri}: cannot create it: {exc}") from exc
             self.storage.check_writable()
-        except StorageError as exc:   # Storage names the location as --storage
+        except StorageError as exc:  # Storage names the location as --storage
             message = str(exc)
             if what != "--storage" and message.startswith("--storage "):
-                message = what + message[len("--storage"):]
+                message = what + message[len("--storage") :]
             raise StorageError(message) from exc.__cause__
 
     # paths
@@ -82,7 +85,9 @@ class OutputDir:
 
         if self.local:
             return os.listdir(self.root) if os.path.isdir(self.root) else []
-        infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=False))
+        infos = self.fs.get_file_info(
+            pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
+        )
         return [i.base_name for i in infos if i.type == pafs.FileType.File]
 
     def isfile(self, name: str) -> bool:
@@ -141,15 +146,19 @@ class OutputDir:
             self.fs.create_dir(self.root, recursive=True)
 
 
-def resolve_output(out: str | None = None, storage: str | None = None, name: str = "gallery",
-                   default_out: str = DEFAULT_OUT) -> OutputDir:
+def resolve_output(
+    out: str | None = None,
+    storage: str | None = None,
+    name: str = "gallery",
+    default_out: str = DEFAULT_OUT,
+) -> OutputDir:
     """The job's rules: ``--out`` wins; else ``<storage>/embeddings/<name>``; else
     ``default_out``. Every location involved is checked for writing now (StorageError naming
     it otherwise): the storage root itself, and the output folder."""
     if name is not None and (not name.strip() or "/" in name or name in (".", "..")):
         raise StorageError(f"--name {name!r}: must be a plain folder name")
     if out is None and storage:
-        store = open_storage(storage)            # checked: names --storage in its errors
+        store = open_storage(storage)  # checked: names --storage in its errors
         return OutputDir.open(store.join(KIND, name), what="--storage")
     out = out or default_out
     if not is_uri(out):
@@ -157,6 +166,6 @@ def resolve_output(out: str | None = None, storage: str | None = None, name: str
         parent = os.path.dirname(path.rstrip(os.sep)) or os.sep
         if not os.path.exists(path) and not os.path.isdir(parent):
             raise StorageError(f"--out {out}: the parent folder {parent} does not exist")
-    if storage:   # --out given: --storage is still checked, so a bad value is not silently ignored
+    if storage:  # --out given: --storage is still checked, so a bad value is not silently ignored
         open_storage(storage)
     return OutputDir.open(out, what="--out")

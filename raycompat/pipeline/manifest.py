@@ -1,6 +1,7 @@
 """The output manifest ``_manifest.json``: everything that decides the content of the shards
 (source, id plan and chunking, columns, models by fingerprint). A run refuses to resume into
 an output whose manifest differs, so the shards of one output never mix two settings."""
+
 from __future__ import annotations
 
 import json
@@ -24,16 +25,32 @@ def _flatten(d, prefix=""):
     return out
 
 
-def content_manifest(source, plan, columns, uncertainty_columns, models: dict, schema_dims: dict) -> dict:
+def content_manifest(
+    source, plan, columns, uncertainty_columns, models: dict, schema_dims: dict
+) -> dict:
     """``models``: ``{"old": path_or_None, "new": ...}``; paths are recorded but only the
     fingerprints must match on resume (a bundle may move)."""
     from raycompat.pipeline.bundles import bundle_fingerprint
 
-    return {"format_version": FORMAT_VERSION, "source": json.loads(json.dumps(source.describe(), default=str)),
-            "plan": plan.describe(), "columns": list(columns), "uncertainty_columns": list(uncertainty_columns),
-            "dims": dict(schema_dims),
-            "models": {k: ({"fingerprint": bundle_fingerprint(p), "path": p if is_uri(p) else os.path.abspath(p)}
-                           if p else None) for k, p in models.items()}}
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": json.loads(json.dumps(source.describe(), default=str)),
+        "plan": plan.describe(),
+        "columns": list(columns),
+        "uncertainty_columns": list(uncertainty_columns),
+        "dims": dict(schema_dims),
+        "models": {
+            k: (
+                {
+                    "fingerprint": bundle_fingerprint(p),
+                    "path": p if is_uri(p) else os.path.abspath(p),
+                }
+                if p
+                else None
+            )
+            for k, p in models.items()
+        },
+    }
 
 
 def _comparable(manifest: dict) -> dict:
@@ -51,16 +68,25 @@ def check_or_write(directory, manifest: dict) -> bool:
     if out.isfile(MANIFEST_NAME):
         old = json.loads(out.read_bytes(MANIFEST_NAME))
         a, b = _comparable(old), _comparable(manifest)
-        diffs = [f"{k}: {a.get(k)!r} in the output vs {b.get(k)!r} now" for k in sorted(set(a) | set(b))
-                 if a.get(k) != b.get(k)]
+        diffs = [
+            f"{k}: {a.get(k)!r} in the output vs {b.get(k)!r} now"
+            for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)
+        ]
         if diffs:
-            shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
-            raise ConfigError(f"cannot resume into {out.uri}: it was written with different settings "
-                              f"({shown}). Use another --out, or --overwrite to start again.")
+            shown = "; ".join(diffs[:6]) + (
+                f"; and {len(diffs) - 6} more" if len(diffs) > 6 else ""
+            )
+            raise ConfigError(
+                f"cannot resume into {out.uri}: it was written with different settings "
+                f"({shown}). Use another --out, or --overwrite to start again."
+            )
         return True
     if any(name.endswith(".parquet") for name in out.listdir()):
-        raise ConfigError(f"{out.uri} holds parquet files but no {MANIFEST_NAME}: not an output of this job; "
-                          "use another --out, or --overwrite to start again")
+        raise ConfigError(
+            f"{out.uri} holds parquet files but no {MANIFEST_NAME}: not an output of this job; "
+            "use another --out, or --overwrite to start again"
+        )
     if out.local:
         os.makedirs(out.root, exist_ok=True)
     out.write_bytes(MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True).encode())

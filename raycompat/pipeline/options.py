@@ -1,14 +1,22 @@
 """Options of the gallery pipeline: per-stage Ray Data resources and the run settings that
 do not change the output (batch sizes, concurrency, threads), kept apart from what does
 (source, ids, columns, models: recorded in the manifest)."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from raycompat.config import (ConfigError, add_options, choices, nonnegative, option, options_from_args,
-                              positive)
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    nonnegative,
+    option,
+    options_from_args,
+    positive,
+)
 
 REPRESENTATIONS = ("old", "new", "adapted")
 STAGES = ("render", "preprocess", "old", "new", "adapt")
@@ -40,12 +48,17 @@ class StageOptions:
             raise ConfigError(f"--{name}-gpus must be >= 0, got {self.num_gpus}")
         if self.resources is not None:
             if not isinstance(self.resources, dict) or not all(
-                    isinstance(k, str) and k and _is_amount(v) for k, v in self.resources.items()):
-                raise ConfigError(f"--{name}-resources must be a JSON object {{name: amount >= 0}}, "
-                                  f"got {self.resources!r}")
+                isinstance(k, str) and k and _is_amount(v) for k, v in self.resources.items()
+            ):
+                raise ConfigError(
+                    f"--{name}-resources must be a JSON object {{name: amount >= 0}}, "
+                    f"got {self.resources!r}"
+                )
             reserved = sorted(set(self.resources) & {"CPU", "GPU", "memory", "object_store_memory"})
             if reserved:
-                raise ConfigError(f"--{name}-resources: use --{name}-cpus / --{name}-gpus for {reserved}")
+                raise ConfigError(
+                    f"--{name}-resources: use --{name}-cpus / --{name}-gpus for {reserved}"
+                )
 
 
 def _is_amount(value) -> bool:
@@ -56,9 +69,13 @@ def _is_amount(value) -> bool:
 def _default_stages() -> dict[str, StageOptions]:
     # Logical CPUs are fractions so that every pool and the render tasks fit together on a
     # 2-CPU machine; the real parallelism is set by concurrency and torch threads.
-    return {"render": StageOptions(256, 2, 0.25), "preprocess": StageOptions(256, 2, 0.25),
-            "old": StageOptions(256, 1, 0.25), "new": StageOptions(256, 1, 0.25),
-            "adapt": StageOptions(1024, 1, 0.25)}
+    return {
+        "render": StageOptions(256, 2, 0.25),
+        "preprocess": StageOptions(256, 2, 0.25),
+        "old": StageOptions(256, 1, 0.25),
+        "new": StageOptions(256, 1, 0.25),
+        "adapt": StageOptions(1024, 1, 0.25),
+    }
 
 
 @dataclass
@@ -82,7 +99,9 @@ class PipelineOptions:
         if self.chunk_size < 1:
             raise ConfigError(f"--chunk-size must be >= 1, got {self.chunk_size}")
         if self.on_corrupt not in ON_CORRUPT:
-            raise ConfigError(f"--on-corrupt {self.on_corrupt!r} is not allowed; allowed: {list(ON_CORRUPT)}")
+            raise ConfigError(
+                f"--on-corrupt {self.on_corrupt!r} is not allowed; allowed: {list(ON_CORRUPT)}"
+            )
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not 0 < self.gpu_fraction <= 1:
@@ -105,7 +124,9 @@ def parse_columns(value) -> tuple[str, ...]:
         if not n:
             continue
         if n not in REPRESENTATIONS:
-            raise ConfigError(f"unknown column {n!r} in --columns; allowed: {', '.join(REPRESENTATIONS)}")
+            raise ConfigError(
+                f"unknown column {n!r} in --columns; allowed: {', '.join(REPRESENTATIONS)}"
+            )
         if n not in out:
             out.append(n)
     return tuple(out)
@@ -116,19 +137,31 @@ class ExecutionOptions:
     """The command line's run settings (``--chunk-size`` ...): :func:`pipeline_options` turns
     them and the :data:`StageFlags` into :class:`PipelineOptions`."""
 
-    chunk_size: int = positive(_DEFAULTS.chunk_size, help="item ids per output shard, the unit of resume")
-    on_corrupt: str = choices(*ON_CORRUPT, default=_DEFAULTS.on_corrupt,
-                              help="undecodable image: fail (stop, naming id and path) or skip "
-                                   "(record, go on)")
+    chunk_size: int = positive(
+        _DEFAULTS.chunk_size, help="item ids per output shard, the unit of resume"
+    )
+    on_corrupt: str = choices(
+        *ON_CORRUPT,
+        default=_DEFAULTS.on_corrupt,
+        help="undecodable image: fail (stop, naming id and path) or skip (record, go on)",
+    )
     threads: int = positive(_DEFAULTS.threads, help="torch threads per model actor")
-    gpu_fraction: float = positive(_DEFAULTS.gpu_fraction,
-                                   help="GPUs per model actor (at most 1) when the cluster has GPUs and no "
-                                        "--<stage>-gpus is given")
+    gpu_fraction: float = positive(
+        _DEFAULTS.gpu_fraction,
+        help="GPUs per model actor (at most 1) when the cluster has GPUs and no "
+        "--<stage>-gpus is given",
+    )
     overwrite: bool = option(_DEFAULTS.overwrite, help="delete an existing output folder first")
-    progress_every_s: float = option(_DEFAULTS.progress_every_s, flag="--progress-every",
-                                     help="seconds between progress lines")
-    ray_progress_bars: str = choices("auto", "on", "off", default="auto",
-                                     help="Ray Data's own progress bars (auto: when stderr is a terminal)")
+    progress_every_s: float = option(
+        _DEFAULTS.progress_every_s, flag="--progress-every", help="seconds between progress lines"
+    )
+    ray_progress_bars: str = choices(
+        "auto",
+        "on",
+        "off",
+        default="auto",
+        help="Ray Data's own progress bars (auto: when stderr is a terminal)",
+    )
 
 
 def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
@@ -137,26 +170,48 @@ def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
     unit = "actor" if pool else "task"
     fields = [
         (f"{name}_batch_size", int, positive(default.batch_size, help=f"rows per {name} batch")),
-        (f"{name}_concurrency", int, positive(default.concurrency,
-                                              help="actors" if pool else "parallel tasks")),
+        (
+            f"{name}_concurrency",
+            int,
+            positive(default.concurrency, help="actors" if pool else "parallel tasks"),
+        ),
         (f"{name}_cpus", float, nonnegative(default.num_cpus, help=f"logical CPUs per {unit}")),
     ]
     if pool:
-        fields.append((f"{name}_gpus", float | None,
-                       option(None, min=0, help="GPUs per actor (none: --gpu-fraction when GPUs are "
-                                                "present)")))
-    fields.append((f"{name}_resources", str | None, option(
-        None, help=f"custom Ray resources per {unit} as JSON, e.g. '{{\"gpu_node\": 0.01}}': runs the stage "
-                   "only on nodes that have them")))
+        fields.append(
+            (
+                f"{name}_gpus",
+                float | None,
+                option(
+                    None, min=0, help="GPUs per actor (none: --gpu-fraction when GPUs are present)"
+                ),
+            )
+        )
+    fields.append(
+        (
+            f"{name}_resources",
+            str | None,
+            option(
+                None,
+                help=f"custom Ray resources per {unit} as JSON, e.g. '{{\"gpu_node\": 0.01}}': runs the stage "
+                "only on nodes that have them",
+            ),
+        )
+    )
     return fields
 
 
 #: Per-stage Ray Data resources as flat flags (``--render-batch-size``, ``--new-gpus``,
 #: ``--old-resources JSON`` ...), one group of fields per stage of :data:`STAGES`.
 StageFlags = dataclasses.make_dataclass(
-    "StageFlags", [f for name, st in _default_stages().items() for f in _stage_fields(name, st)],
-    frozen=True, namespace={"__doc__": "Per-stage Ray Data resources, one flag per stage and setting.",
-                            "__module__": __name__})
+    "StageFlags",
+    [f for name, st in _default_stages().items() for f in _stage_fields(name, st)],
+    frozen=True,
+    namespace={
+        "__doc__": "Per-stage Ray Data resources, one flag per stage and setting.",
+        "__module__": __name__,
+    },
+)
 
 
 def _resources(name: str, text: str | None) -> dict | None:
@@ -170,7 +225,9 @@ def _resources(name: str, text: str | None) -> dict | None:
     except ValueError as exc:
         raise ConfigError(f"--{name}-resources is not JSON: {exc}") from None
     if not isinstance(parsed, dict):
-        raise ConfigError(f"--{name}-resources must be a JSON object {{name: amount}}, got {text!r}")
+        raise ConfigError(
+            f"--{name}-resources must be a JSON object {{name: amount}}, got {text!r}"
+        )
     return parsed
 
 
@@ -178,16 +235,27 @@ def pipeline_options(execution: ExecutionOptions, stages=None) -> PipelineOption
     """The checked :class:`PipelineOptions` of the command line's settings (``stages``: a
     :data:`StageFlags`, default every stage's default)."""
     stages = stages if stages is not None else StageFlags()
-    per_stage = {name: StageOptions(getattr(stages, f"{name}_batch_size"),
-                                    getattr(stages, f"{name}_concurrency"), getattr(stages, f"{name}_cpus"),
-                                    getattr(stages, f"{name}_gpus", None),
-                                    _resources(name, getattr(stages, f"{name}_resources")))
-                 for name in STAGES}
+    per_stage = {
+        name: StageOptions(
+            getattr(stages, f"{name}_batch_size"),
+            getattr(stages, f"{name}_concurrency"),
+            getattr(stages, f"{name}_cpus"),
+            getattr(stages, f"{name}_gpus", None),
+            _resources(name, getattr(stages, f"{name}_resources")),
+        )
+        for name in STAGES
+    }
     bars = {"auto": None, "on": True, "off": False}[execution.ray_progress_bars]
-    opts = PipelineOptions(chunk_size=execution.chunk_size, on_corrupt=execution.on_corrupt,
-                           threads=execution.threads, gpu_fraction=execution.gpu_fraction,
-                           overwrite=execution.overwrite, progress_every_s=execution.progress_every_s,
-                           ray_progress_bars=bars, stages=per_stage)
+    opts = PipelineOptions(
+        chunk_size=execution.chunk_size,
+        on_corrupt=execution.on_corrupt,
+        threads=execution.threads,
+        gpu_fraction=execution.gpu_fraction,
+        overwrite=execution.overwrite,
+        progress_every_s=execution.progress_every_s,
+        ray_progress_bars=bars,
+        stages=per_stage,
+    )
     opts.check()
     return opts
 
@@ -201,7 +269,9 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pipeline_options_from_args(args: argparse.Namespace) -> PipelineOptions:
     """:class:`PipelineOptions` from the flags :func:`add_pipeline_arguments` added."""
-    return pipeline_options(options_from_args(ExecutionOptions, args), options_from_args(StageFlags, args))
+    return pipeline_options(
+        options_from_args(ExecutionOptions, args), options_from_args(StageFlags, args)
+    )
 
 
 def replace_stage(opts: PipelineOptions, name: str, **changes) -> PipelineOptions:

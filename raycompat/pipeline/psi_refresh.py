@@ -5,6 +5,7 @@ For inference each Linear-BN pair of psi folds into one affine map
 (``W' = diag(gamma / sqrt(var + eps)) W``, ``b' = (b - mean) * gamma / sqrt(var + eps) + beta``),
 so a refresh is 4 matrix multiplies with bias + ReLU: :class:`FoldedPsi`.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,11 @@ class FoldedPsi:
             if not isinstance(lin, nn.Linear):
                 raise ValueError(f"unexpected psi layer {lin!r} at {i}")
             w = lin.weight.detach().double()
-            b = lin.bias.detach().double() if lin.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+            b = (
+                lin.bias.detach().double()
+                if lin.bias is not None
+                else torch.zeros(w.shape[0], dtype=torch.float64)
+            )
             if i + 1 < len(layers) and isinstance(layers[i + 1], nn.BatchNorm1d):
                 bn = layers[i + 1]
                 scale = bn.weight.detach().double() / torch.sqrt(bn.running_var.double() + bn.eps)
@@ -49,7 +54,7 @@ class FoldedPsi:
     @torch.inference_mode()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
-        for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+        for k, (w, b) in enumerate(zip(self.weights, self.biases, strict=False)):
             x = torch.addmm(b, x, w)
             if k < last:
                 x.relu_()
@@ -61,6 +66,8 @@ def refresh(old: np.ndarray, psi: nn.Module, batch_size: int = 8192, device="cpu
     folded = FoldedPsi(psi.eval(), device=device)
     out = np.empty((old.shape[0], folded.out_dim), np.float32)
     for s in range(0, old.shape[0], batch_size):
-        x = torch.from_numpy(np.ascontiguousarray(old[s:s + batch_size], dtype=np.float32)).to(device)
-        out[s:s + batch_size] = folded(x).cpu().numpy()
+        x = torch.from_numpy(np.ascontiguousarray(old[s : s + batch_size], dtype=np.float32)).to(
+            device
+        )
+        out[s : s + batch_size] = folded(x).cpu().numpy()
     return out

@@ -31,6 +31,7 @@ produced again on any worker:
 Undecodable images raise :class:`~raycompat.data.readers.CorruptImageError` naming the item id
 and path (``on_corrupt='fail'``) or come back with ``error`` set (``'skip'``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,10 @@ class GallerySource:
         else:
             bad = ids[~np.isin(ids, known)]
         if bad.size:
-            raise ConfigError(f"{bad.size} item id(s) not in the {self.kind} source, e.g. "
-                              f"{bad[:5].tolist()} (the source has {self.num_ids()} items)")
+            raise ConfigError(
+                f"{bad.size} item id(s) not in the {self.kind} source, e.g. "
+                f"{bad[:5].tolist()} (the source has {self.num_ids()} items)"
+            )
 
     def describe(self) -> dict:
         raise NotImplementedError
@@ -89,8 +92,14 @@ class GlyphGallerySource(GallerySource):
 
     kind = "glyphs"
 
-    def __init__(self, scenario, extra_distractors: int = 0, resolution: int = 32, data_seed: int = 0,
-                 catalog=None):
+    def __init__(
+        self,
+        scenario,
+        extra_distractors: int = 0,
+        resolution: int = 32,
+        data_seed: int = 0,
+        catalog=None,
+    ):
         from raycompat.data import catalog_for
 
         if int(extra_distractors) < 0:
@@ -108,9 +117,15 @@ class GlyphGallerySource(GallerySource):
         parts = [scenario.splits[name] for name, _ in _SCENARIO_SPLITS]
         self.labels = np.concatenate([p.labels for p in parts]).astype(np.int64)
         self.instances = np.concatenate([p.instances for p in parts]).astype(np.int64)
-        self.split_codes = np.concatenate([np.full(len(p), code, np.int8) for code, p in enumerate(parts)])
-        self.split_sizes = {out: len(p) for (_, out), p in zip(_SCENARIO_SPLITS, parts)}
-        eval_classes = np.union1d(scenario.splits["query"].labels, scenario.splits["gallery"].labels)
+        self.split_codes = np.concatenate(
+            [np.full(len(p), code, np.int8) for code, p in enumerate(parts)]
+        )
+        self.split_sizes = {
+            out: len(p) for (_, out), p in zip(_SCENARIO_SPLITS, parts, strict=False)
+        }
+        eval_classes = np.union1d(
+            scenario.splits["query"].labels, scenario.splits["gallery"].labels
+        )
         self.pool = np.setdiff1d(np.arange(catalog.num_classes, dtype=np.int64), eval_classes)
         if self.extra_distractors and self.pool.size == 0:
             raise ConfigError("no catalog classes left for extra distractors")
@@ -136,9 +151,14 @@ class GlyphGallerySource(GallerySource):
             raise IndexError(f"item ids out of range [0, {self.num_ids()})")
         inside = ids < n0
         j = np.where(inside, 0, ids - n0)
-        labels = np.where(inside, self.labels[np.where(inside, ids, 0)], self.pool[j % max(len(self.pool), 1)])
-        instances = np.where(inside, self.instances[np.where(inside, ids, 0)],
-                             EXTRA_INSTANCE_BASE + j // max(len(self.pool), 1))
+        labels = np.where(
+            inside, self.labels[np.where(inside, ids, 0)], self.pool[j % max(len(self.pool), 1)]
+        )
+        instances = np.where(
+            inside,
+            self.instances[np.where(inside, ids, 0)],
+            EXTRA_INSTANCE_BASE + j // max(len(self.pool), 1),
+        )
         codes = np.where(inside, self.split_codes[np.where(inside, ids, 0)], 2).astype(np.int8)
         return labels.astype(np.int64), instances.astype(np.int64), codes
 
@@ -154,25 +174,40 @@ class GlyphGallerySource(GallerySource):
                 if catalog.fingerprint != self.catalog_fingerprint:
                     raise RuntimeError(
                         f"this worker's glyph catalog {catalog.fingerprint} differs from the driver's "
-                        f"{self.catalog_fingerprint}: fonts, Pillow or FreeType differ between machines")
+                        f"{self.catalog_fingerprint}: fonts, Pillow or FreeType differ between machines"
+                    )
                 _RENDERERS.clear()
-                _RENDERERS[key] = GlyphRenderer(catalog, resolution=self.resolution, seed=self.data_seed)
+                _RENDERERS[key] = GlyphRenderer(
+                    catalog, resolution=self.resolution, seed=self.data_seed
+                )
             self._renderer = _RENDERERS[key]
         return self._renderer
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "scenario": self.scenario_name, "scenario_seed": self.scenario_seed,
-                "scenario_params": self.scenario_params, "catalog": self.catalog_fingerprint,
-                "resolution": self.resolution, "data_seed": self.data_seed,
-                "extra_distractors": self.extra_distractors, "split_sizes": self.split_sizes,
-                "extra_instance_base": EXTRA_INSTANCE_BASE}
+        return {
+            "kind": self.kind,
+            "scenario": self.scenario_name,
+            "scenario_seed": self.scenario_seed,
+            "scenario_params": self.scenario_params,
+            "catalog": self.catalog_fingerprint,
+            "resolution": self.resolution,
+            "data_seed": self.data_seed,
+            "extra_distractors": self.extra_distractors,
+            "split_sizes": self.split_sizes,
+            "extra_instance_base": EXTRA_INSTANCE_BASE,
+        }
 
     def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         labels, instances, codes = self.items(ids)
         images = self.renderer().render_batch(labels, instances)
-        return {"item_id": ids, "label": labels, "split": np.asarray(SPLIT_NAMES, dtype=object)[codes],
-                "image": images, "error": np.full(ids.size, "", dtype=object)}
+        return {
+            "item_id": ids,
+            "label": labels,
+            "split": np.asarray(SPLIT_NAMES, dtype=object)[codes],
+            "image": images,
+            "error": np.full(ids.size, "", dtype=object),
+        }
 
 
 def _decode(src, item_id: int, where: str, mode: str, resolution: int, on_corrupt: str):
@@ -195,8 +230,13 @@ def _image_columns(ids, labels, split: str, decoded, resolution: int, in_chans: 
         if img is not None:
             images[k] = img
         errors[k] = err
-    return {"item_id": np.asarray(ids, np.int64), "label": np.asarray(labels, np.int64),
-            "split": np.full(len(ids), split, dtype=object), "image": images, "error": errors}
+    return {
+        "item_id": np.asarray(ids, np.int64),
+        "label": np.asarray(labels, np.int64),
+        "split": np.full(len(ids), split, dtype=object),
+        "image": images,
+        "error": errors,
+    }
 
 
 def _check_split(split: str) -> str:
@@ -209,8 +249,15 @@ class RecordSource(GallerySource):
     """Images listed by a reader (``read_image_folder`` / ``read_gldv2_csv``): decoded from
     files, resized (shorter side) and centre-cropped to ``resolution``."""
 
-    def __init__(self, records, kind: str, location: str, split: str = "gallery", resolution: int = 32,
-                 in_chans: int = 1):
+    def __init__(
+        self,
+        records,
+        kind: str,
+        location: str,
+        split: str = "gallery",
+        resolution: int = 32,
+        in_chans: int = 1,
+    ):
         self.kind = kind
         self.location = os.path.abspath(location)
         self.split = _check_split(split)
@@ -227,13 +274,13 @@ class RecordSource(GallerySource):
         self.labels = np.array([recs[i].label for i in order], np.int64)
 
     @classmethod
-    def image_folder(cls, root: str, **kw) -> "RecordSource":
+    def image_folder(cls, root: str, **kw) -> RecordSource:
         from raycompat.data.readers import read_image_folder
 
         return cls(read_image_folder(root), "image_folder", root, **kw)
 
     @classmethod
-    def gldv2(cls, csv_path: str, image_root: str, **kw) -> "RecordSource":
+    def gldv2(cls, csv_path: str, image_root: str, **kw) -> RecordSource:
         from raycompat.data.readers import read_gldv2_csv
 
         # Missing files are reported per item when they are loaded (skip or fail), not here.
@@ -249,16 +296,27 @@ class RecordSource(GallerySource):
         h = hashlib.sha256(self.ids.tobytes())
         for p in self.paths:
             h.update(p.encode() + b"\0")
-        return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "split": self.split,
-                "resolution": self.resolution, "in_chans": self.in_chans, "records_sha256": h.hexdigest()[:16]}
+        return {
+            "kind": self.kind,
+            "location": self.location,
+            "items": self.num_ids(),
+            "split": self.split,
+            "resolution": self.resolution,
+            "in_chans": self.in_chans,
+            "records_sha256": h.hexdigest()[:16],
+        }
 
     def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
         ids = np.asarray(ids, np.int64)
         pos = np.searchsorted(self.ids, ids)
         mode = "L" if self.in_chans == 1 else "RGB"
-        decoded = [_decode(self.paths[p], int(i), self.paths[p], mode, self.resolution, on_corrupt)
-                   for p, i in zip(pos.tolist(), ids.tolist())]
-        return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
+        decoded = [
+            _decode(self.paths[p], int(i), self.paths[p], mode, self.resolution, on_corrupt)
+            for p, i in zip(pos.tolist(), ids.tolist(), strict=False)
+        ]
+        return _image_columns(
+            ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans
+        )
 
 
 class _ParquetRowGroupSource(GallerySource):
@@ -270,8 +328,11 @@ class _ParquetRowGroupSource(GallerySource):
         self.location = os.path.abspath(path)
         if os.path.isdir(path):
             # "_" and "." files are metadata (a pipeline's _manifest.json, _common_metadata, ...)
-            files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                           if f.endswith(".parquet") and not f.startswith((".", "_")))
+            files = sorted(
+                os.path.join(path, f)
+                for f in os.listdir(path)
+                if f.endswith(".parquet") and not f.startswith((".", "_"))
+            )
         elif os.path.isfile(path):
             files = [path]
         else:
@@ -297,7 +358,7 @@ class _ParquetRowGroupSource(GallerySource):
                 n = len(group_ids)
                 ids.append(np.asarray(group_ids))
                 columns = [[] for _ in group_columns] if columns is None else columns
-                for chunks, col in zip(columns, group_columns):
+                for chunks, col in zip(columns, group_columns, strict=False):
                     chunks.append(col)
                 file_of.append(np.full(n, f_index, np.int32))
                 group_of.append(np.full(n, g, np.int32))
@@ -339,8 +400,16 @@ class ParquetImageSource(_ParquetRowGroupSource):
 
     kind = "parquet"
 
-    def __init__(self, path: str, image_column: str = "image", label_column: str | None = "label",
-                 id_column: str = "item_id", split: str = "gallery", resolution: int = 32, in_chans: int = 1):
+    def __init__(
+        self,
+        path: str,
+        image_column: str = "image",
+        label_column: str | None = "label",
+        id_column: str = "item_id",
+        split: str = "gallery",
+        resolution: int = 32,
+        in_chans: int = 1,
+    ):
         self._list_files(path, "parquet source")
         self.image_column, self.label_column, self.id_column = image_column, label_column, id_column
         self.split = _check_split(split)
@@ -348,17 +417,24 @@ class ParquetImageSource(_ParquetRowGroupSource):
 
         def check_file(f, pf):
             names = pf.schema_arrow.names
-            missing = [c for c in (image_column, label_column, id_column) if c is not None and c not in names]
+            missing = [
+                c
+                for c in (image_column, label_column, id_column)
+                if c is not None and c not in names
+            ]
             if missing:
                 raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {names}")
 
         def read_group(pf, g):
             t = pf.read_row_group(g, columns=[id_column] + ([label_column] if label_column else []))
             labels = t.column(label_column).to_pylist() if label_column else [None] * t.num_rows
-            return t.column(id_column).to_numpy(zero_copy_only=False), (np.asarray(labels, dtype=object),)
+            return t.column(id_column).to_numpy(zero_copy_only=False), (
+                np.asarray(labels, dtype=object),
+            )
 
-        (raw_labels,) = self._index_row_groups(check_file, read_group,
-                                               f"parquet source {path} (id column {id_column!r})")
+        (raw_labels,) = self._index_row_groups(
+            check_file, read_group, f"parquet source {path} (id column {id_column!r})"
+        )
         keys = sorted({v for v in raw_labels if v is not None}) if label_column else []
         label_of = {k: i for i, k in enumerate(keys)}
         self.labels = np.array([label_of.get(v, -1) for v in raw_labels.tolist()], np.int64)
@@ -370,9 +446,16 @@ class ParquetImageSource(_ParquetRowGroupSource):
         return state
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "split": self.split,
-                "resolution": self.resolution, "in_chans": self.in_chans, "image_column": self.image_column,
-                "files_sha256": self._files_digest()}
+        return {
+            "kind": self.kind,
+            "location": self.location,
+            "items": self.num_ids(),
+            "split": self.split,
+            "resolution": self.resolution,
+            "in_chans": self.in_chans,
+            "image_column": self.image_column,
+            "files_sha256": self._files_digest(),
+        }
 
     def _group(self, f: int, g: int) -> list:
         key = (f, g)
@@ -403,8 +486,12 @@ class ParquetImageSource(_ParquetRowGroupSource):
                     raise CorruptImageError(f"corrupt image {message}")
                 decoded[k] = (None, message)
             else:
-                decoded[k] = _decode(bytes(value), int(ids[k]), where, mode, self.resolution, on_corrupt)
-        return _image_columns(ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans)
+                decoded[k] = _decode(
+                    bytes(value), int(ids[k]), where, mode, self.resolution, on_corrupt
+                )
+        return _image_columns(
+            ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans
+        )
 
 
 class OldFeatureSource(_ParquetRowGroupSource):
@@ -429,25 +516,40 @@ class OldFeatureSource(_ParquetRowGroupSource):
                 raise ConfigError(f"parquet {f} lacks column(s) {missing}; has {schema.names}")
             for name in ("item_id", "label"):
                 if not pa.types.is_integer(schema.field(name).type):
-                    raise ConfigError(f"column {name!r} of {f} must hold integers, got {schema.field(name).type}")
+                    raise ConfigError(
+                        f"column {name!r} of {f} must hold integers, got {schema.field(name).type}"
+                    )
             t = schema.field("old").type
             if not pa.types.is_fixed_size_list(t):
                 raise ConfigError(f"column 'old' of {f} must be fixed_size_list<float32>, got {t}")
             if self.old_dim not in (None, t.list_size):
-                raise ConfigError(f"column 'old' has dimension {t.list_size} in {f}, {self.old_dim} elsewhere")
+                raise ConfigError(
+                    f"column 'old' has dimension {t.list_size} in {f}, {self.old_dim} elsewhere"
+                )
             self.old_dim = t.list_size
 
         def read_group(pf, g):
             tab = pf.read_row_group(g, columns=["item_id", "label", "split"])
-            return (tab.column("item_id").to_numpy(),
-                    (tab.column("label").to_numpy().astype(np.int64),
-                     np.asarray(tab.column("split").to_pylist(), dtype=object)))
+            return (
+                tab.column("item_id").to_numpy(),
+                (
+                    tab.column("label").to_numpy().astype(np.int64),
+                    np.asarray(tab.column("split").to_pylist(), dtype=object),
+                ),
+            )
 
-        self.labels, self.splits = self._index_row_groups(check_file, read_group, f"old-feature source {path}")
+        self.labels, self.splits = self._index_row_groups(
+            check_file, read_group, f"old-feature source {path}"
+        )
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "location": self.location, "items": self.num_ids(), "old_dim": self.old_dim,
-                "files_sha256": self._files_digest()}
+        return {
+            "kind": self.kind,
+            "location": self.location,
+            "items": self.num_ids(),
+            "old_dim": self.old_dim,
+            "files_sha256": self._files_digest(),
+        }
 
     def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
         import pyarrow.parquet as pq
@@ -458,8 +560,18 @@ class OldFeatureSource(_ParquetRowGroupSource):
         keys = np.stack([self.file_of[pos], self.group_of[pos]], 1)
         for f, g in np.unique(keys, axis=0).tolist():
             mask = (keys[:, 0] == f) & (keys[:, 1] == g)
-            col = pq.ParquetFile(self.files[f]).read_row_group(g, columns=["old"]).column("old").combine_chunks()
+            col = (
+                pq.ParquetFile(self.files[f])
+                .read_row_group(g, columns=["old"])
+                .column("old")
+                .combine_chunks()
+            )
             values = col.flatten().to_numpy().reshape(len(col), self.old_dim)
             old[mask] = values[self.row_of[pos[mask]]]
-        return {"item_id": ids, "label": self.labels[pos], "split": self.splits[pos], "old": old,
-                "error": np.full(ids.size, "", dtype=object)}
+        return {
+            "item_id": ids,
+            "label": self.labels[pos],
+            "split": self.splits[pos],
+            "old": old,
+            "error": np.full(ids.size, "", dtype=object),
+        }

@@ -9,13 +9,17 @@ Each embedding stage adds an internal column ``__node_<stage>`` (``new``, ``old`
 the Ray node id of the actor that computed the row. The shard writer records these per
 shard and in ``_summary.json`` and never stores them as data columns.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-NODE_PREFIX = "__node_"   # internal per-row column prefix: the node that ran a stage
-UNCERTAINTY_COLUMNS = {"least_confidence": "unc_least_confidence", "margin": "unc_margin",
-                       "entropy": "unc_entropy"}
+NODE_PREFIX = "__node_"  # internal per-row column prefix: the node that ran a stage
+UNCERTAINTY_COLUMNS = {
+    "least_confidence": "unc_least_confidence",
+    "margin": "unc_margin",
+    "entropy": "unc_entropy",
+}
 
 
 def load_images(batch: dict, source, on_corrupt: str) -> dict:
@@ -67,8 +71,14 @@ class EmbedStage:
     """One embedder (the old or the new model) over ``pixels`` -> ``column``: raw float32
     ``phi(x)`` as ``raycompat.evaluation.embed_glyphs`` returns (retrieval L2-normalises)."""
 
-    def __init__(self, bundle_path: str, column: str, threads: int = 1, use_gpu: bool = False,
-                 drop_pixels: bool = False):
+    def __init__(
+        self,
+        bundle_path: str,
+        column: str,
+        threads: int = 1,
+        use_gpu: bool = False,
+        drop_pixels: bool = False,
+    ):
         from raycompat.models import ModelBundle
 
         _set_threads(threads)
@@ -84,7 +94,9 @@ class EmbedStage:
         import torch
 
         pixels = batch["pixels"]
-        if not (pixels.flags.writeable and pixels.flags.c_contiguous):  # Ray hands out read-only views
+        if not (
+            pixels.flags.writeable and pixels.flags.c_contiguous
+        ):  # Ray hands out read-only views
             pixels = np.array(pixels, dtype=np.float32, order="C")
         x = torch.from_numpy(pixels)
         if x.shape[1] != self.in_chans:  # channel conversion as raycompat.data.to_tensor
@@ -104,8 +116,15 @@ class OldFeatureStage:
     uncertainty of ``old`` under the new head ``w_n`` (RACT Eq.9-11, via
     ``raycompat.backfill.policies.uncertainty_scores``)."""
 
-    def __init__(self, new_bundle_path: str, adapt: bool, uncertainty: bool, drop_old: bool = False,
-                 threads: int = 1, use_gpu: bool = False):
+    def __init__(
+        self,
+        new_bundle_path: str,
+        adapt: bool,
+        uncertainty: bool,
+        drop_old: bool = False,
+        threads: int = 1,
+        use_gpu: bool = False,
+    ):
         from raycompat.backfill.policies import UncertaintyHead
         from raycompat.models import ModelBundle
 
@@ -123,7 +142,9 @@ class OldFeatureStage:
         old = np.array(batch["old"], dtype=np.float32, order="C")
         if self.psi is not None:
             with torch.inference_mode():
-                batch["adapted"] = self.psi(torch.from_numpy(old).to(self.device)).float().cpu().numpy()
+                batch["adapted"] = (
+                    self.psi(torch.from_numpy(old).to(self.device)).float().cpu().numpy()
+                )
         if self.head is not None:
             from raycompat.backfill.policies import uncertainty_scores
 

@@ -1,5 +1,6 @@
 """What a gallery run reports: peak memory of the Ray processes, per-stage times from Ray
 Data's execution stats, and the end-of-run summary (items, seconds, items/s)."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ def _psutil():
     try:
         import psutil
     except ImportError:
-        import ray  # noqa: F401
         import psutil
+        import ray  # noqa: F401
     return psutil
 
 
@@ -66,8 +67,14 @@ class MemorySampler:
         m = tree_memory()
         self.peak_rss_mib = max(self.peak_rss_mib, m["rss_mib"])
         self.peak_pss_mib = max(self.peak_pss_mib, m["pss_mib"])
-        self.series.append((round(time.perf_counter() - self._t0, 2), int(self.progress()),
-                            round(m["rss_mib"], 1), round(m["pss_mib"], 1)))
+        self.series.append(
+            (
+                round(time.perf_counter() - self._t0, 2),
+                int(self.progress()),
+                round(m["rss_mib"], 1),
+                round(m["pss_mib"], 1),
+            )
+        )
 
     def _run(self):
         while not self._stop.wait(self.interval):
@@ -85,7 +92,9 @@ class MemorySampler:
 
     def thinned_series(self, max_points: int = 60) -> list:
         step = max(1, len(self.series) // max_points)
-        return self.series[::step] + ([self.series[-1]] if self.series and len(self.series) % step else [])
+        return self.series[::step] + (
+            [self.series[-1]] if self.series and len(self.series) % step else []
+        )
 
     def halves(self) -> dict:
         """Peak PSS in the first and second half of the run (flat memory: similar values)."""
@@ -124,40 +133,77 @@ def stage_times(ds) -> list[dict]:
     rows = []
     for op in ops:
         out_rows = op.output_num_rows
-        rows.append({
-            "operator": op.operator_name,
-            "rows_out": _total(out_rows),
-            "operator_wall_s": op.time_total_s,
-            "task_wall_s": _total(op.wall_time),
-            "task_cpu_s": _total(op.cpu_time),
-            "udf_s": _total(op.function_body_time),
-            "stage_s": [_total(s) for s in op.stage_time] if op.stage_time else None,
-        })
+        rows.append(
+            {
+                "operator": op.operator_name,
+                "rows_out": _total(out_rows),
+                "operator_wall_s": op.time_total_s,
+                "task_wall_s": _total(op.wall_time),
+                "task_cpu_s": _total(op.cpu_time),
+                "udf_s": _total(op.function_body_time),
+                "stage_s": [_total(s) for s in op.stage_time] if op.stage_time else None,
+            }
+        )
     return rows
 
 
 def format_summary(summary: dict) -> str:
     from raycompat.report import markdown_table
 
-    lines = [f"items written {summary['items_written']} (of {summary['items_planned']} planned; "
-             f"{summary['items_resumed']} already done, {summary['items_skipped']} corrupt skipped) in "
-             f"{summary['seconds']:.1f} s: {summary['items_per_s']:.1f} items/s"
-             + (f" (first output after {summary['first_output_s']:.1f} s of start-up; "
-                f"{summary['steady_items_per_s']:.1f} items/s after it)" if summary.get("steady_items_per_s") else ""),
-             f"peak memory (driver + Ray processes): PSS {summary['memory']['peak_pss_mib']:.0f} MiB, "
-             f"RSS sum {summary['memory']['peak_rss_mib']:.0f} MiB"]
+    lines = [
+        f"items written {summary['items_written']} (of {summary['items_planned']} planned; "
+        f"{summary['items_resumed']} already done, {summary['items_skipped']} corrupt skipped) in "
+        f"{summary['seconds']:.1f} s: {summary['items_per_s']:.1f} items/s"
+        + (
+            f" (first output after {summary['first_output_s']:.1f} s of start-up; "
+            f"{summary['steady_items_per_s']:.1f} items/s after it)"
+            if summary.get("steady_items_per_s")
+            else ""
+        ),
+        f"peak memory (driver + Ray processes): PSS {summary['memory']['peak_pss_mib']:.0f} MiB, "
+        f"RSS sum {summary['memory']['peak_rss_mib']:.0f} MiB",
+    ]
     nodes = summary.get("nodes") or {}
-    if nodes:   # {stage: {node id: rows}}; node ids shortened as `ray list nodes` shows them
-        lines.append("embedding stages ran on Ray nodes: " + "; ".join(
-            f"{stage}: " + ", ".join(f"{node[:8]} ({rows} rows)" for node, rows in per_node.items())
-            for stage, per_node in nodes.items()))
+    if nodes:  # {stage: {node id: rows}}; node ids shortened as `ray list nodes` shows them
+        lines.append(
+            "embedding stages ran on Ray nodes: "
+            + "; ".join(
+                f"{stage}: "
+                + ", ".join(f"{node[:8]} ({rows} rows)" for node, rows in per_node.items())
+                for stage, per_node in nodes.items()
+            )
+        )
     stages = [s for s in summary.get("stages", []) if "error" not in s]
     if stages:
-        lines += ["", "Per-stage times (Ray Data stats; task times are summed over parallel tasks/actors):", "",
-                  markdown_table(["operator", "rows out", "operator wall s", "task wall s", "task cpu s", "udf s",
-                                  "per fused stage s"],
-                                 [(s["operator"], s["rows_out"], s["operator_wall_s"], s["task_wall_s"],
-                                   s["task_cpu_s"], s["udf_s"],
-                                   ", ".join(f"{v:.1f}" for v in s["stage_s"] if v is not None)
-                                   if s["stage_s"] else "") for s in stages], digits=1)]
+        lines += [
+            "",
+            "Per-stage times (Ray Data stats; task times are summed over parallel tasks/actors):",
+            "",
+            markdown_table(
+                [
+                    "operator",
+                    "rows out",
+                    "operator wall s",
+                    "task wall s",
+                    "task cpu s",
+                    "udf s",
+                    "per fused stage s",
+                ],
+                [
+                    (
+                        s["operator"],
+                        s["rows_out"],
+                        s["operator_wall_s"],
+                        s["task_wall_s"],
+                        s["task_cpu_s"],
+                        s["udf_s"],
+                        ", ".join(f"{v:.1f}" for v in s["stage_s"] if v is not None)
+                        if s["stage_s"]
+                        else "",
+                    )
+                    for s in stages
+                ],
+                digits=1,
+            ),
+        ]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ The folder is an :class:`~raycompat.pipeline.location.OutputDir`: a local path (
 fsync + rename) or a URI on any pyarrow filesystem (the final object written directly; a
 truncated object has no readable footer and is rewritten on resume).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,15 @@ def output_schema(vector_dims: dict[str, int], uncertainty_columns=()):
     ``fixed_size_list<float32>[D]`` per representation, float64 uncertainty columns."""
     import pyarrow as pa
 
-    fields = [pa.field("item_id", pa.int64(), nullable=False), pa.field("label", pa.int64(), nullable=False),
-              pa.field("split", pa.string(), nullable=False)]
-    fields += [pa.field(name, pa.list_(pa.float32(), dim), nullable=False) for name, dim in vector_dims.items()]
+    fields = [
+        pa.field("item_id", pa.int64(), nullable=False),
+        pa.field("label", pa.int64(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),
+    ]
+    fields += [
+        pa.field(name, pa.list_(pa.float32(), dim), nullable=False)
+        for name, dim in vector_dims.items()
+    ]
     fields += [pa.field(name, pa.float64(), nullable=False) for name in uncertainty_columns]
     return pa.schema(fields)
 
@@ -81,7 +88,9 @@ class ShardStore:
             info = json.loads(meta.metadata[META_KEY])
         except Exception:  # unreadable footer (a truncated write): treat as missing and rewrite
             return None
-        if info.get("rows") != meta.num_rows or info["rows"] + len(info.get("skipped", [])) != info.get("expected"):
+        if info.get("rows") != meta.num_rows or info["rows"] + len(
+            info.get("skipped", [])
+        ) != info.get("expected"):
             return None
         return info
 
@@ -101,7 +110,9 @@ class ShardStore:
                 self.out.remove(name)
         return done
 
-    def write(self, chunk: int, columns: dict[str, np.ndarray], expected: int, nodes: dict | None = None) -> dict:
+    def write(
+        self, chunk: int, columns: dict[str, np.ndarray], expected: int, nodes: dict | None = None
+    ) -> dict:
         """Write chunk ``chunk`` from numpy columns (rows with a non-empty ``error`` are
         skipped and recorded; columns outside the schema, such as the node columns, are not
         stored); temp file + fsync + rename on a local folder, one direct write elsewhere,
@@ -111,23 +122,35 @@ class ShardStore:
         import pyarrow.parquet as pq
 
         order = np.argsort(columns["item_id"], kind="stable")
-        errors = np.asarray(columns.get("error", np.full(len(order), "", object)), dtype=object)[order]
+        errors = np.asarray(columns.get("error", np.full(len(order), "", object)), dtype=object)[
+            order
+        ]
         bad = np.array([bool(e) for e in errors], bool)
         ids = np.asarray(columns["item_id"], np.int64)[order]
         keep = order[~bad]
-        skipped = [{"item_id": int(i), "error": str(e)} for i, e in zip(ids[bad], errors[bad])]
+        skipped = [
+            {"item_id": int(i), "error": str(e)}
+            for i, e in zip(ids[bad], errors[bad], strict=False)
+        ]
         arrays = []
         for field in self.schema:
             values = np.asarray(columns[field.name])[keep]
             if pa.types.is_fixed_size_list(field.type):
-                flat = pa.array(np.ascontiguousarray(values, dtype=np.float32).ravel(), pa.float32())
+                flat = pa.array(
+                    np.ascontiguousarray(values, dtype=np.float32).ravel(), pa.float32()
+                )
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, field.type.list_size))
             elif field.name == "split":
                 arrays.append(pa.array(values.astype(str), pa.string()))
             else:
                 arrays.append(pa.array(values, field.type))
-        info = {"chunk": int(chunk), "expected": int(expected), "rows": int(len(keep)), "skipped": skipped,
-                "nodes": {k: sorted(v) for k, v in sorted((nodes or {}).items())}}
+        info = {
+            "chunk": int(chunk),
+            "expected": int(expected),
+            "rows": int(len(keep)),
+            "skipped": skipped,
+            "nodes": {k: sorted(v) for k, v in sorted((nodes or {}).items())},
+        }
         schema = self.schema.with_metadata({META_KEY: json.dumps(info).encode()})
         table = pa.Table.from_arrays(arrays, schema=schema)
         self.out.write(shard_name(chunk), lambda fh: pq.write_table(table, fh))
@@ -142,7 +165,7 @@ def batch_nodes(batch: dict, mask=None) -> dict[str, set[str]]:
             values = np.asarray(batch[col])
             if mask is not None:
                 values = values[mask]
-            found[col[len(NODE_PREFIX):]] = {str(v) for v in np.unique(values.astype(str)) if v}
+            found[col[len(NODE_PREFIX) :]] = {str(v) for v in np.unique(values.astype(str)) if v}
     return found
 
 
@@ -168,9 +191,9 @@ class ChunkAssembler:
         self.received += int(ids.size)
         for col in batch:
             if col.startswith(NODE_PREFIX):
-                per_node = self.node_items.setdefault(col[len(NODE_PREFIX):], {})
+                per_node = self.node_items.setdefault(col[len(NODE_PREFIX) :], {})
                 values, counts = np.unique(np.asarray(batch[col]).astype(str), return_counts=True)
-                for v, k in zip(values.tolist(), counts.tolist()):
+                for v, k in zip(values.tolist(), counts.tolist(), strict=False):
                     per_node[v or "unknown"] = per_node.get(v or "unknown", 0) + int(k)
         chunks = self.plan.chunk_of(ids)
         for chunk in np.unique(chunks).tolist():
@@ -183,11 +206,15 @@ class ChunkAssembler:
             self.counts[chunk] = self.counts.get(chunk, 0) + int(mask.sum())
             expected = self.plan.chunk_length(chunk)
             if self.counts[chunk] > expected:
-                raise RuntimeError(f"chunk {chunk} received {self.counts[chunk]} rows for {expected} ids")
+                raise RuntimeError(
+                    f"chunk {chunk} received {self.counts[chunk]} rows for {expected} ids"
+                )
             if self.counts[chunk] == expected:
                 parts = self.parts.pop(chunk)
                 merged = {c: np.concatenate([p[c] for p in parts]) for c in self.columns}
-                info = self.store.write(chunk, merged, expected, nodes=self.chunk_nodes.pop(chunk, {}))
+                info = self.store.write(
+                    chunk, merged, expected, nodes=self.chunk_nodes.pop(chunk, {})
+                )
                 del self.counts[chunk]
                 self.written_items += info["rows"]
                 self.written_chunks += 1

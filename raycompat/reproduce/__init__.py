@@ -5,14 +5,22 @@ claim of docs/methods.md (Headline claims).
 ``plan`` (scenarios x methods, scale presets), ``runner`` (training, evaluation, hot
 refresh), ``claims`` (one function per claim), ``report`` (markdown tables, plots).
 """
+
 from __future__ import annotations
 
 import os
 import time
 
-from raycompat.reproduce.claims import CLAIMS, evaluate_claims
 from raycompat import console
-from raycompat.reproduce.plan import SCALES, SCENARIOS, VARIANTS, ReproduceOptions, Scale, ScaleOptions
+from raycompat.reproduce.claims import CLAIMS, evaluate_claims
+from raycompat.reproduce.plan import (
+    SCALES,
+    SCENARIOS,
+    VARIANTS,
+    ReproduceOptions,
+    Scale,
+    ScaleOptions,
+)
 
 
 def run_reproduce(opts: ReproduceOptions) -> dict:
@@ -36,27 +44,48 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         log(f"  {scenario}: {', '.join(v.label for v in opts.method_plan(scenario))}")
     # an embedded cluster gets a logical CPU per concurrent training worker
     console.quiet_ray(opts.verbose)
-    connect(opts.address, num_cpus=None if opts.address else
-            max(os.cpu_count() or 1, opts.parallel * opts.training.workers))
+    connect(
+        opts.address,
+        num_cpus=None
+        if opts.address
+        else max(os.cpu_count() or 1, opts.parallel * opts.training.workers),
+    )
     results = Reproduction(opts, out, output.runs, log).run()
     claims = evaluate_claims(results)
     plots = [os.path.relpath(p, out) for p in plot_hot_refresh(results, os.path.join(out, "plots"))]
     timings = dict(results.pop("timings"))
     timings["total_s"] = time.time() - started
-    report = dict(job="reproduce", options=options_dict(opts),
-                  machine=machine_description(load_before),
-                  skipped={s: opts.skipped(s) for s in opts.scenarios}, claims=claims,
-                  results=results, plots=plots, timings=timings)
+    report = dict(
+        job="reproduce",
+        options=options_dict(opts),
+        machine=machine_description(load_before),
+        skipped={s: opts.skipped(s) for s in opts.scenarios},
+        claims=claims,
+        results=results,
+        plots=plots,
+        timings=timings,
+    )
     write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report))
     where = output.publish()
-    log(f"done in {timings['total_s']:.0f} s; report: "
-        f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}")
+    log(
+        f"done in {timings['total_s']:.0f} s; report: "
+        f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}"
+    )
     for c in claims:
         print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}", flush=True)
     return report
 
 
-__all__ = ["CLAIMS", "SCALES", "SCENARIOS", "VARIANTS", "ReproduceOptions", "Scale", "ScaleOptions",
-           "evaluate_claims", "run_reproduce"]
+__all__ = [
+    "CLAIMS",
+    "SCALES",
+    "SCENARIOS",
+    "VARIANTS",
+    "ReproduceOptions",
+    "Scale",
+    "ScaleOptions",
+    "evaluate_claims",
+    "run_reproduce",
+]

@@ -6,6 +6,7 @@ paper-shaped tables and a verdict on each headline claim.
 (:data:`raycompat.reproduce.plan.SCALES`); every size flag given overrides the preset. See
 docs/methods.md, "Headline claims", and docs/architecture.md, "Jobs".
 """
+
 from __future__ import annotations
 
 import argparse

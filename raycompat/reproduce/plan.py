@@ -10,6 +10,7 @@ Methods are *variants*: a registered training method plus options (``bct``, ``bc
 ``bct-beta`` are the three BCT variants). ``independent`` is always trained: it is new*,
 the paragon of its scenario (and of each sequential generation).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,12 +36,12 @@ class Variant:
     # False: the variant is the same model as ``bct`` when every new class is known to the
     # old model (beta and kd only differ on classes the old classifier lacks).
     needs_unseen_classes: bool = False
-    sequential: bool = True            # meaningful in a sequential chain
+    sequential: bool = True  # meaningful in a sequential chain
     # how new-to-old retrieval is done: "compatible" (phi_n[:D_o] vs phi_o), "adapted"
     # (phi_n vs psi(phi_o), DMU), "rank_merge" (psi_rev(rho(q)) vs phi_o, RM)
     cross: str = "compatible"
 
-    def method_options(self, scale: "ScaleOptions") -> dict:
+    def method_options(self, scale: ScaleOptions) -> dict:
         opts = dict(self.options)
         if self.method == "dmu":
             opts.setdefault("psi_hidden", scale.psi_hidden)
@@ -49,22 +50,25 @@ class Variant:
         return opts
 
 
-VARIANTS: dict[str, Variant] = {v.label: v for v in (
-    Variant("independent", "independent"),
-    Variant("l2", "l2"),
-    Variant("bct", "bct", (("variant", "sys"),)),
-    Variant("bct-kd", "bct", (("variant", "kd"),), needs_unseen_classes=True),
-    Variant("bct-beta", "bct", (("variant", "beta"),), needs_unseen_classes=True),
-    Variant("contrastive", "contrastive"),
-    Variant("ract", "ract"),
-    Variant("dmu", "dmu", head="arcface", cross="adapted"),
-    Variant("mcl", "mcl", init_from_paragon=True, sequential=False, cross="rank_merge"),
-    Variant("rqt", "rqt", init_from_paragon=True, sequential=False, cross="rank_merge"),
-    Variant("cl", "cl", init_from_paragon=True, sequential=False, cross="rank_merge"),
-    Variant("p2s", "p2s"),
-    Variant("ndpp", "ndpp"),
-    Variant("odpp", "odpp"),
-)}
+VARIANTS: dict[str, Variant] = {
+    v.label: v
+    for v in (
+        Variant("independent", "independent"),
+        Variant("l2", "l2"),
+        Variant("bct", "bct", (("variant", "sys"),)),
+        Variant("bct-kd", "bct", (("variant", "kd"),), needs_unseen_classes=True),
+        Variant("bct-beta", "bct", (("variant", "beta"),), needs_unseen_classes=True),
+        Variant("contrastive", "contrastive"),
+        Variant("ract", "ract"),
+        Variant("dmu", "dmu", head="arcface", cross="adapted"),
+        Variant("mcl", "mcl", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        Variant("rqt", "rqt", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        Variant("cl", "cl", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        Variant("p2s", "p2s"),
+        Variant("ndpp", "ndpp"),
+        Variant("odpp", "odpp"),
+    )
+}
 
 #: The methods trained per scenario at ``--scale default`` when ``--methods`` is not given: every
 #: method on extended-data, and on the other scenarios what the headline claims need there (a
@@ -72,8 +76,18 @@ VARIANTS: dict[str, Variant] = {v.label: v for v in (
 #: full 49-run matrix does not fit the laptop budget). ``--methods all`` (and ``--scale cluster``)
 #: trains every method everywhere.
 DEFAULT_SCALE_METHODS = {
-    "extended-data": ("independent", "l2", "bct", "contrastive", "ract", "dmu", "mcl", "p2s", "ndpp",
-                      "odpp"),
+    "extended-data": (
+        "independent",
+        "l2",
+        "bct",
+        "contrastive",
+        "ract",
+        "dmu",
+        "mcl",
+        "p2s",
+        "ndpp",
+        "odpp",
+    ),
     "open-class": ("independent", "l2", "bct", "bct-kd", "bct-beta", "dmu"),
     "architecture": ("independent", "bct", "dmu"),
     "sequential": ("independent", "bct", "dmu"),
@@ -102,9 +116,18 @@ class ScaleOptions:
 
 #: the default scale's data: 100 training classes of 20 images, resnet10t
 DEFAULT_SIZES = dataclasses.replace(
-    ScenarioSizes(), train_classes=100, images_per_class=20, eval_classes=40, queries_per_class=3,
-    gallery_per_class=6, distractor_classes=40, distractors_per_class=4, resolution=32,
-    backbone="resnet10t", data_seed=0)
+    ScenarioSizes(),
+    train_classes=100,
+    images_per_class=20,
+    eval_classes=40,
+    queries_per_class=3,
+    gallery_per_class=6,
+    distractor_classes=40,
+    distractors_per_class=4,
+    resolution=32,
+    backbone="resnet10t",
+    data_seed=0,
+)
 
 
 @dataclass(frozen=True)
@@ -119,14 +142,37 @@ SCALES: dict[str, Scale] = {
     "default": Scale(DEFAULT_SIZES, ScaleOptions()),
     # A cluster-size run: the sizes of the main job and beyond, the papers' 1024-wide psi.
     "cluster": Scale(
-        dataclasses.replace(DEFAULT_SIZES, train_classes=400, images_per_class=40, eval_classes=200,
-                            queries_per_class=3, gallery_per_class=10, distractor_classes=300,
-                            distractors_per_class=5, resolution=64, backbone="resnet18"),
-        dataclasses.replace(ScaleOptions(), arch_backbone="resnet50", embed_dim=128, old_epochs=30,
-                            new_epochs=30, batch_size=256, psi_hidden=1024, workers=4)),
+        dataclasses.replace(
+            DEFAULT_SIZES,
+            train_classes=400,
+            images_per_class=40,
+            eval_classes=200,
+            queries_per_class=3,
+            gallery_per_class=10,
+            distractor_classes=300,
+            distractors_per_class=5,
+            resolution=64,
+            backbone="resnet18",
+        ),
+        dataclasses.replace(
+            ScaleOptions(),
+            arch_backbone="resnet50",
+            embed_dim=128,
+            old_epochs=30,
+            new_epochs=30,
+            batch_size=256,
+            psi_hidden=1024,
+            workers=4,
+        ),
+    ),
 }
 
-BACKFILL_POLICIES = ("random", "uncertainty:least_confidence", "uncertainty:margin", "uncertainty:entropy")
+BACKFILL_POLICIES = (
+    "random",
+    "uncertainty:least_confidence",
+    "uncertainty:margin",
+    "uncertainty:entropy",
+)
 
 
 @dataclass(frozen=True)
@@ -136,30 +182,40 @@ class ReproduceOptions:
 
     output: OutputOptions = option(OutputOptions(name="report"), help="where the report goes")
     address: str | None = option(None, help="Ray address; none: an embedded local Ray")
-    scale: str = choices(*SCALES, default="default", help="size preset (the size flags override it)")
+    scale: str = choices(
+        *SCALES, default="default", help="size preset (the size flags override it)"
+    )
     scenarios: tuple = option(SCENARIOS, help=f"comma-separated subset of {list(SCENARIOS)}")
-    methods: tuple | None = option(None, help=f"comma-separated subset of {list(VARIANTS)} or 'all'; "
-                                              "none: every method on extended-data and the claims' "
-                                              "methods elsewhere at --scale default, all at --scale cluster")
+    methods: tuple | None = option(
+        None,
+        help=f"comma-separated subset of {list(VARIANTS)} or 'all'; "
+        "none: every method on extended-data and the claims' "
+        "methods elsewhere at --scale default, all at --scale cluster",
+    )
     sequential_methods: tuple | None = option(
-        None, help=f"methods of the sequential chains, or 'all'; none: {','.join(SEQUENTIAL_DEFAULT)} "
-                   "at --scale default, else all")
+        None,
+        help=f"methods of the sequential chains, or 'all'; none: {','.join(SEQUENTIAL_DEFAULT)} "
+        "at --scale default, else all",
+    )
     sizes: ScenarioSizes = option(DEFAULT_SIZES, help="data (the scenarios are --scenarios)")
     training: ScaleOptions = option(ScaleOptions(), help="model and optimisation sizes")
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
     parallel: int = positive(2, help="Ray Train runs at a time (2: this machine's 2 cores)")
     train_budget_minutes: float | None = option(
-        None, help="start no training after this many minutes; the report lists what was not trained "
-                   "and its claims say 'not measured'; none: no limit")
+        None,
+        help="start no training after this many minutes; the report lists what was not trained "
+        "and its claims say 'not measured'; none: no limit",
+    )
     backfill_policies: tuple = option(BACKFILL_POLICIES, help="policies of the hot-refresh curves")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
 
     @classmethod
-    def at_scale(cls, scale: str = "default", **values) -> "ReproduceOptions":
+    def at_scale(cls, scale: str = "default", **values) -> ReproduceOptions:
         """The options of preset ``scale`` (its sizes and training sizes), then ``values``."""
         preset = SCALES[parse_options(cls, {"scale": scale}).scale]
-        return dataclasses.replace(cls(), scale=scale, sizes=preset.sizes, training=preset.training,
-                                   **values)
+        return dataclasses.replace(
+            cls(), scale=scale, sizes=preset.sizes, training=preset.training, **values
+        )
 
     def threads_per_worker(self) -> int:
         """Torch threads per training worker: the cores shared by the concurrent runs."""
@@ -198,35 +254,50 @@ class ReproduceOptions:
                 continue
             v = VARIANTS[label]
             if v.needs_unseen_classes and scenario in ("extended-data", "architecture"):
-                why = ("every new class is known to the old classifier here, so this BCT variant "
-                       "trains exactly the model of `bct` (sys)")
+                why = (
+                    "every new class is known to the old classifier here, so this BCT variant "
+                    "trains exactly the model of `bct` (sys)"
+                )
             elif scenario == "sequential" and not v.sequential:
-                why = ("the rank-merge family trains rho/psi_rev on a frozen new* against one "
-                       "predecessor; the RM paper has no sequential chain")
+                why = (
+                    "the rank-merge family trains rho/psi_rev on a frozen new* against one "
+                    "predecessor; the RM paper has no sequential chain"
+                )
             elif label not in self.requested(scenario):
-                why = ("not in this scenario's default-scale plan (DEFAULT_SCALE_METHODS); "
-                       "`--methods all` trains it")
+                why = (
+                    "not in this scenario's default-scale plan (DEFAULT_SCALE_METHODS); "
+                    "`--methods all` trains it"
+                )
             else:
                 why = "not requested (`--sequential-methods`)"
             reasons.append((label, why))
         return reasons
 
-    def validated(self) -> "ReproduceOptions":
+    def validated(self) -> ReproduceOptions:
         """Checks that need more than one option; ``all`` expanded. Raises ``ConfigError``."""
         from raycompat.train.config import check_backbone
 
         if self.train_budget_minutes is not None and self.train_budget_minutes < 0:
-            raise ConfigError(f"--train-budget-minutes must be >= 0, got {self.train_budget_minutes}")
+            raise ConfigError(
+                f"--train-budget-minutes must be >= 0, got {self.train_budget_minutes}"
+            )
         t = self.training
         if t.batch_size % t.workers:
-            raise ConfigError(f"--batch-size {t.batch_size} must be divisible by --workers {t.workers}")
+            raise ConfigError(
+                f"--batch-size {t.batch_size} must be divisible by --workers {t.workers}"
+            )
         check_backbone(self.sizes.backbone, "--backbone")
         check_backbone(t.arch_backbone, "--arch-backbone")
         return dataclasses.replace(
-            self, scenarios=_names(self.scenarios, SCENARIOS, "--scenarios"),
-            methods=None if self.methods is None else _names(self.methods, tuple(VARIANTS), "--methods"),
-            sequential_methods=None if self.sequential_methods is None else
-            _names(self.sequential_methods, tuple(VARIANTS), "--sequential-methods"))
+            self,
+            scenarios=_names(self.scenarios, SCENARIOS, "--scenarios"),
+            methods=None
+            if self.methods is None
+            else _names(self.methods, tuple(VARIANTS), "--methods"),
+            sequential_methods=None
+            if self.sequential_methods is None
+            else _names(self.sequential_methods, tuple(VARIANTS), "--sequential-methods"),
+        )
 
 
 def _names(value, allowed: tuple, flag: str) -> tuple:
@@ -238,6 +309,8 @@ def _names(value, allowed: tuple, flag: str) -> tuple:
         return tuple(allowed)
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise ConfigError(f"{flag}: {bad[0] if bad else 'empty'!r} is not allowed; allowed values: "
-                          f"{list(allowed)} or 'all'")
+        raise ConfigError(
+            f"{flag}: {bad[0] if bad else 'empty'!r} is not allowed; allowed values: "
+            f"{list(allowed)} or 'all'"
+        )
     return tuple(dict.fromkeys(names))

@@ -1,5 +1,6 @@
 """The reproduction report: tables shaped like the papers' (one row per method and test set),
 the claims table, hot-refresh plots for the RACT and RM claims; markdown + JSON + PNG."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,21 @@ import os
 from raycompat.report import fmt, markdown_table
 from raycompat.reproduce.claims import backfill_curve
 
-TABLE_HEADERS = ["method", "M(o,o)", "M(n,n)", "M(n,o)", "M(n,adapted)", "cross used", "update gain",
-                 "Delta_up", "Delta_down", "P_up", "P_comp", "P_1", "compatible"]
+TABLE_HEADERS = [
+    "method",
+    "M(o,o)",
+    "M(n,n)",
+    "M(n,o)",
+    "M(n,adapted)",
+    "cross used",
+    "update gain",
+    "Delta_up",
+    "Delta_down",
+    "P_up",
+    "P_comp",
+    "P_1",
+    "compatible",
+]
 
 
 CROSS_USED = {"compatible": "n->o", "adapted": "n->psi(o)", "rank_merge": "psi_rev(rho(n))->o"}
@@ -26,13 +40,27 @@ def method_table(test_set: dict) -> str:
     rows = []
     for label, e in test_set["methods"].items():
         if e.get("diverged"):
-            rows.append([label, _v(test_set.get("m_oo"), metric), "diverged (NaN loss)"] + [None] * 10)
+            rows.append(
+                [label, _v(test_set.get("m_oo"), metric), "diverged (NaN loss)"] + [None] * 10
+            )
             continue
-        rows.append([label + (" (new*)" if label == "independent" else ""), _v(e["m_oo"], metric),
-                     _v(e["m_nn"], metric), _v(e["m_no"], metric), _v(e["m_nadapted"], metric),
-                     CROSS_USED[e["cross_mode"]],
-                     e["update_gain"], e["delta_up"], e["delta_down"], e["P_up"], e["P_comp"], e["P_1"],
-                     e["compatible"]])
+        rows.append(
+            [
+                label + (" (new*)" if label == "independent" else ""),
+                _v(e["m_oo"], metric),
+                _v(e["m_nn"], metric),
+                _v(e["m_no"], metric),
+                _v(e["m_nadapted"], metric),
+                CROSS_USED[e["cross_mode"]],
+                e["update_gain"],
+                e["delta_up"],
+                e["delta_down"],
+                e["P_up"],
+                e["P_comp"],
+                e["P_1"],
+                e["compatible"],
+            ]
+        )
     return markdown_table(TABLE_HEADERS, rows)
 
 
@@ -45,15 +73,26 @@ def sequential_table(sequential: dict) -> str:
             key = (r["query_generation"], r["gallery_generation"], r["gallery_state"])
             got.setdefault(key, {})[r["metric"]] = r["value"]
         for (j, i, state), m in sorted(got.items()):
-            rows.append([label, f"phi_{j}", f"phi_{i}" if state == "stored" else f"psi-chain(phi_{i})",
-                         m.get("mAP@100"), m.get("top1")])
+            rows.append(
+                [
+                    label,
+                    f"phi_{j}",
+                    f"phi_{i}" if state == "stored" else f"psi-chain(phi_{i})",
+                    m.get("mAP@100"),
+                    m.get("top1"),
+                ]
+            )
     return markdown_table(["method", "query", "gallery", "mAP@100", "top1"], rows)
 
 
 def claims_table(claims: list[dict]) -> str:
-    return markdown_table(["paper", "claim", "verdict", "measurement", "why"],
-                          [[c["paper"], c["claim"], f"**{c['verdict']}**", c["measurement"], c["explanation"]]
-                           for c in claims])
+    return markdown_table(
+        ["paper", "claim", "verdict", "measurement", "why"],
+        [
+            [c["paper"], c["claim"], f"**{c['verdict']}**", c["measurement"], c["explanation"]]
+            for c in claims
+        ],
+    )
 
 
 def _numbers_table(numbers: list[dict]) -> str:
@@ -69,12 +108,22 @@ def _cell(value):
     return value
 
 
-RACT_ORDERS = ("random", "uncertainty:margin", "uncertainty:least_confidence", "uncertainty:entropy")
+RACT_ORDERS = (
+    "random",
+    "uncertainty:margin",
+    "uncertainty:least_confidence",
+    "uncertainty:entropy",
+)
 # (model, mode, legend) of the RM plot
-RM_LINES = (("mcl", "rank_merge", "rank merge (mcl)"), ("rqt", "rank_merge", "rank merge (rqt)"),
-            ("cl", "rank_merge", "rank merge (cl)"), ("mcl", "naive_merge", "naive merge"),
-            ("mcl", "cold", "cold refresh"), ("bct", "compatible", "bct, compatible"),
-            ("dmu", "adapted", "dmu, adapted"))
+RM_LINES = (
+    ("mcl", "rank_merge", "rank merge (mcl)"),
+    ("rqt", "rank_merge", "rank merge (rqt)"),
+    ("cl", "rank_merge", "rank merge (cl)"),
+    ("mcl", "naive_merge", "naive merge"),
+    ("mcl", "cold", "cold refresh"),
+    ("bct", "compatible", "bct, compatible"),
+    ("dmu", "adapted", "dmu, adapted"),
+)
 
 
 def _pct_line(ax, curve: dict, metric: str, **style) -> None:
@@ -101,22 +150,36 @@ def _ract_figure(results: dict, scenario: str):
     for label in ("contrastive", "ract", "bct"):
         c = backfill_curve(results, scenario, label, "random", "compatible")
         if c:
-            _pct_line(axes[0], c, "NFR@1", marker="o", markersize=3, label=f"{label} (random order)")
+            _pct_line(
+                axes[0], c, "NFR@1", marker="o", markersize=3, label=f"{label} (random order)"
+            )
             drawn = True
-    axes[0].set(xlabel="gallery backfilled (%)", ylabel="NFR@1 (%)", title=f"{scenario}: negative flips")
+    axes[0].set(
+        xlabel="gallery backfilled (%)", ylabel="NFR@1 (%)", title=f"{scenario}: negative flips"
+    )
     for policy in RACT_ORDERS:
         c = backfill_curve(results, scenario, "ract", policy, "compatible")
         if c:
             _pct_line(axes[1], c, "mAP@100", marker=".", label=f"ract, {policy}")
-    axes[1].set(xlabel="gallery backfilled (%)", ylabel="mAP@100 (%)",
-                title=f"{scenario}: RACT by backfill order")
+    axes[1].set(
+        xlabel="gallery backfilled (%)",
+        ylabel="mAP@100 (%)",
+        title=f"{scenario}: RACT by backfill order",
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         else:
-            ax.text(0.5, 0.5, "not trained in this scenario", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "not trained in this scenario",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
     return fig, drawn
 
 
@@ -136,8 +199,11 @@ def _rm_figure(results: dict, scenario: str, models: dict):
         v = refs.get(ref, {}).get("mAP@100")
         if v is not None:
             ax.axhline(100 * v, color=color, linestyle=":", label=ref)
-    ax.set(xlabel="gallery backfilled (%), random order", ylabel="mAP@100 (%)",
-           title=f"{scenario}: online backfilling")
+    ax.set(
+        xlabel="gallery backfilled (%), random order",
+        ylabel="mAP@100 (%)",
+        title=f"{scenario}: online backfilling",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig, drawn
@@ -149,6 +215,7 @@ def plot_hot_refresh(results: dict, out_dir: str) -> list[str]:
     mAP@100 under each order) and ``rm_<scenario>.png`` (mAP@100 of rank merge, naive merge,
     cold and BCT, with the old-old and new*-new* levels)."""
     import matplotlib
+
     matplotlib.use("Agg", force=False)
 
     os.makedirs(out_dir, exist_ok=True)
@@ -164,23 +231,35 @@ def plot_hot_refresh(results: dict, out_dir: str) -> list[str]:
 def _intro_lines(report: dict) -> list[str]:
     opts = report["options"]
     total = report["timings"]["total_s"]
-    return ["# raycompat reproduction report", "",
-            f"Built-in glyph data, scale `{opts['scale']}`; wall time **{total:.0f} s** "
-            f"({total / 60:.1f} min) on {report['machine']}.", "",
-            "Scale options: " + ", ".join(f"`{k}={v}`" for k, v in opts["sizes"].items()) + ".", "",
-            "Every number is mAP@100 (GLDv2 AP@k) on held-out classes (open-set retrieval) unless a "
-            "column says otherwise. `M(q, g)`: queries embedded by q, gallery by g. new* = the "
-            "independent model of the same scenario and backbone. Update gain (BCT Eq.9), "
-            "Delta_up/Delta_down (DMU Eq.6/7) and P_up/P_comp/P_1 (NDPP) use each method's cross test "
-            "(`cross used`): new-to-old, new-to-psi(old) for DMU, psi_rev(rho(new))-to-old for the RM "
-            "family (whose M(n,n) is rho-to-rho).", ""]
+    return [
+        "# raycompat reproduction report",
+        "",
+        f"Built-in glyph data, scale `{opts['scale']}`; wall time **{total:.0f} s** "
+        f"({total / 60:.1f} min) on {report['machine']}.",
+        "",
+        "Scale options: " + ", ".join(f"`{k}={v}`" for k, v in opts["sizes"].items()) + ".",
+        "",
+        "Every number is mAP@100 (GLDv2 AP@k) on held-out classes (open-set retrieval) unless a "
+        "column says otherwise. `M(q, g)`: queries embedded by q, gallery by g. new* = the "
+        "independent model of the same scenario and backbone. Update gain (BCT Eq.9), "
+        "Delta_up/Delta_down (DMU Eq.6/7) and P_up/P_comp/P_1 (NDPP) use each method's cross test "
+        "(`cross used`): new-to-old, new-to-psi(old) for DMU, psi_rev(rho(new))-to-old for the RM "
+        "family (whose M(n,n) is rho-to-rho).",
+        "",
+    ]
 
 
 def _claims_lines(claims: list[dict]) -> list[str]:
     lines = ["## Claims", "", claims_table(claims), ""]
     for c in claims:
-        lines += [f"### {c['paper']}: {c['claim']} -- {c['verdict']}", "",
-                  f"Measurement: {c['measurement']}.", "", _numbers_table(c["numbers"]), ""]
+        lines += [
+            f"### {c['paper']}: {c['claim']} -- {c['verdict']}",
+            "",
+            f"Measurement: {c['measurement']}.",
+            "",
+            _numbers_table(c["numbers"]),
+            "",
+        ]
     return lines
 
 
@@ -190,33 +269,83 @@ def _tables_lines(report: dict) -> list[str]:
     lines = ["## Tables", ""]
     for ts in results["test_sets"]:
         lines += [f"### {ts['name']} ({ts['pair']})", "", method_table(ts), ""]
-    skipped = [(scenario, m, why) for scenario, items in report["skipped"].items() for m, why in items]
+    skipped = [
+        (scenario, m, why) for scenario, items in report["skipped"].items() for m, why in items
+    ]
     if skipped:
-        lines += ["Methods not trained in a scenario, and why:", "",
-                  markdown_table(["scenario", "method", "reason"], skipped), ""]
+        lines += [
+            "Methods not trained in a scenario, and why:",
+            "",
+            markdown_table(["scenario", "method", "reason"], skipped),
+            "",
+        ]
     if results.get("not_trained"):
-        lines += ["Planned models not trained in this run (their claims say `not measured` where they "
-                  "were needed):", "",
-                  markdown_table(["model", "reason"], [(m["model"], m["reason"])
-                                                       for m in results["not_trained"]]), ""]
+        lines += [
+            "Planned models not trained in this run (their claims say `not measured` where they "
+            "were needed):",
+            "",
+            markdown_table(
+                ["model", "reason"], [(m["model"], m["reason"]) for m in results["not_trained"]]
+            ),
+            "",
+        ]
     if results.get("sequential"):
-        lines += ["## Sequential upgrades: every cross pair", "",
-                  "phi_1 -> phi_2 -> phi_3, each generation trained against its predecessor in its own "
-                  "chain (phi_1 is shared). `psi-chain(phi_i)`: the stored phi_i gallery brought forward "
-                  "by DMU's chained psi (psi_j o ... o psi_{i+1}).", "",
-                  sequential_table(results["sequential"]), ""]
+        lines += [
+            "## Sequential upgrades: every cross pair",
+            "",
+            "phi_1 -> phi_2 -> phi_3, each generation trained against its predecessor in its own "
+            "chain (phi_1 is shared). `psi-chain(phi_i)`: the stored phi_i gallery brought forward "
+            "by DMU's chained psi (psi_j o ... o psi_{i+1}).",
+            "",
+            sequential_table(results["sequential"]),
+            "",
+        ]
     return lines
 
 
 def _models_lines(report: dict) -> list[str]:
-    rows = [[m["scenario"], m["label"], m["method"], m["method_options"] or "", m["backbone"],
-             m["split"], m["epochs"], m["final_loss"], m["images_per_s"], m["wall_s"], m["reused"]]
-            for m in report["results"]["models"].values()]
-    return ["## Models", "",
-            markdown_table(["scenario", "model", "method", "options", "backbone", "split", "epochs",
-                            "final loss", "images/s", "train s", "reused"], rows, digits=2), "",
-            "## Timings", "",
-            markdown_table(["phase", "seconds"], list(report["timings"].items()), digits=1), ""]
+    rows = [
+        [
+            m["scenario"],
+            m["label"],
+            m["method"],
+            m["method_options"] or "",
+            m["backbone"],
+            m["split"],
+            m["epochs"],
+            m["final_loss"],
+            m["images_per_s"],
+            m["wall_s"],
+            m["reused"],
+        ]
+        for m in report["results"]["models"].values()
+    ]
+    return [
+        "## Models",
+        "",
+        markdown_table(
+            [
+                "scenario",
+                "model",
+                "method",
+                "options",
+                "backbone",
+                "split",
+                "epochs",
+                "final loss",
+                "images/s",
+                "train s",
+                "reused",
+            ],
+            rows,
+            digits=2,
+        ),
+        "",
+        "## Timings",
+        "",
+        markdown_table(["phase", "seconds"], list(report["timings"].items()), digits=1),
+        "",
+    ]
 
 
 def render_markdown(report: dict) -> str:

@@ -14,6 +14,7 @@ with ``methods[label] = {method, cross_mode, m_oo, m_nn, m_no, m_nadapted, m_cro
 update_gain, delta_up, delta_down, P_up, P_comp, P_1, compatible}``; every ``m_*`` is a
 ``{metric: value}`` dict and the scores use ``metric`` (mAP@100).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,16 +25,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raycompat.evaluation import (PRIMARY_METRIC, EmbeddedSet, embed_scenario, evaluate_pair,
-                                  scenario_eval_items, sequential_cross_evaluate, transform)
+from raycompat.evaluation import (
+    PRIMARY_METRIC,
+    EmbeddedSet,
+    embed_scenario,
+    evaluate_pair,
+    scenario_eval_items,
+    sequential_cross_evaluate,
+    transform,
+)
 from raycompat.reproduce.plan import VARIANTS, ReproduceOptions, Variant
 
 CURVE_METRICS = ("mAP@100", "top1", "NFR@1")
 #: Training order across scenarios (after the old models and the paragons): what the most
 #: claims need first, so that a run cut short by ``--train-budget-minutes`` still covers them;
 #: the architecture scenario's methods (a larger backbone, the slowest runs) come last.
-METHOD_PRIORITY = ("bct", "dmu", "ract", "contrastive", "mcl", "ndpp", "p2s", "bct-kd", "bct-beta",
-                   "l2", "odpp", "rqt", "cl")
+METHOD_PRIORITY = (
+    "bct",
+    "dmu",
+    "ract",
+    "contrastive",
+    "mcl",
+    "ndpp",
+    "p2s",
+    "bct-kd",
+    "bct-beta",
+    "l2",
+    "odpp",
+    "rqt",
+    "cl",
+)
 
 
 @dataclass
@@ -47,7 +68,7 @@ class Trained:
     values: dict
     deps: tuple = ()
     priority: float = 0.0
-    skipped: str | None = None        # why it was not trained (the training budget ran out)
+    skipped: str | None = None  # why it was not trained (the training budget ran out)
     wall_s: float | None = None
     reused: bool = False
     history: list | None = None
@@ -77,11 +98,18 @@ class ModelStore:
         key = f"{label}-{config_tag(values)}"
         if key not in self.planned:
             # every option is checked here, on the driver, before any worker starts
-            TrainConfig.from_dict(dict(values, storage_path=self.runs_dir, run_name=key),
-                                  check_paths=not deps)
+            TrainConfig.from_dict(
+                dict(values, storage_path=self.runs_dir, run_name=key), check_paths=not deps
+            )
             priority = max([priority] + [d.priority + 0.5 for d in deps])
-            self.planned[key] = Trained(key, label, os.path.join(self.models_dir, key), values,
-                                        tuple(d.key for d in deps), priority)
+            self.planned[key] = Trained(
+                key,
+                label,
+                os.path.join(self.models_dir, key),
+                values,
+                tuple(d.key for d in deps),
+                priority,
+            )
         return self.planned[key]
 
     @staticmethod
@@ -92,10 +120,12 @@ class ModelStore:
         from raycompat.train.runs import train_named
 
         for dep in t.deps:
-            futures[dep].result()          # a failed dependency fails this one too
+            futures[dep].result()  # a failed dependency fails this one too
         missing = [d for d in t.deps if self.planned[d].skipped]
         info_path = t.path + ".json"
-        finished = os.path.isfile(os.path.join(t.path, "manifest.json")) and os.path.isfile(info_path)
+        finished = os.path.isfile(os.path.join(t.path, "manifest.json")) and os.path.isfile(
+            info_path
+        )
         if missing and not finished:
             t.skipped = f"needs {missing[0]}, which was not trained"
             return t
@@ -110,15 +140,19 @@ class ModelStore:
             self.log(f"reusing {t.key} (trained earlier in {t.wall_s:.0f} s)")
             return t
         v = t.values
-        self.log(f"training {t.key}: {v['method']} {dict(v.get('method_options') or {})} on "
-                 f"{v['split']}, {v['backbone']}, {v['epochs']} epochs")
+        self.log(
+            f"training {t.key}: {v['method']} {dict(v.get('method_options') or {})} on "
+            f"{v['split']}, {v['backbone']}, {v['epochs']} epochs"
+        )
         label, tag = t.key.rsplit("-", 1)
         run, wall = train_named(v, label, tag, self.runs_dir, self.models_dir, export_name=t.key)
         with open(info_path, "w") as f:
             json.dump({"wall_s": wall, "history": run.history}, f)
         t.wall_s, t.history = wall, run.history
-        self.log(f"  trained {t.key}: {wall:.0f} s, final loss "
-                 f"{run.history[-1].get('loss/loss', float('nan')):.3f}")
+        self.log(
+            f"  trained {t.key}: {wall:.0f} s, final loss "
+            f"{run.history[-1].get('loss/loss', float('nan')):.3f}"
+        )
         return t
 
     def run_all(self, parallel: int = 1, budget_s: float | None = None) -> None:
@@ -129,8 +163,10 @@ class ModelStore:
         from concurrent.futures import ThreadPoolExecutor
 
         order = {key: i for i, key in enumerate(self.planned)}
-        pending = sorted((t for t in self.planned.values() if t.history is None),
-                         key=lambda t: (t.priority, order[t.key]))
+        pending = sorted(
+            (t for t in self.planned.values() if t.history is None),
+            key=lambda t: (t.priority, order[t.key]),
+        )
         deadline = None if budget_s is None else time.time() + budget_s
         # Sorted by priority, and a model's priority is above its dependencies', so the order is
         # topological; the pool is FIFO, so a run waiting on a dependency never keeps it from starting.
@@ -160,46 +196,101 @@ class Reproduction:
 
         return scenario_from_options(self.opts.sizes, name=name)
 
-    def values(self, scenario, *, backbone: str, method: str, split: str, epochs: int,
-               method_options: dict | None = None, old_model: str | None = None,
-               init_model: str | None = None, head: str | None = None) -> dict:
+    def values(
+        self,
+        scenario,
+        *,
+        backbone: str,
+        method: str,
+        split: str,
+        epochs: int,
+        method_options: dict | None = None,
+        old_model: str | None = None,
+        init_model: str | None = None,
+        head: str | None = None,
+    ) -> dict:
         s, t = self.opts.sizes, self.opts.training
-        return dict(method=method, method_options=method_options or {}, backbone=backbone,
-                    embed_dim=t.embed_dim, head=head or "cosface", epochs=epochs,
-                    batch_size=t.batch_size, lr=t.lr, seed=self.opts.seed,
-                    scenario=scenario.to_dict(), split=split, resolution=s.resolution,
-                    data_seed=s.data_seed, num_workers=t.workers, use_gpu=t.gpus > 0,
-                    gpus_per_worker=t.gpus if t.gpus > 0 else 1.0, old_model=old_model,
-                    init_model=init_model, threads_per_worker=self.opts.threads_per_worker(),
-                    log_every=1000)
+        return dict(
+            method=method,
+            method_options=method_options or {},
+            backbone=backbone,
+            embed_dim=t.embed_dim,
+            head=head or "cosface",
+            epochs=epochs,
+            batch_size=t.batch_size,
+            lr=t.lr,
+            seed=self.opts.seed,
+            scenario=scenario.to_dict(),
+            split=split,
+            resolution=s.resolution,
+            data_seed=s.data_seed,
+            num_workers=t.workers,
+            use_gpu=t.gpus > 0,
+            gpus_per_worker=t.gpus if t.gpus > 0 else 1.0,
+            old_model=old_model,
+            init_model=init_model,
+            threads_per_worker=self.opts.threads_per_worker(),
+            log_every=1000,
+        )
 
-    def train(self, scenario_name: str, label: str, values: dict, deps: tuple = (),
-              priority: float = 0.0) -> Trained:
+    def train(
+        self, scenario_name: str, label: str, values: dict, deps: tuple = (), priority: float = 0.0
+    ) -> Trained:
         t = self.store.plan(label, values, deps, priority)
         self.models[f"{scenario_name}/{label}"] = t
         return t
 
-    def new_model(self, scenario, scenario_name: str, variant: Variant, split: str, backbone: str,
-                  old: Trained, paragon: Trained | None, label: str | None = None) -> Trained:
+    def new_model(
+        self,
+        scenario,
+        scenario_name: str,
+        variant: Variant,
+        split: str,
+        backbone: str,
+        old: Trained,
+        paragon: Trained | None,
+        label: str | None = None,
+    ) -> Trained:
         s = self.opts.training
         needs_old = variant.method != "independent"
         deps = ((old,) if needs_old else ()) + ((paragon,) if variant.init_from_paragon else ())
-        rank = METHOD_PRIORITY.index(variant.label) if variant.label in METHOD_PRIORITY else len(METHOD_PRIORITY)
-        return self.train(scenario_name, label or variant.label, self.values(
-            scenario, backbone=backbone, method=variant.method,
-            method_options=variant.method_options(s), split=split, epochs=s.new_epochs,
-            old_model=old.path if needs_old else None,
-            init_model=paragon.path if variant.init_from_paragon else None, head=variant.head), deps,
-            priority=0.0 if variant.label == "independent" else
-            1.0 + rank + (len(METHOD_PRIORITY) if scenario_name == "architecture" else 0))
+        rank = (
+            METHOD_PRIORITY.index(variant.label)
+            if variant.label in METHOD_PRIORITY
+            else len(METHOD_PRIORITY)
+        )
+        return self.train(
+            scenario_name,
+            label or variant.label,
+            self.values(
+                scenario,
+                backbone=backbone,
+                method=variant.method,
+                method_options=variant.method_options(s),
+                split=split,
+                epochs=s.new_epochs,
+                old_model=old.path if needs_old else None,
+                init_model=paragon.path if variant.init_from_paragon else None,
+                head=variant.head,
+            ),
+            deps,
+            priority=0.0
+            if variant.label == "independent"
+            else 1.0 + rank + (len(METHOD_PRIORITY) if scenario_name == "architecture" else 0),
+        )
 
     def embed(self, trained: Trained, scenario) -> EmbeddedSet:
         from raycompat.models import ModelBundle
 
         key = (trained.key, scenario.name)
         if key not in self._embedded:
-            self._embedded[key] = embed_scenario(trained.label, ModelBundle.load(trained.path), scenario,
-                                                 self.opts.sizes.resolution, self.opts.sizes.data_seed)
+            self._embedded[key] = embed_scenario(
+                trained.label,
+                ModelBundle.load(trained.path),
+                scenario,
+                self.opts.sizes.resolution,
+                self.opts.sizes.data_seed,
+            )
         return self._embedded[key]
 
     def model_rows(self) -> dict:
@@ -208,10 +299,22 @@ class Reproduction:
             if not ModelStore.done(t):
                 continue
             v, h = t.values, (t.history or [{}])[-1]
-            rows[name] = dict(scenario=name.split("/")[0], label=t.label, key=t.key, method=v["method"],
-                              method_options=v["method_options"], backbone=v["backbone"], split=v["split"],
-                              epochs=v["epochs"], head=v["head"], path=t.path, wall_s=t.wall_s,
-                              reused=t.reused, final_loss=h.get("loss/loss"), images_per_s=h.get("images_per_s"))
+            rows[name] = dict(
+                scenario=name.split("/")[0],
+                label=t.label,
+                key=t.key,
+                method=v["method"],
+                method_options=v["method_options"],
+                backbone=v["backbone"],
+                split=v["split"],
+                epochs=v["epochs"],
+                head=v["head"],
+                path=t.path,
+                wall_s=t.wall_s,
+                reused=t.reused,
+                final_loss=h.get("loss/loss"),
+                images_per_s=h.get("images_per_s"),
+            )
         return rows
 
     # -- one (new -> old) scenario ---------------------------------------------------------
@@ -220,14 +323,26 @@ class Reproduction:
         s, t = self.opts.sizes, self.opts.training
         scenario = self.scenario("extended-data" if name == "architecture" else name)
         new_backbone = t.arch_backbone if name == "architecture" else s.backbone
-        old = self.train(name, "old", self.values(scenario, backbone=s.backbone, method="independent",
-                                                  split="old_train", epochs=t.old_epochs))
-        paragon = self.new_model(scenario, name, VARIANTS["independent"], "new_train", new_backbone,
-                                 old, None)
+        old = self.train(
+            name,
+            "old",
+            self.values(
+                scenario,
+                backbone=s.backbone,
+                method="independent",
+                split="old_train",
+                epochs=t.old_epochs,
+            ),
+        )
+        paragon = self.new_model(
+            scenario, name, VARIANTS["independent"], "new_train", new_backbone, old, None
+        )
         trained = {"independent": paragon}
         for v in self.opts.method_plan(name):
             if v.label != "independent":
-                trained[v.label] = self.new_model(scenario, name, v, "new_train", new_backbone, old, paragon)
+                trained[v.label] = self.new_model(
+                    scenario, name, v, "new_train", new_backbone, old, paragon
+                )
         return dict(scenario=scenario, old=old, trained=trained)
 
     def evaluate_pair_scenario(self, name: str, planned: dict) -> tuple[dict, dict]:
@@ -240,16 +355,36 @@ class Reproduction:
         t = time.time()
         (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
         old_emb = self.embed(old, scenario)
-        news = {label: (VARIANTS[label], ModelBundle.load(tr.path), self.embed(tr, scenario))
-                for label, tr in trained.items()}
-        unseen = bool(set(scenario["new_train"].classes.tolist()) - set(scenario["old_train"].classes.tolist()))
+        news = {
+            label: (VARIANTS[label], ModelBundle.load(tr.path), self.embed(tr, scenario))
+            for label, tr in trained.items()
+        }
+        unseen = bool(
+            set(scenario["new_train"].classes.tolist())
+            - set(scenario["old_train"].classes.tolist())
+        )
         test_set = measure_test_set(
-            name=name, scenario=name, pair="new -> old", unseen_classes=unseen, old=old_emb,
-            paragon=news["independent"][2], news=news, query_labels=q_labels, gallery_labels=g_labels)
+            name=name,
+            scenario=name,
+            pair="new -> old",
+            unseen_classes=unseen,
+            old=old_emb,
+            paragon=news["independent"][2],
+            news=news,
+            query_labels=q_labels,
+            gallery_labels=g_labels,
+        )
         self.timings[f"{name}_evaluate_s"] = time.time() - t
         t = time.time()
-        backfill = hot_refresh(old_emb, news, q_labels, g_labels, test_set["m_nstar"],
-                               self.opts.backfill_policies, self.opts.seed)
+        backfill = hot_refresh(
+            old_emb,
+            news,
+            q_labels,
+            g_labels,
+            test_set["m_nstar"],
+            self.opts.backfill_policies,
+            self.opts.seed,
+        )
         self.timings[f"{name}_backfill_s"] = time.time() - t
         return test_set, backfill
 
@@ -260,14 +395,33 @@ class Reproduction:
         s, t = self.opts.sizes, self.opts.training
         scenario = self.scenario("sequential")
         splits = scenario.train_generations()
-        first = self.train("sequential", "gen1", self.values(
-            scenario, backbone=s.backbone, method="independent", split=splits[0], epochs=t.old_epochs))
+        first = self.train(
+            "sequential",
+            "gen1",
+            self.values(
+                scenario,
+                backbone=s.backbone,
+                method="independent",
+                split=splits[0],
+                epochs=t.old_epochs,
+            ),
+        )
         chains: dict[str, list[Trained]] = {}
         for v in self.opts.method_plan("sequential"):
             chain = [first]
             for g, split in enumerate(splits[1:], start=2):
-                chain.append(self.new_model(scenario, "sequential", v, split, s.backbone, chain[-1],
-                                            None, label=f"{v.label}-gen{g}"))
+                chain.append(
+                    self.new_model(
+                        scenario,
+                        "sequential",
+                        v,
+                        split,
+                        s.backbone,
+                        chain[-1],
+                        None,
+                        label=f"{v.label}-gen{g}",
+                    )
+                )
             chains[v.label] = chain
         return dict(scenario=scenario, splits=splits, chains=chains)
 
@@ -277,39 +431,65 @@ class Reproduction:
         scenario, splits, chains = planned["scenario"], planned["splits"], planned["chains"]
         (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
         pairs, test_sets = {}, []
-        chains = {label: chain for label, chain in chains.items() if all(ModelStore.done(t) for t in chain)
-                  and not any(diverged(self.embed(t, scenario)) for t in chain)}
+        chains = {
+            label: chain
+            for label, chain in chains.items()
+            if all(ModelStore.done(t) for t in chain)
+            and not any(diverged(self.embed(t, scenario)) for t in chain)
+        }
         if "independent" not in chains:
             return [], None
         for label, chain in chains.items():
             gens = [self.embed(t, scenario) for t in chain]
             bundles = [ModelBundle.load(t.path) for t in chain]
             psis = [None] + [b.modules.get("psi") for b in bundles[1:]]
-            pairs[label] = sequential_cross_evaluate(gens, q_labels, g_labels,
-                                                     psis=psis if any(p is not None for p in psis) else None)
-        paragon_rows = {(r["query_generation"], r["metric"]): r["value"] for r in pairs["independent"]
-                        if r["query_generation"] == r["gallery_generation"]}
+            pairs[label] = sequential_cross_evaluate(
+                gens, q_labels, g_labels, psis=psis if any(p is not None for p in psis) else None
+            )
+        paragon_rows = {
+            (r["query_generation"], r["metric"]): r["value"]
+            for r in pairs["independent"]
+            if r["query_generation"] == r["gallery_generation"]
+        }
         for j in range(2, len(splits) + 1):
             for i in range(1, j):
-                ts = dict(name=f"sequential {j}->{i}", scenario="sequential", pair=f"phi_{j} -> phi_{i}",
-                          unseen_classes=True, metric=PRIMARY_METRIC, methods={},
-                          m_nstar={m: v for (g, m), v in paragon_rows.items() if g == j})
+                ts = dict(
+                    name=f"sequential {j}->{i}",
+                    scenario="sequential",
+                    pair=f"phi_{j} -> phi_{i}",
+                    unseen_classes=True,
+                    metric=PRIMARY_METRIC,
+                    methods={},
+                    m_nstar={m: v for (g, m), v in paragon_rows.items() if g == j},
+                )
                 for label, rows in pairs.items():
                     get = _pair_getter(rows)
                     ts["methods"][label] = compat_entry(
-                        VARIANTS[label], m_oo=get(i, i), m_nn=get(j, j), m_no=get(j, i),
-                        m_nadapted=get(j, i, "adapted"), m_nstar=ts["m_nstar"])
+                        VARIANTS[label],
+                        m_oo=get(i, i),
+                        m_nn=get(j, j),
+                        m_no=get(j, i),
+                        m_nadapted=get(j, i, "adapted"),
+                        m_nstar=ts["m_nstar"],
+                    )
                 # one old model shared by every chain only when the gallery is phi_1
                 ts["m_oo"] = next(iter(ts["methods"].values()))["m_oo"] if i == 1 else None
                 test_sets.append(ts)
-        return test_sets, {"pairs": pairs, "generations": splits,
-                           "chains": {label: [t.key for t in chain] for label, chain in chains.items()}}
+        return test_sets, {
+            "pairs": pairs,
+            "generations": splits,
+            "chains": {label: [t.key for t in chain] for label, chain in chains.items()},
+        }
 
     # -- everything ------------------------------------------------------------------------
     def run(self) -> dict:
         started = time.time()
-        planned = {name: (self.plan_sequential() if name == "sequential" else self.plan_pair_scenario(name))
-                   for name in self.opts.scenarios}
+        planned = {
+            name: (
+                self.plan_sequential() if name == "sequential" else self.plan_pair_scenario(name)
+            )
+            for name in self.opts.scenarios
+        }
         n = sum(1 for t in self.store.planned.values())
         self.log(f"{n} models to train or reuse, {self.opts.parallel} at a time")
         budget = self.opts.train_budget_minutes
@@ -328,32 +508,65 @@ class Reproduction:
                     backfill[name] = bf
             self.log(f"scenario {name} evaluated")
         self.timings["total_s"] = time.time() - started
-        not_trained = [dict(model=name, key=t.key, reason=t.skipped) for name, t in self.models.items()
-                       if not ModelStore.done(t)]
-        return dict(test_sets=test_sets, sequential=sequential, backfill=backfill,
-                    models=self.model_rows(), not_trained=not_trained, timings=self.timings)
+        not_trained = [
+            dict(model=name, key=t.key, reason=t.skipped)
+            for name, t in self.models.items()
+            if not ModelStore.done(t)
+        ]
+        return dict(
+            test_sets=test_sets,
+            sequential=sequential,
+            backfill=backfill,
+            models=self.model_rows(),
+            not_trained=not_trained,
+            timings=self.timings,
+        )
 
 
 def _pair_getter(rows: list[dict]):
     def get(j, i, state="stored"):
-        found = {r["metric"]: r["value"] for r in rows if (r["query_generation"], r["gallery_generation"],
-                                                           r["gallery_state"]) == (j, i, state)}
+        found = {
+            r["metric"]: r["value"]
+            for r in rows
+            if (r["query_generation"], r["gallery_generation"], r["gallery_state"]) == (j, i, state)
+        }
         return found or None
+
     return get
 
 
-def compat_entry(variant: Variant, *, m_oo: dict, m_nn: dict, m_no: dict, m_nadapted: dict | None,
-                 m_nstar: dict, metric: str = PRIMARY_METRIC) -> dict:
+def compat_entry(
+    variant: Variant,
+    *,
+    m_oo: dict,
+    m_nn: dict,
+    m_no: dict,
+    m_nadapted: dict | None,
+    m_nstar: dict,
+    metric: str = PRIMARY_METRIC,
+) -> dict:
     """Scores of one method on one test set: the cross test is new-to-old, new-to-adapted-old
     (DMU) or the rank-merge reverse query (RM), per ``variant.cross``."""
     from raycompat.metrics import compatibility_report
 
     cross = m_nadapted if variant.cross == "adapted" and m_nadapted else m_no
     rep = compatibility_report(m_oo[metric], cross[metric], m_nn[metric], m_nstar[metric])
-    return dict(method=variant.method, cross_mode=variant.cross, m_oo=m_oo, m_nn=m_nn, m_no=m_no,
-                m_nadapted=m_nadapted, m_cross=cross, compatible=bool(rep["compatible"]),
-                update_gain=rep["update_gain"], delta_up=rep["delta_up"],
-                delta_down=rep["delta_down"], P_up=rep["P_up"], P_comp=rep["P_comp"], P_1=rep["P_1"])
+    return dict(
+        method=variant.method,
+        cross_mode=variant.cross,
+        m_oo=m_oo,
+        m_nn=m_nn,
+        m_no=m_no,
+        m_nadapted=m_nadapted,
+        m_cross=cross,
+        compatible=bool(rep["compatible"]),
+        update_gain=rep["update_gain"],
+        delta_up=rep["delta_up"],
+        delta_down=rep["delta_down"],
+        P_up=rep["P_up"],
+        P_comp=rep["P_comp"],
+        P_1=rep["P_1"],
+    )
 
 
 def _metrics(d: dict) -> dict:
@@ -367,19 +580,44 @@ def diverged(embedded: EmbeddedSet) -> bool:
 
 def diverged_entry(variant: Variant) -> dict:
     """A method whose model embeds to NaN: no retrieval number, and not compatible."""
-    return dict(method=variant.method, cross_mode=variant.cross, diverged=True, m_oo=None, m_nn=None,
-                m_no=None, m_nadapted=None, m_cross=None, compatible=False, update_gain=None,
-                delta_up=None, delta_down=None, P_up=None, P_comp=None, P_1=None)
+    return dict(
+        method=variant.method,
+        cross_mode=variant.cross,
+        diverged=True,
+        m_oo=None,
+        m_nn=None,
+        m_no=None,
+        m_nadapted=None,
+        m_cross=None,
+        compatible=False,
+        update_gain=None,
+        delta_up=None,
+        delta_down=None,
+        P_up=None,
+        P_comp=None,
+        P_1=None,
+    )
 
 
-def measure_test_set(*, name: str, scenario: str, pair: str, unseen_classes: bool, old: EmbeddedSet,
-                     paragon: EmbeddedSet, news: dict, query_labels, gallery_labels) -> dict:
+def measure_test_set(
+    *,
+    name: str,
+    scenario: str,
+    pair: str,
+    unseen_classes: bool,
+    old: EmbeddedSet,
+    paragon: EmbeddedSet,
+    news: dict,
+    query_labels,
+    gallery_labels,
+) -> dict:
     """Evaluate every new model of a scenario against its old model (see the module docstring).
 
     ``news[label] = (variant, bundle, embedded)``. Rank-merge methods are measured through
     their exported modules: ``M(n,n) = M(rho(q), rho(g))``, ``M(n,o) = M(psi_rev(rho(q)), phi_o(g))``.
     DMU gets ``M(n, adapted) = M(phi_n(q), psi(phi_o(g)))`` besides ``M(n,o)``.
     """
+
     def pair_metrics(q, g, dims=None):
         return _metrics(evaluate_pair(q, g, query_labels, gallery_labels, dims=dims))
 
@@ -397,34 +635,63 @@ def measure_test_set(*, name: str, scenario: str, pair: str, unseen_classes: boo
             m_no = pair_metrics(transform(psi_rev, q_rho), old.gallery)
         else:
             m_nn = pair_metrics(new.query, new.gallery)
-            m_no = pair_metrics(new.query, old.gallery, dims=min(new.compatible_dim, old.gallery.shape[1]))
+            m_no = pair_metrics(
+                new.query, old.gallery, dims=min(new.compatible_dim, old.gallery.shape[1])
+            )
         m_nadapted = None
         if "psi" in bundle.modules:
             m_nadapted = pair_metrics(new.query, transform(bundle.modules["psi"], old.gallery))
-        methods[label] = compat_entry(variant, m_oo=m_oo, m_nn=m_nn, m_no=m_no, m_nadapted=m_nadapted,
-                                      m_nstar=m_nstar)
-    return dict(name=name, scenario=scenario, pair=pair, unseen_classes=unseen_classes,
-                metric=PRIMARY_METRIC, m_oo=m_oo, m_nstar=m_nstar, methods=methods)
+        methods[label] = compat_entry(
+            variant, m_oo=m_oo, m_nn=m_nn, m_no=m_no, m_nadapted=m_nadapted, m_nstar=m_nstar
+        )
+    return dict(
+        name=name,
+        scenario=scenario,
+        pair=pair,
+        unseen_classes=unseen_classes,
+        metric=PRIMARY_METRIC,
+        m_oo=m_oo,
+        m_nstar=m_nstar,
+        methods=methods,
+    )
 
 
-def hot_refresh(old: EmbeddedSet, news: dict, query_labels, gallery_labels, paragon_metrics: dict,
-                uncertainty_policies: tuple, seed: int) -> dict:
+def hot_refresh(
+    old: EmbeddedSet,
+    news: dict,
+    query_labels,
+    gallery_labels,
+    paragon_metrics: dict,
+    uncertainty_policies: tuple,
+    seed: int,
+) -> dict:
     """Hot-refresh curves per method (``raycompat.backfill.simulate_backfill``): the query mode
     each method is built for (``compatible``; DMU ``adapted`` and ``compatible``; RM
     ``rank_merge``, with ``naive_merge`` and ``cold`` as the RM paper's baselines), random
     order for all, and the uncertainty orders (RACT Eq.9-11) for bct / contrastive / ract.
     Returns ``{label: [curve, ...]}`` with ``curve = {policy, mode, fractions, <metric>: [...],
     summary: {metric: {auc, auc_gain, regression}}}``."""
-    from raycompat.backfill import GalleryEmbeddings, UncertaintyHead, apply_bundle_modules, simulate_backfill
+    from raycompat.backfill import (
+        GalleryEmbeddings,
+        UncertaintyHead,
+        apply_bundle_modules,
+        simulate_backfill,
+    )
 
     out = {}
     for label, (variant, bundle, new) in news.items():
         if diverged(new):
             continue
         data = GalleryEmbeddings(
-            gallery_labels=np.asarray(gallery_labels), gallery_old=old.gallery, gallery_new=new.gallery,
-            query_labels=np.asarray(query_labels), query_old=old.query, query_new=new.query,
-            compatible_dim=new.compatible_dim, source=f"reproduce: old -> {label}")
+            gallery_labels=np.asarray(gallery_labels),
+            gallery_old=old.gallery,
+            gallery_new=new.gallery,
+            query_labels=np.asarray(query_labels),
+            query_old=old.query,
+            query_new=new.query,
+            compatible_dim=new.compatible_dim,
+            source=f"reproduce: old -> {label}",
+        )
         data = apply_bundle_modules(data, bundle)
         policies, head = ("random",), None
         if variant.cross == "rank_merge":
@@ -438,14 +705,17 @@ def hot_refresh(old: EmbeddedSet, news: dict, query_labels, gallery_labels, para
             if label in ("bct", "contrastive", "ract"):
                 policies = tuple(dict.fromkeys(("random",) + tuple(uncertainty_policies)))
                 head = UncertaintyHead.from_classifier_head(bundle.head)
-        result = simulate_backfill(data, policies, modes, seed=seed, head=head,
-                                   references={"new*-new*": paragon_metrics})
+        result = simulate_backfill(
+            data, policies, modes, seed=seed, head=head, references={"new*-new*": paragon_metrics}
+        )
         curves = []
         for c in result.curves:
             entry = dict(policy=c.policy, mode=c.mode, fractions=[float(x) for x in c.fractions])
             entry.update({m: [float(x) for x in c.metrics[m]] for m in CURVE_METRICS})
-            entry["summary"] = {m: {k: c.summary[m].get(k) for k in ("auc", "auc_gain", "regression")}
-                                for m in CURVE_METRICS}
+            entry["summary"] = {
+                m: {k: c.summary[m].get(k) for k in ("auc", "auc_gain", "regression")}
+                for m in CURVE_METRICS
+            }
             curves.append(entry)
         out[label] = dict(curves=curves, references=result.references)
     return out

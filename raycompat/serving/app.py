@@ -5,6 +5,7 @@ controller and the router ingress, bound to ``host:port`` (127.0.0.1 unless conf
 every deployment to it; ``start_serving(cfg)`` returns the base URL; ``stop_serving(cfg)``
 deletes the application (``serve.shutdown`` is left to the caller, since Serve is cluster-wide).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,10 +42,13 @@ def _bind_shards(plan: ServingPlan) -> list:
     opts = {"num_cpus": cfg.shard_cpus}
     if cfg.shard_memory_mb:
         opts["memory"] = int(cfg.shard_memory_mb) * 1024 * 1024
-    shard_cls = serve.deployment(ShardServer, max_ongoing_requests=64, health_check_period_s=2.0,
-                                 health_check_timeout_s=30.0)
-    return [shard_cls.options(name=f"shard-{i}", num_replicas=1, ray_actor_options=opts).bind(i, plan)
-            for i in range(cfg.num_shards)]
+    shard_cls = serve.deployment(
+        ShardServer, max_ongoing_requests=64, health_check_period_s=2.0, health_check_timeout_s=30.0
+    )
+    return [
+        shard_cls.options(name=f"shard-{i}", num_replicas=1, ray_actor_options=opts).bind(i, plan)
+        for i in range(cfg.num_shards)
+    ]
 
 
 def _bind_controller(plan: ServingPlan, shards: list):
@@ -52,8 +56,13 @@ def _bind_controller(plan: ServingPlan, shards: list):
 
     from raycompat.serving.backfill import BackfillController
 
-    ctl_cls = serve.deployment(BackfillController, name="backfill", num_replicas=1,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16)
+    ctl_cls = serve.deployment(
+        BackfillController,
+        name="backfill",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=16,
+    )
     return ctl_cls.bind(shards, plan)
 
 
@@ -62,10 +71,13 @@ def _bind_router(plan: ServingPlan, shards: list, controller):
 
     cfg = plan.config
     opts = {"num_cpus": cfg.router_cpus}
-    if os.environ.get(TOKEN_ENV) and not cfg.token_file:   # the token travels with the router replicas
+    if (
+        os.environ.get(TOKEN_ENV) and not cfg.token_file
+    ):  # the token travels with the router replicas
         opts["runtime_env"] = {"env_vars": {TOKEN_ENV: os.environ[TOKEN_ENV]}}
-    return Router.options(num_replicas=cfg.router_replicas, ray_actor_options=opts,
-                          max_ongoing_requests=256).bind(shards, controller, plan)
+    return Router.options(
+        num_replicas=cfg.router_replicas, ray_actor_options=opts, max_ongoing_requests=256
+    ).bind(shards, controller, plan)
 
 
 def start_serving(cfg: ServingConfig, address: str | None = None) -> str:
@@ -76,8 +88,12 @@ def start_serving(cfg: ServingConfig, address: str | None = None) -> str:
 
     connect(address)
     serve.start(http_options={"host": cfg.host, "port": int(cfg.port)})
-    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix,
-              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    serve.run(
+        build_app(cfg),
+        name=cfg.app_name,
+        route_prefix=cfg.route_prefix,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    )
     prefix = cfg.route_prefix.rstrip("/")
     return f"http://{cfg.host}:{int(cfg.port)}{prefix}"
 

@@ -5,6 +5,7 @@ The token comes from the environment variable ``RAYCOMPAT_ADMIN_TOKEN`` or from 
 constant-time (:func:`hmac.compare_digest`).  Without a configured token every admin request
 is refused (401), so an unconfigured server cannot be administered by anyone.
 """
+
 from __future__ import annotations
 
 import hmac

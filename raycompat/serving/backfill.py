@@ -15,12 +15,14 @@ durably before acknowledging it (:mod:`raycompat.serving.durability`), so:
 New vectors come from the gallery source (the embeddings parquet's ``new`` column, or the
 synthetic generator), the Ray Data pipeline's parquet output, or the embedder actor pool.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import threading
 import time
+
 import numpy as np
 
 from raycompat.serving.placement import split_by_shard
@@ -95,8 +97,12 @@ class BackfillController:
             from raycompat.serving.gallery_source import open_gallery
 
             mode = self.cfg.mode
-            self._gallery = open_gallery(self.cfg.gallery, self.cfg.new_model, need_adapted=mode == "adapted",
-                                         need_rank_merge=mode == "rank_merge")
+            self._gallery = open_gallery(
+                self.cfg.gallery,
+                self.cfg.new_model,
+                need_adapted=mode == "adapted",
+                need_rank_merge=mode == "rank_merge",
+            )
         return self._gallery
 
     def _vector_source(self, name: str):
@@ -104,7 +110,7 @@ class BackfillController:
         in the rank_merge mode its vectors go through rho."""
         if name not in self._sources:
             src = self._open_source(name)
-            if self.cfg.mode == "rank_merge":      # a new item holds rho(phi_n(g))
+            if self.cfg.mode == "rank_merge":  # a new item holds rho(phi_n(g))
                 from raycompat.serving.scoring import rank_merge_maps
 
                 src.new_map = rank_merge_maps(self.cfg.new_model)[0]
@@ -121,17 +127,25 @@ class BackfillController:
             from raycompat.serving.gallery_source import PipelineOutput
 
             if not cfg.pipeline_output:
-                raise ConfigError("source 'pipeline' needs the option pipeline_output "
-                                  "(the pipeline's parquet)")
+                raise ConfigError(
+                    "source 'pipeline' needs the option pipeline_output (the pipeline's parquet)"
+                )
             return PipelineOutput(cfg.pipeline_output)
         if name == "embedder":
             from raycompat.serving.embedder_pool import EmbedderPool
 
             if not cfg.new_model:
-                raise ConfigError("source 'embedder' needs the option new_model (a ModelBundle directory)")
-            return EmbedderPool(cfg.new_model, cfg.items, size=cfg.embedder_actors,
-                                num_cpus=cfg.embedder_cpus, resolution=cfg.resolution,
-                                data_seed=cfg.data_seed)
+                raise ConfigError(
+                    "source 'embedder' needs the option new_model (a ModelBundle directory)"
+                )
+            return EmbedderPool(
+                cfg.new_model,
+                cfg.items,
+                size=cfg.embedder_actors,
+                num_cpus=cfg.embedder_cpus,
+                resolution=cfg.resolution,
+                data_seed=cfg.data_seed,
+            )
         raise ConfigError(f"unknown source {name!r}; allowed: gallery, pipeline, embedder")
 
     def _head(self):
@@ -143,16 +157,26 @@ class BackfillController:
         return UncertaintyHead.from_classifier_head(ModelBundle.load(self.cfg.new_model).head)
 
     # ------------------------------------------------------------------ commands
-    def start(self, policy: str = "random", seed: int = 0, rate: float | None = None, batch_size: int = 256,
-              until: int | None = None, source: str = "gallery", restart: bool = False) -> dict:
+    def start(
+        self,
+        policy: str = "random",
+        seed: int = 0,
+        rate: float | None = None,
+        batch_size: int = 256,
+        until: int | None = None,
+        source: str = "gallery",
+        restart: bool = False,
+    ) -> dict:
         """Compute the policy's order and start walking it; errors come back as ``{"error"}``."""
         from raycompat.config import ConfigError
 
         with self.lock:
             if self.ck["state"] in ("running", "paused") and not restart:
-                return {"error": f"a backfill is already {self.ck['state']} "
-                                 f"(policy {self.ck.get('policy')}); pause/resume it or pass restart=true",
-                        "status": 409}
+                return {
+                    "error": f"a backfill is already {self.ck['state']} "
+                    f"(policy {self.ck.get('policy')}); pause/resume it or pass restart=true",
+                    "status": 409,
+                }
         try:
             self._vector_source(source)
             order = self._policy_order(policy, int(seed))
@@ -161,9 +185,19 @@ class BackfillController:
         with self.lock:
             self.order = np.asarray(order, np.int64)
             self._save_order()
-            self.ck = {"state": "running", "policy": policy, "seed": int(seed), "source": source,
-                       "rate": rate, "batch_size": int(batch_size), "until": until, "position": 0,
-                       "total": int(self.order.size), "mode": self.cfg.mode, "started": time.time()}
+            self.ck = {
+                "state": "running",
+                "policy": policy,
+                "seed": int(seed),
+                "source": source,
+                "rate": rate,
+                "batch_size": int(batch_size),
+                "until": until,
+                "position": 0,
+                "total": int(self.order.size),
+                "mode": self.cfg.mode,
+                "started": time.time(),
+            }
             self.error = None
             self.resumed = False
             self.generation += 1
@@ -177,8 +211,14 @@ class BackfillController:
         from raycompat.serving.orders import policy_order_ids
 
         head = self._head() if policy.startswith("uncertainty:") or policy == "learned" else None
-        return policy_order_ids(policy, self.gallery(), mode=self.cfg.mode, seed=seed, head=head,
-                                learned_sample_fraction=self.cfg.learned_sample_fraction)
+        return policy_order_ids(
+            policy,
+            self.gallery(),
+            mode=self.cfg.mode,
+            seed=seed,
+            head=head,
+            learned_sample_fraction=self.cfg.learned_sample_fraction,
+        )
 
     def pause(self) -> dict:
         with self.lock:
@@ -195,7 +235,11 @@ class BackfillController:
                 self.ck["until"] = int(until)
             if rate is not None:
                 self.ck["rate"] = float(rate)
-            if self.ck["position"] < self.ck["total"] and self.ck["state"] in ("paused", "running", "error"):
+            if self.ck["position"] < self.ck["total"] and self.ck["state"] in (
+                "paused",
+                "running",
+                "error",
+            ):
                 self.ck["state"] = "running"
                 self.error = None
             self._rate_t0, self._rate_p0 = time.perf_counter(), int(self.ck["position"])
@@ -205,8 +249,20 @@ class BackfillController:
 
     def status(self) -> dict:
         with self.lock:
-            out = {k: self.ck.get(k) for k in ("state", "policy", "seed", "source", "position", "total",
-                                               "until", "rate", "batch_size")}
+            out = {
+                k: self.ck.get(k)
+                for k in (
+                    "state",
+                    "policy",
+                    "seed",
+                    "source",
+                    "position",
+                    "total",
+                    "until",
+                    "rate",
+                    "batch_size",
+                )
+            }
             out["error"] = self.error
             out["resumed_from_checkpoint"] = self.resumed
             dt = time.perf_counter() - self._rate_t0
@@ -228,8 +284,10 @@ class BackfillController:
         pending = [s for s, p in enumerate(parts) if p.size]
         deadline = time.time() + self.cfg.upsert_retry_s
         while pending:
-            responses = {s: self.shards[s].upsert.remote(ids[parts[s]], "new", vecs[parts[s]])
-                         for s in pending}
+            responses = {
+                s: self.shards[s].upsert.remote(ids[parts[s]], "new", vecs[parts[s]])
+                for s in pending
+            }
             failed = []
             for s, r in responses.items():
                 try:
@@ -243,7 +301,9 @@ class BackfillController:
             if pending:
                 self.upsert_retries += 1
                 if time.time() > deadline:
-                    raise RuntimeError(f"shard(s) {pending} unavailable for {self.cfg.upsert_retry_s:g} s")
+                    raise RuntimeError(
+                        f"shard(s) {pending} unavailable for {self.cfg.upsert_retry_s:g} s"
+                    )
                 time.sleep(0.5)
 
     def _loop(self) -> None:
@@ -274,12 +334,12 @@ class BackfillController:
                 self.ck["state"] = "done" if pos >= total else "paused"
                 self._save_checkpoint()
                 return None
-            batch = self.order[pos:min(stop, pos + int(self.ck["batch_size"]))]
+            batch = self.order[pos : min(stop, pos + int(self.ck["batch_size"]))]
             return pos, batch, self.ck["source"], self.ck.get("rate"), self.generation
 
     def _fail(self, gen: int, exc: Exception) -> None:
         with self.lock:
-            if gen != self.generation:        # restarted meanwhile: the failure is moot
+            if gen != self.generation:  # restarted meanwhile: the failure is moot
                 return
             self.error = f"{type(exc).__name__}: {exc}"
             self.ck["state"] = "error"
@@ -288,7 +348,9 @@ class BackfillController:
     def _advance(self, gen: int, pos: int, batch: np.ndarray, rate: float | None) -> None:
         """Checkpoint the position after an acknowledged batch, then keep to ``rate``."""
         with self.lock:
-            if gen == self.generation and int(self.ck["position"]) == pos:   # not restarted meanwhile
+            if (
+                gen == self.generation and int(self.ck["position"]) == pos
+            ):  # not restarted meanwhile
                 self.ck["position"] = pos + int(batch.size)
                 self._save_checkpoint()
             p0, t0 = self._rate_p0, self._rate_t0

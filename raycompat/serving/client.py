@@ -1,9 +1,10 @@
 """A small HTTP client for the live index (``requests``): search, status, admin calls, and
 waiting for the backfill to reach a position."""
+
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,7 +29,9 @@ class ServingClient:
 
     def _call(self, method: str, path: str, json=None, admin: bool = False):
         headers = {"Authorization": f"Bearer {self.token}"} if admin and self.token else {}
-        r = self.http.request(method, self.base + path, json=json, headers=headers, timeout=self.timeout)
+        r = self.http.request(
+            method, self.base + path, json=json, headers=headers, timeout=self.timeout
+        )
         try:
             body = r.json()
         except ValueError:
@@ -37,19 +40,25 @@ class ServingClient:
             raise ServingHTTPError(r.status_code, body)
         return body
 
-    def search(self, vectors: np.ndarray, k: int = 10, model: str = "new", batch: int = 256,
-               old_vectors: np.ndarray | None = None):
+    def search(
+        self,
+        vectors: np.ndarray,
+        k: int = 10,
+        model: str = "new",
+        batch: int = 256,
+        old_vectors: np.ndarray | None = None,
+    ):
         """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded); ``old_vectors``:
         the old model's embeddings of the same queries (naive_merge mode)."""
         q = np.asarray(vectors, np.float32)
         old = None if old_vectors is None else np.asarray(old_vectors, np.float32)
         ids = np.full((q.shape[0], k), -1, np.int64)
-        scores = np.full((q.shape[0], k), -np.inf)          # canonical scores (float64)
+        scores = np.full((q.shape[0], k), -np.inf)  # canonical scores (float64)
         reps = np.full((q.shape[0], k), "", dtype=object)
         for s in range(0, q.shape[0], batch):
-            body = {"vectors": q[s:s + batch].tolist(), "k": int(k), "model": model}
+            body = {"vectors": q[s : s + batch].tolist(), "k": int(k), "model": model}
             if old is not None:
-                body["old_vectors"] = old[s:s + batch].tolist()
+                body["old_vectors"] = old[s : s + batch].tolist()
             res = self._call("POST", "/search", body)
             for j, row in enumerate(res["results"]):
                 for r, hit in enumerate(row):
@@ -76,7 +85,9 @@ class ServingClient:
         return self._call("POST", "/admin/backfill/pause", None, admin=True)
 
     def resume_backfill(self, until: int | None = None, rate: float | None = None) -> dict:
-        return self._call("POST", "/admin/backfill/resume", {"until": until, "rate": rate}, admin=True)
+        return self._call(
+            "POST", "/admin/backfill/resume", {"until": until, "rate": rate}, admin=True
+        )
 
     def wait_backfill(self, position: int, timeout: float = 600.0, poll: float = 0.1) -> dict:
         """Wait until the backfill has reached ``position`` and stopped moving (paused/done)."""
@@ -88,7 +99,9 @@ class ServingClient:
             if bf["position"] >= position and bf["state"] in ("paused", "done"):
                 return bf
             if time.time() - t0 > timeout:
-                raise TimeoutError(f"backfill at {bf['position']} ({bf['state']}), waiting for {position}")
+                raise TimeoutError(
+                    f"backfill at {bf['position']} ({bf['state']}), waiting for {position}"
+                )
             time.sleep(poll)
 
     def wait_ready(self, timeout: float = 120.0) -> dict:

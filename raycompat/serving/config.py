@@ -4,12 +4,14 @@ What the gallery and the model bundles determine (dimensions, item count, model 
 not an option: :func:`raycompat.serving.plan.build_plan` derives it once, into the
 :class:`~raycompat.serving.plan.ServingPlan` every deployment receives.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError, choices, option, parse_options, positive
@@ -21,15 +23,20 @@ __all__ = ["ServingConfig", "serving_config"]
 class ServingConfig:
     """Every option of the live index (docs/architecture.md "Serving")."""
 
-    gallery: str = option("", help="embeddings parquet (simulator schema) or "
-                                   "synthetic:N[:D_old[:D_new[:seed]]]")
+    gallery: str = option(
+        "", help="embeddings parquet (simulator schema) or synthetic:N[:D_old[:D_new[:seed]]]"
+    )
     state_dir: str = option("serving_state", help="shard snapshots + logs, backfill checkpoint")
     mode: str = choices(*SERVED_MODES, default="compatible", help="query strategy served")
     num_shards: int = positive(2, help="shard deployments")
     factory: str = option("Flat", help="faiss factory string; Flat = exact")
-    compatible_dim: int | None = option(None, help="D_c, the compatible dims of a new query (default: D_old)")
+    compatible_dim: int | None = option(
+        None, help="D_c, the compatible dims of a new query (default: D_old)"
+    )
     shard_cpus: float = option(0.0, help="ray_actor_options num_cpus per shard replica")
-    shard_memory_mb: int | None = option(None, help="ray_actor_options memory per shard replica (MiB)")
+    shard_memory_mb: int | None = option(
+        None, help="ray_actor_options memory per shard replica (MiB)"
+    )
     shard_threads: int = positive(1, help="faiss OpenMP threads per shard")
     router_cpus: float = option(0.0, help="ray_actor_options num_cpus per router replica")
     router_replicas: int = positive(1, help="router replicas")
@@ -40,24 +47,34 @@ class ServingConfig:
     app_name: str = option("raycompat", help="Serve application name")
     route_prefix: str = option("/", help="Serve route prefix")
     token_file: str | None = option(None, help="admin token file (else env RAYCOMPAT_ADMIN_TOKEN)")
-    new_model: str | None = option(None, help="new ModelBundle dir: image queries, embedder pool, psi, "
-                                              "uncertainty")
-    old_model: str | None = option(None, help="old ModelBundle dir: /status; naive_merge image queries")
-    pipeline_output: str | None = option(None, help="parquet from the Ray Data pipeline (item_id, new)")
-    items: str | None = option(None, help="parquet item_id, label (class), instance: what the embedder "
-                                          "pool renders")
+    new_model: str | None = option(
+        None, help="new ModelBundle dir: image queries, embedder pool, psi, uncertainty"
+    )
+    old_model: str | None = option(
+        None, help="old ModelBundle dir: /status; naive_merge image queries"
+    )
+    pipeline_output: str | None = option(
+        None, help="parquet from the Ray Data pipeline (item_id, new)"
+    )
+    items: str | None = option(
+        None, help="parquet item_id, label (class), instance: what the embedder pool renders"
+    )
     data_seed: int = option(0, help="glyph renderer seed of the embedder pool")
-    resolution: int | None = option(None, help="glyph resolution of the embedder pool "
-                                               "(default: bundle manifest)")
+    resolution: int | None = option(
+        None, help="glyph resolution of the embedder pool (default: bundle manifest)"
+    )
     embedder_actors: int = positive(1, help="embedder pool actors")
     embedder_cpus: float = option(0.5, help="num_cpus per embedder actor")
     max_k: int = positive(1000, help="largest k of a search")
     max_queries: int = positive(256, help="queries per search request")
     max_image_bytes: int = positive(1 << 20, help="bytes per query image")
     max_upsert_items: int = positive(10000, help="items per upsert request and backfill batch")
-    learned_sample_fraction: float = option(0.02, help="sample fraction of the 'learned' backfill policy")
-    upsert_retry_s: float = positive(300.0, help="seconds the backfill controller retries a batch on a "
-                                                 "shard that is down")
+    learned_sample_fraction: float = option(
+        0.02, help="sample fraction of the 'learned' backfill policy"
+    )
+    upsert_retry_s: float = positive(
+        300.0, help="seconds the backfill controller retries a batch on a shard that is down"
+    )
 
 
 def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> ServingConfig:
@@ -72,7 +89,9 @@ def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> Servin
 
 def _check_paths(cfg: ServingConfig) -> None:
     if not cfg.gallery:
-        raise ConfigError("serving: option 'gallery' is required (embeddings parquet or synthetic:N)")
+        raise ConfigError(
+            "serving: option 'gallery' is required (embeddings parquet or synthetic:N)"
+        )
     if not cfg.gallery.startswith("synthetic:") and not os.path.exists(cfg.gallery):
         raise ConfigError(f"serving: gallery embeddings not found: {cfg.gallery}")
     for name in ("new_model", "pipeline_output", "items", "token_file"):

@@ -18,14 +18,15 @@ Recovery = load the snapshot, then replay the log records whose sequence number 
 than the snapshot's (a crash between writing a snapshot and truncating the log replays
 nothing twice).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -70,11 +71,13 @@ class UpsertLog:
             start = pos + _HEADER.size
             if magic != _MAGIC or start + size > len(data):
                 break
-            payload = data[start:start + size]
+            payload = data[start : start + size]
             if zlib.crc32(payload) != crc:
                 break
             ids = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64)
-            vecs = np.frombuffer(payload, dtype="<f4", offset=n * 8).astype(np.float32).reshape(n, dim)
+            vecs = (
+                np.frombuffer(payload, dtype="<f4", offset=n * 8).astype(np.float32).reshape(n, dim)
+            )
             pos = start + size
             good = pos
             yield LogRecord(int(seq), int(rep), ids, vecs)
@@ -94,7 +97,10 @@ class UpsertLog:
         n, dim = vectors.shape
         payload = ids.tobytes() + vectors.tobytes()
         fh = self._open()
-        fh.write(_HEADER.pack(_MAGIC, int(seq), int(n), int(dim), int(rep), zlib.crc32(payload)) + payload)
+        fh.write(
+            _HEADER.pack(_MAGIC, int(seq), int(n), int(dim), int(rep), zlib.crc32(payload))
+            + payload
+        )
         fh.flush()
         if self.fsync:
             os.fsync(fh.fileno())
@@ -118,8 +124,14 @@ class UpsertLog:
             self._fh = None
 
 
-def write_snapshot(directory: str, seq: int, parts: dict[str, tuple[np.ndarray, np.ndarray]],
-                   dims: dict[str, int], info: dict | None = None, fsync: bool = True) -> str:
+def write_snapshot(
+    directory: str,
+    seq: int,
+    parts: dict[str, tuple[np.ndarray, np.ndarray]],
+    dims: dict[str, int],
+    info: dict | None = None,
+    fsync: bool = True,
+) -> str:
     """Atomically write ``parts`` (``{rep name: (ids, vectors)}``) as the snapshot at ``seq``."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, SNAPSHOT_NAME)
@@ -139,7 +151,9 @@ def write_snapshot(directory: str, seq: int, parts: dict[str, tuple[np.ndarray, 
     return path
 
 
-def read_snapshot(directory: str) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], dict] | None:
+def read_snapshot(
+    directory: str,
+) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], dict] | None:
     """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot."""
     path = os.path.join(directory, SNAPSHOT_NAME)
     if not os.path.exists(path):

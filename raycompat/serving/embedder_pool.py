@@ -2,8 +2,8 @@
 controller (glyph items rendered by :class:`raycompat.data.glyphs.GlyphRenderer`), and images
 for image queries.  Shared image decoding for the router lives here too (:func:`decode_images`).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 
@@ -16,8 +16,9 @@ class ImageInputError(ValueError):
     """A query image is bad (base64, size, format); the message names which one."""
 
 
-def decode_images(images_b64: list[str], resolution: int, in_chans: int, max_bytes: int,
-                  max_pixels: int) -> np.ndarray:
+def decode_images(
+    images_b64: list[str], resolution: int, in_chans: int, max_bytes: int, max_pixels: int
+) -> np.ndarray:
     """base64 PNG/JPEG strings -> uint8 ``[n, R, R]`` grey images (resized + centre-cropped as
     :func:`raycompat.data.readers.load_image`); raises :class:`ImageInputError`."""
     import base64
@@ -38,16 +39,22 @@ def decode_images(images_b64: list[str], resolution: int, in_chans: int, max_byt
         if not raw:
             raise ImageInputError(f"{where}: empty image")
         if len(raw) > max_bytes:
-            raise ImageInputError(f"{where}: image of {len(raw)} bytes exceeds the limit of {max_bytes}")
+            raise ImageInputError(
+                f"{where}: image of {len(raw)} bytes exceeds the limit of {max_bytes}"
+            )
         try:
             with Image.open(io.BytesIO(raw)) as probe:
                 fmt, size = probe.format, probe.size
         except Exception as exc:  # PIL raises many types for garbage
-            raise ImageInputError(f"{where}: not a PNG or JPEG image ({type(exc).__name__})") from None
+            raise ImageInputError(
+                f"{where}: not a PNG or JPEG image ({type(exc).__name__})"
+            ) from None
         if fmt not in ("PNG", "JPEG"):
             raise ImageInputError(f"{where}: format {fmt} is not accepted; send PNG or JPEG")
         if size[0] * size[1] > max_pixels or min(size) < 1:
-            raise ImageInputError(f"{where}: {size[0]}x{size[1]} pixels exceeds the limit of {max_pixels}")
+            raise ImageInputError(
+                f"{where}: {size[0]}x{size[1]} pixels exceeds the limit of {max_pixels}"
+            )
         try:
             img = load_image(raw, mode="L", resolution=resolution, source=where)
         except CorruptImageError as exc:
@@ -87,7 +94,9 @@ class ModelEmbedder:
         from raycompat.evaluation import embed_glyphs
 
         if self._renderer is None:
-            self._renderer = GlyphRenderer(default_catalog(), resolution=self.resolution, seed=self.data_seed)
+            self._renderer = GlyphRenderer(
+                default_catalog(), resolution=self.resolution, seed=self.data_seed
+            )
         return embed_glyphs(self.bundle, self._renderer, np.asarray(classes), np.asarray(instances))
 
 
@@ -99,14 +108,22 @@ class EmbedderPool:
 
     new_map = None
 
-    def __init__(self, bundle_path: str, items_path: str, size: int = 1, num_cpus: float = 0.5,
-                 resolution: int | None = None, data_seed: int = 0):
+    def __init__(
+        self,
+        bundle_path: str,
+        items_path: str,
+        size: int = 1,
+        num_cpus: float = 0.5,
+        resolution: int | None = None,
+        data_seed: int = 0,
+    ):
         import pyarrow.parquet as pq
         import ray
 
         if not items_path:
-            raise ConfigError("the embedder pool needs an items table "
-                              "(option 'items': item_id, label, instance)")
+            raise ConfigError(
+                "the embedder pool needs an items table (option 'items': item_id, label, instance)"
+            )
         t = pq.read_table(items_path)
         for c in ("item_id", "label", "instance"):
             if c not in t.column_names:
@@ -127,8 +144,11 @@ class EmbedderPool:
 
         rows = rows_of(self._sorted, self._rows, ids)
         parts = np.array_split(np.arange(rows.size), len(self.actors))
-        refs = [a.embed_glyphs.remote(self.classes[rows[p]], self.instances[rows[p]])
-                for a, p in zip(self.actors, parts) if p.size]
+        refs = [
+            a.embed_glyphs.remote(self.classes[rows[p]], self.instances[rows[p]])
+            for a, p in zip(self.actors, parts, strict=False)
+            if p.size
+        ]
         return stored_new(np.concatenate(ray.get(refs)), self.new_map)
 
     def close(self) -> None:

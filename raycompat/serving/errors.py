@@ -9,33 +9,50 @@ body every error has, ``{"error": "...", "problems": [{"field", "message"}]}``.
 * Starlette's HTTP exceptions (404 unknown path, 405) -> their status;
 * anything else -> 500 ``internal error: <type>`` (never a stack trace).
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["ApiError", "error_response", "problem_field", "validation_error", "unavailable", "image_error",
-           "internal_error", "install_error_handlers"]
+__all__ = [
+    "ApiError",
+    "error_response",
+    "problem_field",
+    "validation_error",
+    "unavailable",
+    "image_error",
+    "internal_error",
+    "install_error_handlers",
+]
 
 
 class ApiError(Exception):
     """An answer with a 4xx/5xx ``status``; ``field`` names where the problem is."""
 
-    def __init__(self, status: int, message: str, field: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.field, self.headers = status, message, field, headers
 
 
-def error_response(status: int, message: str, problems: Iterable[dict] = (),
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, problems: Iterable[dict] = (), headers: dict[str, str] | None = None
+) -> JSONResponse:
     """The JSON error body with ``status``."""
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": message, "problems": list(problems)})
+    return JSONResponse(
+        status_code=status, headers=headers, content={"error": message, "problems": list(problems)}
+    )
 
 
 def problem_field(loc: Sequence[Any]) -> str:

@@ -9,6 +9,7 @@ served item scores exactly like the simulator's gallery row.  ``new_map`` (set b
 controller: rho in the rank_merge mode) is applied to the raw new-model vectors first
 (:func:`raycompat.serving.scoring.stored_new`).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,15 @@ from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
 from raycompat.serving.placement import shard_of
 
-__all__ = ["GallerySource", "ParquetGallery", "PipelineOutput", "SyntheticGallery", "open_gallery", "rows_of",
-           "write_gallery_parquet"]
+__all__ = [
+    "GallerySource",
+    "ParquetGallery",
+    "PipelineOutput",
+    "SyntheticGallery",
+    "open_gallery",
+    "rows_of",
+    "write_gallery_parquet",
+]
 
 
 def rows_of(sorted_ids: np.ndarray, rows_by_sorted: np.ndarray, ids) -> np.ndarray:
@@ -42,12 +50,12 @@ class GallerySource:
     old_dim: int
     new_dim: int
     n_items: int
-    new_map = None          # raw new vector -> stored new vector (rho in rank_merge), or None
+    new_map = None  # raw new vector -> stored new vector (rho in rank_merge), or None
 
     def dims(self) -> dict[str, int]:
         return {"old": self.old_dim, "adapted": self.new_dim, "new": self.new_dim}
 
-    def gallery_ids(self) -> np.ndarray:            # in gallery (row) order
+    def gallery_ids(self) -> np.ndarray:  # in gallery (row) order
         raise NotImplementedError
 
     def initial_vectors(self, rep: str, shard: int, n_shards: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,30 +71,40 @@ class ParquetGallery(GallerySource):
     ``adapted`` vectors come from the column or, when a new model bundle with a ``psi``
     module is given, from psi(old) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
 
-    def __init__(self, path: str, new_model: str | None = None, need_adapted: bool = False,
-                 need_rank_merge: bool = False):
+    def __init__(
+        self,
+        path: str,
+        new_model: str | None = None,
+        need_adapted: bool = False,
+        need_rank_merge: bool = False,
+    ):
         from raycompat.backfill.gallery import BackfillInputError, load_parquet
 
         try:
             data = load_parquet(path)
-            if need_rank_merge:   # rho / psi_rev arrays: the oracle policy ranks with the mode's sides
+            if (
+                need_rank_merge
+            ):  # rho / psi_rev arrays: the oracle policy ranks with the mode's sides
                 from raycompat.backfill.modes import apply_bundle_modules
                 from raycompat.models import ModelBundle
                 from raycompat.serving.scoring import rank_merge_maps
 
-                rank_merge_maps(new_model)          # names a missing model or module
+                rank_merge_maps(new_model)  # names a missing model or module
                 data = apply_bundle_modules(data, ModelBundle.load(new_model))
             if need_adapted and data.gallery_adapted is None:
                 if not new_model:
                     raise ConfigError(
                         f"mode 'adapted' needs an 'adapted' column in {path} or a new model "
-                        "with a psi module")
+                        "with a psi module"
+                    )
                 from raycompat.backfill.modes import apply_bundle_modules
                 from raycompat.models import ModelBundle
 
                 data = apply_bundle_modules(data, ModelBundle.load(new_model))
                 if data.gallery_adapted is None:
-                    raise ConfigError(f"mode 'adapted': the new model {new_model} has no psi module")
+                    raise ConfigError(
+                        f"mode 'adapted': the new model {new_model} has no psi module"
+                    )
         except BackfillInputError as exc:
             raise ConfigError(str(exc)) from exc
         self.data = data
@@ -102,8 +120,11 @@ class ParquetGallery(GallerySource):
         return self.data.gallery_ids.astype(np.int64)
 
     def _array(self, rep: str) -> np.ndarray:
-        return {"old": self.data.gallery_old, "adapted": self.data.gallery_adapted,
-                "new": self.data.gallery_new}[rep]
+        return {
+            "old": self.data.gallery_old,
+            "adapted": self.data.gallery_adapted,
+            "new": self.data.gallery_new,
+        }[rep]
 
     def initial_vectors(self, rep, shard, n_shards):
         ids = self.gallery_ids()
@@ -113,7 +134,9 @@ class ParquetGallery(GallerySource):
     def new_vectors(self, ids) -> np.ndarray:
         from raycompat.serving.scoring import stored_new
 
-        return stored_new(self.data.gallery_new[rows_of(self._sorted, self._rows, ids)], self.new_map)
+        return stored_new(
+            self.data.gallery_new[rows_of(self._sorted, self._rows, ids)], self.new_map
+        )
 
 
 class PipelineOutput(GallerySource):
@@ -127,7 +150,9 @@ class PipelineOutput(GallerySource):
         table = pq.read_table(path, columns=["item_id", column])
         ids = table.column("item_id").to_numpy().astype(np.int64)
         col = table.column(column).combine_chunks()
-        self.vectors = col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(ids), -1)
+        self.vectors = (
+            col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(ids), -1)
+        )
         o = np.argsort(ids, kind="stable")
         self._sorted, self._rows = ids[o], o
         self.new_dim = int(self.vectors.shape[1])
@@ -156,13 +181,16 @@ class SyntheticGallery(GallerySource):
     def _draw(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_items):
-            raise KeyError(f"unknown item id(s) {ids[(ids < 0) | (ids >= self.n_items)][:10].tolist()}")
+            raise KeyError(
+                f"unknown item id(s) {ids[(ids < 0) | (ids >= self.n_items)][:10].tolist()}"
+            )
         out = np.empty((ids.size, dim), np.float32)
         blocks = ids // self.block
         for b in np.unique(blocks):
             sel = np.flatnonzero(blocks == b)
             rows = np.random.default_rng([self.seed, stream, int(b)]).standard_normal(
-                (self.block, dim), dtype=np.float32)
+                (self.block, dim), dtype=np.float32
+            )
             out[sel] = rows[ids[sel] - b * self.block]
         return l2_normalize(out)
 
@@ -185,22 +213,31 @@ class SyntheticGallery(GallerySource):
         return stored_new(self._draw(ids, 1, self.new_dim), self.new_map)
 
 
-def open_gallery(spec: str, new_model: str | None = None, need_adapted: bool = False,
-                 need_rank_merge: bool = False) -> GallerySource:
+def open_gallery(
+    spec: str,
+    new_model: str | None = None,
+    need_adapted: bool = False,
+    need_rank_merge: bool = False,
+) -> GallerySource:
     """``synthetic:N[:D_old[:D_new[:seed]]]`` or a parquet path (file or folder)."""
     if spec.startswith("synthetic:"):
         parts = spec.split(":")[1:]
         try:
             vals = [int(p) for p in parts]
         except ValueError:
-            raise ConfigError(f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]]") from None
+            raise ConfigError(
+                f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]]"
+            ) from None
         if not 1 <= len(vals) <= 4 or vals[0] < 1:
-            raise ConfigError(f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]] with N >= 1")
+            raise ConfigError(
+                f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]] with N >= 1"
+            )
         return SyntheticGallery(*vals)
     if not os.path.exists(spec):
         raise ConfigError(f"gallery embeddings not found: {spec}")
-    return ParquetGallery(spec, new_model=new_model, need_adapted=need_adapted,
-                          need_rank_merge=need_rank_merge)
+    return ParquetGallery(
+        spec, new_model=new_model, need_adapted=need_adapted, need_rank_merge=need_rank_merge
+    )
 
 
 def write_gallery_parquet(path: str, data, items: dict | None = None) -> str:
@@ -215,13 +252,17 @@ def write_gallery_parquet(path: str, data, items: dict | None = None) -> str:
         return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1])
 
     nq, ng = data.n_queries, data.n_items
-    cols = {"item_id": pa.array(np.concatenate([data.query_ids, data.gallery_ids]).astype(np.int64)),
-            "label": pa.array(np.concatenate([data.query_labels, data.gallery_labels])),
-            "split": pa.array(["query"] * nq + ["gallery"] * ng),
-            "old": vec(np.concatenate([data.query_old, data.gallery_old])),
-            "new": vec(np.concatenate([data.query_new, data.gallery_new]))}
+    cols = {
+        "item_id": pa.array(np.concatenate([data.query_ids, data.gallery_ids]).astype(np.int64)),
+        "label": pa.array(np.concatenate([data.query_labels, data.gallery_labels])),
+        "split": pa.array(["query"] * nq + ["gallery"] * ng),
+        "old": vec(np.concatenate([data.query_old, data.gallery_old])),
+        "new": vec(np.concatenate([data.query_new, data.gallery_new])),
+    }
     if data.gallery_adapted is not None:
-        q_ad = data.query_new  # queries are never adapted; the column needs a value of the right dim
+        q_ad = (
+            data.query_new
+        )  # queries are never adapted; the column needs a value of the right dim
         cols["adapted"] = vec(np.concatenate([q_ad, data.gallery_adapted]))
     for name, values in (items or {}).items():
         cols[name] = pa.array(np.asarray(values))

@@ -13,6 +13,7 @@ docs/architecture.md, Serving).
 Admin endpoints need the bearer token of ``RAYCOMPAT_ADMIN_TOKEN`` or ``--token-file``; the
 job refuses to start an index that no token protects.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from raycompat.config import (ConfigError, add_options, choices, make_parser, option, options_from_args,
-                              positive)
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    make_parser,
+    option,
+    options_from_args,
+    positive,
+)
 from raycompat.console import job_main, quiet_ray
 from raycompat.serving.config import ServingConfig
 
@@ -36,24 +44,31 @@ PROXY_LOCATIONS = ("HeadOnly", "EveryNode", "Disabled")
 class ServeIndexOptions:
     """The job's own flags, and the index's (``index``: every ``ServingConfig`` option)."""
 
-    address: str | None = option(None, help="Ray address (none: the job's cluster, or an embedded one)")
-    proxy_location: str = choices(*PROXY_LOCATIONS, default="HeadOnly",
-                                  help="where Serve runs HTTP proxies (HeadOnly: one endpoint, on the "
-                                       "head node)")
+    address: str | None = option(
+        None, help="Ray address (none: the job's cluster, or an embedded one)"
+    )
+    proxy_location: str = choices(
+        *PROXY_LOCATIONS,
+        default="HeadOnly",
+        help="where Serve runs HTTP proxies (HeadOnly: one endpoint, on the head node)",
+    )
     wait_s: float = positive(300.0, help="how long to wait for GET /status, in seconds")
     stop: bool = option(False, help="delete the application named --app-name and exit")
-    block: bool = option(False, help="stay in the foreground and delete the application on Ctrl-C "
-                                     "(like `serve run`)")
+    block: bool = option(
+        False, help="stay in the foreground and delete the application on Ctrl-C (like `serve run`)"
+    )
     verbose: bool = option(False, help="keep Ray's own INFO lines")
-    index: ServingConfig = option(factory=ServingConfig, help="index options "
-                                                              "(raycompat.serving.config.ServingConfig)")
+    index: ServingConfig = option(
+        factory=ServingConfig, help="index options (raycompat.serving.config.ServingConfig)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         prog="serve_index",
         description="Start the raycompat live index (Ray Serve: shards, backfill controller, router) on a "
-                    "cluster and leave it running.")
+        "cluster and leave it running.",
+    )
     add_options(parser, ServeIndexOptions)
     return parser
 
@@ -65,7 +80,7 @@ def _wait_ready(url: str, wait_s: float) -> dict:
         try:
             with urllib.request.urlopen(url + "/status", timeout=10) as r:
                 return json.loads(r.read())
-        except Exception as exc:   # not up yet: connection refused, 503 while replicas start
+        except Exception as exc:  # not up yet: connection refused, 503 while replicas start
             last = exc
             time.sleep(1.0)
     raise TimeoutError(f"{url}/status did not answer within {wait_s:.0f} s (last error: {last})")
@@ -77,9 +92,11 @@ def _checked_config(opts: ServeIndexOptions) -> ServingConfig:
     from raycompat.serving.config import serving_config
 
     cfg = serving_config(dataclasses.asdict(opts.index))
-    if load_admin_token(cfg.token_file) is None:   # checked here, before anything is deployed
-        raise ConfigError(f"no admin token: set {TOKEN_ENV} or pass --token-file (the admin endpoints "
-                          "start, pause and resume backfills and write to the index)")
+    if load_admin_token(cfg.token_file) is None:  # checked here, before anything is deployed
+        raise ConfigError(
+            f"no admin token: set {TOKEN_ENV} or pass --token-file (the admin endpoints "
+            "start, pause and resume backfills and write to the index)"
+        )
     return cfg
 
 
@@ -91,11 +108,20 @@ def _deploy(opts: ServeIndexOptions, cfg: ServingConfig) -> str:
     from raycompat.serving.app import build_app
 
     connect(opts.address)
-    serve.start(proxy_location=opts.proxy_location, http_options={"host": cfg.host, "port": int(cfg.port)})
-    print(f"[serve_index] deploying {cfg.app_name!r}: {cfg.num_shards} shards, gallery {cfg.gallery}, "
-          f"state {cfg.state_dir}", flush=True)
-    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix,
-              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    serve.start(
+        proxy_location=opts.proxy_location, http_options={"host": cfg.host, "port": int(cfg.port)}
+    )
+    print(
+        f"[serve_index] deploying {cfg.app_name!r}: {cfg.num_shards} shards, gallery {cfg.gallery}, "
+        f"state {cfg.state_dir}",
+        flush=True,
+    )
+    serve.run(
+        build_app(cfg),
+        name=cfg.app_name,
+        route_prefix=cfg.route_prefix,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    )
     return f"http://{cfg.host}:{int(cfg.port)}{cfg.route_prefix.rstrip('/')}"
 
 
@@ -129,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _checked_config(opts)
     url = _deploy(opts, cfg)
     status = _wait_ready(url, opts.wait_s)
-    print(f"[serve_index] serving at {url}: {json.dumps(status.get('items'))} items per representation; "
-          f"docs at {url}/docs", flush=True)
+    print(
+        f"[serve_index] serving at {url}: {json.dumps(status.get('items'))} items per representation; "
+        f"docs at {url}/docs",
+        flush=True,
+    )
     if opts.block:
         _block(cfg.app_name)
         return 0
-    print(f"[serve_index] the index keeps running; stop it with: python jobs/serve_index.py --stop "
-          f"--app-name {cfg.app_name}", flush=True)
+    print(
+        f"[serve_index] the index keeps running; stop it with: python jobs/serve_index.py --stop "
+        f"--app-name {cfg.app_name}",
+        flush=True,
+    )
     return 0

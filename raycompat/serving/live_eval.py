@@ -10,10 +10,11 @@ scored with the same metric functions the simulator uses (docs/methods.md, "Metr
 measured live at t = 0 with the old model's query vectors, ``model="old"``), and the
 revisited full ``mAP`` when the search returns the whole gallery (``k >= N``).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -24,10 +25,13 @@ from raycompat.metrics import correct_at_k, mean_average_precision_at_k, negativ
 __all__ = ["live_metrics", "live_backfill_curve", "old_old_reference", "compare_curves"]
 
 
-def live_metrics(ids: np.ndarray, data, k: int,
-                 reference_correct: np.ndarray | None) -> tuple[dict[str, float], np.ndarray]:
+def live_metrics(
+    ids: np.ndarray, data, k: int, reference_correct: np.ndarray | None
+) -> tuple[dict[str, float], np.ndarray]:
     """Metrics of one result matrix ``ids [Q, k]`` (item ids, -1 padded) on ``data``'s labels."""
-    label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
+    label_of = dict(
+        zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist(), strict=False)
+    )
     index_of = {int(i): j for j, i in enumerate(data.gallery_ids.tolist())}
     ql = np.asarray(data.query_labels)
     rel = np.zeros(ids.shape, dtype=bool)
@@ -39,12 +43,17 @@ def live_metrics(ids: np.ndarray, data, k: int,
     valid = npos > 0
     names = METRIC_NAMES(k)
     c1 = correct_at_k(rel, 1)
-    out = {names[0]: mean_average_precision_at_k(rel, npos, k),
-           names[2]: float(c1[valid].mean()) if valid.any() else float("nan"),
-           names[3]: (negative_flip_rate(reference_correct, c1) if reference_correct is not None
-                      else float("nan")),
-           names[1]: float("nan")}
-    if k >= data.n_items:           # the full ranking: revisited mAP from the positives' ranks
+    out = {
+        names[0]: mean_average_precision_at_k(rel, npos, k),
+        names[2]: float(c1[valid].mean()) if valid.any() else float("nan"),
+        names[3]: (
+            negative_flip_rate(reference_correct, c1)
+            if reference_correct is not None
+            else float("nan")
+        ),
+        names[1]: float("nan"),
+    }
+    if k >= data.n_items:  # the full ranking: revisited mAP from the positives' ranks
         pos = np.full((ids.shape[0], data.n_items), -1, np.int64)
         for qi in range(ids.shape[0]):
             for r, i in enumerate(ids[qi].tolist()):
@@ -57,9 +66,19 @@ def live_metrics(ids: np.ndarray, data, k: int,
     return out, c1
 
 
-def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str = "random", seed: int = 0,
-                        k: int = 100, source: str = "gallery", batch_size: int = 64,
-                        rate: float | None = None, log: Callable[[str], None] = print) -> dict:
+def live_backfill_curve(
+    client,
+    data,
+    fractions: Sequence[float],
+    *,
+    policy: str = "random",
+    seed: int = 0,
+    k: int = 100,
+    source: str = "gallery",
+    batch_size: int = 64,
+    rate: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Run a live backfill from t = 0 and measure at every fraction (see the module docstring).
 
     ``client``: a :class:`raycompat.serving.client.ServingClient` (with the admin token);
@@ -70,7 +89,7 @@ def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str
     counts = backfill_counts(fractions, data.n_items)
     k_eff = int(k)
     st = client.status()
-    naive = st.get("mode") == "naive_merge"      # each query carries its old-model embedding too
+    naive = st.get("mode") == "naive_merge"  # each query carries its old-model embedding too
     if st["items"]["new"]:
         raise RuntimeError(f"the live gallery must start with no new-state item, got {st['items']}")
     ref_correct = old_old_reference(client, data, st)
@@ -78,27 +97,48 @@ def live_backfill_curve(client, data, fractions: Sequence[float], *, policy: str
     metrics = {n: [] for n in names}
     reps, seconds = [], []
     t_start = time.perf_counter()
-    client.start_backfill(policy=policy, seed=int(seed), batch_size=int(batch_size), until=int(counts[0]),
-                          source=source, rate=rate, restart=True)
-    for j, (t, n) in enumerate(zip(fractions, counts)):
+    client.start_backfill(
+        policy=policy,
+        seed=int(seed),
+        batch_size=int(batch_size),
+        until=int(counts[0]),
+        source=source,
+        rate=rate,
+        restart=True,
+    )
+    for j, (t, n) in enumerate(zip(fractions, counts, strict=False)):
         if j:
             client.resume_backfill(until=int(n))
         client.wait_backfill(int(n))
         st = client.status()
         if st["items"]["new"] != int(n):
-            raise RuntimeError(f"at t={t:.3f} expected {int(n)} new items, the shards hold {st['items']}")
-        ids, _, _ = client.search(data.query_new, k=k_eff, model="new",
-                                  old_vectors=data.query_old if naive else None)
+            raise RuntimeError(
+                f"at t={t:.3f} expected {int(n)} new items, the shards hold {st['items']}"
+            )
+        ids, _, _ = client.search(
+            data.query_new, k=k_eff, model="new", old_vectors=data.query_old if naive else None
+        )
         m, _ = live_metrics(ids, data, k_eff, ref_correct)
         for name in names:
             metrics[name].append(m[name])
         reps.append(st["items"])
         seconds.append(time.perf_counter() - t_start)
-        log(f"  live t={t:5.2f} ({int(n):6d} new): " + ", ".join(f"{a}={m[a]:.4f}" for a in names
-                                                                 if np.isfinite(m[a])))
-    return {"fractions": fractions.tolist(), "counts": counts.tolist(), "metrics": metrics, "items": reps,
-            "seconds": seconds, "policy": policy, "seed": int(seed), "k": k_eff, "source": source,
-            "reference_correct_old_old": None if ref_correct is None else int(ref_correct.sum())}
+        log(
+            f"  live t={t:5.2f} ({int(n):6d} new): "
+            + ", ".join(f"{a}={m[a]:.4f}" for a in names if np.isfinite(m[a]))
+        )
+    return {
+        "fractions": fractions.tolist(),
+        "counts": counts.tolist(),
+        "metrics": metrics,
+        "items": reps,
+        "seconds": seconds,
+        "policy": policy,
+        "seed": int(seed),
+        "k": k_eff,
+        "source": source,
+        "reference_correct_old_old": None if ref_correct is None else int(ref_correct.sum()),
+    }
 
 
 def old_old_reference(client, data, st: dict) -> np.ndarray | None:
@@ -107,7 +147,9 @@ def old_old_reference(client, data, st: dict) -> np.ndarray | None:
     holds no old vectors) by exact search; ``None`` without old query vectors."""
     if data.query_old is None:
         return None
-    label_of = dict(zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist()))
+    label_of = dict(
+        zip(data.gallery_ids.tolist(), np.asarray(data.gallery_labels).tolist(), strict=False)
+    )
     if st["items"]["old"] == data.n_items:
         ids_oo, _, _ = client.search(data.query_old, k=1, model="old")
         top = ids_oo[:, 0]
@@ -115,7 +157,9 @@ def old_old_reference(client, data, st: dict) -> np.ndarray | None:
         from raycompat.index.search import exact_search
 
         top = data.gallery_ids[exact_search(data.query_old, data.gallery_old, 1)[1][:, 0]]
-    rel = np.array([[t >= 0 and label_of[int(t)] == data.query_labels[qi]] for qi, t in enumerate(top)])
+    rel = np.array(
+        [[t >= 0 and label_of[int(t)] == data.query_labels[qi]] for qi, t in enumerate(top)]
+    )
     return correct_at_k(rel, 1)
 
 

@@ -4,10 +4,11 @@ Kept in-process per router replica (no global registry): ``requests_total{endpoi
 ``request_seconds`` histogram per endpoint, plus gauges the router fills from the shards and
 the backfill controller at scrape time (items per representation, backfill position).
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["RouterMetrics", "BUCKETS"]
 
@@ -44,21 +45,33 @@ class RouterMetrics:
 
     def render(self, gauges: Iterable[tuple[str, str, dict[str, str], float]] = ()) -> str:
         p = self.prefix
-        lines = [f"# HELP {p}_requests_total HTTP requests by endpoint and status code.",
-                 f"# TYPE {p}_requests_total counter"]
+        lines = [
+            f"# HELP {p}_requests_total HTTP requests by endpoint and status code.",
+            f"# TYPE {p}_requests_total counter",
+        ]
         with self.lock:
             for (ep, st), n in sorted(self.requests.items()):
-                lines.append(f"{p}_requests_total{_labels({'endpoint': ep, 'status': str(st)})} {n}")
-            lines += [f"# HELP {p}_queries_total Query vectors searched.",
-                      f"# TYPE {p}_queries_total counter",
-                      f"{p}_queries_total {self.queries}",
-                      f"# HELP {p}_request_seconds Request latency in the router.",
-                      f"# TYPE {p}_request_seconds histogram"]
+                lines.append(
+                    f"{p}_requests_total{_labels({'endpoint': ep, 'status': str(st)})} {n}"
+                )
+            lines += [
+                f"# HELP {p}_queries_total Query vectors searched.",
+                f"# TYPE {p}_queries_total counter",
+                f"{p}_queries_total {self.queries}",
+                f"# HELP {p}_request_seconds Request latency in the router.",
+                f"# TYPE {p}_request_seconds histogram",
+            ]
             for ep, h in sorted(self.hist.items()):
-                for b, c in zip(BUCKETS, h):
-                    lines.append(f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': repr(b)})} {c}")
-                lines.append(f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': '+Inf'})} {h[-1]}")
-                lines.append(f"{p}_request_seconds_sum{_labels({'endpoint': ep})} {self.hist_sum[ep]}")
+                for b, c in zip(BUCKETS, h, strict=False):
+                    lines.append(
+                        f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': repr(b)})} {c}"
+                    )
+                lines.append(
+                    f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': '+Inf'})} {h[-1]}"
+                )
+                lines.append(
+                    f"{p}_request_seconds_sum{_labels({'endpoint': ep})} {self.hist_sum[ep]}"
+                )
                 lines.append(f"{p}_request_seconds_count{_labels({'endpoint': ep})} {h[-1]}")
         seen = set()
         for name, help_, labels, value in gauges:

@@ -7,6 +7,7 @@ computes it for the same data, policy, seed and mode (random / sequential need o
 features plus a revealed sample; ``oracle`` the queries and new embeddings), so the live
 backfill walks the simulator's order item for item.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,14 +17,25 @@ from raycompat.backfill.policies import PolicyInputs, UncertaintyHead, policy_or
 __all__ = ["source_policy_inputs", "policy_order_ids"]
 
 
-def source_policy_inputs(source, *, mode: str = "compatible", seed: int = 0,
-                         head: UncertaintyHead | None = None,
-                         learned_sample_fraction: float = 0.02) -> PolicyInputs:
+def source_policy_inputs(
+    source,
+    *,
+    mode: str = "compatible",
+    seed: int = 0,
+    head: UncertaintyHead | None = None,
+    learned_sample_fraction: float = 0.02,
+) -> PolicyInputs:
     """What a policy may know about a :class:`raycompat.serving.gallery_source.GallerySource`:
     its embeddings when it holds them (``source.data``, a parquet gallery), else N only."""
     data = getattr(source, "data", None)
-    return PolicyInputs(n_items=int(source.n_items if data is None else data.n_items), data=data, head=head,
-                        mode=mode, seed=seed, learned_sample_fraction=learned_sample_fraction)
+    return PolicyInputs(
+        n_items=int(source.n_items if data is None else data.n_items),
+        data=data,
+        head=head,
+        mode=mode,
+        seed=seed,
+        learned_sample_fraction=learned_sample_fraction,
+    )
 
 
 def policy_order_ids(policy: str, source, **kw) -> np.ndarray:

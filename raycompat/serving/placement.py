@@ -1,6 +1,7 @@
 """Which shard holds an item: a fixed 64-bit mix (splitmix64 finaliser) of its id, modulo the
 number of shards. Deterministic across processes and runs (no Python ``hash``), so a router,
 the shards and the backfill controller agree without talking to each other."""
+
 from __future__ import annotations
 
 import numpy as np

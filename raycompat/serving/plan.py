@@ -11,6 +11,7 @@ Derived fields:
 * ``compatible_dim`` -- D_c, the option or D_old (docs/methods.md "Query strategies");
 * ``n_items`` -- gallery items; ``old_model`` / ``new_model`` -- the bundles' versions.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,8 +64,12 @@ class ModelVersion:
         """What ``GET /status`` shows (``path`` only for a bundle without a manifest)."""
         if self.manifest_sha256 is None:
             return {"path": self.path}
-        return {"path": self.path, "method": self.method, "embed_dim": self.embed_dim,
-                "manifest_sha256": self.manifest_sha256}
+        return {
+            "path": self.path,
+            "method": self.method,
+            "embed_dim": self.embed_dim,
+            "manifest_sha256": self.manifest_sha256,
+        }
 
 
 def model_version(path: str) -> ModelVersion:
@@ -75,8 +80,12 @@ def model_version(path: str) -> ModelVersion:
     with open(mpath, "rb") as fh:
         raw = fh.read()
     m = json.loads(raw)
-    return ModelVersion(os.path.abspath(path), m.get("method"), m.get("embed_dim"),
-                        hashlib.sha256(raw).hexdigest()[:16])
+    return ModelVersion(
+        os.path.abspath(path),
+        m.get("method"),
+        m.get("embed_dim"),
+        hashlib.sha256(raw).hexdigest()[:16],
+    )
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,12 @@ class ServingPlan:
     def limits(self) -> Limits:
         """The request limits of the HTTP API."""
         c = self.config
-        return Limits(max_k=c.max_k, max_queries=c.max_queries, max_image_bytes=c.max_image_bytes,
-                      max_upsert_items=c.max_upsert_items)
+        return Limits(
+            max_k=c.max_k,
+            max_queries=c.max_queries,
+            max_image_bytes=c.max_image_bytes,
+            max_upsert_items=c.max_upsert_items,
+        )
 
     def models_json(self) -> dict:
         """``{"old": {...}, "new": {...}}`` for the bundles given (``GET /status``)."""
@@ -120,15 +133,22 @@ def build_plan(cfg: ServingConfig) -> ServingPlan:
     from raycompat.serving.gallery_source import open_gallery
     from raycompat.serving.scoring import initial_representation
 
-    src = open_gallery(cfg.gallery, cfg.new_model, need_adapted=initial_representation(cfg.mode) == "adapted")
+    src = open_gallery(
+        cfg.gallery, cfg.new_model, need_adapted=initial_representation(cfg.mode) == "adapted"
+    )
     query_dims = QueryDims(old=int(src.old_dim), new=int(src.new_dim))
     new_dim = _rank_merge_dim(cfg, query_dims) if cfg.mode == "rank_merge" else query_dims.new
     dims = RepDims(old=query_dims.old, adapted=query_dims.new, new=new_dim)
     compatible_dim = _compatible_dim(cfg, dims)
-    return ServingPlan(config=cfg, dims=dims, query_dims=query_dims, compatible_dim=compatible_dim,
-                       n_items=int(src.n_items),
-                       old_model=model_version(cfg.old_model) if cfg.old_model else None,
-                       new_model=model_version(cfg.new_model) if cfg.new_model else None)
+    return ServingPlan(
+        config=cfg,
+        dims=dims,
+        query_dims=query_dims,
+        compatible_dim=compatible_dim,
+        n_items=int(src.n_items),
+        old_model=model_version(cfg.old_model) if cfg.old_model else None,
+        new_model=model_version(cfg.new_model) if cfg.new_model else None,
+    )
 
 
 def _rank_merge_dim(cfg: ServingConfig, query_dims: QueryDims) -> int:
@@ -138,9 +158,11 @@ def _rank_merge_dim(cfg: ServingConfig, query_dims: QueryDims) -> int:
 
     rho, psi_rev = rank_merge_maps(cfg.new_model)
     if rho.in_dim != query_dims.new or psi_rev.out_dim != query_dims.old:
-        raise ConfigError(f"mode 'rank_merge': rho maps {rho.in_dim} -> {rho.out_dim} dims and psi_rev "
-                          f"{psi_rev.in_dim} -> {psi_rev.out_dim}, the gallery has new {query_dims.new} "
-                          f"/ old {query_dims.old} dims")
+        raise ConfigError(
+            f"mode 'rank_merge': rho maps {rho.in_dim} -> {rho.out_dim} dims and psi_rev "
+            f"{psi_rev.in_dim} -> {psi_rev.out_dim}, the gallery has new {query_dims.new} "
+            f"/ old {query_dims.old} dims"
+        )
     return int(rho.out_dim)
 
 
@@ -148,6 +170,8 @@ def _compatible_dim(cfg: ServingConfig, dims: RepDims) -> int:
     """D_c: the option, or D_old; the compatible mode needs D_c = D_old."""
     compatible_dim = dims.old if cfg.compatible_dim is None else int(cfg.compatible_dim)
     if compatible_dim != dims.old and cfg.mode == "compatible":
-        raise ConfigError(f"serving: mode 'compatible' compares phi_n(q)[:D_c] with phi_o(g): compatible_dim "
-                          f"must equal D_old={dims.old}, got {compatible_dim}")
+        raise ConfigError(
+            f"serving: mode 'compatible' compares phi_n(q)[:D_c] with phi_o(g): compatible_dim "
+            f"must equal D_old={dims.old}, got {compatible_dim}"
+        )
     return compatible_dim

@@ -19,10 +19,12 @@ is unpickled: bodies are JSON parsed by FastAPI into pydantic models.
 FastAPI app is built on the replica (:func:`build_api`, Serve's ``__serve_build_asgi_app__``),
 because the request models carry the server's limits (:func:`raycompat.serving.schemas.build_models`).
 """
+
 import asyncio
 import inspect
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -31,8 +33,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from ray import serve
 
-from raycompat.serving.errors import (ApiError, image_error, install_error_handlers, internal_error,
-                                      unavailable)
+from raycompat.serving.errors import (
+    ApiError,
+    image_error,
+    install_error_handlers,
+    internal_error,
+    unavailable,
+)
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.schemas import ApiModels, ErrorResponse, build_models
 
@@ -40,7 +47,9 @@ __all__ = ["Router", "build_api"]
 
 #: the error codes the OpenAPI document lists for every endpoint
 ERROR_CODES = (400, 401, 404, 409, 413, 422, 503)
-BEARER = HTTPBearer(auto_error=False, description="admin token (env RAYCOMPAT_ADMIN_TOKEN or token file)")
+BEARER = HTTPBearer(
+    auto_error=False, description="admin token (env RAYCOMPAT_ADMIN_TOKEN or token file)"
+)
 
 
 @serve.deployment(name="router")
@@ -59,8 +68,8 @@ class Router:
         self.limits = plan.limits
         self.token = load_admin_token(self.cfg.token_file)
         self.recorder = RouterMetrics()
-        self.embedders: dict = {}            # role -> ModelEmbedder, loaded on first use
-        self.rank_merge_maps = None          # (rho, psi_rev) in the rank_merge mode, loaded once
+        self.embedders: dict = {}  # role -> ModelEmbedder, loaded on first use
+        self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode, loaded once
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -73,13 +82,18 @@ class Router:
             response = await call_next(request)
         except Exception as exc:  # never leak a stack trace; still a server error
             response = internal_error(exc)
-        route = request.scope.get("route")          # the matched route (bounded label set)
-        self.recorder.observe(getattr(route, "path", "unmatched"), response.status_code,
-                              time.perf_counter() - t0, int(request.scope.get("raycompat_queries", 0)))
+        route = request.scope.get("route")  # the matched route (bounded label set)
+        self.recorder.observe(
+            getattr(route, "path", "unmatched"),
+            response.status_code,
+            time.perf_counter() - t0,
+            int(request.scope.get("raycompat_queries", 0)),
+        )
         return response
 
-    async def admin_auth(self, request: Request,
-                         creds: HTTPAuthorizationCredentials | None = Depends(BEARER)) -> None:
+    async def admin_auth(
+        self, request: Request, creds: HTTPAuthorizationCredentials | None = Depends(BEARER)
+    ) -> None:
         """401 unless the request carries the admin token."""
         from raycompat.serving.auth import check_bearer
 
@@ -92,9 +106,14 @@ class Router:
         """The ``new`` (or, for naive_merge image queries, ``old``) model's image embedder."""
         path = self.cfg.new_model if role == "new" else self.cfg.old_model
         if not path:
-            why = "image queries need the new model" if role == "new" else \
-                "naive_merge image queries are embedded with the old model too"
-            raise ApiError(400, f"{why}: the server was started without {role}_model", "body.images")
+            why = (
+                "image queries need the new model"
+                if role == "new"
+                else "naive_merge image queries are embedded with the old model too"
+            )
+            raise ApiError(
+                400, f"{why}: the server was started without {role}_model", "body.images"
+            )
         if role not in self.embedders:
             from raycompat.serving.embedder_pool import ModelEmbedder
 
@@ -107,17 +126,25 @@ class Router:
 
         has_model = bool(self.cfg.new_model if role == "new" else self.cfg.old_model)
         emb = self.embedder(role) if has_model else None
-        try:   # images are checked first, so a bad image is named even without a model
-            imgs = decode_images(images, emb.resolution if emb else 32, emb.in_chans if emb else 1,
-                                 self.limits.max_image_bytes, self.limits.max_image_pixels)
+        try:  # images are checked first, so a bad image is named even without a model
+            imgs = decode_images(
+                images,
+                emb.resolution if emb else 32,
+                emb.in_chans if emb else 1,
+                self.limits.max_image_bytes,
+                self.limits.max_image_pixels,
+            )
         except ImageInputError as exc:
             raise image_error(exc) from None
         emb = self.embedder(role)
         q = await asyncio.to_thread(emb.embed_images, imgs)
         want = self.plan.query_dims.of(role)
         if q.shape[1] != want:
-            raise ApiError(400, f"the {role} model embeds to {q.shape[1]} dims, the gallery expects {want}",
-                           "body.images")
+            raise ApiError(
+                400,
+                f"the {role} model embeds to {q.shape[1]} dims, the gallery expects {want}",
+                "body.images",
+            )
         return q
 
     def rank_merge(self):
@@ -136,20 +163,28 @@ class Router:
         lengths = {len(r) for r in rows}
         if len(lengths) != 1:
             bad = next(i for i, r in enumerate(rows) if len(r) != len(rows[0]))
-            raise ApiError(422, f"dimension mismatch: {field}[{bad}] has {len(rows[bad])} values, "
-                                f"{field}[0] has {len(rows[0])}", f"{field}[{bad}]")
+            raise ApiError(
+                422,
+                f"dimension mismatch: {field}[{bad}] has {len(rows[bad])} values, "
+                f"{field}[0] has {len(rows[0])}",
+                f"{field}[{bad}]",
+            )
         a = np.asarray(rows, dtype=np.float64)
         if a.shape[1] != dim:
-            raise ApiError(422, f"dimension mismatch: {field} have {a.shape[1]} dims, {what} has {dim}",
-                           field)
+            raise ApiError(
+                422, f"dimension mismatch: {field} have {a.shape[1]} dims, {what} has {dim}", field
+            )
         if not np.isfinite(a).all():
             raise ApiError(422, f"{field} contain NaN or inf", field)
         if (np.abs(a) > 3.0e38).any():
             raise ApiError(422, f"{field} values overflow float32", field)
         zero = np.flatnonzero(~a.astype(np.float32).any(axis=1))
         if zero.size:
-            raise ApiError(422, f"{field}[{int(zero[0])}] is a zero vector (no direction to search)",
-                           f"{field}[{int(zero[0])}]")
+            raise ApiError(
+                422,
+                f"{field}[{int(zero[0])}] is a zero vector (no direction to search)",
+                f"{field}[{int(zero[0])}]",
+            )
         return a.astype(np.float32)
 
     async def query_vectors(self, req) -> tuple[np.ndarray, np.ndarray | None]:
@@ -159,22 +194,41 @@ class Router:
         if req.images is not None:
             q = await self.embed_images(req.images, "new")
             return q, (await self.embed_images(req.images, "old") if naive else None)
-        q = self.matrix(req.vectors, "body.vectors", self.plan.query_dims.of(req.model),
-                        f"the {req.model} model's embedding")
+        q = self.matrix(
+            req.vectors,
+            "body.vectors",
+            self.plan.query_dims.of(req.model),
+            f"the {req.model} model's embedding",
+        )
         if req.old_vectors is None:
             if naive:
-                raise ApiError(422, "the naive_merge mode scores old-state items with the old model's "
-                                    "embedding of each query: send 'old_vectors' with 'vectors'",
-                               "body.old_vectors")
+                raise ApiError(
+                    422,
+                    "the naive_merge mode scores old-state items with the old model's "
+                    "embedding of each query: send 'old_vectors' with 'vectors'",
+                    "body.old_vectors",
+                )
             return q, None
         if not naive:
-            raise ApiError(422, f"'old_vectors' are used in the naive_merge mode only; this index "
-                                f"serves the {self.cfg.mode} mode", "body.old_vectors")
-        old_q = self.matrix(req.old_vectors, "body.old_vectors", self.plan.query_dims.old,
-                            "the old model's embedding")
+            raise ApiError(
+                422,
+                f"'old_vectors' are used in the naive_merge mode only; this index "
+                f"serves the {self.cfg.mode} mode",
+                "body.old_vectors",
+            )
+        old_q = self.matrix(
+            req.old_vectors,
+            "body.old_vectors",
+            self.plan.query_dims.old,
+            "the old model's embedding",
+        )
         if old_q.shape[0] != q.shape[0]:
-            raise ApiError(422, f"'old_vectors' has {old_q.shape[0]} rows, 'vectors' has "
-                                f"{q.shape[0]}: one old embedding per query", "body.old_vectors")
+            raise ApiError(
+                422,
+                f"'old_vectors' has {old_q.shape[0]} rows, 'vectors' has "
+                f"{q.shape[0]}: one old embedding per query",
+                "body.old_vectors",
+            )
         return q, old_q
 
     # ------------------------------------------------------------------ shards, controller
@@ -216,9 +270,18 @@ class Router:
         try:
             bf = await self.controller.status.remote()
         except Exception as exc:
-            bf = {"state": "unavailable", "error": f"backfill controller unavailable: {type(exc).__name__}"}
-        return {"items": items, "shards": shard_status, "backfill": bf, "mode": self.cfg.mode,
-                "dims": self.plan.dims.as_dict(), "models": self.plan.models_json()}
+            bf = {
+                "state": "unavailable",
+                "error": f"backfill controller unavailable: {type(exc).__name__}",
+            }
+        return {
+            "items": items,
+            "shards": shard_status,
+            "backfill": bf,
+            "mode": self.cfg.mode,
+            "dims": self.plan.dims.as_dict(),
+            "models": self.plan.models_json(),
+        }
 
     # ------------------------------------------------------------------ endpoints
     async def search(self, req: BaseModel, request: Request):
@@ -229,10 +292,13 @@ class Router:
         q, old_q = await self.query_vectors(req)
         request.scope["raycompat_queries"] = int(q.shape[0])
         rank_merge = self.rank_merge() if req.model == "new" else None
-        sides = await asyncio.to_thread(query_sides, q, req.model, self.plan.compatible_dim, rank_merge,
-                                        old_q)
+        sides = await asyncio.to_thread(
+            query_sides, q, req.model, self.plan.compatible_dim, rank_merge, old_q
+        )
         parts = await self.fan_out("search", sides, req.k)
-        S, I, R = merge_topk([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], req.k)
+        S, I, R = merge_topk(
+            [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], req.k
+        )
         return {"results": hits(S, I, R), "k": req.k, "took_ms": 1000 * (time.perf_counter() - t0)}
 
     async def status(self):
@@ -246,15 +312,16 @@ class Router:
             st = await self.gather_status()
         except ApiError:
             st = None
-        return PlainTextResponse(self.recorder.render(status_gauges(st)),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            self.recorder.render(status_gauges(st)), media_type="text/plain; version=0.0.4"
+        )
 
     async def upsert(self, req: BaseModel):
         from raycompat.serving.placement import split_by_shard
 
         ids = np.asarray([it.id for it in req.items], np.int64)
         prepared = self.prepare_upsert(req.items, ids)
-        unknown = []   # an id is unknown if the shard it is placed on does not hold it
+        unknown = []  # an id is unknown if the shard it is placed on does not hold it
         for s, p in enumerate(split_by_shard(ids, len(self.shards))):
             if p.size:
                 unknown += await self.on_shard(s, "unknown", ids[p])
@@ -266,24 +333,34 @@ class Router:
                 if p.size:
                     res = await self.on_shard(s, "upsert", rid[p], rep, vec[p])
                     if "error" in res:
-                        raise ApiError(404 if res.get("unknown_ids") else 422, res["error"], "body.items")
+                        raise ApiError(
+                            404 if res.get("unknown_ids") else 422, res["error"], "body.items"
+                        )
                     per_shard[s] += int(res["applied"])
         return {"applied": int(sum(per_shard)), "per_shard": per_shard}
 
-    def prepare_upsert(self, items: list, ids: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    def prepare_upsert(
+        self, items: list, ids: np.ndarray
+    ) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """``[(representation, ids, normalised vectors)]``; 422 for a repeated id or a bad vector."""
         from raycompat.index.search import l2_normalize
 
         u, c = np.unique(ids, return_counts=True)
         if (c > 1).any():
-            raise ApiError(422, f"duplicate id(s) in one upsert: {u[c > 1][:10].tolist()}", "body.items")
+            raise ApiError(
+                422, f"duplicate id(s) in one upsert: {u[c > 1][:10].tolist()}", "body.items"
+            )
         groups: dict[str, list[int]] = {}
         for pos, it in enumerate(items):
             groups.setdefault(it.representation, []).append(pos)
         prepared = []
         for rep, pos in groups.items():
-            vec = self.matrix([items[p].vector for p in pos], f"body.items[{pos[0]}].vector",
-                              getattr(self.plan.dims, rep), f"representation {rep!r}")
+            vec = self.matrix(
+                [items[p].vector for p in pos],
+                f"body.items[{pos[0]}].vector",
+                getattr(self.plan.dims, rep),
+                f"representation {rep!r}",
+            )
             prepared.append((rep, ids[pos], l2_normalize(vec)))
         return prepared
 
@@ -308,7 +385,7 @@ def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:
     results = []
     for qi in range(S.shape[0]):
         row = []
-        for s, i, r in zip(S[qi].tolist(), I[qi].tolist(), R[qi].tolist()):
+        for s, i, r in zip(S[qi].tolist(), I[qi].tolist(), R[qi].tolist(), strict=False):
             if i < 0:
                 break
             row.append({"id": i, "score": s, "representation": REPRESENTATIONS[r]})
@@ -323,10 +400,18 @@ def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:
     gauges = []
     for s in st["shards"]:
         for r, n in s["items"].items():
-            gauges.append(("items", "Items held per shard and representation.",
-                           {"shard": str(s["shard"]), "representation": r}, n))
+            gauges.append(
+                (
+                    "items",
+                    "Items held per shard and representation.",
+                    {"shard": str(s["shard"]), "representation": r},
+                    n,
+                )
+            )
     bf = st["backfill"]
-    gauges.append(("backfill_position", "Items of the backfill order upgraded.", {}, bf.get("position") or 0))
+    gauges.append(
+        ("backfill_position", "Items of the backfill order upgraded.", {}, bf.get("position") or 0)
+    )
     gauges.append(("backfill_total", "Items in the backfill order.", {}, bf.get("total") or 0))
     gauges.append(("shards_up", "Shards answering.", {}, len(st["shards"])))
     return gauges
@@ -337,7 +422,9 @@ def typed_endpoint(method: Callable, **models: type) -> Callable:
     this server's request classes (FastAPI reads a body's class, and so its limits, from the
     endpoint's signature)."""
     sig = inspect.signature(method)
-    params = [p.replace(annotation=models.get(p.name, p.annotation)) for p in sig.parameters.values()]
+    params = [
+        p.replace(annotation=models.get(p.name, p.annotation)) for p in sig.parameters.values()
+    ]
 
     async def endpoint(**kwargs: Any):
         return await method(**kwargs)
@@ -349,10 +436,13 @@ def typed_endpoint(method: Callable, **models: type) -> Callable:
 
 def build_api(router: Router) -> FastAPI:
     """The FastAPI app of one router replica: routes to its methods, error handlers, timing."""
-    app = FastAPI(title="raycompat live index",
-                  description="Sharded faiss gallery served during a hot-refresh model upgrade "
-                              "(raycompat, docs/architecture.md, 'Serving').",
-                  version="1", responses={422: {"model": ErrorResponse}})
+    app = FastAPI(
+        title="raycompat live index",
+        description="Sharded faiss gallery served during a hot-refresh model upgrade "
+        "(raycompat, docs/architecture.md, 'Serving').",
+        version="1",
+        responses={422: {"model": ErrorResponse}},
+    )
     install_error_handlers(app)
     app.middleware("http")(router.timed)
     models = build_models(router.limits)
@@ -363,27 +453,72 @@ def build_api(router: Router) -> FastAPI:
 
 def _public_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
     errors = {c: {"model": ErrorResponse} for c in ERROR_CODES}
-    app.add_api_route("/search", typed_endpoint(router.search, req=models.SearchRequest), methods=["POST"],
-                      response_model=models.SearchResponse, responses=errors,
-                      summary="Top-k search by query vectors or base64 images")
-    app.add_api_route("/status", router.status, methods=["GET"], response_model=models.StatusResponse,
-                      responses=errors, summary="Items per representation, backfill progress, model versions")
+    app.add_api_route(
+        "/search",
+        typed_endpoint(router.search, req=models.SearchRequest),
+        methods=["POST"],
+        response_model=models.SearchResponse,
+        responses=errors,
+        summary="Top-k search by query vectors or base64 images",
+    )
+    app.add_api_route(
+        "/status",
+        router.status,
+        methods=["GET"],
+        response_model=models.StatusResponse,
+        responses=errors,
+        summary="Items per representation, backfill progress, model versions",
+    )
     app.add_api_route("/healthz", router.healthz, methods=["GET"], summary="Liveness of the router")
-    app.add_api_route("/metrics", router.metrics, methods=["GET"], response_class=PlainTextResponse,
-                      summary="Prometheus metrics (text format)")
+    app.add_api_route(
+        "/metrics",
+        router.metrics,
+        methods=["GET"],
+        response_class=PlainTextResponse,
+        summary="Prometheus metrics (text format)",
+    )
 
 
 def _admin_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
-    def admin(path: str, endpoint: Callable, summary: str, response_model: type | None = None) -> None:
-        app.add_api_route(path, endpoint, methods=["POST"], response_model=response_model,
-                          responses={c: {"model": ErrorResponse} for c in ERROR_CODES},
-                          dependencies=[Depends(router.admin_auth)], summary=summary)
+    def admin(
+        path: str, endpoint: Callable, summary: str, response_model: type | None = None
+    ) -> None:
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_model=response_model,
+            responses={c: {"model": ErrorResponse} for c in ERROR_CODES},
+            dependencies=[Depends(router.admin_auth)],
+            summary=summary,
+        )
 
-    admin("/admin/upsert", typed_endpoint(router.upsert, req=models.UpsertRequest),
-          "Atomically set items' representation and vector (existing ids only)", models.UpsertResponse)
-    admin("/admin/backfill/start", typed_endpoint(router.backfill_start, req=models.BackfillStartRequest),
-          "Start a backfill with a policy and a rate", models.BackfillState)
-    admin("/admin/backfill/pause", router.backfill_pause, "Pause the running backfill", models.BackfillState)
-    admin("/admin/backfill/resume", typed_endpoint(router.backfill_resume, req=models.BackfillResumeRequest),
-          "Resume (optionally up to 'until', at 'rate')", models.BackfillState)
-    admin("/admin/snapshot", router.snapshot, "Write every shard's snapshot now (and truncate its log)")
+    admin(
+        "/admin/upsert",
+        typed_endpoint(router.upsert, req=models.UpsertRequest),
+        "Atomically set items' representation and vector (existing ids only)",
+        models.UpsertResponse,
+    )
+    admin(
+        "/admin/backfill/start",
+        typed_endpoint(router.backfill_start, req=models.BackfillStartRequest),
+        "Start a backfill with a policy and a rate",
+        models.BackfillState,
+    )
+    admin(
+        "/admin/backfill/pause",
+        router.backfill_pause,
+        "Pause the running backfill",
+        models.BackfillState,
+    )
+    admin(
+        "/admin/backfill/resume",
+        typed_endpoint(router.backfill_resume, req=models.BackfillResumeRequest),
+        "Resume (optionally up to 'until', at 'rate')",
+        models.BackfillState,
+    )
+    admin(
+        "/admin/snapshot",
+        router.snapshot,
+        "Write every shard's snapshot now (and truncate its log)",
+    )

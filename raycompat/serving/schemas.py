@@ -4,6 +4,7 @@ OpenAPI document states every bound (max k, queries per request, image size, bat
 Values a model cannot check statically (a vector's dimension, unknown ids, base64 and image
 decoding) are checked by the router and answered with the same :class:`ErrorResponse`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ class UpsertResponse(BaseModel):
 
 class BackfillResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    until: int | None = Field(default=None, ge=0, le=2 ** 62)
+    until: int | None = Field(default=None, ge=0, le=2**62)
     rate: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
 
 
@@ -115,38 +116,55 @@ def build_models(limits: Limits) -> ApiModels:
     """The request/response classes for ``limits``."""
     Vector = Annotated[list[FiniteFloat], Field(min_length=1, max_length=limits.max_dim)]
     upsert_item, upsert_request = _upsert_models(limits, Vector)
-    return ApiModels(SearchRequest=_search_request(limits, Vector), UpsertItem=upsert_item,
-                     UpsertRequest=upsert_request, BackfillStartRequest=_backfill_start_request(limits))
+    return ApiModels(
+        SearchRequest=_search_request(limits, Vector),
+        UpsertItem=upsert_item,
+        UpsertRequest=upsert_request,
+        BackfillStartRequest=_backfill_start_request(limits),
+    )
 
 
 def _search_request(limits: Limits, Vector) -> type:
     b64_chars = 4 * ((limits.max_image_bytes + 2) // 3)
-    Image = Annotated[str, Field(min_length=1, max_length=b64_chars,
-                                 description="base64 of a PNG or JPEG file")]
+    Image = Annotated[
+        str, Field(min_length=1, max_length=b64_chars, description="base64 of a PNG or JPEG file")
+    ]
     Queries = Annotated[list[Vector], Field(min_length=1, max_length=limits.max_queries)]
 
     class SearchRequest(BaseModel):
         """Exactly one of ``vectors`` or ``images``."""
+
         model_config = ConfigDict(extra="forbid")
         vectors: Queries | None = Field(
-            default=None, description="query embeddings (raw; normalised by the server)")
-        images: Annotated[list[Image], Field(min_length=1, max_length=limits.max_queries)] | None = Field(
-            default=None, description="query images, base64 PNG/JPEG; embedded with the new model (and the "
-                                      "old model too in the naive_merge mode)")
+            default=None, description="query embeddings (raw; normalised by the server)"
+        )
+        images: (
+            Annotated[list[Image], Field(min_length=1, max_length=limits.max_queries)] | None
+        ) = Field(
+            default=None,
+            description="query images, base64 PNG/JPEG; embedded with the new model (and the "
+            "old model too in the naive_merge mode)",
+        )
         old_vectors: Queries | None = Field(
-            default=None, description="naive_merge mode only: the old model's embeddings of the same "
-                                      "queries, in the same order (old-state items are scored with them)")
+            default=None,
+            description="naive_merge mode only: the old model's embeddings of the same "
+            "queries, in the same order (old-state items are scored with them)",
+        )
         k: int = Field(default=10, ge=1, le=limits.max_k, description="results per query")
         model: Literal["new", "old"] = Field(
-            default="new", description="which model embedded the query vectors; 'old' searches old-state "
-                                       "items only (clients not upgraded yet)")
+            default="new",
+            description="which model embedded the query vectors; 'old' searches old-state "
+            "items only (clients not upgraded yet)",
+        )
 
         @model_validator(mode="after")
         def _one_input(self):
             if (self.vectors is None) == (self.images is None):
                 raise ValueError("give exactly one of 'vectors' or 'images'")
             if self.images is not None and self.model != "new":
-                raise ValueError("image queries are embedded with the new model: model must be 'new'")
+                raise ValueError(
+                    "image queries are embedded with the new model: model must be 'new'"
+                )
             if self.old_vectors is not None and (self.vectors is None or self.model != "new"):
                 raise ValueError("'old_vectors' go with new-model 'vectors' (model 'new')")
             return self
@@ -157,7 +175,7 @@ def _search_request(limits: Limits, Vector) -> type:
 def _upsert_models(limits: Limits, Vector) -> tuple[type, type]:
     class UpsertItem(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        id: int = Field(ge=0, le=2 ** 63 - 1)
+        id: int = Field(ge=0, le=2**63 - 1)
         representation: Literal["old", "adapted", "new"]
         vector: Vector
 
@@ -171,15 +189,26 @@ def _upsert_models(limits: Limits, Vector) -> tuple[type, type]:
 def _backfill_start_request(limits: Limits) -> type:
     class BackfillStartRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        policy: Literal[POLICIES] = Field(default="random", description="backfill order (simulator policies)")
-        seed: int = Field(default=0, ge=0, le=2 ** 32 - 1)
-        rate: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False,
-                                      description="items per second; null = as fast as possible")
+        policy: Literal[POLICIES] = Field(
+            default="random", description="backfill order (simulator policies)"
+        )
+        seed: int = Field(default=0, ge=0, le=2**32 - 1)
+        rate: float | None = Field(
+            default=None,
+            gt=0,
+            le=1e9,
+            allow_inf_nan=False,
+            description="items per second; null = as fast as possible",
+        )
         batch_size: int = Field(default=256, ge=1, le=limits.max_upsert_items)
-        until: int | None = Field(default=None, ge=0, le=2 ** 62,
-                                     description="pause after this many items of the order")
+        until: int | None = Field(
+            default=None, ge=0, le=2**62, description="pause after this many items of the order"
+        )
         source: Literal["gallery", "pipeline", "embedder"] = Field(
-            default="gallery", description="where new embeddings come from")
-        restart: bool = Field(default=False, description="discard a finished or paused backfill's progress")
+            default="gallery", description="where new embeddings come from"
+        )
+        restart: bool = Field(
+            default=False, description="discard a finished or paused backfill's progress"
+        )
 
     return BackfillStartRequest

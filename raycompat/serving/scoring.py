@@ -33,6 +33,7 @@ items only, with ``s(phi_o(q), phi_o(g))``.
 Normalisation is :func:`raycompat.index.search.l2_normalize`, exactly as the simulator
 normalises its sides, so the served cosines are the simulator's.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,15 +57,19 @@ def rank_merge_maps(new_model: str | None) -> tuple[object, object]:
     """``(rho, psi_rev)`` of the new model bundle as :class:`raycompat.models.FeatureMap`
     (``ConfigError`` naming what is missing)."""
     if not new_model:
-        raise ConfigError("mode 'rank_merge' needs the option new_model: a bundle with 'rho' and 'psi_rev' "
-                          "modules (trained with --method mcl, rqt or cl)")
+        raise ConfigError(
+            "mode 'rank_merge' needs the option new_model: a bundle with 'rho' and 'psi_rev' "
+            "modules (trained with --method mcl, rqt or cl)"
+        )
     from raycompat.models import FeatureMap, ModelBundle
 
     modules = ModelBundle.load(new_model).modules
     missing = [m for m in ("rho", "psi_rev") if m not in modules]
     if missing:
-        raise ConfigError(f"mode 'rank_merge': the new model {new_model} has no {' / '.join(missing)} module "
-                          "(train it with --method mcl, rqt or cl)")
+        raise ConfigError(
+            f"mode 'rank_merge': the new model {new_model} has no {' / '.join(missing)} module "
+            "(train it with --method mcl, rqt or cl)"
+        )
     return FeatureMap(modules["rho"]), FeatureMap(modules["psi_rev"])
 
 
@@ -75,8 +80,13 @@ def stored_new(raw: np.ndarray, new_map=None) -> np.ndarray:
     return l2_normalize(new_map(v) if new_map is not None else v)
 
 
-def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge=None,
-                old_queries: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def query_sides(
+    vectors: np.ndarray,
+    model: str,
+    compatible_dim: int,
+    rank_merge=None,
+    old_queries: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
     """``{representation: normalised query array}`` for raw query embeddings ``[Q, D]``;
     ``rank_merge``: the ``(rho, psi_rev)`` maps in that mode; ``old_queries``: the old
     model's embeddings of the same queries in the naive_merge mode.
@@ -85,13 +95,19 @@ def query_sides(vectors: np.ndarray, model: str, compatible_dim: int, rank_merge
     q = np.ascontiguousarray(vectors, dtype=np.float32)
     if model == "old":
         return {"old": l2_normalize(q)}
-    if old_queries is not None:      # naive_merge: old-old and new-new scores, merged
-        return {"old": l2_normalize(np.ascontiguousarray(old_queries, dtype=np.float32)),
-                "new": l2_normalize(q)}
+    if old_queries is not None:  # naive_merge: old-old and new-new scores, merged
+        return {
+            "old": l2_normalize(np.ascontiguousarray(old_queries, dtype=np.float32)),
+            "new": l2_normalize(q),
+        }
     if rank_merge is not None:
         rho, psi_rev = rank_merge
         r = rho(q)
         return {"old": l2_normalize(psi_rev(r)), "new": l2_normalize(r)}
     full = l2_normalize(q)
-    cut = full if compatible_dim == q.shape[1] else l2_normalize(np.ascontiguousarray(q[:, :compatible_dim]))
+    cut = (
+        full
+        if compatible_dim == q.shape[1]
+        else l2_normalize(np.ascontiguousarray(q[:, :compatible_dim]))
+    )
     return {"old": cut, "adapted": full, "new": full}

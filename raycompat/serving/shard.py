@@ -5,6 +5,7 @@ On (re)start the replica recovers from its snapshot + log; only when the directo
 does it load its items (placed by :func:`raycompat.serving.placement.shard_of`) from the
 gallery source, in their initial representation, and write the first snapshot.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,13 @@ class ShardServer:
             faiss.omp_set_num_threads(cfg.shard_threads)
         except Exception:  # pragma: no cover - faiss without OpenMP
             pass
-        self.state = ShardState(shard_dir(cfg.state_dir, self.shard), plan.dims.as_dict(),
-                                factory=cfg.factory, snapshot_every=cfg.snapshot_every, fsync=cfg.fsync)
+        self.state = ShardState(
+            shard_dir(cfg.state_dir, self.shard),
+            plan.dims.as_dict(),
+            factory=cfg.factory,
+            snapshot_every=cfg.snapshot_every,
+            fsync=cfg.fsync,
+        )
         if not self.state.initialized:
             self._load_initial(plan)
         self.started = time.time()
@@ -50,7 +56,9 @@ class ShardServer:
         from raycompat.serving.gallery_source import open_gallery
 
         rep0 = plan.initial_representation
-        src = open_gallery(plan.config.gallery, plan.config.new_model, need_adapted=rep0 == "adapted")
+        src = open_gallery(
+            plan.config.gallery, plan.config.new_model, need_adapted=rep0 == "adapted"
+        )
         ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
         self.state.load_initial(rep0, ids, vecs)
         self.state.snapshot()
@@ -66,7 +74,9 @@ class ShardServer:
     def upsert(self, ids, rep: str, vectors) -> dict:
         """Apply; returns ``{"applied", "seq"}`` or ``{"error", "unknown_ids"}`` (nothing applied)."""
         try:
-            return self.state.upsert(np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32))
+            return self.state.upsert(
+                np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32)
+            )
         except UnknownItemError as exc:
             return {"error": str(exc), "unknown_ids": exc.ids}
         except ValueError as exc:
@@ -84,10 +94,18 @@ class ShardServer:
     def status(self) -> dict:
         import ray
 
-        return {"shard": self.shard, "items": self.state.counts(), "seq": self.state.seq,
-                "upserts_applied": self.state.upserts_applied, "recovery": self.state.recovery,
-                "log_bytes": self.state.log.size_bytes(), "startup_s": self.startup_s,
-                "started": self.started, "pid": os.getpid(), "searches": self.searches,
-                "actor_id": ray.get_runtime_context().get_actor_id(),
-                "actor_name": ray.get_runtime_context().get_actor_name(),
-                "representations": list(REPRESENTATIONS)}
+        return {
+            "shard": self.shard,
+            "items": self.state.counts(),
+            "seq": self.state.seq,
+            "upserts_applied": self.state.upserts_applied,
+            "recovery": self.state.recovery,
+            "log_bytes": self.state.log.size_bytes(),
+            "startup_s": self.startup_s,
+            "started": self.started,
+            "pid": os.getpid(),
+            "searches": self.searches,
+            "actor_id": ray.get_runtime_context().get_actor_id(),
+            "actor_name": ray.get_runtime_context().get_actor_name(),
+            "representations": list(REPRESENTATIONS),
+        }

@@ -23,12 +23,13 @@ string works: indexes that need training are trained once a representation holds
 indexes without ``remove_ids`` (e.g. HNSW) keep removed items as tombstones that are
 filtered out of results and dropped at the next rebuild.
 """
+
 from __future__ import annotations
 
 import os
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,12 +62,12 @@ class RepIndex:
         self.factory = factory
         self.train_min = int(train_min)
         self.vecs = np.zeros((0, self.dim), np.float32)
-        self.ids = np.zeros(0, np.int64)          # -1 marks a free slot
+        self.ids = np.zeros(0, np.int64)  # -1 marks a free slot
         self.slot: dict[int, int] = {}
         self.free: list = []
-        self.index = None                          # faiss index (IDs = item ids) or None: numpy search
-        self.exact = True                          # the faiss index returns the true float32 top-n
-        self.norm_max = 0.0                        # bound on the stored vectors' norms (error band)
+        self.index = None  # faiss index (IDs = item ids) or None: numpy search
+        self.exact = True  # the faiss index returns the true float32 top-n
+        self.norm_max = 0.0  # bound on the stored vectors' norms (error band)
         self.tombstones: set = set()
         self.removable = True
         self._next_train = self.train_min
@@ -123,7 +124,9 @@ class RepIndex:
     def _place(self, ids: np.ndarray, vecs: np.ndarray) -> None:
         if len(vecs):
             v = np.asarray(vecs, np.float64)
-            self.norm_max = max(self.norm_max, float(np.sqrt(np.einsum("ij,ij->i", v, v).max())) * (1 + 1e-9))
+            self.norm_max = max(
+                self.norm_max, float(np.sqrt(np.einsum("ij,ij->i", v, v).max())) * (1 + 1e-9)
+            )
         need = len(ids) - len(self.free)
         if need > 0:
             cap = self.ids.size
@@ -131,7 +134,7 @@ class RepIndex:
             self.vecs = np.concatenate([self.vecs, np.zeros((grow, self.dim), np.float32)])
             self.ids = np.concatenate([self.ids, np.full(grow, -1, np.int64)])
             self.free.extend(range(cap + grow - 1, cap - 1, -1))
-        for i, v in zip(ids.tolist(), vecs):
+        for i, v in zip(ids.tolist(), vecs, strict=False):
             s = self.free.pop()
             self.vecs[s] = v
             self.ids[s] = i
@@ -182,10 +185,11 @@ class RepIndex:
         pending = np.arange(n_q)
         while pending.size:
             S, I = self._candidates(q[pending], fetch)
-            s, i, ok = rerank_top_k(q[pending], S, I, kk, self.vectors_of, self.norm_max,
-                                    complete=fetch >= total)
+            s, i, ok = rerank_top_k(
+                q[pending], S, I, kk, self.vectors_of, self.norm_max, complete=fetch >= total
+            )
             if not (self.exact or self.index is None):
-                ok[:] = True            # an approximate index: its candidates are the answer
+                ok[:] = True  # an approximate index: its candidates are the answer
             out_s[pending[ok], :kk] = s[ok]
             out_i[pending[ok], :kk] = i[ok]
             pending = pending[~ok]
@@ -210,7 +214,9 @@ class RepIndex:
         return S, I
 
 
-def merge_topk(scores: Sequence[np.ndarray], ids: Sequence[np.ndarray], reps: Sequence[np.ndarray], k: int):
+def merge_topk(
+    scores: Sequence[np.ndarray], ids: Sequence[np.ndarray], reps: Sequence[np.ndarray], k: int
+):
     """Merge per-source top-k lists ``[Q, k_i]`` into one ``[Q, k]`` (descending canonical
     score, ascending id: the order each source already has)."""
     S = np.concatenate(scores, axis=1)
@@ -218,8 +224,11 @@ def merge_topk(scores: Sequence[np.ndarray], ids: Sequence[np.ndarray], reps: Se
     R = np.concatenate(reps, axis=1)
     key = np.where(I < 0, np.iinfo(np.int64).max, I)
     order = np.lexsort((key, -S), axis=-1)[:, :k]
-    return (np.take_along_axis(S, order, axis=1), np.take_along_axis(I, order, axis=1),
-            np.take_along_axis(R, order, axis=1))
+    return (
+        np.take_along_axis(S, order, axis=1),
+        np.take_along_axis(I, order, axis=1),
+        np.take_along_axis(R, order, axis=1),
+    )
 
 
 class ShardState:
@@ -230,8 +239,15 @@ class ShardState:
     the log; otherwise the shard is empty until :meth:`load_initial`.
     """
 
-    def __init__(self, directory: str, dims: dict[str, int], factory: str = "Flat",
-                 snapshot_every: int = 200_000, fsync: bool = True, train_min: int = 4096):
+    def __init__(
+        self,
+        directory: str,
+        dims: dict[str, int],
+        factory: str = "Flat",
+        snapshot_every: int = 200_000,
+        fsync: bool = True,
+        train_min: int = 4096,
+    ):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self.dims = {r: int(dims[r]) for r in REPRESENTATIONS if r in dims}
@@ -262,8 +278,9 @@ class ShardState:
         seq, parts, meta = snap
         for name, d in meta.get("dims", {}).items():
             if name in self.dims and int(d) != self.dims[name]:
-                raise ValueError(f"snapshot in {self.directory} has {name} dim {d}, "
-                                 f"expected {self.dims[name]}")
+                raise ValueError(
+                    f"snapshot in {self.directory} has {name} dim {d}, expected {self.dims[name]}"
+                )
         for name, (ids, vecs) in parts.items():
             if ids.size:
                 self._move(ids, rep_code(name), vecs)
@@ -276,15 +293,27 @@ class ShardState:
             self.seq = rec.seq
             replayed += 1
             self.since_snapshot += len(rec.ids)
-        self.recovery = {"snapshot": True, "snapshot_seq": seq, "replayed_records": replayed,
-                         "log_seq": self.seq, "truncated_bytes": self.log.truncated_bytes,
-                         "items": len(self.rep_of), "seconds": time.perf_counter() - t0}
+        self.recovery = {
+            "snapshot": True,
+            "snapshot_seq": seq,
+            "replayed_records": replayed,
+            "log_seq": self.seq,
+            "truncated_bytes": self.log.truncated_bytes,
+            "items": len(self.rep_of),
+            "seconds": time.perf_counter() - t0,
+        }
 
     def snapshot(self) -> str:
         with self.lock:
             parts = {r: ix.export() for r, ix in self.reps.items()}
-            path = write_snapshot(self.directory, self.seq, parts, self.dims,
-                                  info={"factory": self.factory, "items": len(self.rep_of)}, fsync=self.fsync)
+            path = write_snapshot(
+                self.directory,
+                self.seq,
+                parts,
+                self.dims,
+                info={"factory": self.factory, "items": len(self.rep_of)},
+                fsync=self.fsync,
+            )
             self.log.reset()
             self.since_snapshot = 0
             return path
@@ -304,7 +333,7 @@ class ShardState:
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
             return
-        uniq, last = np.unique(ids[::-1], return_index=True)     # last write of a repeated id wins
+        uniq, last = np.unique(ids[::-1], return_index=True)  # last write of a repeated id wins
         if uniq.size != ids.size:
             keep = np.sort(ids.size - 1 - last)
             ids, vecs = ids[keep], vecs[keep]
@@ -335,8 +364,10 @@ class ShardState:
         ids = np.asarray(ids, np.int64)
         vecs = np.ascontiguousarray(vecs, np.float32)
         if vecs.shape != (ids.size, self.dims[rep]):
-            raise ValueError(f"vectors for {rep!r} must be [{ids.size}, {self.dims[rep]}], "
-                             f"got {list(vecs.shape)}")
+            raise ValueError(
+                f"vectors for {rep!r} must be [{ids.size}, {self.dims[rep]}], "
+                f"got {list(vecs.shape)}"
+            )
         with self.lock:
             missing = [int(i) for i in ids.tolist() if int(i) not in self.rep_of]
             if missing:
@@ -368,14 +399,19 @@ class ShardState:
                 R.append(np.full(i.shape, rep_code(name), np.int8))
             if not S:
                 n_q = next(iter(queries.values())).shape[0] if queries else 0
-                return (np.full((n_q, k), -np.inf, np.float32), np.full((n_q, k), -1, np.int64),
-                        np.full((n_q, k), -1, np.int8))
+                return (
+                    np.full((n_q, k), -np.inf, np.float32),
+                    np.full((n_q, k), -1, np.int64),
+                    np.full((n_q, k), -1, np.int8),
+                )
             return merge_topk(S, I, R, k)
 
     def representation_of(self, ids) -> list:
         with self.lock:
-            return [(REPRESENTATIONS[self.rep_of[int(i)]] if int(i) in self.rep_of else None)
-                    for i in np.asarray(ids).tolist()]
+            return [
+                (REPRESENTATIONS[self.rep_of[int(i)]] if int(i) in self.rep_of else None)
+                for i in np.asarray(ids).tolist()
+            ]
 
     def counts(self) -> dict[str, int]:
         with self.lock:

@@ -4,6 +4,7 @@ and the training jobs (``job``, ``old_job``, ``ract_job``).
 ``fit`` and ``TrainRun`` are imported on first use (they import Ray Train and torch), so a
 job's ``--help`` and its option checks start quickly.
 """
+
 from raycompat.train.config import TrainConfig
 
 __all__ = ["TrainConfig", "TrainRun", "fit"]

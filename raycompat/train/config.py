@@ -1,4 +1,5 @@
 """Everything one training run needs, as one JSON-able dataclass shipped to every worker."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,10 @@ def check_backbone(name: str, key: str = "backbone") -> None:
 
     if name not in _timm_models():
         close = difflib.get_close_matches(str(name), sorted(_timm_models()), n=8)
-        raise ConfigError(f"{key} {name!r} is not a timm model name"
-                          + (f"; similar names: {close}" if close else ""))
+        raise ConfigError(
+            f"{key} {name!r} is not a timm model name"
+            + (f"; similar names: {close}" if close else "")
+        )
 
 
 @dataclass
@@ -37,8 +40,8 @@ class TrainConfig:
     head_scale: float | None = None
     head_margin: float | None = None
     pretrained_path: str | None = None
-    old_model: str | None = None          # bundle path of the frozen predecessor
-    init_model: str | None = None         # bundle to start from (e.g. frozen phi_n for mcl)
+    old_model: str | None = None  # bundle path of the frozen predecessor
+    init_model: str | None = None  # bundle to start from (e.g. frozen phi_n for mcl)
     # data: a scenario dict (raycompat.data.Scenario.to_dict()) and the split to train on
     scenario: dict = field(default_factory=dict)
     split: str = "new_train"
@@ -47,7 +50,7 @@ class TrainConfig:
     data_seed: int = 0
     # optimisation
     epochs: int = positive(10)
-    batch_size: int = positive(128)       # global batch, split evenly over workers
+    batch_size: int = positive(128)  # global batch, split evenly over workers
     optimizer: str = choices("sgd", "adamw", default="sgd")
     lr: float = positive(0.1)
     weight_decay: float = nonnegative(5e-4)
@@ -59,17 +62,17 @@ class TrainConfig:
     use_gpu: bool = False
     gpus_per_worker: float = positive(1.0)
     cpus_per_worker: float = positive(1.0)
-    threads_per_worker: int = 0           # 0: cores of this machine / workers
+    threads_per_worker: int = 0  # 0: cores of this machine / workers
     loader_workers: int = nonnegative(0)
     max_failures: int = 2
     storage_path: str = "~/raycompat_runs"
     run_name: str = "train"
     checkpoints_to_keep: int = positive(2)
     log_every: int = positive(20)
-    diagnostics_dir: str | None = None    # per-rank pid and parameter digests (tests)
+    diagnostics_dir: str | None = None  # per-rank pid and parameter digests (tests)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], check_paths: bool = True) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any], check_paths: bool = True) -> TrainConfig:
         cfg = parse_options(cls, values, owner="train config")
         cfg.validate(check_paths)
         return cfg
@@ -87,35 +90,45 @@ class TrainConfig:
         if cls.needs_old_model and not self.old_model:
             raise ConfigError(f"method {self.method!r} needs old_model (--old-model PATH)")
         if getattr(cls, "needs_init_model", False) and not self.init_model:
-            raise ConfigError(f"method {self.method!r} needs init_model "
-                              "(the frozen new model, --init-model PATH)")
+            raise ConfigError(
+                f"method {self.method!r} needs init_model (the frozen new model, --init-model PATH)"
+            )
         self._validate_values()
         old = self._bundle_manifest("old_model") if self.old_model and check_paths else None
         init = self._bundle_manifest("init_model") if self.init_model and check_paths else None
         if old is not None and int(old["embed_dim"]) > self.embed_dim:
-            raise ConfigError(f"embed_dim {self.embed_dim} is smaller than the old model's "
-                              f"{old['embed_dim']}: the compatible subspace needs embed_dim >= "
-                              f"{old['embed_dim']}")
+            raise ConfigError(
+                f"embed_dim {self.embed_dim} is smaller than the old model's "
+                f"{old['embed_dim']}: the compatible subspace needs embed_dim >= "
+                f"{old['embed_dim']}"
+            )
         if init is not None:
             for key in ("backbone", "embed_dim", "in_chans"):
                 if key in init and init[key] != getattr(self, key):
-                    raise ConfigError(f"init_model {self.init_model!r} has {key}={init[key]!r}, but "
-                                      f"this run has {key}={getattr(self, key)!r}: they must match")
+                    raise ConfigError(
+                        f"init_model {self.init_model!r} has {key}={init[key]!r}, but "
+                        f"this run has {key}={getattr(self, key)!r}: they must match"
+                    )
         cls.check_config(self, old)
         if self.batch_size % self.num_workers:
-            raise ConfigError(f"batch_size {self.batch_size} must be divisible by "
-                              f"num_workers {self.num_workers}")
+            raise ConfigError(
+                f"batch_size {self.batch_size} must be divisible by num_workers {self.num_workers}"
+            )
         if not self.scenario:
             raise ConfigError("scenario is empty: build one with raycompat.data.build_scenario")
         splits = self.scenario.get("splits", {})
         aliases = self.scenario.get("aliases", {})
         if self.split not in splits and self.split not in aliases:
-            raise ConfigError(f"split {self.split!r} is not in the scenario; "
-                              f"allowed splits: {sorted(set(splits) | set(aliases))}")
+            raise ConfigError(
+                f"split {self.split!r} is not in the scenario; "
+                f"allowed splits: {sorted(set(splits) | set(aliases))}"
+            )
         items = splits.get(aliases.get(self.split, self.split), {}).get("labels")
         if items is not None and len(items) < self.batch_size:
-            raise ConfigError(f"split {self.split!r} has {len(items)} images: fewer than one batch "
-                              f"(batch_size {self.batch_size})")
+            raise ConfigError(
+                f"split {self.split!r} has {len(items)} images: fewer than one batch "
+                f"(batch_size {self.batch_size})"
+            )
 
     def _validate_values(self) -> None:
         """Checks that would otherwise fail inside a worker (timm, the renderer, torch)."""
@@ -134,7 +147,9 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.max_failures < -1:
-            raise ConfigError(f"max_failures must be >= -1 (-1: unlimited), got {self.max_failures}")
+            raise ConfigError(
+                f"max_failures must be >= -1 (-1: unlimited), got {self.max_failures}"
+            )
 
     def _bundle_manifest(self, key: str) -> dict:
         """The manifest of the bundle named by option ``key`` (old_model / init_model)."""
@@ -150,8 +165,9 @@ class TrainConfig:
             raise ConfigError(f"{key} {getattr(self, key)!r}: {exc}") from exc
         manifest = os.path.join(path, "manifest.json")
         if not os.path.isfile(manifest):
-            raise ConfigError(f"{key} {getattr(self, key)!r} is not a model bundle "
-                              "(no manifest.json there)")
+            raise ConfigError(
+                f"{key} {getattr(self, key)!r} is not a model bundle (no manifest.json there)"
+            )
         with open(manifest) as f:
             data = json.load(f)
         # bundles saved by hand may carry the sizes only in the embedder's module spec

@@ -5,9 +5,10 @@ Notation): view 0 feeds the new model, view 1 the frozen old one. Images are ren
 deterministically on first use and kept as uint8 (1 KB per 32 px view), so later epochs
 cost no rendering.
 """
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -22,8 +23,14 @@ from raycompat.methods.base import TrainBatch
 class TrainingSet(Dataset):
     """Items of one split -> ``(x_new, x_old, label)``; ``x_old`` is empty with one view."""
 
-    def __init__(self, labels: np.ndarray, instances: np.ndarray, renderer: GlyphRenderer,
-                 views: int = 2, in_chans: int = 1):
+    def __init__(
+        self,
+        labels: np.ndarray,
+        instances: np.ndarray,
+        renderer: GlyphRenderer,
+        views: int = 2,
+        in_chans: int = 1,
+    ):
         self.labels = np.asarray(labels, dtype=np.int64)
         self.instances = np.asarray(instances, dtype=np.int64)
         self.renderer = renderer
@@ -63,8 +70,14 @@ class EpochPassLoader:
     ``TrainBatch`` objects (both views when there are two), with no shuffle and no padding, so
     that the shards of all workers partition the set exactly."""
 
-    def __init__(self, dataset: TrainingSet, batch_size: int, new_target: torch.Tensor,
-                 old_target: torch.Tensor, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        dataset: TrainingSet,
+        batch_size: int,
+        new_target: torch.Tensor,
+        old_target: torch.Tensor,
+        device: torch.device | str = "cpu",
+    ):
         self.dataset, self.batch_size = dataset, batch_size
         self.new_target, self.old_target = new_target, old_target
         self.device = device
@@ -72,11 +85,15 @@ class EpochPassLoader:
     def __call__(self) -> Iterator[TrainBatch]:
         indices = shard_indices(len(self.dataset))
         for start in range(0, len(indices), self.batch_size):
-            chunk = indices[start:start + self.batch_size]
-            images = images_to_tensor(np.stack([self.dataset.images(int(i)) for i in chunk]),
-                               self.dataset.in_chans).to(self.device)  # [B, V, C, H, W]
+            chunk = indices[start : start + self.batch_size]
+            images = images_to_tensor(
+                np.stack([self.dataset.images(int(i)) for i in chunk]), self.dataset.in_chans
+            ).to(self.device)  # [B, V, C, H, W]
             labels = torch.from_numpy(self.dataset.labels[chunk]).to(self.device)
-            yield TrainBatch(x_new=images[:, 0], labels=labels,
-                             new_targets=self.new_target.to(self.device)[labels],
-                             x_old=images[:, 1] if self.dataset.views > 1 else None,
-                             old_targets=self.old_target.to(self.device)[labels])
+            yield TrainBatch(
+                x_new=images[:, 0],
+                labels=labels,
+                new_targets=self.new_target.to(self.device)[labels],
+                x_old=images[:, 1] if self.dataset.views > 1 else None,
+                old_targets=self.old_target.to(self.device)[labels],
+            )

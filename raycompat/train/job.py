@@ -5,6 +5,7 @@ The options are :class:`TrainOptions`; ``train-old`` and ``train-ract`` take the
 with other defaults. Every value is checked, and the run's :class:`TrainConfig` built, before
 Ray starts (a bad option exits 2 naming it). See docs/architecture.md, "Jobs".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,18 +17,46 @@ import time
 from dataclasses import dataclass
 
 from raycompat import console
-from raycompat.config import (ConfigError, add_options, choices, describe_options, make_parser,
-                              nonnegative, option, options_from_args, parse_key_values, positive)
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    describe_options,
+    make_parser,
+    nonnegative,
+    option,
+    options_from_args,
+    parse_key_values,
+    positive,
+)
 from raycompat.data.scenarios import ScenarioSizes
 
-__all__ = ["TrainOptions", "TRAIN_DEFAULTS", "build_parser", "main", "parse_train_options",
-           "load_scenario", "train_config", "run_training"]
+__all__ = [
+    "TrainOptions",
+    "TRAIN_DEFAULTS",
+    "build_parser",
+    "main",
+    "parse_train_options",
+    "load_scenario",
+    "train_config",
+    "run_training",
+]
 
 #: the train job's data: 200 training classes of 40 images, 100 held-out classes
 TRAIN_SIZES = dataclasses.replace(
-    ScenarioSizes(), scenario="extended-class", train_classes=200, images_per_class=40,
-    eval_classes=100, queries_per_class=2, gallery_per_class=10, distractor_classes=100,
-    distractors_per_class=5, resolution=32, backbone="resnet10t", data_seed=0)
+    ScenarioSizes(),
+    scenario="extended-class",
+    train_classes=200,
+    images_per_class=40,
+    eval_classes=100,
+    queries_per_class=2,
+    gallery_per_class=10,
+    distractor_classes=100,
+    distractors_per_class=5,
+    resolution=32,
+    backbone="resnet10t",
+    data_seed=0,
+)
 
 
 @dataclass(frozen=True)
@@ -37,17 +66,21 @@ class TrainOptions:
     method: str = option("bct", help="training method (the list below)")
     method_options: tuple = option((), flag="--opt", help="a method option KEY=VALUE, repeatable")
     old_model: str | None = option(None, help="bundle of the old model (from train-old)")
-    init_model: str | None = option(None, help="bundle to start from; the frozen new model for "
-                                               "mcl/rqt/cl")
+    init_model: str | None = option(
+        None, help="bundle to start from; the frozen new model for mcl/rqt/cl"
+    )
     split: str = option("new_train", help="training split of the scenario")
-    out: str | None = option(None, help="where to export the model bundle; none: "
-                                        "<storage>/models/<run name>")
+    out: str | None = option(
+        None, help="where to export the model bundle; none: <storage>/models/<run name>"
+    )
     run_name: str | None = option(None, help="run name; none: <method>-<unix time>")
-    scenario_file: str | None = option(None, help="a scenario JSON written by an earlier run "
-                                                  "(overrides --scenario and the sizes)")
+    scenario_file: str | None = option(
+        None, help="a scenario JSON written by an earlier run (overrides --scenario and the sizes)"
+    )
     sizes: ScenarioSizes = option(TRAIN_SIZES, help="data: a built-in glyph scenario")
-    pretrained_path: str | None = option(None, flag="--pretrained",
-                                         help="local weights file for the backbone")
+    pretrained_path: str | None = option(
+        None, flag="--pretrained", help="local weights file for the backbone"
+    )
     embed_dim: int = positive(128, help="embedding dimension")
     head: str = choices("softmax", "cosface", "arcface", default="cosface", help="classifier head")
     epochs: int = positive(10, help="training epochs")
@@ -78,23 +111,31 @@ def methods_help() -> str:
     return "\n".join(lines)
 
 
-def options_parser(prog: str, description: str, base: TrainOptions,
-                   exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+def options_parser(
+    prog: str, description: str, base: TrainOptions, exclude: tuple[str, ...] = ()
+) -> argparse.ArgumentParser:
     """The flags of :class:`TrainOptions` with ``base``'s defaults (``exclude``: left out)."""
     parser = make_parser(prog, description)
     add_options(parser, TrainOptions, base=base, exclude=exclude + ("method_options",))
-    if "method_options" not in exclude:   # repeatable: the one flag that appends, not stores
-        parser.add_argument("--opt", dest="method_options", action="append", default=argparse.SUPPRESS,
-                            metavar="KEY=VALUE", help="a method option, repeatable (the list below)")
+    if "method_options" not in exclude:  # repeatable: the one flag that appends, not stores
+        parser.add_argument(
+            "--opt",
+            dest="method_options",
+            action="append",
+            default=argparse.SUPPRESS,
+            metavar="KEY=VALUE",
+            help="a method option, repeatable (the list below)",
+        )
     return parser
 
 
-def parse_train_options(parser: argparse.ArgumentParser, argv: list[str] | None,
-                        base: TrainOptions) -> TrainOptions:
+def parse_train_options(
+    parser: argparse.ArgumentParser, argv: list[str] | None, base: TrainOptions
+) -> TrainOptions:
     """The flags in ``argv`` applied to ``base``; a bad value raises ``ConfigError``. Only
     ``--help`` lists the methods and their options (that imports torch)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    has_opt = parser.get_default("method_options") is not None     # --opt's default: SUPPRESS
+    has_opt = parser.get_default("method_options") is not None  # --opt's default: SUPPRESS
     if has_opt and {"-h", "--help"} & set(argv):
         parser.epilog = methods_help()
     return options_from_args(TrainOptions, parser.parse_args(argv), base=base)
@@ -113,21 +154,47 @@ def load_scenario(opts: TrainOptions):
         raise ConfigError(str(err)) from None
 
 
-def train_config(opts: TrainOptions, scenario, *, method: str, split: str, run_name: str,
-                 method_options: dict | None = None, old_model: str | None = None,
-                 init_model: str | None = None, check_paths: bool = True):
+def train_config(
+    opts: TrainOptions,
+    scenario,
+    *,
+    method: str,
+    split: str,
+    run_name: str,
+    method_options: dict | None = None,
+    old_model: str | None = None,
+    init_model: str | None = None,
+    check_paths: bool = True,
+):
     """The :class:`TrainConfig` of one run of a training job (checked on the driver)."""
     from raycompat.train import TrainConfig
 
     values = dict(
-        method=method, method_options=method_options or {}, backbone=opts.sizes.backbone,
-        pretrained_path=opts.pretrained_path, embed_dim=opts.embed_dim, head=opts.head,
-        epochs=opts.epochs, batch_size=opts.batch_size, lr=opts.lr, optimizer=opts.optimizer,
-        seed=opts.seed, scenario=scenario.to_dict(), split=split, resolution=opts.sizes.resolution,
-        data_seed=opts.sizes.data_seed, num_workers=opts.workers, use_gpu=opts.gpus > 0,
-        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0, cpus_per_worker=opts.cpus_per_worker,
-        max_failures=opts.max_failures, storage_path=opts.storage, run_name=run_name,
-        old_model=old_model, init_model=init_model)
+        method=method,
+        method_options=method_options or {},
+        backbone=opts.sizes.backbone,
+        pretrained_path=opts.pretrained_path,
+        embed_dim=opts.embed_dim,
+        head=opts.head,
+        epochs=opts.epochs,
+        batch_size=opts.batch_size,
+        lr=opts.lr,
+        optimizer=opts.optimizer,
+        seed=opts.seed,
+        scenario=scenario.to_dict(),
+        split=split,
+        resolution=opts.sizes.resolution,
+        data_seed=opts.sizes.data_seed,
+        num_workers=opts.workers,
+        use_gpu=opts.gpus > 0,
+        gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0,
+        cpus_per_worker=opts.cpus_per_worker,
+        max_failures=opts.max_failures,
+        storage_path=opts.storage,
+        run_name=run_name,
+        old_model=old_model,
+        init_model=init_model,
+    )
     return TrainConfig.from_dict(values, check_paths=check_paths)
 
 
@@ -149,9 +216,13 @@ def run_training(opts: TrainOptions, cfg, export_to: str) -> str:
     started = time.time()
     run = fit(cfg, export_to=export_to)
     last = run.history[-1]
-    console.phase(cfg.run_name, f"{len(run.history)} epochs, final loss "
-                  f"{last.get('loss/loss', float('nan')):.4f}, {last['images_per_s']:.0f} images/s; "
-                  f"bundle {run.bundle_path}", time.time() - started)
+    console.phase(
+        cfg.run_name,
+        f"{len(run.history)} epochs, final loss "
+        f"{last.get('loss/loss', float('nan')):.4f}, {last['images_per_s']:.0f} images/s; "
+        f"bundle {run.bundle_path}",
+        time.time() - started,
+    )
     return run.bundle_path
 
 
@@ -163,9 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_train_options(build_parser(), argv, TRAIN_DEFAULTS)
     scenario = load_scenario(opts)
-    cfg = train_config(opts, scenario, method=opts.method, split=opts.split,
-                       run_name=opts.run_name or f"{opts.method}-{int(time.time())}",
-                       method_options=parse_key_values(list(opts.method_options)),
-                       old_model=opts.old_model, init_model=opts.init_model)
+    cfg = train_config(
+        opts,
+        scenario,
+        method=opts.method,
+        split=opts.split,
+        run_name=opts.run_name or f"{opts.method}-{int(time.time())}",
+        method_options=parse_key_values(list(opts.method_options)),
+        old_model=opts.old_model,
+        init_model=opts.init_model,
+    )
     run_training(opts, cfg, export_path(opts, cfg.run_name))
     return 0

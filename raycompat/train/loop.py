@@ -5,6 +5,7 @@ Per worker: build the data shard, the new model and the method; wrap them in DDP
 Ray Train restarted us; then per epoch: the method's distributed pass, the steps, and a
 checkpoint with metrics. The loop knows nothing about any particular method.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,13 @@ def build_optimizer(cfg: TrainConfig, module: torch.nn.Module) -> torch.optim.Op
     if not params:
         raise ConfigError(f"method {cfg.method!r} has no trainable parameter")
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            nesterov=cfg.momentum > 0,
+        )
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -64,8 +70,14 @@ def parameter_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def make_bundle(cfg: TrainConfig, module: TrainingModule, old: ModelBundle | None,
-                new_classes: list[int], compatible_dim: int, epoch: int) -> ModelBundle:
+def make_bundle(
+    cfg: TrainConfig,
+    module: TrainingModule,
+    old: ModelBundle | None,
+    new_classes: list[int],
+    compatible_dim: int,
+    epoch: int,
+) -> ModelBundle:
     modules = {"embedder": module.embedder, "head": module.head, **module.method.exports()}
     manifest = {
         "method": cfg.method,
@@ -76,13 +88,22 @@ def make_bundle(cfg: TrainConfig, module: TrainingModule, old: ModelBundle | Non
         "resolution": cfg.resolution,
         "classes": [int(c) for c in new_classes],
         "compatible_dim": int(compatible_dim),
-        "predecessor": None if old is None else {
-            "path": cfg.old_model, "backbone": old.manifest.get("backbone"),
-            "embed_dim": old.embed_dim, "method": old.manifest.get("method"),
-            "generation": old.manifest.get("generation", 0)},
+        "predecessor": None
+        if old is None
+        else {
+            "path": cfg.old_model,
+            "backbone": old.manifest.get("backbone"),
+            "embed_dim": old.embed_dim,
+            "method": old.manifest.get("method"),
+            "generation": old.manifest.get("generation", 0),
+        },
         "generation": 0 if old is None else int(old.manifest.get("generation", 0)) + 1,
-        "data": {"scenario": cfg.scenario.get("name"), "seed": cfg.scenario.get("seed"),
-                 "split": cfg.split, "num_items": len(cfg.scenario["splits"][cfg.split]["labels"])},
+        "data": {
+            "scenario": cfg.scenario.get("name"),
+            "seed": cfg.scenario.get("seed"),
+            "split": cfg.split,
+            "num_items": len(cfg.scenario["splits"][cfg.split]["labels"]),
+        },
         "epochs_trained": epoch + 1,
         "train_config": {k: v for k, v in cfg.to_dict().items() if k != "scenario"},
     }
@@ -97,13 +118,13 @@ class WorkerState:
     rank: int
     world: int
     device: torch.device
-    worker_nodes: list[str]                   # Ray node id of every rank, in rank order
+    worker_nodes: list[str]  # Ray node id of every rank, in rank order
     trains_embedder: bool
     old: ModelBundle | None
     new_classes: list[int]
     compatible_dim: int
-    new_target: torch.Tensor                  # class id -> row of the new head (-1: none)
-    old_target: torch.Tensor                  # class id -> row of the old head (-1: none)
+    new_target: torch.Tensor  # class id -> row of the new head (-1: none)
+    old_target: torch.Tensor  # class id -> row of the old head (-1: none)
     module: TrainingModule
     ddp_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -126,7 +147,9 @@ class EpochTotals:
     lr: float
 
 
-def class_targets(new_classes: list[int], old_classes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def class_targets(
+    new_classes: list[int], old_classes: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lookup tables class id -> row of the new head and of the old head (-1 where absent)."""
     new_target = torch.full((max(new_classes) + 1,), -1, dtype=torch.long)
     new_target[torch.tensor(new_classes)] = torch.arange(len(new_classes))
@@ -156,10 +179,12 @@ def _write_pid(cfg: TrainConfig, rank: int) -> None:
 
 def _build_networks(cfg: TrainConfig, new_classes: list[int]) -> tuple[Embedder, ClassifierHead]:
     """The new embedder and head, started from ``init_model`` when one is given."""
-    embedder = Embedder(cfg.backbone, cfg.embed_dim, in_chans=cfg.in_chans,
-                        pretrained_path=cfg.pretrained_path)
-    head = ClassifierHead(cfg.embed_dim, len(new_classes), kind=cfg.head,
-                          scale=cfg.head_scale, margin=cfg.head_margin)
+    embedder = Embedder(
+        cfg.backbone, cfg.embed_dim, in_chans=cfg.in_chans, pretrained_path=cfg.pretrained_path
+    )
+    head = ClassifierHead(
+        cfg.embed_dim, len(new_classes), kind=cfg.head, scale=cfg.head_scale, margin=cfg.head_margin
+    )
     if cfg.init_model:
         init = ModelBundle.load(cfg.init_model)
         embedder.load_state_dict(init.embedder.state_dict())
@@ -168,13 +193,21 @@ def _build_networks(cfg: TrainConfig, new_classes: list[int]) -> tuple[Embedder,
     return embedder, head
 
 
-def _build_loader(cfg: TrainConfig, train_set, rank: int,
-                  world: int) -> tuple[DistributedSampler, DataLoader]:
+def _build_loader(
+    cfg: TrainConfig, train_set, rank: int, world: int
+) -> tuple[DistributedSampler, DataLoader]:
     """This worker's shard of the training set, ``batch_size / world`` items per step."""
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size // world, sampler=sampler, drop_last=True,
-                        num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
+    sampler = DistributedSampler(
+        train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
+    loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size // world,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=cfg.loader_workers,
+        persistent_workers=cfg.loader_workers > 0,
+    )
     return sampler, loader
 
 
@@ -196,28 +229,56 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     train_set = build_training_set(cfg, views=2 if old is not None else 1)
     new_classes = train_set.classes
     if old is not None and old.embed_dim > cfg.embed_dim:
-        raise ConfigError(f"embed_dim {cfg.embed_dim} is smaller than the old model's "
-                          f"{old.embed_dim}: the compatible subspace needs D_new >= D_old")
+        raise ConfigError(
+            f"embed_dim {cfg.embed_dim} is smaller than the old model's "
+            f"{old.embed_dim}: the compatible subspace needs D_new >= D_old"
+        )
     compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
     embedder, head = _build_networks(cfg, new_classes)
     new_target, old_target = class_targets(new_classes, old.classes if old is not None else [])
     method_context = MethodContext(
-        old=old, new_classes=new_classes, old_classes=old.classes if old is not None else [],
-        compatible_dim=compatible_dim, device=device,
-        epoch_pass_loader=EpochPassLoader(train_set, cfg.batch_size // world, new_target, old_target,
-                                          device))
+        old=old,
+        new_classes=new_classes,
+        old_classes=old.classes if old is not None else [],
+        compatible_dim=compatible_dim,
+        device=device,
+        epoch_pass_loader=EpochPassLoader(
+            train_set, cfg.batch_size // world, new_target, old_target, device
+        ),
+    )
     method = build_method(cfg.method, cfg.method_options, method_context)
     module = TrainingModule(embedder, head, method).to(device)
-    ddp_model = ray.train.torch.prepare_model(module, parallel_strategy_kwargs={
-        "find_unused_parameters": False, "broadcast_buffers": True} if world > 1 else None)
+    ddp_model = ray.train.torch.prepare_model(
+        module,
+        parallel_strategy_kwargs={"find_unused_parameters": False, "broadcast_buffers": True}
+        if world > 1
+        else None,
+    )
     optimizer = build_optimizer(cfg, module)
     sampler, loader = _build_loader(cfg, train_set, rank, world)
     if len(loader) == 0:
-        raise ConfigError(f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
-                          f"of {cfg.batch_size}")
-    return WorkerState(cfg, rank, world, device, worker_nodes, method_cls.trains_embedder, old,
-                       new_classes, compatible_dim, new_target, old_target, module, ddp_model,
-                       optimizer, sampler, loader)
+        raise ConfigError(
+            f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
+            f"of {cfg.batch_size}"
+        )
+    return WorkerState(
+        cfg,
+        rank,
+        world,
+        device,
+        worker_nodes,
+        method_cls.trains_embedder,
+        old,
+        new_classes,
+        compatible_dim,
+        new_target,
+        old_target,
+        module,
+        ddp_model,
+        optimizer,
+        sampler,
+        loader,
+    )
 
 
 def resume(state: WorkerState) -> tuple[int, list[dict]]:
@@ -229,16 +290,19 @@ def resume(state: WorkerState) -> tuple[int, list[dict]]:
     if checkpoint is None:
         return 0, []
     with checkpoint.as_directory() as ckpt_dir:
-        saved = torch.load(os.path.join(ckpt_dir, TRAIN_STATE), map_location=state.device,
-                           weights_only=True)
+        saved = torch.load(
+            os.path.join(ckpt_dir, TRAIN_STATE), map_location=state.device, weights_only=True
+        )
         state.module.load_state_dict(saved["module"])
         state.optimizer.load_state_dict(saved["optimizer"])
         start_epoch = int(saved["epoch"]) + 1
         with open(os.path.join(ckpt_dir, HISTORY)) as f:
             history = json.load(f)
     if state.rank == 0:
-        print(f"[raycompat] resumed {state.cfg.run_name} from the checkpoint of epoch {start_epoch - 1}",
-              flush=True)
+        print(
+            f"[raycompat] resumed {state.cfg.run_name} from the checkpoint of epoch {start_epoch - 1}",
+            flush=True,
+        )
     return start_epoch, history
 
 
@@ -261,9 +325,12 @@ def run_epoch(state: WorkerState, epoch: int) -> EpochTotals:
             group["lr"] = lr
         labels = labels.to(device)
         batch = TrainBatch(
-            x_new=x_new.to(device), labels=labels, new_targets=state.new_target.to(device)[labels],
+            x_new=x_new.to(device),
+            labels=labels,
+            new_targets=state.new_target.to(device)[labels],
             x_old=None if state.old is None else x_old.to(device),
-            old_targets=state.old_target.to(device)[labels])
+            old_targets=state.old_target.to(device)[labels],
+        )
         terms = state.ddp_model(batch)
         optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
@@ -272,9 +339,12 @@ def run_epoch(state: WorkerState, epoch: int) -> EpochTotals:
         for key, value in terms.items():
             sums[key] = sums.get(key, 0.0) + float(value.detach())
         if state.rank == 0 and (step + 1) % cfg.log_every == 0 and console.is_verbose():
-            print(f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} "
-                  f"step {step + 1}/{state.steps_per_epoch} "
-                  f"loss {float(terms['loss'].detach()):.4f} lr {lr:.4g}", flush=True)
+            print(
+                f"[raycompat] {cfg.run_name} epoch {epoch + 1}/{cfg.epochs} "
+                f"step {step + 1}/{state.steps_per_epoch} "
+                f"loss {float(terms['loss'].detach()):.4f} lr {lr:.4g}",
+                flush=True,
+            )
     return EpochTotals(sums, step_time, time.perf_counter() - started, lr)
 
 
@@ -283,20 +353,23 @@ def epoch_metrics(state: WorkerState, epoch: int, start_epoch: int, totals: Epoc
     images/s of the wall time and of the steps alone, and where the workers ran."""
     cfg, world, steps = state.cfg, state.world, state.steps_per_epoch
     keys = sorted(totals.sums)
-    summed = torch.tensor([totals.sums[k] for k in keys] + [totals.step_time, totals.wall],
-                          dtype=torch.float64)
+    summed = torch.tensor(
+        [totals.sums[k] for k in keys] + [totals.step_time, totals.wall], dtype=torch.float64
+    )
     distributed.all_reduce_sum(summed)
     metrics = {f"loss/{k}": float(summed[i]) / (steps * world) for i, k in enumerate(keys)}
-    metrics.update({
-        "epoch": epoch + 1,
-        "lr": totals.lr,
-        "images_per_s": steps * cfg.batch_size / (float(summed[-1]) / world),
-        "step_images_per_s": steps * cfg.batch_size / (float(summed[-2]) / world),
-        "epoch_time_s": float(summed[-1]) / world,
-        "num_workers": world,
-        "worker_nodes": state.worker_nodes,
-        "start_epoch": start_epoch,
-    })
+    metrics.update(
+        {
+            "epoch": epoch + 1,
+            "lr": totals.lr,
+            "images_per_s": steps * cfg.batch_size / (float(summed[-1]) / world),
+            "step_images_per_s": steps * cfg.batch_size / (float(summed[-2]) / world),
+            "epoch_time_s": float(summed[-1]) / world,
+            "num_workers": world,
+            "worker_nodes": state.worker_nodes,
+            "start_epoch": start_epoch,
+        }
+    )
     return metrics
 
 
@@ -308,18 +381,30 @@ def report_epoch(state: WorkerState, epoch: int, metrics: dict, history: list[di
     cfg, rank = state.cfg, state.rank
     digest = parameter_digest(state.module)
     if cfg.diagnostics_dir:
-        with open(os.path.join(cfg.diagnostics_dir, f"digest_rank{rank}_epoch{epoch + 1}.txt"), "w") as f:
+        with open(
+            os.path.join(cfg.diagnostics_dir, f"digest_rank{rank}_epoch{epoch + 1}.txt"), "w"
+        ) as f:
             f.write(digest)
     with tempfile.TemporaryDirectory() as tmp:
         if rank == 0:
-            torch.save({"module": state.module.state_dict(), "optimizer": state.optimizer.state_dict(),
-                        "epoch": epoch}, os.path.join(tmp, TRAIN_STATE))
+            torch.save(
+                {
+                    "module": state.module.state_dict(),
+                    "optimizer": state.optimizer.state_dict(),
+                    "epoch": epoch,
+                },
+                os.path.join(tmp, TRAIN_STATE),
+            )
             with open(os.path.join(tmp, HISTORY), "w") as f:
                 json.dump(history, f, indent=1)
-            make_bundle(cfg, state.module, state.old, state.new_classes, state.compatible_dim,
-                        epoch).save(os.path.join(tmp, BUNDLE_DIR))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=f"epoch_{epoch + 1:04d}")
+            make_bundle(
+                cfg, state.module, state.old, state.new_classes, state.compatible_dim, epoch
+            ).save(os.path.join(tmp, BUNDLE_DIR))
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                checkpoint_dir_name=f"epoch_{epoch + 1:04d}",
+            )
         else:
             ray.train.report(metrics, checkpoint=None)
 
@@ -346,7 +431,8 @@ def train_loop_per_worker(config: dict) -> list[dict]:
         metrics = epoch_metrics(state, epoch, start_epoch, totals)
         history.append(metrics)
         if state.rank == 0:
-            progress.step(epoch + 1, loss=metrics["loss/loss"],
-                          **{"img/s": round(metrics["images_per_s"], 1)})
+            progress.step(
+                epoch + 1, loss=metrics["loss/loss"], **{"img/s": round(metrics["images_per_s"], 1)}
+            )
         report_epoch(state, epoch, metrics, history)
     return history

@@ -5,6 +5,7 @@
 (``--method``, ``--opt``, ``--old-model``, ``--init-model``); ``--split`` defaults to
 ``old_train``. See docs/architecture.md, "Jobs".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,16 @@ import dataclasses
 import time
 
 from raycompat import console
-from raycompat.train.job import (TRAIN_DEFAULTS, TrainOptions, export_path, load_scenario,
-                                 options_parser, parse_train_options, run_training, train_config)
+from raycompat.train.job import (
+    TRAIN_DEFAULTS,
+    TrainOptions,
+    export_path,
+    load_scenario,
+    options_parser,
+    parse_train_options,
+    run_training,
+    train_config,
+)
 
 __all__ = ["OLD_DEFAULTS", "NEW_MODEL_ONLY", "build_parser", "main", "train_old"]
 

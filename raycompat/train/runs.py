@@ -1,6 +1,7 @@
 """Named, resumable training runs for jobs that train several models (the main job, the
 reproduction report): the run name carries a hash of the options, so re-running a job with
 identical options resumes or reuses its runs instead of retraining."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,14 @@ def config_tag(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-def train_named(values: dict, name: str, tag: str, runs_dir: str, models_dir: str,
-                export_name: str | None = None):
+def train_named(
+    values: dict,
+    name: str,
+    tag: str,
+    runs_dir: str,
+    models_dir: str,
+    export_name: str | None = None,
+):
     """Train ``TrainConfig.from_dict(values)`` as run ``<name>-<tag>`` under ``runs_dir`` and
     export its bundle to ``<models_dir>/<export_name or name>``. Returns ``(TrainRun, wall s)``."""
     from raycompat.train import TrainConfig, fit

@@ -5,6 +5,7 @@ so re-running an identical configuration resumes it instead of starting over. Th
 local folder or any pyarrow URI (:mod:`raycompat.storage`); it is checked for writing before
 any worker starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,10 @@ from raycompat.train.loop import BUNDLE_DIR, HISTORY, train_loop_per_worker
 class TrainRun:
     """What a finished run left behind."""
 
-    bundle_path: str          # exported model bundle (manifest + state dicts)
-    checkpoint_path: str      # the final Ray Train checkpoint
-    run_path: str             # the Ray Train run folder
-    history: list[dict]       # one metrics dict per epoch
+    bundle_path: str  # exported model bundle (manifest + state dicts)
+    checkpoint_path: str  # the final Ray Train checkpoint
+    run_path: str  # the Ray Train run folder
+    history: list[dict]  # one metrics dict per epoch
 
     def load(self) -> ModelBundle:
         return ModelBundle.load(self.bundle_path)
@@ -59,7 +60,7 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     cfg.validate()
     # read by the driver when it starts the controller actor (Ray propagates it there)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", CONTROLLER_POLL_INTERVAL_S)
-    storage = open_storage(cfg.storage_path)      # StorageError now, not after the first epoch
+    storage = open_storage(cfg.storage_path)  # StorageError now, not after the first epoch
     logging_config, worker_env = console_settings()
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.use_gpu:
@@ -67,13 +68,17 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                               resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources
+        ),
         run_config=ray.train.RunConfig(
-            name=cfg.run_name, storage_path=storage.uri,
+            name=cfg.run_name,
+            storage_path=storage.uri,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep),
-            logging_config=logging_config, worker_runtime_env={"env_vars": worker_env}),
+            logging_config=logging_config,
+            worker_runtime_env={"env_vars": worker_env},
+        ),
     )
     result = trainer.fit()
     if result.checkpoint is None:
@@ -81,20 +86,23 @@ def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
     checkpoint_path = result.checkpoint.path
     if not storage.local:
         checkpoint_path = _as_uri(storage, checkpoint_path)
-    with result.checkpoint.as_directory() as local_checkpoint:   # a download for remote storage
+    with result.checkpoint.as_directory() as local_checkpoint:  # a download for remote storage
         with open(os.path.join(local_checkpoint, HISTORY)) as f:
             history = json.load(f)
         bundle_path = os.path.join(checkpoint_path, BUNDLE_DIR)
         if export_to:
             bundle_path = _export(os.path.join(local_checkpoint, BUNDLE_DIR), export_to)
     run_path = str(result.path) if storage.local else _as_uri(storage, str(result.path))
-    return TrainRun(bundle_path=bundle_path, checkpoint_path=checkpoint_path, run_path=run_path,
-                    history=history)
+    return TrainRun(
+        bundle_path=bundle_path, checkpoint_path=checkpoint_path, run_path=run_path, history=history
+    )
 
 
 def _as_uri(storage, fs_path: str) -> str:
     """A path inside the storage's filesystem, written as a URI under the storage."""
-    relative = fs_path[len(storage.root):].lstrip("/") if fs_path.startswith(storage.root) else fs_path
+    relative = (
+        fs_path[len(storage.root) :].lstrip("/") if fs_path.startswith(storage.root) else fs_path
+    )
     return storage.join(relative)
 
 

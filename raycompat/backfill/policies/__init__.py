@@ -29,21 +29,41 @@ class, plus its import below.
 Ordering rule for scored policies: highest score first, ties by lower item index
 (a stable sort of ``-score``).  ``cost_aware`` ordering is not implemented.
 """
+
 from __future__ import annotations
 
 from raycompat.backfill.gallery import BackfillInputError
+
 # the imports register the policies, in this order (the order of POLICIES)
-from raycompat.backfill.policies import random, sequential, uncertainty, oracle, learned  # noqa: F401
-from raycompat.backfill.policies.base import (Policy, PolicyInputs, available_policies, check_order,
-                                              check_policy_inputs, order_by_score, policy_class,
-                                              policy_order, register_policy)
-from raycompat.backfill.policies.learned import LearnedPredictor, disagreement, learned_order, learned_target
+from raycompat.backfill.policies import learned, oracle, random, sequential, uncertainty  # noqa: F401
+from raycompat.backfill.policies.base import (
+    Policy,
+    PolicyInputs,
+    available_policies,
+    check_order,
+    check_policy_inputs,
+    order_by_score,
+    policy_class,
+    policy_order,
+    register_policy,
+)
+from raycompat.backfill.policies.learned import (
+    LearnedPredictor,
+    disagreement,
+    learned_order,
+    learned_target,
+)
 from raycompat.backfill.policies.oracle import oracle_benefit, oracle_order
 from raycompat.backfill.policies.random import random_order
 from raycompat.backfill.policies.sequential import sequential_order
-from raycompat.backfill.policies.uncertainty import (UNCERTAINTY_KINDS, UncertaintyHead, class_probabilities,
-                                                     uncertainty_features, uncertainty_order,
-                                                     uncertainty_scores)
+from raycompat.backfill.policies.uncertainty import (
+    UNCERTAINTY_KINDS,
+    UncertaintyHead,
+    class_probabilities,
+    uncertainty_features,
+    uncertainty_order,
+    uncertainty_scores,
+)
 
 __all__ = [
     "POLICIES",

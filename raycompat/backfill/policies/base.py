@@ -7,6 +7,7 @@ order depends on the query mode's score sides) and computes the order from a
 :class:`PolicyInputs`, reading nothing else.  Register it with ``@register_policy``
 (docs/methods.md, Backfill policies).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,17 @@ if TYPE_CHECKING:
     from raycompat.backfill.modes import SideBuilder
     from raycompat.backfill.policies.uncertainty import UncertaintyHead
 
-__all__ = ["Policy", "PolicyInputs", "register_policy", "available_policies", "policy_class",
-           "policy_order", "check_policy_inputs", "check_order", "order_by_score"]
+__all__ = [
+    "Policy",
+    "PolicyInputs",
+    "register_policy",
+    "available_policies",
+    "policy_class",
+    "policy_order",
+    "check_policy_inputs",
+    "check_order",
+    "order_by_score",
+]
 
 
 @dataclass(frozen=True)
@@ -68,11 +78,13 @@ class Policy:
         """Raise :class:`BackfillInputError` naming what is missing from ``inputs``."""
         if self.needs_embeddings and inputs.data is None:
             raise BackfillInputError(
-                f"policy {self.name!r} needs the gallery's embeddings (a parquet gallery)")
+                f"policy {self.name!r} needs the gallery's embeddings (a parquet gallery)"
+            )
         if self.needs_head and inputs.head is None:
             raise BackfillInputError(
                 f"policy {self.name!r} needs the new model's classifier head "
-                "(pass --new-model / head=, or the service option new_model)")
+                "(pass --new-model / head=, or the service option new_model)"
+            )
 
     def order(self, inputs: PolicyInputs) -> np.ndarray:
         """A permutation of ``0..n_items-1``: the items in the order they get their new vector."""
@@ -120,8 +132,11 @@ def policy_order(name: str, inputs: PolicyInputs) -> np.ndarray:
 def check_order(order: np.ndarray, n: int) -> np.ndarray:
     """Validate that ``order`` is a permutation of ``0..n-1``; returns it as int64."""
     o = np.asarray(order, dtype=np.int64)
-    if o.shape != (n,) or (n and (o.min() < 0 or o.max() >= n)) or \
-            (np.bincount(o, minlength=n) != 1).any():
+    if (
+        o.shape != (n,)
+        or (n and (o.min() < 0 or o.max() >= n))
+        or (np.bincount(o, minlength=n) != 1).any()
+    ):
         raise ValueError(f"a policy order must be a permutation of {n} items")
     return o
 

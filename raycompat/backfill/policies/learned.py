@@ -1,9 +1,10 @@
 """``learned``: a predictor of per-item old/new disagreement (FastFill-style).  Knows the old
 features (+ uncertainty under the new head, when given) and the new embeddings of a held-out
 sample only."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,7 +24,9 @@ def disagreement(new_rows: np.ndarray, old_state_rows: np.ndarray) -> np.ndarray
     a = np.asarray(new_rows, dtype=np.float64)
     b = np.asarray(old_state_rows, dtype=np.float64)
     if a.shape != b.shape:
-        raise BackfillInputError(f"dimension mismatch: {a.shape} vs {b.shape} for the disagreement target")
+        raise BackfillInputError(
+            f"dimension mismatch: {a.shape} vs {b.shape} for the disagreement target"
+        )
     na = np.maximum(np.linalg.norm(a, axis=1), 1e-12)
     nb = np.maximum(np.linalg.norm(b, axis=1), 1e-12)
     return 1.0 - np.einsum("ij,ij->i", a, b) / (na * nb)
@@ -37,7 +40,7 @@ def learned_target(data: GalleryEmbeddings) -> Callable[[np.ndarray], np.ndarray
         new = data.gallery_new[ids]
         if data.gallery_adapted is not None:
             return disagreement(new, data.gallery_adapted[ids])
-        return disagreement(new[:, :data.old_dim], data.gallery_old[ids])
+        return disagreement(new[:, : data.old_dim], data.gallery_old[ids])
 
     return reveal
 
@@ -70,7 +73,7 @@ class LearnedPredictor:
             cols.append(np.asarray(extra, dtype=np.float64).reshape(f.shape[0], -1))
         return np.concatenate(cols, axis=1)
 
-    def fit(self, X: np.ndarray, y: np.ndarray) -> "LearnedPredictor":
+    def fit(self, X: np.ndarray, y: np.ndarray) -> LearnedPredictor:
         X = np.asarray(X, dtype=np.float64)
         y = np.asarray(y, dtype=np.float64)
         self.mu = X.mean(axis=0)
@@ -110,7 +113,9 @@ class LearnedPredictor:
         w, b = self.coef
         out = np.empty(X.shape[0])
         for s in range(0, X.shape[0], chunk):
-            out[s:s + chunk] = ((np.asarray(X[s:s + chunk], dtype=np.float64) - self.mu) / self.sd) @ w + b
+            out[s : s + chunk] = (
+                (np.asarray(X[s : s + chunk], dtype=np.float64) - self.mu) / self.sd
+            ) @ w + b
         return out
 
 
@@ -148,13 +153,15 @@ def learned_order(
         raise ValueError(f"reveal() must return one target per sample item, got shape {y.shape}")
 
     def rows(idx: np.ndarray) -> np.ndarray:
-        return LearnedPredictor.features(f[idx], None if extra_features is None else extra_features[idx])
+        return LearnedPredictor.features(
+            f[idx], None if extra_features is None else extra_features[idx]
+        )
 
     model = LearnedPredictor(seed=seed).fit(rows(sample), y)
     rest = np.setdiff1d(np.arange(n), sample)
     pred = np.empty(rest.size)
     for s in range(0, rest.size, 65536):
-        pred[s:s + 65536] = model.predict(rows(rest[s:s + 65536]))
+        pred[s : s + 65536] = model.predict(rows(rest[s : s + 65536]))
     order = np.concatenate([sample, rest[order_by_score(pred)]])
     return (order, model, sample) if return_model else order
 
@@ -173,10 +180,16 @@ class LearnedPolicy(Policy):
         if data.gallery_adapted is None and data.compat_dim != data.old_dim:
             raise BackfillInputError(
                 "policy 'learned' needs psi(old) ('adapted') or a compatible subspace of D_old dims "
-                "to measure old/new disagreement")
+                "to measure old/new disagreement"
+            )
 
     def order(self, inputs: PolicyInputs) -> np.ndarray:
         data = inputs.data
         extra = None if inputs.head is None else uncertainty_features(data.gallery_old, inputs.head)
-        return learned_order(data.gallery_old, learned_target(data), seed=inputs.seed,
-                             sample_fraction=inputs.learned_sample_fraction, extra_features=extra)
+        return learned_order(
+            data.gallery_old,
+            learned_target(data),
+            seed=inputs.seed,
+            sample_fraction=inputs.learned_sample_fraction,
+            extra_features=extra,
+        )

@@ -1,5 +1,6 @@
 """``oracle``: largest benefit first, computed with the new embeddings of every item and the
 queries (an upper-bound reference, not deployable).  Its order depends on the query mode."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,15 @@ from raycompat.backfill.policies.base import Policy, PolicyInputs, order_by_scor
 __all__ = ["OraclePolicy", "oracle_benefit", "oracle_order"]
 
 
-def oracle_benefit(old_side, new_side, query_labels, gallery_labels, *, device=None,
-                   block_bytes: int = 8 * 1024 * 1024) -> np.ndarray:
+def oracle_benefit(
+    old_side,
+    new_side,
+    query_labels,
+    gallery_labels,
+    *,
+    device=None,
+    block_bytes: int = 8 * 1024 * 1024,
+) -> np.ndarray:
     """Per-item benefit of backfilling, computed with the true new embeddings and the queries.
 
     For query q let ``tau_q`` be the lowest score any of its positives can have
@@ -26,8 +34,10 @@ def oracle_benefit(old_side, new_side, query_labels, gallery_labels, *, device=N
     from raycompat.backfill.engine import positive_pairs
 
     pq, pi, _ = positive_pairs(query_labels, gallery_labels)
-    so, sn = (np.einsum("ij,ij->i", s.queries[pq].astype(np.float64), s.gallery[pi].astype(np.float64))
-              for s in (old_side, new_side))
+    so, sn = (
+        np.einsum("ij,ij->i", s.queries[pq].astype(np.float64), s.gallery[pi].astype(np.float64))
+        for s in (old_side, new_side)
+    )
     tau = np.full(old_side.queries.shape[0], np.inf)
     np.minimum.at(tau, pq, np.minimum(so, sn))
     benefit = _negative_terms(old_side, new_side, tau, device, block_bytes)
@@ -48,11 +58,15 @@ def _negative_terms(old_side, new_side, tau: np.ndarray, device, block_bytes: in
     tau_t = torch.from_numpy(tau.astype(np.float32)).to(dev)
     neg = np.zeros(old_side.gallery.shape[0], dtype=np.float64)
     with fp32_matmul(), torch.no_grad():
-        it_o = iter_score_blocks(old_side.queries, old_side.gallery, device=dev, block_bytes=block_bytes)
-        it_n = iter_score_blocks(new_side.queries, new_side.gallery, device=dev, block_bytes=block_bytes)
-        for (q0, q1, g0, g1, S_o), (_, _, _, _, S_n) in zip(it_o, it_n):
+        it_o = iter_score_blocks(
+            old_side.queries, old_side.gallery, device=dev, block_bytes=block_bytes
+        )
+        it_n = iter_score_blocks(
+            new_side.queries, new_side.gallery, device=dev, block_bytes=block_bytes
+        )
+        for (q0, q1, g0, g1, S_o), (_, _, _, _, S_n) in zip(it_o, it_n, strict=False):
             t = tau_t[q0:q1, None]
-            d = torch.relu(S_n - t) - torch.relu(S_o - t)       # tau = +inf: no positives, 0
+            d = torch.relu(S_n - t) - torch.relu(S_o - t)  # tau = +inf: no positives, 0
             neg[g0:g1] -= d.sum(dim=0, dtype=torch.float64).cpu().numpy()
     return neg
 
@@ -75,5 +89,11 @@ class OraclePolicy(Policy):
         old_side, new_side = inputs.mode_sides()
         data = inputs.data
         block_bytes = ENGINE_BLOCK_BYTES if inputs.block_bytes is None else inputs.block_bytes
-        return oracle_order(old_side, new_side, data.query_labels, data.gallery_labels,
-                            device=inputs.device, block_bytes=block_bytes)
+        return oracle_order(
+            old_side,
+            new_side,
+            data.query_labels,
+            data.gallery_labels,
+            device=inputs.device,
+            block_bytes=block_bytes,
+        )

@@ -1,4 +1,5 @@
 """``random``: a uniformly random permutation, seeded (knows N and the seed)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """``sequential``: the gallery's own order (ingestion order); knows N only."""
+
 from __future__ import annotations
 
 import numpy as np

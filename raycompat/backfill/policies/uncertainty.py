@@ -1,6 +1,7 @@
 """``uncertainty:<kind>``: "the poor first" -- the old gallery features the new classifier head
 is least sure about are backfilled first (RACT Sec. 4.3, Eq.9-11).  Knows the old gallery
 features and the new head, no image."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,15 @@ import numpy as np
 from raycompat.backfill.gallery import BackfillInputError
 from raycompat.backfill.policies.base import Policy, PolicyInputs, order_by_score, register_policy
 
-__all__ = ["UNCERTAINTY_KINDS", "UncertaintyHead", "UncertaintyPolicy", "class_probabilities",
-           "uncertainty_scores", "uncertainty_order", "uncertainty_features"]
+__all__ = [
+    "UNCERTAINTY_KINDS",
+    "UncertaintyHead",
+    "UncertaintyPolicy",
+    "class_probabilities",
+    "uncertainty_scores",
+    "uncertainty_order",
+    "uncertainty_features",
+]
 
 UNCERTAINTY_KINDS = ("least_confidence", "margin", "entropy")
 
@@ -36,10 +44,13 @@ class UncertaintyHead:
     scale: float = 1.0
 
     @classmethod
-    def from_classifier_head(cls, head) -> "UncertaintyHead":
+    def from_classifier_head(cls, head) -> UncertaintyHead:
         w = head.weight.detach().cpu().numpy().astype(np.float64)
-        b = head.bias.detach().cpu().numpy().astype(np.float64) \
-            if getattr(head, "bias", None) is not None else None
+        b = (
+            head.bias.detach().cpu().numpy().astype(np.float64)
+            if getattr(head, "bias", None) is not None
+            else None
+        )
         return cls(weight=w, bias=b, kind=head.kind, scale=float(getattr(head, "scale", 1.0)))
 
     def logits(self, features: np.ndarray) -> np.ndarray:
@@ -48,7 +59,8 @@ class UncertaintyHead:
         d = f.shape[1]
         if d > self.weight.shape[1]:
             raise BackfillInputError(
-                f"dimension mismatch: old features have {d} dims, the new head only {self.weight.shape[1]}")
+                f"dimension mismatch: old features have {d} dims, the new head only {self.weight.shape[1]}"
+            )
         w = self.weight[:, :d]
         if self.kind == "softmax":
             out = f @ w.T
@@ -66,8 +78,9 @@ def class_probabilities(features: np.ndarray, head: UncertaintyHead) -> np.ndarr
     return e / e.sum(axis=1, keepdims=True)
 
 
-def uncertainty_scores(features: np.ndarray, head: UncertaintyHead, kind: str,
-                       chunk: int = 16384) -> np.ndarray:
+def uncertainty_scores(
+    features: np.ndarray, head: UncertaintyHead, kind: str, chunk: int = 16384
+) -> np.ndarray:
     """Per-item uncertainty of old gallery features under the new head (RACT Eq.9-11).
 
     With ``P`` sorted descending: least confidence ``1 - P1`` (Eq.9), margin
@@ -75,19 +88,21 @@ def uncertainty_scores(features: np.ndarray, head: UncertaintyHead, kind: str,
     With a single class, margin uses ``P2 = 0``.
     """
     if kind not in UNCERTAINTY_KINDS:
-        raise BackfillInputError(f"unknown uncertainty {kind!r}; allowed: {', '.join(UNCERTAINTY_KINDS)}")
+        raise BackfillInputError(
+            f"unknown uncertainty {kind!r}; allowed: {', '.join(UNCERTAINTY_KINDS)}"
+        )
     f = np.asarray(features)
     out = np.empty(f.shape[0], dtype=np.float64)
     for s in range(0, f.shape[0], chunk):
-        p = class_probabilities(f[s:s + chunk], head)
+        p = class_probabilities(f[s : s + chunk], head)
         if kind == "entropy":
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[s:s + chunk] = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
+                out[s : s + chunk] = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
             continue
         top = -np.sort(-p, axis=1)[:, :2]
         p1 = top[:, 0]
         p2 = top[:, 1] if top.shape[1] > 1 else np.zeros_like(p1)
-        out[s:s + chunk] = 1.0 - p1 if kind == "least_confidence" else 1.0 - (p1 - p2)
+        out[s : s + chunk] = 1.0 - p1 if kind == "least_confidence" else 1.0 - (p1 - p2)
     return out
 
 
