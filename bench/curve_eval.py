@@ -50,7 +50,8 @@ def _unit_rows(a: np.ndarray) -> np.ndarray:
 
 
 def make_data(n_items: int, n_queries: int, dim: int, positives: int, seed: int = 0):
-    """float32 L2-normalised embeddings; labels: query q's positives have label q, distractors -1."""
+    """float32 L2-normalised embeddings; labels: query q's positives have label q,
+    distractors -1."""
     rng = np.random.default_rng(seed)
     centers = _unit_rows(rng.standard_normal((n_queries, dim), dtype=np.float32))
     n_pos = min(n_items, n_queries * positives)
@@ -261,17 +262,21 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------ table
     w = 44
     print(
-        f"curve_eval: {n:,} items x {nq:,} queries x {d} dims, {opts.positives} positives/query, k={opts.k}, "
-        f"{opts.policy} / {opts.mode}, device {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"curve_eval: {n:,} items x {nq:,} queries x {d} dims, "
+        f"{opts.positives} positives/query, k={opts.k}, "
+        f"{opts.policy} / {opts.mode}, device {dev}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
     )
     print(f"{'matmul rate (torch float32 2048^3)':<{w}} {res['matmul_gflops']:10.1f} GFLOP/s")
     print(
-        f"{'exact top-k search (blockwise torch)':<{w}} {t_search:10.2f} s   {res['search_gflops']:.1f} GFLOP/s "
+        f"{'exact top-k search (blockwise torch)':<{w}} {t_search:10.2f} s   "
+        f"{res['search_gflops']:.1f} GFLOP/s "
         f"= {res['search_gflops'] / res['matmul_gflops']:.2f} of the matmul rate (goal >= 0.7)"
     )
     if "faiss_search_seconds" in res:
         print(
-            f"{'exact top-k search (faiss IndexFlatIP)':<{w}} {res['faiss_search_seconds']:10.2f} s   "
+            f"{'exact top-k search (faiss IndexFlatIP)':<{w}} "
+            f"{res['faiss_search_seconds']:10.2f} s   "
             f"(+{res['faiss_add_seconds']:.2f} s add)"
         )
     print(f"{'old-old reference for NFR (once/gallery)':<{w}} {t_ref:10.2f} s")
@@ -279,14 +284,16 @@ def main(argv=None) -> int:
         cv = curves[pts]
         print(
             f"{f'{pts}-point curve (mAP@k, mAP, top-1, NFR@1)':<{w}} {cv['seconds']:10.2f} s   "
-            f"ratio to search {cv['ratio']:.2f} (goal <= {goal}); with the reference {cv['ratio_with_reference']:.2f}"
+            f"ratio to search {cv['ratio']:.2f} (goal <= {goal}); "
+            f"with the reference {cv['ratio_with_reference']:.2f}"
         )
     print(
         f"{'peak RSS of the process':<{w}} {res['peak_rss_mb']:10.0f} MiB (embeddings alone "
         f"{res['rss_after_data_mb']:.0f} MiB after generation)"
     )
     print(
-        f"{'extra RSS while a curve runs':<{w}} {curves[21]['extra_rss_mb']:10.1f} MiB (21 points), "
+        f"{'extra RSS while a curve runs':<{w}} "
+        f"{curves[21]['extra_rss_mb']:10.1f} MiB (21 points), "
         f"{curves[101]['extra_rss_mb']:.1f} MiB (101 points)"
     )
     sides = curves[21]["engine"]
@@ -299,8 +306,10 @@ def main(argv=None) -> int:
     )
     for name, st in sides.items():
         print(
-            f"{f'  side {name} (21 points)':<{w}} {st['seconds']:10.2f} s   {st.get('workers', 1)} worker(s); "
-            f"thread-seconds: matmul {st['seconds_matmul']:.2f}, filter {st['seconds_filter']:.2f}, "
+            f"{f'  side {name} (21 points)':<{w}} {st['seconds']:10.2f} s   "
+            f"{st.get('workers', 1)} worker(s); "
+            f"thread-seconds: matmul {st['seconds_matmul']:.2f}, "
+            f"filter {st['seconds_filter']:.2f}, "
             f"count {st['seconds_count']:.2f}"
         )
     v = curves[21]["values_at"]

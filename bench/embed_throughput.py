@@ -136,11 +136,13 @@ def main(argv=None) -> int:
     steady = run.summary.get("steady_items_per_s") or float("nan")
     ratio = rate / loop_rates[best_threads]
     print(
-        f"Ray Data pipeline ({cores} cores, end to end incl. {run.summary['first_output_s']:.1f} s of actor "
+        f"Ray Data pipeline ({cores} cores, end to end incl. "
+        f"{run.summary['first_output_s']:.1f} s of actor "
         f"start-up): {rate:.1f} images/s; after start-up: {steady:.1f} images/s"
     )
     print(
-        f"ratio pipeline / plain loop ({best_threads} thread(s), the faster): {ratio:.3f} end to end, "
+        f"ratio pipeline / plain loop ({best_threads} thread(s), the faster): "
+        f"{ratio:.3f} end to end, "
         f"{steady / loop_rates[best_threads]:.3f} after start-up (goal >= 0.85)"
     )
     results.update(
@@ -173,13 +175,16 @@ def main(argv=None) -> int:
         mem = large["memory"]
         print(
             f"large gallery ({large['measured_by']}): {large['items_total']} items, "
-            f"{large['seconds']:.0f} s, {large['items_per_s']:.1f} images/s end to end, peak memory PSS "
-            f"{mem['peak_pss_mib']:.0f} MiB (first half {mem.get('peak_pss_first_half_mib', 0):.0f}, "
-            f"second half {mem.get('peak_pss_second_half_mib', 0):.0f}), RSS sum {mem['peak_rss_mib']:.0f} MiB"
+            f"{large['seconds']:.0f} s, {large['items_per_s']:.1f} images/s end to end, "
+            f"peak memory PSS {mem['peak_pss_mib']:.0f} MiB "
+            f"(first half {mem.get('peak_pss_first_half_mib', 0):.0f}, "
+            f"second half {mem.get('peak_pss_second_half_mib', 0):.0f}), "
+            f"RSS sum {mem['peak_rss_mib']:.0f} MiB"
         )
         large_ratio = large["items_per_s"] / loop_rates[best_threads]
         print(
-            f"ratio large gallery end to end / plain loop of this run: {large_ratio:.3f} (goal >= 0.85)"
+            f"ratio large gallery end to end / plain loop of this run: {large_ratio:.3f} "
+            f"(goal >= 0.85)"
         )
         results["large"] = {
             k: large[k]

@@ -109,21 +109,25 @@ def main(argv=None) -> int:
     billion_s = 1e9 / psi_fps
     print(
         f"device: {where}; psi {folded.in_dim}->{hidden}x3->{folded.out_dim}, batch {b}, "
-        f"{folded.flops_per_feature / 1e6:.2f} MFLOP/feature; folded-vs-module max rel. error {err:.1e}"
+        f"{folded.flops_per_feature / 1e6:.2f} MFLOP/feature; "
+        f"folded-vs-module max rel. error {err:.1e}"
     )
     print(
-        f"psi refresh: {psi_fps:,.0f} features/s (rounds: {', '.join(f'{r:,.0f}' for r in psi_rates)})"
+        f"psi refresh: {psi_fps:,.0f} features/s "
+        f"(rounds: {', '.join(f'{r:,.0f}' for r in psi_rates)})"
     )
     print(
         f"matmul rate: {mm_flops / 1e9:.1f} GFLOP/s ({b}x{hidden} @ {hidden}x{hidden}; rounds: "
         f"{', '.join(f'{r / 1e9:.1f}' for r in mm_rates)})"
     )
     print(
-        f"psi achieved {psi_fps * folded.flops_per_feature / 1e9:.1f} GFLOP/s = {fraction:.3f} of the matmul rate "
+        f"psi achieved {psi_fps * folded.flops_per_feature / 1e9:.1f} GFLOP/s = "
+        f"{fraction:.3f} of the matmul rate "
         f"(goal >= 0.7)"
     )
     print(
-        f"projected time for 1e9 features on this {device.type}: {billion_s / 60:.1f} min ({billion_s / 3600:.2f} h)"
+        f"projected time for 1e9 features on this {device.type}: "
+        f"{billion_s / 60:.1f} min ({billion_s / 3600:.2f} h)"
         + (
             "; goal < 10 min on one H100, DMU paper: < 8 h on a T4"
             if device.type == "cuda"

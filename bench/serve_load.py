@@ -177,7 +177,8 @@ def measure_http(a, url, client, levels, queries, index) -> tuple[dict, dict, di
             results[phase][c] = r
             print(
                 f"  HTTP {phase:8s} c={c:3d}: {qps:8.1f} QPS  p50 {r['p50_ms']:.1f} ms  "
-                f"p99 {r['p99_ms']:.1f} ms  errors {err}  ratio to in-process {r['ratio_to_inprocess']:.3f}"
+                f"p99 {r['p99_ms']:.1f} ms  errors {err}  "
+                f"ratio to in-process {r['ratio_to_inprocess']:.3f}"
                 + (
                     f"  (backfill {r['backfill_items_per_s']:.0f} items/s)"
                     if phase == "backfill"
@@ -205,13 +206,18 @@ def report_markdown(a, levels, baseline, results, final, load_at_start, cores) -
         [
             f"# serve_load: {a.items} items x {a.dim} dims on {a.shards} shards, k={a.k}",
             "",
-            f"Machine: {machine_description(load_at_start)}; the load at the start is taken before the benchmark "
-            f"starts its own processes (above {cores}: other jobs shared the machine and the numbers are rough). "
+            f"Machine: {machine_description(load_at_start)}; "
+            "the load at the start is taken before the benchmark "
+            f"starts its own processes (above {cores}: "
+            "other jobs shared the machine and the numbers are rough). "
             "In-process baseline: "
-            "faiss IndexFlatIP over the same vectors in this process, one query per call, one OpenMP thread per "
-            "calling thread, measured right before each HTTP run. ratio = HTTP QPS / in-process QPS.",
+            "faiss IndexFlatIP over the same vectors in this process, one query per call, "
+            "one OpenMP thread per "
+            "calling thread, measured right before each HTTP run. "
+            "ratio = HTTP QPS / in-process QPS.",
             "",
-            "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | HTTP QPS | HTTP p50 / p99 ms | "
+            "| phase | concurrency | in-process QPS | in-process p50 / p99 ms | "
+            "HTTP QPS | HTTP p50 / p99 ms | "
             "ratio | HTTP errors | backfill items/s |",
             "|---|---|---|---|---|---|---|---|---|",
             *rows,
@@ -233,7 +239,8 @@ def main(argv=None):
     cores = os.cpu_count()
     load_at_start = os.getloadavg()[0]
     print(
-        f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
+        f"[serve_load] {a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, "
+        f"levels {levels}, "
         f"{a.seconds:.0f} s each; machine: {cores} cores, load average {load_at_start:.1f}",
         flush=True,
     )

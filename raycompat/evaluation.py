@@ -65,7 +65,8 @@ def embed_scenario(
 
 
 def scenario_eval_items(scenario: Scenario):
-    """((query labels, instances), (gallery labels, instances)); the gallery includes distractors."""
+    """((query labels, instances), (gallery labels, instances)); the gallery includes
+    distractors."""
     q = scenario.splits["query"]
     parts = [scenario.splits["gallery"]]
     if "distractors" in scenario.splits:
@@ -185,9 +186,9 @@ def transform(module: torch.nn.Module, x: np.ndarray, batch_size: int = 4096) ->
 
 
 def chain_adapt(gallery: np.ndarray, psis: list) -> np.ndarray:
-    """Forward adaptation across generations (docs/methods.md, "Sequential upgrades", "DMU chains psi"): the
-    gallery of generation i brought to generation j by ``psi_j(...psi_{i+1}(phi_i(g)))``; ``psis`` in
-    order ``[psi_{i+1}, ..., psi_j]``."""
+    """Forward adaptation across generations (docs/methods.md, "Sequential upgrades", "DMU
+    chains psi"): the gallery of generation i brought to generation j by
+    ``psi_j(...psi_{i+1}(phi_i(g)))``; ``psis`` in order ``[psi_{i+1}, ..., psi_j]``."""
     for psi in psis:
         gallery = transform(psi, gallery)
     return gallery
@@ -200,8 +201,9 @@ def sequential_cross_evaluate(
     psis: list | None = None,
     k: int = 100,
 ) -> list[dict]:
-    """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (docs/methods.md, "Sequential upgrades"):
-    queries of generation j against the gallery of generation i, for every i <= j (phi_3 vs phi_1 too).
+    """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (docs/methods.md,
+    "Sequential upgrades"): queries of generation j against the gallery of generation i, for
+    every i <= j (phi_3 vs phi_1 too).
 
     Across generations only the shared compatible subspace is used (the first
     ``min(D_i, compatible_dim_j, ...)`` dims). With ``psis`` (``psis[j]`` maps generation

@@ -1,4 +1,5 @@
-"""Serve a gallery, backfill it live under one policy, and compare its HTTP curve with the simulator.
+"""Serve a gallery, backfill it live under one policy, and compare its HTTP curve \
+with the simulator.
 
 The hot-refresh job measures mAP / NFR of the live index (Ray Serve) at given backfill
 fractions and compares them with the simulator's (offline == online; see docs/architecture.md,
@@ -246,7 +247,8 @@ def _embedded_gallery(opts: HotRefreshOptions, scenario, bundles: dict, new_name
 
     resolution = int(bundles[new_name].manifest.get("resolution") or opts.sizes.resolution)
     log(
-        f"embedding {scenario.name} query + gallery with old and {new_name} (resolution {resolution})"
+        f"embedding {scenario.name} query + gallery with old and {new_name} "
+        f"(resolution {resolution})"
     )
     emb = {
         n: embed_scenario(n, b, scenario, resolution, opts.sizes.data_seed)
@@ -461,7 +463,8 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
         "# Hot refresh, live vs simulator",
         "",
         f"{data.n_items} gallery items on {opts.num_shards} shards (faiss `{opts.factory}`), "
-        f"{data.n_queries} queries through `POST /search`; policy `{opts.policy}`, mode `{opts.mode}`, "
+        f"{data.n_queries} queries through `POST /search`; "
+        f"policy `{opts.policy}`, mode `{opts.mode}`, "
         f"seed {opts.seed}, "
         f"new vectors from `{opts.source}`. NFR@1 against old-old top-1 measured live at t=0.",
         "",
@@ -475,7 +478,8 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
     nt = cmp["near_ties"]
     md.append(
         f"Near-ties: {nt['t0']} (t=0) and {nt['t1']} (t=1) of {data.n_queries} queries have two of "
-        f"their top {k + 1} cosines within {nt['gap']:g}. Float32 rounding (faiss in the shards, torch "
+        f"their top {k + 1} cosines within {nt['gap']:g}. "
+        "Float32 rounding (faiss in the shards, torch "
         "in the simulator) could order those differently; both sides rank by the same canonical "
         "float64 scores (`raycompat.index.canonical`), so they do not."
     )
@@ -509,7 +513,8 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     prep = _prepare(opts, out, output.runs, say)
     data, k = prep.data, prep.k
     say(
-        f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, {len(fractions)} fractions"
+        f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, "
+        f"{len(fractions)} fractions"
     )
     sim = simulate_backfill(
         data, [opts.policy], [opts.mode], fractions=fractions, k=k, seed=opts.seed, head=prep.head

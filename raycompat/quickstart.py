@@ -418,8 +418,8 @@ def simulate_hot_refresh(
     seed: int = 0,
     log=None,
 ) -> dict:
-    """Backfill curves of the main job's upgrade (docs/methods.md: Backfill policies, Query strategies,
-    Metrics).
+    """Backfill curves of the main job's upgrade (docs/methods.md: Backfill policies, Query
+    strategies, Metrics).
 
     * ``bct``: every policy x ``compatible`` / ``naive_merge`` / ``cold``; uncertainty from
       the BCT classifier on old gallery features (RACT Eq.9-11).

@@ -57,6 +57,7 @@ def machine_description(load_at_start: float) -> str:
     import platform
 
     return (
-        f"{os.cpu_count()} CPU cores, {platform.machine()}; load average {load_at_start:.1f} at the "
+        f"{os.cpu_count()} CPU cores, {platform.machine()}; "
+        f"load average {load_at_start:.1f} at the "
         f"start, {os.getloadavg()[0]:.1f} at the end"
     )

@@ -2,8 +2,8 @@
 
 The brute force here is written independently and simply: at every grid point it builds the
 mixed gallery (one vector per item: old-state or new-state), scores every item with the
-mode's query vector for that state (docs/methods.md, Query strategies), ranks all items by (-score, index)
-and computes the metrics from that full ranking with raycompat.metrics.
+mode's query vector for that state (docs/methods.md, Query strategies), ranks all items by
+(-score, index) and computes the metrics from that full ranking with raycompat.metrics.
 
 Vectors are quantised so that float32 scores are exact whatever the summation order: each
 vector has entries in {-1, 0, +1} with 4 or 16 non-zeros (norm 2 or 4, so L2-normalisation
@@ -137,7 +137,8 @@ def brute_old_old_top1(data):
 
 
 def masked_search_top1(data, mode, new_items):
-    """Second brute force through raycompat.index.exact_search (faiss) on the two masked sub-galleries."""
+    """Second brute force through raycompat.index.exact_search (faiss) on the two masked
+    sub-galleries."""
     s_old, s_new = mode_scores(data, mode)
     n = data.n_items
     state_new = np.zeros(n, bool)

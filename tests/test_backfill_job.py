@@ -1,4 +1,5 @@
-"""jobs/simulate_backfill.py on tiny parquet files, run as a subprocess: a good run and each bad input."""
+"""jobs/simulate_backfill.py on tiny parquet files, run as a subprocess: a good run and each
+bad input."""
 
 from __future__ import annotations
 
@@ -280,7 +281,8 @@ def test_bundle_modules_fill_the_adapted_and_rank_merge_arrays():
 
 
 def test_reports_go_to_storage_uri(tmp_path):
-    """--storage URI: embeddings read from it, the report written under <storage>/backfill/<name>."""
+    """--storage URI: embeddings read from it, the report written under
+    <storage>/backfill/<name>."""
     store = tmp_path / "store"
     store.mkdir()
     write_parquet(store / "emb.parquet")

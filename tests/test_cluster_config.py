@@ -1,4 +1,5 @@
-"""cluster.yaml and the on-prem variant against the autoscaler schema and checks shipped with Ray."""
+"""cluster.yaml and the on-prem variant against the autoscaler schema and checks shipped
+with Ray."""
 
 from __future__ import annotations
 

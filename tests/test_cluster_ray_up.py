@@ -41,7 +41,8 @@ def _ensure_ssh_tools() -> None:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         pytest.skip(
-            f"{', '.join(missing)} not installed, and this user cannot install it (not root with apt)"
+            f"{', '.join(missing)} not installed, "
+            "and this user cannot install it (not root with apt)"
         )
     out = subprocess.run(
         ["apt-get", "install", "-y", "-q", *missing],

@@ -473,7 +473,8 @@ def test_odpp_hinge_gradient():
     pairs = torch.tensor([[0, 1], [2, 0]])
     loss = perturbation_objective(p_old, r, p_new, pairs, theta_old=0.6, theta_new=0.6, gamma=2.0)
     loss.backward()
-    # pair (0,1): p0.p1 = 0.9 > 0.6 active -> d/dr0 = p1, d/dr1 = p0; p0.pn1 = 1.0 > 0.6 -> d/dr0 += 2*pn1
+    # pair (0,1): p0.p1 = 0.9 > 0.6 active -> d/dr0 = p1, d/dr1 = p0;
+    #             p0.pn1 = 1.0 > 0.6 -> d/dr0 += 2*pn1
     # pair (2,0): p2.p0 = 0 inactive; p2.pn0 = 0.5 < 0.6 inactive.
     expected = torch.zeros(3, 2, dtype=torch.float64)
     expected[0] = p_old[1] + 2 * p_new[1]

@@ -35,7 +35,8 @@ def int_data(rng, n_q, n_g, dim, lo=-1, hi=2):
 # ----------------------------------------------------------------- hand-worked
 def test_hand_worked_inner_product_ties_by_index():
     # gallery rows and their inner product with q = (1, 1):
-    #   g0 = (1, 0) -> 1 ; g1 = (0, 2) -> 2 ; g2 = (2, 0) -> 2 ; g3 = (1, 0) -> 1 ; g4 = (-1, 0) -> -1
+    #   g0 = (1, 0) -> 1 ; g1 = (0, 2) -> 2 ; g2 = (2, 0) -> 2 ; g3 = (1, 0) -> 1 ;
+    #   g4 = (-1, 0) -> -1
     # ranking by (-score, index): g1 (2), g2 (2), g0 (1), g3 (1), g4 (-1)
     g = np.array([[1, 0], [0, 2], [2, 0], [1, 0], [-1, 0]], dtype=np.float32)
     q = np.array([[1, 1]], dtype=np.float32)

@@ -1,5 +1,6 @@
-"""Sequential upgrades (docs/methods.md, "Sequential upgrades"): every cross pair phi_j -> phi_i (i <= j) is
-evaluated, and DMU's psi is chained (psi_3(psi_2(phi_1(g)))) for the adapted galleries."""
+"""Sequential upgrades (docs/methods.md, "Sequential upgrades"): every cross pair
+phi_j -> phi_i (i <= j) is evaluated, and DMU's psi is chained (psi_3(psi_2(phi_1(g))))
+for the adapted galleries."""
 
 from __future__ import annotations
 

@@ -415,7 +415,8 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(
     during = [o for o in outcomes if o[0] >= t_kill]
     before_lat = [o[2] for o in outcomes if o[0] < t_kill]
     print(
-        f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed ({len(during)} sent after the kill); "
+        f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed "
+        f"({len(during)} sent after the kill); "
         f"codes {sorted({str(o[1]) for o in failed})}; "
         f"failure window {max((o[0] for o in failed), default=t_kill) - t_kill:.2f} s; "
         f"latency before the kill median {np.median(before_lat):.3f} s, after the kill median "
@@ -663,7 +664,8 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
 
 @pytest.fixture(scope="module")
 def rank_merge_bundle(tmp_path_factory):
-    """A new model bundle with RM's rho (24 -> 20) and psi_rev (20 -> 16) modules, random weights."""
+    """A new model bundle with RM's rho (24 -> 20) and psi_rev (20 -> 16) modules, random
+    weights."""
     import torch
 
     from raycompat.models import ClassifierHead, Embedder, ModelBundle, ProjectionMLP

@@ -67,7 +67,8 @@ def config(scenario, old_bundle, **values):
         (
             "bct",
             {"kd_scal": 3},
-            r"unknown option 'kd_scal'; allowed options: \['kd_scale', 'lambda_compat', 'variant'\]",
+            r"unknown option 'kd_scal'; allowed options: "
+            r"\['kd_scale', 'lambda_compat', 'variant'\]",
         ),
         ("l2", {"lambda_compat": -1}, r"'lambda_compat' = -1.0 must be >= 0"),
         (
@@ -116,7 +117,8 @@ def test_bad_method_options_name_the_key(scenario, old_bundle, method, options, 
         ),
         (
             {"head": "sphereface"},
-            r"'head' = 'sphereface' is not allowed; allowed values: \['softmax', 'cosface', 'arcface'\]",
+            r"'head' = 'sphereface' is not allowed; allowed values: "
+            r"\['softmax', 'cosface', 'arcface'\]",
         ),
         ({"optimizer": "adam"}, r"allowed values: \['sgd', 'adamw'\]"),
         ({"resolution": 4}, r"resolution must be >= 8 pixels, got 4"),

@@ -9,12 +9,14 @@ Modules (one concept each):
   shared by the simulator and the live backfill controller
 * :mod:`~raycompat.backfill.modes`     -- query modes (one registered ModeSpec each) as score sides
   (compatible, adapted, rank_merge, ...)
-* :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU), exact top-k
+* :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU),
+  exact top-k
 * :mod:`~raycompat.backfill.engine`    -- exact curves from one scoring pass per side
 * :mod:`~raycompat.backfill.cost`      -- wall-clock cost model
 * :mod:`~raycompat.backfill.simulator` -- orchestration: curves, AUCs, regression, references
 * :mod:`~raycompat.backfill.plots`, :mod:`~raycompat.backfill.report` -- PNG / JSON / markdown
-* :mod:`~raycompat.backfill.job`       -- ``jobs/simulate_backfill.py`` (parquet + model bundles -> reports)
+* :mod:`~raycompat.backfill.job`       -- ``jobs/simulate_backfill.py`` (parquet + model
+  bundles -> reports)
 
 Main entry points: :func:`simulate_backfill` (in-memory :class:`GalleryEmbeddings` ->
 :class:`SimulationResult`), :func:`backfill_curve_rows` (the same as flat rows for a

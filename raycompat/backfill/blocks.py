@@ -134,7 +134,8 @@ def fp32_matmul():
 def block_rows(
     n_queries: int, n_items: int, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> tuple[int, int]:
-    """(query chunk rows, gallery block rows) such that one float32 score block fits ``block_bytes``.
+    """(query chunk rows, gallery block rows) such that one float32 score block fits
+    ``block_bytes``.
 
     All queries go in one chunk when at least 512 gallery rows still fit; the
     gallery block is then as large as the budget allows.
@@ -166,7 +167,8 @@ def iter_score_blocks(
     gallery_rows: int | None = None,
     reuse: bool = True,
 ) -> Iterator[tuple[int, int, int, int, torch.Tensor]]:
-    """Yield ``(q0, q1, g0, g1, S)`` with ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32, on device).
+    """Yield ``(q0, q1, g0, g1, S)`` with ``S = queries[q0:q1] @ gallery[g0:g1].T`` (float32,
+    on device).
 
     Query chunks are the outer loop (each chunk is moved to the device once),
     gallery blocks the inner loop.  Call inside :func:`fp32_matmul`.  With
@@ -195,7 +197,8 @@ def iter_score_blocks(
 
 
 def default_workers(device) -> int:
-    """Worker threads of :func:`map_score_blocks`: torch's intra-op thread count on CPU, 1 elsewhere."""
+    """Worker threads of :func:`map_score_blocks`: torch's intra-op thread count on CPU,
+    1 elsewhere."""
     return max(1, torch.get_num_threads()) if resolve_device(device).type == "cpu" else 1
 
 

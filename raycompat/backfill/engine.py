@@ -1104,7 +1104,8 @@ def compute_ranks(
 
 # ----------------------------------------------------------------------------- metrics
 def full_ap_from_ranks(ranks: np.ndarray, pairs_q: np.ndarray, npos: np.ndarray) -> np.ndarray:
-    """Revisited-protocol AP per query (trapezoids, docs/methods.md, "Metrics") for stacked grid points.
+    """Revisited-protocol AP per query (trapezoids, docs/methods.md, "Metrics") for stacked grid
+    points.
 
     ``ranks``: ``[J, P]`` 0-based ranks of the positive pairs (pairs grouped by
     query, as from :func:`positive_pairs`).  Returns float64 ``[J, Q]`` with

@@ -165,7 +165,8 @@ class GalleryEmbeddings:
             raise BackfillInputError("no queries: nothing to evaluate")
         if self.gallery_ids.shape != (n,) or self.query_ids.shape != (q,):
             raise BackfillInputError(
-                f"item ids do not match the labels: {self.gallery_ids.shape} gallery ids for {n} items, "
+                f"item ids do not match the labels: {self.gallery_ids.shape} gallery ids "
+                f"for {n} items, "
                 f"{self.query_ids.shape} query ids for {q} queries"
             )
         for _side, rows, names in (
@@ -197,7 +198,8 @@ class GalleryEmbeddings:
             a, b = getattr(self, a_name), getattr(self, b_name)
             if a is not None and b is not None and a.shape[1] != b.shape[1]:
                 raise BackfillInputError(
-                    f"dimension mismatch: {a_name} has dim {a.shape[1]} but {b_name} has dim {b.shape[1]}"
+                    f"dimension mismatch: {a_name} has dim {a.shape[1]} "
+                    f"but {b_name} has dim {b.shape[1]}"
                 )
         if self.compatible_dim is not None:
             nd = self.new_dim
@@ -313,7 +315,8 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
     unknown = sorted({str(s) for s in split if s not in SPLITS})
     if unknown:
         raise BackfillInputError(
-            f"unknown split value(s) {unknown[:5]} in column 'split'; allowed: query, gallery, distractor"
+            f"unknown split value(s) {unknown[:5]} in column 'split'; "
+            "allowed: query, gallery, distractor"
         )
     kind = np.array([SPLITS[s] for s in split], dtype=object)
     is_q = kind == "query"

@@ -1,9 +1,9 @@
 """Simulate backfilling saved embeddings: exact curves for every backfill policy and query mode.
 
 The simulate-backfill job reads a parquet of old / new (/ adapted) embeddings and, optionally,
-the model bundles; it writes exact mAP@k / mAP / top-1 / NFR@1 curves with AUCs, regression statistics and a
-simulated time axis as JSON, markdown and PNG reports (see docs/methods.md, Backfill
-policies). ``main`` is ``raycompat simulate-backfill`` / ``jobs/simulate_backfill.py``;
+the model bundles; it writes exact mAP@k / mAP / top-1 / NFR@1 curves with AUCs, regression
+statistics and a simulated time axis as JSON, markdown and PNG reports (see docs/methods.md,
+Backfill policies). ``main`` is ``raycompat simulate-backfill`` / ``jobs/simulate_backfill.py``;
 :func:`run` is the library call.
 
 Every input problem raises :class:`~raycompat.backfill.gallery.BackfillInputError` (or a
@@ -98,7 +98,8 @@ class BackfillJobOptions:
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         prog="simulate_backfill",
-        description="Simulate hot-refresh backfilling of a gallery: exact mAP@k / mAP / top-1 / NFR@1 "
+        description="Simulate hot-refresh backfilling of a gallery: exact mAP@k / mAP / top-1 / "
+        "NFR@1 "
         "curves for each backfill policy and query mode, with AUCs, regression statistics, "
         "a simulated time axis, and JSON / markdown / PNG reports.",
     )

@@ -1,14 +1,16 @@
-"""Query modes: how old-state and new-state gallery items are scored (docs/methods.md, Query strategies).
+"""Query modes: how old-state and new-state gallery items are scored (docs/methods.md, Query
+strategies).
 
-=============== ========================================== ====================================
-mode            old-state item ``g`` scored with            new-state item ``g`` scored with
-=============== ========================================== ====================================
-``compatible``  ``s(phi_n(q)[:D_old], phi_o(g))``           ``s(phi_n(q), phi_n(g))``   (BCT, RACT, NDPP)
-``adapted``     ``s(phi_n(q), psi(phi_o(g)))``              ``s(phi_n(q), phi_n(g))``   (DMU)
-``rank_merge``  ``-d(psi_rev(rho(q)), phi_o(g))``           ``-d(rho(q), rho(g))``      (RM)
-``naive_merge`` ``s(phi_o(q), phi_o(g))``                   ``s(phi_n(q), phi_n(g))``   (RM naive)
+=============== ==================================== ========================== ================
+mode            old-state item ``g`` scored with     new-state item ``g``       methods
+                                                     scored with
+=============== ==================================== ========================== ================
+``compatible``  ``s(phi_n(q)[:D_old], phi_o(g))``    ``s(phi_n(q), phi_n(g))``  BCT, RACT, NDPP
+``adapted``     ``s(phi_n(q), psi(phi_o(g)))``       ``s(phi_n(q), phi_n(g))``  DMU
+``rank_merge``  ``-d(psi_rev(rho(q)), phi_o(g))``    ``-d(rho(q), rho(g))``     RM
+``naive_merge`` ``s(phi_o(q), phi_o(g))``            ``s(phi_n(q), phi_n(g))``  RM naive
 ``cold``        old-old until t = 1, then new-new
-=============== ========================================== ====================================
+=============== ==================================== ========================== ================
 
 Every mode reduces to two *score sides* (:class:`raycompat.backfill.engine.Side`):
 float32 query and gallery arrays whose inner product is the score.  ``s`` is
@@ -216,7 +218,8 @@ class SideBuilder:
             dc = d.compat_dim
             if dc is None or dc != d.old_dim:
                 raise BackfillInputError(
-                    f"dimension mismatch: mode 'compatible' compares phi_n(q)[:D_old] with phi_o(g), "
+                    "dimension mismatch: mode 'compatible' compares phi_n(q)[:D_old] "
+                    "with phi_o(g), "
                     f"needs a compatible subspace of D_old={d.old_dim} dims, new embeddings have "
                     f"{d.new_dim} dims (compatible_dim={d.compatible_dim})"
                 )
@@ -237,7 +240,8 @@ class SideBuilder:
         return s
 
     def _rank_merge_side(self, base: str, raw: bool, why: str):
-        """``rev-old`` (psi_rev(rho(q)) vs phi_o(g)) or ``rho-rho``; ``raw``: un-normalised sq. L2."""
+        """``rev-old`` (psi_rev(rho(q)) vs phi_o(g)) or ``rho-rho``; ``raw``: un-normalised
+        sq. L2."""
         from raycompat.backfill.engine import Side
 
         d = self.data
@@ -285,7 +289,8 @@ def apply_bundle_modules(
         in_dim = getattr(module, "in_dim", x.shape[1])
         if in_dim != x.shape[1]:
             raise BackfillInputError(
-                f"dimension mismatch: module {name!r} expects {in_dim} dims, {what} has {x.shape[1]}"
+                f"dimension mismatch: module {name!r} expects {in_dim} dims, "
+                f"{what} has {x.shape[1]}"
             )
 
     updates = {}

@@ -64,7 +64,8 @@ def _setup_lines(result) -> list[str]:
         "NFR@1 (RACT Eq.12, against old-old). Grid: "
         f"{len(result.fractions)} points from {100 * result.fractions[0]:g}% "
         f"to {100 * result.fractions[-1]:g}%; "
-        "at fraction t the first floor(t*N + 1/2) items of the policy's order hold their new vector; "
+        "at fraction t the first floor(t*N + 1/2) items of the policy's order "
+        "hold their new vector; "
         "ties ranked by lower gallery index.",
         "",
     ]
@@ -173,7 +174,8 @@ def _metric_table_lines(result, n: str) -> list[str]:
 def markdown_report(
     result, *, title: str = "Backfill simulation", plots: list[str] | None = None
 ) -> str:
-    """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve tables."""
+    """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve
+    tables."""
     lines = (
         [f"# {title}", ""]
         + _setup_lines(result)
@@ -199,7 +201,8 @@ def write_reports(
     title: str = "Backfill simulation",
     extra: dict | None = None,
 ) -> dict[str, object]:
-    """Write ``curves.json``, ``curves.md`` and the PNGs; returns ``{"json", "markdown", "plots"}`` paths."""
+    """Write ``curves.json``, ``curves.md`` and the PNGs; returns ``{"json", "markdown",
+    "plots"}`` paths."""
     os.makedirs(out_dir, exist_ok=True)
     pngs: list[str] = []
     if plots:

@@ -283,7 +283,8 @@ def _rank(
         for s in c.sides():
             sides[s] = builder.side(s)
     say(
-        f"scoring {len(sides)} side(s): {', '.join(sides)} ({data.n_items} items x {data.n_queries} queries)"
+        f"scoring {len(sides)} side(s): {', '.join(sides)} "
+        f"({data.n_items} items x {data.n_queries} queries)"
     )
     last = {}
 

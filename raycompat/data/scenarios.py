@@ -46,7 +46,8 @@ class Split:
         self.instances = np.asarray(self.instances, dtype=np.int64).ravel()
         if self.labels.shape != self.instances.shape:
             raise ValueError(
-                f"split {self.name!r}: {self.labels.size} labels but {self.instances.size} instances"
+                f"split {self.name!r}: {self.labels.size} labels "
+                f"but {self.instances.size} instances"
             )
 
     def __len__(self) -> int:
@@ -272,7 +273,8 @@ def build_scenario(
         fractions = [float(f) for f in sequential_fractions]
         if len(fractions) < 2 or any(b < a for a, b in zip(fractions, fractions[1:], strict=False)):
             raise ValueError(
-                f"sequential_fractions must be >= 2 non-decreasing values, got {sequential_fractions}"
+                "sequential_fractions must be >= 2 non-decreasing values, "
+                f"got {sequential_fractions}"
             )
         for g, frac in enumerate(fractions, start=1):
             splits[f"train_{g}"] = _split(
@@ -361,7 +363,8 @@ def catalog_for(scenario: Scenario):
     if expected and catalog.fingerprint != expected:
         raise ValueError(
             f"scenario {scenario.name!r} was built on glyph catalog {expected}, but this machine's "
-            f"catalog is {catalog.fingerprint} ({catalog.num_classes} classes): the fonts, Pillow or "
+            f"catalog is {catalog.fingerprint} ({catalog.num_classes} classes): "
+            "the fonts, Pillow or "
             "FreeType differ, so class indices would name other characters"
         )
     return catalog

@@ -1,4 +1,5 @@
-"""``bct``: Backward-Compatible Training, influence loss (BCT Eq.8; docs/methods.md, Training objectives).
+"""``bct``: Backward-Compatible Training, influence loss (BCT Eq.8; docs/methods.md, Training
+objectives).
 
 ``L_compat = CE(w_o(phi_n(x)[:D_o]), y)`` through the frozen old classifier, with three
 ways to treat samples whose class the old head does not know:

@@ -1,6 +1,7 @@
 """``contrastive``: vanilla compatible training (RACT Eq.5; docs/methods.md, Training objectives).
 
-``L_comp(x_i) = -log exp(s(n_i,o_i)/tau) / (exp(s(n_i,o_i)/tau) + sum_{k not in p(i)} exp(s(n_i,o_k)/tau))``
+``L_comp(x_i) = -log exp(s(n_i,o_i)/tau)
+/ (exp(s(n_i,o_i)/tau) + sum_{k not in p(i)} exp(s(n_i,o_k)/tau))``
 with ``n = phi_n(x)[:D_o]``, ``o = phi_o(x)``, both L2-normalised, tau=0.05, and ``k`` over the
 *global* batch (gathered from every DDP worker, the local part keeping its gradient; see
 ``gathered``). ``form=triplet``: the appendix Eq.14 with the sign docs/methods.md corrects,

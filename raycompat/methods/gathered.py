@@ -15,7 +15,8 @@ global batch:
   ``local_share`` multiplies that share by the world size (bct-beta mean over known samples,
   dmu's batch-softmax weights).
 
-The gathered contrastive logits of RACT Eq.5/6 (docs/methods.md, Training objectives) are written here once.
+The gathered contrastive logits of RACT Eq.5/6 (docs/methods.md, Training objectives) are
+written here once.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def compatibility_triplet(
     new_full: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-anchor triplet form (RACT appendix Eq.14 / Eq.15, docs/methods.md, Training objectives):
-    ``mean_{k not in p(i)} [max(0, s(n_i,o_k) - s(n_i,o_i) + m) (+ max(0, s(n_i,n_k) - s(n_i,o_i) + m))]``.
+    ``mean_{k not in p(i)} [max(0, s(n_i,o_k) - s(n_i,o_i) + m)
+    (+ max(0, s(n_i,n_k) - s(n_i,o_i) + m))]``.
 
     The printed Eq.14/15 reads ``s_pos - s_neg``; as docs/methods.md says, that sign is reversed
     (it would push positives apart), so the hinge here is ``s_neg - s_pos + m``. An anchor with

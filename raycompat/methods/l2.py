@@ -1,6 +1,6 @@
 """``l2``: BCT's naive baseline, ``L_compat = 0.5 * ||phi_n(x) - phi_o(x)||^2`` (BCT Eq.3;
-docs/methods.md, Training objectives), on the raw (unnormalised) embeddings, summed over dimensions, batch
-mean.
+docs/methods.md, Training objectives), on the raw (unnormalised) embeddings, summed over
+dimensions, batch mean.
 
 It needs ``D_new == D_old``; BCT shows it fails (new-to-old search below old-to-old).
 """

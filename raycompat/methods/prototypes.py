@@ -1,5 +1,6 @@
 """Class prototypes computed by a distributed pass over the training set, written once for
-BCT-sys (synthesised old-classifier rows), P2S, NDPP and ODPP (docs/methods.md, Training objectives).
+BCT-sys (synthesised old-classifier rows), P2S, NDPP and ODPP (docs/methods.md, Training
+objectives).
 
 Each worker sums the features of its shard per class in float64; the sums and counts are
 all-reduced, so every worker ends with the same prototypes, whatever the number of workers.

@@ -1,4 +1,5 @@
-"""``ract``: regression-alleviating compatible training (RACT Eq.6; docs/methods.md, Training objectives).
+"""``ract``: regression-alleviating compatible training (RACT Eq.6; docs/methods.md, Training
+objectives).
 
 ``logits = [s(n_i,o_i) | s(n_i,o_k) for k | s(n_i,n_k) for k] / tau``, target column 0, every
 ``k`` with ``y_k == y_i`` (i included) masked out of both negative blocks, ``k`` over the

@@ -1,5 +1,5 @@
-"""Shared base of the online-backfilling methods of the RM paper (docs/methods.md, Training objectives):
-``mcl`` and its baselines ``rqt`` and ``cl``.
+"""Shared base of the online-backfilling methods of the RM paper (docs/methods.md, Training
+objectives): ``mcl`` and its baselines ``rqt`` and ``cl``.
 
 ``phi_o`` and ``phi_n`` were trained independently and stay frozen (``phi_n`` is the
 ``init_model``); the method trains

@@ -1,6 +1,6 @@
-"""``rqt``: reverse query transform only (RM Eq.9; docs/methods.md, Training objectives, a baseline of
-``mcl``): ``L = d(psi_rev(phi_n(x)), phi_o(x))``, batch mean, with ``phi_o``/``phi_n`` frozen and
-``rho`` the identity (see ``rank_merge``)."""
+"""``rqt``: reverse query transform only (RM Eq.9; docs/methods.md, Training objectives, a
+baseline of ``mcl``): ``L = d(psi_rev(phi_n(x)), phi_o(x))``, batch mean, with
+``phi_o``/``phi_n`` frozen and ``rho`` the identity (see ``rank_merge``)."""
 
 from __future__ import annotations
 

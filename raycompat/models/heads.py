@@ -22,7 +22,8 @@ HEAD_DEFAULTS = {
 def margin_logits(
     cos: torch.Tensor, labels: torch.Tensor | None, kind: str, scale: float, margin: float
 ) -> torch.Tensor:
-    """Scaled cosine logits with the target margin of CosFace (s*(cos-m)) or ArcFace (s*cos(theta+m)).
+    """Scaled cosine logits with the target margin of CosFace (s*(cos-m)) or ArcFace
+    (s*cos(theta+m)).
 
     ``labels`` entries < 0 get no margin (samples whose class the head does not know).
     """

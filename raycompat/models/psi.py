@@ -1,6 +1,7 @@
 """Small MLPs that map between embedding spaces.
 
-- DMU forward-adaptive psi: 3 x [Linear-BN-ReLU] + Linear, hidden 1024 (docs/methods.md, Training objectives).
+- DMU forward-adaptive psi: 3 x [Linear-BN-ReLU] + Linear, hidden 1024 (docs/methods.md,
+  Training objectives).
 - RM rho (head on phi_n) and psi_rev (new -> old reverse query transform) reuse the same
   building block with their own depth (docs/methods.md, Training objectives).
 """

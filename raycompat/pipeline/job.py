@@ -366,7 +366,8 @@ def _stream(ds, assembler, memory, planned: int, todo, opts: PipelineOptions, ou
                 rate = got / max(now - started, 1e-9)
                 eta = (planned - got) / rate if rate > 0 else float("inf")
                 log(
-                    f"[embed_gallery] {got}/{planned} items embedded ({100 * got / planned:.1f} %), "
+                    f"[embed_gallery] {got}/{planned} items embedded "
+                    f"({100 * got / planned:.1f} %), "
                     f"{assembler.written_chunks}/{len(todo)} shards written, {rate:.0f} items/s, "
                     f"ETA {eta:.0f} s, peak memory PSS {memory.peak_pss_mib:.0f} MiB"
                 )
@@ -374,7 +375,8 @@ def _stream(ds, assembler, memory, planned: int, todo, opts: PipelineOptions, ou
         message = _find_corrupt(exc)
         if message:
             raise CorruptImageError(
-                f"{message}. {assembler.written_chunks} complete shard(s) kept in {out}; rerun with "
+                f"{message}. {assembler.written_chunks} complete shard(s) kept in {out}; "
+                "rerun with "
                 "--on-corrupt skip to skip such images (the run resumes)"
             ) from None
         raise
@@ -449,12 +451,14 @@ def _log_start(
 ) -> None:
     log(
         f"[embed_gallery] {source.kind} source, {len(plan)} items in {plan.num_chunks} chunks of "
-        f"{plan.chunk_size}; columns {list(columns)}{' + uncertainty' if uncertainty else ''} -> {out}"
+        f"{plan.chunk_size}; columns {list(columns)}"
+        f"{' + uncertainty' if uncertainty else ''} -> {out}"
     )
     if output.resuming:
         removed = output.removed
         log(
-            f"[embed_gallery] resuming: {len(output.done)} chunks ({resumed_items} items) already complete, "
+            f"[embed_gallery] resuming: {len(output.done)} chunks ({resumed_items} items) "
+            "already complete, "
             f"{len(todo)} to do{f', {removed} partial temp file(s) removed' if removed else ''}"
         )
 
@@ -557,7 +561,8 @@ def embed_gallery(
 # ----------------------------------------------------------------------------- command line
 @dataclass(frozen=True)
 class EmbedGalleryOptions:
-    """Every flag of the embed-gallery job (``execution`` and ``stages`` do not change the output)."""
+    """Every flag of the embed-gallery job (``execution`` and ``stages`` do not change the
+    output)."""
 
     storage: str | None = option(
         None,
@@ -645,7 +650,8 @@ UNUSED_SIZES = ("images_per_class", "resolution", "backbone")
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         prog="embed_gallery",
-        description="Embed a gallery with the old model, the new model and psi (Ray Data, streaming, "
+        description="Embed a gallery with the old model, the new model and psi "
+        "(Ray Data, streaming, "
         "resumable) into parquet shards: item_id, label, split, old/new/adapted vectors, "
         "uncertainty scores.",
     )

@@ -193,7 +193,8 @@ def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
             str | None,
             option(
                 None,
-                help=f"custom Ray resources per {unit} as JSON, e.g. '{{\"gpu_node\": 0.01}}': runs the stage "
+                help=f"custom Ray resources per {unit} as JSON, "
+                "e.g. '{\"gpu_node\": 0.01}': runs the stage "
                 "only on nodes that have them",
             ),
         )

@@ -1,5 +1,5 @@
-"""Refreshing a stored gallery with psi (DMU forward adaptation, docs/methods.md, "Gallery-side operations"):
-``adapted = psi(old)`` with no image and no backbone pass.
+"""Refreshing a stored gallery with psi (DMU forward adaptation, docs/methods.md, "Gallery-side
+operations"): ``adapted = psi(old)`` with no image and no backbone pass.
 
 For inference each Linear-BN pair of psi folds into one affine map
 (``W' = diag(gamma / sqrt(var + eps)) W``, ``b' = (b - mean) * gamma / sqrt(var + eps) + beta``),

@@ -173,8 +173,10 @@ class GlyphGallerySource(GallerySource):
                 catalog = default_catalog()
                 if catalog.fingerprint != self.catalog_fingerprint:
                     raise RuntimeError(
-                        f"this worker's glyph catalog {catalog.fingerprint} differs from the driver's "
-                        f"{self.catalog_fingerprint}: fonts, Pillow or FreeType differ between machines"
+                        f"this worker's glyph catalog {catalog.fingerprint} "
+                        "differs from the driver's "
+                        f"{self.catalog_fingerprint}: "
+                        "fonts, Pillow or FreeType differ between machines"
                     )
                 _RENDERERS.clear()
                 _RENDERERS[key] = GlyphRenderer(
@@ -481,7 +483,10 @@ class ParquetImageSource(_ParquetRowGroupSource):
                 value = value.get("bytes")
             where = f"{self.files[f]}#rowgroup{g}/row{r}"
             if not isinstance(value, (bytes, bytearray)) or not value:
-                message = f"item_id={int(ids[k])} path={where}: no image bytes in column {self.image_column!r}"
+                message = (
+                    f"item_id={int(ids[k])} path={where}: "
+                    f"no image bytes in column {self.image_column!r}"
+                )
                 if on_corrupt == "fail":
                     raise CorruptImageError(f"corrupt image {message}")
                 decoded[k] = (None, message)

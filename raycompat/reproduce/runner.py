@@ -169,7 +169,8 @@ class ModelStore:
         )
         deadline = None if budget_s is None else time.time() + budget_s
         # Sorted by priority, and a model's priority is above its dependencies', so the order is
-        # topological; the pool is FIFO, so a run waiting on a dependency never keeps it from starting.
+        # topological; the pool is FIFO, so a run waiting on a dependency never keeps it from
+        # starting.
         futures: dict = {}
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             for t in pending:
@@ -614,7 +615,8 @@ def measure_test_set(
     """Evaluate every new model of a scenario against its old model (see the module docstring).
 
     ``news[label] = (variant, bundle, embedded)``. Rank-merge methods are measured through
-    their exported modules: ``M(n,n) = M(rho(q), rho(g))``, ``M(n,o) = M(psi_rev(rho(q)), phi_o(g))``.
+    their exported modules: ``M(n,n) = M(rho(q), rho(g))``,
+    ``M(n,o) = M(psi_rev(rho(q)), phi_o(g))``.
     DMU gets ``M(n, adapted) = M(phi_n(q), psi(phi_o(g)))`` besides ``M(n,o)``.
     """
 

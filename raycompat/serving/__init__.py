@@ -3,7 +3,8 @@
 One module per concept:
 
 * :mod:`.placement`      -- item id -> shard (fixed 64-bit hash)
-* :mod:`.state`          -- a shard's items: one representation each, faiss per representation, atomic upserts
+* :mod:`.state`          -- a shard's items: one representation each, faiss per representation,
+  atomic upserts
 * :mod:`.durability`     -- snapshot + append-only upsert log (no pickle)
 * :mod:`.shard`          -- the shard Serve deployment (recovers from disk on restart)
 * :mod:`.scoring`        -- query vectors per representation (the simulator's score sides)

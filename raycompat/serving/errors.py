@@ -56,7 +56,8 @@ def error_response(
 
 
 def problem_field(loc: Sequence[Any]) -> str:
-    """A pydantic error location as a path: ``("body", "vectors", 0, 1)`` -> ``body.vectors[0][1]``."""
+    """A pydantic error location as a path: ``("body", "vectors", 0, 1)`` ->
+    ``body.vectors[0][1]``."""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))

@@ -1,4 +1,5 @@
-"""Start the live index (Ray Serve: shards, backfill controller, router) on a cluster; it keeps running.
+"""Start the live index (Ray Serve: shards, backfill controller, router) on a cluster; it keeps
+running.
 
 Every :class:`raycompat.serving.config.ServingConfig` option is a flag (``--gallery``,
 ``--num-shards``, ``--shard-cpus``, ``--factory``, ``--host``, ``--port`` ...).  The job
@@ -66,7 +67,8 @@ class ServeIndexOptions:
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         prog="serve_index",
-        description="Start the raycompat live index (Ray Serve: shards, backfill controller, router) on a "
+        description="Start the raycompat live index "
+        "(Ray Serve: shards, backfill controller, router) on a "
         "cluster and leave it running.",
     )
     add_options(parser, ServeIndexOptions)
@@ -112,7 +114,8 @@ def _deploy(opts: ServeIndexOptions, cfg: ServingConfig) -> str:
         proxy_location=opts.proxy_location, http_options={"host": cfg.host, "port": int(cfg.port)}
     )
     print(
-        f"[serve_index] deploying {cfg.app_name!r}: {cfg.num_shards} shards, gallery {cfg.gallery}, "
+        f"[serve_index] deploying {cfg.app_name!r}: {cfg.num_shards} shards, "
+        f"gallery {cfg.gallery}, "
         f"state {cfg.state_dir}",
         flush=True,
     )
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     url = _deploy(opts, cfg)
     status = _wait_ready(url, opts.wait_s)
     print(
-        f"[serve_index] serving at {url}: {json.dumps(status.get('items'))} items per representation; "
+        f"[serve_index] serving at {url}: {json.dumps(status.get('items'))} "
+        "items per representation; "
         f"docs at {url}/docs",
         flush=True,
     )

@@ -164,7 +164,8 @@ def old_old_reference(client, data, st: dict) -> np.ndarray | None:
 
 
 def compare_curves(live: dict, sim_curve, tol: float = 1e-9) -> dict:
-    """Per metric: the largest |live - simulator| over the grid, and whether all are within ``tol``."""
+    """Per metric: the largest |live - simulator| over the grid, and whether all are within
+    ``tol``."""
     out = {"max_abs_diff": {}, "equal": True}
     for name, vals in live["metrics"].items():
         a = np.asarray(vals, np.float64)

@@ -17,7 +17,8 @@ is unpickled: bodies are JSON parsed by FastAPI into pydantic models.
 
 :class:`Router` is the deployment: one method per endpoint, its state in attributes.  Its
 FastAPI app is built on the replica (:func:`build_api`, Serve's ``__serve_build_asgi_app__``),
-because the request models carry the server's limits (:func:`raycompat.serving.schemas.build_models`).
+because the request models carry the server's limits
+(:func:`raycompat.serving.schemas.build_models`).
 """
 
 import asyncio
@@ -342,7 +343,8 @@ class Router:
     def prepare_upsert(
         self, items: list, ids: np.ndarray
     ) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """``[(representation, ids, normalised vectors)]``; 422 for a repeated id or a bad vector."""
+        """``[(representation, ids, normalised vectors)]``; 422 for a repeated id or a bad
+        vector."""
         from raycompat.index.search import l2_normalize
 
         u, c = np.unique(ids, return_counts=True)

@@ -27,8 +27,8 @@ carries (``old_vectors``) or the router computes from the image, and a ``new`` i
 
 So the ``compatible``, ``rank_merge`` and ``naive_merge`` modes are "items start as old", the
 ``adapted`` mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded
-by the *old* model (``model="old"``: clients not upgraded yet, and the old-old reference of NFR) scores old
-items only, with ``s(phi_o(q), phi_o(g))``.
+by the *old* model (``model="old"``: clients not upgraded yet, and the old-old reference of NFR)
+scores old items only, with ``s(phi_o(q), phi_o(g))``.
 
 Normalisation is :func:`raycompat.index.search.l2_normalize`, exactly as the simulator
 normalises its sides, so the served cosines are the simulator's.

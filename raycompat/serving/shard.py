@@ -72,7 +72,8 @@ class ShardServer:
         return self.state.unknown(ids)
 
     def upsert(self, ids, rep: str, vectors) -> dict:
-        """Apply; returns ``{"applied", "seq"}`` or ``{"error", "unknown_ids"}`` (nothing applied)."""
+        """Apply; returns ``{"applied", "seq"}`` or ``{"error", "unknown_ids"}`` (nothing
+        applied)."""
         try:
             return self.state.upsert(
                 np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32)

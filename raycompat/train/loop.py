@@ -300,7 +300,8 @@ def resume(state: WorkerState) -> tuple[int, list[dict]]:
             history = json.load(f)
     if state.rank == 0:
         print(
-            f"[raycompat] resumed {state.cfg.run_name} from the checkpoint of epoch {start_epoch - 1}",
+            f"[raycompat] resumed {state.cfg.run_name} "
+            f"from the checkpoint of epoch {start_epoch - 1}",
             flush=True,
         )
     return start_epoch, history

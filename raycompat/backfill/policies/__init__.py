@@ -34,8 +34,11 @@ from __future__ import annotations
 
 from raycompat.backfill.gallery import BackfillInputError
 
-# the imports register the policies, in this order (the order of POLICIES)
-from raycompat.backfill.policies import learned, oracle, random, sequential, uncertainty  # noqa: F401
+# The imports register the policies; their order is the order of POLICIES (isort keeps it).
+# isort: off
+from raycompat.backfill.policies import random, sequential, uncertainty, oracle, learned  # noqa: F401
+
+# isort: on
 from raycompat.backfill.policies.base import (
     Policy,
     PolicyInputs,

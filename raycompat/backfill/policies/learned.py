@@ -84,7 +84,8 @@ class LearnedPredictor:
         return self
 
     def _cross_validated_lambda(self, Z: np.ndarray, y: np.ndarray) -> float:
-        """The lambda of lowest 5-fold squared error (the smallest one with fewer than 10 samples)."""
+        """The lambda of lowest 5-fold squared error (the smallest one with fewer than 10
+        samples)."""
         n = Z.shape[0]
         best = (np.inf, self.LAMBDAS[0])
         if n >= 10:
@@ -179,7 +180,8 @@ class LearnedPolicy(Policy):
             raise BackfillInputError("policy 'learned' needs gallery_new (its training target)")
         if data.gallery_adapted is None and data.compat_dim != data.old_dim:
             raise BackfillInputError(
-                "policy 'learned' needs psi(old) ('adapted') or a compatible subspace of D_old dims "
+                "policy 'learned' needs psi(old) ('adapted') or a compatible subspace "
+                "of D_old dims "
                 "to measure old/new disagreement"
             )
 

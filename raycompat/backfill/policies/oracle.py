@@ -25,7 +25,8 @@ def oracle_benefit(
     (min over positives of min(old-state, new-state score)).  Backfilling item x
     moves its score from ``s_o(q, x)`` to ``s_n(q, x)``; the benefit is
 
-        sum_{q: x positive} (s_n - s_o)  -  sum_{q: x negative} (relu(s_n - tau_q) - relu(s_o - tau_q)),
+        sum_{q: x positive} (s_n - s_o)
+          -  sum_{q: x negative} (relu(s_n - tau_q) - relu(s_o - tau_q)),
 
     i.e. raising a positive helps, raising a negative above the query's positives
     hurts and lowering it helps (a hinge proxy of the AP change).  Costs one
@@ -79,7 +80,10 @@ def oracle_order(old_side, new_side, query_labels, gallery_labels, **kw) -> np.n
 @register_policy
 class OraclePolicy(Policy):
     name = "oracle"
-    knows = "the new embeddings of every item and the queries (an upper-bound reference, not deployable)"
+    knows = (
+        "the new embeddings of every item and the queries "
+        "(an upper-bound reference, not deployable)"
+    )
     needs_embeddings = True
     per_mode = True
 

@@ -59,7 +59,8 @@ class UncertaintyHead:
         d = f.shape[1]
         if d > self.weight.shape[1]:
             raise BackfillInputError(
-                f"dimension mismatch: old features have {d} dims, the new head only {self.weight.shape[1]}"
+                f"dimension mismatch: old features have {d} dims, "
+                f"the new head only {self.weight.shape[1]}"
             )
         w = self.weight[:, :d]
         if self.kind == "softmax":
