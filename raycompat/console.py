@@ -60,6 +60,8 @@ def quiet_ray(verbose: bool = False) -> None:
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # Ray Data configures its loggers when it is imported, from this variable
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
     for name in RAY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 
