@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         return fail(f"unknown job {argv[0]!r}" if argv else "no job given")
     module = importlib.import_module(JOBS[argv[0]])
+    sys.argv[0] = "raycompat"  # so the job's usage line reads "raycompat <job>"
     return int(module.main(argv[1:]) or 0)
 
 

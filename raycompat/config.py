@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -181,11 +183,14 @@ def parse_key_values(items: list[str] | None) -> dict[str, str]:
 
 # -- dataclass <-> argparse -----------------------------------------------------------------
 def make_parser(
-    prog: str | None = None, description: str | None = None, **kw: Any
+    job: str | None = None, description: str | None = None, **kw: Any
 ) -> argparse.ArgumentParser:
-    """An ``ArgumentParser`` that never accepts an abbreviated flag: ``--train`` is an error,
-    not a silent ``--train-classes``."""
+    """An ``ArgumentParser`` for job ``job`` that never accepts an abbreviated flag: ``--train``
+    is an error, not a silent ``--train-classes``. Its usage line names the job as it was
+    started: the script (``train_ract.py``) or ``raycompat <job>``."""
     kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = script if script.endswith(".py") or not job else f"raycompat {job}"
     return argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False, **kw)
 
 

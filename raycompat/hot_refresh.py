@@ -115,7 +115,7 @@ class HotRefreshOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser(prog="hot_refresh", description=__doc__)
+    parser = make_parser("hot-refresh", __doc__)
     add_options(parser, HotRefreshOptions)
     return parser
 

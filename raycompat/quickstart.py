@@ -343,7 +343,7 @@ def _report(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser("raycompat quickstart", __doc__)
+    parser = make_parser("quickstart", __doc__)
     add_options(parser, QuickstartOptions)
     return parser
 

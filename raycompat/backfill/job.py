@@ -97,7 +97,7 @@ class BackfillJobOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
-        prog="simulate_backfill",
+        "simulate-backfill",
         description="Simulate hot-refresh backfilling of a gallery: exact mAP@k / mAP / top-1 / "
         "NFR@1 "
         "curves for each backfill policy and query mode, with AUCs, regression statistics, "

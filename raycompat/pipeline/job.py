@@ -649,7 +649,7 @@ UNUSED_SIZES = ("images_per_class", "resolution", "backbone")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
-        prog="embed_gallery",
+        "embed-gallery",
         description="Embed a gallery with the old model, the new model and psi "
         "(Ray Data, streaming, "
         "resumable) into parquet shards: item_id, label, split, old/new/adapted vectors, "

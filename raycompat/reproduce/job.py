@@ -23,7 +23,7 @@ NOT_FLAGS = ("scenario", "backfill_policies")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser("raycompat reproduce", __doc__)
+    parser = make_parser("reproduce", __doc__)
     add_options(parser, ReproduceOptions, exclude=NOT_FLAGS)
     return parser
 

@@ -66,7 +66,7 @@ class ServeIndexOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
-        prog="serve_index",
+        "serve-index",
         description="Start the raycompat live index "
         "(Ray Serve: shards, backfill controller, router) on a "
         "cluster and leave it running.",

@@ -112,10 +112,10 @@ def methods_help() -> str:
 
 
 def options_parser(
-    prog: str, description: str, base: TrainOptions, exclude: tuple[str, ...] = ()
+    job: str, description: str, base: TrainOptions, exclude: tuple[str, ...] = ()
 ) -> argparse.ArgumentParser:
     """The flags of :class:`TrainOptions` with ``base``'s defaults (``exclude``: left out)."""
-    parser = make_parser(prog, description)
+    parser = make_parser(job, description)
     add_options(parser, TrainOptions, base=base, exclude=exclude + ("method_options",))
     if "method_options" not in exclude:  # repeatable: the one flag that appends, not stores
         parser.add_argument(
@@ -227,7 +227,7 @@ def run_training(opts: TrainOptions, cfg, export_to: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return options_parser("raycompat train", __doc__, TRAIN_DEFAULTS)
+    return options_parser("train", __doc__, TRAIN_DEFAULTS)
 
 
 @console.job_main

@@ -40,7 +40,7 @@ def train_old(opts: TrainOptions, *, run_name: str | None = None, out: str | Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return options_parser("raycompat train-old", __doc__, OLD_DEFAULTS, exclude=NEW_MODEL_ONLY)
+    return options_parser("train-old", __doc__, OLD_DEFAULTS, exclude=NEW_MODEL_ONLY)
 
 
 @console.job_main

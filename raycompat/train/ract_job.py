@@ -50,7 +50,7 @@ RACT_DEFAULTS = dataclasses.replace(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return options_parser("raycompat train-ract", __doc__, RACT_DEFAULTS)
+    return options_parser("train-ract", __doc__, RACT_DEFAULTS)
 
 
 def old_model_path(opts: TrainOptions, stamp: int) -> str:
