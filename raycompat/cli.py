@@ -17,9 +17,11 @@ from raycompat.console import fail
 JOBS: dict[str, str] = {
     "quickstart": "raycompat.quickstart",
     "reproduce": "raycompat.reproduce.job",
+    "scenario": "raycompat.scenario_job",
     "train": "raycompat.train.job",
     "train-old": "raycompat.train.old_job",
     "train-ract": "raycompat.train.ract_job",
+    "import-model": "raycompat.import_model",
     "embed-gallery": "raycompat.pipeline.job",
     "simulate-backfill": "raycompat.backfill.job",
     "hot-refresh": "raycompat.hot_refresh",

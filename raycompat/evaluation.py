@@ -23,6 +23,20 @@ PRIMARY_METRIC = "mAP@100"
 
 
 @torch.no_grad()
+def embed_batches(bundle: ModelBundle, n: int, images_of, batch_size: int = 512) -> np.ndarray:
+    """Raw (un-normalised) float32 embeddings of ``n`` items; ``images_of(start, stop)`` gives
+    the uint8 images of items ``[start, stop)``."""
+    bundle.eval()
+    in_chans = int(bundle.manifest.get("in_chans", 1))
+    out = np.empty((n, bundle.embed_dim), np.float32)
+    for start in range(0, n, batch_size):
+        stop = min(start + batch_size, n)
+        out[start:stop] = bundle.embedder(
+            images_to_tensor(images_of(start, stop), in_chans)
+        ).numpy()
+    return out
+
+
 def embed_glyphs(
     bundle: ModelBundle,
     renderer: GlyphRenderer,
@@ -31,14 +45,20 @@ def embed_glyphs(
     batch_size: int = 512,
 ) -> np.ndarray:
     """Raw (un-normalised) float32 embeddings of rendered glyph items, in item order."""
-    bundle.eval()
-    in_chans = int(bundle.manifest.get("in_chans", 1))
-    out = np.empty((len(labels), bundle.embed_dim), np.float32)
-    for start in range(0, len(labels), batch_size):
-        stop = min(start + batch_size, len(labels))
-        images = renderer.render_batch(labels[start:stop], instances[start:stop])
-        out[start:stop] = bundle.embedder(images_to_tensor(images, in_chans)).numpy()
-    return out
+    return embed_batches(
+        bundle,
+        len(labels),
+        lambda a, b: renderer.render_batch(labels[a:b], instances[a:b]),
+        batch_size,
+    )
+
+
+def embed_keys(bundle: ModelBundle, images, keys: list[str], batch_size: int = 512) -> np.ndarray:
+    """Raw float32 embeddings of your images by key (``images``: a
+    ``raycompat.data.source.ItemImages``), in key order."""
+    return embed_batches(
+        bundle, len(keys), lambda a, b: np.stack([images.load(k) for k in keys[a:b]]), batch_size
+    )
 
 
 @dataclass
@@ -54,14 +74,33 @@ class EmbeddedSet:
 def embed_scenario(
     name: str, bundle: ModelBundle, scenario: Scenario, resolution: int, data_seed: int = 0
 ) -> EmbeddedSet:
+    """Queries and gallery (distractors included) of ``scenario`` embedded by ``bundle``:
+    rendered glyphs, or your images decoded by key."""
+    compatible_dim = int(bundle.manifest.get("compatible_dim", bundle.embed_dim))
+    if scenario.user_data:
+        from raycompat.data.source import ItemImages, SourceSpec
+
+        in_chans = int(bundle.manifest.get("in_chans", 3))
+        images = ItemImages(SourceSpec.from_dict(scenario.source), resolution, in_chans)
+        q_keys, g_keys = scenario_eval_keys(scenario)
+        query, gallery = embed_keys(bundle, images, q_keys), embed_keys(bundle, images, g_keys)
+        return EmbeddedSet(name, query, gallery, compatible_dim)
     renderer = GlyphRenderer(catalog_for(scenario), resolution=resolution, seed=data_seed)
     query, gallery = scenario_eval_items(scenario)
     return EmbeddedSet(
         name=name,
         query=embed_glyphs(bundle, renderer, *query),
         gallery=embed_glyphs(bundle, renderer, *gallery),
-        compatible_dim=int(bundle.manifest.get("compatible_dim", bundle.embed_dim)),
+        compatible_dim=compatible_dim,
     )
+
+
+def scenario_eval_keys(scenario: Scenario) -> tuple[list[str], list[str]]:
+    """(query keys, gallery keys) of a scenario of your images; the gallery includes
+    distractors, in the order of :func:`scenario_eval_items`."""
+    parts = [scenario.splits["gallery"], scenario.splits.get("distractors")]
+    gallery = [k for p in parts if p is not None for k in p.items]
+    return list(scenario.splits["query"].items), gallery
 
 
 def scenario_eval_items(scenario: Scenario):

@@ -35,6 +35,7 @@ from raycompat.config import (
     positive,
 )
 from raycompat.data.scenarios import ScenarioSizes
+from raycompat.data.source import DataSourceOptions
 from raycompat.outputs import OutputOptions
 
 __all__ = ["QuickstartOptions", "QUICKSTART_SIZES", "build_parser", "main", "run_quickstart"]
@@ -62,7 +63,14 @@ class QuickstartOptions:
 
     output: OutputOptions = option(OutputOptions(name="main"), help="where the report goes")
     address: str | None = option(None, help="Ray address; none: an embedded local Ray")
-    sizes: ScenarioSizes = option(QUICKSTART_SIZES, help="data: a built-in glyph scenario")
+    data: DataSourceOptions = option(
+        DataSourceOptions(), help="data: the built-in glyphs or your images"
+    )
+    sizes: ScenarioSizes = option(
+        QUICKSTART_SIZES,
+        help="data: the scenario (your images: only --scenario, --queries-per-class, "
+        "--resolution, --backbone and --data-seed apply)",
+    )
     embed_dim: int = positive(128, help="embedding dimension")
     head: str = choices("softmax", "cosface", "arcface", default="cosface", help="classifier head")
     old_epochs: int = positive(24, help="epochs of the old model")
@@ -122,6 +130,7 @@ def _train(
         scenario=scenario.to_dict(),
         split=split,
         resolution=s.resolution,
+        in_chans=3 if scenario.user_data else 1,
         data_seed=s.data_seed,
         num_workers=opts.workers,
         use_gpu=opts.gpus > 0,
@@ -169,26 +178,50 @@ def _train_models(
 
 
 def _build_scenario(opts: QuickstartOptions, out: str, timings: dict):
-    from raycompat.data import default_catalog, scenario_from_options
+    from raycompat.data.user_scenarios import resolve_scenario
     from raycompat.report import write_json
 
     t = time.time()
-    catalog = default_catalog()
-    scenario = scenario_from_options(opts.sizes, catalog=catalog)
+    scenario = resolve_scenario(opts.sizes, opts.data)
+    data = data_record(scenario)
     timings["data_s"] = time.time() - t
     write_json(os.path.join(out, "scenario.json"), scenario.to_dict())
     rows = {r["split"]: r for r in scenario.allocation_rows()}
     console.phase(
         "scenario",
-        f"{scenario.name} (seed {scenario.seed}) on {catalog.num_classes} glyph "
-        f"classes: old_train {rows['old_train']['images']} / new_train "
-        f"{rows['new_train']['images']} images, {rows['query']['images']} queries, "
+        f"{scenario.name} (seed {scenario.seed}) on {data['description']}: "
+        f"old_train {rows['old_train']['images']} / new_train {rows['new_train']['images']} "
+        f"images, {rows['query']['images']} queries, "
         f"{rows['gallery']['images'] + rows['distractors']['images']} gallery items",
         timings["data_s"],
     )
     if console.is_verbose():
         print(scenario.allocation_table(), flush=True)
-    return catalog, scenario
+    return data, scenario
+
+
+def data_record(scenario) -> dict:
+    """What the report says of the data: the glyph catalog, or your images' source."""
+    if scenario.user_data:
+        n = len(scenario.class_names)
+        src = scenario.source
+        return dict(
+            kind=src["kind"],
+            path=src["path"],
+            num_classes=n,
+            description=f"your images ({src['kind']} {src['path']}, {n} classes)",
+        )
+    from raycompat.data import catalog_for
+
+    catalog = catalog_for(scenario)
+    return dict(
+        kind="glyphs",
+        num_classes=catalog.num_classes,
+        exclusions={
+            k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in catalog.exclusions.items()
+        },
+        description=f"built-in glyphs, {catalog.num_classes} usable classes",
+    )
 
 
 def _evaluate(scenario, embedded: dict, timings: dict) -> tuple[list, list, tuple]:
@@ -229,7 +262,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     timings: dict[str, float] = {}
     console.quiet_ray(opts.verbose)
     connect(opts.address)
-    catalog, scenario = _build_scenario(opts, out, timings)
+    data, scenario = _build_scenario(opts, out, timings)
     train_info = _train_models(opts, scenario, output.runs, os.path.join(out, "models"), timings)
     models = {name: info["path"] for name, info in train_info.items()}
 
@@ -277,7 +310,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     report = _report(
         opts,
         scenario,
-        catalog,
+        data,
         train_info,
         embedding_paths,
         evaluations,
@@ -298,7 +331,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
 def _report(
     opts,
     scenario,
-    catalog,
+    data,
     train_info,
     embedding_paths,
     evaluations,
@@ -316,13 +349,7 @@ def _report(
         scenario=dict(
             name=scenario.name, seed=scenario.seed, allocation=scenario.allocation_rows()
         ),
-        catalog=dict(
-            num_classes=catalog.num_classes,
-            exclusions={
-                k: (len(v) if isinstance(v, (list, dict)) else v)
-                for k, v in catalog.exclusions.items()
-            },
-        ),
+        catalog=data,
         models=train_info,
         embeddings=embedding_paths,
         evaluations=evaluations,
@@ -365,8 +392,12 @@ def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, d
 
     from raycompat.evaluation import EmbeddedSet
     from raycompat.pipeline import GlyphGallerySource, embed_gallery
+    from raycompat.pipeline.sources import ScenarioItemSource
 
-    source = GlyphGallerySource(scenario, resolution=resolution, data_seed=data_seed)
+    if scenario.user_data:
+        source = ScenarioItemSource(scenario, resolution=resolution, in_chans=3)
+    else:
+        source = GlyphGallerySource(scenario, resolution=resolution, data_seed=data_seed)
     passes = {
         "old_bct": dict(old_model=models["old"], new_model=models["bct"], columns=("old", "new")),
         "independent": dict(new_model=models["independent"], columns=("new",)),
@@ -448,7 +479,8 @@ def simulate_hot_refresh(
     cost = CostModel(
         measure_items_per_s(bct_bundle, batch_size=128),
         1,
-        source="measured: BCT embedder on this machine's CPU",
+        source="measured: BCT embedder on this machine",
+        device="cpu",
     )
     head = UncertaintyHead.from_classifier_head(bct_bundle.head)
     runs = [
@@ -508,7 +540,7 @@ def render_markdown(report: dict, allocation: str) -> str:
         "# raycompat quickstart report",
         "",
         f"Scenario `{report['scenario']['name']}` (seed {report['scenario']['seed']}), "
-        f"built-in glyphs, {report['catalog']['num_classes']} usable classes.",
+        f"{report['catalog']['description']}.",
         "",
         "## Data allocation",
         "",
@@ -604,6 +636,7 @@ def render_markdown(report: dict, allocation: str) -> str:
 
 
 def _backfill_table(report: dict) -> str:
+    from raycompat.backfill.report import auc_gain_notes
     from raycompat.report import markdown_table
 
     def value_at(model, policy, mode, metric, fraction):
@@ -647,7 +680,7 @@ def _backfill_table(report: dict) -> str:
                 regression(s),
             )
         )
-    return markdown_table(
+    table = markdown_table(
         [
             "model",
             "policy",
@@ -662,3 +695,5 @@ def _backfill_table(report: dict) -> str:
         ],
         rows,
     )
+    shown = [s for s in report["backfill"] if s["metric"] in ("mAP@100", "NFR@1")]
+    return "\n".join([table, "", *(f"- {n}" for n in auc_gain_notes(shown))]).rstrip("\n")

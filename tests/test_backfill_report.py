@@ -64,8 +64,9 @@ def test_json_round_trip_holds_every_number(result, tmp_path):
         assert (c.policy, c.mode) == (cj["policy"], cj["mode"])
         for name, v in c.metrics.items():
             assert cj["metrics"][name] == [float(x) for x in v]  # exact: repr round trip
-        assert cj["items_backfilled"] == c.counts.tolist()
-        assert cj["seconds"] == pytest.approx(list(c.counts / 6.0))
+        assert cj["items_backfilled"] == c.backfilled.tolist()
+        assert cj["items_served_new"] == c.counts.tolist()
+        assert cj["seconds"] == pytest.approx(list(c.backfilled / 6.0))
     assert back["references"]["old-old"]["mAP@10"] == result.references["old-old"]["mAP@10"]
     assert json.dumps(back)  # standard JSON (no NaN)
 

@@ -12,9 +12,11 @@ import pytest
 from raycompat.cli import JOBS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NINE_JOBS = (
+ALL_JOBS = (
     "quickstart",
     "reproduce",
+    "scenario",
+    "import-model",
     "train",
     "train-old",
     "train-ract",
@@ -39,7 +41,7 @@ def test_help_lists_every_job_with_its_summary():
     proc = raycompat("--help")
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
-    assert set(listed) == set(NINE_JOBS) == set(JOBS)
+    assert set(listed) == set(ALL_JOBS) == set(JOBS)
     assert "Main job" in listed["quickstart"] and "RACT" in listed["train-ract"]
 
 

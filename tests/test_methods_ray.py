@@ -12,6 +12,7 @@ import torch
 
 from raycompat.data import Scenario, build_scenario
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
+from raycompat.pipeline.bundles import bundle_fingerprint, check_predecessor
 from raycompat.train import TrainConfig, fit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +80,10 @@ def test_ract_then_mcl_in_the_ray_train_loop_on_two_workers(ray_cluster, scenari
         export_to=str(tmp_path / "ract"),
     )
     assert ract.history[-1]["num_workers"] == 2 and ract.history[-1]["loss/compat"] > 0
+    # the new model records which old model it was trained against (checked by embed-gallery)
+    predecessor = ract.load().manifest["predecessor"]
+    assert predecessor["fingerprint"] == bundle_fingerprint(old)
+    assert check_predecessor(old, ract.bundle_path) is None
     # mcl on the frozen RACT model (init_model) and the old one: only rho / psi_rev train.
     mcl = fit(
         config(

@@ -44,6 +44,7 @@ def test_uri_destination_is_staged_and_published(tmp_path, monkeypatch):
         storage=f"file://{tmp_path}/bucket",
         name="run1",
         default_out="quickstart_out",
+        config={"seed": 0},
     )
     assert o.remote and o.destination == f"file://{tmp_path}/bucket/quickstart/run1"
     assert o.runs == f"file://{tmp_path}/bucket/runs"  # Ray Train takes the URI itself
@@ -52,9 +53,9 @@ def test_uri_destination_is_staged_and_published(tmp_path, monkeypatch):
         f.write("# report\n")
     assert o.publish() == o.destination
     assert (tmp_path / "bucket" / "quickstart" / "run1" / "report.md").read_text() == "# report\n"
-    # the same URI maps to the same staging folder: a re-run resumes from it
+    # the same URI maps to the same staging folder: a re-run with the same options resumes
     again = resolve_job_output(
-        "quickstart", out=o.destination, storage=None, name="x", default_out="y"
+        "quickstart", out=o.destination, storage=None, name="x", default_out="y", config={"seed": 0}
     )
     assert again.local == o.local
 

@@ -9,6 +9,9 @@ reaching ``n(t)`` backfilled items (the grid's rounding rule, see
 
 The per-GPU rate is either given or measured (:func:`measure_items_per_s`,
 forward passes of the new embedder on random inputs of the model's size).
+``device`` says what the rate was measured on: ``"gpu"`` (a given rate, or one
+measured on CUDA) labels it "items/s per GPU"; any other device (``"cpu"``)
+labels it "items/s on cpu", and ``num_gpus`` counts such workers.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ __all__ = ["CostModel", "measure_items_per_s"]
 
 @dataclass
 class CostModel:
-    """``items_per_s_per_gpu`` x ``num_gpus`` -> seconds to backfill ``n`` items."""
+    """``items_per_s_per_gpu`` x ``num_gpus`` -> seconds to backfill ``n`` items.
+
+    ``items_per_s_per_gpu`` is the rate of one device of kind ``device`` (``"gpu"``, or
+    the device it was measured on, e.g. ``"cpu"``); the labels say which.
+    """
 
     items_per_s_per_gpu: float
     num_gpus: int = 1
-    source: str = "given"  # "given" or "measured"
+    source: str = "given"  # "given" or "measured: ..."
+    device: str = "gpu"
 
     def __post_init__(self):
         r = self.items_per_s_per_gpu
@@ -41,10 +49,31 @@ class CostModel:
             )
         self.items_per_s_per_gpu = float(r)
         self.num_gpus = int(self.num_gpus)
+        self.device = str(self.device).strip().lower() or "gpu"
 
     @property
     def items_per_s(self) -> float:
         return self.items_per_s_per_gpu * self.num_gpus
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "gpu" or self.device.startswith("cuda")
+
+    @property
+    def rate_label(self) -> str:
+        """The rate's unit: ``"items/s per GPU"`` or ``"items/s on cpu"``."""
+        return "items/s per GPU" if self.on_gpu else f"items/s on {self.device}"
+
+    @property
+    def workers_label(self) -> str:
+        """What ``num_gpus`` counts: ``"GPU(s)"`` or ``"cpu worker(s)"``."""
+        return "GPU(s)" if self.on_gpu else f"{self.device} worker(s)"
+
+    def describe(self) -> str:
+        """``"<rate> items/s per GPU x <n> GPU(s)"`` (or ``on cpu`` / ``cpu worker(s)``)."""
+        return (
+            f"{self.items_per_s_per_gpu:g} {self.rate_label} x {self.num_gpus} {self.workers_label}"
+        )
 
     def seconds(self, counts) -> np.ndarray:
         """Simulated seconds to backfill ``counts`` items (float64 array)."""
@@ -53,6 +82,7 @@ class CostModel:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["items_per_s"] = self.items_per_s
+        d["rate_label"] = self.rate_label
         return d
 
 

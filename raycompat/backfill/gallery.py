@@ -290,16 +290,123 @@ def _vector_column(table, name: str, ids: np.ndarray) -> np.ndarray:
     return out.reshape(len(arr), dim)
 
 
-def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbeddings:
-    """Read embeddings from a parquet file or a folder of parquet files (schema above)."""
+def _parquet_files(path: str) -> list[str] | None:
+    """The parquet files under a local folder (recursively, sorted; ``_``/``.`` names are
+    metadata), ``[path]`` for a file, ``None`` for a URI (read as one dataset)."""
+    if "://" in str(path):
+        return None
+    if not os.path.exists(path):
+        raise BackfillInputError(f"embeddings not found: {path}")
+    if os.path.isfile(path):
+        return [path]
+    files = sorted(
+        os.path.join(d, f)
+        for d, subdirs, names in os.walk(path)
+        for f in names
+        if f.endswith(".parquet") and not f.startswith(("_", "."))
+        and not any(p.startswith(("_", ".")) for p in os.path.relpath(d, path).split(os.sep)[1:])
+    )  # fmt: skip
+    if not files:
+        raise BackfillInputError(f"no .parquet files under {path}")
+    return files
+
+
+def _read_parts(path: str) -> list[tuple[str, object]]:
+    """``(file, table)`` per parquet file of ``path`` (one part for a URI)."""
     import pyarrow.parquet as pq
 
-    if "://" not in str(path) and not os.path.exists(path):
-        raise BackfillInputError(f"embeddings not found: {path}")
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for unreadable files
-        raise BackfillInputError(f"cannot read parquet {path}: {exc}".splitlines()[0]) from exc
+    files = _parquet_files(path)
+    parts = []
+    for f in files if files is not None else [path]:
+        try:
+            parts.append((f, pq.read_table(f)))
+        except Exception as exc:  # pyarrow raises several types for unreadable files
+            raise BackfillInputError(f"cannot read parquet {f}: {exc}".splitlines()[0]) from exc
+    return parts
+
+
+def _check_part_schemas(parts) -> None:
+    """Every file has the same columns and each vector column one dimension: a mismatch names
+    the two files and the column."""
+    import pyarrow as pa
+
+    first_file, first = parts[0]
+    for f, t in parts[1:]:
+        if set(t.column_names) != set(first.column_names):
+            diff = sorted(set(t.column_names) ^ set(first.column_names))
+            raise BackfillInputError(
+                f"shard {f} and shard {first_file} have different columns (differ in {diff})"
+            )
+    for col in VECTOR_COLUMNS:
+        seen: dict[int, str] = {}
+        for f, t in parts:
+            typ = t.schema.field(col).type if col in t.column_names else None
+            if typ is not None and pa.types.is_fixed_size_list(typ):
+                seen.setdefault(typ.list_size, f)
+        if len(seen) > 1:
+            (d1, f1), (d2, f2) = list(seen.items())[:2]
+            raise BackfillInputError(
+                f"dimension mismatch in column {col!r}: {d1} in shard {f1}, {d2} in shard {f2}"
+            )
+
+
+def _labels_by_class_name(parts) -> tuple[np.ndarray | None, str | None]:
+    """Labels matched by the ``class_name`` column (one integer per class name, sorted), or
+    ``(None, None)`` when no file stores class names. Files that store them only in part, or
+    a label with two names in one file, fail naming the file and the classes; label maps that
+    differ between files (queries and gallery embedded from different folders) are fine: the
+    note says so."""
+    named = [f for f, t in parts if "class_name" in t.column_names]
+    if not named:
+        return None, None
+    if len(named) != len(parts):
+        bare = next(f for f, t in parts if "class_name" not in t.column_names)
+        raise BackfillInputError(
+            f"shard {named[0]} stores class names but {bare} does not: their labels cannot be "
+            "matched; embed both with this version"
+        )
+    names, maps = [], {}
+    for f, t in parts:
+        values = t.column("class_name").to_pylist()
+        if any(v in (None, "") for v in values):
+            raise BackfillInputError(f"column 'class_name' of {f} has empty values")
+        labels = t.column("label").to_pylist()
+        local: dict = {}
+        for label, name in zip(labels, values, strict=True):
+            if local.setdefault(label, name) != name:
+                raise BackfillInputError(
+                    f"label {label!r} is both class {local[label]!r} and {name!r} in {f}"
+                )
+        maps[f] = local
+        names += values
+    classes, codes = np.unique(np.asarray(names, dtype=object).astype(str), return_inverse=True)
+    return codes.astype(np.int64), _label_map_note(maps)
+
+
+def _label_map_note(maps: dict) -> str | None:
+    """A note naming one label whose class differs between files, if any."""
+    merged: dict = {}
+    for f, local in maps.items():
+        for label, name in local.items():
+            other = merged.setdefault(label, (name, f))
+            if other[0] != name:
+                return (
+                    f"label maps differ between files (label {label!r} is {other[0]!r} in "
+                    f"{other[1]} and {name!r} in {f}): queries and gallery matched by class name"
+                )
+    return None
+
+
+def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbeddings:
+    """Read embeddings from a parquet file or a folder of parquet files, subfolders included
+    (schema above). Queries and gallery items are matched by ``class_name`` when the files
+    store it (every file this project writes does), else by ``label``."""
+    import pyarrow as pa
+
+    parts = _read_parts(path)
+    _check_part_schemas(parts)
+    by_name, label_note = _labels_by_class_name(parts)
+    table = pa.concat_tables([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise BackfillInputError(
@@ -323,7 +430,7 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
     is_g = kind == "gallery"
     if any(table.column(c).null_count for c in ("label", "split", "item_id")):
         raise BackfillInputError("columns 'item_id', 'label' and 'split' must not have null values")
-    labels = table.column("label").to_numpy(zero_copy_only=False)
+    labels = table.column("label").to_numpy(zero_copy_only=False) if by_name is None else by_name
     vecs = {c: _vector_column(table, c, ids) for c in VECTOR_COLUMNS if c in table.column_names}
     if "adapted" in vecs and vecs["adapted"].shape[1] != vecs["new"].shape[1]:
         raise BackfillInputError(
@@ -348,4 +455,5 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
         query_ids=ids[is_q],
         compatible_dim=compatible_dim,
         source=path if "://" in str(path) else os.path.abspath(path),
+        extra={"label_note": label_note} if label_note else {},
     )

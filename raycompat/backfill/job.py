@@ -54,6 +54,9 @@ class BackfillJobOptions:
     old_model: str | None = option(
         None, help="old model bundle (checked against the 'old' column's dimension)"
     )
+    allow_unrelated: bool = option(
+        False, help="use a --new-model whose recorded predecessor is not --old-model"
+    )
     policies: str | None = option(
         None,
         help=f"comma-separated; allowed: {', '.join(POLICIES)} (none: all that the inputs allow)",
@@ -144,6 +147,12 @@ def _load_inputs(opts: BackfillJobOptions, say):
     bundle's psi / rho / psi_rev applied."""
     new_bundle = _load_bundle(opts.new_model, "--new-model") if opts.new_model else None
     old_bundle = _load_bundle(opts.old_model, "--old-model") if opts.old_model else None
+    if old_bundle is not None and new_bundle is not None:
+        from raycompat.pipeline.bundles import check_predecessor
+
+        warning = check_predecessor(opts.old_model, opts.new_model, opts.allow_unrelated)
+        if warning:
+            say(f"warning: {warning}")
     compatible_dim = new_bundle.manifest.get("compatible_dim") if new_bundle is not None else None
     say(f"loading {opts.embeddings}")
     data = load_parquet(opts.embeddings, compatible_dim=compatible_dim)
@@ -151,6 +160,8 @@ def _load_inputs(opts: BackfillJobOptions, say):
         f"{data.n_items:,} gallery items, {data.n_queries:,} queries, old dim {data.old_dim}, "
         f"new dim {data.new_dim}"
     )
+    if data.extra.get("label_note"):
+        say(str(data.extra["label_note"]))
     if old_bundle is not None and old_bundle.embed_dim != data.old_dim:
         raise BackfillInputError(
             f"dimension mismatch: --old-model embeds {old_bundle.embed_dim} dims, "
@@ -182,7 +193,8 @@ def _default_policies(data, head) -> tuple[str, ...]:
 
 
 def _cost_model(opts: BackfillJobOptions, new_bundle, say):
-    """The time axis: a given rate, or the new embedder's rate measured on the CPU."""
+    """The time axis: a given rate per GPU, or the new embedder's rate measured on the CPU
+    (labelled "items/s on cpu")."""
     from raycompat.backfill.cost import CostModel, measure_items_per_s
 
     if opts.items_per_s_per_gpu is not None:
@@ -190,8 +202,8 @@ def _cost_model(opts: BackfillJobOptions, new_bundle, say):
     if new_bundle is None:
         return None
     rate = measure_items_per_s(new_bundle, device="cpu")
-    say(f"measured {rate:.1f} items/s for the new embedder")
-    return CostModel(rate, opts.gpus, source="measured: new embedder on cpu, random inputs")
+    say(f"measured {rate:.1f} items/s on cpu for the new embedder")
+    return CostModel(rate, opts.gpus, source="measured: new embedder, random inputs", device="cpu")
 
 
 def _references(path: str | None) -> dict | None:

@@ -64,10 +64,7 @@ def _x_axis(result, axis: str, xlabel: str | None):
         return xlabel, 1.0
     smax = max(float(np.max(c.seconds)) for c in result.curves if c.seconds is not None)
     unit, div = _time_unit(smax)
-    return (
-        f"simulated backfill time ({unit}; {result.cost.items_per_s_per_gpu:g} items/s/GPU "
-        f"x {result.cost.num_gpus} GPU)"
-    ), div
+    return f"simulated backfill time ({unit}; {result.cost.describe()})", div
 
 
 def _plot_one(

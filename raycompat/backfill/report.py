@@ -5,7 +5,8 @@
 * ``curves.json`` -- every curve value, flat rows ``{policy, mode, fraction,
   metric, value, items_backfilled, seconds}``, per-curve summaries (AUC, AUC
   gain, regression statistics), references, the cost model and the
-  configuration; NaN is written as ``null``;
+  configuration; NaN is written as ``null``; an undefined AUC gain is ``null`` with its
+  reason in ``auc_gain_note``;
 * ``curves.md`` -- the same as tables a person can read;
 * ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
   :mod:`raycompat.backfill.plots`.
@@ -20,9 +21,10 @@ import os
 
 import numpy as np
 
+from raycompat.backfill.grid import backfill_counts
 from raycompat.report import markdown_table, write_json
 
-__all__ = ["write_reports", "markdown_report", "load_json"]
+__all__ = ["write_reports", "markdown_report", "load_json", "auc_gain_notes"]
 
 
 def _pct(v) -> float | None:
@@ -74,10 +76,10 @@ def _setup_lines(result) -> list[str]:
         total = c.seconds([result.n_items])[0]
         unit, div = _time_unit(total)
         lines.append(
-            f"Cost model ({c.source}): {c.items_per_s_per_gpu:g} items/s per GPU "
-            f"x {c.num_gpus} GPU(s) "
+            f"Cost model ({c.source}): {c.describe()} "
             f"= {c.items_per_s:g} items/s; the full backfill of {result.n_items:,} items takes "
-            f"{total / div:,.2f} {unit}; time(t) = n(t) / ({c.items_per_s:g} items/s)."
+            f"{total / div:,.2f} {unit}; time(t) = n(t) / ({c.items_per_s:g} items/s) for every "
+            "mode (cold re-embeds in the background and switches at t = 100%)."
         )
     else:
         lines.append(
@@ -100,6 +102,15 @@ def _references_lines(result) -> list[str]:
         markdown_table(["retrieval"] + list(result.metric_names), rows, digits=2),
         "",
     ]
+
+
+def auc_gain_notes(summaries) -> list[str]:
+    """One line per distinct reason an AUC gain is ``n/a``: ``"AUC gain n/a for <metric>:
+    <auc_gain_note>"``, in first-seen order (printed once under a table)."""
+    seen = dict.fromkeys(
+        (s.get("metric"), s["auc_gain_note"]) for s in summaries if s.get("auc_gain_note")
+    )
+    return [f"AUC gain n/a for {m}: {note}." if m else f"AUC gain n/a: {note}." for m, note in seen]
 
 
 def _summary_lines(result) -> list[str]:
@@ -134,16 +145,19 @@ def _summary_lines(result) -> list[str]:
                     _regression_text(s.get("regression")),
                 ]
             )
+    notes = [f"- {line}" for line in auc_gain_notes(result.summary_rows())]
     return [
         "## Summary per policy and mode",
         "",
         "AUC: trapezoid area over t in [0, 1] (RM); AUC gain: (AUC - AUC(old-old)) / "
-        "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference); "
+        "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference and "
+        "new*-new* better than old-old; n/a otherwise, with the reason under the table); "
         "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
         "for NFR, rises).",
         "",
         markdown_table(headers, rows, digits=2),
         "",
+        *(notes + [""] if notes else []),
     ]
 
 
@@ -157,15 +171,12 @@ def _metric_table_lines(result, n: str) -> list[str]:
         + ([f"time ({unit})"] if result.cost is not None else [])
         + [f"{c.policy} / {c.mode}" for c in result.curves]
     )
+    counts = backfill_counts(result.fractions, result.n_items)  # the same for every mode
     rows = []
     for j, t in enumerate(result.fractions):
         row = [f"{100 * t:g}%"]
         if result.cost is not None:
-            row.append(
-                float(result.cost.seconds([result.curves[0].counts[j]])[0]) / div
-                if result.curves
-                else None
-            )
+            row.append(float(result.cost.seconds([counts[j]])[0]) / div)
         row += [_pct(c.metrics[n][j]) for c in result.curves]
         rows.append(row)
     return [f"## {n} (%) at each backfill fraction", "", markdown_table(cols, rows, digits=2), ""]

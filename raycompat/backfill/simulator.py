@@ -13,7 +13,12 @@ in memory or from parquet), a set of policies
   (RM Table 1) when ``AUC(old-old)`` and ``AUC(new*-new*)`` are known, and the
   regression statistics of RACT Eq.3 (points below the t = 0 value and drops
   between consecutive points; for NFR "worse" means higher);
-* a simulated wall-clock axis from a :class:`~raycompat.backfill.cost.CostModel`.
+* a simulated wall-clock axis from a :class:`~raycompat.backfill.cost.CostModel`: the time
+  the backfill job needs to re-embed ``n(t)`` items, for every mode (``cold`` too: it
+  re-embeds in the background and serves the new model only at t = 1).
+
+When the AUC gain is undefined (no new* reference, a lower-is-better metric, a partial grid,
+or new*-new* not better than old-old) it is ``None`` and ``auc_gain_note`` says why.
 
 All curves come from one call of :func:`raycompat.backfill.engine.compute_ranks`
 (one blockwise scoring pass per distinct score side, shared by every policy and
@@ -50,6 +55,7 @@ from raycompat.backfill.policies import (
     policy_order,
 )
 from raycompat.metrics import auc, auc_gain, regression_stats
+from raycompat.metrics.curves import auc_gain_note
 
 __all__ = ["Curve", "SimulationResult", "simulate_backfill", "backfill_curve_rows"]
 
@@ -58,7 +64,12 @@ COLD_POLICY = "any"  # the cold curve does not depend on the policy
 
 @dataclass
 class Curve:
-    """One backfill curve (policy x mode): metric values at every grid point."""
+    """One backfill curve (policy x mode): metric values at every grid point.
+
+    ``counts``: items whose new vector is served at each point (``cold``: 0 until t = 1).
+    ``backfilled``: items the backfill job has re-embedded by then, ``n(t)`` for every mode
+    (defaults to ``counts``); ``seconds`` is its cost.
+    """
 
     policy: str
     mode: str
@@ -67,6 +78,11 @@ class Curve:
     metrics: dict[str, np.ndarray]
     seconds: np.ndarray | None = None
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)
+    backfilled: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.backfilled is None:
+            self.backfilled = np.asarray(self.counts).copy()
 
     @property
     def label(self) -> str:
@@ -128,7 +144,7 @@ class SimulationResult:
                                 "fraction": float(t),
                                 "metric": name,
                                 "value": v if np.isfinite(v) else None,
-                                "items_backfilled": int(c.counts[j]),
+                                "items_backfilled": int(c.backfilled[j]),
                                 "seconds": None if c.seconds is None else float(c.seconds[j]),
                             }
                         )
@@ -164,7 +180,8 @@ class SimulationResult:
                     "policy": c.policy,
                     "mode": c.mode,
                     "fractions": [float(x) for x in c.fractions],
-                    "items_backfilled": [int(x) for x in c.counts],
+                    "items_backfilled": [int(x) for x in c.backfilled],
+                    "items_served_new": [int(x) for x in c.counts],
                     "seconds": None if c.seconds is None else [float(x) for x in c.seconds],
                     "metrics": {k: [float(x) for x in v] for k, v in c.metrics.items()},
                     "summary": c.summary,
@@ -324,9 +341,11 @@ def _references(res, static, k: int, reference_correct, references):
     return refs, ref_correct
 
 
-def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost) -> list[Curve]:
-    """Per policy x mode: the metrics at every grid point, the simulated seconds, the summaries."""
+def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost, n: int) -> list[Curve]:
+    """Per policy x mode: the metrics at every grid point, the simulated seconds (the cost of
+    re-embedding ``n(t)`` items, the same for every mode), the summaries."""
     out: list[Curve] = []
+    work = backfill_counts(plan.grid, n)
     for c in curves:
         if c.key[0] == "reference":
             continue
@@ -338,7 +357,8 @@ def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost) -> list[Cu
             fractions=plan.grid.copy(),
             counts=cr.counts.copy(),
             metrics=mv,
-            seconds=None if cost is None else cost.seconds(cr.counts),
+            seconds=None if cost is None else cost.seconds(work),
+            backfilled=work.copy(),
         )
         cv.summary = {
             name: _summaries(name, plan.grid, mv[name], refs) for name in METRIC_NAMES(plan.k)
@@ -378,28 +398,35 @@ def _summaries(
         "max": float(np.nanmax(values)) if np.isfinite(values).any() else float("nan"),
         "auc": None,
         "auc_gain": None,
+        "auc_gain_note": None,
         "full_range": bool(fractions[0] == 0.0 and fractions[-1] == 1.0),
     }
     if np.isnan(values).any():
         out["regression"] = None
+        out["auc_gain_note"] = "the curve has undefined (NaN) values"
         return out
     out["auc"] = auc(fractions, values, require_full_range=False)
     higher = not name.startswith("NFR")
     out["regression"] = regression_stats(fractions, values, higher_is_better=higher)
+    out["auc_gain"], out["auc_gain_note"] = _gain(name, out["auc"], out["full_range"], refs)
+    return out
+
+
+def _gain(name: str, area: float, full_range: bool, refs) -> tuple[float | None, str | None]:
+    """``(AUC gain, None)`` (RM Table 1), or ``(None, why it is undefined)``."""
+    if name.startswith("NFR"):
+        return None, "lower is better; the AUC gain is defined for higher-is-better metrics only"
+    if not full_range:
+        return None, "the grid does not cover t in [0, 1]"
     oo = refs.get("old-old", {}).get(name)
     ns = refs.get("new*-new*", {}).get(name)
-    if (
-        higher
-        and out["full_range"]
-        and oo is not None
-        and ns is not None
-        and np.isfinite(oo)
-        and np.isfinite(ns)
-    ):
-        # AUC of a flat reference curve over [0, 1] is its value
-        g = auc_gain(out["auc"], oo, ns)
-        out["auc_gain"] = None if not np.isfinite(g) else float(g)
-    return out
+    if oo is None or ns is None:
+        missing = "new*-new*" if ns is None else "old-old"
+        return None, f"no {missing} reference for {name}"
+    note = auc_gain_note(oo, ns)  # AUC of a flat reference curve over [0, 1] is its value
+    if note is not None:
+        return None, note
+    return float(auc_gain(area, oo, ns)), None
 
 
 # ----------------------------------------------------------------------------- main entry
@@ -465,7 +492,7 @@ def simulate_backfill(
     curves, static = _curve_specs(plan, orders, data.n_items, want_oo)
     res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
     refs, ref_correct = _references(res, static, plan.k, reference_correct, references)
-    out_curves = _metric_curves(plan, curves, res, ref_correct, refs, cost)
+    out_curves = _metric_curves(plan, curves, res, ref_correct, refs, cost, data.n_items)
     stats = {
         "policy_seconds": policy_seconds,
         "engine": res.stats,

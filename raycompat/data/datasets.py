@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 def images_to_tensor(images: np.ndarray, in_chans: int) -> torch.Tensor:
-    """uint8 [..., H, W] (any leading batch dims) -> float [..., C, H, W] in [-1, 1], the same
-    scaling as ``to_tensor`` for one image."""
+    """uint8 [..., H, W] or [..., H, W, C] with C == ``in_chans`` > 1 (any leading batch dims)
+    -> float [..., C, H, W] in [-1, 1], the same scaling as ``to_tensor`` for one image."""
     x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(127.5).sub_(1.0)
+    if in_chans > 1 and x.ndim >= 3 and x.shape[-1] == in_chans:
+        return x.movedim(-1, -3).contiguous()
     x = x.unsqueeze(-3)
     return x.expand(*x.shape[:-3], in_chans, *x.shape[-2:]).contiguous() if in_chans > 1 else x
 

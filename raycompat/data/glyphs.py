@@ -301,6 +301,10 @@ class GlyphCatalog:
             h.update(fs.tobytes())
         return h.hexdigest()[:16]
 
+    def class_name(self, i: int) -> str:
+        """The class name of glyph class ``i``: its code point, ``U+0041``."""
+        return f"U+{int(self.codepoints[i]):04X}"
+
     def char(self, i: int) -> str:
         return chr(int(self.codepoints[i]))
 

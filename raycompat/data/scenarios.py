@@ -7,11 +7,12 @@ renderer instance numbers, unique per class across all splits of a scenario.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from raycompat.config import choices, nonnegative, option, positive
+from raycompat.config import ConfigError, nonnegative, option, positive
 
 #: Known scenario names.
 SCENARIOS = ("extended-data", "open-data", "open-class", "extended-class", "sequential")
@@ -35,11 +36,14 @@ _EVAL_SPLITS = ("query", "gallery", "distractors")
 
 @dataclass(eq=False)
 class Split:
-    """One set of images: parallel arrays of class labels and instance numbers."""
+    """One set of images: parallel arrays of class labels and instance numbers. A split of
+    your own images also has ``items``: the source key of every image (its instance number is
+    its position in ``items``)."""
 
     name: str
     labels: np.ndarray
     instances: np.ndarray
+    items: list[str] | None = None
 
     def __post_init__(self):
         self.labels = np.asarray(self.labels, dtype=np.int64).ravel()
@@ -48,6 +52,10 @@ class Split:
             raise ValueError(
                 f"split {self.name!r}: {self.labels.size} labels "
                 f"but {self.instances.size} instances"
+            )
+        if self.items is not None and len(self.items) != self.labels.size:
+            raise ValueError(
+                f"split {self.name!r}: {self.labels.size} labels but {len(self.items)} items"
             )
 
     def __len__(self) -> int:
@@ -59,6 +67,7 @@ class Split:
             and self.name == other.name
             and np.array_equal(self.labels, other.labels)
             and np.array_equal(self.instances, other.instances)
+            and self.items == other.items
         )
 
     @property
@@ -66,16 +75,18 @@ class Split:
         """Sorted unique labels."""
         return np.unique(self.labels)
 
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "labels": self.labels.tolist(),
-            "instances": self.instances.tolist(),
-        }
+    def to_dict(self, class_names: list[str] | None = None) -> dict:
+        """JSON-able; with ``class_names`` (your images) also every item's key and class."""
+        out = {"name": self.name, "labels": self.labels.tolist()}
+        out["instances"] = self.instances.tolist()
+        if self.items is not None:
+            out["items"] = list(self.items)
+            out["classes"] = [class_names[i] for i in self.labels.tolist()]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> Split:
-        return cls(d["name"], d["labels"], d["instances"])
+        return cls(d["name"], d["labels"], d["instances"], d.get("items"))
 
 
 @dataclass
@@ -90,6 +101,14 @@ class Scenario:
     splits: dict[str, Split]
     params: dict = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    #: your images: the sorted class names (label ``i`` is ``class_names[i]``) and the source
+    class_names: list[str] | None = None
+    source: dict | None = None
+
+    @property
+    def user_data(self) -> bool:
+        """True for a scenario of your own images (not the built-in glyphs)."""
+        return self.source is not None
 
     def __post_init__(self):
         for alias, target in self.aliases.items():
@@ -149,19 +168,33 @@ class Scenario:
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (aliases are stored once, as names)."""
-        return {
+        out = {
             "name": self.name,
             "seed": self.seed,
             "params": {k: list(v) if isinstance(v, tuple) else v for k, v in self.params.items()},
             "aliases": dict(self.aliases),
-            "splits": {k: s.to_dict() for k, s in self.splits.items() if k not in self.aliases},
         }
+        if self.user_data:
+            out["source"] = dict(self.source)
+            out["class_names"] = list(self.class_names)
+        out["splits"] = {
+            k: s.to_dict(self.class_names) for k, s in self.splits.items() if k not in self.aliases
+        }
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> Scenario:
+        """The inverse of :meth:`to_dict`; raycompat.data.user_scenarios.read_scenario_file
+        checks a file's fields first and names the one that is wrong."""
         splits = {k: Split.from_dict(v) for k, v in d["splits"].items()}
         return cls(
-            d["name"], int(d["seed"]), splits, dict(d.get("params", {})), dict(d.get("aliases", {}))
+            d["name"],
+            int(d["seed"]),
+            splits,
+            dict(d.get("params", {})),
+            dict(d.get("aliases", {})),
+            d.get("class_names"),
+            d.get("source"),
         )
 
 
@@ -305,7 +338,11 @@ class ScenarioSizes:
     ``dataclasses.replace(ScenarioSizes(), ...)`` and gets the flags ``--train-classes``,
     ``--images-per-class`` ... from :func:`raycompat.config.add_options`."""
 
-    scenario: str = choices(*SCENARIOS, default="extended-class", help="upgrade scenario")
+    scenario: str = option(
+        "extended-class",
+        help="upgrade scenario: an allocation (" + ", ".join(SCENARIOS) + ") or a scenario.json "
+        "written by raycompat scenario",
+    )
     train_classes: int = positive(DEFAULTS["num_train_classes"], help="classes the models train on")
     images_per_class: int = positive(DEFAULTS["images_per_class"], help="training images per class")
     eval_classes: int = positive(
@@ -325,8 +362,28 @@ class ScenarioSizes:
     backbone: str = option("resnet10t", help="any timm model name")
     data_seed: int = nonnegative(0, help="seed of the class split and the renderer")
 
+    def __post_init__(self):
+        if self.scenario not in SCENARIOS and not self.scenario_file:
+            raise ConfigError(
+                f"--scenario {self.scenario!r} is neither an allocation ({', '.join(SCENARIOS)}) "
+                "nor a scenario .json file"
+            )
+
+    @property
+    def scenario_file(self) -> str | None:
+        """The ``scenario.json`` that ``--scenario`` names, if it names a file."""
+        s = self.scenario
+        if s in SCENARIOS:
+            return None
+        return s if s.endswith(".json") or os.sep in s or os.path.exists(s) else None
+
     def build(self, catalog=None, name: str | None = None) -> Scenario:
         """:func:`build_scenario` at these sizes (``name`` overrides :attr:`scenario`)."""
+        if name is None and self.scenario_file:
+            raise ConfigError(
+                f"--scenario {self.scenario} is a file: read it with "
+                "raycompat.data.user_scenarios.read_scenario_file"
+            )
         return build_scenario(
             name or self.scenario,
             catalog=catalog,

@@ -10,6 +10,10 @@ ways to treat samples whose class the old head does not know:
   once, from the frozen old model, so the same whatever the number of workers);
 - ``kd``: ``KL(softmax(s*w_o(phi_o(x))) || softmax(s*w_o(phi_n(x))))``, s=32, for them.
 
+An old model without a classifier (imported with ``raycompat import-model``) has no ``w_o``:
+only ``sys`` applies, every row is synthesised, and the rows are scored as a CosFace head
+(s=32, m=0.4, BCT's face setting; ``HEAD_DEFAULTS['cosface']``).
+
 Dimension change: only the first ``D_o`` dims of the new embedding meet the old classifier
 (``compatible_part``); the same subspace is used in cross-model search.
 """
@@ -21,10 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raycompat.config import choices, nonnegative, positive
+from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
 from raycompat.methods.gathered import global_mean
 from raycompat.methods.prototypes import class_mean_features
+from raycompat.models.heads import HEAD_DEFAULTS, margin_logits
 
 __all__ = ["BCT", "class_mean_features"]
 
@@ -40,8 +45,19 @@ class BCT(CompatMethod):
         lambda_compat: float = nonnegative(1.0)
         kd_scale: float = positive(32.0)
 
+    @classmethod
+    def check_config(cls, cfg, old_manifest):
+        """A head-less old model (imported) allows only the ``sys`` variant."""
+        if old_manifest is None or "head" in old_manifest.get("modules", {}):
+            return
+        variant = parse_options(cls.Options, cfg.method_options, owner="method bct").variant
+        check_headless_variant(variant, cfg.old_model)
+
     def __init__(self, options, context):
         super().__init__(options, context)
+        if not self.old.has_head:
+            source = self.old.manifest.get("imported", {}).get("source")
+            check_headless_variant(options.variant, source)
         old_rows = {c: i for i, c in enumerate(context.old_classes)}
         # new-head target -> old-head row (or -1): unknown classes are the "new classes".
         mapping = torch.tensor([old_rows.get(c, -1) for c in context.new_classes], dtype=torch.long)
@@ -72,16 +88,25 @@ class BCT(CompatMethod):
         self.synth_rows.copy_((sums / counts[:, None]).float())
         self._synthesised = True
 
-    def compat_loss(self, model, batch: TrainBatch, emb):
+    def sys_logits(self, part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of ``[w_o; synthesised rows]``; without an old head, the synthesised rows
+        alone, as a CosFace head."""
+        if not self.old.has_head:
+            cos = F.linear(F.normalize(part, dim=-1), F.normalize(self.synth_rows, dim=-1))
+            return margin_logits(cos, rows, "cosface", **HEAD_DEFAULTS["cosface"])
         old_head = self.old.head
+        weight = torch.cat([old_head.weight, self.synth_rows], dim=0)
+        return old_head(part, rows, weight=weight)
+
+    def compat_loss(self, model, batch: TrainBatch, emb):
         part = self.compatible_part(emb)
         old_rows = self.old_row_of_new_target[batch.new_targets]
         known = old_rows >= 0
         variant = self.options.variant
         if variant == "sys":
-            weight = torch.cat([old_head.weight, self.synth_rows], dim=0)
             rows = torch.where(known, old_rows, self.synth_row_of_new_target[batch.new_targets])
-            return {"influence": F.cross_entropy(old_head(part, rows, weight=weight), rows)}
+            return {"influence": F.cross_entropy(self.sys_logits(part, rows), rows)}
+        old_head = self.old.head
         # beta (and kd's known part): mean over the known samples of the global batch.
         safe_rows = old_rows.clamp(min=0)
         ce = F.cross_entropy(
@@ -97,3 +122,14 @@ class BCT(CompatMethod):
             # A batch mean in which known samples count as 0.
             terms["kd"] = torch.where(unknown, kl, torch.zeros_like(kl)).mean()
         return terms
+
+
+def check_headless_variant(variant: str, old_model: str | None) -> None:
+    """Without an old classifier, ``beta`` and ``kd`` have nothing to train against."""
+    if variant != "sys":
+        raise ConfigError(
+            f"method bct variant {variant!r} needs the old model's classifier head, and the "
+            f"old model {old_model!r} has none (an imported model); use variant=sys "
+            "(synthesised classifier rows from class means of old features) or a method "
+            "that needs no old head (l2, contrastive, p2s)"
+        )

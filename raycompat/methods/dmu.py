@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raycompat.config import choices, nonnegative, positive
+from raycompat.config import ConfigError, choices, nonnegative, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
 from raycompat.methods.gathered import gather, local_share, local_slice
 from raycompat.models import PsiMLP, margin_logits
@@ -76,6 +76,16 @@ class DMU(CompatMethod):
         arc_scale: float = positive(30.0)
         arc_margin: float = nonnegative(0.3)
         psi_hidden: int = positive(1024)
+
+    @classmethod
+    def check_config(cls, cfg, old_manifest: dict | None) -> None:
+        """DMU weights samples by the old classifier (DMU Eq.10): the old model needs a head."""
+        if old_manifest is not None and "head" not in old_manifest.get("modules", {}):
+            raise ConfigError(
+                f"method 'dmu' needs the old model's classifier head (L_SBC, DMU Eq.10); the "
+                f"old model {cfg.old_model!r} has none (an imported model): use bct "
+                "(variant=sys), l2, contrastive or p2s"
+            )
 
     def setup(self, embedder, head):
         if getattr(head, "kind", "arcface") != "arcface":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["auc", "auc_gain", "regression_stats"]
+__all__ = ["auc", "auc_gain", "auc_gain_note", "regression_stats"]
 
 
 def _curve(fractions, values) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +66,9 @@ def auc_gain(auc_method, auc_oldold, auc_newstar):
     as using the paragon new model everywhere).  ``AUC(old-old)`` and
     ``AUC(new*-new*)`` are the areas of the flat curves of the old system and
     of the fully backfilled paragon (i.e. their metric values, when constant).
-    ``nan`` when ``AUC(new*-new*) == AUC(old-old)`` (undefined).
+    ``nan`` (undefined) unless ``AUC(new*-new*) > AUC(old-old)``: with new* no
+    better than old-old the denominator is <= 0 and the ratio's sign would flip
+    (see :func:`auc_gain_note` for the reason to print).
     Scalars give a python float; arrays broadcast.
     """
     a = np.asarray(auc_method, dtype=np.float64)
@@ -74,10 +76,25 @@ def auc_gain(auc_method, auc_oldold, auc_newstar):
     c = np.asarray(auc_newstar, dtype=np.float64)
     num, den = np.broadcast_arrays(a - b, c - b)
     out = np.full(num.shape, np.nan)
-    np.divide(num, den, out=out, where=den != 0)
+    np.divide(num, den, out=out, where=den > 0)
     if out.ndim == 0:
         return float(out)
     return out
+
+
+def auc_gain_note(auc_oldold: float, auc_newstar: float) -> str | None:
+    """Why the AUC gain (RM Table 1) is undefined for these references, or ``None`` if it is
+    defined: its denominator ``AUC(new*-new*) - AUC(old-old)`` must be > 0.
+
+    Values are printed as given (fractions in the JSON), e.g.
+    ``"new*-new* (0.31) is not better than old-old (0.35)"``.
+    """
+    b, c = float(auc_oldold), float(auc_newstar)
+    if not (np.isfinite(b) and np.isfinite(c)):
+        return f"reference is not finite (new*-new* {c:.4g}, old-old {b:.4g})"
+    if c > b:
+        return None
+    return f"new*-new* ({c:.4g}) is not better than old-old ({b:.4g})"
 
 
 def regression_stats(fractions, values, higher_is_better: bool = True) -> dict[str, object]:

@@ -1,8 +1,10 @@
-"""Models: timm embedder with GeM, classifier heads, projection MLPs, bundles on disk."""
+"""Models: timm embedder with GeM, classifier heads, projection MLPs, bundles on disk, and
+imported models (a timm checkpoint or a TorchScript file the user already has)."""
 
 from raycompat.models.bundle import ModelBundle, build_module
 from raycompat.models.embedder import Embedder, GeM
 from raycompat.models.heads import ClassifierHead, margin_logits
+from raycompat.models.imported import TimmFeatures, TorchScriptEmbedder
 from raycompat.models.psi import FeatureMap, ProjectionMLP, PsiMLP
 
 __all__ = [
@@ -15,4 +17,6 @@ __all__ = [
     "ProjectionMLP",
     "PsiMLP",
     "FeatureMap",
+    "TimmFeatures",
+    "TorchScriptEmbedder",
 ]

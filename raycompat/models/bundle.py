@@ -1,5 +1,6 @@
 """Save and load trained models as a folder: one ``<name>.pt`` state_dict per module plus a
-JSON manifest (method, backbone names, dims, classes, data scenario, versions).
+JSON manifest (method, backbone names, dims, classes, data scenario, versions). A module may
+also write files of its own into the folder (``save_files``: a TorchScript embedder's file).
 
 Every module carries a ``spec`` dict (its constructor arguments), so a bundle rebuilds
 itself from the manifest alone. Weights are loaded with ``weights_only=True``: nothing is
@@ -18,16 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from raycompat.config import ConfigError
 from raycompat.models.embedder import Embedder
 from raycompat.models.heads import ClassifierHead
+from raycompat.models.imported import TimmFeatures, TorchScriptEmbedder
 from raycompat.models.psi import ProjectionMLP
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-def build_module(spec: dict[str, Any]) -> nn.Module:
-    """Rebuild a module from its ``spec`` (the inverse of ``module.spec``)."""
+def build_module(spec: dict[str, Any], root: str | None = None) -> nn.Module:
+    """Rebuild a module from its ``spec`` (the inverse of ``module.spec``); ``root``: the bundle
+    folder, for modules kept in a file of their own there (``torchscript``)."""
     kwargs = {k: v for k, v in spec.items() if k != "type"}
     kind = spec.get("type")
     if kind == "embedder":
@@ -36,7 +40,15 @@ def build_module(spec: dict[str, Any]) -> nn.Module:
         return ClassifierHead(**kwargs)
     if kind == "mlp":
         return ProjectionMLP(**kwargs)
-    raise ValueError(f"unknown module type {kind!r} in manifest; allowed: embedder, head, mlp")
+    if kind == "timm":
+        return TimmFeatures(**kwargs)
+    if kind == "torchscript":
+        if root is None:
+            raise ValueError("a 'torchscript' module is rebuilt from its bundle folder (root)")
+        return TorchScriptEmbedder.load(os.path.join(root, kwargs.pop("file")), **kwargs)
+    raise ValueError(
+        f"unknown module type {kind!r} in manifest; allowed: embedder, head, mlp, timm, torchscript"
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -68,7 +80,17 @@ class ModelBundle:
         return self.modules["embedder"]
 
     @property
+    def has_head(self) -> bool:
+        """Whether the bundle has a classifier head (an imported model has none)."""
+        return "head" in self.modules
+
+    @property
     def head(self) -> ClassifierHead:
+        if not self.has_head:
+            raise ConfigError(
+                f"the model bundle (method {self.manifest.get('method')!r}) has no classifier "
+                f"head; it has {sorted(self.modules)}"
+            )
         return self.modules["head"]
 
     @property
@@ -106,6 +128,8 @@ class ModelBundle:
         manifest.setdefault("versions", _versions())
         for name, module in self.modules.items():
             torch.save(module.state_dict(), os.path.join(tmp, f"{name}.pt"))
+            if hasattr(module, "save_files"):  # e.g. a TorchScript embedder's own file
+                module.save_files(tmp)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
         if os.path.exists(path):
@@ -128,7 +152,7 @@ class ModelBundle:
             manifest = json.load(f)
         modules: dict[str, nn.Module] = {}
         for name, spec in manifest.get("modules", {}).items():
-            module = build_module(spec)
+            module = build_module(spec, root=path)
             state = torch.load(
                 os.path.join(path, f"{name}.pt"), map_location=device, weights_only=True
             )

@@ -18,7 +18,7 @@ def _local_bundle(path: str) -> str:
     from raycompat.storage import is_uri, local_copy
 
     if not is_uri(path):
-        return path
+        return os.path.expanduser(path)
     if path not in _LOCAL_COPIES:
         try:
             _LOCAL_COPIES[path] = local_copy(path)
@@ -42,6 +42,31 @@ def bundle_fingerprint(path: str) -> str:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)
     return h.hexdigest()[:16]
+
+
+def check_predecessor(old_path: str, new_path: str, allow_unrelated: bool = False) -> str | None:
+    """Whether the new model was trained against this old model: ``None`` when the
+    predecessor fingerprint the new bundle records equals the old bundle's; a warning when
+    the new bundle records none (an older bundle, or one trained without an old model) or
+    when they differ and ``allow_unrelated``; ``ConfigError`` when they differ otherwise."""
+    predecessor = read_manifest(new_path).get("predecessor") or {}
+    recorded = predecessor.get("fingerprint")
+    if recorded is None:
+        why = "an older bundle" if predecessor else "no predecessor in its manifest"
+        return (
+            f"new model {new_path} records no predecessor fingerprint ({why}): cannot check "
+            f"that it was trained against --old-model {old_path}"
+        )
+    actual = bundle_fingerprint(old_path)
+    if recorded == actual:
+        return None
+    message = (
+        f"new model {new_path} was trained against old model {recorded} "
+        f"({predecessor.get('path')}), but --old-model {old_path} is {actual}"
+    )
+    if allow_unrelated:
+        return message + " (--allow-unrelated: used together anyway)"
+    raise ConfigError(message + ": pass --allow-unrelated to use them together anyway")
 
 
 def read_manifest(path: str) -> dict:
@@ -126,6 +151,7 @@ def make_random_bundles(
         seed=seed,
         head=head,
         bn_calibrated=True,
+        predecessor_fingerprint=True,
     )
     paths = (os.path.join(out_dir, "old"), os.path.join(out_dir, "new"))
     stamp = os.path.join(out_dir, "random_init.json")
@@ -157,6 +183,11 @@ def make_random_bundles(
     )
     for bundle, path in zip((old, new), paths, strict=False):
         calibrate_batchnorm(bundle.embedder, resolution, seed)
+        if bundle is new:  # the new model records its predecessor, as a trained one does
+            new.manifest["predecessor"] = {
+                "path": paths[0],
+                "fingerprint": bundle_fingerprint(paths[0]),
+            }
         bundle.eval().save(path)
     os.makedirs(out_dir, exist_ok=True)
     with open(stamp, "w") as fh:

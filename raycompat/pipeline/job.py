@@ -36,6 +36,7 @@ from raycompat.config import (
 from raycompat.console import fail, job_main, quiet_ray
 from raycompat.data.readers import CorruptImageError
 from raycompat.data.scenarios import ScenarioSizes
+from raycompat.data.source import DataSourceOptions
 from raycompat.pipeline.ids import IdPlan, parse_ids_option
 from raycompat.pipeline.options import (
     ExecutionOptions,
@@ -49,7 +50,6 @@ from raycompat.pipeline.stages import UNCERTAINTY_COLUMNS
 __all__ = ["EmbedGalleryOptions", "GalleryRun", "embed_gallery", "build_parser", "run_job", "main"]
 
 SUMMARY_NAME = "_summary.json"
-SOURCES = ("glyphs", "image_folder", "parquet", "gldv2", "old_features")
 
 
 @dataclass
@@ -600,25 +600,20 @@ class EmbedGalleryOptions:
     ids: str | None = option(
         None, help="only these item ids: START:STOP, or a file of ids (text or .npy)"
     )
-    source: str = choices(
-        *SOURCES,
-        default="glyphs",
-        help="old_features: refresh stored old features (an earlier output) with psi / "
-        "uncertainty, no images",
+    data: DataSourceOptions = option(
+        DataSourceOptions(), help="the images: the built-in glyphs or yours"
     )
-    path: str | None = option(
-        None, help="image folder, parquet file/folder, GLDv2 csv, or old-feature parquet folder"
+    old_features: str | None = option(
+        None,
+        help="instead of images: refresh stored old features (an earlier output folder) with "
+        "psi / uncertainty",
     )
-    image_root: str | None = option(None, help="GLDv2 image root (a/b/c/<id>.jpg layout)")
-    image_column: str = option("image", help="image bytes column of a parquet source")
-    label_column: str = option("label", help="label column of a parquet source ('' for none)")
-    id_column: str = option("item_id", help="id column of a parquet source")
     split: str = choices(
         "query",
         "gallery",
         "distractor",
         default="gallery",
-        help="split of every item of a folder/parquet/GLDv2 source",
+        help="without a --scenario file: the split of every item of your images",
     )
     image_resolution: int | None = option(
         None,
@@ -626,11 +621,10 @@ class EmbedGalleryOptions:
         min=1,
         help="image side in pixels (default: the old model's training resolution, else 32)",
     )
-    scenario_json: str | None = option(
-        None, help="built-in glyph source: a saved scenario (e.g. quickstart_out/scenario.json)"
-    )
     sizes: ScenarioSizes = option(
-        ScenarioSizes(), help="built-in glyph source: the scenario (ScenarioSizes' own defaults)"
+        ScenarioSizes(),
+        help="the scenario: a scenario.json (its query, gallery and distractor items), or the "
+        "glyphs' allocation and sizes",
     )
     distractors: int = nonnegative(0, help="built-in glyph source: extra generated distractors")
     items: int | None = option(
@@ -638,6 +632,11 @@ class EmbedGalleryOptions:
         min=1,
         help="built-in glyph source: total items (scenario + generated "
         "distractors); overrides --distractors",
+    )
+    allow_unrelated: bool = option(
+        False,
+        help="embed with a new model whose recorded predecessor is not --old-model "
+        "(refused otherwise)",
     )
     execution: ExecutionOptions = option(ExecutionOptions(), help="how the run executes")
     stages: StageFlags = option(factory=StageFlags, help="per-stage Ray Data resources")
@@ -659,18 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _glyph_source(opts: EmbedGalleryOptions, resolution: int):
-    from raycompat.data import Scenario, default_catalog, scenario_from_options
+def _glyph_source(opts: EmbedGalleryOptions, scenario, resolution: int):
     from raycompat.pipeline.sources import GlyphGallerySource
 
-    if opts.scenario_json:
-        with open(opts.scenario_json) as fh:
-            scenario = Scenario.from_dict(json.load(fh))
-    else:
-        try:
-            scenario = scenario_from_options(opts.sizes, catalog=default_catalog())
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
     extra = opts.distractors
     n0 = sum(len(scenario.splits[k]) for k in ("query", "gallery", "distractors"))
     if opts.items is not None:
@@ -681,18 +671,18 @@ def _glyph_source(opts: EmbedGalleryOptions, resolution: int):
 
 
 def _file_source(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
+    """All the images of ``--path``, every one in ``--split``."""
     from raycompat.pipeline.sources import ParquetImageSource, RecordSource
 
+    spec = opts.data.spec()
     kw = dict(split=opts.split, resolution=resolution, in_chans=in_chans)
     try:
-        if opts.source == "image_folder":
-            return RecordSource.image_folder(opts.path, **kw)
-        if opts.source == "gldv2":
-            if not opts.image_root:
-                raise ConfigError("--source gldv2 needs --image-root")
-            return RecordSource.gldv2(opts.path, opts.image_root, **kw)
+        if spec.kind == "image_folder":
+            return RecordSource.image_folder(spec.path, **kw)
+        if spec.kind == "gldv2":
+            return RecordSource.gldv2(spec.path, spec.image_root, **kw)
         return ParquetImageSource(
-            opts.path, opts.image_column, opts.label_column or None, opts.id_column, **kw
+            spec.path, spec.image_column, spec.class_column or None, spec.id_column, **kw
         )
     except (FileNotFoundError, ValueError) as exc:
         if isinstance(exc, ConfigError):
@@ -701,16 +691,22 @@ def _file_source(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
 
 
 def source_from_options(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
-    """The gallery source the options name (``ConfigError`` for a bad one)."""
-    if opts.source == "glyphs":
-        return _glyph_source(opts, resolution)
-    if not opts.path:
-        raise ConfigError(f"--source {opts.source} needs --path")
-    if opts.source == "old_features":
-        from raycompat.pipeline.sources import OldFeatureSource
+    """The gallery source the options name (``ConfigError`` for a bad one): stored old
+    features; a scenario's query, gallery and distractor items (a ``--scenario`` file, or the
+    glyphs); or every image of ``--path`` in ``--split``."""
+    from raycompat.data.user_scenarios import resolve_scenario
+    from raycompat.pipeline.sources import OldFeatureSource, ScenarioItemSource
 
-        return OldFeatureSource(opts.path)
-    return _file_source(opts, in_chans, resolution)
+    if opts.old_features:
+        if opts.data.user:
+            raise ConfigError("--old-features replaces the images: no --source with it")
+        return OldFeatureSource(opts.old_features)
+    if opts.data.user and not opts.sizes.scenario_file:
+        return _file_source(opts, in_chans, resolution)
+    scenario = resolve_scenario(opts.sizes, opts.data)
+    if scenario.user_data:
+        return ScenarioItemSource(scenario, resolution, in_chans)
+    return _glyph_source(opts, scenario, resolution)
 
 
 def _models(opts: EmbedGalleryOptions) -> tuple[str | None, str | None]:
@@ -727,7 +723,7 @@ def run_job(opts: EmbedGalleryOptions) -> GalleryRun:
     """The job: every check that needs no cluster first (output location, options, models,
     source), then Ray and :func:`embed_gallery`."""
     from raycompat.cluster import connect
-    from raycompat.pipeline.bundles import embedder_info
+    from raycompat.pipeline.bundles import check_predecessor, embedder_info
     from raycompat.pipeline.location import resolve_output
 
     # the output location first: a missing or unwritable one stops the job before models or Ray
@@ -735,7 +731,11 @@ def run_job(opts: EmbedGalleryOptions) -> GalleryRun:
     options = pipeline_options(opts.execution, opts.stages)
     columns = parse_columns(opts.columns)
     old_model, new_model = _models(opts)
-    if opts.source == "old_features":
+    if old_model and new_model:  # the new model must have been trained against this old one
+        warning = check_predecessor(old_model, new_model, opts.allow_unrelated)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if opts.old_features:
         source = source_from_options(opts, 1, 32)
         resolve_models(columns, opts.uncertainty, None, new_model, source.old_dim)
     else:

@@ -35,6 +35,7 @@ and path (``on_corrupt='fail'``) or come back with ``error`` set (``'skip'``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
 
@@ -111,6 +112,7 @@ class GlyphGallerySource(GallerySource):
         self.scenario_seed = int(scenario.seed)
         self.scenario_params = dict(scenario.params)
         self.catalog_fingerprint = catalog.fingerprint
+        self.codepoints = np.asarray(catalog.codepoints, np.int64)
         self.resolution = int(resolution)
         self.data_seed = int(data_seed)
         self.extra_distractors = int(extra_distractors)
@@ -207,6 +209,7 @@ class GlyphGallerySource(GallerySource):
             "item_id": ids,
             "label": labels,
             "split": np.asarray(SPLIT_NAMES, dtype=object)[codes],
+            "class_name": np.asarray([f"U+{c:04X}" for c in self.codepoints[labels]], object),
             "image": images,
             "error": np.full(ids.size, "", dtype=object),
         }
@@ -224,7 +227,11 @@ def _decode(src, item_id: int, where: str, mode: str, resolution: int, on_corrup
     return np.asarray(img, dtype=np.uint8), ""
 
 
-def _image_columns(ids, labels, split: str, decoded, resolution: int, in_chans: int) -> dict:
+def _image_columns(
+    ids, labels, split, decoded, resolution: int, in_chans: int, class_names
+) -> dict:
+    """The columns ``load`` returns; ``split`` is one name or one per item, ``class_names``
+    the name of every label (``class_names[label]``)."""
     shape = (resolution, resolution) if in_chans == 1 else (resolution, resolution, in_chans)
     images = np.zeros((len(ids), *shape), np.uint8)
     errors = np.full(len(ids), "", dtype=object)
@@ -235,7 +242,8 @@ def _image_columns(ids, labels, split: str, decoded, resolution: int, in_chans: 
     return {
         "item_id": np.asarray(ids, np.int64),
         "label": np.asarray(labels, np.int64),
-        "split": np.full(len(ids), split, dtype=object),
+        "split": np.full(len(ids), split, dtype=object) if isinstance(split, str) else split,
+        "class_name": np.asarray([class_names[i] for i in np.asarray(labels).tolist()], object),
         "image": images,
         "error": errors,
     }
@@ -245,6 +253,71 @@ def _check_split(split: str) -> str:
     if split not in SPLIT_NAMES:
         raise ConfigError(f"split {split!r} is not allowed; allowed: {list(SPLIT_NAMES)}")
     return split
+
+
+class ScenarioItemSource(GallerySource):
+    """The query, gallery and distractor items of a scenario of your images
+    (``raycompat scenario``), with the id layout of :class:`GlyphGallerySource` (queries,
+    then gallery, then distractors, each in the scenario's order); labels, splits and class
+    names come from the scenario, images from its source by key."""
+
+    kind = "scenario"
+
+    def __init__(self, scenario, resolution: int = 32, in_chans: int = 3):
+        from raycompat.data.source import ItemImages, SourceSpec
+
+        if not scenario.user_data:
+            raise ConfigError("ScenarioItemSource needs a scenario of your images")
+        parts = [scenario.splits[name] for name, _ in _SCENARIO_SPLITS]
+        self.keys = [k for p in parts for k in p.items]
+        self.labels = np.concatenate([p.labels for p in parts]).astype(np.int64)
+        self.splits = np.concatenate(
+            [
+                np.full(len(p), out, dtype=object)
+                for (_, out), p in zip(_SCENARIO_SPLITS, parts, strict=True)
+            ]
+        )
+        self.class_names = list(scenario.class_names)
+        self.spec = SourceSpec.from_dict(scenario.source)
+        self.resolution, self.in_chans = int(resolution), int(in_chans)
+        self.images = ItemImages(self.spec, self.resolution, self.in_chans)
+        self.scenario_digest = hashlib.sha256(
+            json.dumps([self.keys, self.labels.tolist(), self.class_names]).encode()
+        ).hexdigest()[:16]
+
+    def num_ids(self) -> int:
+        return len(self.keys)
+
+    def describe(self) -> dict:
+        return {
+            "kind": self.kind,
+            "source": self.spec.to_dict(),
+            "items": self.num_ids(),
+            "resolution": self.resolution,
+            "in_chans": self.in_chans,
+            "scenario_sha256": self.scenario_digest,
+        }
+
+    def load(self, ids, on_corrupt: str = "fail") -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, np.int64)
+        decoded = []
+        for i in ids.tolist():
+            where = f"{self.spec.describe()} item {self.keys[i]!r}"
+            try:
+                decoded.append((self.images.load(self.keys[i]), ""))
+            except (CorruptImageError, FileNotFoundError) as exc:
+                if on_corrupt == "fail":
+                    raise CorruptImageError(f"corrupt image item_id={i} {where}: {exc}") from None
+                decoded.append((None, f"item_id={i} {where}: {exc}"))
+        return _image_columns(
+            ids,
+            self.labels[ids],
+            self.splits[ids],
+            decoded,
+            self.resolution,
+            self.in_chans,
+            self.class_names,
+        )
 
 
 class RecordSource(GallerySource):
@@ -274,6 +347,9 @@ class RecordSource(GallerySource):
             raise ConfigError(f"{kind} source {location}: duplicate item ids")
         self.paths = [recs[i].path for i in order]
         self.labels = np.array([recs[i].label for i in order], np.int64)
+        names = getattr(records, "class_names", None)
+        self.class_names = [str(c) for c in names] if names else [str(c) for c in range(max(
+            self.labels.max() + 1, 0))]  # fmt: skip
 
     @classmethod
     def image_folder(cls, root: str, **kw) -> RecordSource:
@@ -317,7 +393,13 @@ class RecordSource(GallerySource):
             for p, i in zip(pos.tolist(), ids.tolist(), strict=False)
         ]
         return _image_columns(
-            ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans
+            ids,
+            self.labels[pos],
+            self.split,
+            decoded,
+            self.resolution,
+            self.in_chans,
+            self.class_names,
         )
 
 
@@ -438,6 +520,9 @@ class ParquetImageSource(_ParquetRowGroupSource):
             check_file, read_group, f"parquet source {path} (id column {id_column!r})"
         )
         keys = sorted({v for v in raw_labels if v is not None}) if label_column else []
+        #: the sorted distinct values of the label column: label ``i`` is ``class_values[i]``
+        self.class_values = keys
+        self.class_names = [str(k) for k in keys] + [""]  # label -1 (no value): no name
         label_of = {k: i for i, k in enumerate(keys)}
         self.labels = np.array([label_of.get(v, -1) for v in raw_labels.tolist()], np.int64)
         self._cache: dict[tuple[int, int], list] = {}
@@ -495,7 +580,13 @@ class ParquetImageSource(_ParquetRowGroupSource):
                     bytes(value), int(ids[k]), where, mode, self.resolution, on_corrupt
                 )
         return _image_columns(
-            ids, self.labels[pos], self.split, decoded, self.resolution, self.in_chans
+            ids,
+            self.labels[pos],
+            self.split,
+            decoded,
+            self.resolution,
+            self.in_chans,
+            self.class_names,
         )
 
 
@@ -534,16 +625,20 @@ class OldFeatureSource(_ParquetRowGroupSource):
             self.old_dim = t.list_size
 
         def read_group(pf, g):
-            tab = pf.read_row_group(g, columns=["item_id", "label", "split"])
+            named = "class_name" in pf.schema_arrow.names
+            columns = ["item_id", "label", "split"] + (["class_name"] if named else [])
+            tab = pf.read_row_group(g, columns=columns)
+            names = tab.column("class_name").to_pylist() if named else [""] * tab.num_rows
             return (
                 tab.column("item_id").to_numpy(),
                 (
                     tab.column("label").to_numpy().astype(np.int64),
                     np.asarray(tab.column("split").to_pylist(), dtype=object),
+                    np.asarray(names, dtype=object),
                 ),
             )
 
-        self.labels, self.splits = self._index_row_groups(
+        self.labels, self.splits, self.item_classes = self._index_row_groups(
             check_file, read_group, f"old-feature source {path}"
         )
 
@@ -577,6 +672,7 @@ class OldFeatureSource(_ParquetRowGroupSource):
             "item_id": ids,
             "label": self.labels[pos],
             "split": self.splits[pos],
+            "class_name": self.item_classes[pos],
             "old": old,
             "error": np.full(ids.size, "", dtype=object),
         }

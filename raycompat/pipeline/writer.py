@@ -29,12 +29,40 @@ SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 META_KEY = b"raycompat.chunk"
 
 
+def remove_at_exit_if_unwritten(location) -> bool:
+    """A failed first run leaves no folder behind: when local output folder ``location`` (an
+    ``OutputDir``) is empty now, it is removed when the process exits if it then holds no
+    shard (only the manifest and temp files of killed writers). Returns whether that was
+    arranged."""
+    import atexit
+
+    if not location.local or location.listdir():
+        return False
+    atexit.register(_remove_if_unwritten, location.root)
+    return True
+
+
+def _remove_if_unwritten(root: str) -> None:
+    import shutil
+
+    from raycompat.pipeline.manifest import MANIFEST_NAME
+
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        temp = name.startswith(".") and ".tmp" in name  # an interrupted atomic write
+        if not (temp or name == MANIFEST_NAME) or os.path.isdir(os.path.join(root, name)):
+            return
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def shard_name(chunk: int) -> str:
     return f"part-{chunk:06d}.parquet"
 
 
 def output_schema(vector_dims: dict[str, int], uncertainty_columns=()):
-    """``item_id`` int64, ``label`` int64, ``split`` string, one
+    """``item_id`` int64, ``label`` int64, ``split`` string, ``class_name`` string (the
+    label's class: queries and gallery are matched by it), one
     ``fixed_size_list<float32>[D]`` per representation, float64 uncertainty columns."""
     import pyarrow as pa
 
@@ -42,6 +70,7 @@ def output_schema(vector_dims: dict[str, int], uncertainty_columns=()):
         pa.field("item_id", pa.int64(), nullable=False),
         pa.field("label", pa.int64(), nullable=False),
         pa.field("split", pa.string(), nullable=False),
+        pa.field("class_name", pa.string(), nullable=False),
     ]
     fields += [
         pa.field(name, pa.list_(pa.float32(), dim), nullable=False)

@@ -672,7 +672,7 @@ def hot_refresh(
     ``rank_merge``, with ``naive_merge`` and ``cold`` as the RM paper's baselines), random
     order for all, and the uncertainty orders (RACT Eq.9-11) for bct / contrastive / ract.
     Returns ``{label: [curve, ...]}`` with ``curve = {policy, mode, fractions, <metric>: [...],
-    summary: {metric: {auc, auc_gain, regression}}}``."""
+    summary: {metric: {auc, auc_gain, auc_gain_note, regression}}}``."""
     from raycompat.backfill import (
         GalleryEmbeddings,
         UncertaintyHead,
@@ -715,7 +715,10 @@ def hot_refresh(
             entry = dict(policy=c.policy, mode=c.mode, fractions=[float(x) for x in c.fractions])
             entry.update({m: [float(x) for x in c.metrics[m]] for m in CURVE_METRICS})
             entry["summary"] = {
-                m: {k: c.summary[m].get(k) for k in ("auc", "auc_gain", "regression")}
+                m: {
+                    k: c.summary[m].get(k)
+                    for k in ("auc", "auc_gain", "auc_gain_note", "regression")
+                }
                 for m in CURVE_METRICS
             }
             curves.append(entry)

@@ -102,6 +102,13 @@ class TrainConfig:
                 f"{old['embed_dim']}: the compatible subspace needs embed_dim >= "
                 f"{old['embed_dim']}"
             )
+        if old is not None and "in_chans" in old and int(old["in_chans"]) != self.in_chans:
+            raise ConfigError(
+                f"old_model {self.old_model!r} takes in_chans={old['in_chans']}, but this run "
+                f"has in_chans={self.in_chans} (glyphs: 1, your images: 3): they must match"
+            )
+        if old is not None:
+            check_old_classes(old, self.scenario, self.old_model)
         if init is not None:
             for key in ("backbone", "embed_dim", "in_chans"):
                 if key in init and init[key] != getattr(self, key):
@@ -176,3 +183,33 @@ class TrainConfig:
             if field_name not in data and field_name in embedder:
                 data[field_name] = embedder[field_name]
         return data
+
+
+def check_old_classes(old: dict, scenario: dict, path: str) -> None:
+    """The old model's head rows must name the classes this scenario's labels name: a model
+    trained on another scenario of your images (or on glyphs) would silently pair its rows with
+    other classes. Imported models (no head rows) pass."""
+    rows = old.get("classes") or []
+    if not rows:
+        return
+    names = scenario.get("class_names")
+    old_names = old.get("class_names")
+    if names is None and old_names is None:
+        return  # both on glyphs: the catalog fingerprint guards the labels
+    if names is None or old_names is None:
+        trained = "your images" if old_names is not None else "the built-in glyphs"
+        raise ConfigError(
+            f"old_model {path!r} was trained on {trained}, this run is not: its classes and "
+            "this scenario's labels are different things"
+        )
+    wrong = [
+        (label, old_name, names[label] if 0 <= label < len(names) else None)
+        for label, old_name in zip(rows, old_names, strict=True)
+        if not 0 <= label < len(names) or names[label] != old_name
+    ]
+    if wrong:
+        shown = ", ".join(f"label {lab}: {o!r} vs {n!r}" for lab, o, n in wrong[:5])
+        raise ConfigError(
+            f"old_model {path!r} and this scenario disagree on {len(wrong)} class(es) "
+            f"(old model vs scenario: {shown}): train both with the same --scenario scenario.json"
+        )

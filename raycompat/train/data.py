@@ -1,4 +1,4 @@
-"""Training data for the loop: a split of the built-in glyph scenario, one or two views.
+"""Training data for the loop: a split of a scenario (glyphs or your images), one or two views.
 
 Old and new models see two independent augmentations of the same image (docs/methods.md,
 Notation): view 0 feeds the new model, view 1 the frozen old one. Images are rendered
@@ -21,23 +21,19 @@ from raycompat.methods.base import TrainBatch
 
 
 class TrainingSet(Dataset):
-    """Items of one split -> ``(x_new, x_old, label)``; ``x_old`` is empty with one view."""
+    """Items of one split -> ``(x_new, x_old, label)``; ``x_old`` is empty with one view.
+
+    ``view_image(index, view)`` gives one uint8 view ``[H, W]`` (glyphs) or ``[H, W, 3]``
+    (your images); views are made once, on first use, and kept."""
 
     def __init__(
-        self,
-        labels: np.ndarray,
-        instances: np.ndarray,
-        renderer: GlyphRenderer,
-        views: int = 2,
-        in_chans: int = 1,
+        self, labels: np.ndarray, view_image, shape: tuple, views: int = 2, in_chans: int = 1
     ):
         self.labels = np.asarray(labels, dtype=np.int64)
-        self.instances = np.asarray(instances, dtype=np.int64)
-        self.renderer = renderer
+        self.view_image = view_image
         self.views = views
         self.in_chans = in_chans
-        r = renderer.resolution
-        self._images = np.zeros((len(self.labels), views, r, r), np.uint8)
+        self._images = np.zeros((len(self.labels), views, *shape), np.uint8)
         self._rendered = np.zeros(len(self.labels), bool)
         self.classes = sorted(int(c) for c in np.unique(self.labels))
 
@@ -46,9 +42,8 @@ class TrainingSet(Dataset):
 
     def images(self, index: int) -> np.ndarray:
         if not self._rendered[index]:
-            c, i = int(self.labels[index]), int(self.instances[index])
             for v in range(self.views):
-                self._images[index, v] = self.renderer.render(c, i, view=v)
+                self._images[index, v] = self.view_image(index, v)
             self._rendered[index] = True
         return self._images[index]
 
@@ -58,11 +53,42 @@ class TrainingSet(Dataset):
         return views[0], x_old, int(self.labels[index])
 
 
+class UserImageViews:
+    """Views of your images: decoded once at 9/8 of the resolution, then a seeded random crop
+    of ``resolution`` pixels and a random horizontal flip per (item, view), so both views of an
+    item differ and every run sees the same ones (docs/methods.md, Notation)."""
+
+    def __init__(self, images, keys: list[str], seed: int):
+        self.images, self.keys, self.seed = images, keys, int(seed)
+        self.size = images.resolution
+        self.margin = max(1, images.resolution // 8)
+
+    def __call__(self, index: int, view: int) -> np.ndarray:
+        full = self.images.load(self.keys[index], self.size + self.margin)
+        rng = np.random.default_rng([self.seed, int(index), int(view), 0x71E5])
+        x, y = (int(v) for v in rng.integers(0, self.margin + 1, size=2))
+        crop = full[y : y + self.size, x : x + self.size]
+        return crop[:, ::-1] if rng.random() < 0.5 else crop
+
+
 def build_training_set(cfg, views: int) -> TrainingSet:
+    """The training set of ``cfg.split``: rendered glyphs, or your images by key."""
     scenario = Scenario.from_dict(cfg.scenario)
     split = scenario.splits[cfg.split]
-    renderer = GlyphRenderer(catalog_for(scenario), resolution=cfg.resolution, seed=cfg.data_seed)
-    return TrainingSet(split.labels, split.instances, renderer, views=views, in_chans=cfg.in_chans)
+    r = cfg.resolution
+    if scenario.user_data:
+        from raycompat.data.source import ItemImages, SourceSpec
+
+        images = ItemImages(SourceSpec.from_dict(scenario.source), r, cfg.in_chans)
+        view_image = UserImageViews(images, split.items, cfg.data_seed)
+        shape = (r, r) if cfg.in_chans == 1 else (r, r, cfg.in_chans)
+        return TrainingSet(split.labels, view_image, shape, views, cfg.in_chans)
+    renderer = GlyphRenderer(catalog_for(scenario), resolution=r, seed=cfg.data_seed)
+
+    def render(index: int, view: int) -> np.ndarray:
+        return renderer.render(int(split.labels[index]), int(split.instances[index]), view=view)
+
+    return TrainingSet(split.labels, render, (r, r), views, cfg.in_chans)
 
 
 class EpochPassLoader:

@@ -9,7 +9,6 @@ Ray starts (a bad option exits 2 naming it). See docs/architecture.md, "Jobs".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 
 from raycompat import console
 from raycompat.config import (
-    ConfigError,
     add_options,
     choices,
     describe_options,
@@ -29,6 +27,7 @@ from raycompat.config import (
     positive,
 )
 from raycompat.data.scenarios import ScenarioSizes
+from raycompat.data.source import DataSourceOptions
 
 __all__ = [
     "TrainOptions",
@@ -61,10 +60,14 @@ class TrainOptions:
         None, help="where to export the model bundle; none: <storage>/models/<run name>"
     )
     run_name: str | None = option(None, help="run name; none: <method>-<unix time>")
-    scenario_file: str | None = option(
-        None, help="a scenario JSON written by an earlier run (overrides --scenario and the sizes)"
+    data: DataSourceOptions = option(
+        DataSourceOptions(), help="data: the built-in glyphs or your images"
     )
-    sizes: ScenarioSizes = option(TRAIN_SIZES, help="data: a built-in glyph scenario")
+    sizes: ScenarioSizes = option(
+        TRAIN_SIZES,
+        help="data: the scenario (your images: only --scenario, --queries-per-class, "
+        "--resolution, --backbone and --data-seed apply)",
+    )
     pretrained_path: str | None = option(
         None, flag="--pretrained", help="local weights file for the backbone"
     )
@@ -82,6 +85,7 @@ class TrainOptions:
     storage: str = option("~/raycompat_runs", help="where runs and checkpoints go")
     address: str | None = option(None, help="Ray address; none: an embedded local Ray")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
+    overwrite: bool = option(False, help="replace an existing bundle at --out")
 
 
 TRAIN_DEFAULTS = TrainOptions()
@@ -129,16 +133,10 @@ def parse_train_options(
 
 
 def load_scenario(opts: TrainOptions):
-    """The scenario of ``--scenario-file``, else the one ``opts.sizes`` describe."""
-    from raycompat.data import Scenario
+    """The scenario of ``--scenario FILE``, else the one ``--source`` and the sizes describe."""
+    from raycompat.data.user_scenarios import resolve_scenario
 
-    try:
-        if opts.scenario_file:
-            with open(opts.scenario_file) as f:
-                return Scenario.from_dict(json.load(f))
-        return opts.sizes.build()
-    except (ValueError, OSError) as err:
-        raise ConfigError(str(err)) from None
+    return resolve_scenario(opts.sizes, opts.data)
 
 
 def train_config(
@@ -171,6 +169,7 @@ def train_config(
         scenario=scenario.to_dict(),
         split=split,
         resolution=opts.sizes.resolution,
+        in_chans=3 if scenario.user_data else 1,
         data_seed=opts.sizes.data_seed,
         num_workers=opts.workers,
         use_gpu=opts.gpus > 0,
@@ -179,10 +178,21 @@ def train_config(
         max_failures=opts.max_failures,
         storage_path=opts.storage,
         run_name=run_name,
-        old_model=old_model,
-        init_model=init_model,
+        old_model=_absolute(old_model),
+        init_model=_absolute(init_model),
     )
+    values["pretrained_path"] = _absolute(opts.pretrained_path)
     return TrainConfig.from_dict(values, check_paths=check_paths)
+
+
+def _absolute(path: str | None) -> str | None:
+    """A local path made absolute on the driver (Ray workers run in other folders); URIs and
+    ``None`` unchanged."""
+    from raycompat.storage import is_uri
+
+    if path is None or is_uri(path):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def export_path(opts: TrainOptions, run_name: str) -> str:

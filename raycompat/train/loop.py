@@ -78,6 +78,13 @@ def make_bundle(
     compatible_dim: int,
     epoch: int,
 ) -> ModelBundle:
+    """The bundle of the model after ``epoch``. Its manifest records the predecessor's
+    fingerprint (``predecessor.fingerprint``: sha256 of the old bundle's manifest and weights,
+    checked when the two models are used together) and the scenario's (``data.fingerprint``),
+    and the training config less the scenario."""
+    from raycompat.pipeline.bundles import bundle_fingerprint
+    from raycompat.train.export import scenario_fingerprint
+
     modules = {"embedder": module.embedder, "head": module.head, **module.method.exports()}
     manifest = {
         "method": cfg.method,
@@ -87,11 +94,13 @@ def make_bundle(
         "in_chans": cfg.in_chans,
         "resolution": cfg.resolution,
         "classes": [int(c) for c in new_classes],
+        **_class_names(cfg.scenario, new_classes),
         "compatible_dim": int(compatible_dim),
         "predecessor": None
         if old is None
         else {
             "path": cfg.old_model,
+            "fingerprint": bundle_fingerprint(cfg.old_model),
             "backbone": old.manifest.get("backbone"),
             "embed_dim": old.embed_dim,
             "method": old.manifest.get("method"),
@@ -103,11 +112,19 @@ def make_bundle(
             "seed": cfg.scenario.get("seed"),
             "split": cfg.split,
             "num_items": len(cfg.scenario["splits"][cfg.split]["labels"]),
+            "fingerprint": scenario_fingerprint(cfg.scenario),
         },
         "epochs_trained": epoch + 1,
         "train_config": {k: v for k, v in cfg.to_dict().items() if k != "scenario"},
     }
     return ModelBundle(modules, manifest)
+
+
+def _class_names(scenario: dict, classes: list[int]) -> dict:
+    """``{"class_names": [...]}``, the class name of every head row, for a scenario of your
+    images (glyph classes are named by the catalog); ``{}`` otherwise."""
+    names = scenario.get("class_names")
+    return {"class_names": [names[int(c)] for c in classes]} if names else {}
 
 
 @dataclass

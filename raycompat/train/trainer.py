@@ -3,7 +3,8 @@
 The run directory is ``<storage_path>/<run_name>``; Ray Train restores its state from there,
 so re-running an identical configuration resumes it instead of starting over. The storage is a
 local folder or any pyarrow URI (:mod:`raycompat.storage`); it is checked for writing before
-any worker starts.
+any worker starts, and the export location is checked too: another model there is not
+replaced unless ``overwrite`` (:func:`raycompat.train.export.check_bundle_target`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from raycompat import console
 from raycompat.models import ModelBundle
 from raycompat.storage import is_uri, open_storage
 from raycompat.train.config import TrainConfig
+from raycompat.train.export import check_bundle_target
 from raycompat.train.loop import BUNDLE_DIR, HISTORY, train_loop_per_worker
 
 
@@ -52,12 +54,16 @@ def console_settings():
     return logging_config, {"RAYCOMPAT_VERBOSE": "1" if verbose else "0"}
 
 
-def fit(cfg: TrainConfig, export_to: str | None = None) -> TrainRun:
-    """Train with ``cfg.num_workers`` DDP workers; copy the final bundle to ``export_to``."""
+def fit(cfg: TrainConfig, export_to: str | None = None, overwrite: bool = False) -> TrainRun:
+    """Train with ``cfg.num_workers`` DDP workers; copy the final bundle to ``export_to``.
+    A different model already at ``export_to`` is refused before training (``ConfigError``)
+    unless ``overwrite``; a bundle trained with the same model options is exported again."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     cfg.validate()
+    if export_to:
+        check_bundle_target(export_to, cfg.to_dict(), overwrite)
     # read by the driver when it starts the controller actor (Ray propagates it there)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", CONTROLLER_POLL_INTERVAL_S)
     storage = open_storage(cfg.storage_path)  # StorageError now, not after the first epoch

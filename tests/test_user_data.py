@@ -1,0 +1,248 @@
+"""Your own images end to end: scenario -> train-old -> train bct -> embed-gallery ->
+simulate-backfill through the public jobs, labels by class name, and every bad input named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from raycompat.data import GlyphRenderer, default_catalog
+
+CLASSES = 10
+TRAIN_FLAGS = [
+    "--backbone", "lcnet_050", "--resolution", "16", "--embed-dim", "32", "--epochs", "1",
+    "--batch-size", "8", "--lr", "0.05",
+]  # fmt: skip
+
+
+def write_folder(root, classes, per_class: int, offset: int = 0) -> str:
+    """A user-style image folder: RGB PNGs of rendered glyphs, class names as folder names."""
+    renderer = GlyphRenderer(default_catalog(), resolution=20, seed=3)
+    for c in classes:
+        folder = os.path.join(root, f"species_{c:02d}")
+        os.makedirs(folder, exist_ok=True)
+        for i in range(per_class + c % 2):
+            g = renderer.render(50 + 3 * c, offset + i)
+            rgb = np.stack([g, 255 - g, g // 2 + 40], -1).astype(np.uint8)
+            Image.fromarray(rgb).save(os.path.join(folder, f"img_{offset + i:03d}.png"))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    return write_folder(tmp_path_factory.mktemp("user") / "photos", range(CLASSES), 6)
+
+
+def run_job(capsys, module: str, *args: str) -> tuple[int, str, str]:
+    import importlib
+
+    code = importlib.import_module(module).main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def scenario_file(capsys, photos, out, *extra) -> str:
+    code, _, err = run_job(
+        capsys,
+        "raycompat.scenario_job",
+        "--source", "image_folder", "--path", photos, "--eval-fraction", "0.3",
+        "--out", str(out), *extra,
+    )  # fmt: skip
+    assert code == 0, err
+    return str(out)
+
+
+def test_scenario_lists_every_item_with_its_split_and_class(capsys, photos, tmp_path):
+    path = scenario_file(capsys, photos, tmp_path / "scenario.json")
+    data = json.load(open(path))
+    assert data["source"] == {"kind": "image_folder", "path": photos}
+    assert data["class_names"] == [f"species_{c:02d}" for c in range(CLASSES)]
+    for split in ("old_train", "new_train", "query", "gallery", "distractors"):
+        body = data["splits"][split]
+        assert len(body["items"]) == len(body["labels"]) == len(body["classes"])
+        for item, cls in zip(body["items"], body["classes"], strict=True):
+            assert item.split("/")[0] == cls  # the folder is the class
+    q, g = data["splits"]["query"], data["splits"]["gallery"]
+    assert set(q["classes"]) == set(g["classes"]) and len(set(q["classes"])) == 3
+    assert not set(q["items"]) & set(g["items"])
+    train = set(data["splits"]["new_train"]["classes"])
+    assert not train & set(q["classes"])  # held-out classes never train
+    again = scenario_file(capsys, photos, tmp_path / "again.json")
+    assert json.load(open(again)) == data  # seeded: the same file twice
+    code, _, err = run_job(
+        capsys, "raycompat.scenario_job", "--source", "image_folder", "--path", photos,
+        "--out", path,
+    )  # fmt: skip
+    assert code == 2 and f"{path} exists: pass --overwrite" in err
+
+
+def test_manifest_and_layout_give_explicit_splits(capsys, photos, tmp_path):
+    rows = ["item,class,split"]
+    for c in range(4):
+        for i in range(3):
+            split = ("old_train", "new_train", "query" if i == 0 else "gallery")[min(c, 2)]
+            rows.append(f"species_{c:02d}/img_{i:03d}.png,species_{c:02d},{split}")
+    manifest = tmp_path / "items.csv"
+    manifest.write_text("\n".join(rows) + "\n")
+    path = scenario_file(capsys, photos, tmp_path / "m.json", "--manifest", str(manifest))
+    data = json.load(open(path))
+    assert data["name"] == "custom"
+    assert data["splits"]["query"]["items"] == [
+        "species_02/img_000.png",
+        "species_03/img_000.png",
+    ]
+    layout = tmp_path / "layout"
+    for split, classes in (("old_train", [0, 1]), ("new_train", [0, 1, 2]), ("query", [5])):
+        write_folder(layout / split, classes, 2)
+    write_folder(layout / "gallery", [5], 3, offset=10)
+    code, _, err = run_job(
+        capsys, "raycompat.scenario_job", "--layout", str(layout), "--out", str(tmp_path / "l.json")
+    )
+    assert code == 0, err
+    data = json.load(open(tmp_path / "l.json"))
+    assert data["splits"]["gallery"]["classes"] == ["species_05"] * 4
+    assert data["splits"]["query"]["items"][0] == "query/species_05/img_000.png"
+
+
+def _bad_scenarios(tmp_path, good: str) -> list[tuple[str, str]]:
+    data = json.load(open(good))
+    no_splits = {k: v for k, v in data.items() if k != "splits"}
+    drifted = json.loads(json.dumps(data))
+    drifted["splits"]["gallery"]["labels"][0] += 1  # a label that names another class
+    cases = {
+        "folder": (None, "is a folder; expected a scenario.json"),
+        "notjson.json": ("{not json", "is not JSON"),
+        "nosplits.json": (json.dumps(no_splits), "lacks field 'splits'"),
+        "drift.json": (json.dumps(drifted), "the labels and class names disagree"),
+    }
+    out = []
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        if text is None:
+            path.mkdir()
+        else:
+            path.write_text(text)
+        out.append((str(path), message))
+    return out
+
+
+def test_bad_scenario_files_name_the_file_and_field(capsys, photos, tmp_path):
+    good = scenario_file(capsys, photos, tmp_path / "scenario.json")
+    for path, message in _bad_scenarios(tmp_path, good):
+        code, _, err = run_job(capsys, "raycompat.train.old_job", "--scenario", path, *TRAIN_FLAGS)
+        assert code == 2, (path, err)
+        assert path in err and message in err and "Traceback" not in err
+
+
+def test_bad_sources_are_named(capsys, tmp_path):
+    cases = [
+        (["--source", "image_folder"], "--source image_folder needs --path"),
+        (["--source", "image_folder", "--path", str(tmp_path / "none")], "no such file"),
+        (["--source", "gldv2", "--path", str(tmp_path)], "needs --image-root"),
+    ]
+    for args, message in cases:
+        code, _, err = run_job(capsys, "raycompat.scenario_job", *args, "--out", "x.json")
+        assert code == 2 and message in err, err
+
+
+def _direct_map(models, scenario, resolution: int) -> tuple[float, float]:
+    """mAP@100 of new->old and new->new computed without the pipeline or the simulator."""
+    from raycompat.evaluation import embed_scenario, evaluate_pair, scenario_eval_items
+    from raycompat.models import ModelBundle
+
+    sets = {
+        n: embed_scenario(n, ModelBundle.load(p), scenario, resolution) for n, p in models.items()
+    }
+    (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
+    new_old = evaluate_pair(sets["bct"].query, sets["old"].gallery, q_labels, g_labels)
+    new_new = evaluate_pair(sets["bct"].query, sets["bct"].gallery, q_labels, g_labels)
+    return new_old["mAP@100"], new_new["mAP@100"]
+
+
+def test_your_images_end_to_end_through_the_jobs(ray_cluster, capsys, photos, tmp_path):
+    from raycompat.data.user_scenarios import read_scenario_file
+
+    scenario = scenario_file(capsys, photos, tmp_path / "scenario.json")
+    models = {n: str(tmp_path / "models" / n) for n in ("old", "bct")}
+    storage = ["--storage", str(tmp_path / "runs")]
+    base = ["--scenario", scenario, *TRAIN_FLAGS, *storage]
+    code, _, err = run_job(capsys, "raycompat.train.old_job", *base, "--out", models["old"])
+    assert code == 0, err
+    bct = [*base, "--method", "bct", "--old-model", models["old"], "--out", models["bct"]]
+    code, _, err = run_job(capsys, "raycompat.train.job", *bct)
+    assert code == 0, err
+    manifest = json.load(open(os.path.join(models["bct"], "manifest.json")))
+    assert manifest["class_names"] == [
+        json.load(open(scenario))["class_names"][c] for c in manifest["classes"]
+    ]
+    emb = str(tmp_path / "emb")
+    code, _, err = run_job(
+        capsys, "raycompat.pipeline.job", "--scenario", scenario, "--old-model", models["old"],
+        "--new-model", models["bct"], "--columns", "old,new", "--out", emb,
+    )  # fmt: skip
+    assert code == 0, err
+    report = str(tmp_path / "report")
+    code, _, err = run_job(
+        capsys, "raycompat.backfill.job", "--embeddings", emb, "--policies", "random",
+        "--modes", "compatible", "--out", report,
+    )  # fmt: skip
+    assert code == 0, err
+    curve = json.load(open(os.path.join(report, "curves.json")))["curves"][0]
+    new_old, new_new = _direct_map(models, read_scenario_file(scenario), 16)
+    assert curve["metrics"]["mAP@100"][0] == pytest.approx(new_old, abs=1e-6)
+    assert curve["metrics"]["mAP@100"][-1] == pytest.approx(new_new, abs=1e-6)
+
+
+def test_query_and_gallery_folders_with_different_classes(ray_cluster, capsys, tmp_path):
+    """Each folder numbers its own classes; matched by class name the metrics are right."""
+    from raycompat.backfill.gallery import load_parquet
+    from raycompat.evaluation import evaluate_pair
+
+    queries = write_folder(tmp_path / "queries", [1, 2, 3], 2)
+    gallery = write_folder(tmp_path / "gallery", [0, 2, 3, 4, 5], 3, offset=10)
+    emb = tmp_path / "emb"
+    emb.mkdir()
+    for folder, split in ((queries, "query"), (gallery, "gallery")):
+        code, _, err = run_job(
+            capsys, "raycompat.pipeline.job", "--source", "image_folder", "--path", folder,
+            "--split", split, "--random-init", str(tmp_path / "models"), "--resolution", "16",
+            "--columns", "old,new", "--out", str(emb / split),
+        )  # fmt: skip
+        assert code == 0, err
+    data = load_parquet(str(emb))
+    assert "label maps differ" in data.extra["label_note"]
+    names, positions = {"query": [], "gallery": []}, {"query": [], "gallery": []}
+    for split, folder in (("query", queries), ("gallery", gallery)):
+        for i, c in enumerate(sorted(os.listdir(folder))):
+            n = len(os.listdir(os.path.join(folder, c)))
+            names[split] += [c] * n
+            positions[split] += [i] * n
+    got = evaluate_pair(data.query_new, data.gallery_new, data.query_labels, data.gallery_labels)
+    want = evaluate_pair(data.query_new, data.gallery_new, names["query"], names["gallery"])
+    assert got == want and got["mAP@100"] > 0
+    # each folder's own positions pair species_01 queries with species_02 items, and so on
+    drifted = evaluate_pair(
+        data.query_new, data.gallery_new, positions["query"], positions["gallery"]
+    )
+    assert drifted != want
+
+
+def test_mixed_dimension_shards_name_the_file_and_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycompat.backfill.gallery import BackfillInputError, load_parquet
+
+    for name, dim in (("a", 64), ("b", 128)):
+        vec = pa.array([[0.1] * dim] * 2, type=pa.list_(pa.float32(), dim))
+        table = pa.table(
+            {"item_id": [0, 1], "label": [0, 0], "split": ["query", "gallery"], "old": vec,
+             "new": vec}
+        )  # fmt: skip
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    with pytest.raises(BackfillInputError, match=r"column 'old': 64 in shard .*a\.parquet, 128"):
+        load_parquet(str(tmp_path))
