@@ -43,6 +43,7 @@ from raycompat.config import (
 )
 from raycompat.console import job_main, quiet_ray
 from raycompat.data.scenarios import ScenarioSizes
+from raycompat.data.source import DataSourceOptions
 from raycompat.serving.scoring import SERVED_MODES
 
 __all__ = ["HotRefreshOptions", "TINY_SIZES", "run_hot_refresh", "build_parser", "main"]
@@ -78,6 +79,9 @@ class HotRefreshOptions:
         "<storage>/runs",
     )
     name: str = option("default", help="report folder name under <storage>/hot_refresh")
+    overwrite: bool = option(
+        False, help="write into a report folder that holds another run's report"
+    )
     address: str | None = option(None, help="Ray address (none: an embedded local cluster)")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
     embeddings: str | None = option(
@@ -100,7 +104,7 @@ class HotRefreshOptions:
     host: str = option("127.0.0.1", help="HTTP host")
     batch_size: int = positive(64, help="items per backfill upsert")
     rate: float | None = option(None, help="backfill items per second (none: as fast as possible)")
-    source: str = choices(
+    vectors_from: str = choices(
         "gallery",
         "pipeline",
         "embedder",
@@ -108,7 +112,12 @@ class HotRefreshOptions:
         help="where the backfill's new vectors come from",
     )
     factory: str = option("Flat", help="faiss factory string (Flat: exact)")
-    sizes: ScenarioSizes = option(TINY_SIZES, help="the tiny default scenario")
+    data: DataSourceOptions = option(
+        DataSourceOptions(), help="data: the built-in glyphs or your images"
+    )
+    sizes: ScenarioSizes = option(
+        TINY_SIZES, help="the tiny default scenario (or --scenario scenario.json)"
+    )
     old_epochs: int = positive(8, help="epochs of the tiny old model")
     new_epochs: int = positive(6, help="epochs of the tiny new model(s)")
     embed_dim: int = positive(64, help="embedding dimension of the tiny models")
@@ -133,7 +142,10 @@ def parse_fractions(text: str) -> np.ndarray:
 def _scenario(opts: HotRefreshOptions, models_dir: str | None):
     from raycompat.data import default_catalog, scenario_from_options
     from raycompat.data.scenarios import Scenario
+    from raycompat.data.user_scenarios import resolve_scenario
 
+    if opts.data.user or opts.sizes.scenario_file:
+        return resolve_scenario(opts.sizes, opts.data)
     if models_dir:
         sj = os.path.join(os.path.dirname(os.path.abspath(models_dir)), "scenario.json")
         if os.path.isfile(sj):
@@ -214,12 +226,13 @@ def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: st
             scenario=scenario.to_dict(),
             split=split,
             resolution=opts.sizes.resolution,
+            in_chans=3 if scenario.user_data else 1,
             data_seed=opts.sizes.data_seed,
             old_model=models.get(pred),
             init_model=models.get(init),
             log_every=50,
         )
-        run, wall = train_named(values, name, tag, runs_dir, models_dir)
+        run, wall = train_named(values, name, tag, runs_dir, models_dir, overwrite=opts.overwrite)
         models[name] = run.bundle_path
         log(f"  {name}: {wall:.0f} s -> {run.bundle_path}")
     return models_dir
@@ -274,22 +287,26 @@ def _embedded_gallery(opts: HotRefreshOptions, scenario, bundles: dict, new_name
     return data, stored, np.asarray(g_labels), np.asarray(g_inst)
 
 
-def _write_items(path: str, stored, g_labels, g_inst) -> str:
-    """``item_id, label, instance`` of the stored gallery: what the embedder pool renders."""
+def _write_items(path: str, stored, g_labels, g_inst, scenario) -> str:
+    """``item_id, label, instance`` of the stored gallery: what the embedder pool renders; for
+    your images also ``key`` (and the source in the table's metadata): what it decodes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from raycompat.evaluation import scenario_eval_keys
+
     n = len(stored)
-    pq.write_table(
-        pa.table(
-            {
-                "item_id": pa.array(np.arange(n, dtype=np.int64)),
-                "label": pa.array(g_labels[stored].astype(np.int64)),
-                "instance": pa.array(g_inst[stored].astype(np.int64)),
-            }
-        ),
-        path,
-    )
+    columns = {
+        "item_id": pa.array(np.arange(n, dtype=np.int64)),
+        "label": pa.array(g_labels[stored].astype(np.int64)),
+        "instance": pa.array(g_inst[stored].astype(np.int64)),
+    }
+    table = pa.table(columns)
+    if scenario.user_data:
+        keys = scenario_eval_keys(scenario)[1]
+        table = table.append_column("key", pa.array([keys[i] for i in stored]))
+        table = table.replace_schema_metadata({"source": json.dumps(scenario.source)})
+    pq.write_table(table, path)
     return path
 
 
@@ -319,7 +336,7 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
                 f"--mode adapted needs a new model with a psi module ({paths[new_name]})"
             )
     path = write_gallery_parquet(os.path.join(out, "embeddings.parquet"), data)
-    items = _write_items(os.path.join(out, "items.parquet"), stored, g_labels, g_inst)
+    items = _write_items(os.path.join(out, "items.parquet"), stored, g_labels, g_inst, scenario)
     log(f"  {len(stored)} gallery items, {data.n_queries} queries -> {path}")
     return path, items, paths[new_name], paths["old"]
 
@@ -404,7 +421,10 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
     try:
         client = ServingClient(url, token=token)
         client.wait_ready()
-        say(f"live backfill through {url} (source {opts.source}, batch {opts.batch_size})")
+        say(
+            f"live backfill through {url} "
+            f"(vectors from {opts.vectors_from}, batch {opts.batch_size})"
+        )
         live = live_backfill_curve(
             client,
             prep.data,
@@ -412,7 +432,7 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
             policy=opts.policy,
             seed=opts.seed,
             k=prep.k,
-            source=opts.source,
+            source=opts.vectors_from,
             batch_size=opts.batch_size,
             rate=opts.rate,
             log=say,
@@ -466,7 +486,8 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
         f"{data.n_queries} queries through `POST /search`; "
         f"policy `{opts.policy}`, mode `{opts.mode}`, "
         f"seed {opts.seed}, "
-        f"new vectors from `{opts.source}`. NFR@1 against old-old top-1 measured live at t=0.",
+        f"new vectors from `{opts.vectors_from}`. "
+        "NFR@1 against old-old top-1 measured live at t=0.",
         "",
         markdown_table(headers, rows, digits=4),
         "",
@@ -506,7 +527,14 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     fractions = parse_fractions(opts.fractions)
     # where everything goes, checked for writing before any work (StorageError otherwise)
     output = resolve_job_output(
-        "hot_refresh", out=opts.out, storage=opts.storage, name=opts.name, default_out=DEFAULT_OUT
+        "hot_refresh",
+        out=opts.out,
+        storage=opts.storage,
+        name=opts.name,
+        default_out=DEFAULT_OUT,
+        config=opts,
+        overwrite=opts.overwrite,
+        ignore=("port", "host", "rate"),
     )
     out = output.local
     connect(opts.address)
@@ -572,19 +600,28 @@ def near_ties(data, k: int, mode: str, gap: float = 1e-6) -> dict:
     return out
 
 
-def _query_images(data, n: int, resolution: int, data_seed: int):
-    """``n`` query images (gallery-class glyph instances rendered afresh, instance numbers
-    beyond the gallery's) and their base64 PNGs."""
+def _query_images(data, n: int, emb, data_seed: int, items: str):
+    """``n`` query images and their base64 PNGs: gallery-class glyph instances rendered afresh
+    (instance numbers beyond the gallery's), or your first ``n`` gallery images."""
     import base64
     import io
 
+    import pyarrow.parquet as pq
     from PIL import Image
 
     from raycompat.data import GlyphRenderer, default_catalog
 
-    renderer = GlyphRenderer(default_catalog(), resolution=resolution, seed=data_seed)
-    labels = np.asarray(data.query_labels[:n]).astype(np.int64)
-    imgs = renderer.render_batch(labels, np.full(n, 10_000, np.int64))
+    table = pq.read_table(items)
+    if "key" in table.column_names:
+        from raycompat.data.source import ItemImages, SourceSpec
+
+        source = SourceSpec.from_dict(json.loads(table.schema.metadata[b"source"]))
+        images = ItemImages(source, emb.resolution, emb.in_chans)
+        imgs = np.stack([images.load(k) for k in table.column("key").to_pylist()[:n]])
+    else:
+        renderer = GlyphRenderer(default_catalog(), resolution=emb.resolution, seed=data_seed)
+        labels = np.asarray(data.query_labels[:n]).astype(np.int64)
+        imgs = renderer.render_batch(labels, np.full(n, 10_000, np.int64))
     b64 = []
     for im in imgs:
         buf = io.BytesIO()
@@ -605,7 +642,7 @@ def _image_query_check(
     seed = opts.sizes.data_seed
     emb = ModelEmbedder(new_model, data_seed=seed)
     n = min(8, data.n_queries)
-    imgs, b64 = _query_images(data, n, emb.resolution, seed)
+    imgs, b64 = _query_images(data, n, emb, seed, items)
     res = client.search_images(b64, k=5)
     offline = emb.embed_images(imgs)
     offline_old = None

@@ -286,6 +286,19 @@ def _check_existing(local: str, destination: str | None, record: dict, overwrite
     check_report_target(target, record, overwrite)
 
 
+def _local_folder(out: str, given: bool) -> tuple[str, tuple | None]:
+    """``(local folder, upload)`` of report location ``out``: for a URI, a staging folder
+    and ``(Storage of its parent, leaf name)``; a given local path's parent must exist."""
+    if is_uri(out):
+        parent, leaf = out.rstrip("/").rsplit("/", 1)
+        return _staging_dir(out), (open_storage(parent), leaf)
+    local = os.path.abspath(os.path.expanduser(out))
+    parent = os.path.dirname(local.rstrip(os.sep)) or os.sep
+    if given and not os.path.exists(local) and not os.path.isdir(parent):
+        raise StorageError(f"--out {out}: the parent folder {parent} does not exist")
+    return local, None
+
+
 def _write_stamp(local: str, record: dict) -> None:
     tmp = os.path.join(local, f".{STAMP}.tmp{os.getpid()}")
     with open(tmp, "w") as fh:
@@ -314,16 +327,7 @@ def resolve_job_output(
     if not given and store is not None:
         out = store.join(kind, name)  # the storage was checked: its sub-folders are created
     out = out or default_out
-    upload = None
-    if is_uri(out):
-        parent, leaf = out.rstrip("/").rsplit("/", 1)
-        upload = (open_storage(parent), leaf)
-        local = _staging_dir(out)
-    else:
-        local = os.path.abspath(os.path.expanduser(out))
-        parent = os.path.dirname(local.rstrip(os.sep)) or os.sep
-        if given and not os.path.exists(local) and not os.path.isdir(parent):
-            raise StorageError(f"--out {out}: the parent folder {parent} does not exist")
+    local, upload = _local_folder(out, given)
     record = {"job": kind, "config": config_record(config, ignore)}
     _check_existing(local, out if upload else None, record, overwrite)
     created = not os.path.exists(local)

@@ -84,7 +84,7 @@ class QuickstartOptions:
 
 
 #: options that say where things go or what is printed, not what is trained
-LOCATION_OPTIONS = ("out", "storage", "name", "address", "verbose")
+LOCATION_OPTIONS = ("out", "storage", "name", "overwrite", "address", "verbose")
 
 
 def options_record(opts: QuickstartOptions) -> dict:
@@ -138,7 +138,8 @@ def _train(
         old_model=old_model,
         log_every=50,
     )
-    return train_named(values, name, _config_tag(opts, scenario), runs_dir, models_dir)
+    tag = _config_tag(opts, scenario)
+    return train_named(values, name, tag, runs_dir, models_dir, overwrite=opts.output.overwrite)
 
 
 def _train_models(
@@ -257,7 +258,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     from raycompat.models import ModelBundle
 
     started = time.time()
-    output = opts.output.resolve("quickstart", default_out="quickstart_out")
+    output = opts.output.resolve("quickstart", default_out="quickstart_out", config=opts)
     out = output.local
     timings: dict[str, float] = {}
     console.quiet_ray(opts.verbose)

@@ -220,7 +220,7 @@ def test_abbreviated_or_foreign_flag_is_refused(capsys, module, argv):
         ),
         (["--lr", "fast"], r"option 'lr' must be a number, got 'fast'"),
         (["--distractor-classes", "-1"], r"option 'distractor_classes' = -1 must be >= 0"),
-        (["--scenario", "open"], r"option 'scenario' = 'open' is not allowed"),
+        (["--scenario", "open"], r"--scenario 'open' is neither an allocation"),
     ],
 )
 def test_bad_value_is_a_config_error_naming_the_option(argv, message):

@@ -191,6 +191,7 @@ def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
         ("item_id", "int64"),
         ("label", "int64"),
         ("split", "string"),
+        ("class_name", "string"),
         ("old", f"fixed_size_list<element: float>[{OLD_DIM}]"),
         ("new", f"fixed_size_list<element: float>[{NEW_DIM}]"),
         ("adapted", f"fixed_size_list<element: float>[{NEW_DIM}]"),
@@ -244,6 +245,7 @@ def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
         "item_id",
         "label",
         "split",
+        "class_name",
         "adapted",
         "unc_least_confidence",
         "unc_margin",
@@ -281,7 +283,7 @@ def test_new_column_only_for_given_ids(ray_cluster, bundles, scenario, tmp_path)
         log=quiet,
     )
     table = run.table()
-    assert table.column_names == ["item_id", "label", "split", "new"]
+    assert table.column_names == ["item_id", "label", "split", "class_name", "new"]
     assert table.column("item_id").to_pylist() == sorted(ids)
     ref = direct(bundles, src, np.array(sorted(ids)))
     np.testing.assert_allclose(vectors(table, "new"), ref["new"], rtol=1e-4, atol=1e-5)

@@ -213,6 +213,7 @@ def test_shard_store_writes_objects_directly_and_rewrites_truncated_ones(tmp_pat
             "item_id": ids[::-1],
             "label": ids % 2,
             "split": np.array(["gallery"] * len(ids), object),
+            "class_name": np.array([f"c{i % 2}" for i in ids], object),
             "old": np.tile(ids[::-1, None], (1, 3)).astype(np.float32),
             "error": np.array([""] * len(ids), object),
         }
@@ -253,7 +254,7 @@ def test_uri_output_is_written_and_resumed_exactly_once(ray_cluster, bundles, so
     )
     first = run.table()
     assert first.column("item_id").to_pylist() == list(range(n))
-    assert first.column_names == ["item_id", "label", "split", "old", "new"]  # no node columns
+    assert first.column_names == ["item_id", "label", "split", "class_name", "old", "new"]
     # where the work ran: this session's one node, for every embedding stage
     node = ray_cluster.get_runtime_context().get_node_id()
     assert chunk_meta(folder / shards[0])["nodes"] == {"new": [node], "old": [node]}

@@ -94,6 +94,9 @@ class BackfillJobOptions:
         help="report folder or URI (none: backfill_out, or "
         "<storage>/backfill/<name> with --storage)",
     )
+    overwrite: bool = option(
+        False, help="write into a report folder that holds another run's report"
+    )
     plots: bool = option(True, help="write the PNG plots (--no-plots skips them)")
     quiet: bool = option(False, help="no progress messages")
 
@@ -137,6 +140,9 @@ def _output(opts: BackfillJobOptions):
             storage=opts.storage,
             name=opts.name,
             default_out="backfill_out",
+            config=opts,
+            overwrite=opts.overwrite,
+            ignore=("device",),
         )
     except StorageError as exc:
         raise BackfillInputError(str(exc)) from exc

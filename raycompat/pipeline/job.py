@@ -725,9 +725,11 @@ def run_job(opts: EmbedGalleryOptions) -> GalleryRun:
     from raycompat.cluster import connect
     from raycompat.pipeline.bundles import check_predecessor, embedder_info
     from raycompat.pipeline.location import resolve_output
+    from raycompat.pipeline.writer import remove_at_exit_if_unwritten
 
     # the output location first: a missing or unwritable one stops the job before models or Ray
     output = resolve_output(opts.out, opts.storage, opts.name)
+    remove_at_exit_if_unwritten(output)  # a failed first run leaves no empty folder behind
     options = pipeline_options(opts.execution, opts.stages)
     columns = parse_columns(opts.columns)
     old_model, new_model = _models(opts)

@@ -32,7 +32,12 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     from raycompat.reproduce.runner import Reproduction, options_dict
 
     started = time.time()
-    output = opts.output.resolve("reproduce", default_out="reproduce_out")
+    output = opts.output.resolve(
+        "reproduce",
+        default_out="reproduce_out",
+        config=opts,
+        ignore=("parallel", "train_budget_minutes"),
+    )
     out = output.local
     load_before = os.getloadavg()[0]
 

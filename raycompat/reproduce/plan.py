@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from raycompat.config import ConfigError, choices, nonnegative, option, parse_options, positive
 from raycompat.data.scenarios import ScenarioSizes
+from raycompat.data.source import DataSourceOptions
 from raycompat.outputs import OutputOptions
 
 SCENARIOS = ("extended-data", "open-class", "architecture", "sequential")
@@ -197,7 +198,14 @@ class ReproduceOptions:
         help=f"methods of the sequential chains, or 'all'; none: {','.join(SEQUENTIAL_DEFAULT)} "
         "at --scale default, else all",
     )
-    sizes: ScenarioSizes = option(DEFAULT_SIZES, help="data (the scenarios are --scenarios)")
+    data: DataSourceOptions = option(
+        DataSourceOptions(), help="data: the built-in glyphs or your images"
+    )
+    sizes: ScenarioSizes = option(
+        DEFAULT_SIZES,
+        help="data (the scenarios are --scenarios; your images: only --queries-per-class, "
+        "--resolution, --backbone and --data-seed apply)",
+    )
     training: ScaleOptions = option(ScaleOptions(), help="model and optimisation sizes")
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
     parallel: int = positive(2, help="Ray Train runs at a time (2: this machine's 2 cores)")

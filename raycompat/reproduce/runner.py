@@ -193,9 +193,9 @@ class Reproduction:
 
     # -- data and training ---------------------------------------------------------------
     def scenario(self, name: str):
-        from raycompat.data import scenario_from_options
+        from raycompat.data.user_scenarios import resolve_scenario
 
-        return scenario_from_options(self.opts.sizes, name=name)
+        return resolve_scenario(self.opts.sizes, self.opts.data, name=name)
 
     def values(
         self,
@@ -224,6 +224,7 @@ class Reproduction:
             scenario=scenario.to_dict(),
             split=split,
             resolution=s.resolution,
+            in_chans=3 if scenario.user_data else 1,
             data_seed=s.data_seed,
             num_workers=t.workers,
             use_gpu=t.gpus > 0,
@@ -731,6 +732,7 @@ def options_dict(opts: ReproduceOptions) -> dict:
     the scale (``scale``) as one flat dict."""
     values = dataclasses.asdict(opts)
     values.update(values.pop("output"))
+    values.update({f"data_{k}": v for k, v in values.pop("data").items()})
     data = values.pop("sizes")
     values["data_seed"] = data.pop("data_seed")
     data.pop("scenario")

@@ -5,6 +5,8 @@ for image queries.  Shared image decoding for the router lives here too (:func:`
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from raycompat.config import ConfigError
@@ -19,8 +21,9 @@ class ImageInputError(ValueError):
 def decode_images(
     images_b64: list[str], resolution: int, in_chans: int, max_bytes: int, max_pixels: int
 ) -> np.ndarray:
-    """base64 PNG/JPEG strings -> uint8 ``[n, R, R]`` grey images (resized + centre-cropped as
-    :func:`raycompat.data.readers.load_image`); raises :class:`ImageInputError`."""
+    """base64 PNG/JPEG strings -> uint8 ``[n, R, R]`` grey (``in_chans`` 1) or ``[n, R, R, 3]``
+    colour images (resized + centre-cropped as :func:`raycompat.data.readers.load_image`);
+    raises :class:`ImageInputError`."""
     import base64
     import binascii
     import io
@@ -29,7 +32,9 @@ def decode_images(
 
     from raycompat.data.readers import CorruptImageError, load_image
 
-    out = np.empty((len(images_b64), resolution, resolution), np.uint8)
+    colour = int(in_chans) > 1
+    shape = (resolution, resolution, 3) if colour else (resolution, resolution)
+    out = np.empty((len(images_b64), *shape), np.uint8)
     for i, s in enumerate(images_b64):
         where = f"images[{i}]"
         try:
@@ -56,7 +61,9 @@ def decode_images(
                 f"{where}: {size[0]}x{size[1]} pixels exceeds the limit of {max_pixels}"
             )
         try:
-            img = load_image(raw, mode="L", resolution=resolution, source=where)
+            img = load_image(
+                raw, mode="RGB" if colour else "L", resolution=resolution, source=where
+            )
         except CorruptImageError as exc:
             raise ImageInputError(str(exc)) from None
         except Exception as exc:
@@ -88,6 +95,14 @@ class ModelEmbedder:
 
         with torch.no_grad():
             return self.bundle.embedder(images_to_tensor(images, self.in_chans)).float().numpy()
+
+    def embed_keys(self, keys: list[str], source: dict) -> np.ndarray:
+        """Your images by key (``source``: the scenario's source), decoded as training did."""
+        from raycompat.data.source import ItemImages, SourceSpec
+        from raycompat.evaluation import embed_keys
+
+        images = ItemImages(SourceSpec.from_dict(source), self.resolution, self.in_chans)
+        return embed_keys(self.bundle, images, list(keys))
 
     def embed_glyphs(self, classes: np.ndarray, instances: np.ndarray) -> np.ndarray:
         from raycompat.data import GlyphRenderer, default_catalog
@@ -133,6 +148,10 @@ class EmbedderPool:
         self._sorted, self._rows = ids[o], o
         self.classes = t.column("label").to_numpy().astype(np.int64)
         self.instances = t.column("instance").to_numpy().astype(np.int64)
+        # your images: a key per item and the source in the metadata; glyphs: rendered
+        self.keys = t.column("key").to_pylist() if "key" in t.column_names else None
+        meta = t.schema.metadata or {}
+        self.source = json.loads(meta[b"source"]) if self.keys is not None else None
         actor = ray.remote(num_cpus=num_cpus)(ModelEmbedder)
         self.actors = [actor.remote(bundle_path, resolution, data_seed) for _ in range(int(size))]
 
@@ -145,7 +164,9 @@ class EmbedderPool:
         rows = rows_of(self._sorted, self._rows, ids)
         parts = np.array_split(np.arange(rows.size), len(self.actors))
         refs = [
-            a.embed_glyphs.remote(self.classes[rows[p]], self.instances[rows[p]])
+            a.embed_keys.remote([self.keys[r] for r in rows[p]], self.source)
+            if self.keys is not None
+            else a.embed_glyphs.remote(self.classes[rows[p]], self.instances[rows[p]])
             for a, p in zip(self.actors, parts, strict=False)
             if p.size
         ]

@@ -206,12 +206,14 @@ def run_training(opts: TrainOptions, cfg, export_to: str) -> str:
     from raycompat.cluster import connect
     from raycompat.data import Scenario
     from raycompat.train import fit
+    from raycompat.train.export import check_bundle_target
 
+    check_bundle_target(export_to, cfg.to_dict(), opts.overwrite)  # before Ray starts
     print(Scenario.from_dict(cfg.scenario).allocation_table(), flush=True)
     console.quiet_ray(opts.verbose)
     connect(opts.address)
     started = time.time()
-    run = fit(cfg, export_to=export_to)
+    run = fit(cfg, export_to=export_to, overwrite=opts.overwrite)
     last = run.history[-1]
     console.phase(
         cfg.run_name,

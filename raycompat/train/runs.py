@@ -24,6 +24,7 @@ def train_named(
     runs_dir: str,
     models_dir: str,
     export_name: str | None = None,
+    overwrite: bool = False,
 ):
     """Train ``TrainConfig.from_dict(values)`` as run ``<name>-<tag>`` under ``runs_dir`` and
     export its bundle to ``<models_dir>/<export_name or name>``. Returns ``(TrainRun, wall s)``."""
@@ -31,5 +32,5 @@ def train_named(
 
     cfg = TrainConfig.from_dict(dict(values, storage_path=runs_dir, run_name=f"{name}-{tag}"))
     started = time.time()
-    run = fit(cfg, export_to=os.path.join(models_dir, export_name or name))
+    run = fit(cfg, export_to=os.path.join(models_dir, export_name or name), overwrite=overwrite)
     return run, time.time() - started
