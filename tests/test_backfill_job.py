@@ -227,7 +227,8 @@ def test_bad_flag_exits_2_before_reading_anything(tmp_path, args, named):
 def test_missing_embeddings_is_an_error(tmp_path):
     r = run_job("--out", tmp_path / "out", timeout=60)
     assert r.returncode == 2 and r.stdout == ""
-    assert "error: --embeddings is required" in r.stderr
+    assert "error: give --embeddings, or --old-model and --new-model" in r.stderr
+    assert not (tmp_path / "out").exists()  # a failed run leaves no empty folder
 
 
 def test_bundle_modules_fill_the_adapted_and_rank_merge_arrays():

@@ -14,6 +14,7 @@ exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,6 +33,8 @@ from raycompat.config import (
     positive,
 )
 from raycompat.console import fail, job_main
+from raycompat.data.scenarios import ScenarioSizes
+from raycompat.data.source import DataSourceOptions
 
 __all__ = ["BackfillJobOptions", "build_parser", "run", "main"]
 
@@ -42,8 +45,18 @@ class BackfillJobOptions:
 
     embeddings: str | None = option(
         None,
-        help="required: parquet file or folder: item_id, label, split "
-        "(query/gallery/distractor), old, new, optional adapted",
+        help="parquet file or folder: item_id, label, split (query/gallery/distractor), "
+        "class_name, old, new, optional adapted; none: embed --scenario / --source first",
+    )
+    data: DataSourceOptions = option(
+        DataSourceOptions(),
+        help="without --embeddings: the images the job embeds first (with --old-model and "
+        "--new-model, into <out>/embeddings)",
+    )
+    sizes: ScenarioSizes = option(
+        ScenarioSizes(),
+        help="without --embeddings: the scenario whose queries, gallery and distractors are "
+        "embedded first",
     )
     new_model: str | None = option(
         None,
@@ -109,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "curves for each backfill policy and query mode, with AUCs, regression statistics, "
         "a simulated time axis, and JSON / markdown / PNG reports.",
     )
-    add_options(parser, BackfillJobOptions)
+    add_options(parser, BackfillJobOptions, exclude=("images_per_class", "resolution", "backbone"))
     return parser
 
 
@@ -239,15 +252,46 @@ def _published(written: dict, output) -> dict:
     }
 
 
+def _embed_first(opts: BackfillJobOptions, output, say) -> str:
+    """Without ``--embeddings``: the scenario's queries, gallery and distractors embedded by both
+    models with the Ray Data pipeline into ``<out>/embeddings``; returns that folder."""
+    from raycompat.data.user_scenarios import resolve_scenario, write_scenario_file
+    from raycompat.models import ModelBundle
+    from raycompat.pipeline.job import EmbedGalleryOptions, run_job
+
+    if not (opts.old_model and opts.new_model):
+        raise ConfigError(
+            "give --embeddings, or --old-model and --new-model to embed --scenario / --source first"
+        )
+    sizes = opts.sizes
+    if opts.data.user and not sizes.scenario_file:  # the allocation, written where it is used
+        scenario = resolve_scenario(sizes, opts.data)
+        path = write_scenario_file(scenario, output.path("scenario.json"))
+        sizes = dataclasses.replace(sizes, scenario=path)
+    has_head = ModelBundle.load(opts.new_model).has_head
+    embed = EmbedGalleryOptions(
+        out=output.path("embeddings"),
+        old_model=opts.old_model,
+        new_model=opts.new_model,
+        allow_unrelated=opts.allow_unrelated,
+        columns=("old", "new"),
+        uncertainty=has_head,
+        data=opts.data,
+        sizes=sizes,
+    )
+    say(f"embedding the scenario's queries and gallery into {embed.out}")
+    return run_job(embed).path
+
+
 def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     """Load inputs, simulate, write reports; returns the written paths.
 
     Cheap checks (names, parquet schema and values) run before torch is imported,
     so bad input fails fast."""
     say = log or (lambda msg: None)
-    if not opts.embeddings:
-        raise ConfigError("--embeddings is required (a parquet file or folder)")
     output = _output(opts)
+    if not opts.embeddings:
+        opts = dataclasses.replace(opts, embeddings=_embed_first(opts, output, say))
     # validate names before the (possibly long) loading
     req_policies = parse_policies(opts.policies) if opts.policies else None
     req_modes = parse_modes(opts.modes) if opts.modes else None
