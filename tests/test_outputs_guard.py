@@ -315,6 +315,7 @@ def test_embed_gallery_refuses_unrelated_models(two_pairs, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"error: new model {new_a} was trained against old model" in proc.stderr
     assert "--allow-unrelated" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "g").exists()
 
 
 def test_failed_first_gallery_run_leaves_no_folder(tmp_path):

@@ -542,3 +542,4 @@ def test_job_refuses_other_settings_and_runs_without_models(tmp_path, bundles):
     ]
     third = subprocess.run(no_models, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 2 and "--random-init" in third.stderr
+    assert not (tmp_path / "n").exists()  # a failed first run leaves no empty folder

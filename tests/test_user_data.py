@@ -246,3 +246,77 @@ def test_mixed_dimension_shards_name_the_file_and_column(tmp_path):
         pq.write_table(table, tmp_path / f"{name}.parquet")
     with pytest.raises(BackfillInputError, match=r"column 'old': 64 in shard .*a\.parquet, 128"):
         load_parquet(str(tmp_path))
+
+
+def test_parquet_and_gldv2_sources_give_the_same_scenario_shape(capsys, photos, tmp_path):
+    """The three user sources name items by key and class; a scenario of each decodes."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycompat.data.source import ItemImages, SourceSpec
+    from raycompat.data.user_scenarios import read_scenario_file
+
+    classes, ids, images, csv_rows = [], [], [], ["id,url,landmark_id"]
+    for c, name in enumerate(sorted(os.listdir(photos))):
+        for f in sorted(os.listdir(os.path.join(photos, name))):
+            ids.append(len(ids) + 100)
+            classes.append(name)
+            images.append(open(os.path.join(photos, name, f), "rb").read())
+            image_id = f"{ids[-1]:03x}abc"
+            csv_rows.append(f"{image_id},,{c}")
+            dest = tmp_path / "gld" / image_id[0] / image_id[1] / image_id[2]
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(os.path.join(photos, name, f), dest / f"{image_id}.jpg")
+    table = pa.table({"item_id": ids, "label": classes, "image": pa.array(images, pa.binary())})
+    pq.write_table(table, tmp_path / "images.parquet", row_group_size=7)
+    (tmp_path / "train.csv").write_text("\n".join(csv_rows) + "\n")
+    sources = {
+        "parquet": ["--path", str(tmp_path / "images.parquet")],
+        "gldv2": ["--path", str(tmp_path / "train.csv"), "--image-root", str(tmp_path / "gld")],
+    }
+    for kind, args in sources.items():
+        out = scenario_file(capsys, photos, tmp_path / f"{kind}.json", "--source", kind, *args)
+        scenario = read_scenario_file(out)
+        assert scenario.source["kind"] == kind and len(scenario.class_names) == CLASSES
+        query = scenario.splits["query"]
+        assert len(query) == 6 and len(set(query.labels.tolist())) == 3
+        images = ItemImages(SourceSpec.from_dict(scenario.source), 16)
+        assert images.load(query.items[0]).shape == (16, 16, 3)
+
+
+def test_an_old_model_of_other_classes_is_refused():
+    """Head rows are tied to class names: an old model trained on another scenario (or on
+    glyphs) cannot pair its rows with this scenario's labels."""
+    from raycompat.config import ConfigError
+    from raycompat.train.config import check_old_classes
+
+    scenario = {"class_names": ["ant", "bee", "cat"]}
+    check_old_classes({"classes": [0, 2], "class_names": ["ant", "cat"]}, scenario, "m")
+    check_old_classes({"classes": []}, scenario, "imported")  # no head rows: nothing to pair
+    with pytest.raises(ConfigError, match=r"disagree on 1 class\(es\).*label 2: 'dog' vs 'cat'"):
+        check_old_classes({"classes": [0, 2], "class_names": ["ant", "dog"]}, scenario, "m")
+    with pytest.raises(ConfigError, match="trained on the built-in glyphs"):
+        check_old_classes({"classes": [0, 2]}, scenario, "m")
+    with pytest.raises(ConfigError, match="trained on your images"):
+        check_old_classes({"classes": [0], "class_names": ["ant"]}, {"splits": {}}, "m")
+
+
+def test_train_out_onto_another_bundle_is_refused_before_ray(capsys, photos, tmp_path):
+    """train-old --out onto a bundle trained with another config names the path and exits 2
+    before Ray starts (the 16-epoch model is never replaced by a 1-epoch one)."""
+    from raycompat.train import TrainConfig
+
+    scenario = scenario_file(capsys, photos, tmp_path / "scenario.json")
+    bundle = tmp_path / "models" / "old"
+    bundle.mkdir(parents=True)
+    cfg = TrainConfig(epochs=16, scenario={"name": "x", "splits": {}})
+    manifest = {"train_config": {k: v for k, v in cfg.to_dict().items() if k != "scenario"}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_job(
+        capsys, "raycompat.train.old_job", "--scenario", scenario, *TRAIN_FLAGS,
+        "--out", str(bundle),
+    )  # fmt: skip
+    assert code == 2 and f"{bundle} holds a model bundle trained with a different config" in err
+    assert "--overwrite" in err and json.loads((bundle / "manifest.json").read_text()) == manifest

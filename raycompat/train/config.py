@@ -107,6 +107,11 @@ class TrainConfig:
                 f"old_model {self.old_model!r} takes in_chans={old['in_chans']}, but this run "
                 f"has in_chans={self.in_chans} (glyphs: 1, your images: 3): they must match"
             )
+        if old is not None and old.get("resolution") not in (None, self.resolution):
+            raise ConfigError(
+                f"old_model {self.old_model!r} takes {old['resolution']} px images, but this run "
+                f"has resolution {self.resolution}: pass --resolution {old['resolution']}"
+            )
         if old is not None:
             check_old_classes(old, self.scenario, self.old_model)
         if init is not None:
