@@ -25,6 +25,8 @@ from .scenarios import (
     format_allocation,
     scenario_from_options,
 )
+from .source import DataSourceOptions, ItemImages, LabelledItems, SourceSpec, list_items
+from .user_scenarios import read_scenario_file, resolve_scenario, write_scenario_file
 
 _LAZY = {"GlyphDataset", "ImageRecordDataset", "collate_skip_none", "images_to_tensor", "to_tensor"}
 
@@ -49,6 +51,14 @@ __all__ = [
     "read_gldv2_csv",
     "read_revisited",
     "read_parquet_images",
+    "DataSourceOptions",
+    "ItemImages",
+    "LabelledItems",
+    "SourceSpec",
+    "list_items",
+    "read_scenario_file",
+    "resolve_scenario",
+    "write_scenario_file",
     *sorted(_LAZY),
 ]
 
