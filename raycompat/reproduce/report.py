@@ -228,13 +228,24 @@ def plot_hot_refresh(results: dict, out_dir: str) -> list[str]:
     return paths
 
 
+def _data_line(opts: dict) -> str:
+    """What the models were trained on: the built-in glyphs or your images."""
+    source = opts.get("data_source", "glyphs")
+    if source == "glyphs":
+        return "Built-in glyph data"
+    return (
+        f"Your images ({source} `{opts.get('data_path')}`; the scenarios allocate its classes, "
+        f"so the class and image counts below do not apply)"
+    )
+
+
 def _intro_lines(report: dict) -> list[str]:
     opts = report["options"]
     total = report["timings"]["total_s"]
     return [
         "# raycompat reproduction report",
         "",
-        f"Built-in glyph data, scale `{opts['scale']}`; wall time **{total:.0f} s** "
+        f"{_data_line(opts)}, scale `{opts['scale']}`; wall time **{total:.0f} s** "
         f"({total / 60:.1f} min) on {report['machine']}.",
         "",
         "Scale options: " + ", ".join(f"`{k}={v}`" for k, v in opts["sizes"].items()) + ".",
