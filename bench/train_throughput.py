@@ -1,11 +1,13 @@
 """Images/s of the Ray Train loop against a plain single-process torch loop.
 
 Same model (timm backbone + GeM + FC + CosFace head), same global batch size, same data
-(pre-rendered glyphs), same total thread count. The plain loop runs in this process; the
-Ray Train runs use 1 and 2 DDP workers (gloo) on an embedded local Ray. Throughput is
-taken from epochs after the first (the first renders the images).
+(pre-rendered glyphs, or your images decoded once: ``--scenario scenario.json``), same total
+thread count. The plain loop runs in this process; the Ray Train runs use 1 and 2 DDP workers
+(gloo) on an embedded local Ray. Throughput is taken from epochs after the first (the first
+renders or decodes the images).
 
     python bench/train_throughput.py [--backbone lcnet_050] [--epochs 3] [--batch-size 128]
+    python bench/train_throughput.py --scenario scenario.json --resolution 64 --batch-size 32
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from raycompat.cluster import connect  # noqa: E402
-from raycompat.data import build_scenario  # noqa: E402
+from raycompat.data import build_scenario, read_scenario_file  # noqa: E402
 from raycompat.models import ClassifierHead, Embedder  # noqa: E402
 from raycompat.train import TrainConfig, fit  # noqa: E402
 from raycompat.train.data import build_training_set  # noqa: E402
@@ -71,17 +73,22 @@ def main() -> None:
     parser.add_argument("--train-classes", type=int, default=100)
     parser.add_argument("--images-per-class", type=int, default=40)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--scenario", default=None, help="a scenario.json of your images")
+    parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
 
-    scenario = build_scenario(
-        "extended-data",
-        num_train_classes=args.train_classes,
-        images_per_class=args.images_per_class,
-        num_eval_classes=10,
-        num_distractor_classes=0,
-        seed=0,
-    )
+    if args.scenario:
+        scenario = read_scenario_file(args.scenario)
+    else:
+        scenario = build_scenario(
+            "extended-data",
+            num_train_classes=args.train_classes,
+            images_per_class=args.images_per_class,
+            num_eval_classes=10,
+            num_distractor_classes=0,
+            seed=0,
+        )
     storage = tempfile.mkdtemp(prefix="raycompat-bench-")
 
     def config(workers: int) -> TrainConfig:
@@ -97,6 +104,8 @@ def main() -> None:
                 lr=0.05,
                 scenario=scenario.to_dict(),
                 split="new_train",
+                resolution=args.resolution,
+                in_chans=3 if scenario.user_data else 1,
                 num_workers=workers,
                 threads_per_worker=max(1, args.threads // workers),
                 storage_path=storage,
@@ -110,6 +119,8 @@ def main() -> None:
     print(f"plain torch loop ({args.threads} threads): {baseline:.1f} images/s", flush=True)
     connect(num_cpus=max(2, args.threads))
     figures = {
+        "data": scenario.source["path"] if scenario.user_data else "glyphs",
+        "resolution": args.resolution,
         "backbone": args.backbone,
         "batch_size": args.batch_size,
         "threads": args.threads,

@@ -205,6 +205,7 @@ def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
         ("item_id", "int64"),
         ("label", "int64"),
         ("split", "string"),
+        ("class_name", "string"),
         ("old", "fixed_size_list<element: float>[64]"),
         ("new", "fixed_size_list<element: float>[128]"),
     ]
