@@ -105,7 +105,7 @@ def main() -> None:
                 scenario=scenario.to_dict(),
                 split="new_train",
                 resolution=args.resolution,
-                in_chans=3 if scenario.user_data else 1,
+                in_chans=scenario.in_chans,
                 num_workers=workers,
                 threads_per_worker=max(1, args.threads // workers),
                 storage_path=storage,

@@ -226,7 +226,7 @@ def _train_tiny(opts: HotRefreshOptions, scenario, runs_dir: str, models_dir: st
             scenario=scenario.to_dict(),
             split=split,
             resolution=opts.sizes.resolution,
-            in_chans=3 if scenario.user_data else 1,
+            in_chans=scenario.in_chans,
             data_seed=opts.sizes.data_seed,
             old_model=models.get(pred),
             init_model=models.get(init),

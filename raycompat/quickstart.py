@@ -130,7 +130,7 @@ def _train(
         scenario=scenario.to_dict(),
         split=split,
         resolution=s.resolution,
-        in_chans=3 if scenario.user_data else 1,
+        in_chans=scenario.in_chans,
         data_seed=s.data_seed,
         num_workers=opts.workers,
         use_gpu=opts.gpus > 0,

@@ -365,22 +365,36 @@ def _labels_by_class_name(parts) -> tuple[np.ndarray | None, str | None]:
             f"shard {named[0]} stores class names but {bare} does not: their labels cannot be "
             "matched; embed both with this version"
         )
-    names, maps = [], {}
-    for f, t in parts:
-        values = t.column("class_name").to_pylist()
-        if any(v in (None, "") for v in values):
-            raise BackfillInputError(f"column 'class_name' of {f} has empty values")
-        labels = t.column("label").to_pylist()
-        local: dict = {}
-        for label, name in zip(labels, values, strict=True):
-            if local.setdefault(label, name) != name:
-                raise BackfillInputError(
-                    f"label {label!r} is both class {local[label]!r} and {name!r} in {f}"
-                )
-        maps[f] = local
-        names += values
-    classes, codes = np.unique(np.asarray(names, dtype=object).astype(str), return_inverse=True)
-    return codes.astype(np.int64), _label_map_note(maps)
+    import pyarrow as pa
+
+    maps = {f: _label_map(f, t) for f, t in parts}
+    names = pa.chunked_array([t.column("class_name").cast(pa.string()) for _, t in parts])
+    encoded = names.combine_chunks().dictionary_encode()
+    dictionary = np.asarray(encoded.dictionary.to_pylist(), dtype=str)
+    rank = np.empty(len(dictionary), np.int64)
+    rank[np.argsort(dictionary, kind="stable")] = np.arange(len(dictionary))
+    codes = rank[encoded.indices.to_numpy(zero_copy_only=False)]  # sorted class-name order
+    return codes, _label_map_note(maps)
+
+
+def _label_map(f: str, table) -> dict:
+    """``{label: class name}`` of one file; an empty name, or a label with two names, fails
+    naming the file and the classes."""
+    import pyarrow.compute as pc
+
+    names = table.column("class_name")
+    if names.null_count or pc.any(pc.equal(names, "")).as_py():
+        raise BackfillInputError(f"column 'class_name' of {f} has empty values")
+    pairs = table.select(["label", "class_name"]).group_by(["label", "class_name"]).aggregate([])
+    local: dict = {}
+    for label, name in zip(
+        pairs.column("label").to_pylist(), pairs.column("class_name").to_pylist(), strict=True
+    ):
+        if local.setdefault(label, name) != name:
+            raise BackfillInputError(
+                f"label {label!r} is both class {local[label]!r} and {name!r} in {f}"
+            )
+    return local
 
 
 def _label_map_note(maps: dict) -> str | None:
@@ -404,8 +418,8 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
     import pyarrow as pa
 
     parts = _read_parts(path)
+    by_name, label_note = _labels_by_class_name(parts)  # first: it names a missing class_name
     _check_part_schemas(parts)
-    by_name, label_note = _labels_by_class_name(parts)
     table = pa.concat_tables([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:

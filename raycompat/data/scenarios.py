@@ -110,6 +110,11 @@ class Scenario:
         """True for a scenario of your own images (not the built-in glyphs)."""
         return self.source is not None
 
+    @property
+    def in_chans(self) -> int:
+        """Image channels the models take: 1 for the grey glyphs, 3 for your (colour) images."""
+        return 3 if self.user_data else 1
+
     def __post_init__(self):
         for alias, target in self.aliases.items():
             self.splits[alias] = self.splits[target]

@@ -303,11 +303,9 @@ def _check_user_splits(data: dict, path: str) -> None:
 
 def write_scenario_file(scenario: Scenario, path: str) -> str:
     """Write ``scenario`` as JSON (atomically)."""
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as fh:
-        json.dump(scenario.to_dict(), fh)
-    os.replace(tmp, path)
-    return path
+    from raycompat.report import write_json
+
+    return write_json(path, scenario.to_dict())
 
 
 @lru_cache(maxsize=4)

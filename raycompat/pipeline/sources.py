@@ -347,9 +347,8 @@ class RecordSource(GallerySource):
             raise ConfigError(f"{kind} source {location}: duplicate item ids")
         self.paths = [recs[i].path for i in order]
         self.labels = np.array([recs[i].label for i in order], np.int64)
-        names = getattr(records, "class_names", None)
-        self.class_names = [str(c) for c in names] if names else [str(c) for c in range(max(
-            self.labels.max() + 1, 0))]  # fmt: skip
+        names = getattr(records, "class_names", None)  # a RecordSet; plain records: label ids
+        self.class_names = [str(c) for c in names or range(int(self.labels.max()) + 1)]
 
     @classmethod
     def image_folder(cls, root: str, **kw) -> RecordSource:

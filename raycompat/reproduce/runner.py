@@ -224,7 +224,7 @@ class Reproduction:
             scenario=scenario.to_dict(),
             split=split,
             resolution=s.resolution,
-            in_chans=3 if scenario.user_data else 1,
+            in_chans=scenario.in_chans,
             data_seed=s.data_seed,
             num_workers=t.workers,
             use_gpu=t.gpus > 0,

@@ -62,9 +62,12 @@ class UserImageViews:
         self.images, self.keys, self.seed = images, keys, int(seed)
         self.size = images.resolution
         self.margin = max(1, images.resolution // 8)
+        self._decoded: tuple[int, np.ndarray] | None = None  # the views of one item share it
 
     def __call__(self, index: int, view: int) -> np.ndarray:
-        full = self.images.load(self.keys[index], self.size + self.margin)
+        if self._decoded is None or self._decoded[0] != index:
+            self._decoded = (index, self.images.load(self.keys[index], self.size + self.margin))
+        full = self._decoded[1]
         rng = np.random.default_rng([self.seed, int(index), int(view), 0x71E5])
         x, y = (int(v) for v in rng.integers(0, self.margin + 1, size=2))
         crop = full[y : y + self.size, x : x + self.size]

@@ -169,7 +169,7 @@ def train_config(
         scenario=scenario.to_dict(),
         split=split,
         resolution=opts.sizes.resolution,
-        in_chans=3 if scenario.user_data else 1,
+        in_chans=scenario.in_chans,
         data_seed=opts.sizes.data_seed,
         num_workers=opts.workers,
         use_gpu=opts.gpus > 0,
