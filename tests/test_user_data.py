@@ -320,3 +320,37 @@ def test_train_out_onto_another_bundle_is_refused_before_ray(capsys, photos, tmp
     )  # fmt: skip
     assert code == 2 and f"{bundle} holds a model bundle trained with a different config" in err
     assert "--overwrite" in err and json.loads((bundle / "manifest.json").read_text()) == manifest
+
+
+def test_class_names_that_cannot_be_matched_are_refused(tmp_path):
+    """Shards that store class names only in part, an empty name, or a label with two names
+    in one file: each refused, naming the file and the classes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycompat.backfill.gallery import BackfillInputError, load_parquet
+
+    vec = pa.array([[0.1, 0.2]] * 2, type=pa.list_(pa.float32(), 2))
+
+    def shard(folder, name, first_id=0, **names):
+        ids = [first_id, first_id + 1]
+        base = {"item_id": ids, "label": [0, 0], "split": ["query", "gallery"]}
+        (tmp_path / folder).mkdir(exist_ok=True)
+        table = pa.table({**base, **{k: v for k, v in names.items()}, "old": vec, "new": vec})
+        pq.write_table(table, tmp_path / folder / f"{name}.parquet")
+
+    shard("part", "a", class_name=["ant", "ant"])
+    shard("part", "b")
+    with pytest.raises(BackfillInputError, match=r"a\.parquet stores class names but .*b\.parq"):
+        load_parquet(str(tmp_path / "part"))
+    shard("empty", "a", class_name=["ant", ""])
+    with pytest.raises(BackfillInputError, match=r"'class_name' of .*a\.parquet has empty"):
+        load_parquet(str(tmp_path / "empty"))
+    shard("two", "a", class_name=["ant", "bee"])
+    with pytest.raises(BackfillInputError, match=r"label 0 is both class '(ant|bee)' and"):
+        load_parquet(str(tmp_path / "two"))
+    shard("ok", "a", class_name=["bee", "bee"])
+    shard("ok", "b", 2, class_name=["ant", "ant"])  # label 0 is another class here: matched by name
+    data = load_parquet(str(tmp_path / "ok"))
+    assert data.query_labels.tolist() == [1, 0] == data.gallery_labels.tolist()  # bee, ant
+    assert "label maps differ" in data.extra["label_note"]
