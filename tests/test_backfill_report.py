@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from galleries import clustered_gallery  # noqa: E402
 
 from raycompat.backfill import (  # noqa: E402
     BackfillInputError,
@@ -23,24 +24,9 @@ from raycompat.backfill.report import load_json, markdown_report, write_reports 
 from raycompat.metrics import auc, regression_stats  # noqa: E402
 
 
-def unit(a):
-    return (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float32)
-
-
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(0)
-    n, n_q, d = 300, 25, 8
-    mu = unit(rng.standard_normal((6, d)))
-    gl, ql = rng.integers(0, 6, n), rng.integers(0, 6, n_q)
-    return GalleryEmbeddings(
-        gallery_labels=gl,
-        query_labels=ql,
-        gallery_old=unit(mu[gl] + rng.standard_normal((n, d))),
-        query_old=unit(mu[ql] + rng.standard_normal((n_q, d))),
-        gallery_new=unit(mu[gl] + 0.4 * rng.standard_normal((n, d))),
-        query_new=unit(mu[ql] + 0.4 * rng.standard_normal((n_q, d))),
-    )
+    return clustered_gallery(0, 300, 25, 8, 6)
 
 
 @pytest.fixture(scope="module")

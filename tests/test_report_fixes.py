@@ -8,32 +8,18 @@ import math
 
 import numpy as np
 import pytest
+from galleries import clustered_gallery
 
-from raycompat.backfill import CostModel, GalleryEmbeddings, simulate_backfill
+from raycompat.backfill import CostModel, simulate_backfill
 from raycompat.backfill.grid import backfill_counts, cold_counts
 from raycompat.backfill.report import auc_gain_notes, markdown_report, write_reports
 from raycompat.metrics.curves import auc_gain, auc_gain_note
 from raycompat.reproduce.claims import HELD, NOT_MEASURED, rm_rank_merge
 
 
-def unit(a):
-    return (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float32)
-
-
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(3)
-    n, n_q, d = 200, 20, 8
-    mu = unit(rng.standard_normal((5, d)))
-    gl, ql = rng.integers(0, 5, n), rng.integers(0, 5, n_q)
-    return GalleryEmbeddings(
-        gallery_labels=gl,
-        query_labels=ql,
-        gallery_old=unit(mu[gl] + rng.standard_normal((n, d))),
-        query_old=unit(mu[ql] + rng.standard_normal((n_q, d))),
-        gallery_new=unit(mu[gl] + 0.4 * rng.standard_normal((n, d))),
-        query_new=unit(mu[ql] + 0.4 * rng.standard_normal((n_q, d))),
-    )
+    return clustered_gallery(3, 200, 20, 8, 5)
 
 
 def simulate(data, newstar, cost=None):
