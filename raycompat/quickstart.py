@@ -127,11 +127,8 @@ def _train(
         batch_size=opts.batch_size,
         lr=opts.lr,
         seed=opts.seed,
-        scenario=scenario.to_dict(),
         split=split,
-        resolution=s.resolution,
-        in_chans=scenario.in_chans,
-        data_seed=s.data_seed,
+        **s.training_data(scenario),
         num_workers=opts.workers,
         use_gpu=opts.gpus > 0,
         gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0,
@@ -396,7 +393,7 @@ def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, d
     from raycompat.pipeline.sources import ScenarioItemSource
 
     if scenario.user_data:
-        source = ScenarioItemSource(scenario, resolution=resolution, in_chans=3)
+        source = ScenarioItemSource(scenario, resolution=resolution, in_chans=scenario.in_chans)
     else:
         source = GlyphGallerySource(scenario, resolution=resolution, data_seed=data_seed)
     passes = {

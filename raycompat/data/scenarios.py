@@ -382,6 +382,16 @@ class ScenarioSizes:
             return None
         return s if s.endswith(".json") or os.sep in s or os.path.exists(s) else None
 
+    def training_data(self, scenario: Scenario) -> dict:
+        """The ``TrainConfig`` fields that say what a run trains on: ``scenario`` (as a dict),
+        ``resolution``, ``in_chans`` (the scenario's) and ``data_seed``."""
+        return dict(
+            scenario=scenario.to_dict(),
+            resolution=self.resolution,
+            in_chans=scenario.in_chans,
+            data_seed=self.data_seed,
+        )
+
     def build(self, catalog=None, name: str | None = None) -> Scenario:
         """:func:`build_scenario` at these sizes (``name`` overrides :attr:`scenario`)."""
         if name is None and self.scenario_file:
