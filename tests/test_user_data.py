@@ -143,6 +143,8 @@ def test_bad_sources_are_named(capsys, tmp_path):
         (["--source", "image_folder"], "--source image_folder needs --path"),
         (["--source", "image_folder", "--path", str(tmp_path / "none")], "no such file"),
         (["--source", "gldv2", "--path", str(tmp_path)], "needs --image-root"),
+        (["--path", str(tmp_path)], "needs --source image_folder|parquet|gldv2"),  # not glyphs
+        (["--source", "image_folder", "--path", str(tmp_path), "--eval-fraction", "1"], "(0, 1)"),
     ]
     for args, message in cases:
         code, _, err = run_job(capsys, "raycompat.scenario_job", *args, "--out", "x.json")

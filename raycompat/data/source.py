@@ -59,6 +59,13 @@ class DataSourceOptions:
         0.0, min=0, help="your images: share of classes held out as gallery distractors"
     )
 
+    def __post_init__(self):
+        if self.path and self.source == "glyphs":  # never train on glyphs when photos were meant
+            raise ConfigError(
+                f"--path {self.path} needs --source {'|'.join(USER_SOURCES)}: the built-in "
+                "glyphs read no files"
+            )
+
     @property
     def user(self) -> bool:
         return self.source != "glyphs"
@@ -72,7 +79,7 @@ class DataSourceOptions:
         if self.source == "gldv2" and not self.image_root:
             raise ConfigError("--source gldv2 needs --image-root")
         if not 0 < self.eval_fraction < 1 or not 0 <= self.distractor_fraction < 1:
-            raise ConfigError("--eval-fraction and --distractor-fraction must be in [0, 1)")
+            raise ConfigError("--eval-fraction must be in (0, 1), --distractor-fraction in [0, 1)")
         if self.eval_fraction + self.distractor_fraction >= 1:
             raise ConfigError("--eval-fraction + --distractor-fraction leave no training classes")
         path = os.path.abspath(os.path.expanduser(self.path))

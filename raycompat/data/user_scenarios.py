@@ -260,7 +260,10 @@ def read_scenario_file(path: str) -> Scenario:
         raise ConfigError(f"scenario file {path}: {exc}") from None
     if scenario.user_data:
         SourceSpec.from_dict(scenario.source, f"scenario file {path}")
-        _check_user_splits(data, path)
+        try:
+            _check_user_splits(data, path)
+        except (TypeError, IndexError) as exc:  # a field of the wrong type
+            raise ConfigError(f"scenario file {path}: {exc}") from None
     return scenario
 
 
@@ -292,6 +295,11 @@ def _check_user_splits(data: dict, path: str) -> None:
         for key in ("items", "classes"):
             if key not in body:
                 raise ConfigError(f"scenario file {path} lacks field 'splits.{split}.{key}'")
+        if len(body["classes"]) != len(body["items"]):
+            raise ConfigError(
+                f"scenario file {path}: 'splits.{split}' has {len(body['items'])} items but "
+                f"{len(body['classes'])} classes"
+            )
         for item, label, cls in zip(body["items"], body["labels"], body["classes"], strict=True):
             if not 0 <= label < len(names) or names[label] != cls:
                 named = names[label] if 0 <= label < len(names) else "out of range"
