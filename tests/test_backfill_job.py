@@ -312,3 +312,17 @@ def test_unwritable_storage_fails_before_simulating(tmp_path):
     res = run_job("--embeddings", str(tmp_path / "emb.parquet"), "--storage", "/proc/raycompat")
     assert res.returncode == 2
     assert "--storage /proc/raycompat is not writable" in res.stderr
+
+
+def test_dataset_is_positional_and_small_ones_stay_in_memory(tmp_path):
+    from raycompat.backfill.job import BackfillJobOptions, _use_ray
+
+    emb = write_parquet(tmp_path / "emb.parquet")
+    out = tmp_path / "out"
+    r = run_job(emb, "--policies", "random", "--modes", "compatible", "--out", out, "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert "in memory (--distributed-above-mb 1024)" in r.stderr
+    assert "distributed" not in json.loads((out / "curves.json").read_text())["stats"]
+    tiny = BackfillJobOptions(embeddings=str(emb), distributed_above_mb=1e-6)
+    assert _use_ray(tiny, lambda msg: None)
+    assert not _use_ray(BackfillJobOptions(embeddings=str(emb), engine="memory"), print)

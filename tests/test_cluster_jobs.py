@@ -102,22 +102,27 @@ def test_train_ract_job_runs_on_both_nodes(two_node_cluster, tmp_path):
             assert set(epoch["worker_nodes"]) == node_ids, (path, epoch["worker_nodes"])
 
 
-def test_simulate_backfill_job(two_node_cluster, tmp_path):
-    from test_backfill_job import write_parquet
+def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, tmp_path):
+    """`ray job submit -- python jobs/simulate_backfill.py DATASET --engine ray`: the row groups
+    are scored on both nodes, and the curves equal the in-memory simulator's."""
+    import numpy as np
+    from test_backfill_distributed import write_dataset
+
+    from raycompat.backfill import load_parquet, simulate_backfill
 
     store = tmp_path / "store"
-    store.mkdir()
-    embeddings = write_parquet(store / "embeddings.parquet")
+    dataset = write_dataset(store / "embeddings", shards=4, row_group=15)
     _run_job(
         two_node_cluster,
         "simulate-backfill",
         [
             "python",
             "jobs/simulate_backfill.py",
-            "--embeddings",
-            str(embeddings),
+            dataset,
+            "--engine",
+            "ray",
             "--policies",
-            "random,sequential",
+            "random,uncertainty:entropy",
             "--modes",
             "compatible,cold",
             "--items-per-s-per-gpu",
@@ -128,11 +133,17 @@ def test_simulate_backfill_job(two_node_cluster, tmp_path):
         timeout=300,
     )
     curves = json.loads((store / "backfill" / "curves.json").read_text())
-    assert {(c["policy"], c["mode"]) for c in curves["curves"]} >= {
-        ("random", "compatible"),
-        ("sequential", "compatible"),
-    }
+    ran = curves["stats"]["distributed"]["blocks_per_node"]
+    assert set(ran) == {n["node_id"] for n in two_node_cluster.nodes()}, ran
+    mem = simulate_backfill(
+        load_parquet(dataset), ["random", "uncertainty:entropy"], ["compatible", "cold"]
+    )
+    for got, want in zip(curves["curves"], mem.curves, strict=True):
+        assert (got["policy"], got["mode"]) == (want.policy, want.mode)
+        for m, values in want.metrics.items():
+            assert np.array_equal(np.array(got["metrics"][m]), values, equal_nan=True), m
     assert glob.glob(str(store / "backfill" / "*.png"))
+    assert "Where it ran" in (store / "backfill" / "curves.md").read_text()
 
 
 GALLERY_SCENARIO = [

@@ -11,7 +11,12 @@ Modules (one concept each):
   (compatible, adapted, rank_merge, ...)
 * :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU),
   exact top-k
-* :mod:`~raycompat.backfill.engine`    -- exact curves from one scoring pass per side
+* :mod:`~raycompat.backfill.engine`    -- exact curves from one scoring pass per side, in blocks
+  that add up
+* :mod:`~raycompat.backfill.dataset`   -- :class:`ParquetGallery`: a parquet dataset streamed
+  by row group
+* :mod:`~raycompat.backfill.distributed` -- :func:`simulate_backfill_dataset`: the engine as Ray
+  tasks over row groups (docs/architecture.md, "Distributed backfill simulation")
 * :mod:`~raycompat.backfill.cost`      -- wall-clock cost model
 * :mod:`~raycompat.backfill.simulator` -- orchestration: curves, AUCs, regression, references
 * :mod:`~raycompat.backfill.plots`, :mod:`~raycompat.backfill.report` -- PNG / JSON / markdown
@@ -31,6 +36,9 @@ _EXPORTS = {
     "BackfillInputError": "gallery",
     "GalleryEmbeddings": "gallery",
     "load_parquet": "gallery",
+    "ParquetGallery": "dataset",
+    "DistributedOptions": "distributed",
+    "simulate_backfill_dataset": "distributed",
     "backfill_counts": "grid",
     "cold_counts": "grid",
     "default_grid": "grid",
@@ -63,10 +71,12 @@ __all__ = [
     "BackfillInputError",
     "CostModel",
     "Curve",
+    "DistributedOptions",
     "GalleryEmbeddings",
     "MODES",
     "ModeSpec",
     "POLICIES",
+    "ParquetGallery",
     "PolicyInputs",
     "SERVED_MODES",
     "SideBuilder",
@@ -83,4 +93,5 @@ __all__ = [
     "mode_spec",
     "policy_order",
     "simulate_backfill",
+    "simulate_backfill_dataset",
 ]

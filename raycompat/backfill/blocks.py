@@ -153,7 +153,8 @@ def block_rows(
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    t = torch.from_numpy(a if a.flags.writeable else a.copy())  # read-only: shared memory
     return t if device.type == "cpu" else t.to(device)
 
 

@@ -76,10 +76,11 @@ bit, in any order: the unit of work of a distributed simulation.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -115,8 +116,12 @@ __all__ = [
     "Segmentations",
     "SideCounts",
     "BlockCounts",
+    "CountsSum",
+    "SideSummary",
+    "summarize_side",
     "plan_ranks",
     "block_pass",
+    "block_pass_rows",
     "ranks_from_counts",
     "metrics_from_ranks",
     "full_ap_from_ranks",
@@ -300,18 +305,17 @@ class _SideValues:
 
     def __init__(
         self,
-        side: Side,
+        side: SideSummary,
         pq: np.ndarray,
-        pi: np.ndarray,
         sentinel: np.ndarray,
         band_scale: float,
         qn: np.ndarray,
         gmax: float,
     ):
         n_pairs = pq.size
-        real = np.flatnonzero(~sentinel)
+        real = np.flatnonzero(~sentinel)  # the real pairs come first, in pair order
         self.v64 = np.full(n_pairs, -np.inf)
-        self.v64[real] = pair_scores_at(side.queries, pq[real], side.gallery, pi[real])
+        self.v64[real] = pair_scores_at(side.queries, pq[real], side.positive_rows, real)
         self.delta_q = float32_score_error(side.queries.shape[1], qn, gmax) * float(band_scale)
 
 
@@ -367,6 +371,14 @@ class _Merged:
         self.use_table = self.tmax <= _TABLE_MAX
         if self.use_table:
             self._set_tables(lo, hi, n_queries, device)
+
+    def to(self, device: torch.device) -> _Merged:
+        """A copy whose tensors live on ``device``."""
+        out = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(out, name, value.to(device))
+        return out
 
     @staticmethod
     def _edges(sv: np.ndarray, sd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -512,12 +524,20 @@ def _survivors(S: torch.Tensor, lm: torch.Tensor, use_tiles: bool = True):
 @dataclass(frozen=True)
 class Segmentations:
     """The distinct segmentations of the curves (shared by curves with equal order and counts,
-    :func:`raycompat.backfill.grid.segments`)."""
+    :func:`raycompat.backfill.grid.segments`).
 
-    arrays: list[np.ndarray]  # [N] int32 segment of each item
-    tensors: list[torch.Tensor]  # the same, int64 on the pass device
+    ``arrays`` (one number per item) live with the driver; a block pass gets only its rows
+    (:meth:`rows`).  ``constant[si]`` is the segment of every item when segmentation ``si``
+    puts them all in one (a static curve), else ``None``."""
+
+    arrays: list[np.ndarray]  # [N] int32 segment of each item (empty in a block plan)
     sizes: list[int]  # segments of each: grid points + 1
     of_curve: list[int]  # the segmentation of each curve
+    constant: list[int | None]
+
+    def rows(self, g0: int, g1: int) -> list[np.ndarray]:
+        """The segment of gallery rows ``g0:g1`` in each segmentation."""
+        return [a[g0:g1] for a in self.arrays]
 
 
 class _SidePass:
@@ -537,19 +557,19 @@ class _SidePass:
         mx: _Merged,
         seg_ids: list[int],
         segs: Segmentations,
+        seg_rows: Sequence[np.ndarray],
         workers: int,
         device: torch.device,
         g0: int = 0,
-        g1: int | None = None,
     ):
         self.mx = mx
-        self.seg_np, self.seg_t, self.n_segs = segs.arrays, segs.tensors, segs.sizes
-        self.constant = {
-            si: int(self.seg_np[si][0])
-            for si in seg_ids
-            if self.seg_np[si].min() == self.seg_np[si].max()
-        }
+        self.n_segs = segs.sizes
+        self.constant = {si: segs.constant[si] for si in seg_ids if segs.constant[si] is not None}
         counted = [si for si in seg_ids if si not in self.constant] or seg_ids[:1]
+        # the block's own rows of each counted segmentation, int64 on the pass device
+        self.seg_t = {
+            si: torch.from_numpy(seg_rows[si].astype(np.int64)).to(device) for si in counted
+        }
         self.base: dict[int, int] = {}
         size = 0
         for si in counted:
@@ -557,14 +577,13 @@ class _SidePass:
             size += self.n_segs[si] * mx.width
         self.size = size
         self.offset = int(g0)
-        g1 = self.seg_np[0].size if g1 is None else g1
-        self.total = float(mx.lo_min.size * (g1 - g0))
+        self.total = float(mx.lo_min.size * len(seg_rows[0]))
         self.workers = workers if device.type == "cpu" else 1
         self.acc = [
             torch.zeros(size, dtype=torch.int64, device=device) for _ in range(self.workers)
         ]
         self.ones = torch.ones(1, dtype=torch.int64, device=device)
-        self.lo_min = torch.from_numpy(mx.lo_min).to(device)
+        self.lo_min = torch.from_numpy(mx.lo_min.copy()).to(device)
         self.device = device
         self.band: list[tuple[np.ndarray, ...]] = []
         self.progress = None
@@ -593,7 +612,6 @@ class _SidePass:
     def block(self, slot: int, q0: int, q1: int, g0: int, g1: int, S: torch.Tensor) -> None:
         """Histogram the survivors of score block ``S`` (rows ``q0:q1``, items ``g0:g1`` of
         the pass's rows, i.e. ``offset + g0 : offset + g1`` of the gallery)."""
-        g0, g1 = g0 + self.offset, g1 + self.offset
         w = self._w[slot]
         tb = time.perf_counter()
         w["seconds_matmul"] += tb - w["t_end"]
@@ -614,7 +632,7 @@ class _SidePass:
             if frac is not None:
                 w["tile_frac"] = frac
             w["survivors"] += int(r.numel())
-            self._count(slot, r + q0, col, g0, g1, vals)
+            self._count(slot, r + q0, col, g0, g1, vals)  # rows of the block, not global
         w["seconds_count"] += time.perf_counter() - tc
         if self.progress is not None:
             with self._lock:
@@ -625,21 +643,28 @@ class _SidePass:
     def _count(
         self, slot: int, qg: torch.Tensor, col: torch.Tensor, g0: int, g1: int, vals: torch.Tensor
     ):
-        """Add survivors (query ``qg``, item ``g0 + col``, score ``vals``) to the histograms;
-        keep the ambiguous ones for the exact resolution after the pass."""
+        """Add survivors (query ``qg``, item ``g0 + col`` of the block, score ``vals``) to the
+        histograms; keep the ambiguous ones (as gallery indices) for the exact resolution after
+        the pass."""
         mx = self.mx
         bucket, amb, b_hi, b_lo = mx.locate(qg, vals)
         acc = self.acc[slot]
         for si, base in self.base.items():
-            # the block's segments (a small array) gathered per survivor
+            # the score block's segments (a small array) gathered per survivor
             flat = (self.seg_t[si][g0:g1] * mx.width + base).index_select(0, col) + bucket
             acc.index_add_(0, flat, self.ones.expand(flat.numel()))
         if amb is not None:
             self._w[slot]["band_entries"] += int(amb.numel())
+            first = g0 + self.offset
             self.band.append(
                 tuple(
                     z.cpu().numpy()
-                    for z in (col.index_select(0, amb) + g0, vals.index_select(0, amb), b_hi, b_lo)
+                    for z in (
+                        col.index_select(0, amb) + first,
+                        vals.index_select(0, amb),
+                        b_hi,
+                        b_lo,
+                    )
                 )
             )
 
@@ -687,6 +712,7 @@ class RankPlan:
     query_rows: int
     gallery_rows: int
     workers: int
+    queries: dict[str, np.ndarray]  # per pass side: its float32 queries [Q, D]
 
     @property
     def sentinel(self) -> np.ndarray:
@@ -696,6 +722,18 @@ class RankPlan:
     def seg_ids(self, xname: str) -> list[int]:
         """The segmentations the pass over side ``xname`` histograms."""
         return sorted({self.segs.of_curve[ci] for ci, _ in self.targets[xname]})
+
+    def for_blocks(self, device=None, workers: int = 1) -> RankPlan:
+        """The plan a remote block pass needs: nothing gallery-sized (the segmentations'
+        arrays stay with the driver; each block gets its rows), the thresholds on
+        ``device``."""
+        dev = resolve_device(device)
+        segs = replace(self.segs, arrays=[])
+        curves = [replace(c, order=None) for c in self.curves]  # the orders stay too
+        merged = {x: m.to(dev) for x, m in self.merged.items()}
+        return replace(
+            self, curves=curves, segs=segs, merged=merged, device=dev, workers=max(1, int(workers))
+        )
 
 
 def _check_inputs(
@@ -716,21 +754,20 @@ def _check_inputs(
             raise ValueError(f"curve {c.key!r} backfills items but has no new side")
     for s in used:
         side = sides[s]
-        if side.queries.shape[0] != n_q or side.gallery.shape[0] != n_items:
+        n_g = side.gallery.shape[0] if isinstance(side, Side) else n_items
+        if side.queries.shape[0] != n_q or n_g != n_items:
             raise ValueError(
-                f"side {s!r} has {side.queries.shape[0]} queries x {side.gallery.shape[0]} items, "
+                f"side {s!r} has {side.queries.shape[0]} queries x {n_g} items, "
                 f"labels say {n_q} x {n_items}"
             )
     return used
 
 
-def _segmentations(
-    curves: Sequence[CurveSpec], n_items: int, device: torch.device
-) -> Segmentations:
+def _segmentations(curves: Sequence[CurveSpec], n_items: int) -> Segmentations:
     """One segmentation per distinct (order, counts) of the curves."""
     arrays: list[np.ndarray] = []
-    tensors: list[torch.Tensor] = []
     sizes: list[int] = []
+    constant: list[int | None] = []
     cache: dict[tuple[int, bytes], int] = {}
     of_curve: list[int] = []
     for c in curves:
@@ -740,10 +777,10 @@ def _segmentations(
             seg = segments(c.order, counts, n_items)
             cache[key] = len(arrays)
             arrays.append(seg)
-            tensors.append(torch.from_numpy(seg.astype(np.int64)).to(device))
             sizes.append(len(counts) + 1)
+            constant.append(int(seg[0]) if seg.min() == seg.max() else None)
         of_curve.append(cache[key])
-    return Segmentations(arrays, tensors, sizes, of_curve)
+    return Segmentations(arrays, sizes, of_curve, constant)
 
 
 def _sides_sharing(curves: Sequence[CurveSpec], xname: str) -> list[str]:
@@ -757,8 +794,24 @@ def _sides_sharing(curves: Sequence[CurveSpec], xname: str) -> list[str]:
     return ys
 
 
+@dataclass(frozen=True)
+class SideSummary:
+    """What a plan needs of one side's gallery without holding it: the side's ``queries``,
+    the gallery rows of the positive pairs (``positive_rows[p]`` is the row of pair ``p``'s
+    item, pairs as from :func:`positive_pairs`) and an upper bound of every gallery row norm."""
+
+    queries: np.ndarray
+    positive_rows: np.ndarray
+    max_norm: float
+
+
+def summarize_side(side: Side, pairs_i: np.ndarray) -> SideSummary:
+    """The :class:`SideSummary` of an in-memory side."""
+    return SideSummary(side.queries, side.gallery[pairs_i], _max_row_norm(side.gallery))
+
+
 def plan_ranks(
-    sides: Mapping[str, Side],
+    sides: Mapping[str, Side | SideSummary],
     curves: Sequence[CurveSpec],
     query_labels,
     gallery_labels,
@@ -771,7 +824,9 @@ def plan_ranks(
 ) -> RankPlan:
     """Check the inputs and compute everything but the scores: the positive pairs, their
     canonical threshold values and error bands, the merged thresholds of each pass side, the
-    segmentations and the block sizes (arguments as in :func:`compute_ranks`)."""
+    segmentations and the block sizes (arguments as in :func:`compute_ranks`).  A side may be
+    given whole (:class:`Side`) or, for a gallery that no process holds, as a
+    :class:`SideSummary`."""
     dev = resolve_device(device)
     ql = np.asarray(query_labels)
     gl = np.asarray(gallery_labels)
@@ -779,14 +834,18 @@ def plan_ranks(
     used = _check_inputs(sides, curves, n_q, n_items)
     pq, pi, npos = positive_pairs(ql, gl)
     n_real = pq.size
+    summaries = {
+        s: sides[s] if isinstance(sides[s], SideSummary) else summarize_side(sides[s], pi)
+        for s in used
+    }
     if debug:
         pq = np.concatenate([pq, np.arange(n_q, dtype=np.int64)])
         pi = np.concatenate([pi, np.full(n_q, n_items, dtype=np.int64)])
     sentinel = np.arange(pq.size) >= n_real
-    norms = {s: (_row_norms(sides[s].queries), _max_row_norm(sides[s].gallery)) for s in used}
-    values = {s: _SideValues(sides[s], pq, pi, sentinel, band_scale, *norms[s]) for s in used}
+    norms = {s: (_row_norms(summaries[s].queries), summaries[s].max_norm) for s in used}
+    values = {s: _SideValues(summaries[s], pq, sentinel, band_scale, *norms[s]) for s in used}
     span = _key_span(list(norms.values()))
-    segs = _segmentations(curves, n_items, dev)
+    segs = _segmentations(curves, n_items)
     merged = {x: _Merged(_sides_sharing(curves, x), values, pq, n_q, span, dev) for x in used}
     targets = {
         x: [
@@ -815,6 +874,7 @@ def plan_ranks(
         query_rows=qc,
         gallery_rows=gb,
         workers=n_workers,
+        queries={s: summaries[s].queries for s in used},
     )
 
 
@@ -824,7 +884,7 @@ class SideCounts:
     """What a block pass over one score side found: the decided scores as histograms, and
     the near-ties resolved exactly as (item, merged threshold) pairs the item precedes."""
 
-    histograms: dict[int, np.ndarray]  # segmentation -> int64 [segments, width]
+    histograms: dict[int, np.ndarray]  # segmentation -> int32 [segments, width]
     tie_items: np.ndarray  # int64 gallery index of each resolved near-tie
     tie_thresholds: np.ndarray  # int64 merged threshold index it precedes
     stats: dict[str, Any]
@@ -849,26 +909,52 @@ def block_pass(
     g1 = plan.n_items if g1 is None else int(g1)
     if not 0 <= g0 < g1 <= plan.n_items:
         raise ValueError(f"gallery block {g0}:{g1} is not inside 0:{plan.n_items}")
+    rows = {x: sides[x].gallery[g0:g1] for x in plan.used}
+    return block_pass_rows(plan, rows, g0, plan.segs.rows(g0, g1), progress=progress)
+
+
+def block_pass_rows(
+    plan: RankPlan,
+    gallery_rows: Mapping[str, np.ndarray],
+    g0: int,
+    seg_rows: Sequence[np.ndarray],
+    *,
+    progress=None,
+) -> BlockCounts:
+    """:func:`block_pass` given only the block: ``gallery_rows[x]`` holds gallery rows
+    ``g0:g0+n`` of pass side ``x`` (float32 ``[n, D]``), ``seg_rows[si]`` their segment in
+    segmentation ``si``.  What a remote task runs (with :meth:`RankPlan.for_blocks`)."""
+    n = len(seg_rows[0]) if seg_rows else next(iter(gallery_rows.values())).shape[0]
+    g1 = int(g0) + n
+    if not 0 <= g0 < g1 <= plan.n_items:
+        raise ValueError(f"gallery block {g0}:{g1} is not inside 0:{plan.n_items}")
     out: dict[str, SideCounts] = {}
     for xname in plan.used:
+        rows = gallery_rows[xname]
+        if rows.shape != (n, plan.queries[xname].shape[1]) or rows.dtype != np.float32:
+            raise ValueError(
+                f"side {xname!r}: block rows must be float32 [{n}, "
+                f"{plan.queries[xname].shape[1]}], got {rows.dtype} {rows.shape}"
+            )
         report = None if progress is None else (lambda frac, _x=xname: progress(_x, frac))
-        out[xname] = _side_block_pass(plan, xname, sides[xname], g0, g1, report)
+        out[xname] = _side_block_pass(plan, xname, rows, int(g0), seg_rows, report)
     return BlockCounts(g0=int(g0), g1=g1, sides=out)
 
 
 def _side_block_pass(
-    plan: RankPlan, xname: str, side: Side, g0: int, g1: int, progress
+    plan: RankPlan, xname: str, rows: np.ndarray, g0: int, seg_rows, progress
 ) -> SideCounts:
-    """:func:`block_pass` for one side: the blockwise float32 pass, then the exact ties."""
+    """:func:`block_pass_rows` for one side: the blockwise float32 pass, then the exact ties."""
     t0 = time.perf_counter()
     seg_ids = plan.seg_ids(xname)
-    sp = _SidePass(plan.merged[xname], seg_ids, plan.segs, plan.workers, plan.device, g0, g1)
+    sp = _SidePass(plan.merged[xname], seg_ids, plan.segs, seg_rows, plan.workers, plan.device, g0)
     sp.progress = progress
+    queries = plan.queries[xname]
     with fp32_matmul(), torch.no_grad():
         sp.begin()
         map_score_blocks(
-            side.queries,
-            side.gallery[g0:g1],
+            queries,
+            rows,
             sp.block,
             device=plan.device,
             query_rows=plan.query_rows,
@@ -878,21 +964,29 @@ def _side_block_pass(
         release_memory()
     stats = {
         "seconds": time.perf_counter() - t0,
-        "dim": int(side.queries.shape[1]),
+        "dim": int(queries.shape[1]),
         "thresholds_per_query": plan.merged[xname].tmax,
         "workers": sp.workers,
         **sp.stats(),
     }
-    histograms = {si: sp.histogram(si) for si in seg_ids}
-    tie_items, tie_thresholds = _resolve_near_ties(plan, xname, side, sp.band)
+    # a block's bucket counts are at most its rows: int32 halves what a task sends back
+    dtype = np.int32 if rows.shape[0] < 2**31 else np.int64
+    histograms = {si: sp.histogram(si).astype(dtype) for si in seg_ids}
+    tie_items, tie_thresholds = _resolve_near_ties(plan, xname, queries, rows, g0, sp.band)
     return SideCounts(histograms, tie_items, tie_thresholds, stats)
 
 
 def _resolve_near_ties(
-    plan: RankPlan, xname: str, side: Side, band: list[tuple[np.ndarray, ...]]
+    plan: RankPlan,
+    xname: str,
+    queries: np.ndarray,
+    rows: np.ndarray,
+    g0: int,
+    band: list[tuple[np.ndarray, ...]],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The ambiguous (survivor, threshold) pairs of a pass decided by canonical scores and
-    the index tie rule: ``(items, merged thresholds)`` of the pairs where the item precedes."""
+    """The ambiguous (survivor, threshold) pairs of a pass over gallery rows ``g0:`` decided
+    by canonical scores and the index tie rule: ``(gallery indices, merged thresholds)`` of
+    the pairs where the item precedes."""
     if not band:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     mx = plan.merged[xname]
@@ -908,40 +1002,86 @@ def _resolve_near_ties(
         m = ys == yi
         thr[m] = plan.values[yname].v64[ps[m]]
     # canonical scores of the ambiguous survivors (their query: that of their thresholds)
-    cand = pair_scores_at(side.queries, mx.sorted_q[bhi_b], side.gallery, x_b)
+    cand = pair_scores_at(queries, mx.sorted_q[bhi_b], rows, x_b - g0)
     cv, xx = cand[rep], x_b[rep]
     above = (cv > thr) | ((cv == thr) & (xx < plan.pairs_i[ps]))
     return xx[above], t[above]
 
 
 # ----------------------------------------------------------------------------- (b) counts -> ranks
+class CountsSum:
+    """The running sum of block passes (:class:`BlockCounts`) over disjoint gallery rows: what
+    a driver keeps while blocks arrive, in any order.  A block counted twice, or rows
+    overlapping another block, raise; :meth:`ranks` checks that every row was counted."""
+
+    def __init__(self, plan: RankPlan):
+        self.plan = plan
+        self.hist: dict[str, dict[int, np.ndarray]] = {}
+        self.ties: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {x: [] for x in plan.used}
+        self.stats: dict[str, list[dict[str, Any]]] = {x: [] for x in plan.used}
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, block: BlockCounts) -> None:
+        """Add one block's histograms and resolved ties."""
+        for a, b in self.spans:
+            if block.g0 < b and a < block.g1:
+                raise ValueError(
+                    f"gallery rows {block.g0}:{block.g1} overlap rows {a}:{b}, already counted"
+                )
+        self.spans.append((block.g0, block.g1))
+        for xname in self.plan.used:
+            part = block.sides[xname]
+            acc = self.hist.setdefault(xname, {})
+            for si, h in part.histograms.items():
+                if si in acc:
+                    acc[si] += h
+                else:
+                    acc[si] = h.astype(np.int64)  # a copy: the sum of many blocks
+            self.ties[xname].append((part.tie_items, part.tie_thresholds))
+            self.stats[xname].append(part.stats)
+
+    @property
+    def rows_counted(self) -> int:
+        return sum(b - a for a, b in self.spans)
+
+    def ranks(self) -> EngineResult:
+        """The ranks of every positive pair at every grid point (needs every row counted and
+        the driver's plan, whose segmentations hold every item)."""
+        plan = self.plan
+        if self.rows_counted != plan.n_items:
+            raise ValueError(
+                f"the blocks cover {self.rows_counted} gallery rows, the gallery has {plan.n_items}"
+            )
+        counts_m: dict[tuple[int, int], np.ndarray] = {}  # (curve, role) -> [nseg, M] int32
+        for xname in plan.used:
+            tie_items = np.concatenate([t[0] for t in self.ties[xname]])
+            tie_thresholds = np.concatenate([t[1] for t in self.ties[xname]])
+            for ci, role in plan.targets[xname]:
+                si = plan.segs.of_curve[ci]
+                cm = _threshold_counts(plan.merged[xname], self.hist[xname][si])
+                if tie_items.size:
+                    np.add.at(cm, (plan.segs.arrays[si][tie_items], tie_thresholds), 1)
+                counts_m[(ci, role)] = cm
+        return _engine_result(plan, counts_m, self.stats)
+
+
 def ranks_from_counts(plan: RankPlan, blocks: Sequence[BlockCounts]) -> EngineResult:
     """Add the block passes' histograms and resolved ties (blocks that cover the gallery
     once) and turn them into the ranks of every positive pair at every grid point."""
-    covered = sum(b.g1 - b.g0 for b in blocks)
-    if covered != plan.n_items:
-        raise ValueError(f"the blocks cover {covered} gallery rows, the gallery has {plan.n_items}")
-    counts_m: dict[tuple[int, int], np.ndarray] = {}  # (curve, role) -> [nseg, M] int32
-    for xname in plan.used:
-        parts = [b.sides[xname] for b in blocks]
-        hist = {si: _sum_arrays([p.histograms[si] for p in parts]) for si in plan.seg_ids(xname)}
-        tie_items = np.concatenate([p.tie_items for p in parts])
-        tie_thresholds = np.concatenate([p.tie_thresholds for p in parts])
-        for ci, role in plan.targets[xname]:
-            si = plan.segs.of_curve[ci]
-            cm = _threshold_counts(plan.merged[xname], hist[si])
-            if tie_items.size:
-                np.add.at(cm, (plan.segs.arrays[si][tie_items], tie_thresholds), 1)
-            counts_m[(ci, role)] = cm
-        del hist
+    total = CountsSum(plan)
+    for b in blocks:
+        total.add(b)
+    return total.ranks()
+
+
+def _engine_result(plan: RankPlan, counts_m, stats_parts) -> EngineResult:
+    """The ranks of every curve from the per (curve, role) threshold counts."""
     out_curves: list[CurveRanks] = []
     items_counted = {}
     for ci, c in enumerate(plan.curves):
         ranks = _curve_ranks(plan, ci, counts_m)
-        if plan.n_real < plan.pairs_q.size:
-            items_counted[c.key] = ranks[
-                :, plan.n_real :
-            ].copy()  # sentinel: every item precedes it
+        if plan.n_real < plan.pairs_q.size:  # sentinel: every item precedes it
+            items_counted[c.key] = ranks[:, plan.n_real :].copy()
         out_curves.append(
             CurveRanks(
                 key=c.key,
@@ -951,7 +1091,7 @@ def ranks_from_counts(plan: RankPlan, blocks: Sequence[BlockCounts]) -> EngineRe
             )
         )
     stats: dict[str, Any] = {
-        "sides": {x: _sum_stats([b.sides[x].stats for b in blocks]) for x in plan.used},
+        "sides": {x: _sum_stats(stats_parts[x]) for x in plan.used},
         "device": str(plan.device),
         "pairs": int(plan.n_real),
     }
@@ -967,14 +1107,6 @@ def ranks_from_counts(plan: RankPlan, blocks: Sequence[BlockCounts]) -> EngineRe
         result.debug["items_counted"] = items_counted
         _check_items_counted(items_counted, plan.n_items)
     return result
-
-
-def _sum_arrays(arrays: list[np.ndarray]) -> np.ndarray:
-    """Sum of the arrays (the array itself when there is one)."""
-    total = arrays[0]
-    for a in arrays[1:]:
-        total = total + a
-    return total
 
 
 def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:

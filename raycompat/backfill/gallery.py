@@ -248,6 +248,8 @@ class GalleryEmbeddings:
 
 def _nonfinite_rows(a: np.ndarray, chunk: int = 1 << 15) -> np.ndarray:
     bad = np.zeros(a.shape[0], dtype=bool)
+    if np.isfinite(a.sum(dtype=np.float64)):  # cannot overflow: finite iff every value is
+        return bad
     for s in range(0, a.shape[0], chunk):
         bad[s : s + chunk] = ~np.isfinite(a[s : s + chunk]).all(axis=1)
     return bad
@@ -469,5 +471,19 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
         query_ids=ids[is_q],
         compatible_dim=compatible_dim,
         source=path if "://" in str(path) else os.path.abspath(path),
-        extra={"label_note": label_note} if label_note else {},
+        extra=_extra(table, is_g, label_note),
     )
+
+
+def _extra(table, is_g: np.ndarray, label_note: str | None) -> dict:
+    """``label_note``, and the gallery's stored uncertainty columns ``unc_<kind>`` (float64)
+    as ``{"uncertainty": {kind: [N]}}``."""
+    extra: dict[str, object] = {"label_note": label_note} if label_note else {}
+    stored = {
+        c[len("unc_") :]: table.column(c).to_numpy(zero_copy_only=False).astype(np.float64)[is_g]
+        for c in table.column_names
+        if c.startswith("unc_")
+    }
+    if stored:
+        extra["uncertainty"] = stored
+    return extra

@@ -94,6 +94,18 @@ class BackfillJobOptions:
         "sq_l2", "sq_l2_raw", default="sq_l2", help="distance of the rank_merge mode"
     )
     device: str = option("auto", help="torch device for scoring (auto: cuda if available)")
+    engine: str = choices(
+        "auto",
+        "memory",
+        "ray",
+        default="auto",
+        help="memory: load the gallery into this process; ray: stream its parquet row groups "
+        "through Ray tasks (any size; the driver holds one number per item); auto: ray above "
+        "--distributed-above-mb of vectors",
+    )
+    distributed_above_mb: float = positive(
+        1024.0, help="with --engine auto: vector columns larger than this (MiB on disk) go to ray"
+    )
     storage: str | None = option(
         None,
         help="shared storage: a local path or any URI pyarrow opens "
@@ -123,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a simulated time axis, and JSON / markdown / PNG reports.",
     )
     add_options(parser, BackfillJobOptions, exclude=("images_per_class", "resolution", "backbone"))
+    parser.add_argument(
+        "embeddings",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        metavar="DATASET",
+        help="the parquet dataset (same as --embeddings)",
+    )
     return parser
 
 
@@ -161,9 +180,32 @@ def _output(opts: BackfillJobOptions):
         raise BackfillInputError(str(exc)) from exc
 
 
-def _load_inputs(opts: BackfillJobOptions, say):
+def _use_ray(opts: BackfillJobOptions, say) -> bool:
+    """Whether the dataset goes through the distributed engine (``--engine``; auto: by the
+    size of its vector columns on disk)."""
+    if opts.engine != "auto":
+        return opts.engine == "ray"
+    from raycompat.backfill.dataset import vector_bytes
+
+    size = vector_bytes(opts.embeddings)
+    big = size > opts.distributed_above_mb * 2**20
+    say(
+        f"{size / 2**20:,.0f} MiB of vectors: "
+        + ("the distributed engine (Ray)" if big else "in memory")
+        + f" (--distributed-above-mb {opts.distributed_above_mb:g})"
+    )
+    return big
+
+
+def _gallery_modules(bundle) -> dict:
+    """The new bundle's modules applied to gallery rows (psi, rho, psi_rev)."""
+    return {k: m for k, m in bundle.modules.items() if k in ("psi", "rho", "psi_rev")}
+
+
+def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
     """``(data, new bundle or None, uncertainty head or None)``, dimensions checked, the new
-    bundle's psi / rho / psi_rev applied."""
+    bundle's psi / rho / psi_rev applied (``streamed``: data is a
+    :class:`~raycompat.backfill.dataset.ParquetGallery`; the tasks apply them to each block)."""
     new_bundle = _load_bundle(opts.new_model, "--new-model") if opts.new_model else None
     old_bundle = _load_bundle(opts.old_model, "--old-model") if opts.old_model else None
     if old_bundle is not None and new_bundle is not None:
@@ -173,14 +215,23 @@ def _load_inputs(opts: BackfillJobOptions, say):
         if warning:
             say(f"warning: {warning}")
     compatible_dim = new_bundle.manifest.get("compatible_dim") if new_bundle is not None else None
-    say(f"loading {opts.embeddings}")
-    data = load_parquet(opts.embeddings, compatible_dim=compatible_dim)
+    if streamed:
+        from raycompat.backfill.dataset import ParquetGallery
+
+        say(f"opening {opts.embeddings} (labels, ids and queries; vectors stay where they are)")
+        data = ParquetGallery.open(opts.embeddings, compatible_dim=compatible_dim)
+        note = data.label_note
+        say(f"{len(data.files)} shard(s), {len(data.groups)} row groups")
+    else:
+        say(f"loading {opts.embeddings}")
+        data = load_parquet(opts.embeddings, compatible_dim=compatible_dim)
+        note = data.extra.get("label_note")
     say(
         f"{data.n_items:,} gallery items, {data.n_queries:,} queries, old dim {data.old_dim}, "
         f"new dim {data.new_dim}"
     )
-    if data.extra.get("label_note"):
-        say(str(data.extra["label_note"]))
+    if note:
+        say(str(note))
     if old_bundle is not None and old_bundle.embed_dim != data.old_dim:
         raise BackfillInputError(
             f"dimension mismatch: --old-model embeds {old_bundle.embed_dim} dims, "
@@ -193,18 +244,23 @@ def _load_inputs(opts: BackfillJobOptions, say):
                 f"dimension mismatch: --new-model embeds {new_bundle.embed_dim} dims, "
                 f"column 'new' has {data.new_dim}"
             )
-        data = apply_bundle_modules(data, new_bundle)
+        if not streamed:
+            data = apply_bundle_modules(data, new_bundle)
         if "head" in new_bundle.modules:
             head = UncertaintyHead.from_classifier_head(new_bundle.head)
     return data, new_bundle, head
 
 
 def _default_policies(data, head) -> tuple[str, ...]:
-    """Every policy the inputs allow: uncertainty needs the new head, learned the adapted or
-    compatible old features."""
+    """Every policy the inputs allow: uncertainty needs the new head or stored uncertainty
+    columns, learned the adapted or compatible old features."""
     pols = ["random", "sequential"]
-    if head is not None:
-        pols += [p for p in POLICIES if p.startswith("uncertainty:")]
+    stored = data.extra.get("uncertainty", {})
+    pols += [
+        p
+        for p in POLICIES
+        if p.startswith("uncertainty:") and (head is not None or p.split(":")[1] in stored)
+    ]
     pols.append("oracle")
     if data.gallery_adapted is not None or data.compat_dim == data.old_dim:
         pols.append("learned")
@@ -295,32 +351,40 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     # validate names before the (possibly long) loading
     req_policies = parse_policies(opts.policies) if opts.policies else None
     req_modes = parse_modes(opts.modes) if opts.modes else None
-    data, new_bundle, head = _load_inputs(opts, say)
+    distributed = _use_ray(opts, say)
+    data, new_bundle, head = _load_inputs(opts, say, streamed=distributed)
     from raycompat.backfill.report import write_reports
-    from raycompat.backfill.simulator import simulate_backfill
 
-    modes = req_modes or available_modes(data)
+    probe = data.probe() if distributed else data
+    if distributed and new_bundle is not None:
+        probe = apply_bundle_modules(probe, new_bundle)
+    modes = req_modes or available_modes(probe)
     if not modes:
         raise BackfillInputError("no query mode is possible with these inputs")
-    policies = req_policies or _default_policies(data, head)
+    policies = req_policies or _default_policies(probe, head)
     cost = _cost_model(opts, new_bundle, say)
-    references = _references(opts.newstar_metrics)
     say(f"policies: {', '.join(policies)}; modes: {', '.join(modes)}")
-    result = simulate_backfill(
-        data,
-        policies,
-        modes,
+    common = dict(
         grid_step=opts.grid_step,
         k=opts.k,
         seed=opts.seed,
         head=head,
         cost=cost,
-        references=references,
+        references=_references(opts.newstar_metrics),
         learned_sample_fraction=opts.learned_sample,
         rank_merge_distance=opts.rank_merge_distance,
-        device=None if opts.device == "auto" else opts.device,
         progress=say,
     )
+    if distributed:
+        from raycompat.backfill.distributed import simulate_backfill_dataset
+
+        modules = None if new_bundle is None else _gallery_modules(new_bundle)
+        result = simulate_backfill_dataset(data, policies, modes, modules=modules, **common)
+    else:
+        from raycompat.backfill.simulator import simulate_backfill
+
+        device = None if opts.device == "auto" else opts.device
+        result = simulate_backfill(data, policies, modes, device=device, **common)
     title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
     return _published(write_reports(result, output.local, plots=opts.plots, title=title), output)
 

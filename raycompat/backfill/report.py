@@ -89,6 +89,33 @@ def _setup_lines(result) -> list[str]:
     return lines + [""]
 
 
+def _run_lines(result) -> list[str]:
+    """Where the passes ran: the engine, and for a distributed run the blocks per node, the
+    read rate and the peak memory of the driver and of every worker."""
+    d = result.stats.get("distributed")
+    if not d:
+        return []
+    gib = 2.0**30
+    per_worker = d["peak_rss_per_worker"]
+    lines = [
+        "## Where it ran",
+        "",
+        f"Distributed engine (Ray): {d['blocks']} blocks (parquet row groups) on "
+        f"{len(d['blocks_per_node'])} node(s) "
+        f"({', '.join(f'{n[:8]}: {c}' for n, c in d['blocks_per_node'].items())}), "
+        f"devices {', '.join(d['devices'])}; "
+        f"scoring pass {d['steps']['score']['seconds']:.1f} s, "
+        f"{d['items_per_s'] or 0:,.0f} items/s, {(d['bytes_per_s'] or 0) / 2**20:,.1f} MiB/s read.",
+        "",
+        f"Peak resident memory: driver {d['peak_rss_driver'] / gib:.2f} GiB; "
+        f"{len(per_worker)} worker process(es), largest "
+        f"{max(per_worker.values(), default=0) / gib:.2f} GiB "
+        "(resident set, shared libraries counted in each).",
+        "",
+    ]
+    return lines
+
+
 def _references_lines(result) -> list[str]:
     if not result.references:
         return []
@@ -190,6 +217,7 @@ def markdown_report(
     lines = (
         [f"# {title}", ""]
         + _setup_lines(result)
+        + _run_lines(result)
         + _references_lines(result)
         + _summary_lines(result)
     )

@@ -48,7 +48,7 @@ __all__ = [
 
 #: memory budget (bytes) for one query chunk of scores + ranks
 _DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-_NORM_CHUNK_ROWS = 65536
+_NORM_CHUNK_ROWS = 16384  # float64 temporaries of a few MiB
 
 
 def _as_2d_float32(x, name: str) -> np.ndarray:
@@ -58,7 +58,8 @@ def _as_2d_float32(x, name: str) -> np.ndarray:
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if arr.size and not np.isfinite(arr).all():
+    # a float64 sum of float32 values cannot overflow: it is finite iff every value is
+    if arr.size and not np.isfinite(arr.sum(dtype=np.float64)):
         bad = np.flatnonzero(~np.isfinite(arr).all(axis=1))
         raise ValueError(
             f"{name} contains NaN or inf in {bad.size} row(s) (first: {bad[:5].tolist()})"
@@ -96,13 +97,15 @@ def l2_normalize(x, *, zero: str = "raise") -> np.ndarray:
     out = np.empty_like(arr)
     zero_rows = []
     for start in range(0, arr.shape[0], _NORM_CHUNK_ROWS):
-        block = arr[start : start + _NORM_CHUNK_ROWS]
-        norms = np.sqrt(np.einsum("ij,ij->i", block.astype(np.float64), block.astype(np.float64)))
+        b64 = arr[start : start + _NORM_CHUNK_ROWS].astype(np.float64)
+        norms = np.sqrt(np.einsum("ij,ij->i", b64, b64))
         is_zero = norms == 0.0
         if is_zero.any():
             zero_rows.append(np.flatnonzero(is_zero) + start)
         safe = np.where(is_zero, 1.0, norms)
-        out[start : start + _NORM_CHUNK_ROWS] = (block / safe[:, None]).astype(np.float32)
+        # float64 division, rounded once to float32 (what float32 / float64 promotes to)
+        np.divide(b64, safe[:, None], out=b64)
+        out[start : start + _NORM_CHUNK_ROWS] = b64
     if zero_rows and zero == "raise":
         bad = np.concatenate(zero_rows)
         raise ValueError(

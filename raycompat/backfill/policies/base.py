@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from raycompat.backfill.policies.uncertainty import UncertaintyHead
 
 __all__ = [
+    "BlockScorer",
+    "DatasetAccess",
     "Policy",
     "PolicyInputs",
     "register_policy",
@@ -89,6 +91,35 @@ class Policy:
     def order(self, inputs: PolicyInputs) -> np.ndarray:
         """A permutation of ``0..n_items-1``: the items in the order they get their new vector."""
         raise NotImplementedError
+
+    def block_scorer(self, inputs: PolicyInputs, access: DatasetAccess) -> BlockScorer | None:
+        """For a gallery no process holds (``raycompat.backfill.distributed``): a picklable
+        per-block priority whose global order (highest first, ties by lower index) is
+        :meth:`order`; ``None`` when the order needs only N (computed by :meth:`order`).
+        ``inputs.data`` then holds the queries and the positives only."""
+        if self.needs_embeddings:
+            raise NotImplementedError(f"policy {self.name!r} has no block scorer")
+        return None
+
+
+class BlockScorer:
+    """One number per gallery item of a block, higher first (ties by lower gallery index):
+    ``scores(block, g0)`` for the items ``g0:g0+n`` of a block's :class:`GalleryEmbeddings`."""
+
+    def scores(self, block: GalleryEmbeddings, g0: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DatasetAccess:
+    """What a policy may read of a streamed gallery besides its blocks: ``items`` maps the
+    rows of ``PolicyInputs.data`` (the positives) to gallery indices, and ``gather(items)``
+    reads some gallery items (sorted gallery indices) as a :class:`GalleryEmbeddings` with
+    the queries."""
+
+    n_items: int
+    items: np.ndarray
+    gather: Any
 
 
 _REGISTRY: dict[str, type[Policy]] = {}

@@ -5,14 +5,29 @@ sample only."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
-from raycompat.backfill.policies.base import Policy, PolicyInputs, order_by_score, register_policy
-from raycompat.backfill.policies.uncertainty import uncertainty_features
+from raycompat.backfill.policies.base import (
+    BlockScorer,
+    Policy,
+    PolicyInputs,
+    order_by_score,
+    register_policy,
+)
+from raycompat.backfill.policies.uncertainty import UncertaintyHead, gallery_uncertainty_features
 
-__all__ = ["LearnedPolicy", "LearnedPredictor", "disagreement", "learned_order", "learned_target"]
+__all__ = [
+    "LearnedPolicy",
+    "LearnedPredictor",
+    "LearnedScorer",
+    "disagreement",
+    "learned_order",
+    "learned_sample",
+    "learned_target",
+]
 
 
 def disagreement(new_rows: np.ndarray, old_state_rows: np.ndarray) -> np.ndarray:
@@ -120,6 +135,13 @@ class LearnedPredictor:
         return out
 
 
+def learned_sample(n: int, seed: int, sample_fraction: float, min_sample: int = 32) -> np.ndarray:
+    """The held-out sample of :func:`learned_order`: sorted item indices from
+    ``numpy.random.default_rng(seed)``."""
+    m = int(min(n, max(min_sample, int(np.ceil(sample_fraction * n)))))
+    return np.sort(np.random.default_rng(seed).choice(n, size=m, replace=False))
+
+
 def learned_order(
     old_features: np.ndarray,
     reveal: Callable[[np.ndarray], np.ndarray],
@@ -147,24 +169,44 @@ def learned_order(
     """
     f = np.asarray(old_features)
     n = f.shape[0]
-    m = int(min(n, max(min_sample, int(np.ceil(sample_fraction * n)))))
-    sample = np.sort(np.random.default_rng(seed).choice(n, size=m, replace=False))
-    y = np.asarray(reveal(sample), dtype=np.float64)
-    if y.shape != (m,):
-        raise ValueError(f"reveal() must return one target per sample item, got shape {y.shape}")
-
-    def rows(idx: np.ndarray) -> np.ndarray:
-        return LearnedPredictor.features(
-            f[idx], None if extra_features is None else extra_features[idx]
-        )
-
-    model = LearnedPredictor(seed=seed).fit(rows(sample), y)
-    rest = np.setdiff1d(np.arange(n), sample)
-    pred = np.empty(rest.size)
-    for s in range(0, rest.size, 65536):
-        pred[s : s + 65536] = model.predict(rows(rest[s : s + 65536]))
-    order = np.concatenate([sample, rest[order_by_score(pred)]])
+    sample = learned_sample(n, seed, sample_fraction, min_sample)
+    extra = None if extra_features is None else extra_features[sample]
+    model = _fit(f[sample], extra, reveal(sample), seed)
+    scorer = LearnedScorer(model, sample, None)
+    order = order_by_score(scorer.predict(f, extra_features, 0))
     return (order, model, sample) if return_model else order
+
+
+def _fit(old_rows, extra, target, seed: int) -> LearnedPredictor:
+    y = np.asarray(target, dtype=np.float64)
+    if y.shape != (old_rows.shape[0],):
+        raise ValueError(f"reveal() must return one target per sample item, got shape {y.shape}")
+    return LearnedPredictor(seed=seed).fit(LearnedPredictor.features(old_rows, extra), y)
+
+
+@dataclass(frozen=True)
+class LearnedScorer(BlockScorer):
+    """The learned priority of a block: ``+inf`` for the held-out sample (backfilled first, in
+    index order), the predicted disagreement for every other item."""
+
+    model: LearnedPredictor
+    sample: np.ndarray  # sorted gallery indices
+    head: UncertaintyHead | None
+
+    def predict(self, old_rows: np.ndarray, extra: np.ndarray | None, g0: int) -> np.ndarray:
+        n = old_rows.shape[0]
+        out = np.empty(n)
+        for s in range(0, n, 65536):
+            e = None if extra is None else extra[s : s + 65536]
+            out[s : s + 65536] = self.model.predict(
+                LearnedPredictor.features(old_rows[s : s + 65536], e)
+            )
+        lo, hi = np.searchsorted(self.sample, [g0, g0 + n])
+        out[self.sample[lo:hi] - g0] = np.inf
+        return out
+
+    def scores(self, block, g0: int) -> np.ndarray:
+        return self.predict(block.gallery_old, gallery_uncertainty_features(block, self.head), g0)
 
 
 @register_policy
@@ -187,11 +229,22 @@ class LearnedPolicy(Policy):
 
     def order(self, inputs: PolicyInputs) -> np.ndarray:
         data = inputs.data
-        extra = None if inputs.head is None else uncertainty_features(data.gallery_old, inputs.head)
         return learned_order(
             data.gallery_old,
             learned_target(data),
             seed=inputs.seed,
             sample_fraction=inputs.learned_sample_fraction,
-            extra_features=extra,
+            extra_features=gallery_uncertainty_features(data, inputs.head),
         )
+
+    def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
+        sample = learned_sample(access.n_items, inputs.seed, inputs.learned_sample_fraction)
+        rows = access.gather(sample)  # the sample's embeddings, read once
+        everything = np.arange(sample.size)
+        model = _fit(
+            rows.gallery_old,
+            gallery_uncertainty_features(rows, inputs.head),
+            learned_target(rows)(everything),
+            inputs.seed,
+        )
+        return LearnedScorer(model, sample, inputs.head)

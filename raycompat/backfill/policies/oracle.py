@@ -3,11 +3,19 @@ queries (an upper-bound reference, not deployable).  Its order depends on the qu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from raycompat.backfill.policies.base import Policy, PolicyInputs, order_by_score, register_policy
+from raycompat.backfill.policies.base import (
+    BlockScorer,
+    Policy,
+    PolicyInputs,
+    order_by_score,
+    register_policy,
+)
 
-__all__ = ["OraclePolicy", "oracle_benefit", "oracle_order"]
+__all__ = ["OraclePolicy", "OracleScorer", "oracle_benefit", "oracle_order"]
 
 
 def oracle_benefit(
@@ -35,18 +43,55 @@ def oracle_benefit(
     from raycompat.backfill.engine import positive_pairs
 
     pq, pi, _ = positive_pairs(query_labels, gallery_labels)
-    so, sn = (
-        np.einsum("ij,ij->i", s.queries[pq].astype(np.float64), s.gallery[pi].astype(np.float64))
-        for s in (old_side, new_side)
+    scorer = OracleScorer.from_pairs(
+        old_side, new_side, pq, pi, old_side.gallery[pi], new_side.gallery[pi], block_bytes
     )
-    tau = np.full(old_side.queries.shape[0], np.inf)
-    np.minimum.at(tau, pq, np.minimum(so, sn))
-    benefit = _negative_terms(old_side, new_side, tau, device, block_bytes)
-    # positive pairs: undo their negative term, add the positive term
-    tp = tau[pq]
-    corr = (sn - so) + (np.maximum(sn - tp, 0) - np.maximum(so - tp, 0))
-    np.add.at(benefit, pi, corr)
-    return benefit
+    return scorer.benefit(old_side, new_side, 0, device)
+
+
+@dataclass(frozen=True)
+class OracleScorer(BlockScorer):
+    """:func:`oracle_benefit` one block at a time: ``tau`` per query and, per positive pair
+    (gallery index ``pairs_i``), the correction that turns its negative term into its
+    positive one; every block adds the negative terms of its items over every query."""
+
+    mode: str
+    rank_merge_distance: str
+    tau: np.ndarray
+    pairs_i: np.ndarray
+    correction: np.ndarray
+    block_bytes: int
+
+    @classmethod
+    def from_pairs(
+        cls, old_side, new_side, pq, pi, old_rows, new_rows, block_bytes, mode="", distance=""
+    ) -> OracleScorer:
+        """From the positive pairs (query ``pq``, gallery index ``pi``) and the pairs' gallery
+        rows on each side (``old_rows[p]`` the row of pair p's item)."""
+        so, sn = (
+            np.einsum("ij,ij->i", s.queries[pq].astype(np.float64), rows.astype(np.float64))
+            for s, rows in ((old_side, old_rows), (new_side, new_rows))
+        )
+        tau = np.full(old_side.queries.shape[0], np.inf)
+        np.minimum.at(tau, pq, np.minimum(so, sn))
+        tp = tau[pq]
+        corr = (sn - so) + (np.maximum(sn - tp, 0) - np.maximum(so - tp, 0))
+        return cls(mode, distance, tau, np.asarray(pi, np.int64), corr, int(block_bytes))
+
+    def benefit(self, old_side, new_side, g0: int, device=None) -> np.ndarray:
+        """The benefit of gallery items ``g0:g0+n`` given their rows on both sides."""
+        out = _negative_terms(old_side, new_side, self.tau, device, self.block_bytes)
+        n = out.shape[0]
+        sel = (self.pairs_i >= g0) & (self.pairs_i < g0 + n)
+        # positive pairs: undo their negative term, add the positive term (in pair order)
+        np.add.at(out, self.pairs_i[sel] - g0, self.correction[sel])
+        return out
+
+    def scores(self, block, g0: int) -> np.ndarray:
+        from raycompat.backfill.modes import SideBuilder
+
+        _, old_side, new_side = SideBuilder(block).mode_sides(self.mode, self.rank_merge_distance)
+        return self.benefit(old_side, new_side, g0)
 
 
 def _negative_terms(old_side, new_side, tau: np.ndarray, device, block_bytes: int) -> np.ndarray:
@@ -86,6 +131,25 @@ class OraclePolicy(Policy):
     )
     needs_embeddings = True
     per_mode = True
+
+    def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
+        from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
+        from raycompat.backfill.engine import positive_pairs
+
+        old_side, new_side = inputs.mode_sides()  # the queries and the positives' rows
+        data = inputs.data
+        pq, rows, _ = positive_pairs(data.query_labels, data.gallery_labels)
+        return OracleScorer.from_pairs(
+            old_side,
+            new_side,
+            pq,
+            access.items[rows],
+            old_side.gallery[rows],
+            new_side.gallery[rows],
+            ENGINE_BLOCK_BYTES if inputs.block_bytes is None else inputs.block_bytes,
+            inputs.mode,
+            inputs.rank_merge_distance,
+        )
 
     def order(self, inputs: PolicyInputs) -> np.ndarray:
         from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES

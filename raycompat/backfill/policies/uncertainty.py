@@ -9,7 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from raycompat.backfill.gallery import BackfillInputError
-from raycompat.backfill.policies.base import Policy, PolicyInputs, order_by_score, register_policy
+from raycompat.backfill.policies.base import (
+    BlockScorer,
+    Policy,
+    PolicyInputs,
+    order_by_score,
+    register_policy,
+)
 
 __all__ = [
     "UNCERTAINTY_KINDS",
@@ -19,6 +25,9 @@ __all__ = [
     "uncertainty_scores",
     "uncertainty_order",
     "uncertainty_features",
+    "gallery_uncertainty",
+    "gallery_uncertainty_features",
+    "UncertaintyScorer",
 ]
 
 UNCERTAINTY_KINDS = ("least_confidence", "margin", "entropy")
@@ -112,9 +121,44 @@ def uncertainty_features(features: np.ndarray, head: UncertaintyHead) -> np.ndar
     return np.stack([uncertainty_scores(features, head, k) for k in UNCERTAINTY_KINDS], axis=1)
 
 
+def gallery_uncertainty(data, head: UncertaintyHead | None, kind: str) -> np.ndarray:
+    """The gallery's uncertainty of ``kind``: the stored column when the embeddings have it
+    (``unc_<kind>``, written by the embed-gallery job with the same function), else computed
+    from ``gallery_old`` with ``head``."""
+    stored = data.extra.get("uncertainty", {}).get(kind)
+    if stored is not None:
+        return np.asarray(stored, dtype=np.float64)
+    if head is None:
+        raise BackfillInputError(
+            f"uncertainty {kind!r} needs the new model's classifier head or stored "
+            f"'unc_{kind}' columns"
+        )
+    return uncertainty_scores(data.gallery_old, head, kind)
+
+
+def gallery_uncertainty_features(data, head: UncertaintyHead | None) -> np.ndarray | None:
+    """``[n, 3]`` (:func:`gallery_uncertainty` of every kind), or ``None`` with neither a head
+    nor stored columns."""
+    stored = data.extra.get("uncertainty", {})
+    if head is None and not all(k in stored for k in UNCERTAINTY_KINDS):
+        return None
+    return np.stack([gallery_uncertainty(data, head, k) for k in UNCERTAINTY_KINDS], axis=1)
+
+
 def uncertainty_order(old_features: np.ndarray, head: UncertaintyHead, kind: str) -> np.ndarray:
     """Most uncertain old features first (RACT 4.3); ties by lower index."""
     return order_by_score(uncertainty_scores(old_features, head, kind))
+
+
+@dataclass(frozen=True)
+class UncertaintyScorer(BlockScorer):
+    """:func:`gallery_uncertainty` of a block (stored column, or the head on its old rows)."""
+
+    head: UncertaintyHead | None
+    kind: str
+
+    def scores(self, block, g0: int) -> np.ndarray:
+        return gallery_uncertainty(block, self.head, self.kind)
 
 
 class UncertaintyPolicy(Policy):
@@ -125,8 +169,16 @@ class UncertaintyPolicy(Policy):
     needs_embeddings = True
     needs_head = True
 
+    def check(self, inputs: PolicyInputs) -> None:
+        if inputs.data is not None and self.kind in inputs.data.extra.get("uncertainty", {}):
+            return  # the stored column is enough
+        super().check(inputs)
+
     def order(self, inputs: PolicyInputs) -> np.ndarray:
-        return uncertainty_order(inputs.data.gallery_old, inputs.head, self.kind)
+        return order_by_score(gallery_uncertainty(inputs.data, inputs.head, self.kind))
+
+    def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
+        return UncertaintyScorer(inputs.head, self.kind)
 
 
 @register_policy

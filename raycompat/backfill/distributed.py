@@ -1,0 +1,553 @@
+"""The backfill simulator on Ray: the engine's block pass as tasks over parquet row groups.
+
+The same engine as the in-memory simulator (:mod:`raycompat.backfill.engine`), run another way
+(docs/architecture.md, "Distributed backfill simulation"):
+
+1. the driver opens the dataset (:class:`~raycompat.backfill.dataset.ParquetGallery`): row
+   groups, labels, ids and queries, from the metadata and the key columns;
+2. tasks read the rows of the positive pairs (and the ``learned`` policy's sample), so the
+   driver can plan the pass (:func:`raycompat.backfill.engine.plan_ranks` with
+   :class:`~raycompat.backfill.engine.SideSummary`), with nothing gallery-sized but one number
+   per item;
+3. policies that need embeddings score every row group in tasks
+   (:meth:`raycompat.backfill.policies.Policy.block_scorer`); the global order sorts those
+   scores, highest first and ties by lower gallery index -- on the driver, or with Ray Data's
+   sort above ``sort_above`` items -- so it does not depend on the blocks or the workers;
+4. one task per row group reads its rows, builds the score sides with the in-memory code
+   (:class:`~raycompat.backfill.modes.SideBuilder`) and runs
+   :func:`~raycompat.backfill.engine.block_pass_rows`; the driver adds the histograms as they
+   arrive (:class:`~raycompat.backfill.engine.CountsSum`) and turns them into ranks and metrics
+   with the simulator's code.
+
+A row group is counted once: results are keyed by row group, and a task whose worker dies is
+retried by Ray (``max_retries``) and counted when it finishes.  Tasks ask for a GPU when the
+cluster has GPUs and score on CUDA there.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from raycompat.backfill.dataset import ParquetGallery, RowGroup
+from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
+from raycompat.console import format_eta
+
+__all__ = ["DistributedOptions", "DatasetRun", "simulate_backfill_dataset", "TASK_BLOCK_BYTES"]
+
+#: score block budget of a block task: one task per core, so a block small enough to stay in
+#: that core's cache while it is filtered (10 % faster than the in-process engine's 16 MiB on
+#: this machine, bench/curve_eval_large.py)
+TASK_BLOCK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """How the block passes run on the cluster."""
+
+    #: tasks in flight at once (default: twice the cluster's CPUs)
+    max_in_flight: int | None = None
+    #: GPUs per task (default: 1 when the cluster has GPUs, else 0)
+    gpus_per_task: float | None = None
+    #: global orders of more items than this are sorted by Ray Data, not on the driver
+    sort_above: int = 50_000_000
+    #: retries of a task whose worker died
+    max_retries: int = 3
+    #: seconds between progress lines of a step (and one when it ends)
+    progress_every_s: float = 10.0
+
+
+@dataclass
+class _Modules:
+    """The new bundle's gallery-side modules (psi, rho, psi_rev), as
+    :func:`raycompat.backfill.modes.apply_bundle_modules` reads them."""
+
+    modules: dict
+
+
+@dataclass
+class _Context:
+    """What every task of a run shares (one object-store copy): the dataset without its
+    per-item arrays, the queries' arrays, the columns to read, the modules."""
+
+    dataset: ParquetGallery
+    queries: dict[str, np.ndarray]
+    columns: list[str]
+    modules: _Modules | None
+
+    def block(self, group: RowGroup) -> GalleryEmbeddings:
+        """The gallery rows of ``group`` with the queries, the modules applied."""
+        from raycompat.backfill.modes import apply_bundle_modules
+
+        data = self.dataset.block_embeddings(group, self.queries, self.columns)
+        return apply_bundle_modules(data, self.modules) if self.modules else data
+
+
+def _task_info(t0: float, group: RowGroup) -> dict[str, Any]:
+    import ray
+
+    return {
+        "node": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "seconds": time.perf_counter() - t0,
+        "bytes": group.nbytes,
+        "items": group.gallery_rows,
+    }
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- tasks
+def _gather_task(ctx: _Context, group: RowGroup, local: np.ndarray):
+    """Some rows of one row group (``local``: indices among its gallery rows), as stored."""
+    t0 = time.perf_counter()
+    ids, cols = ctx.dataset.read_block(group, ctx.columns)
+    return ({c: v[local] for c, v in cols.items()}, ids[local]), _task_info(t0, group)
+
+
+def _policy_task(ctx: _Context, group: RowGroup, scorer):
+    """One policy score per gallery row of one row group (float64)."""
+    t0 = time.perf_counter()
+    scores = np.asarray(scorer.scores(ctx.block(group), group.g0), dtype=np.float64)
+    if scores.shape != (group.gallery_rows,):
+        raise ValueError(f"a block scorer returned {scores.shape} for {group.gallery_rows} rows")
+    return scores, _task_info(t0, group)
+
+
+def _norm_task(ctx: _Context, group: RowGroup, sides: list[str], rank_merge_distance: str):
+    """An upper bound of the gallery row norms of each side (for sides that are not
+    normalised)."""
+    from raycompat.backfill.engine import _max_row_norm
+    from raycompat.backfill.modes import SideBuilder
+
+    t0 = time.perf_counter()
+    builder = SideBuilder(ctx.block(group))
+    out = {s: _max_row_norm(builder.side(s).gallery) for s in sides}
+    return out, _task_info(t0, group)
+
+
+def _pass_task(ctx: _Context, group: RowGroup, plan, seg_rows: np.ndarray):
+    """The engine's block pass over one row group (on CUDA when the task has a GPU)."""
+    from raycompat.backfill.blocks import release_memory
+    from raycompat.backfill.engine import block_pass_rows
+    from raycompat.backfill.modes import SideBuilder
+
+    t0 = time.perf_counter()
+    dev = _device()
+    if dev.type != "cpu":
+        plan = plan.for_blocks(dev)
+    builder = SideBuilder(ctx.block(group))
+    rows = {x: builder.side(x).gallery for x in plan.used}
+    counts = block_pass_rows(plan, rows, group.g0, [s for s in seg_rows])
+    del builder, rows
+    release_memory()  # the row group's arrays go back to the OS before the next task
+    info = _task_info(t0, group)
+    info["device"] = str(dev)
+    return counts, info
+
+
+# ----------------------------------------------------------------------------- the runner
+@dataclass
+class DatasetRun:
+    """Runs tasks over row groups and keeps what they report (for the report's stats)."""
+
+    dataset: ParquetGallery
+    options: DistributedOptions
+    say: Callable[[str], None]
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        import ray
+
+        from raycompat.cluster import connect
+        from raycompat.console import is_verbose, quiet_ray
+
+        quiet_ray(is_verbose())  # one progress line per step, not Ray Data's log lines
+        connect()
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        per = self.options.gpus_per_task
+        self.gpus_per_task = (1.0 if gpus >= 1 else 0.0) if per is None else float(per)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.max_in_flight = self.options.max_in_flight or max(2, 2 * cpus)
+
+    def map(self, step: str, fn, ctx_ref, jobs: Sequence[tuple[RowGroup, tuple]]):
+        """Yield ``(job index, result)`` of ``fn(ctx, group, *args)`` for every job, as tasks
+        finish (any order), with one progress line per tenth of the work."""
+        import ray
+
+        remote = ray.remote(fn).options(
+            num_cpus=1,
+            num_gpus=self.gpus_per_task,
+            scheduling_strategy="SPREAD",
+            max_retries=self.options.max_retries,
+            retry_exceptions=False,
+        )
+        total_items = sum(g.gallery_rows for g, _ in jobs) or 1
+        pending: dict[Any, int] = {}
+        nxt, finished, done_items = 0, 0, 0
+        t0 = last = time.perf_counter()
+        while nxt < len(jobs) or pending:
+            while nxt < len(jobs) and len(pending) < self.max_in_flight:
+                group, args = jobs[nxt]
+                pending[remote.remote(ctx_ref, group, *args)] = nxt
+                nxt += 1
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            i = pending.pop(ready[0])
+            result, info = _get(ready[0])
+            info["step"] = step
+            self.tasks.append(info)
+            finished += 1
+            done_items += jobs[i][0].gallery_rows
+            yield i, result
+            now = time.perf_counter()
+            if now - last >= self.options.progress_every_s or finished == len(jobs):
+                last = now
+                self._progress(step, finished, len(jobs), done_items, total_items, now - t0)
+        took = time.perf_counter() - t0
+        self.steps[step] = {"seconds": took, "tasks": len(jobs), "items": total_items}
+
+    def _progress(self, step, done, total, items, total_items, elapsed) -> None:
+        rate = items / elapsed if elapsed > 0 else float("nan")
+        eta = (total_items - items) / rate if rate == rate and rate > 0 else float("nan")
+        tail = f", ETA {format_eta(eta)}" if items < total_items and eta == eta else ""
+        self.say(
+            f"[{step}] {done}/{total} blocks, {items:,} items, {rate:,.0f} items/s | "
+            f"{elapsed:.1f}s elapsed{tail}"
+        )
+
+
+def _get(ref):
+    """``ray.get`` with the task's own input error (it names the shard), not a wrapper."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BackfillInputError):
+            raise BackfillInputError(str(cause)) from None
+        raise
+
+
+# ----------------------------------------------------------------------------- steps
+def _jobs_by_group(dataset: ParquetGallery, items: np.ndarray) -> list[tuple[RowGroup, tuple]]:
+    """One gather job per row group holding some of ``items`` (sorted gallery indices)."""
+    starts = np.array([g.g0 for g in dataset.groups], dtype=np.int64)
+    which = np.searchsorted(starts, items, side="right") - 1
+    jobs = []
+    for gi in np.unique(which):
+        g = dataset.groups[int(gi)]
+        jobs.append((g, (items[which == gi] - g.g0,)))
+    return jobs
+
+
+def _gather(run: DatasetRun, ctx: _Context, ctx_ref, items: np.ndarray, step: str):
+    """The rows of ``items`` (sorted gallery indices) with the queries, as GalleryEmbeddings
+    (the modules applied to these rows only, as the block passes apply them to theirs)."""
+    from raycompat.backfill.modes import apply_bundle_modules
+
+    ds = run.dataset
+    jobs = _jobs_by_group(ds, items)
+    parts: list = [None] * len(jobs)
+    for i, res in run.map(step, _gather_task, ctx_ref, jobs):
+        parts[i] = res
+    cols = {c: np.concatenate([p[0][c] for p in parts]) for c in ctx.columns}
+    names = {"old": "gallery_old", "new": "gallery_new", "adapted": "gallery_adapted"}
+    stored = {c[len("unc_") :]: v for c, v in cols.items() if c.startswith("unc_")}
+    data = GalleryEmbeddings(
+        gallery_labels=ds.gallery_labels[items],
+        query_labels=ds.query_labels,
+        gallery_ids=np.concatenate([p[1] for p in parts]),
+        query_ids=ds.query_ids,
+        compatible_dim=ds.compatible_dim,
+        source=ds.source,
+        extra={"uncertainty": stored} if stored else {},
+        **{names[c]: v for c, v in cols.items() if c in names},
+        **ctx.queries,
+    )
+    return apply_bundle_modules(data, ctx.modules) if ctx.modules else data
+
+
+def _order(run: DatasetRun, ctx_ref, scorer, step: str) -> np.ndarray:
+    """The global order of a block scorer: highest score first, ties by lower gallery index."""
+    from raycompat.backfill.policies import order_by_score
+
+    ds = run.dataset
+    jobs = [(g, (scorer,)) for g in ds.groups if g.gallery_rows]
+    if ds.n_items > run.options.sort_above:
+        return _sorted_by_ray_data(run, ctx_ref, jobs, step)
+    scores = np.empty(ds.n_items, dtype=np.float64)
+    for i, s in run.map(step, _policy_task, ctx_ref, jobs):
+        g = jobs[i][0]
+        scores[g.g0 : g.g1] = s
+    return order_by_score(scores)
+
+
+def _sorted_by_ray_data(run: DatasetRun, ctx_ref, jobs, step: str) -> np.ndarray:
+    """The order from Ray Data's distributed sort of ``(-score, gallery index)``."""
+    import pyarrow as pa
+    import ray
+
+    refs = []
+    for i, s in run.map(step, _policy_task, ctx_ref, jobs):
+        g = jobs[i][0]
+        if np.isnan(s).any():
+            raise ValueError("policy scores contain NaN")
+        item = np.arange(g.g0, g.g1, dtype=np.int64)
+        refs.append(ray.put(pa.table({"key": -s, "item": item})))
+    t0 = time.perf_counter()
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    ds = ray.data.from_arrow_refs(refs).sort(["key", "item"])
+    order = np.empty(run.dataset.n_items, dtype=np.int64)
+    pos = 0
+    for batch in ds.iter_batches(batch_format="numpy", batch_size=1 << 20):
+        n = batch["item"].shape[0]
+        order[pos : pos + n] = batch["item"]
+        pos += n
+    if pos != order.size:
+        raise RuntimeError(f"the sort returned {pos} items of {order.size}")
+    took = time.perf_counter() - t0
+    run.steps[step + " sort"] = {"seconds": took, "tasks": 0, "items": pos}
+    run.say(f"[{step}] {pos:,} scores sorted by Ray Data in {took:.1f}s")
+    return order
+
+
+# ----------------------------------------------------------------------------- main entry
+def simulate_backfill_dataset(
+    dataset: ParquetGallery,
+    policies: Sequence[str] | str = ("random", "sequential"),
+    modes: Sequence[str] | str = ("compatible",),
+    *,
+    fractions: Sequence[float] | None = None,
+    grid_step: float = 5.0,
+    k: int = 100,
+    seed: int = 0,
+    head=None,
+    cost=None,
+    references=None,
+    reference_correct: np.ndarray | None = None,
+    learned_sample_fraction: float = 0.02,
+    rank_merge_distance: str = "sq_l2",
+    modules: dict | None = None,
+    block_bytes: int = TASK_BLOCK_BYTES,
+    progress: Callable[[str], None] | None = None,
+    debug: bool = False,
+    options: DistributedOptions | None = None,
+):
+    """:func:`raycompat.backfill.simulate_backfill` on a streamed parquet dataset, on Ray: the
+    same curves, value for value (arguments as there; ``modules``: the new bundle's psi / rho
+    / psi_rev modules, applied to each block; ``block_bytes``: the engine's score blocks)."""
+    import ray
+
+    from raycompat.backfill import simulator as sim
+    from raycompat.backfill.engine import plan_ranks
+    from raycompat.backfill.modes import SideBuilder
+    from raycompat.backfill.policies import PolicyInputs
+
+    t_all = time.perf_counter()
+    say = progress or (lambda msg: None)
+    run = DatasetRun(dataset, options or DistributedOptions(), say)
+    mods = _Modules(dict(modules)) if modules else None
+    columns = dataset.vector_columns + dataset.uncertainty_columns
+    light = dataset.without_items()
+    ctx = _Context(light, dataset.query_arrays(), columns, mods)
+    ctx_ref = ray.put(ctx)
+
+    # the positives (and the queries' rho / psi_rev): what the plan needs of the gallery
+    pairs_items = _positive_items(dataset)
+    say(f"reading the {pairs_items.size:,} gallery items that are positives of a query")
+    small = _gather(run, ctx, ctx_ref, pairs_items, "positives")
+    ctx.queries = {
+        n: getattr(small, n)
+        for n in ("query_old", "query_new", "query_rho", "query_rev")
+        if getattr(small, n) is not None
+    }
+    ctx_ref = ray.put(ctx)
+    builder = SideBuilder(small)
+    inputs = PolicyInputs(
+        n_items=dataset.n_items,
+        data=small,
+        head=head,
+        seed=seed,
+        learned_sample_fraction=learned_sample_fraction,
+        rank_merge_distance=rank_merge_distance,
+        block_bytes=None,  # the oracle's blocks as in memory: the same float64 sums
+        sides=builder,
+    )
+    plan = sim._check_inputs(
+        small, policies, modes, k, fractions, grid_step, reference_correct, inputs
+    )
+    orders, policy_seconds = _dataset_orders(run, ctx, ctx_ref, plan, inputs, pairs_items, say)
+    want_oo = reference_correct is None and small.query_old is not None
+    curves, static = sim._curve_specs(plan, orders, dataset.n_items, want_oo)
+    summaries = _summaries(run, ctx_ref, curves, builder, pairs_items, rank_merge_distance)
+    rplan = plan_ranks(
+        summaries,
+        curves,
+        dataset.query_labels,
+        dataset.gallery_labels,
+        device="cpu",
+        block_bytes=block_bytes,
+        debug=debug,
+        workers=1,
+    )
+    res = _rank_blocks(run, ctx_ref, rplan, say)
+    refs, ref_correct = sim._references(res, static, plan.k, reference_correct, references)
+    out_curves = sim._metric_curves(plan, curves, res, ref_correct, refs, cost, dataset.n_items)
+    stats = {
+        "policy_seconds": policy_seconds,
+        "engine": res.stats,
+        "distributed": _run_stats(run),
+        "seconds": time.perf_counter() - t_all,
+    }
+    config = sim._config(plan, small, inputs)
+    config["engine"] = "ray"
+    return sim.SimulationResult(
+        k=plan.k,
+        fractions=plan.grid,
+        n_items=dataset.n_items,
+        n_queries=dataset.n_queries,
+        n_valid_queries=int((res.npos > 0).sum()),
+        policies=plan.policies,
+        modes=plan.modes,
+        curves=out_curves,
+        references=refs,
+        cost=cost,
+        stats=stats,
+        config=config,
+        orders=orders,
+    )
+
+
+def _positive_items(dataset: ParquetGallery) -> np.ndarray:
+    """The sorted gallery indices of every item that is a positive of some query."""
+    from raycompat.backfill.engine import positive_pairs
+
+    _, pi, _ = positive_pairs(dataset.query_labels, dataset.gallery_labels)
+    items = np.unique(pi)
+    if not items.size:
+        raise BackfillInputError("no query has a positive in the gallery: nothing to evaluate")
+    return items
+
+
+def _dataset_orders(run, ctx, ctx_ref, plan, inputs, items: np.ndarray, say):
+    """``{(policy, hot mode): order}``: from N on the driver, or from block scores."""
+    from dataclasses import replace
+
+    from raycompat.backfill.policies import policy_class, policy_order
+    from raycompat.backfill.policies.base import DatasetAccess
+
+    access = DatasetAccess(
+        run.dataset.n_items, items, lambda ids: _gather(run, ctx, ctx_ref, ids, "sample")
+    )
+    orders: dict[tuple, np.ndarray] = {}
+    seconds: dict[str, float] = {}
+    hot = [m for m in plan.modes if plan.specs[m].schedule == "hot"]
+    for p in plan.policies:
+        t0 = time.perf_counter()
+        policy = policy_class(p)()
+        for m in hot if policy.per_mode else hot[:1]:
+            scorer = policy.block_scorer(replace(inputs, mode=m), access)
+            if scorer is None:
+                order = policy_order(p, replace(inputs, data=None))
+            else:
+                step = f"policy {p}" + (f" {m}" if policy.per_mode else "")
+                order = _order(run, ctx_ref, scorer, step)
+            for mm in [m] if policy.per_mode else hot:
+                orders[(p, mm)] = order
+        seconds[p] = time.perf_counter() - t0
+        say(f"policy {p}: order ready")
+    return orders, seconds
+
+
+def _summaries(run, ctx_ref, curves, builder, items: np.ndarray, distance: str):
+    """Per pass side: its queries, the positive pairs' rows and a bound of its gallery norms
+    (1 + a rounding margin for normalised sides; a pass over the gallery for the others)."""
+    from raycompat.backfill.engine import SideSummary, positive_pairs
+
+    small = builder.data
+    _, rows, _ = positive_pairs(small.query_labels, small.gallery_labels)
+    names = []
+    for c in curves:
+        for s in c.sides():
+            if s not in names:
+                names.append(s)
+    raw = [s for s in names if s.endswith(":l2raw")]
+    norms = {s: 1.0 + 1e-3 for s in names if s not in raw}  # l2-normalised rows: |g| <= 1
+    if raw:
+        jobs = [(g, (raw, distance)) for g in run.dataset.groups if g.gallery_rows]
+        for _, got in run.map("norms", _norm_task, ctx_ref, jobs):
+            for s, v in got.items():
+                norms[s] = max(norms.get(s, 0.0), v)
+    out = {}
+    for s in names:
+        side = builder.side(s)
+        out[s] = SideSummary(side.queries, side.gallery[rows], norms[s])
+    return out
+
+
+def _rank_blocks(run: DatasetRun, ctx_ref, plan, say):
+    """Every row group's block pass, added up as the tasks finish; then the ranks."""
+    import ray
+
+    from raycompat.backfill.engine import CountsSum
+
+    ds = run.dataset
+    light = plan.for_blocks("cpu", workers=1)
+    plan_ref = ray.put(light)
+    total = CountsSum(plan)
+    jobs = []
+    for g in ds.groups:
+        if not g.gallery_rows:
+            continue
+        segs = np.stack(plan.segs.rows(g.g0, g.g1))
+        dtype = np.int16 if segs.max(initial=0) < np.iinfo(np.int16).max else np.int32
+        jobs.append((g, (plan_ref, segs.astype(dtype))))
+    say(
+        f"scoring {len(plan.used)} side(s): {', '.join(plan.used)} "
+        f"({ds.n_items:,} items x {ds.n_queries:,} queries, {len(jobs)} blocks)"
+    )
+    for _, counts in run.map("score", _pass_task, ctx_ref, jobs):
+        total.add(counts)
+    return total.ranks()
+
+
+def _run_stats(run: DatasetRun) -> dict[str, Any]:
+    """Tasks, nodes, peak memory per worker and of the driver, bytes read, per step."""
+    workers: dict[str, int] = {}
+    nodes: dict[str, int] = {}
+    for t in run.tasks:
+        key = f"{t['node'][:12]}/{t['pid']}"
+        workers[key] = max(workers.get(key, 0), int(t["peak_rss"]))
+        if t["step"] == "score":
+            nodes[t["node"]] = nodes.get(t["node"], 0) + 1
+    score = [t for t in run.tasks if t["step"] == "score"]
+    secs = run.steps.get("score", {}).get("seconds", 0.0)
+    read = sum(t["bytes"] for t in score)
+    return {
+        "steps": run.steps,
+        "blocks": len(score),
+        "blocks_per_node": nodes,
+        "devices": sorted({t.get("device", "cpu") for t in score}),
+        "peak_rss_per_worker": workers,
+        "peak_rss_driver": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "bytes_read": read,
+        "bytes_per_s": read / secs if secs else None,
+        "items_per_s": run.steps.get("score", {}).get("items", 0) / secs if secs else None,
+        "task_seconds": {
+            "score_total": float(sum(t["seconds"] for t in score)),
+        },
+        "gpus_per_task": run.gpus_per_task,
+    }
