@@ -119,6 +119,7 @@ def api(serve_port, gallery_parquet, token_file, tmp_path_factory):
         max_queries=4,
         max_image_bytes=4096,
         max_upsert_items=8,
+        max_body_bytes=64 << 10,
         fsync=False,
     )
     yield client
@@ -253,6 +254,80 @@ def test_admin_auth_and_upsert_errors(api):
     assert ids[0, 0] == 3 and reps[0, 0] == "new"
     assert api.upsert([{"id": 3, "representation": "old", "vector": [0.25] * 16}])["applied"] == 1
     assert api.status()["items"] == {"old": 600, "adapted": 0, "new": 0}
+
+
+def test_admin_token_and_body_size_are_checked_before_the_body_is_read(api):
+    # without the token: 401 at once, whatever the body (not a 400/422 from parsing it)
+    r = post(api, "/admin/upsert", raw=b"{not json" * 1000)
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    big = b'{"items": [' + b"0," * 100_000 + b"0]}"  # 200 kB, over the 64 KiB limit
+    r = post(api, "/admin/upsert", raw=big)
+    assert r.status_code == 401
+    # with the token, or on a public path: 413 from Content-Length, naming the limit
+    r = post(api, "/admin/upsert", raw=big, token=TOKEN)
+    assert r.status_code == 413 and "65,536 bytes" in r.json()["error"]
+    r = post(api, "/search", raw=big)
+    assert r.status_code == 413 and r.json()["problems"][0]["field"] == "body"
+
+    def chunks():  # no Content-Length: counted while it arrives
+        for _ in range(50):
+            yield b" " * 4096
+
+    r = requests.post(
+        api.base + "/search", data=chunks(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and "exceeds the limit of 65,536 bytes" in r.json()["error"]
+    ok = post(api, "/search", {"vectors": [[0.5] * 24], "k": 3})
+    assert ok.status_code == 200
+    # the scheme is case-insensitive (RFC 7235), the token is not
+    lower = {"Authorization": f"bearer {TOKEN}"}
+    r = requests.post(api.base + "/admin/snapshot", headers=lower, timeout=30)
+    assert r.status_code == 200
+    upper = {"Authorization": f"Bearer {TOKEN.upper()}"}
+    assert requests.post(api.base + "/admin/snapshot", headers=upper).status_code == 401
+    # /docs and /redoc load scripts from a CDN: off unless api_docs; the schema stays
+    assert requests.get(api.base + "/docs").status_code == 404
+    assert requests.get(api.base + "/redoc").status_code == 404
+    assert requests.get(api.base + "/openapi.json").status_code == 200
+
+
+def test_a_heavy_image_request_does_not_stall_healthz(serve_port, gallery_parquet, tmp_path):
+    """Images are decoded off the router's event loop: /healthz answers within 1 s while a
+    search with 32 images of 4096x4096 pixels is being decoded; a request over the pixel
+    budget is refused from the images' headers."""
+    from PIL import Image
+    from ray import serve
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((4096, 4096), 77, np.uint8)).save(buf, format="PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    _, client = deploy(
+        serve_port, tmp_path / "state", gallery_parquet, app="heavy", prefix="/heavy",
+        num_shards=1, max_queries=64, max_request_pixels=40 * 4096 * 4096, fsync=False,
+    )  # fmt: skip
+    try:
+        over = post(client, "/search", {"images": [image] * 41, "k": 3})
+        assert over.status_code == 400 and "budget of 671,088,640" in over.json()["error"]
+        heavy: dict = {}
+
+        def search():
+            heavy["response"] = post(client, "/search", {"images": [image] * 32, "k": 3})
+
+        worker = threading.Thread(target=search)
+        worker.start()
+        time.sleep(0.5)  # the router is decoding
+        t0 = time.perf_counter()
+        health = requests.get(client.base + "/healthz", timeout=30)
+        waited = time.perf_counter() - t0
+        still_decoding = worker.is_alive()
+        worker.join()
+        assert health.status_code == 200 and still_decoding
+        assert waited < 1.0, f"/healthz took {waited:.2f} s behind a heavy request"
+        # decoded, then refused: this index has no model to embed images with
+        assert heavy["response"].status_code == 400
+        assert "new model" in heavy["response"].json()["error"]
+    finally:
+        serve.delete("heavy")
 
 
 def test_binds_loopback_only(api):

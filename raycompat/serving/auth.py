@@ -3,7 +3,8 @@
 The token comes from the environment variable ``RAYCOMPAT_ADMIN_TOKEN`` or from a file
 (``token_file`` option; first line, surrounding whitespace stripped).  Comparison is
 constant-time (:func:`hmac.compare_digest`).  Without a configured token every admin request
-is refused (401), so an unconfigured server cannot be administered by anyone.
+is refused (401), so an unconfigured server cannot be administered by anyone.  The scheme name is
+case-insensitive (``Bearer``, ``bearer``), as RFC 7235 section 2.1 says of every auth scheme.
 """
 
 from __future__ import annotations

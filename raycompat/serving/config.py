@@ -69,6 +69,17 @@ class ServingConfig:
     max_queries: int = positive(256, help="queries per search request")
     max_image_bytes: int = positive(1 << 20, help="bytes per query image")
     max_upsert_items: int = positive(10000, help="items per upsert request and backfill batch")
+    max_body_bytes: int = positive(
+        32 << 20, help="bytes per request body (413 above it, checked before the body is read)"
+    )
+    api_docs: bool = option(
+        False,
+        help="serve the /docs and /redoc pages (they load their scripts from a CDN, so they are "
+        "blank on a machine without internet); /openapi.json is always served",
+    )
+    max_request_pixels: int = positive(
+        16 * 4096 * 4096, help="pixels of all the images of one search request, decoded or not"
+    )
     learned_sample_fraction: float = option(
         0.02, help="sample fraction of the 'learned' backfill policy"
     )

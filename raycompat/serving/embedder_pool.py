@@ -19,47 +19,30 @@ class ImageInputError(ValueError):
 
 
 def decode_images(
-    images_b64: list[str], resolution: int, in_chans: int, max_bytes: int, max_pixels: int
+    images_b64: list[str],
+    resolution: int,
+    in_chans: int,
+    max_bytes: int,
+    max_pixels: int,
+    max_total_pixels: int | None = None,
 ) -> np.ndarray:
     """base64 PNG/JPEG strings -> uint8 ``[n, R, R]`` grey (``in_chans`` 1) or ``[n, R, R, 3]``
     colour images (resized + centre-cropped as :func:`raycompat.data.readers.load_image`);
-    raises :class:`ImageInputError`."""
-    import base64
-    import binascii
-    import io
-
-    from PIL import Image
-
+    raises :class:`ImageInputError`.  ``max_total_pixels``: the request's pixel budget, checked
+    from the images' headers before any is decoded."""
     from raycompat.data.readers import CorruptImageError, load_image
 
     colour = int(in_chans) > 1
     shape = (resolution, resolution, 3) if colour else (resolution, resolution)
     out = np.empty((len(images_b64), *shape), np.uint8)
-    for i, s in enumerate(images_b64):
+    raws = [_checked_raw(s, i, max_bytes, max_pixels) for i, s in enumerate(images_b64)]
+    total = sum(size[0] * size[1] for _, size in raws)
+    if max_total_pixels is not None and total > max_total_pixels:
+        raise ImageInputError(
+            f"images: {total:,} pixels in this request exceed its budget of {max_total_pixels:,}"
+        )
+    for i, (raw, _) in enumerate(raws):
         where = f"images[{i}]"
-        try:
-            raw = base64.b64decode(s.strip(), validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ImageInputError(f"{where}: invalid base64 ({exc})") from None
-        if not raw:
-            raise ImageInputError(f"{where}: empty image")
-        if len(raw) > max_bytes:
-            raise ImageInputError(
-                f"{where}: image of {len(raw)} bytes exceeds the limit of {max_bytes}"
-            )
-        try:
-            with Image.open(io.BytesIO(raw)) as probe:
-                fmt, size = probe.format, probe.size
-        except Exception as exc:  # PIL raises many types for garbage
-            raise ImageInputError(
-                f"{where}: not a PNG or JPEG image ({type(exc).__name__})"
-            ) from None
-        if fmt not in ("PNG", "JPEG"):
-            raise ImageInputError(f"{where}: format {fmt} is not accepted; send PNG or JPEG")
-        if size[0] * size[1] > max_pixels or min(size) < 1:
-            raise ImageInputError(
-                f"{where}: {size[0]}x{size[1]} pixels exceeds the limit of {max_pixels}"
-            )
         try:
             img = load_image(
                 raw, mode="RGB" if colour else "L", resolution=resolution, source=where
@@ -70,6 +53,40 @@ def decode_images(
             raise ImageInputError(f"{where}: corrupt image ({type(exc).__name__}: {exc})") from None
         out[i] = np.asarray(img, np.uint8)
     return out
+
+
+def _checked_raw(s: str, i: int, max_bytes: int, max_pixels: int) -> tuple[bytes, tuple]:
+    """One base64 image's bytes and its size from its header (PNG or JPEG, within the limits);
+    raises :class:`ImageInputError` naming ``images[i]``."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    where = f"images[{i}]"
+    try:
+        raw = base64.b64decode(s.strip(), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageInputError(f"{where}: invalid base64 ({exc})") from None
+    if not raw:
+        raise ImageInputError(f"{where}: empty image")
+    if len(raw) > max_bytes:
+        raise ImageInputError(
+            f"{where}: image of {len(raw)} bytes exceeds the limit of {max_bytes}"
+        )
+    try:
+        with Image.open(io.BytesIO(raw)) as probe:
+            fmt, size = probe.format, probe.size
+    except Exception as exc:  # PIL raises many types for garbage
+        raise ImageInputError(f"{where}: not a PNG or JPEG image ({type(exc).__name__})") from None
+    if fmt not in ("PNG", "JPEG"):
+        raise ImageInputError(f"{where}: format {fmt} is not accepted; send PNG or JPEG")
+    if size[0] * size[1] > max_pixels or min(size) < 1:
+        raise ImageInputError(
+            f"{where}: {size[0]}x{size[1]} pixels exceeds the limit of {max_pixels}"
+        )
+    return raw, size
 
 
 class ModelEmbedder:

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[serve_index] serving at {url}: {json.dumps(status.get('items'))} "
         "items per representation; "
-        f"docs at {url}/docs",
+        f"API schema at {url}/openapi.json" + (f", docs at {url}/docs" if cfg.api_docs else ""),
         flush=True,
     )
     if opts.block:

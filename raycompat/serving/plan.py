@@ -116,6 +116,8 @@ class ServingPlan:
             max_queries=c.max_queries,
             max_image_bytes=c.max_image_bytes,
             max_upsert_items=c.max_upsert_items,
+            max_body_bytes=c.max_body_bytes,
+            max_request_pixels=c.max_request_pixels,
         )
 
     def models_json(self) -> dict:

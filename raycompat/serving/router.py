@@ -41,6 +41,7 @@ from raycompat.serving.errors import (
     internal_error,
     unavailable,
 )
+from raycompat.serving.guard import RequestGuard
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.schemas import ApiModels, ErrorResponse, build_models
 
@@ -69,8 +70,17 @@ class Router:
         self.limits = plan.limits
         self.token = load_admin_token(self.cfg.token_file)
         self.recorder = RouterMetrics()
-        self.embedders: dict = {}  # role -> ModelEmbedder, loaded on first use
-        self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode, loaded once
+        self.embedders: dict = {}  # role -> ModelEmbedder
+        self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode
+        self._load_models()
+
+    def _load_models(self) -> None:
+        """Every model a query can need, loaded now: not on the event loop of a first query."""
+        if self.cfg.new_model:
+            self.embedder("new")
+        if self.cfg.old_model and self.cfg.mode == "naive_merge":
+            self.embedder("old")
+        self.rank_merge()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -128,12 +138,15 @@ class Router:
         has_model = bool(self.cfg.new_model if role == "new" else self.cfg.old_model)
         emb = self.embedder(role) if has_model else None
         try:  # images are checked first, so a bad image is named even without a model
-            imgs = decode_images(
+            # off the event loop: decoding a request's images must not stall other requests
+            imgs = await asyncio.to_thread(
+                decode_images,
                 images,
                 emb.resolution if emb else 32,
                 emb.in_chans if emb else 1,
                 self.limits.max_image_bytes,
                 self.limits.max_image_pixels,
+                self.limits.max_request_pixels,
             )
         except ImageInputError as exc:
             raise image_error(exc) from None
@@ -444,8 +457,14 @@ def build_api(router: Router) -> FastAPI:
         "(raycompat, docs/architecture.md, 'Serving').",
         version="1",
         responses={422: {"model": ErrorResponse}},
+        docs_url="/docs" if router.cfg.api_docs else None,
+        redoc_url="/redoc" if router.cfg.api_docs else None,
     )
     install_error_handlers(app)
+    # inside the timing middleware: auth and body size are checked before the body is read
+    app.add_middleware(
+        RequestGuard, max_body_bytes=router.limits.max_body_bytes, token=router.token
+    )
     app.middleware("http")(router.timed)
     models = build_models(router.limits)
     _public_routes(app, router, models)

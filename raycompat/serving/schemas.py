@@ -29,6 +29,8 @@ class Limits:
     max_image_pixels: int = 4096 * 4096
     max_upsert_items: int = 10000
     max_dim: int = 4096
+    max_body_bytes: int = 32 << 20
+    max_request_pixels: int = 16 * 4096 * 4096
 
 
 class Problem(BaseModel):
