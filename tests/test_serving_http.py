@@ -195,6 +195,11 @@ BAD_SEARCH = [
     ('{"vectors": [[' + ", ".join(["1"] * 16) + ']], "k": 5, "model": "older"}', "body.model"),
     ('{"vectors": [["a"]], "k": 5}', "body.vectors[0][0]"),
     ("[1, 2, 3]", "body"),
+    ('{"vectors": [[' + ", ".join(["1"] * 24) + ']], "k": true}', "body.k"),
+    ('{"vectors": [[' + ", ".join(["1"] * 24) + ']], "k": "10"}', "body.k"),
+    ('{"vectors": [["1"' + ", 1" * 23 + "]]}", "body.vectors[0][0]"),
+    ('{"vectors": [[true' + ", 1" * 23 + "]]}", "body.vectors[0][0]"),
+    ('{"vectors": ' + "[" * 10_000 + "]" * 10_000 + "}", "nested too deeply"),
     ('{"vectors": [[1e39' + ", 0" * 23 + ']], "k": 5}', "overflow"),
 ]
 
@@ -246,6 +251,11 @@ def test_admin_auth_and_upsert_errors(api):
     assert r.status_code == 400 and "head" in r.json()["error"]
     r = post(api, "/admin/backfill/start", {"policy": "best"}, token=TOKEN)
     assert r.status_code == 422 and "body.policy" in r.json()["error"]
+    for bad, where in (({"restart": "yes"}, "body.restart"), ({"seed": "1"}, "body.seed")):
+        r = post(api, "/admin/backfill/start", bad, token=TOKEN)
+        assert r.status_code == 422 and where in r.json()["error"], r.text
+    r = post(api, "/admin/upsert", {"items": [dict(item, id="3")]}, token=TOKEN)
+    assert r.status_code == 422 and "body.items[0].id" in r.json()["error"]
     # a good upsert: item 3 moves to 'new' atomically, then back to 'old'; nothing else changes
     assert api.upsert([item])["applied"] == 1
     st = api.status()["items"]
@@ -328,6 +338,49 @@ def test_a_heavy_image_request_does_not_stall_healthz(serve_port, gallery_parque
         assert "new model" in heavy["response"].json()["error"]
     finally:
         serve.delete("heavy")
+
+
+def test_backfill_keeps_a_low_rate_and_resume_clears_until(
+    serve_port, gallery_parquet, tmp_path, monkeypatch
+):
+    """A rate below batch_size items/s is kept (batches shrink to one second's worth, never a
+    burst of batch_size); ``"until": null`` on resume clears an earlier until.  The admin token
+    comes from the environment and reaches no actor: the router gets its hash; /status shows
+    process ids, actor names and paths to the admin only."""
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from raycompat.serving.auth import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    _, client = deploy(
+        serve_port, tmp_path / "state", gallery_parquet, None, app="rate",
+        prefix="/rate", num_shards=1, fsync=False,
+    )  # fmt: skip
+    try:
+        actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
+        assert actors and not any(TOKEN in str(a) for a in actors)
+        public = requests.get(client.base + "/status", timeout=30).json()
+        assert not {"pid", "actor_id", "actor_name"} & set(public["shards"][0])
+        assert public["backfill"].get("pid") is None  # the response model's null
+        assert public["backfill"].get("actor_name") is None
+        admin = client.status()
+        assert "pid" in admin["shards"][0] and "actor_name" in admin["shards"][0]
+        t0 = time.perf_counter()
+        client.start_backfill(policy="sequential", rate=4.0, batch_size=64, until=20)
+        time.sleep(1.5)
+        moved = client.status()["backfill"]["position"]
+        # an upper bound (a slow machine only moves fewer): 4 items/s from t0, one batch ahead
+        assert moved <= 4.0 * (time.perf_counter() - t0) + 4, moved
+        client.pause_backfill()
+        client.resume_backfill(rate=1e6)  # absent until: kept
+        assert client.wait_backfill(20)["position"] == 20
+        assert client.status()["backfill"]["until"] == 20
+        client.resume_backfill(clear_until=True)  # "until": null: cleared, runs to the end
+        bf = client.wait_backfill(600)
+        assert bf["state"] == "done" and bf["until"] is None
+    finally:
+        serve.delete("rate")
 
 
 def test_binds_loopback_only(api):

@@ -8,10 +8,8 @@ deletes the application (``serve.shutdown`` is left to the caller, since Serve i
 
 from __future__ import annotations
 
-import os
 import socket
 
-from raycompat.serving.auth import TOKEN_ENV
 from raycompat.serving.config import ServingConfig
 from raycompat.serving.plan import ServingPlan, build_plan
 
@@ -67,17 +65,17 @@ def _bind_controller(plan: ServingPlan, shards: list):
 
 
 def _bind_router(plan: ServingPlan, shards: list, controller):
+    from raycompat.serving.auth import AdminToken, load_admin_token
     from raycompat.serving.router import Router
 
     cfg = plan.config
-    opts = {"num_cpus": cfg.router_cpus}
-    if (
-        os.environ.get(TOKEN_ENV) and not cfg.token_file
-    ):  # the token travels with the router replicas
-        opts["runtime_env"] = {"env_vars": {TOKEN_ENV: os.environ[TOKEN_ENV]}}
+    # read here (token_file, else RAYCOMPAT_ADMIN_TOKEN of this process); replicas get its hash
+    admin = AdminToken.from_token(load_admin_token(cfg.token_file))
     return Router.options(
-        num_replicas=cfg.router_replicas, ray_actor_options=opts, max_ongoing_requests=256
-    ).bind(shards, controller, plan)
+        num_replicas=cfg.router_replicas,
+        ray_actor_options={"num_cpus": cfg.router_cpus},
+        max_ongoing_requests=256,
+    ).bind(shards, controller, plan, admin)
 
 
 def start_serving(cfg: ServingConfig, address: str | None = None) -> str:

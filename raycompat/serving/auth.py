@@ -5,16 +5,20 @@ The token comes from the environment variable ``RAYCOMPAT_ADMIN_TOKEN`` or from 
 constant-time (:func:`hmac.compare_digest`).  Without a configured token every admin request
 is refused (401), so an unconfigured server cannot be administered by anyone.  The scheme name is
 case-insensitive (``Bearer``, ``bearer``), as RFC 7235 section 2.1 says of every auth scheme.
+The token is read where the index is started (the job's machine): the router replicas get only
+its SHA-256 (:class:`AdminToken`), so no runtime_env or actor argument carries the secret.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+from dataclasses import dataclass
 
 from raycompat.config import ConfigError
 
-__all__ = ["TOKEN_ENV", "load_admin_token", "check_bearer"]
+__all__ = ["TOKEN_ENV", "AdminToken", "load_admin_token", "check_bearer"]
 
 TOKEN_ENV = "RAYCOMPAT_ADMIN_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -38,15 +42,37 @@ def load_admin_token(token_file: str | None = None, env: dict | None = None) -> 
     return token
 
 
+def _sha256(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
+
+
+@dataclass(frozen=True)
+class AdminToken:
+    """What a server keeps of the admin token: its SHA-256 only (``None``: no token, admin
+    endpoints disabled).  The router's replicas receive this object, never the token, so
+    nothing a cluster's dashboard or ``ray list actors --detail`` shows (a runtime_env, an
+    actor's arguments) holds the secret."""
+
+    digest: str | None
+
+    @classmethod
+    def from_token(cls, token: str | None) -> AdminToken:
+        return cls(None if token is None else _sha256(token))
+
+    def check(self, authorization: str | None) -> str | None:
+        """``None`` when the ``Authorization`` header carries the token, else why it fails."""
+        if self.digest is None:
+            return "admin endpoints are disabled: no admin token configured"
+        if not authorization:
+            return "missing 'Authorization: Bearer <token>' header"
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return "the Authorization header must be 'Bearer <token>'"
+        if not hmac.compare_digest(_sha256(given.strip()), self.digest):
+            return "invalid admin token"
+        return None
+
+
 def check_bearer(authorization: str | None, token: str | None) -> str | None:
-    """``None`` when the ``Authorization`` header carries the token, else the reason it fails."""
-    if token is None:
-        return "admin endpoints are disabled: no admin token configured"
-    if not authorization:
-        return "missing 'Authorization: Bearer <token>' header"
-    scheme, _, given = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        return "the Authorization header must be 'Bearer <token>'"
-    if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode()):
-        return "invalid admin token"
-    return None
+    """``None`` when the ``Authorization`` header carries ``token``, else the reason it fails."""
+    return AdminToken.from_token(token).check(authorization)

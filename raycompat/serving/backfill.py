@@ -227,11 +227,15 @@ class BackfillController:
                 self._save_checkpoint()
             return self.status()
 
-    def resume(self, until: int | None = None, rate: float | None = None) -> dict:
+    def resume(
+        self, until: int | None = None, rate: float | None = None, clear_until: bool = False
+    ) -> dict:
         with self.lock:
             if self.order is None:
                 return {"error": "no backfill to resume: start one first", "status": 409}
-            if until is not None:
+            if clear_until:
+                self.ck["until"] = None
+            elif until is not None:
                 self.ck["until"] = int(until)
             if rate is not None:
                 self.ck["rate"] = float(rate)
@@ -334,8 +338,10 @@ class BackfillController:
                 self.ck["state"] = "done" if pos >= total else "paused"
                 self._save_checkpoint()
                 return None
-            batch = self.order[pos : min(stop, pos + int(self.ck["batch_size"]))]
-            return pos, batch, self.ck["source"], self.ck.get("rate"), self.generation
+            rate = self.ck.get("rate")
+            size = _batch_size(int(self.ck["batch_size"]), rate)
+            batch = self.order[pos : min(stop, pos + size)]
+            return pos, batch, self.ck["source"], rate, self.generation
 
     def _fail(self, gen: int, exc: Exception) -> None:
         with self.lock:
@@ -355,7 +361,21 @@ class BackfillController:
                 self._save_checkpoint()
             p0, t0 = self._rate_p0, self._rate_t0
             cur = int(self.ck["position"])
-        if rate:
-            wait = t0 + (cur - p0) / float(rate) - time.perf_counter()
-            if wait > 0:
-                time.sleep(min(wait, 5.0))
+        if rate:  # the next batch is due when cur items at `rate` have taken their time
+            due = t0 + (cur - p0) / float(rate)
+            while time.perf_counter() < due and self._still(gen):
+                time.sleep(min(due - time.perf_counter(), 0.5))
+
+    def _still(self, gen: int) -> bool:
+        """Whether the backfill of generation ``gen`` is still running (a pause, a restart or a
+        new rate ends a wait)."""
+        with self.lock:
+            return gen == self.generation and self.ck["state"] == "running"
+
+
+def _batch_size(batch_size: int, rate: float | None) -> int:
+    """Items per batch: ``batch_size``, but at most one second's worth at ``rate`` (at least
+    one item), so that a low rate is kept batch by batch instead of in bursts."""
+    if not rate:
+        return batch_size
+    return max(1, min(batch_size, int(rate)))

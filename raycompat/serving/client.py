@@ -70,7 +70,8 @@ class ServingClient:
         return self._call("POST", "/search", {"images": list(images_b64), "k": int(k)})
 
     def status(self) -> dict:
-        return self._call("GET", "/status")
+        """The index's status (with the token: process ids, actor names, model paths too)."""
+        return self._call("GET", "/status", admin=True)
 
     def metrics(self) -> str:
         return self.http.get(self.base + "/metrics", timeout=self.timeout).text
@@ -84,10 +85,15 @@ class ServingClient:
     def pause_backfill(self) -> dict:
         return self._call("POST", "/admin/backfill/pause", None, admin=True)
 
-    def resume_backfill(self, until: int | None = None, rate: float | None = None) -> dict:
-        return self._call(
-            "POST", "/admin/backfill/resume", {"until": until, "rate": rate}, admin=True
-        )
+    def resume_backfill(
+        self, until: int | None = None, rate: float | None = None, clear_until: bool = False
+    ) -> dict:
+        """Resume; ``until`` / ``rate`` replace the old ones when given, ``clear_until`` removes
+        an earlier ``until`` (the body then says ``"until": null``)."""
+        body: dict = {} if rate is None else {"rate": rate}
+        if clear_until or until is not None:
+            body["until"] = None if clear_until else until
+        return self._call("POST", "/admin/backfill/resume", body, admin=True)
 
     def wait_backfill(self, position: int, timeout: float = 600.0, poll: float = 0.1) -> dict:
         """Wait until the backfill has reached ``position`` and stopped moving (paused/done)."""

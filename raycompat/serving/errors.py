@@ -107,7 +107,15 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), (), getattr(exc, "headers", None))
+    message, field = str(exc.detail), None
+    if exc.status_code == 400 and "parsing the body" in message:  # FastAPI's json.loads failed
+        cause = exc.__cause__
+        why = "nested too deeply" if isinstance(cause, RecursionError) else type(cause).__name__
+        message, field = f"malformed JSON: {why}", "body"
+    elif exc.status_code == 413:
+        field = "body"
+    problems = [{"field": field, "message": message}] if field else []
+    return error_response(exc.status_code, message, problems, getattr(exc, "headers", None))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -41,20 +41,18 @@ class RequestGuard:
     """ASGI middleware: 401 for an ``/admin/`` request without the token, 413 for a body over
     ``max_body_bytes``, both before the body is parsed."""
 
-    def __init__(self, app, *, max_body_bytes: int, token: str | None):
+    def __init__(self, app, *, max_body_bytes: int, admin):
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
-        self.token = token
+        self.admin = admin  # raycompat.serving.auth.AdminToken
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         if "/admin/" in scope.get("path", ""):
-            from raycompat.serving.auth import check_bearer
-
             auth = headers.get(b"authorization")
-            why = check_bearer(None if auth is None else auth.decode("latin-1"), self.token)
+            why = self.admin.check(None if auth is None else auth.decode("latin-1"))
             if why is not None:
                 return await _reply(send, 401, why, "header.authorization",
                                     {"WWW-Authenticate": "Bearer"})  # fmt: skip

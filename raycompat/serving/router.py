@@ -59,8 +59,7 @@ BEARER = HTTPBearer(
 class Router:
     """The ingress deployment over the shard handles and the backfill controller handle."""
 
-    def __init__(self, shards: list, controller, plan: ServingPlan):
-        from raycompat.serving.auth import load_admin_token
+    def __init__(self, shards: list, controller, plan: ServingPlan, admin):
         from raycompat.serving.metrics import RouterMetrics
 
         self.shards = list(shards)
@@ -68,7 +67,7 @@ class Router:
         self.plan = plan
         self.cfg = plan.config
         self.limits = plan.limits
-        self.token = load_admin_token(self.cfg.token_file)
+        self.admin = admin  # raycompat.serving.auth.AdminToken: the token's hash only
         self.recorder = RouterMetrics()
         self.embedders: dict = {}  # role -> ModelEmbedder
         self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode
@@ -106,9 +105,7 @@ class Router:
         self, request: Request, creds: HTTPAuthorizationCredentials | None = Depends(BEARER)
     ) -> None:
         """401 unless the request carries the admin token."""
-        from raycompat.serving.auth import check_bearer
-
-        why = check_bearer(request.headers.get("authorization"), self.token)
+        why = self.admin.check(request.headers.get("authorization"))
         if why is not None:
             raise ApiError(401, why, headers={"WWW-Authenticate": "Bearer"})
 
@@ -315,8 +312,12 @@ class Router:
         )
         return {"results": hits(S, I, R), "k": req.k, "took_ms": 1000 * (time.perf_counter() - t0)}
 
-    async def status(self):
-        return await self.gather_status()
+    async def status(self, request: Request):
+        """The status; process ids, actor names and model paths only with the admin token."""
+        st = await self.gather_status()
+        if self.admin.check(request.headers.get("authorization")) is None:
+            return st
+        return public_status(st)
 
     async def healthz(self):
         return {"ok": True}
@@ -386,11 +387,26 @@ class Router:
         return await self.on_controller("pause")
 
     async def backfill_resume(self, req: BaseModel):
-        return await self.on_controller("resume", **req.model_dump())
+        """``"until": null`` clears an earlier ``until``; an absent field keeps the old value."""
+        clear = "until" in req.model_fields_set and req.until is None
+        return await self.on_controller("resume", until=req.until, rate=req.rate, clear_until=clear)
 
     async def snapshot(self):
         paths = await self.fan_out("snapshot")
         return {"snapshots": len(paths)}
+
+
+#: what /status shows only to the admin: where processes and files are
+PRIVATE_STATUS_KEYS = ("pid", "actor_id", "actor_name", "path")
+
+
+def public_status(st: dict) -> dict:
+    """``st`` without :data:`PRIVATE_STATUS_KEYS`, at any depth."""
+    if isinstance(st, dict):
+        return {k: public_status(v) for k, v in st.items() if k not in PRIVATE_STATUS_KEYS}
+    if isinstance(st, list):
+        return [public_status(v) for v in st]
+    return st
 
 
 def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:
@@ -463,7 +479,7 @@ def build_api(router: Router) -> FastAPI:
     install_error_handlers(app)
     # inside the timing middleware: auth and body size are checked before the body is read
     app.add_middleware(
-        RequestGuard, max_body_bytes=router.limits.max_body_bytes, token=router.token
+        RequestGuard, max_body_bytes=router.limits.max_body_bytes, admin=router.admin
     )
     app.middleware("http")(router.timed)
     models = build_models(router.limits)

@@ -33,6 +33,11 @@ class Limits:
     max_request_pixels: int = 16 * 4096 * 4096
 
 
+#: every request model: unknown fields refused, and no coercion (``"k": "10"``, ``"k": true``,
+#: ``"id": "200"`` or ``"restart": "yes"`` are errors, not values); ints are accepted as floats
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class Problem(BaseModel):
     field: str = Field(description="where the problem is, e.g. body.k or body.vectors[3]")
     message: str
@@ -67,8 +72,13 @@ class UpsertResponse(BaseModel):
 
 
 class BackfillResumeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    until: int | None = Field(default=None, ge=0, le=2**62)
+    model_config = STRICT
+    until: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**62,
+        description="pause after this many items; null clears an earlier until, absent keeps it",
+    )
     rate: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
 
 
@@ -136,7 +146,7 @@ def _search_request(limits: Limits, Vector) -> type:
     class SearchRequest(BaseModel):
         """Exactly one of ``vectors`` or ``images``."""
 
-        model_config = ConfigDict(extra="forbid")
+        model_config = STRICT
         vectors: Queries | None = Field(
             default=None, description="query embeddings (raw; normalised by the server)"
         )
@@ -176,13 +186,13 @@ def _search_request(limits: Limits, Vector) -> type:
 
 def _upsert_models(limits: Limits, Vector) -> tuple[type, type]:
     class UpsertItem(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = STRICT
         id: int = Field(ge=0, le=2**63 - 1)
         representation: Literal["old", "adapted", "new"]
         vector: Vector
 
     class UpsertRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = STRICT
         items: Annotated[list[UpsertItem], Field(min_length=1, max_length=limits.max_upsert_items)]
 
     return UpsertItem, UpsertRequest
@@ -190,7 +200,7 @@ def _upsert_models(limits: Limits, Vector) -> tuple[type, type]:
 
 def _backfill_start_request(limits: Limits) -> type:
     class BackfillStartRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = STRICT
         policy: Literal[POLICIES] = Field(
             default="random", description="backfill order (simulator policies)"
         )
