@@ -14,17 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_backfill_job import vec_col as vec
 
 from raycompat.backfill import BackfillInputError, load_parquet, simulate_backfill
 from raycompat.backfill.dataset import ParquetGallery
 from raycompat.backfill.distributed import DistributedOptions, simulate_backfill_dataset
 from raycompat.backfill.modes import apply_bundle_modules
 from raycompat.backfill.policies import POLICIES, UncertaintyHead
-
-
-def vec(a: np.ndarray) -> pa.Array:
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1])
 
 
 def write_dataset(

@@ -325,6 +325,9 @@ def test_block_passes_one_at_a_time_add_up_to_compute_ranks(seed, monkeypatch):
             assert ties > 0
     with pytest.raises(ValueError, match="cover"):
         ranks_from_counts(plan, blocks[:-1])
+    for twice in (blocks[-1], block_pass(plan, sides, 0, n)):  # the same rows counted again
+        with pytest.raises(ValueError, match="overlap"):
+            ranks_from_counts(plan, blocks[::-1] + [twice])
 
 
 def test_ranks_match_full_ranking_positions():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -333,22 +333,7 @@ class ParquetGallery:
         """A copy without the per-item arrays (what a block task needs: files, row groups,
         dims, queries)."""
         empty = np.zeros(0, dtype=np.int64)
-        return ParquetGallery(
-            source=self.source,
-            files=self.files,
-            groups=self.groups,
-            columns=self.columns,
-            dims=self.dims,
-            query_labels=self.query_labels,
-            gallery_labels=empty,
-            query_ids=self.query_ids,
-            gallery_ids=empty,
-            queries=self.queries,
-            compatible_dim=self.compatible_dim,
-            label_note=self.label_note,
-            nbytes=self.nbytes,
-            filesystem=self.filesystem,
-        )
+        return replace(self, gallery_labels=empty, gallery_ids=empty)
 
 
 def _stored_uncertainty(cols: dict[str, np.ndarray]) -> dict:

@@ -404,31 +404,11 @@ def simulate_backfill_dataset(
         workers=1,
     )
     res = _rank_blocks(run, ctx_ref, rplan, say)
-    refs, ref_correct = sim._references(res, static, plan.k, reference_correct, references)
-    out_curves = sim._metric_curves(plan, curves, res, ref_correct, refs, cost, dataset.n_items)
-    stats = {
-        "policy_seconds": policy_seconds,
-        "engine": res.stats,
-        "distributed": _run_stats(run),
-        "seconds": time.perf_counter() - t_all,
-    }
-    config = sim._config(plan, small, inputs)
-    config["engine"] = "ray"
-    return sim.SimulationResult(
-        k=plan.k,
-        fractions=plan.grid,
-        n_items=dataset.n_items,
-        n_queries=dataset.n_queries,
-        n_valid_queries=int((res.npos > 0).sum()),
-        policies=plan.policies,
-        modes=plan.modes,
-        curves=out_curves,
-        references=refs,
-        cost=cost,
-        stats=stats,
-        config=config,
-        orders=orders,
-    )
+    stats = {"policy_seconds": policy_seconds, "distributed": _run_stats(run), "t_start": t_all}
+    ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders)
+    result = ranked.result(dataset.n_queries, reference_correct, references, cost, stats)
+    result.config["engine"] = "ray"
+    return result
 
 
 def _positive_items(dataset: ParquetGallery) -> np.ndarray:

@@ -76,6 +76,7 @@ bit, in any order: the unit of work of a distributed simulation.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import threading
 import time
@@ -1023,12 +1024,14 @@ class CountsSum:
 
     def add(self, block: BlockCounts) -> None:
         """Add one block's histograms and resolved ties."""
-        for a, b in self.spans:
+        # spans kept sorted: a new block can only overlap its neighbours (log time per block)
+        at = bisect.bisect_left(self.spans, (block.g0, block.g1))
+        for a, b in self.spans[max(0, at - 1) : at + 1]:
             if block.g0 < b and a < block.g1:
                 raise ValueError(
                     f"gallery rows {block.g0}:{block.g1} overlap rows {a}:{b}, already counted"
                 )
-        self.spans.append((block.g0, block.g1))
+        self.spans.insert(at, (block.g0, block.g1))
         for xname in self.plan.used:
             part = block.sides[xname]
             acc = self.hist.setdefault(xname, {})

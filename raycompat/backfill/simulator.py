@@ -57,7 +57,13 @@ from raycompat.backfill.policies import (
 from raycompat.metrics import auc, auc_gain, regression_stats
 from raycompat.metrics.curves import auc_gain_note
 
-__all__ = ["Curve", "SimulationResult", "simulate_backfill", "backfill_curve_rows"]
+__all__ = [
+    "Curve",
+    "RankedCurves",
+    "SimulationResult",
+    "simulate_backfill",
+    "backfill_curve_rows",
+]
 
 COLD_POLICY = "any"  # the cold curve does not depend on the policy
 
@@ -491,28 +497,48 @@ def simulate_backfill(
     want_oo = reference_correct is None and data.query_old is not None
     curves, static = _curve_specs(plan, orders, data.n_items, want_oo)
     res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
-    refs, ref_correct = _references(res, static, plan.k, reference_correct, references)
-    out_curves = _metric_curves(plan, curves, res, ref_correct, refs, cost, data.n_items)
-    stats = {
-        "policy_seconds": policy_seconds,
-        "engine": res.stats,
-        "seconds": time.perf_counter() - t_all,
-    }
-    return SimulationResult(
-        k=plan.k,
-        fractions=plan.grid,
-        n_items=data.n_items,
-        n_queries=data.n_queries,
-        n_valid_queries=int((res.npos > 0).sum()),
-        policies=plan.policies,
-        modes=plan.modes,
-        curves=out_curves,
-        references=refs,
-        cost=cost,
-        stats=stats,
-        config=_config(plan, data, inputs),
-        orders=orders,
-    )
+    stats = {"policy_seconds": policy_seconds, "t_start": t_all}
+    ranked = RankedCurves(plan, curves, static, res, inputs, orders)
+    return ranked.result(data.n_queries, reference_correct, references, cost, stats)
+
+
+@dataclass(frozen=True)
+class RankedCurves:
+    """What a simulator has once the engine has ranked every curve (in memory or on Ray); its
+    :meth:`result` adds the references, the metric curves and their summaries."""
+
+    plan: _Plan
+    curves: list
+    static: dict
+    ranks: Any  # raycompat.backfill.engine.EngineResult
+    inputs: PolicyInputs  # n_items, and data whose source and dims the config records
+    orders: dict
+
+    def result(
+        self, n_queries: int, reference_correct, references, cost, stats: dict
+    ) -> SimulationResult:
+        """The :class:`SimulationResult`; ``stats`` holds ``t_start`` (perf_counter) and any
+        other entries to report."""
+        plan, res, n = self.plan, self.ranks, self.inputs.n_items
+        refs, ref_correct = _references(res, self.static, plan.k, reference_correct, references)
+        out_curves = _metric_curves(plan, self.curves, res, ref_correct, refs, cost, n)
+        stats = dict(stats)
+        t_start = stats.pop("t_start")
+        return SimulationResult(
+            k=plan.k,
+            fractions=plan.grid,
+            n_items=n,
+            n_queries=n_queries,
+            n_valid_queries=int((res.npos > 0).sum()),
+            policies=plan.policies,
+            modes=plan.modes,
+            curves=out_curves,
+            references=refs,
+            cost=cost,
+            stats={**stats, "engine": res.stats, "seconds": time.perf_counter() - t_start},
+            config=_config(plan, self.inputs.data, self.inputs),
+            orders=self.orders,
+        )
 
 
 def backfill_curve_rows(
