@@ -26,6 +26,7 @@ JOBS: dict[str, str] = {
     "simulate-backfill": "raycompat.backfill.job",
     "hot-refresh": "raycompat.hot_refresh",
     "serve-index": "raycompat.serving.job",
+    "reshard-index": "raycompat.serving.reshard",
 }
 
 

@@ -22,3 +22,47 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """``mount(size_bytes) -> path``: a tmpfs of that size (a full disk on demand), unmounted
+    after the test.  Skips where mounting is not permitted (not root)."""
+    import subprocess
+
+    mounts = []
+
+    def mount(size_bytes: int, name: str = "fs") -> str:
+        path = tmp_path / name
+        path.mkdir()
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={int(size_bytes)}", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounts.append(path)
+        return str(path)
+
+    mount.fill = fill_disk
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill_disk(path: str, leave: int = 0, spare: int = 0, name: str = "filler") -> None:
+    """Leave ``leave`` bytes free on the filesystem of ``path`` (writing the file ``name``),
+    plus a file ``spare`` of ``spare`` bytes that a test can delete to free space."""
+    if spare:
+        with open(os.path.join(path, "spare"), "wb") as fh:
+            fh.write(b"\0" * spare)
+    vfs = os.statvfs(path)
+    size = max(0, vfs.f_bavail * vfs.f_frsize - leave)
+    try:
+        with open(os.path.join(path, name), "wb", buffering=0) as fh:
+            fh.write(b"\0" * size)
+            while not leave:
+                fh.write(b"\0" * 4096)
+    except OSError:  # the disk is full: what was wanted
+        pass

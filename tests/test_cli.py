@@ -24,6 +24,7 @@ ALL_JOBS = (
     "simulate-backfill",
     "hot-refresh",
     "serve-index",
+    "reshard-index",
 )
 
 
@@ -57,6 +58,7 @@ def test_unknown_job_prints_usage_and_exits_2():
         (("quickstart", "--train-clases", "3"), "unrecognized arguments: --train-clases"),
         (("train-ract", "--head", "foo"), "option 'head' = 'foo' is not allowed"),
         (("reproduce", "--scale", "huge"), "option 'scale' = 'huge' is not allowed"),
+        (("reshard-index", "--state-dir", "/nonexistent"), "/nonexistent holds no shard snapshots"),
     ],
 )
 def test_bad_option_of_a_job_exits_2(args, message):

@@ -77,11 +77,11 @@ def token_file(tmp_path_factory):
 
 
 def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw):
-    from ray import serve
 
     from raycompat.serving.app import build_app
     from raycompat.serving.client import ServingClient
     from raycompat.serving.config import serving_config
+    from raycompat.serving.deploy import run_application
 
     cfg = serving_config(
         gallery=gallery,
@@ -89,14 +89,10 @@ def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw)
         port=port,
         app_name=app,
         token_file=token_file,
+        route_prefix=prefix,
         **kw,
     )
-    serve.run(
-        build_app(cfg),
-        name=app,
-        route_prefix=prefix,
-        logging_config={"log_level": "WARNING", "enable_access_log": False},
-    )
+    run_application(cfg, build_app(cfg))
     client = ServingClient(f"http://127.0.0.1:{port}{prefix.rstrip('/')}", token=TOKEN)
     client.wait_ready()
     return cfg, client
@@ -1001,3 +997,319 @@ def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, a
     assert r.stdout == ""
     assert named in r.stderr and "error:" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- state layout
+def _all_items(n_shards: int, app: str) -> dict[int, tuple[int, int]]:
+    """``{item id: (shard, representation code)}`` over every shard of ``app``."""
+    from ray import serve
+
+    out = {}
+    for s in range(n_shards):
+        ids, codes = serve.get_deployment_handle(f"shard-{s}", app_name=app).items.remote().result()
+        for i, c in zip(ids.tolist(), codes.tolist(), strict=True):
+            assert i not in out, f"item {i} on shards {out[i][0]} and {s}"
+            out[i] = (s, c)
+    return out
+
+
+def test_state_layout_is_checked_and_reshard_moves_items_exactly_once(
+    serve_port, gallery_parquet, token_file, tmp_path, capsys
+):
+    """A 2-shard state restarted with 3 shards is refused (naming the layout and the reshard
+    command); reshard-index refuses while the index runs, then moves every item exactly once:
+    the 3-shard index serves the same items, representations and results, and the backfill
+    resumes where it stopped."""
+    from ray import serve
+
+    from raycompat.config import ConfigError
+    from raycompat.serving.placement import shard_of
+    from raycompat.serving.reshard import main as reshard_main
+
+    state = tmp_path / "state"
+    data = load_parquet(gallery_parquet)
+    q = data.query_new[:5]
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
+                       num_shards=2, fsync=False)  # fmt: skip
+    try:
+        client.start_backfill(policy="random", seed=3, batch_size=50, until=250)
+        client.wait_backfill(250)
+        before = _all_items(2, "lay")
+        ids_before, scores_before, _ = client.search(q, k=40)
+        assert reshard_main(["--state-dir", str(state), "--num-shards", "3"]) == 2
+        assert "in use by another process" in capsys.readouterr().err  # the index runs
+    finally:
+        serve.delete("lay")
+    with pytest.raises(ConfigError, match="num_shards: stored 2, requested 3.*reshard-index"):
+        deploy(serve_port, state, gallery_parquet, token_file, app="lay", num_shards=3)
+    assert reshard_main(["--state-dir", str(state), "--num-shards", "3"]) == 0
+    assert "moved from 2 to 3 shards" in capsys.readouterr().out
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
+                       num_shards=3, fsync=False)  # fmt: skip
+    try:
+        after = _all_items(3, "lay")
+        assert {i: c for i, (_, c) in after.items()} == {i: c for i, (_, c) in before.items()}
+        assert all(s == shard_of([i], 3)[0] for i, (s, _) in after.items())
+        ids_after, scores_after, _ = client.search(q, k=40)
+        assert np.array_equal(ids_after, ids_before) and np.array_equal(scores_after, scores_before)
+        assert client.status()["items"] == {"old": 350, "adapted": 0, "new": 250}
+        client.resume_backfill(clear_until=True)
+        assert client.wait_backfill(600)["state"] == "done"
+        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": 600}
+    finally:
+        serve.delete("lay")
+
+
+def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
+    serve_port, gallery_parquet, token_file, tmp_path
+):
+    """A flipped byte in the middle of a shard's log: the records after it are kept, and
+    /status and /metrics report the damage; a corrupt snapshot stops the deploy with an error
+    naming the file."""
+    from ray import serve
+
+    from raycompat.serving.deploy import DeployError
+    from raycompat.serving.durability import LOG_NAME, SNAPSHOT_NAME, UpsertLog
+
+    state = tmp_path / "state"
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="cor", prefix="/cor",
+                       num_shards=1, fsync=False)  # fmt: skip
+    rng = np.random.default_rng(5)
+    ids = load_parquet(gallery_parquet).gallery_ids[:30]
+    for r in range(6):  # six records of five items
+        items = [
+            {"id": int(i), "representation": "new", "vector": rng.standard_normal(24).tolist()}
+            for i in ids[r * 5 : r * 5 + 5]
+        ]
+        client.upsert(items)
+    serve.delete("cor")
+    shard = state / "shard-0"
+    log = str(shard / LOG_NAME)
+    offsets = [rec.offset for rec in UpsertLog(log).replay()]
+    with open(log, "r+b") as fh:  # a vector byte of the third record
+        fh.seek(offsets[2] + 60)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x01]))
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="cor", prefix="/cor",
+                       num_shards=1, fsync=False)  # fmt: skip
+    try:
+        rec = client.status()["shards"][0]["recovery"]
+        assert rec["replayed_records"] == 5 and rec["corrupt_records"][0]["lost_seqs"] == [3]
+        assert os.path.exists(rec["corrupt_log_kept_as"])
+        assert client.status()["items"] == {"old": 575, "adapted": 0, "new": 25}
+        metrics = requests.get(client.base + "/metrics", timeout=30).text
+        assert 'raycompat_serving_log_corrupt_records{shard="0"} 1.0' in metrics
+    finally:
+        serve.delete("cor")
+    snap = shard / SNAPSHOT_NAME
+    data = bytearray(snap.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snap.write_bytes(bytes(data))
+    with pytest.raises(
+        DeployError, match=f"shard-0: CorruptStateError: snapshot {snap} is corrupt"
+    ):
+        deploy(serve_port, state, gallery_parquet, token_file, app="cor", num_shards=1)
+    serve.delete("cor")
+
+
+# ----------------------------------------------------------------------------- faults on disk
+def _state_files(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def _shard_handle(app: str, shard: int):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"shard-{shard}", app_name=app)
+
+
+def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfill(
+    serve_port, gallery_parquet, token_file, tiny_fs
+):
+    """The state directory on a tiny tmpfs that fills up mid-backfill: the controller reports
+    state ``error`` with "no space left on device at <path>" (in /status and /metrics), an
+    upsert is refused with that message and nothing of it applied, no temporary file is left,
+    and once there is space again ``resume`` finishes the backfill."""
+    from ray import serve
+
+    from raycompat.serving.placement import shard_of
+
+    fs = tiny_fs(2 << 20)
+    state = os.path.join(fs, "state")
+    data = load_parquet(gallery_parquet)
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="full", prefix="/full",
+                       num_shards=2, snapshot_every=10**6)  # fmt: skip
+    try:
+        client.start_backfill(policy="sequential", rate=400.0, batch_size=20)
+        while client.status()["backfill"]["position"] < 60:
+            time.sleep(0.05)
+        tiny_fs.fill(fs)
+        t0 = time.time()
+        while (bf := client.status()["backfill"])["state"] != "error":
+            assert bf["state"] == "running" and time.time() - t0 < 60, bf
+            time.sleep(0.1)
+        assert "no space left on device at " + state in bf["error"], bf["error"]
+        metrics = requests.get(client.base + "/metrics", timeout=30).text
+        assert 'raycompat_serving_backfill_state{state="error"} 1.0' in metrics
+        tail = data.gallery_ids[-200:]  # last in the sequential order: still old
+        victims = tail[shard_of(tail, 2) == 0][:60]  # one shard; a record of several pages
+        items = [{"id": int(i), "representation": "adapted", "vector": [1.0] * 24} for i in victims]
+        tiny_fs.fill(fs, name="filler2")  # what the failed batch's rollback freed
+        r = post(client, "/admin/upsert", {"items": items}, token=TOKEN)
+        assert r.status_code == 503 and "Retry-After" in r.headers, r.text
+        assert "no space left on device at" in r.json()["error"]
+        assert "nothing of shard" in r.json()["error"]
+        assert not [f for f in _state_files(state) if f.endswith(".tmp")]
+        os.unlink(os.path.join(fs, "filler"))
+        os.unlink(os.path.join(fs, "filler2"))
+        bf = client.resume_backfill()
+        assert bf["state"] == "running" and bf["error"] is None and bf["worker_alive"]
+        assert client.wait_backfill(600)["state"] == "done"
+        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": 600}
+        reps, _ = _shard_handle("full", 0).lookup.remote(victims).result()
+        assert set(reps) == {"new"}  # the refused upsert never landed
+    finally:
+        serve.delete("full")
+
+
+def _upsert_stream(client, pool, rng, stop, log):
+    """Post admin upserts of 1-8 items of one shard until ``stop``; log every outcome as
+    ``(kind, items)``: ``acked``, ``failed`` (the answer says nothing was applied) or
+    ``unknown`` (the shard or the connection died mid-call)."""
+    from raycompat.index.search import l2_normalize
+
+    sess = requests.Session()
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    while not stop.is_set():
+        ids = rng.choice(pool[int(rng.integers(len(pool)))], int(rng.integers(1, 9)), replace=False)
+        rep = ("old", "adapted", "new")[int(rng.integers(3))]
+        dim = 16 if rep == "old" else 24
+        raw = rng.standard_normal((ids.size, dim))
+        vecs = l2_normalize(raw.astype(np.float32))
+        body = {"items": [{"id": int(i), "representation": rep, "vector": v.tolist()}
+                          for i, v in zip(ids, raw, strict=True)]}  # fmt: skip
+        items = [(int(i), rep, v) for i, v in zip(ids, vecs, strict=True)]
+        try:
+            r = sess.post(client.base + "/admin/upsert", json=body, headers=headers, timeout=60)
+        except requests.RequestException:
+            log.append(("unknown", items))
+            continue
+        if r.status_code == 200:
+            log.append(("acked", items))
+        elif r.status_code == 503 and "nothing of shard" in r.json().get("error", ""):
+            log.append(("failed", items))
+        else:
+            log.append(("unknown", items))
+
+
+def _check_against_acknowledged(app, n_shards, pool_ids, model, log) -> dict:
+    """The served state of every pool item equals its last acknowledged upsert, or one of the
+    upserts after it whose outcome is unknown; never a failed one.  Updates ``model``."""
+    from raycompat.serving.placement import shard_of
+
+    maybe: dict[int, list] = {}
+    counts = {"acked": 0, "failed": 0, "unknown": 0}
+    for kind, items in log:
+        counts[kind] += 1
+        for i, rep, v in items:
+            if kind == "acked":
+                model[i], maybe[i] = (rep, v), []
+            elif kind == "unknown":
+                maybe.setdefault(i, []).append((rep, v))
+    where = shard_of(pool_ids, n_shards)
+    for s in range(n_shards):
+        ids = pool_ids[where == s]
+        reps, vecs = _shard_handle(app, s).lookup.remote(ids).result()
+        for i, rep, v in zip(ids.tolist(), reps, vecs, strict=True):
+            allowed = [model[i]] + maybe.get(i, [])
+            match = [a for a in allowed if a[0] == rep and np.allclose(a[1], v, atol=1e-6)]
+            assert match, f"item {i}: served {rep}, acknowledged {model[i][0]}"
+            model[i] = match[0]
+    return counts
+
+
+def test_fault_injection_the_served_set_equals_the_acknowledged_set(
+    serve_port, gallery_parquet, token_file, tiny_fs
+):
+    """20 rounds of admin upserts during a live backfill on a tiny tmpfs, each ending with a
+    SIGKILL of a shard replica at a random point (every other round on a full disk).  After
+    every restart the items and representations equal exactly what was acknowledged, and the
+    backfill keeps every checkpointed item upgraded."""
+    import signal
+
+    from ray import serve
+
+    from raycompat.index.search import l2_normalize
+    from raycompat.serving.placement import shard_of
+
+    fs = tiny_fs(4 << 20)
+    state = os.path.join(fs, "state")
+    data = load_parquet(gallery_parquet)
+    rng = np.random.default_rng(18)
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="fault",
+                       prefix="/fault", num_shards=2, snapshot_every=300)  # fmt: skip
+    try:
+        client.start_backfill(policy="random", seed=2, rate=40.0, batch_size=5, until=500)
+        order = np.load(os.path.join(state, "backfill", "order.npy"))
+        pool_ids = np.sort(order[500:])  # only admin upserts touch these
+        where = shard_of(pool_ids, 2)
+        pool = [pool_ids[where == s] for s in range(2)]
+        rows = np.searchsorted(data.gallery_ids, pool_ids)
+        old = l2_normalize(data.gallery_old[rows])
+        model = {int(i): ("old", v) for i, v in zip(pool_ids, old, strict=True)}
+        totals = {"acked": 0, "failed": 0, "unknown": 0, "restarts": 0}
+        for rnd in range(20):
+            full = rnd % 2 == 1
+            if full:
+                tiny_fs.fill(fs, leave=int(rng.integers(0, 16 << 10)))
+            log, stop = [], threading.Event()
+            th = threading.Thread(target=_upsert_stream, args=(client, pool, rng, stop, log))
+            th.start()
+            time.sleep(float(rng.uniform(0.2, 1.0)))
+            victim = int(rng.integers(2))
+            pid = next(s["pid"] for s in client.status()["shards"] if s["shard"] == victim)
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(float(rng.uniform(0.0, 0.5)))
+            stop.set()
+            th.join(timeout=120)
+            if full:
+                os.unlink(os.path.join(fs, "filler"))
+            _wait_restarted(client, victim, pid)
+            totals["restarts"] += 1
+            for k, v in _check_against_acknowledged("fault", 2, pool_ids, model, log).items():
+                totals[k] += v
+            bf = client.status()["backfill"]
+            if bf["state"] == "error":
+                client.resume_backfill()
+            _check_backfilled(order[: bf["position"]])
+        client.resume_backfill(rate=1e6)
+        assert client.wait_backfill(500)["position"] == 500
+        _check_backfilled(order[:500])
+        print(f"\nFAULT INJECTION: 20 rounds, {totals}")
+        assert totals["acked"] > 20 and totals["failed"] > 0
+    finally:
+        serve.delete("fault")
+
+
+def _wait_restarted(client, shard: int, old_pid: int, timeout: float = 120.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            st = client.status()
+            pid = next(s["pid"] for s in st["shards"] if s["shard"] == shard)
+            if pid != old_pid:
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"shard {shard} did not restart")
+
+
+def _check_backfilled(ids: np.ndarray) -> None:
+    from raycompat.serving.placement import shard_of
+
+    where = shard_of(ids, 2)
+    for s in range(2):
+        reps, _ = _shard_handle("fault", s).lookup.remote(ids[where == s]).result()
+        assert set(reps) <= {"new"}, f"a checkpointed backfill item is not new on shard {s}"

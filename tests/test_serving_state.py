@@ -149,3 +149,143 @@ def test_search_ranks_by_canonical_scores_with_near_ties(tmp_path, factory, trai
             order = np.lexsort((ids[keep], -c))[:k]
             assert I[r].tolist() == ids[keep][order].tolist(), (k, r)
             assert np.array_equal(S[r], c[order]), (k, r)
+
+
+# ----------------------------------------------------------------------------- faults on disk
+def test_failed_log_writes_leave_exactly_the_acknowledged_upserts(tiny_fs):
+    """On a full disk, upserts of random sizes fail part-way through their record; after a
+    restart the shard holds exactly the acknowledged ones (a failed record never comes back)."""
+    from raycompat.serving.durability import StorageError
+
+    fs = tiny_fs(256 << 10)
+    rng = np.random.default_rng(7)
+    n = 400
+    st = ShardState(os.path.join(fs, "s"), DIMS, fsync=True, snapshot_every=10**9)
+    ids = np.arange(n, dtype=np.int64)
+    st.load_initial("old", ids, l2_normalize(rng.standard_normal((n, 8))))
+    st.snapshot()
+    expected = dict(zip(*st.items(), strict=True))
+    vectors = {}
+    acked = failed = 0
+    tiny_fs.fill(fs, leave=24 << 10, spare=32 << 10)
+    for step in range(120):
+        if step == 60:  # space freed: later upserts succeed again
+            os.unlink(os.path.join(fs, "spare"))
+        k = int(rng.integers(1, 60))
+        batch = rng.choice(ids, k, replace=False)
+        vec = l2_normalize(rng.standard_normal((k, 12)))
+        try:
+            st.upsert(batch, "new", vec)
+        except StorageError as exc:
+            assert "no space left on device at" in str(exc) and "upserts.log" in str(exc)
+            failed += 1
+            continue
+        acked += 1
+        for i, v in zip(batch.tolist(), vec, strict=True):
+            expected[i], vectors[i] = 2, v
+    assert acked > 5 and failed > 5, (acked, failed)
+    st.close()
+    st2 = ShardState(st.directory, DIMS)
+    got_ids, got_codes = st2.items()
+    assert dict(zip(got_ids.tolist(), got_codes.tolist(), strict=True)) == expected
+    new_ids, new_vecs = st2.reps["new"].export()
+    assert np.array_equal(new_vecs, np.stack([vectors[i] for i in new_ids.tolist()]))
+    assert st2.recovery["truncated_bytes"] == 0 and not st2.recovery["corrupt_records"]
+
+
+def test_a_failed_snapshot_keeps_the_log_and_leaves_no_temp_file(tiny_fs):
+    from raycompat.serving.durability import SNAPSHOT_NAME, StorageError
+
+    fs = tiny_fs(512 << 10)
+    rng = np.random.default_rng(3)
+    st = ShardState(os.path.join(fs, "s"), DIMS, fsync=True)
+    ids = np.arange(3000, dtype=np.int64)
+    st.load_initial("old", ids[:300], l2_normalize(rng.standard_normal((300, 8))))
+    st.snapshot()
+    st.upsert(ids[:50], "new", l2_normalize(rng.standard_normal((50, 12))))
+    st.reps["old"].add(ids[300:], l2_normalize(rng.standard_normal((2700, 8))))  # a big export
+    tiny_fs.fill(fs)
+    with pytest.raises(StorageError, match="no space left on device at .*snapshot.npz.tmp"):
+        st.snapshot()
+    files = sorted(os.listdir(st.directory))
+    assert SNAPSHOT_NAME + ".tmp" not in files and SNAPSHOT_NAME in files
+    assert os.path.getsize(os.path.join(st.directory, LOG_NAME)) > 0  # the log is kept
+
+
+def _log_with_records(tmp_path, n_records=12):
+    st, ids, rng = _state(tmp_path, fsync=False)
+    vecs = {}
+    for r in range(n_records):
+        batch = ids[r * 5 : r * 5 + 5]
+        v = l2_normalize(rng.standard_normal((5, 12)))
+        st.upsert(batch, "new", v)
+        vecs.update(zip(batch.tolist(), v, strict=True))
+    st.close()
+    return st, vecs
+
+
+def _record_offsets(path):
+    from raycompat.serving.durability import UpsertLog
+
+    return [r.offset for r in UpsertLog(path).replay()]
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_flipped_byte_mid_log_keeps_every_later_record(tmp_path, where):
+    """Corruption in the middle is not a torn tail: the records after it are kept, the damage
+    is reported with the lost sequence number, and the damaged file is kept aside."""
+    st, vecs = _log_with_records(tmp_path)
+    log = os.path.join(st.directory, LOG_NAME)
+    offsets = _record_offsets(log)
+    bad = offsets[4]  # record seq 5 (items ids[20:25])
+    with open(log, "r+b") as fh:
+        fh.seek(bad + (40 if where == "payload" else 13))  # a vector byte, or the count n
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x10]))
+    st2 = ShardState(st.directory, DIMS)
+    rec = st2.recovery
+    assert rec["replayed_records"] == 11 and rec["truncated_bytes"] == 0
+    (damage,) = rec["corrupt_records"]
+    assert damage["offset"] == bad and damage["lost_seqs"] == [5]
+    assert os.path.exists(rec["corrupt_log_kept_as"]) and st2.health()["corrupt_records"] == 1
+    new_ids = set(st2.reps["new"].export()[0].tolist())
+    expected_new = set(vecs) - {int(i) for i in (np.arange(200) * 3 + 1)[20:25]}  # seq 5's items
+    assert new_ids == expected_new
+    # the recovered state was folded into a snapshot: a restart replays nothing, loses nothing
+    st2.close()
+    st3 = ShardState(st.directory, DIMS)
+    assert st3.recovery["replayed_records"] == 0 and not st3.recovery["corrupt_records"]
+    assert set(st3.reps["new"].export()[0].tolist()) == expected_new
+
+
+def test_a_corrupt_snapshot_is_named(tmp_path):
+    from raycompat.serving.durability import SNAPSHOT_NAME, CorruptStateError
+
+    st, _, _ = _state(tmp_path)
+    st.close()
+    path = os.path.join(st.directory, SNAPSHOT_NAME)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptStateError, match=f"snapshot {path} is corrupt"):
+        ShardState(st.directory, DIMS)
+
+
+def test_a_shard_directory_is_held_by_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    from raycompat.serving.state import ShardLockedError
+
+    st, _, _ = _state(tmp_path)
+    code = (
+        "import sys; from raycompat.serving.state import ShardState\n"
+        f"ShardState({st.directory!r}, {DIMS!r})"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0 and "in use by another process" in r.stderr
+    st.close()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert ShardLockedError.__doc__

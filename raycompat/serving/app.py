@@ -25,7 +25,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def build_app(cfg: ServingConfig):
     """The bound Serve application (router ingress over shards + controller)."""
+    from raycompat.serving.layout import ensure_layout
+
     plan = build_plan(cfg)
+    ensure_layout(plan)  # refuses a state directory written with another layout
     shards = _bind_shards(plan)
     controller = _bind_controller(plan, shards)
     return _bind_router(plan, shards, controller)

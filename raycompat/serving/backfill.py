@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from raycompat.serving.durability import CorruptStateError, StorageError, storage_error
 from raycompat.serving.placement import split_by_shard
 from raycompat.serving.plan import ServingPlan
 
@@ -35,13 +36,20 @@ def backfill_dir(state_dir: str) -> str:
     return os.path.join(state_dir, "backfill")
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+def _atomic_write(path: str, write) -> None:
+    """``write(file)`` into ``path.tmp``, fsync, rename over ``path``; a failure removes the
+    temporary file and raises :class:`StorageError` ("no space left on device at ...")."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise storage_error(exc, tmp) from None
 
 
 class BackfillController:
@@ -62,10 +70,21 @@ class BackfillController:
         self._sources = {}
         self._gallery = None
         self.upsert_retries = 0
+        self.errors = 0
         self.generation = 0
         self._rate_t0 = time.perf_counter()
         self._rate_p0 = 0
         self._load_checkpoint()
+        self.thread: threading.Thread | None = None
+        self.worker_restarts = 0
+        self._ensure_worker()
+
+    def _ensure_worker(self) -> None:
+        """Start the walking thread, or a new one if the last one died."""
+        if self.thread is not None and self.thread.is_alive():
+            return
+        if self.thread is not None:
+            self.worker_restarts += 1
         self.thread = threading.Thread(target=self._loop, name="backfill", daemon=True)
         self.thread.start()
 
@@ -74,21 +93,31 @@ class BackfillController:
         path = os.path.join(self.dir, "checkpoint.json")
         if not os.path.exists(path):
             return
-        with open(path) as fh:
-            ck = json.load(fh)
-        self.order = np.load(os.path.join(self.dir, "order.npy"), allow_pickle=False)
+        try:
+            with open(path) as fh:
+                ck = json.load(fh)
+            self.order = np.load(os.path.join(self.dir, "order.npy"), allow_pickle=False)
+            int(ck["position"]), int(ck["total"]), ck["state"]
+        except Exception as exc:  # name the file and the cause, not only Serve's failure
+            raise CorruptStateError(
+                f"backfill checkpoint in {self.dir} is corrupt ({type(exc).__name__}: {exc}); "
+                "move the directory away to forget the backfill (items keep their state)"
+            ) from None
         self.ck = ck
         if ck.get("state") == "running":
             self.resumed = True
         self._rate_p0 = int(ck["position"])
 
     def _save_checkpoint(self) -> None:
-        _atomic_write(os.path.join(self.dir, "checkpoint.json"), json.dumps(self.ck).encode())
+        data = json.dumps(self.ck).encode()
+        _atomic_write(os.path.join(self.dir, "checkpoint.json"), lambda fh: fh.write(data))
 
     def _save_order(self) -> None:
-        tmp = os.path.join(self.dir, "order.npy.tmp.npy")
-        np.save(tmp, self.order, allow_pickle=False)
-        os.replace(tmp, os.path.join(self.dir, "order.npy"))
+        order = self.order
+        _atomic_write(
+            os.path.join(self.dir, "order.npy"),
+            lambda fh: np.save(fh, order, allow_pickle=False),
+        )
 
     # ------------------------------------------------------------------ sources
     def gallery(self):
@@ -182,6 +211,13 @@ class BackfillController:
             order = self._policy_order(policy, int(seed))
         except (ConfigError, ValueError) as exc:
             return {"error": str(exc), "status": 400}
+        try:
+            return self._begin(order, policy, seed, source, rate, batch_size, until)
+        except StorageError as exc:
+            return {"error": f"backfill not started: {exc}", "status": 503}
+
+    def _begin(self, order, policy, seed, source, rate, batch_size, until) -> dict:
+        """Save the order and the first checkpoint, then wake the walking thread."""
         with self.lock:
             self.order = np.asarray(order, np.int64)
             self._save_order()
@@ -224,8 +260,16 @@ class BackfillController:
         with self.lock:
             if self.ck["state"] == "running":
                 self.ck["state"] = "paused"
-                self._save_checkpoint()
+                self._try_save("paused")
             return self.status()
+
+    def _try_save(self, what: str) -> None:
+        """Save the checkpoint; if that fails the change holds in memory and ``error`` says
+        that it is not durable."""
+        try:
+            self._save_checkpoint()
+        except StorageError as exc:
+            self.error = f"{what}, but the checkpoint was not saved: {exc}"
 
     def resume(
         self, until: int | None = None, rate: float | None = None, clear_until: bool = False
@@ -239,15 +283,12 @@ class BackfillController:
                 self.ck["until"] = int(until)
             if rate is not None:
                 self.ck["rate"] = float(rate)
-            if self.ck["position"] < self.ck["total"] and self.ck["state"] in (
-                "paused",
-                "running",
-                "error",
-            ):
-                self.ck["state"] = "running"
+            if self.ck["state"] in ("paused", "running", "error"):
+                self.ck["state"] = "running"  # the loop marks it done or paused at its end
                 self.error = None
             self._rate_t0, self._rate_p0 = time.perf_counter(), int(self.ck["position"])
-            self._save_checkpoint()
+            self._try_save("resumed")
+            self._ensure_worker()  # a worker that died is started again
             self.wake.notify_all()
             return self.status()
 
@@ -273,6 +314,9 @@ class BackfillController:
             moved = int(self.ck["position"]) - self._rate_p0
             out["items_per_s"] = moved / dt if dt > 0 and moved > 0 else None
             out["upsert_retries"] = self.upsert_retries
+            out["worker_alive"] = bool(self.thread and self.thread.is_alive())
+            out["worker_restarts"] = self.worker_restarts
+            out["errors"] = self.errors
             out["pid"] = os.getpid()
             try:
                 import ray
@@ -299,6 +343,8 @@ class BackfillController:
                 except Exception:  # replica down or restarting: retry the batch on that shard
                     failed.append(s)
                     continue
+                if res.get("storage"):
+                    raise StorageError(res["error"])
                 if "error" in res:
                     raise RuntimeError(f"shard {s} refused a backfill upsert: {res['error']}")
             pending = failed
@@ -311,19 +357,24 @@ class BackfillController:
                 time.sleep(0.5)
 
     def _loop(self) -> None:
-        """The controller's thread: walk the order batch by batch while the state is running."""
+        """The controller's thread: walk the order batch by batch while the state is running.
+        Every failure (a shard, the vector source, a checkpoint write) lands in ``status``."""
         while True:
-            step = self._next_batch()
-            if step is None:
-                continue
-            pos, batch, source, rate, gen = step
+            gen = self.generation
             try:
-                vecs = self._vector_source(source).new_vectors(batch)
-                self._apply(batch, vecs)
-            except Exception as exc:  # keep the controller alive; report the failure
+                self._step()
+            except Exception as exc:
                 self._fail(gen, exc)
-                continue
-            self._advance(gen, pos, batch, rate)
+
+    def _step(self) -> None:
+        """One batch: fetch its vectors, upsert them on the shards, checkpoint."""
+        step = self._next_batch()
+        if step is None:
+            return
+        pos, batch, source, rate, gen = step
+        vecs = self._vector_source(source).new_vectors(batch)
+        self._apply(batch, vecs)
+        self._advance(gen, pos, batch, rate)
 
     def _next_batch(self):
         """``(position, ids, source, rate, generation)`` of the next batch once running, or
@@ -344,12 +395,18 @@ class BackfillController:
             return pos, batch, self.ck["source"], rate, self.generation
 
     def _fail(self, gen: int, exc: Exception) -> None:
+        """State ``error`` with the message (``resume`` retries from the checkpoint)."""
         with self.lock:
             if gen != self.generation:  # restarted meanwhile: the failure is moot
                 return
-            self.error = f"{type(exc).__name__}: {exc}"
+            named = isinstance(exc, StorageError)  # its message says what and where
+            self.error = str(exc) if named else f"{type(exc).__name__}: {exc}"
             self.ck["state"] = "error"
-            self._save_checkpoint()
+            try:
+                self._save_checkpoint()
+            except StorageError as save_exc:
+                self.error += f" (and the checkpoint was not saved: {save_exc})"
+            self.errors += 1
 
     def _advance(self, gen: int, pos: int, batch: np.ndarray, rate: float | None) -> None:
         """Checkpoint the position after an acknowledged batch, then keep to ``rate``."""

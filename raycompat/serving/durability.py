@@ -1,21 +1,34 @@
 """A shard's state on disk: a snapshot plus an append-only log of the upserts applied since.
 
-Nothing here is pickled.  Formats:
+docs/architecture.md, "Durability".  Nothing here is pickled.  Formats:
 
 * snapshot ``snapshot.npz`` (``numpy.savez``, read with ``allow_pickle=False``): for every
   representation ``r`` the arrays ``ids_<r>`` (int64) and ``vec_<r>`` (float32 ``[n, D_r]``),
   and ``meta`` -- a UTF-8 JSON document as uint8 (``seq``: the last log sequence number the
-  snapshot contains, ``dims``, free-form ``info``).  Written to a temporary file, fsynced, then
-  renamed over the old one (atomic on POSIX).
+  snapshot contains, ``dims``, free-form ``info``).  Written to a temporary file, fsynced,
+  renamed over the old one (atomic on POSIX), then the directory is fsynced; a failed write
+  removes its temporary file.  A snapshot that cannot be read raises :class:`CorruptStateError`
+  naming the file and the cause.
 * log ``upserts.log``: records ``header | ids int64[n] | vectors float32[n * dim]`` with the
   header ``<4sQIIBI`` = magic ``RCUL``, sequence number, n, dim, representation code, CRC32 of
-  the payload.  A record is appended and fsynced *before* its upsert is applied in memory and
-  acknowledged, so an acknowledged upsert is never lost.  Replay stops at the first torn or
-  corrupt record (a crash in the middle of an append) and truncates the file there: that
-  upsert was never acknowledged.
+  the payload.  :meth:`UpsertLog.append` writes a whole record with unbuffered ``os.write``
+  calls and fsyncs it *before* the upsert is applied and acknowledged.  If any write or the
+  fsync fails, the file is truncated back to its last good length (nothing of a failed record
+  can reach the disk with a later append) and :class:`StorageError` says what happened
+  ("no space left on device at <path>").
+
+Replay (:meth:`UpsertLog.replay`) tells two kinds of damage apart:
+
+* a *torn tail* -- the last record is incomplete (a crash in the middle of an append; that
+  upsert was never acknowledged): it is cut off (``torn_tail_bytes``);
+* *corruption* -- a complete record whose CRC does not match, or bytes that are no record,
+  followed by valid records: the bad region is skipped, every valid record after it is kept,
+  and the damage is reported (:class:`LogDamage`: offset, bytes, cause, the sequence numbers
+  lost).  The file itself is left in place; the shard then writes a snapshot and moves the
+  damaged log aside as ``upserts.log.corrupt-<time>`` (:mod:`raycompat.serving.state`).
 
 Recovery = load the snapshot, then replay the log records whose sequence number is larger
-than the snapshot's (a crash between writing a snapshot and truncating the log replays
+than the snapshot's (a crash between writing a snapshot and emptying the log replays
 nothing twice).
 """
 
@@ -24,18 +37,45 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LogRecord", "UpsertLog", "write_snapshot", "read_snapshot", "SNAPSHOT_NAME", "LOG_NAME"]
+__all__ = [
+    "LogRecord",
+    "LogDamage",
+    "UpsertLog",
+    "StorageError",
+    "CorruptStateError",
+    "write_snapshot",
+    "read_snapshot",
+    "storage_error",
+    "SNAPSHOT_NAME",
+    "LOG_NAME",
+]
 
 SNAPSHOT_NAME = "snapshot.npz"
 LOG_NAME = "upserts.log"
 _HEADER = struct.Struct("<4sQIIBI")
 _MAGIC = b"RCUL"
+_MAX_RECORD_BYTES = 1 << 34  # no legitimate record is larger (a corrupt n or dim is)
+
+
+class StorageError(RuntimeError):
+    """A write to the state directory failed; the message says what and where."""
+
+
+class CorruptStateError(RuntimeError):
+    """A snapshot (or another state file) cannot be read; the message names file and cause."""
+
+
+def storage_error(exc: OSError, path: str, doing: str = "") -> StorageError:
+    """``"no space left on device at <path>"`` (plus what was being done) from an ``OSError``."""
+    why = (exc.strerror or str(exc)).lower()
+    return StorageError(f"{why} at {path}" + (f" ({doing})" if doing else ""))
 
 
 @dataclass
@@ -44,6 +84,91 @@ class LogRecord:
     rep: int
     ids: np.ndarray
     vectors: np.ndarray
+    offset: int = 0
+
+
+@dataclass
+class LogDamage:
+    """Bytes of the log that are no valid record, with valid records after them."""
+
+    offset: int
+    nbytes: int
+    cause: str
+    lost_seqs: list[int] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        return {
+            "offset": self.offset,
+            "bytes": self.nbytes,
+            "cause": self.cause,
+            "lost_seqs": self.lost_seqs,
+        }
+
+
+def _record_at(data: bytes, pos: int) -> tuple[LogRecord | None, str]:
+    """The record starting at ``pos``, or ``(None, why)``; ``why`` is ``"torn"`` when the
+    bytes end before the record does."""
+    if pos + _HEADER.size > len(data):
+        return None, "torn"
+    magic, seq, n, dim, rep, crc = _HEADER.unpack_from(data, pos)
+    if magic != _MAGIC:
+        return None, "bad magic"
+    size = n * 8 + n * dim * 4
+    if size > _MAX_RECORD_BYTES:
+        return None, "impossible record size"
+    start = pos + _HEADER.size
+    if start + size > len(data):
+        return None, "torn"
+    payload = data[start : start + size]
+    if zlib.crc32(payload) != crc:
+        return None, "CRC mismatch"
+    ids = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64)
+    vecs = np.frombuffer(payload, dtype="<f4", offset=n * 8).astype(np.float32).reshape(n, dim)
+    return LogRecord(int(seq), int(rep), ids, vecs, pos), ""
+
+
+def _next_record(data: bytes, pos: int) -> LogRecord | None:
+    """The first valid record starting after ``pos`` (a magic whose record checks out)."""
+    at = data.find(_MAGIC, pos + 1)
+    while at >= 0:
+        rec, _ = _record_at(data, at)
+        if rec is not None:
+            return rec
+        at = data.find(_MAGIC, at + 1)
+    return None
+
+
+def _read_log(data: bytes) -> tuple[list[LogRecord], list[LogDamage], int]:
+    """``(records, damage, good_end)``: the valid records, the corrupt regions between them,
+    and where the valid part of the file ends (a torn tail starts there)."""
+    records: list[LogRecord] = []
+    damage: list[LogDamage] = []
+    pos = 0
+    while pos < len(data):
+        rec, why = _record_at(data, pos)
+        if rec is None:
+            nxt = _next_record(data, pos)
+            if nxt is None:  # nothing valid follows
+                if why == "torn":  # the last record is incomplete: a crash mid-append
+                    return records, damage, pos
+                damage.append(LogDamage(pos, len(data) - pos, why))
+                return records, damage, len(data)
+            damage.append(LogDamage(pos, nxt.offset - pos, why))
+            rec = nxt
+        records.append(rec)
+        pos = rec.offset + _HEADER.size + rec.ids.size * 8 + rec.vectors.nbytes
+    return records, damage, pos
+
+
+def _lost_seqs(records: list[LogRecord], damage: list[LogDamage]) -> None:
+    """Fill in the sequence numbers missing around each damaged region."""
+    for d in damage:
+        before = [r.seq for r in records if r.offset < d.offset]
+        after = [r.seq for r in records if r.offset > d.offset]
+        lo = before[-1] + 1 if before else None
+        hi = after[0] - 1 if after else None
+        if lo is not None and hi is not None and hi >= lo:
+            d.lost_seqs = list(range(lo, hi + 1))
 
 
 class UpsertLog:
@@ -52,76 +177,111 @@ class UpsertLog:
     def __init__(self, path: str, fsync: bool = True):
         self.path = path
         self.fsync = fsync
-        self.truncated_bytes = 0
-        self._fh = None
+        self.torn_tail_bytes = 0
+        self.damage: list[LogDamage] = []
+        self._fd: int | None = None
+        self._end: int | None = None  # length of the valid part of the file
+        self.broken: str | None = None  # a failed rollback: no more appends until a restart
+
+    @property
+    def truncated_bytes(self) -> int:  # the name older status readers know
+        return self.torn_tail_bytes
 
     def replay(self) -> Iterator[LogRecord]:
-        """Every complete record in order; a torn tail is cut off (``truncated_bytes``)."""
+        """Every valid record in order.  A torn tail is cut off; corrupt regions in the middle
+        are skipped and reported in :attr:`damage` (the file is not modified for them)."""
         if not os.path.exists(self.path):
+            self._end = 0
             return
-        good = 0
         with open(self.path, "rb") as fh:
             data = fh.read()
-        pos = 0
-        while pos < len(data):
-            if pos + _HEADER.size > len(data):
-                break
-            magic, seq, n, dim, rep, crc = _HEADER.unpack_from(data, pos)
-            size = n * 8 + n * dim * 4
-            start = pos + _HEADER.size
-            if magic != _MAGIC or start + size > len(data):
-                break
-            payload = data[start : start + size]
-            if zlib.crc32(payload) != crc:
-                break
-            ids = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64)
-            vecs = (
-                np.frombuffer(payload, dtype="<f4", offset=n * 8).astype(np.float32).reshape(n, dim)
-            )
-            pos = start + size
-            good = pos
-            yield LogRecord(int(seq), int(rep), ids, vecs)
+        records, self.damage, good = _read_log(data)
+        _lost_seqs(records, self.damage)
         if good < len(data):
-            self.truncated_bytes = len(data) - good
+            self.torn_tail_bytes = len(data) - good
             with open(self.path, "r+b") as fh:
                 fh.truncate(good)
+                os.fsync(fh.fileno())
+        self._end = good
+        yield from records
 
-    def _open(self):
-        if self._fh is None:
-            self._fh = open(self.path, "ab")
-        return self._fh
+    def _open(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            if self._end is None:
+                self._end = os.fstat(self._fd).st_size
+        return self._fd
 
     def append(self, seq: int, rep: int, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Write one whole record and fsync it; on any failure roll the file back to its last
+        good length and raise :class:`StorageError`."""
+        if self.broken:
+            raise StorageError(self.broken)
         ids = np.ascontiguousarray(ids, dtype="<i8")
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         n, dim = vectors.shape
         payload = ids.tobytes() + vectors.tobytes()
-        fh = self._open()
-        fh.write(
-            _HEADER.pack(_MAGIC, int(seq), int(n), int(dim), int(rep), zlib.crc32(payload))
-            + payload
-        )
-        fh.flush()
-        if self.fsync:
-            os.fsync(fh.fileno())
+        head = _HEADER.pack(_MAGIC, int(seq), int(n), int(dim), int(rep), zlib.crc32(payload))
+        record = memoryview(head + payload)
+        fd = self._open()
+        try:
+            written = 0
+            while written < len(record):
+                written += os.write(fd, record[written:])
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            self._rollback(fd)
+            raise storage_error(exc, self.path, f"appending log record {seq}") from None
+        self._end += len(record)
+
+    def _rollback(self, fd: int) -> None:
+        """Cut the file back to its last good length after a failed append."""
+        try:
+            os.ftruncate(fd, self._end)
+            os.fsync(fd)
+        except OSError as exc:
+            self.broken = (
+                f"{storage_error(exc, self.path, 'rolling back a failed append')}; "
+                "the log refuses appends until the shard restarts"
+            )
 
     def reset(self) -> None:
         """Empty the log (after a snapshot that contains every record)."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        with open(self.path, "wb") as fh:
-            fh.flush()
+        fd = self._open()
+        try:
+            os.ftruncate(fd, 0)
             if self.fsync:
-                os.fsync(fh.fileno())
+                os.fsync(fd)
+        except OSError as exc:
+            raise storage_error(exc, self.path, "emptying the log after a snapshot") from None
+        self._end = 0
+        self.broken = None
+
+    def set_aside(self, suffix: str) -> str:
+        """Move the log file to ``<path>.<suffix>`` (kept for inspection) and start an empty
+        one; returns the new name of the old file."""
+        self.close()
+        dest = f"{self.path}.{suffix}"
+        os.replace(self.path, dest)
+        self._end = 0
+        return dest
 
     def size_bytes(self) -> int:
         return os.path.getsize(self.path) if os.path.exists(self.path) else 0
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_snapshot(
@@ -132,7 +292,8 @@ def write_snapshot(
     info: dict | None = None,
     fsync: bool = True,
 ) -> str:
-    """Atomically write ``parts`` (``{rep name: (ids, vectors)}``) as the snapshot at ``seq``."""
+    """Atomically write ``parts`` (``{rep name: (ids, vectors)}``) as the snapshot at ``seq``;
+    :class:`StorageError` (and no temporary file left) when the write fails."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, SNAPSHOT_NAME)
     tmp = path + ".tmp"
@@ -142,30 +303,53 @@ def write_snapshot(
         arrays[f"vec_{name}"] = np.asarray(vecs, dtype=np.float32).reshape(len(ids), dims[name])
     meta = json.dumps({"seq": int(seq), "dims": dims, "info": info or {}}).encode()
     arrays["meta"] = np.frombuffer(meta, dtype=np.uint8)
-    with open(tmp, "wb") as fh:
-        np.savez(fh, **arrays)
-        fh.flush()
+    try:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
         if fsync:
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+            _fsync_dir(directory)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise storage_error(exc, tmp, f"writing the snapshot at seq {seq}") from None
     return path
 
 
 def read_snapshot(
     directory: str,
 ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], dict] | None:
-    """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot."""
+    """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot;
+    :class:`CorruptStateError` naming the file and the cause when it cannot be read."""
     path = os.path.join(directory, SNAPSHOT_NAME)
     if not os.path.exists(path):
         return None
-    with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(bytes(z["meta"]).decode())
-        parts = {}
-        for key in z.files:
-            if key.startswith("ids_"):
-                name = key[4:]
-                parts[name] = (z[key].astype(np.int64), z[f"vec_{name}"].astype(np.float32))
-    return int(meta["seq"]), parts, meta
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            parts = {}
+            for key in z.files:
+                if key.startswith("ids_"):
+                    name = key[4:]
+                    ids, vecs = z[key].astype(np.int64), z[f"vec_{name}"].astype(np.float32)
+                    if vecs.ndim != 2 or vecs.shape[0] != ids.size:
+                        raise ValueError(f"{name}: {ids.size} ids but vectors {vecs.shape}")
+                    parts[name] = (ids, vecs)
+            seq = int(meta["seq"])
+    except Exception as exc:  # zip, npy, JSON or shape damage: name the file and the cause
+        raise CorruptStateError(
+            f"snapshot {path} is corrupt ({type(exc).__name__}: {exc}); restore it from a "
+            "backup, or move the shard directory away to reload the shard from the gallery"
+        ) from None
+    return seq, parts, meta
+
+
+def corrupt_suffix() -> str:
+    """``corrupt-<UTC time>``: the name a damaged log is kept under."""
+    return "corrupt-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
 def list_files(directory: str) -> list[str]:

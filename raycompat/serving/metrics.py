@@ -74,7 +74,7 @@ class RouterMetrics:
                 )
                 lines.append(f"{p}_request_seconds_count{_labels({'endpoint': ep})} {h[-1]}")
         seen = set()
-        for name, help_, labels, value in gauges:
+        for name, help_, labels, value in sorted(gauges, key=lambda g: g[0]):  # grouped
             if name not in seen:
                 lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} gauge"]
                 seen.add(name)

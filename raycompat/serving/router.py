@@ -343,16 +343,41 @@ class Router:
         if unknown:
             raise ApiError(404, f"unknown item id(s): {sorted(unknown)[:10]}", "body.items")
         per_shard = [0] * len(self.shards)
+        applied: list[int] = []  # ids acknowledged by their shard so far
         for rep, rid, vec in prepared:
             for s, p in enumerate(split_by_shard(rid, len(self.shards))):
                 if p.size:
-                    res = await self.on_shard(s, "upsert", rid[p], rep, vec[p])
-                    if "error" in res:
-                        raise ApiError(
-                            404 if res.get("unknown_ids") else 422, res["error"], "body.items"
-                        )
+                    res = await self.upsert_on_shard(s, rid[p], rep, vec[p], applied)
                     per_shard[s] += int(res["applied"])
+                    applied += rid[p].tolist()
         return {"applied": int(sum(per_shard)), "per_shard": per_shard}
+
+    async def upsert_on_shard(self, shard: int, ids, rep: str, vecs, applied: list) -> dict:
+        """One shard's part of an upsert.  A failure says which ids of the request were
+        already applied (they stay: an upsert is idempotent, so retrying it is safe) and that
+        this shard applied nothing -- or, when the shard died mid-call, that its part's outcome
+        is unknown."""
+        done = f"; ids applied before it: {sorted(applied)[:20]}" if applied else ""
+        try:
+            res = await self.shards[shard].upsert.remote(ids, rep, vecs)
+        except Exception as exc:
+            raise ApiError(
+                503,
+                f"shard {shard} unavailable ({type(exc).__name__}): the outcome of its "
+                f"{len(ids)} item(s) is unknown; retry the upsert (it is idempotent){done}",
+                "body.items",
+                headers={"Retry-After": "1"},
+            ) from None
+        if "error" not in res:
+            return res
+        if res.get("storage"):
+            raise ApiError(
+                503,
+                f"{res['error']}: nothing of shard {shard}'s part was applied{done}",
+                "body.items",
+                headers={"Retry-After": "5"},
+            )
+        raise ApiError(404 if res.get("unknown_ids") else 422, res["error"] + done, "body.items")
 
     def prepare_upsert(
         self, items: list, ids: np.ndarray
@@ -392,8 +417,12 @@ class Router:
         return await self.on_controller("resume", until=req.until, rate=req.rate, clear_until=clear)
 
     async def snapshot(self):
-        paths = await self.fan_out("snapshot")
-        return {"snapshots": len(paths)}
+        """Every shard's snapshot; 503 naming the shard and the cause when one fails."""
+        results = await self.fan_out("snapshot")
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            raise ApiError(503, "; ".join(failed), headers={"Retry-After": "5"})
+        return {"snapshots": len(results)}
 
 
 #: what /status shows only to the admin: where processes and files are
@@ -424,27 +453,51 @@ def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:
     return results
 
 
+#: the backfill states ``GET /metrics`` exports as ``raycompat_backfill_state{state}``
+BACKFILL_STATES = ("idle", "running", "paused", "done", "error", "unavailable")
+
+
 def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:
     """The gauges ``GET /metrics`` adds from a status (``None``: no shard answered)."""
     if st is None:
         return [("shards_up", "Shards answering.", {}, 0)]
     gauges = []
     for s in st["shards"]:
+        shard = {"shard": str(s["shard"])}
         for r, n in s["items"].items():
-            gauges.append(
-                (
-                    "items",
-                    "Items held per shard and representation.",
-                    {"shard": str(s["shard"]), "representation": r},
-                    n,
-                )
+            labels = {**shard, "representation": r}
+            gauges.append(("items", "Items held per shard and representation.", labels, n))
+        health = s.get("storage", {})
+        failing = bool(health.get("snapshot_error") or health.get("log_error"))
+        gauges.append(("storage_error", "1 while a shard's writes fail.", shard, int(failing)))
+        gauges.append(
+            (
+                "log_corrupt_records",
+                "Corrupt log regions found at the shard's last recovery.",
+                shard,
+                health.get("corrupt_records", 0),
             )
-    bf = st["backfill"]
-    gauges.append(
-        ("backfill_position", "Items of the backfill order upgraded.", {}, bf.get("position") or 0)
-    )
-    gauges.append(("backfill_total", "Items in the backfill order.", {}, bf.get("total") or 0))
+        )
+    gauges += backfill_gauges(st["backfill"])
     gauges.append(("shards_up", "Shards answering.", {}, len(st["shards"])))
+    return gauges
+
+
+def backfill_gauges(bf: dict) -> list[tuple[str, str, dict, float]]:
+    """Position, total, and a 0/1 gauge per state (``error`` is 1 when the controller failed)."""
+    gauges = [
+        ("backfill_position", "Items of the backfill order upgraded.", {}, bf.get("position") or 0),
+        ("backfill_total", "Items in the backfill order.", {}, bf.get("total") or 0),
+    ]
+    for state in BACKFILL_STATES:
+        gauges.append(
+            (
+                "backfill_state",
+                "1 for the backfill controller's current state.",
+                {"state": state},
+                int(bf.get("state") == state),
+            )
+        )
     return gauges
 
 

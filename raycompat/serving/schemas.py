@@ -96,6 +96,9 @@ class BackfillState(BaseModel):
     resumed_from_checkpoint: bool = False
     items_per_s: float | None = None
     upsert_retries: int = 0
+    worker_alive: bool | None = None
+    worker_restarts: int = 0
+    errors: int = 0
     pid: int | None = None
     actor_name: str | None = None
 

@@ -1,5 +1,6 @@
 """The shard deployment: one Serve deployment per shard, one replica each, wrapping a
-:class:`raycompat.serving.state.ShardState` kept in ``<state_dir>/shard-<i>``.
+:class:`raycompat.serving.state.ShardState` kept in ``<state_dir>/shard-<i>`` (or, after a
+reshard, ``<state_dir>/shards-g<k>/shard-<i>``: :mod:`raycompat.serving.layout`).
 
 On (re)start the replica recovers from its snapshot + log; only when the directory is empty
 does it load its items (placed by :func:`raycompat.serving.placement.shard_of`) from the
@@ -13,15 +14,25 @@ import time
 
 import numpy as np
 
+from raycompat.serving.durability import StorageError
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.state import REPRESENTATIONS, ShardState, UnknownItemError
 
 __all__ = ["ShardServer", "shard_dir"]
 
 
-def shard_dir(state_dir: str, shard: int) -> str:
-    """Where shard ``shard`` keeps its snapshot and log."""
-    return os.path.join(state_dir, f"shard-{shard}")
+def shard_dir(state_dir: str, shard: int, num_shards: int) -> str:
+    """Where shard ``shard`` keeps its snapshot and log, by the state directory's layout
+    (:mod:`raycompat.serving.layout`); ``RuntimeError`` if that layout has another shard
+    count."""
+    from raycompat.serving.layout import StateLayout, read_layout
+
+    layout = read_layout(state_dir) or StateLayout(num_shards=num_shards)
+    if layout.num_shards != num_shards:
+        raise RuntimeError(
+            f"{state_dir} holds {layout.num_shards} shards, this index has {num_shards}"
+        )
+    return layout.shard_dir(state_dir, shard)
 
 
 class ShardServer:
@@ -39,11 +50,12 @@ class ShardServer:
         except Exception:  # pragma: no cover - faiss without OpenMP
             pass
         self.state = ShardState(
-            shard_dir(cfg.state_dir, self.shard),
+            shard_dir(cfg.state_dir, self.shard, cfg.num_shards),
             plan.dims.as_dict(),
             factory=cfg.factory,
             snapshot_every=cfg.snapshot_every,
             fsync=cfg.fsync,
+            lock_wait_s=60.0,
         )
         if not self.state.initialized:
             self._load_initial(plan)
@@ -72,8 +84,9 @@ class ShardServer:
         return self.state.unknown(ids)
 
     def upsert(self, ids, rep: str, vectors) -> dict:
-        """Apply; returns ``{"applied", "seq"}`` or ``{"error", "unknown_ids"}`` (nothing
-        applied)."""
+        """Apply; returns ``{"applied", "seq"}``, or (nothing applied) ``{"error",
+        "unknown_ids"}`` for unknown ids and ``{"error", "storage": True}`` when the log write
+        failed."""
         try:
             return self.state.upsert(
                 np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32)
@@ -82,15 +95,25 @@ class ShardServer:
             return {"error": str(exc), "unknown_ids": exc.ids}
         except ValueError as exc:
             return {"error": str(exc)}
+        except StorageError as exc:
+            return {"error": f"shard {self.shard}: {exc}", "storage": True}
 
     def representation_of(self, ids) -> list:
         return self.state.representation_of(ids)
 
+    def lookup(self, ids):
+        """``(representations, vectors)`` of ``ids`` (for checks and tests)."""
+        return self.state.lookup(ids)
+
     def items(self):
         return self.state.items()
 
-    def snapshot(self) -> str:
-        return self.state.snapshot()
+    def snapshot(self) -> dict:
+        """``{"path"}``, or ``{"error"}`` naming what failed (the log is kept then)."""
+        try:
+            return {"path": self.state.snapshot()}
+        except StorageError as exc:
+            return {"error": f"shard {self.shard}: {exc}"}
 
     def status(self) -> dict:
         import ray
@@ -102,6 +125,7 @@ class ShardServer:
             "upserts_applied": self.state.upserts_applied,
             "recovery": self.state.recovery,
             "log_bytes": self.state.log.size_bytes(),
+            "storage": self.state.health(),
             "startup_s": self.startup_s,
             "started": self.started,
             "pid": os.getpid(),

@@ -26,6 +26,8 @@ filtered out of results and dropped at the next rebuild.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import threading
 import time
@@ -33,9 +35,26 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raycompat.serving.durability import LOG_NAME, UpsertLog, read_snapshot, write_snapshot
+from raycompat.serving.durability import (
+    LOG_NAME,
+    StorageError,
+    UpsertLog,
+    corrupt_suffix,
+    read_snapshot,
+    write_snapshot,
+)
 
-__all__ = ["REPRESENTATIONS", "RepIndex", "ShardState", "UnknownItemError", "rep_code"]
+__all__ = [
+    "REPRESENTATIONS",
+    "RepIndex",
+    "ShardState",
+    "ShardLockedError",
+    "UnknownItemError",
+    "rep_code",
+]
+
+LOCK_NAME = "LOCK"
+logger = logging.getLogger("raycompat.serving")
 
 REPRESENTATIONS = ("old", "adapted", "new")
 
@@ -52,6 +71,31 @@ class UnknownItemError(KeyError):
     def __init__(self, ids):
         self.ids = [int(i) for i in ids]
         super().__init__(f"unknown item id(s) {self.ids[:10]}")
+
+
+class ShardLockedError(RuntimeError):
+    """Another process holds the shard directory (a running index, or a reshard)."""
+
+
+def lock_directory(directory: str, wait_s: float = 0.0) -> int:
+    """Hold ``<directory>/LOCK`` (a POSIX record lock, released when the process exits) so
+    that no two processes write one shard; waits up to ``wait_s`` (a replica restarting while
+    its predecessor exits), then raises :class:`ShardLockedError`."""
+    path = os.path.join(directory, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise ShardLockedError(
+                    f"{directory} is in use by another process (a running index or reshard); "
+                    "stop it first"
+                ) from None
+            time.sleep(0.2)
 
 
 class RepIndex:
@@ -247,9 +291,11 @@ class ShardState:
         snapshot_every: int = 200_000,
         fsync: bool = True,
         train_min: int = 4096,
+        lock_wait_s: float = 0.0,
     ):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
+        self._lock_fd = lock_directory(directory, lock_wait_s)
         self.dims = {r: int(dims[r]) for r in REPRESENTATIONS if r in dims}
         self.factory = factory
         self.snapshot_every = int(snapshot_every)
@@ -262,6 +308,8 @@ class ShardState:
         self.recovery: dict = {}
         self.log = UpsertLog(os.path.join(directory, LOG_NAME), fsync=fsync)
         self.upserts_applied = 0
+        self.snapshot_error: str | None = None
+        self._snapshot_retry_at = 0.0
         self._recover()
 
     # ------------------------------------------------------------------ durability
@@ -271,7 +319,7 @@ class ShardState:
 
     def _recover(self) -> None:
         t0 = time.perf_counter()
-        snap = read_snapshot(self.directory)
+        snap = read_snapshot(self.directory)  # CorruptStateError names the file and the cause
         if snap is None:
             self.recovery = {"snapshot": False, "replayed_records": 0}
             return
@@ -285,25 +333,52 @@ class ShardState:
             if ids.size:
                 self._move(ids, rep_code(name), vecs)
         self.seq = seq
-        replayed = 0
-        for rec in self.log.replay():
-            if rec.seq <= seq:
-                continue
-            self._move(rec.ids, rec.rep, rec.vectors)
-            self.seq = rec.seq
-            replayed += 1
-            self.since_snapshot += len(rec.ids)
+        replayed = self._replay(seq)
         self.recovery = {
             "snapshot": True,
             "snapshot_seq": seq,
             "replayed_records": replayed,
             "log_seq": self.seq,
-            "truncated_bytes": self.log.truncated_bytes,
+            "truncated_bytes": self.log.torn_tail_bytes,
+            "corrupt_records": [d.as_json() for d in self.log.damage],
             "items": len(self.rep_of),
             "seconds": time.perf_counter() - t0,
         }
+        if self.log.damage:
+            self._quarantine_log()
+
+    def _replay(self, snapshot_seq: int) -> int:
+        replayed = 0
+        for rec in self.log.replay():
+            if rec.seq <= snapshot_seq:
+                continue
+            self._move(rec.ids, rec.rep, rec.vectors)
+            self.seq = max(self.seq, rec.seq)
+            replayed += 1
+            self.since_snapshot += len(rec.ids)
+        return replayed
+
+    def _quarantine_log(self) -> None:
+        """A log damaged in the middle: say so loudly, fold what was recovered into a
+        snapshot, and keep the damaged file as ``upserts.log.corrupt-<time>``."""
+        for d in self.log.damage:
+            logger.error(
+                "shard log %s is corrupt at byte %d (%d bytes, %s); lost sequence numbers %s; "
+                "the valid records after it were kept",
+                self.log.path,
+                d.offset,
+                d.nbytes,
+                d.cause,
+                d.lost_seqs or "unknown",
+            )
+        self.snapshot()
+        kept = self.log.set_aside(corrupt_suffix())
+        self.recovery["corrupt_log_kept_as"] = kept
+        logger.error("the damaged log is kept as %s", kept)
 
     def snapshot(self) -> str:
+        """Write the snapshot and empty the log; :class:`StorageError` when it fails (the
+        log is then kept, so nothing is lost)."""
         with self.lock:
             parts = {r: ix.export() for r, ix in self.reps.items()}
             path = write_snapshot(
@@ -316,6 +391,7 @@ class ShardState:
             )
             self.log.reset()
             self.since_snapshot = 0
+            self.snapshot_error = None
             return path
 
     def load_initial(self, rep: str, ids: np.ndarray, vecs: np.ndarray) -> None:
@@ -357,7 +433,8 @@ class ShardState:
         """Atomically move existing items to ``rep`` with the given (normalised) vectors.
 
         Logged (fsync) before it is applied; raises :class:`UnknownItemError` for ids this
-        shard does not hold (nothing is applied then)."""
+        shard does not hold, and :class:`~raycompat.serving.durability.StorageError` when the
+        log write fails (nothing is applied then, and nothing of it stays on disk)."""
         code = rep_code(rep)
         if rep not in self.dims:
             raise ValueError(f"representation {rep!r} is not served by this shard")
@@ -374,14 +451,42 @@ class ShardState:
                 raise UnknownItemError(missing)
             if ids.size == 0:
                 return {"applied": 0, "seq": self.seq}
+            self.log.append(self.seq + 1, code, ids, vecs)  # StorageError: nothing applied
             self.seq += 1
-            self.log.append(self.seq, code, ids, vecs)
             self._move(ids, code, vecs)
             self.upserts_applied += int(ids.size)
             self.since_snapshot += int(ids.size)
-            if self.since_snapshot >= self.snapshot_every:
-                self.snapshot()
+            self._maybe_snapshot()
             return {"applied": int(ids.size), "seq": self.seq}
+
+    def _maybe_snapshot(self) -> None:
+        """Snapshot once ``snapshot_every`` items were upserted since the last one.  A failed
+        snapshot does not fail the (logged, applied) upsert: it is reported in
+        ``snapshot_error`` and tried again 10 s later."""
+        if self.since_snapshot < self.snapshot_every or time.time() < self._snapshot_retry_at:
+            return
+        try:
+            self.snapshot()
+        except StorageError as exc:
+            self.snapshot_error = str(exc)
+            self._snapshot_retry_at = time.time() + 10.0
+            logger.error("shard snapshot failed: %s", exc)
+
+    def close(self) -> None:
+        """Close the log and release the directory's lock."""
+        self.log.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def health(self) -> dict:
+        """Storage problems a status should show: a failed snapshot, a log that refuses
+        appends, corrupt log records found at recovery."""
+        return {
+            "snapshot_error": self.snapshot_error,
+            "log_error": self.log.broken,
+            "corrupt_records": len(self.recovery.get("corrupt_records", [])),
+        }
 
     # ------------------------------------------------------------------ reads
     def search(self, queries: dict[str, np.ndarray], k: int):
@@ -412,6 +517,17 @@ class ShardState:
                 (REPRESENTATIONS[self.rep_of[int(i)]] if int(i) in self.rep_of else None)
                 for i in np.asarray(ids).tolist()
             ]
+
+    def lookup(self, ids) -> tuple[list, list]:
+        """``(representation names, vectors)`` of ``ids`` (``None`` for an unknown id)."""
+        with self.lock:
+            reps, vecs = [], []
+            for i in np.asarray(ids, np.int64).tolist():
+                code = self.rep_of.get(i)
+                name = None if code is None else REPRESENTATIONS[code]
+                reps.append(name)
+                vecs.append(None if name is None else self.reps[name].vectors_of([i])[0].copy())
+            return reps, vecs
 
     def counts(self) -> dict[str, int]:
         with self.lock:
