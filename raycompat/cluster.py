@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 
+#: Serve's proxy reads its middlewares from this variable of its node's environment; the value
+#: is the live index's (raycompat.serving.proxy.proxy_middlewares: JSON error answers)
+SERVE_PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+SERVE_PROXY_CALLBACK = "raycompat.serving.proxy.proxy_middlewares"
+
 
 def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
     """``ray.init`` once; returns the Ray context.
@@ -17,6 +22,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool
     if ray.is_initialized():
         return ray.get_runtime_context()
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # a local cluster started here gives Serve's proxy the live index's JSON error middleware
+    os.environ.setdefault(SERVE_PROXY_CALLBACK_ENV, SERVE_PROXY_CALLBACK)
     # Ray Train's print patch would log every worker line twice on the driver.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     address = address or os.environ.get("RAY_ADDRESS")

@@ -384,7 +384,7 @@ def _prepare(opts: HotRefreshOptions, out: str, runs_dir: str, say) -> _Prepared
 def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out: str, say) -> dict:
     """Serve the gallery, backfill it live through HTTP and measure at ``fractions``:
     ``{"url", "live", "status", "image_check"}``."""
-    from raycompat.serving.app import free_port, start_serving, stop_serving
+    from raycompat.serving.app import start_serving, stop_serving
     from raycompat.serving.auth import TOKEN_ENV
     from raycompat.serving.client import ServingClient
     from raycompat.serving.config import serving_config
@@ -394,7 +394,7 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
     os.environ[TOKEN_ENV] = token
     state_dir = os.path.join(out, "serving_state")
     shutil.rmtree(state_dir, ignore_errors=True)
-    port = opts.port or free_port(opts.host)
+    port = opts.port or _serving_port(opts)
     cfg = serving_config(
         gallery=prep.parquet,
         state_dir=state_dir,
@@ -508,6 +508,17 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
             f"{image_check['n']} top-1 ids equal to the vector search of the same embedding."
         )
     return "\n".join(md) + "\n"
+
+
+def _serving_port(opts) -> int:
+    """The port of the Serve instance already running on the cluster, else a free one."""
+    from raycompat.cluster import connect
+    from raycompat.serving.app import free_port
+    from raycompat.serving.proxy import running_http_address
+
+    connect(opts.address)
+    running = running_http_address()
+    return running[1] if running and running[0] == opts.host else free_port(opts.host)
 
 
 def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:

@@ -8,6 +8,10 @@ import pytest
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+# as raycompat.cluster.connect does: Serve's proxy answers its own errors as JSON
+os.environ.setdefault(
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "raycompat.serving.proxy.proxy_middlewares"
+)
 # The Ray Train worker and controller actors need a few logical CPUs on this 2-core machine.
 TEST_RAY_CPUS = 4
 

@@ -56,9 +56,12 @@ def serve_port(ray_cluster):
     from ray import serve
 
     from raycompat.serving.app import free_port
+    from raycompat.serving.config import serving_config
+    from raycompat.serving.proxy import serve_http_options
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # what serve-index starts: request timeout and the JSON error middleware in the proxy
+    serve.start(http_options=serve_http_options(serving_config(gallery="synthetic:1", port=port)))
     yield port
     serve.shutdown()
 
@@ -1313,3 +1316,102 @@ def _check_backfilled(ids: np.ndarray) -> None:
     for s in range(2):
         reps, _ = _shard_handle("fault", s).lookup.remote(ids[where == s]).result()
         assert set(reps) <= {"new"}, f"a checkpointed backfill item is not new on shard {s}"
+
+
+# ----------------------------------------------------------------------------- Serve's proxy
+def test_serve_index_refuses_another_port_when_serve_runs_and_deploys_on_its_own(
+    serve_port, token_file, tmp_path, capsys
+):
+    """With Serve already running, `serve-index` on another port exits 2 naming the running
+    address; on the running address it deploys, answers and stops."""
+    from raycompat.serving.app import free_port
+    from raycompat.serving.job import main
+
+    state = str(tmp_path / "state")
+    base = ["--gallery", "synthetic:300:8:12:0", "--token-file", token_file, "--num-shards", "1",
+            "--state-dir", state, "--app-name", "job", "--route-prefix", "/job"]  # fmt: skip
+    other = free_port()
+    assert main([*base, "--port", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"Serve is already running on this cluster with HTTP at 127.0.0.1:{serve_port}" in err
+    assert f"--port {serve_port}" in err and "Traceback" not in err
+    assert main([*base, "--port", str(serve_port), "--wait-s", "120"]) == 0
+    assert f"serving at http://127.0.0.1:{serve_port}/job" in capsys.readouterr().out
+    st = requests.get(f"http://127.0.0.1:{serve_port}/job/status", timeout=30).json()
+    assert st["items"]["old"] == 300
+    assert main(["--stop", "--app-name", "job"]) == 0
+
+
+def _replica_of(app: str, deployment: str):
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        filters=[("state", "=", "ALIVE"), ("class_name", "=", f"ServeReplica:{app}:{deployment}")]
+    )
+    return ray.get_actor(actors[0].name, namespace="serve"), actors[0].pid
+
+
+def _post_search(base, q, out, stop=None, timeout=120):
+    """POST /search until ``stop`` (once if ``stop`` is None); append ``(status, json?,
+    retry-after?, seconds)``."""
+    sess = requests.Session()
+    while True:
+        t = time.time()
+        r = sess.post(base + "/search", json={"vectors": q, "k": 5}, timeout=timeout)
+        is_json = r.headers.get("content-type", "").startswith("application/json")
+        out.append((r.status_code, is_json, r.headers.get("retry-after"), time.time() - t))
+        if stop is None or stop.is_set():
+            return
+
+
+def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(
+    serve_port, token_file, tmp_path
+):
+    """A router killed with a request in flight, shards that stop answering, and an app deleted
+    under load: every answer is JSON, every failure a 503 with Retry-After (never a plain-text
+    500), and no request hangs."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    _, client = deploy(serve_port, tmp_path / "state", "synthetic:300:8:12:0", token_file,
+                       app="px", prefix="/px", num_shards=1, shard_timeout_s=2.0)  # fmt: skip
+    q = np.random.default_rng(0).standard_normal((2, 12)).tolist()
+    out: list = []
+    try:
+        _, shard_pid = _replica_of("px", "shard-0")
+        os.kill(shard_pid, signal.SIGSTOP)  # the shard hangs: requests wait in the router
+        try:
+            _post_search(client.base, q, out)  # the router's shard timeout: 503
+            th = threading.Thread(target=_post_search, args=(client.base, q, out))
+            th.start()
+            time.sleep(0.5)
+            router, _ = _replica_of("px", "router")
+            ray.kill(router, no_restart=True)  # with that request in flight
+            th.join(timeout=150)
+        finally:
+            os.kill(shard_pid, signal.SIGCONT)
+        assert len(out) == 2 and all(o[:3] == (503, True, "1") for o in out), out
+        client.wait_ready()
+        stop = threading.Event()
+        threads = [threading.Thread(target=_post_search, args=(client.base, q, out, stop))
+                   for _ in range(3)]  # fmt: skip
+        for th in threads:
+            th.start()
+        time.sleep(0.5)
+        shard, _ = _replica_of("px", "shard-0")
+        ray.kill(shard, no_restart=True)
+        serve.delete("px")
+        stop.set()
+        for th in threads:
+            th.join(timeout=150)
+        assert not any(th.is_alive() for th in threads)
+    finally:
+        serve.delete("px")
+    codes = sorted({o[0] for o in out})
+    print(f"\nPROXY: {len(out)} requests, codes {codes}, slowest {max(o[3] for o in out):.1f} s")
+    assert all(o[1] for o in out), "a plain-text answer"
+    assert all(o[0] in (200, 404, 503) for o in out), codes
+    assert all(o[2] == "1" for o in out if o[0] == 503)

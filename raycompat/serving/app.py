@@ -81,20 +81,23 @@ def _bind_router(plan: ServingPlan, shards: list, controller):
     ).bind(shards, controller, plan, admin)
 
 
-def start_serving(cfg: ServingConfig, address: str | None = None) -> str:
-    """Connect to Ray, start Serve on ``cfg.host:cfg.port`` and deploy; returns the base URL."""
+def start_serving(
+    cfg: ServingConfig, address: str | None = None, proxy_location: str | None = None
+) -> str:
+    """Connect to Ray, start Serve on ``cfg.host:cfg.port`` (``ConfigError`` if Serve already
+    listens elsewhere) and deploy (:class:`~raycompat.serving.deploy.DeployError` naming why a
+    deployment failed); returns the base URL."""
     from ray import serve
 
     from raycompat.cluster import connect
+    from raycompat.serving.deploy import run_application
+    from raycompat.serving.proxy import check_http_address, serve_http_options
 
     connect(address)
-    serve.start(http_options={"host": cfg.host, "port": int(cfg.port)})
-    serve.run(
-        build_app(cfg),
-        name=cfg.app_name,
-        route_prefix=cfg.route_prefix,
-        logging_config={"log_level": "WARNING", "enable_access_log": False},
-    )
+    if not check_http_address(cfg):
+        kw = {"proxy_location": proxy_location} if proxy_location else {}
+        serve.start(http_options=serve_http_options(cfg), **kw)
+    run_application(cfg, build_app(cfg))
     prefix = cfg.route_prefix.rstrip("/")
     return f"http://{cfg.host}:{int(cfg.port)}{prefix}"
 

@@ -83,6 +83,14 @@ class ServingConfig:
     learned_sample_fraction: float = option(
         0.02, help="sample fraction of the 'learned' backfill policy"
     )
+    request_timeout_s: float = positive(
+        60.0,
+        help="Serve's HTTP request timeout, in seconds (set when this index starts Serve): a "
+        "request still unanswered then gets a JSON 503 with Retry-After",
+    )
+    shard_timeout_s: float = positive(
+        30.0, help="seconds the router waits for a shard or the backfill controller (then 503)"
+    )
     upsert_retry_s: float = positive(
         300.0, help="seconds the backfill controller retries a batch on a shard that is down"
     )

@@ -81,8 +81,9 @@ def validation_error(errors: Sequence[dict]) -> tuple[str, list[dict]]:
 
 
 def unavailable(what: str, exc: BaseException) -> ApiError:
-    """503: a shard or the backfill controller did not answer."""
-    return ApiError(503, f"{what} unavailable: {type(exc).__name__}")
+    """503 with ``Retry-After``: a shard or the backfill controller did not answer (in time)."""
+    why = "no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__
+    return ApiError(503, f"{what} unavailable: {why}", headers={"Retry-After": "1"})
 
 
 def image_error(exc: Exception) -> ApiError:

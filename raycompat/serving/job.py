@@ -103,29 +103,17 @@ def _checked_config(opts: ServeIndexOptions) -> ServingConfig:
 
 
 def _deploy(opts: ServeIndexOptions, cfg: ServingConfig) -> str:
-    """Start Serve's proxy and the application; returns the index's URL."""
-    from ray import serve
+    """Start Serve's proxy (unless Serve runs already, at this address) and the application;
+    returns the index's URL."""
+    from raycompat.serving.app import start_serving
 
-    from raycompat.cluster import connect
-    from raycompat.serving.app import build_app
-
-    connect(opts.address)
-    serve.start(
-        proxy_location=opts.proxy_location, http_options={"host": cfg.host, "port": int(cfg.port)}
-    )
     print(
         f"[serve_index] deploying {cfg.app_name!r}: {cfg.num_shards} shards, "
         f"gallery {cfg.gallery}, "
         f"state {cfg.state_dir}",
         flush=True,
     )
-    serve.run(
-        build_app(cfg),
-        name=cfg.app_name,
-        route_prefix=cfg.route_prefix,
-        logging_config={"log_level": "WARNING", "enable_access_log": False},
-    )
-    return f"http://{cfg.host}:{int(cfg.port)}{cfg.route_prefix.rstrip('/')}"
+    return start_serving(cfg, opts.address, opts.proxy_location)
 
 
 def _stop(opts: ServeIndexOptions) -> int:
@@ -149,6 +137,19 @@ def _block(app_name: str) -> None:
         serve.delete(app_name)
 
 
+def _warn_without_json_errors(url: str) -> None:
+    """Say so when Serve's proxy lacks the JSON error middleware (a `ray start` without it)."""
+    from raycompat.serving.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV, proxy_has_json_errors
+
+    if not proxy_has_json_errors(url):
+        print(
+            "[serve_index] note: Serve's proxy answers its own errors (a dead replica, a timeout) "
+            f"as plain text: start the head node with {PROXY_CALLBACK_ENV}={PROXY_CALLBACK} "
+            "(cluster.yaml does) for JSON 503s with Retry-After",
+            flush=True,
+        )
+
+
 @job_main
 def main(argv: list[str] | None = None) -> int:
     opts = options_from_args(ServeIndexOptions, build_parser().parse_args(argv))
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         f"API schema at {url}/openapi.json" + (f", docs at {url}/docs" if cfg.api_docs else ""),
         flush=True,
     )
+    _warn_without_json_errors(url)
     if opts.block:
         _block(cfg.app_name)
         return 0

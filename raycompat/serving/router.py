@@ -243,32 +243,40 @@ class Router:
         return q, old_q
 
     # ------------------------------------------------------------------ shards, controller
+    async def call(self, handle, method: str, *args, **kw):
+        """``handle.method(*args, **kw)``, waited for at most ``shard_timeout_s``."""
+        response = getattr(handle, method).remote(*args, **kw)
+        return await asyncio.wait_for(response, timeout=self.cfg.shard_timeout_s)
+
     async def fan_out(self, method: str, *args) -> list:
         """``method(*args)`` on every shard; 503 naming the first shard that fails."""
-        calls = [getattr(h, method).remote(*args) for h in self.shards]
+        calls = [asyncio.ensure_future(self.call(h, method, *args)) for h in self.shards]
         out = []
         for i, c in enumerate(calls):
             try:
                 out.append(await c)
             except Exception as exc:
+                for rest in calls[i + 1 :]:
+                    rest.cancel()
                 raise unavailable(f"shard {i}", exc) from None
         return out
 
     async def on_shard(self, shard: int, method: str, *args):
-        """``method(*args)`` on one shard; 503 when it fails."""
+        """``method(*args)`` on one shard; 503 when it fails or does not answer in time."""
         try:
-            return await getattr(self.shards[shard], method).remote(*args)
+            return await self.call(self.shards[shard], method, *args)
         except Exception as exc:
             raise unavailable(f"shard {shard}", exc) from None
 
     async def on_controller(self, method: str, **kw) -> dict:
         """A backfill controller command; its ``{"error", "status"}`` answers become that status."""
         try:
-            res = await getattr(self.controller, method).remote(**kw)
+            res = await self.call(self.controller, method, **kw)
         except Exception as exc:
             raise unavailable("backfill controller", exc) from None
         if "error" in res and res.get("status"):
-            raise ApiError(int(res["status"]), res["error"], "body")
+            headers = {"Retry-After": "5"} if int(res["status"]) == 503 else None
+            raise ApiError(int(res["status"]), res["error"], "body", headers)
         return res
 
     async def gather_status(self) -> dict:
@@ -279,7 +287,7 @@ class Router:
             for r, n in s["items"].items():
                 items[r] += int(n)
         try:
-            bf = await self.controller.status.remote()
+            bf = await self.call(self.controller, "status")
         except Exception as exc:
             bf = {
                 "state": "unavailable",
@@ -359,7 +367,7 @@ class Router:
         is unknown."""
         done = f"; ids applied before it: {sorted(applied)[:20]}" if applied else ""
         try:
-            res = await self.shards[shard].upsert.remote(ids, rep, vecs)
+            res = await self.call(self.shards[shard], "upsert", ids, rep, vecs)
         except Exception as exc:
             raise ApiError(
                 503,
