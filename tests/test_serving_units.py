@@ -296,7 +296,10 @@ def test_error_mapping_statuses():
     )
     assert image_error(ImageInputError("images[0]: invalid base64")).status == 400
     e = unavailable("shard 1", TimeoutError())
-    assert (e.status, e.message) == (503, "shard 1 unavailable: TimeoutError")
+    assert (e.status, e.message) == (503, "shard 1 unavailable: no answer in time")
+    assert e.headers == {"Retry-After": "1"}
+    e = unavailable("shard 1", RuntimeError())
+    assert e.message == "shard 1 unavailable: RuntimeError"
     r = internal_error(KeyError("secret detail"))
     assert r.status_code == 500
     assert json.loads(r.body) == {"error": "internal error: KeyError", "problems": []}
