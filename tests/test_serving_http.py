@@ -346,6 +346,7 @@ def test_backfill_keeps_a_low_rate_and_resume_clears_until(
     burst of batch_size); ``"until": null`` on resume clears an earlier until.  The admin token
     comes from the environment and reaches no actor: the router gets its hash; /status shows
     process ids, actor names and paths to the admin only."""
+    import ray
     from ray import serve
     from ray.util.state import list_actors
 
@@ -357,7 +358,12 @@ def test_backfill_keeps_a_low_rate_and_resume_clears_until(
         prefix="/rate", num_shards=1, fsync=False,
     )  # fmt: skip
     try:
-        actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
+        actors = list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("state", "=", "ALIVE")],
+            detail=True,
+            limit=10000,
+        )
         assert actors and not any(TOKEN in str(a) for a in actors)
         public = requests.get(client.base + "/status", timeout=30).json()
         assert not {"pid", "actor_id", "actor_name"} & set(public["shards"][0])
@@ -1346,8 +1352,9 @@ def _replica_of(app: str, deployment: str):
     import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(
-        filters=[("state", "=", "ALIVE"), ("class_name", "=", f"ServeReplica:{app}:{deployment}")]
+    actors = list_actors(  # this session's cluster, even when another one runs here
+        address=ray.get_runtime_context().gcs_address,
+        filters=[("state", "=", "ALIVE"), ("class_name", "=", f"ServeReplica:{app}:{deployment}")],
     )
     return ray.get_actor(actors[0].name, namespace="serve"), actors[0].pid
 

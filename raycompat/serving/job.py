@@ -105,12 +105,15 @@ def _checked_config(opts: ServeIndexOptions) -> ServingConfig:
 def _deploy(opts: ServeIndexOptions, cfg: ServingConfig) -> str:
     """Start Serve's proxy (unless Serve runs already, at this address) and the application;
     returns the index's URL."""
+    from raycompat.cluster import connect
     from raycompat.serving.app import start_serving
+    from raycompat.serving.proxy import check_http_address
 
+    connect(opts.address)
+    check_http_address(cfg)  # refuses another address before anything is said or deployed
     print(
         f"[serve_index] deploying {cfg.app_name!r}: {cfg.num_shards} shards, "
-        f"gallery {cfg.gallery}, "
-        f"state {cfg.state_dir}",
+        f"gallery {cfg.gallery}, state {cfg.state_dir}",
         flush=True,
     )
     return start_serving(cfg, opts.address, opts.proxy_location)
