@@ -26,7 +26,7 @@ from raycompat.methods.gathered import compatibility_logits, compatibility_tripl
 from raycompat.methods.ndpp import ndpp_prototypes, neighbour_repulsion
 from raycompat.methods.odpp import optimise_perturbation, perturbation_objective, random_pairs
 from raycompat.methods.prototypes import prototype_logits
-from raycompat.models import ClassifierHead, ModelBundle
+from raycompat.models import ClassifierHead, ModelBundle, margin_logits
 
 # The checks read losses that carry a graph with float(); that is intended here.
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
@@ -282,10 +282,8 @@ def test_dmu_discriminativeness_entropy_scale_and_least_confidence():
     assert torch.allclose(
         discriminativeness(cos, rows, "entropy", 1.0), torch.full((2,), math.log(3)), atol=0.2
     )
-    assert torch.allclose(
-        discriminativeness(cos, rows, "least_confidence", 30.0),
-        1 - p[torch.arange(2), rows],
-        atol=1e-6,
+    assert torch.allclose(  # DMU Eq.13: Lambda = p_y
+        discriminativeness(cos, rows, "least_confidence", 30.0), p[torch.arange(2), rows], atol=1e-6
     )
 
 
@@ -568,3 +566,71 @@ def test_odpp_uses_perturbed_positives_and_warm_starts():
 def test_bad_options_name_the_key_and_allowed_values(method, options, match):
     with pytest.raises(ConfigError, match=match):
         parse_method_options(method, options)
+
+
+def test_dmu_least_confidence_is_eq13_softmax_of_p_y():
+    """Eq.13: Lambda = p_y and lambda = softmax_B(Lambda), not the entropy form."""
+    g = torch.Generator().manual_seed(0)
+    cos = torch.rand(64, 5, generator=g) * 2 - 1
+    rows = torch.randint(0, 5, (64,), generator=g)
+    known = torch.ones(64, dtype=torch.bool)
+    p_y = F.softmax(30.0 * cos, dim=1)[torch.arange(64), rows]
+    lam = discriminativeness(cos, rows, "least_confidence", 30.0)
+    assert torch.allclose(lam, p_y, atol=1e-6)
+    w = selective_weights(lam, known, "least_confidence")
+    direct = torch.exp(p_y) / torch.exp(p_y).sum()
+    assert torch.allclose(w, direct, atol=1e-7) and float(w.sum()) == pytest.approx(1.0)
+    assert float(w.max() / w.min()) > 2.0  # Eq.13 spreads the weights (e^1 at most)
+    assert int(w.argmax()) == int(p_y.argmax())  # the most confident sample weighs most
+
+
+def test_dmu_open_class_has_a_compatibility_loss_through_synthesised_rows():
+    """New training classes unknown to the old classifier: DMU appends their synthesised rows
+    (class means of phi_o, as BCT-sys), so L_SBC is not zero and equals the direct computation
+    with the extended classifier."""
+    torch.manual_seed(1)
+    old = ModelBundle(
+        {
+            "embedder": TinyEmbedder(IN_DIM, D_OLD),
+            "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind="cosface"),
+        },
+        {"classes": OLD_CLASSES},
+    ).freeze()
+    g = torch.Generator().manual_seed(7)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])  # new-head rows of classes 10, 11, 12
+    train = TrainBatch(
+        x_new=torch.randn(8, IN_DIM, generator=g),
+        labels=labels,
+        new_targets=labels.clone(),
+        x_old=torch.randn(8, IN_DIM, generator=g),
+        old_targets=torch.full((8,), -1),
+    )
+    context = MethodContext(
+        old=old,
+        new_classes=[10, 11, 12],
+        old_classes=OLD_CLASSES,
+        compatible_dim=D_OLD,
+        device=torch.device("cpu"),
+        epoch_pass_loader=ShardLoader(train),
+    )
+    torch.manual_seed(2)
+    module = TrainingModule(
+        TinyEmbedder(IN_DIM, D_NEW),
+        ClassifierHead(D_NEW, 3, kind="arcface"),
+        build_method("dmu", {"psi_hidden": 16}, context),
+    )
+    module.method.psi.eval()
+    emb = module.embedder(train.x_new)
+    assert float(module.method.compat_loss(module, train, emb)["sbc"]) == 0.0  # no rows yet
+    module.method.on_epoch_start(0, module)
+    old_feat = old.embedder(train.x_old)
+    means = torch.stack([old_feat[labels == c].mean(0) for c in range(3)])
+    assert torch.allclose(module.method.synth_rows, means, atol=1e-6)
+    sbc = float(module.method.compat_loss(module, train, emb)["sbc"])
+    weight = torch.cat([old.head.weight, means])
+    rows = labels + len(OLD_CLASSES)
+    lam = discriminativeness(old.head.cosine(old_feat, weight), rows, "entropy", 30.0)
+    w = selective_weights(lam, torch.ones(8, dtype=torch.bool))
+    logits = margin_logits(old.head.cosine(emb[:, :D_OLD], weight), rows, "arcface", 30.0, 0.3)
+    direct = float((w * F.cross_entropy(logits, rows, reduction="none")).sum())
+    assert sbc > 0 and sbc == pytest.approx(direct, rel=1e-5)

@@ -28,7 +28,11 @@ import torch.nn.functional as F
 from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
 from raycompat.methods.gathered import global_mean
-from raycompat.methods.prototypes import class_mean_features
+from raycompat.methods.prototypes import (
+    class_mean_features,
+    synthesised_rows,
+    unknown_class_rows,
+)
 from raycompat.models.heads import HEAD_DEFAULTS, margin_logits
 
 __all__ = ["BCT", "class_mean_features"]
@@ -58,34 +62,21 @@ class BCT(CompatMethod):
         if not self.old.has_head:
             source = self.old.manifest.get("imported", {}).get("source")
             check_headless_variant(options.variant, source)
-        old_rows = {c: i for i, c in enumerate(context.old_classes)}
-        # new-head target -> old-head row (or -1): unknown classes are the "new classes".
-        mapping = torch.tensor([old_rows.get(c, -1) for c in context.new_classes], dtype=torch.long)
+        # new-head target -> old-head row (or -1: the "new classes"), and -> synthesised row
+        mapping, synth, n_unseen = unknown_class_rows(context)
         self.register_buffer("old_row_of_new_target", mapping, persistent=False)
-        unseen = (mapping < 0).nonzero().flatten()
-        # Synthesised row index (len(old_classes) + j) for the j-th unseen class.
-        synth = torch.full_like(mapping, -1)
-        synth[unseen] = len(context.old_classes) + torch.arange(len(unseen))
         self.register_buffer("synth_row_of_new_target", synth, persistent=False)
-        self.register_buffer("synth_rows", torch.zeros(len(unseen), self.old.embed_dim))
+        self.register_buffer("synth_rows", torch.zeros(n_unseen, self.old.embed_dim))
         self._synthesised = False
 
     def on_epoch_start(self, epoch, model):
         """BCT-sys: the synthesised rows depend on the frozen old model only: computed once."""
         if self.options.variant != "sys" or self.synth_rows.shape[0] == 0 or self._synthesised:
             return
-        base = len(self.context.old_classes)
-        sums, counts = class_mean_features(
-            self.context,
-            self.synth_rows.shape[0],
-            lambda t: torch.where(
-                self.synth_row_of_new_target[t] >= 0, self.synth_row_of_new_target[t] - base, -1
-            ),
+        rows = synthesised_rows(
+            self.context, self.synth_row_of_new_target, self.synth_rows.shape[0], "bct-sys"
         )
-        if (counts == 0).any():
-            missing = int((counts == 0).sum())
-            raise RuntimeError(f"bct-sys: {missing} new classes have no training sample")
-        self.synth_rows.copy_((sums / counts[:, None]).float())
+        self.synth_rows.copy_(rows)
         self._synthesised = True
 
     def sys_logits(self, part: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

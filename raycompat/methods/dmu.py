@@ -7,17 +7,19 @@
 - ``L_SBC = sum_x lambda(x) * ArcFace(w_o, phi_n(x)[:D_o])`` (Eq.10) through the frozen *old*
   classifier. The paper's Algorithm 1 feeds the new classifier's logits here; docs/methods.md
   calls that a bug and follows Eq.10, as does this module.
-- ``lambda(x) = (1 - softmax_B(Lambda)) / (|B| - 1)`` (Eq.10), summing to 1 over the batch,
-  where ``Lambda`` measures how *un*-discriminative the old feature is:
-  ``entropy`` (Eq.9) of ``p = softmax(s * cos(w_o, phi_o(x)))``. The paper's Eq.9 has no
-  scale s, which makes every entropy ~log C; s (``entropy_scale``) is configurable, default
-  the ArcFace s. ``least_confidence``: DMU's Eq.13 sets ``Lambda = p_y`` and weights by
-  ``softmax(p_y)``. Here ``Lambda = 1 - p_y`` (the least-confidence uncertainty) goes through
-  the same Eq.10 weighting, so confident samples get the larger weight in both variants and
-  the weights still sum to 1.
-  ``B`` is the *global* batch (Lambda is gathered from every worker, no gradient needed), and
-  only samples whose class the old classifier knows take part (an unknown class has no row in
-  ``w_o``); with one such sample its weight is 1.
+- ``lambda(x) = (1 - softmax_B(Lambda)) / (|B| - 1)`` (Eq.12 entropy form), summing to 1
+  over the batch, where ``Lambda`` is the entropy (Eq.9) of
+  ``p = softmax(s * cos(w_o, phi_o(x)))``: how *un*-discriminative the old feature is. The
+  paper's Eq.9 has no scale s, which makes every entropy ~log C; s (``entropy_scale``) is
+  configurable, default the ArcFace s.
+- ``least_confidence`` (Eq.13): ``Lambda = p_y``, the old classifier's probability of the true
+  class, and ``lambda(x) = softmax_B(Lambda)`` directly (confident samples weigh more).
+- Classes the old classifier lacks (open-class, extended-class) get synthesised rows appended
+  to ``w_o``: the class mean of ``phi_o(x)`` over the new training set, as BCT-sys
+  (``prototypes.synthesised_rows``, computed once). The extended classifier serves both
+  ``Lambda`` and ``L_SBC``, so every sample takes part; without it an open-class DMU would
+  have no compatibility loss at all.
+- ``B`` is the *global* batch (Lambda is gathered from every worker, no gradient needed).
 - ``L_FA = ArcFace(w_n, psi(phi_o(x)))`` (Eq.11): psi (3 x [Linear-BN-ReLU] + Linear, hidden
   1024) maps the detached old feature into the new space; trained jointly with ``phi_n`` and
   exported as ``psi`` for the gallery-side forward adaptation.
@@ -34,27 +36,33 @@ import torch.nn.functional as F
 from raycompat.config import ConfigError, choices, nonnegative, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
 from raycompat.methods.gathered import gather, local_share, local_slice
+from raycompat.methods.prototypes import synthesised_rows, unknown_class_rows
 from raycompat.models import PsiMLP, margin_logits
 
 
 def discriminativeness(
     cos_old: torch.Tensor, old_rows: torch.Tensor, kind: str, scale: float
 ) -> torch.Tensor:
-    """``Lambda(x)`` from the old classifier's cosines ``cos(w_o, phi_o(x))`` [B, C_o]:
-    the entropy of ``softmax(scale * cos)`` (DMU Eq.9) or ``1 - p_y`` (least confidence)."""
+    """``Lambda(x)`` from the old classifier's cosines ``cos(w_o, phi_o(x))`` [B, C_o]: the
+    entropy of ``softmax(scale * cos)`` (DMU Eq.9), or ``p_y`` of the true class (Eq.13)."""
     log_p = F.log_softmax(scale * cos_old, dim=1)
     if kind == "entropy":
         return -(log_p.exp() * log_p).sum(dim=1)
-    return 1.0 - log_p.gather(1, old_rows.clamp(min=0)[:, None]).squeeze(1).exp()
+    return log_p.gather(1, old_rows.clamp(min=0)[:, None]).squeeze(1).exp()
 
 
-def selective_weights(uncertainty: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
-    """DMU Eq.10 batch weights ``(1 - softmax_B(Lambda)) / (|B| - 1)`` over the ``known``
-    samples (0 for the others); they sum to 1 (a lone known sample gets 1)."""
+def selective_weights(
+    uncertainty: torch.Tensor, known: torch.Tensor, kind: str = "entropy"
+) -> torch.Tensor:
+    """DMU batch weights over the ``known`` samples (0 for the others), summing to 1:
+    ``(1 - softmax_B(Lambda)) / (|B| - 1)`` for the entropy (Eq.12), ``softmax_B(Lambda)`` for
+    least confidence (Eq.13, ``Lambda = p_y``); a lone known sample gets 1."""
     n = int(known.sum())
     weights = torch.zeros_like(uncertainty)
     if n == 1:
         weights[known] = 1.0
+    elif n > 1 and kind == "least_confidence":
+        weights[known] = F.softmax(uncertainty[known], dim=0)
     elif n > 1:
         weights[known] = (1.0 - F.softmax(uncertainty[known], dim=0)) / (n - 1)
     return weights
@@ -87,6 +95,27 @@ class DMU(CompatMethod):
                 "(variant=sys), l2, contrastive or p2s"
             )
 
+    def __init__(self, options, context):
+        super().__init__(options, context)
+        mapping, synth, n_unseen = unknown_class_rows(context)
+        self.register_buffer("old_row_of_new_target", mapping, persistent=False)
+        self.register_buffer("synth_row_of_new_target", synth, persistent=False)
+        # not in checkpoints (recomputed at the first epoch start, also after a resume)
+        self.register_buffer(
+            "synth_rows", torch.zeros(n_unseen, self.old.embed_dim), persistent=False
+        )
+        self._synthesised = False
+
+    def on_epoch_start(self, epoch, model):
+        """The synthesised old-classifier rows depend on the frozen old model only: once."""
+        if self.synth_rows.shape[0] == 0 or self._synthesised:
+            return
+        rows = synthesised_rows(
+            self.context, self.synth_row_of_new_target, self.synth_rows.shape[0], "dmu"
+        )
+        self.synth_rows.copy_(rows)
+        self._synthesised = True
+
     def setup(self, embedder, head):
         if getattr(head, "kind", "arcface") != "arcface":
             warnings.warn(
@@ -101,20 +130,32 @@ class DMU(CompatMethod):
     def exports(self):
         return {"psi": self.psi}
 
+    def extended_rows(self, new_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows of [w_o; synthesised], weight)``: every target's row in the old classifier
+        extended with the synthesised rows (``-1`` only before they exist)."""
+        old_rows = self.old_row_of_new_target[new_targets]
+        synth = self.synth_row_of_new_target[new_targets] if self._synthesised else -1
+        rows = torch.where(old_rows >= 0, old_rows, synth)
+        weight = self.old.head.weight
+        if self._synthesised:
+            weight = torch.cat([weight, self.synth_rows], dim=0)
+        return rows, weight
+
     def compat_loss(self, model, batch: TrainBatch, emb):
         opts = self.options
         old_head = self.old.head
         old = self.old_features(batch.x_old)
-        rows = batch.old_targets
+        rows, weight = self.extended_rows(batch.new_targets)
         known = rows >= 0
         with torch.no_grad():
             uncertainty = discriminativeness(
-                old_head.cosine(old), rows, opts.discriminativeness, opts.entropy_scale
+                old_head.cosine(old, weight), rows, opts.discriminativeness, opts.entropy_scale
             )
             all_uncertainty, all_known = gather(uncertainty, known)
-            weights = local_slice(selective_weights(all_uncertainty, all_known), len(rows))
+            all_weights = selective_weights(all_uncertainty, all_known, opts.discriminativeness)
+            weights = local_slice(all_weights, len(rows))
         logits = margin_logits(
-            old_head.cosine(self.compatible_part(emb)),
+            old_head.cosine(self.compatible_part(emb), weight),
             torch.where(known, rows, -1),
             "arcface",
             opts.arc_scale,

@@ -78,6 +78,36 @@ def class_mean_features(context, num_rows: int, row_of_target) -> tuple[torch.Te
     return sums["old"], counts
 
 
+def unknown_class_rows(context) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(old_row_of_new_target, synth_row_of_new_target, n_unseen)``: for every new-head
+    target, its old-classifier row (``-1`` for a class the old head lacks) and the row a
+    synthesised classifier row gives it (``len(old_classes) + j`` for the j-th unseen class,
+    ``-1`` for a known one)."""
+    old_rows = {c: i for i, c in enumerate(context.old_classes)}
+    mapping = torch.tensor([old_rows.get(c, -1) for c in context.new_classes], dtype=torch.long)
+    unseen = (mapping < 0).nonzero().flatten()
+    synth = torch.full_like(mapping, -1)
+    synth[unseen] = len(context.old_classes) + torch.arange(len(unseen))
+    return mapping, synth, len(unseen)
+
+
+def synthesised_rows(context, synth_row_of_new_target: torch.Tensor, n_rows: int, owner: str):
+    """The synthesised old-classifier rows (BCT-sys; DMU for classes the old head lacks): the
+    class mean of the frozen ``phi_o(x)`` over the new training set, ``[n_rows, D_o]``."""
+    base = len(context.old_classes)
+    sums, counts = class_mean_features(
+        context,
+        n_rows,
+        lambda t: torch.where(
+            synth_row_of_new_target[t] >= 0, synth_row_of_new_target[t] - base, -1
+        ),
+    )
+    if (counts == 0).any():
+        missing = int((counts == 0).sum())
+        raise RuntimeError(f"{owner}: {missing} new classes have no training sample")
+    return (sums / counts[:, None]).float()
+
+
 def class_prototypes(
     context,
     num_rows: int,
