@@ -85,16 +85,21 @@ class ShardLoader:
             yield slice_batch(self.batch, rows[start : start + self.batch_size])
 
 
-def build(method: str, options=None, new_dim: int = D_NEW, head: str = "cosface") -> TrainingModule:
-    """A TrainingModule of tiny stand-ins, identical in every process (seeded)."""
+def old_bundle() -> ModelBundle:
+    """The frozen old model: a linear embedder and a CosFace head over OLD_CLASSES (seeded)."""
     torch.manual_seed(1)
-    old = ModelBundle(
+    return ModelBundle(
         {
             "embedder": TinyEmbedder(IN_DIM, D_OLD),
             "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind="cosface"),
         },
         {"classes": OLD_CLASSES},
     ).freeze()
+
+
+def build(method: str, options=None, new_dim: int = D_NEW, head: str = "cosface") -> TrainingModule:
+    """A TrainingModule of tiny stand-ins, identical in every process (seeded)."""
+    old = old_bundle()
     with torch.no_grad():
         old.head.weight.normal_()  # well-spread old classifier rows
     context = MethodContext(
@@ -588,14 +593,7 @@ def test_dmu_open_class_has_a_compatibility_loss_through_synthesised_rows():
     """New training classes unknown to the old classifier: DMU appends their synthesised rows
     (class means of phi_o, as BCT-sys), so L_SBC is not zero and equals the direct computation
     with the extended classifier."""
-    torch.manual_seed(1)
-    old = ModelBundle(
-        {
-            "embedder": TinyEmbedder(IN_DIM, D_OLD),
-            "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind="cosface"),
-        },
-        {"classes": OLD_CLASSES},
-    ).freeze()
+    old = old_bundle()
     g = torch.Generator().manual_seed(7)
     labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])  # new-head rows of classes 10, 11, 12
     train = TrainBatch(

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from raycompat.serving.durability import CorruptStateError, StorageError, storage_error
+from raycompat.serving.durability import CorruptStateError, StorageError, atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.serving.plan import ServingPlan
 
@@ -34,22 +34,6 @@ __all__ = ["BackfillController", "backfill_dir"]
 
 def backfill_dir(state_dir: str) -> str:
     return os.path.join(state_dir, "backfill")
-
-
-def _atomic_write(path: str, write) -> None:
-    """``write(file)`` into ``path.tmp``, fsync, rename over ``path``; a failure removes the
-    temporary file and raises :class:`StorageError` ("no space left on device at ...")."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise storage_error(exc, tmp) from None
 
 
 class BackfillController:
@@ -110,11 +94,11 @@ class BackfillController:
 
     def _save_checkpoint(self) -> None:
         data = json.dumps(self.ck).encode()
-        _atomic_write(os.path.join(self.dir, "checkpoint.json"), lambda fh: fh.write(data))
+        atomic_write(os.path.join(self.dir, "checkpoint.json"), lambda fh: fh.write(data))
 
     def _save_order(self) -> None:
         order = self.order
-        _atomic_write(
+        atomic_write(
             os.path.join(self.dir, "order.npy"),
             lambda fh: np.save(fh, order, allow_pickle=False),
         )

@@ -53,6 +53,7 @@ __all__ = [
     "write_snapshot",
     "read_snapshot",
     "storage_error",
+    "atomic_write",
     "SNAPSHOT_NAME",
     "LOG_NAME",
 ]
@@ -274,6 +275,22 @@ class UpsertLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def atomic_write(path: str, write, doing: str = "") -> None:
+    """``write(binary file)`` into ``path.tmp``, fsync, rename over ``path``; a failure removes
+    the temporary file and raises :class:`StorageError` ("no space left on device at ...")."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise storage_error(exc, tmp, doing) from None
 
 
 def _fsync_dir(directory: str) -> None:

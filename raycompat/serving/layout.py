@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from raycompat.config import ConfigError
-from raycompat.serving.durability import SNAPSHOT_NAME, storage_error
+from raycompat.serving.durability import SNAPSHOT_NAME, atomic_write
 
 __all__ = [
     "LAYOUT_NAME",
@@ -103,18 +103,10 @@ def read_layout(state_dir: str) -> StateLayout | None:
 def write_layout(state_dir: str, layout: StateLayout) -> None:
     """Atomically replace ``layout.json`` (fsynced: this is the commit point of a reshard)."""
     os.makedirs(state_dir, exist_ok=True)
-    path = os.path.join(state_dir, LAYOUT_NAME)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(dataclasses.asdict(layout), fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise storage_error(exc, tmp, "writing the state layout") from None
+    data = json.dumps(dataclasses.asdict(layout), indent=1).encode()
+    atomic_write(
+        os.path.join(state_dir, LAYOUT_NAME), lambda fh: fh.write(data), "writing the state layout"
+    )
 
 
 def stored_shards(state_dir: str, shard_root: str = ".") -> list[int]:
