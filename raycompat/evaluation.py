@@ -16,7 +16,8 @@ import torch
 
 from raycompat.data import GlyphRenderer, Scenario, catalog_for, images_to_tensor
 from raycompat.index.search import l2_normalize
-from raycompat.metrics import compatibility_report, evaluate_retrieval
+from raycompat.metrics import compatibility_report, evaluate_retrieval, num_relevant_from_labels
+from raycompat.metrics.bootstrap import Sample
 from raycompat.models import ModelBundle
 
 PRIMARY_METRIC = "mAP@100"
@@ -131,6 +132,39 @@ def evaluate_pair(
     )
 
 
+def pair_samples(
+    query: np.ndarray,
+    gallery: np.ndarray,
+    query_labels,
+    gallery_labels,
+    dims: int | None = None,
+    k: int = 100,
+    query_set: str = "queries",
+) -> tuple[dict[str, float], dict[str, Sample]]:
+    """:func:`evaluate_pair` and the per-query terms of each of its metrics (``mAP@k``,
+    ``mAP``, ``top1``/``top5``/``top10``) as bootstrap samples of ``query_set``
+    (docs/methods.md, "Uncertainty")."""
+    if dims is not None:
+        query, gallery = query[:, :dims], gallery[:, :dims]
+    metrics, per = evaluate_retrieval(
+        l2_normalize(query),
+        l2_normalize(gallery),
+        query_labels,
+        gallery_labels,
+        k=k,
+        ks=(1, 5, 10),
+        return_per_query=True,
+    )
+    valid = num_relevant_from_labels(query_labels, gallery_labels) > 0
+    samples = {f"mAP@{k}": Sample.mean(query_set, per[f"ap@{k}"])}
+    if "ap" in per:
+        samples["mAP"] = Sample.mean(query_set, per["ap"])
+    for kk in (1, 5, 10):
+        c = np.where(valid, per[f"correct@{kk}"].astype(np.float64), np.nan)
+        samples[f"top{kk}"] = Sample.mean(query_set, c)
+    return metrics, samples
+
+
 def cross_evaluate(
     old: EmbeddedSet,
     new_sets: Iterable[EmbeddedSet],
@@ -239,6 +273,8 @@ def sequential_cross_evaluate(
     gallery_labels,
     psis: list | None = None,
     k: int = 100,
+    samples: dict | None = None,
+    query_set: str = "queries",
 ) -> list[dict]:
     """Every pair of a sequential upgrade ``phi_1 -> phi_2 -> ...`` (docs/methods.md,
     "Sequential upgrades"): queries of generation j against the gallery of generation i, for
@@ -250,11 +286,18 @@ def sequential_cross_evaluate(
     evaluated after chained forward adaptation (``gallery_state="adapted"``).
 
     Rows: ``{query_generation, gallery_generation, gallery_state, metric, value}`` with
-    1-based generations; ``gallery_state`` is ``stored`` or ``adapted``.
+    1-based generations; ``gallery_state`` is ``stored`` or ``adapted``. With ``samples`` (a
+    dict), ``samples[(j, i, state)]`` receives each pair's per-query samples
+    (:func:`pair_samples`, query set ``query_set``).
     """
     rows: list[dict] = []
 
-    def add(j, i, state, metrics):
+    def add(j, i, state, q, g, dims=None):
+        metrics, per_query = pair_samples(
+            q, g, query_labels, gallery_labels, dims=dims, k=k, query_set=query_set
+        )
+        if samples is not None:
+            samples[(j + 1, i + 1, state)] = per_query
         for metric, value in metrics.items():
             if not metric.startswith("num_"):
                 rows.append(
@@ -271,36 +314,13 @@ def sequential_cross_evaluate(
         for i in range(j + 1):
             gallery = generations[i]
             if i == j:
-                add(
-                    j,
-                    i,
-                    "stored",
-                    evaluate_pair(query.query, gallery.gallery, query_labels, gallery_labels, k=k),
-                )
+                add(j, i, "stored", query.query, gallery.gallery)
                 continue
             dims = min(
                 [gallery.gallery.shape[1]] + [g.compatible_dim for g in generations[i + 1 : j + 1]]
             )
-            add(
-                j,
-                i,
-                "stored",
-                evaluate_pair(
-                    query.query, gallery.gallery, query_labels, gallery_labels, dims=dims, k=k
-                ),
-            )
+            add(j, i, "stored", query.query, gallery.gallery, dims=dims)
             chain = None if psis is None else psis[i + 1 : j + 1]
             if chain and all(p is not None for p in chain):
-                add(
-                    j,
-                    i,
-                    "adapted",
-                    evaluate_pair(
-                        query.query,
-                        chain_adapt(gallery.gallery, chain),
-                        query_labels,
-                        gallery_labels,
-                        k=k,
-                    ),
-                )
+                add(j, i, "adapted", query.query, chain_adapt(gallery.gallery, chain))
     return rows

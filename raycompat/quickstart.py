@@ -431,7 +431,7 @@ HOT_REFRESH_POLICIES = (
     "uncertainty:least_confidence",
     "uncertainty:margin",
     "uncertainty:entropy",
-    "oracle",
+    "hinge-benefit",
     "learned",
 )
 HOT_REFRESH_MODES = ("compatible", "naive_merge", "cold")

@@ -108,7 +108,7 @@ def test_many_small_blocks_give_the_in_memory_curves(tmp_path, ray_cluster):
     root = write_dataset(tmp_path / "a")
     ds = ParquetGallery.open(root)
     assert len(ds.groups) > 15 and ds.n_items == 360 and ds.n_queries == 24
-    policies = ["random", "sequential", "oracle", "learned"] + [
+    policies = ["random", "sequential", "hinge-benefit", "learned"] + [
         p for p in POLICIES if p.startswith("uncertainty:")
     ]
     modes = ["compatible", "adapted", "rank_merge", "naive_merge", "cold"]
@@ -129,7 +129,7 @@ def test_blocks_apply_psi_and_the_head_and_the_raw_distance(tmp_path, ray_cluste
     """No adapted or uncertainty columns: psi and the head run on each block; rank_merge with
     the un-normalised distance needs a norm pass."""
     root = write_dataset(tmp_path / "b", adapted=False, stored_uncertainty=False, seed=1)
-    policies = ["uncertainty:entropy", "learned", "oracle", "random"]
+    policies = ["uncertainty:entropy", "learned", "hinge-benefit", "random"]
     modes = ["adapted", "rank_merge"]
     kw = dict(k=5, head=head(), rank_merge_distance="sq_l2_raw", learned_sample_fraction=0.2)
     mods = modules()

@@ -173,7 +173,7 @@ def test_every_mode_and_policy_equals_brute_force(seed):
         "uncertainty:least_confidence",
         "uncertainty:margin",
         "uncertainty:entropy",
-        "oracle",
+        "hinge-benefit",
         "learned",
     ]
     modes = ["compatible", "adapted", "rank_merge", "naive_merge", "cold"]

@@ -81,9 +81,9 @@ def test_simulator_order_equals_live_order_for_every_policy_and_served_mode(seed
             )
             want = data.gallery_ids[sim.orders[(policy, mode)]]
             assert live.dtype == np.int64 and np.array_equal(live, want), (policy, mode)
-    # oracle depends on the mode, the others do not
+    # hinge-benefit depends on the mode, the others do not
     assert not np.array_equal(
-        sim.orders[("oracle", "compatible")], sim.orders[("oracle", "rank_merge")]
+        sim.orders[("hinge-benefit", "compatible")], sim.orders[("hinge-benefit", "rank_merge")]
     )
     assert np.array_equal(sim.orders[("random", "compatible")], sim.orders[("random", "adapted")])
 
@@ -94,7 +94,7 @@ def test_live_order_from_a_parquet_gallery(tmp_path):
     source = ParquetGallery(path)
     sim = simulate_backfill(
         data,
-        ["uncertainty:margin", "learned", "oracle"],
+        ["uncertainty:margin", "learned", "hinge-benefit"],
         ["compatible", "naive_merge"],
         head=head,
         seed=3,
@@ -117,8 +117,8 @@ def test_policies_that_need_only_n_work_without_embeddings():
     assert np.array_equal(
         policy_order_ids("random", IdsOnly(), seed=2), 100 + np.random.default_rng(2).permutation(7)
     )
-    with pytest.raises(BackfillInputError, match="'oracle' needs the gallery's embeddings"):
-        policy_order_ids("oracle", IdsOnly())
+    with pytest.raises(BackfillInputError, match="'hinge-benefit' needs the gallery's embeddings"):
+        policy_order_ids("hinge-benefit", IdsOnly())
 
 
 def test_unknown_policy_names_it_and_lists_the_registry():
@@ -140,7 +140,7 @@ def test_registries_derive_the_name_lists():
             "uncertainty:least_confidence",
             "uncertainty:margin",
             "uncertainty:entropy",
-            "oracle",
+            "hinge-benefit",
             "learned",
         )
     )

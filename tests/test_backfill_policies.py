@@ -1,4 +1,4 @@
-"""Backfill policies: valid seeded permutations, RACT uncertainty, oracle, learned predictor."""
+"""Backfill policies: valid seeded permutations, RACT uncertainty, hinge benefit, learned."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from raycompat.backfill.policies import (
     UncertaintyHead,
     check_order,
     disagreement,
+    hinge_benefit,
+    hinge_benefit_order,
     learned_order,
-    oracle_benefit,
-    oracle_order,
     order_by_score,
     parse_policies,
     random_order,
@@ -136,27 +136,29 @@ def test_ties_are_broken_by_lower_index():
     assert order_by_score([0.5, 0.9, 0.5, 0.9]).tolist() == [1, 3, 0, 2]
 
 
-def test_oracle_uses_the_new_embeddings_and_beats_random():
+def test_hinge_benefit_uses_the_new_embeddings_and_beats_random():
     data, _ = synthetic(seed=1)
     b = SideBuilder(data)
-    o1 = oracle_order(b.side("new-old"), b.side("new-new"), data.query_labels, data.gallery_labels)
-    # change the new embeddings: the oracle (and only it) changes
+    o1 = hinge_benefit_order(
+        b.side("new-old"), b.side("new-new"), data.query_labels, data.gallery_labels
+    )
+    # change the new embeddings: the hinge-benefit order (and only it) changes
     rng = np.random.default_rng(9)
     data2 = data.with_arrays(
         gallery_new=unit(data.gallery_new + rng.standard_normal(data.gallery_new.shape))
     )
     b2 = SideBuilder(data2)
-    o2 = oracle_order(
+    o2 = hinge_benefit_order(
         b2.side("new-old"), b2.side("new-new"), data2.query_labels, data2.gallery_labels
     )
     assert not np.array_equal(o1, o2)
-    benefit = oracle_benefit(
+    benefit = hinge_benefit(
         b.side("new-old"), b.side("new-new"), data.query_labels, data.gallery_labels
     )
     assert benefit.shape == (data.n_items,) and np.isfinite(benefit).all()
-    res = simulate_backfill(data, ["random", "oracle"], ["compatible"], grid_step=10, k=20)
+    res = simulate_backfill(data, ["random", "hinge-benefit"], ["compatible"], grid_step=10, k=20)
     auc = {c.policy: c.summary["mAP"]["auc"] for c in res.curves}
-    assert auc["oracle"] > auc["random"]
+    assert auc["hinge-benefit"] > auc["random"]
 
 
 def test_learned_predictor_recovers_a_predictable_disagreement():
@@ -196,3 +198,11 @@ def test_policy_inputs_are_checked():
         simulate_backfill(data, ["uncertainty:margin"], ["compatible"])
     with pytest.raises(BackfillInputError, match="unknown mode 'warm'"):
         simulate_backfill(data, ["random"], ["warm"])
+
+
+def test_the_former_oracle_name_says_what_it_became():
+    from raycompat.backfill.gallery import BackfillInputError
+    from raycompat.backfill.policies import parse_policies
+
+    with pytest.raises(BackfillInputError, match="'oracle' was renamed 'hinge-benefit'.*not an"):
+        parse_policies("random,oracle")

@@ -14,7 +14,6 @@ from raycompat.backfill import CostModel, simulate_backfill
 from raycompat.backfill.grid import backfill_counts, cold_counts
 from raycompat.backfill.report import auc_gain_notes, markdown_report, write_reports
 from raycompat.metrics.curves import auc_gain, auc_gain_note
-from raycompat.reproduce.claims import HELD, NOT_MEASURED, rm_rank_merge
 
 
 @pytest.fixture(scope="module")
@@ -113,31 +112,3 @@ def test_cost_label_names_the_device(data):
     md = markdown_report(simulate(data, {"mAP@10": 1.0}, cost=cpu))
     assert "Cost model (measured: new embedder, random inputs): 50 items/s on cpu" in md
     assert "per GPU" not in md and "items/s/GPU" not in md
-
-
-def rm_results(gain, note):
-    def curve(mode, g):
-        summary = {"auc": 0.4, "auc_gain": g, "auc_gain_note": note if g is None else None}
-        return dict(policy="random", mode=mode, summary={"mAP@100": summary})
-
-    return {
-        "backfill": {
-            "s": {
-                "mcl": {
-                    "curves": [
-                        curve("rank_merge", gain),
-                        curve("naive_merge", None if gain is None else 0.6),
-                    ]
-                },
-                "bct": {"curves": [curve("compatible", None if gain is None else 0.5)]},
-            }
-        }
-    }
-
-
-def test_rm_claim_skips_an_undefined_gain():
-    assert rm_rank_merge(rm_results(1.2, None))["verdict"] == HELD
-    note = "new*-new* (0.31) is not better than old-old (0.35)"
-    claim = rm_rank_merge(rm_results(None, note))
-    assert claim["verdict"] == NOT_MEASURED and note in claim["explanation"]
-    assert claim["numbers"][0]["AUC gain n/a"] == note

@@ -11,8 +11,15 @@ import pytest
 
 from raycompat.config import ConfigError
 from raycompat.outputs import OutputOptions
-from raycompat.reproduce import ReproduceOptions, ScaleOptions, evaluate_claims, run_reproduce
-from raycompat.reproduce.claims import HELD, NOT_HELD, NOT_MEASURED, PARTLY
+from raycompat.reproduce import (
+    SAMPLES_FILE,
+    Evidence,
+    ReproduceOptions,
+    ScaleOptions,
+    evaluate_claims,
+    run_reproduce,
+)
+from raycompat.reproduce.claims import HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED
 from raycompat.reproduce.job import parse_reproduce_options
 from raycompat.reproduce.plan import DEFAULT_SIZES
 from raycompat.reproduce.report import TABLE_HEADERS
@@ -91,13 +98,53 @@ def test_report_files_tables_and_claims(tiny_run):
     claims = {c["id"]: c for c in on_disk["claims"]}
     assert len(claims) == 10
     for c in claims.values():
-        assert c["verdict"] in (HELD, PARTLY, NOT_HELD, NOT_MEASURED)
+        assert c["verdict"] in (HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED)
+        for check in c["checks"]:
+            d = check["difference"]
+            if d is not None:  # the verdict follows the interval of the difference
+                assert d["low"] <= d["value"] <= d["high"] and d["queries"] == 16
+                if d["low"] > 0:
+                    assert check["verdict"] == HELD
+                elif d["high"] < 0:
+                    assert check["verdict"] == NOT_HELD
+                else:
+                    assert check["verdict"] != NOT_MEASURED
         assert c["measurement"] and c["verdict"] in markdown
     assert claims["bct-variants"]["verdict"] == NOT_MEASURED  # bct-kd / bct-beta not trained
     assert claims["rm-auc-gain"]["verdict"] == NOT_MEASURED  # mcl not trained
     assert claims["dmu-adapted"]["verdict"] != NOT_MEASURED
-    # the verdicts are a pure function of the stored numbers
-    assert evaluate_claims(on_disk["results"]) == on_disk["claims"]
+    # the verdicts are a pure function of the stored numbers and per-query samples
+    evidence = Evidence.load(str(out / SAMPLES_FILE))
+    assert evaluate_claims(on_disk["results"], evidence) == on_disk["claims"]
+
+
+def test_every_number_has_its_interval_and_every_curve_its_band(tiny_run):
+    _, out, report = tiny_run
+    ext = report["results"]["test_sets"][0]
+    assert (ext["queries"], ext["classes"]) == (16, 8)
+    low, high = ext["intervals"]["m_oo"]["mAP@100"]
+    assert low <= ext["m_oo"]["mAP@100"] <= high and low < high
+    for label, entry in ext["methods"].items():
+        for key in ("m_nn", "m_no", "m_cross"):
+            for metric in ("mAP@100", "top1", "mAP"):
+                low, high = entry["intervals"][key][metric]
+                assert low <= entry[key][metric] <= high, (label, key, metric)
+        low, high = entry["intervals"]["update_gain"]
+        assert low <= entry["update_gain"] <= high or entry["update_gain"] != entry["update_gain"]
+    for label, model in report["results"]["backfill"]["extended-data"].items():
+        for curve in model["curves"]:
+            band = curve["bands"]["mAP@100"]
+            assert all(
+                lo <= v <= hi
+                for lo, v, hi in zip(band["low"], curve["mAP@100"], band["high"], strict=True)
+            ), label
+            assert curve["summary"]["mAP@100"]["auc_interval"] is not None
+    nfr = report["results"]["backfill"]["extended-data"]["bct"]["curves"][0]
+    assert nfr["old_old_successes"][0] >= 0 and "NFR@1" in nfr["bands"]
+    markdown = (out / "report.md").read_text()
+    assert "percentile bootstrap interval over 1000 resamples" in markdown
+    m_oo = ext["m_oo"]["mAP@100"]
+    assert f"{m_oo:.3f} [" in markdown or f"{m_oo:.4f} [" in markdown
 
 
 def test_sequential_chains_every_cross_pair(tiny_run):
@@ -139,3 +186,40 @@ def test_bad_options_name_the_key():
         parse_reproduce_options(["--scale", "huge"])
     with pytest.raises(ConfigError, match="--arch-backbone 'resnet9000' is not a timm model name"):
         parse_reproduce_options(["--arch-backbone", "resnet9000"])
+
+
+def test_seeds_train_every_model_once_per_seed(tmp_path):
+    from raycompat.reproduce.runner import Reproduction
+
+    opts = ReproduceOptions(
+        output=OutputOptions(out=str(tmp_path)),
+        scenarios=("extended-data", "sequential"),
+        methods=("bct",),
+        sequential_methods=("bct",),
+        sizes=TINY_SIZES,
+        training=TINY,
+        seed=3,
+        seeds=2,
+    ).validated()
+    rep = Reproduction(opts, str(tmp_path), log=lambda m: None)
+    planned = rep.plan_all()
+    assert len(planned) == 2
+    seeds = sorted(t.values["seed"] for t in rep.store.planned.values())
+    # per seed: old, independent, bct (extended-data) and gen1 + 2 x 2 generations (sequential)
+    assert seeds == [3] * 8 + [4] * 8
+    assert {name.rsplit("@", 1)[1] for name in rep.models} == {"seed3", "seed4"}
+    assert parse_reproduce_options(["--seeds", "3", "--resamples", "200"]).seeds == 3
+
+
+def test_merged_seeds_average_every_number():
+    from raycompat.reproduce.intervals import merge_seeds
+
+    def seed(value):
+        ts = {"name": "a", "m_oo": {"mAP@100": value}, "methods": {"bct": {"compatible": True}}}
+        curve = {"policy": "random", "mode": "compatible", "mAP@100": [value, 2 * value]}
+        return [ts], {"ext": {"bct": {"curves": [curve]}}}, None
+
+    test_sets, backfill, _ = merge_seeds([seed(0.2), seed(0.4)])
+    assert test_sets[0]["m_oo"]["mAP@100"] == pytest.approx(0.3)
+    assert test_sets[0]["methods"]["bct"]["compatible"] is True
+    assert backfill["ext"]["bct"]["curves"][0]["mAP@100"] == pytest.approx([0.3, 0.6])

@@ -397,7 +397,8 @@ def test_binds_loopback_only(api):
 
 # ----------------------------------------------------------------------------- offline == online
 @pytest.mark.parametrize(
-    "mode,policy", [("compatible", "random"), ("adapted", "sequential"), ("compatible", "oracle")]
+    "mode,policy",
+    [("compatible", "random"), ("adapted", "sequential"), ("compatible", "hinge-benefit")],
 )
 def test_offline_equals_online(serve_port, gallery_parquet, token_file, tmp_path, mode, policy):
     from ray import serve
@@ -817,7 +818,7 @@ def rank_merge_bundle(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("policy", ["random", "oracle"])
+@pytest.mark.parametrize("policy", ["random", "hinge-benefit"])
 def test_rank_merge_offline_equals_online(
     serve_port, gallery_parquet, rank_merge_bundle, token_file, tmp_path, policy
 ):

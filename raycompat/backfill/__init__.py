@@ -5,8 +5,8 @@ Modules (one concept each):
 * :mod:`~raycompat.backfill.gallery`   -- :class:`GalleryEmbeddings`, parquet loading, input errors
 * :mod:`~raycompat.backfill.grid`      -- backfill fractions, the rounding rule, segments
 * :mod:`~raycompat.backfill.policies`  -- backfill orders, one module per policy behind one registry
-  (random, sequential, uncertainty, oracle, learned); :func:`policy_order` is the one dispatch,
-  shared by the simulator and the live backfill controller
+  (random, sequential, uncertainty, hinge-benefit, learned); :func:`policy_order` is the one
+  dispatch, shared by the simulator and the live backfill controller
 * :mod:`~raycompat.backfill.modes`     -- query modes (one registered ModeSpec each) as score sides
   (compatible, adapted, rank_merge, ...)
 * :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU),

@@ -345,6 +345,7 @@ def simulate_backfill_dataset(
     progress: Callable[[str], None] | None = None,
     debug: bool = False,
     options: DistributedOptions | None = None,
+    bootstrap=None,
 ):
     """:func:`raycompat.backfill.simulate_backfill` on a streamed parquet dataset, on Ray: the
     same curves, value for value (arguments as there; ``modules``: the new bundle's psi / rho
@@ -383,7 +384,7 @@ def simulate_backfill_dataset(
         seed=seed,
         learned_sample_fraction=learned_sample_fraction,
         rank_merge_distance=rank_merge_distance,
-        block_bytes=None,  # the oracle's blocks as in memory: the same float64 sums
+        block_bytes=None,  # the hinge-benefit blocks as in memory: the same float64 sums
         sides=builder,
     )
     plan = sim._check_inputs(
@@ -408,6 +409,8 @@ def simulate_backfill_dataset(
     ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders)
     result = ranked.result(dataset.n_queries, reference_correct, references, cost, stats)
     result.config["engine"] = "ray"
+    if bootstrap is not None:
+        result.add_intervals(bootstrap)
     return result
 
 

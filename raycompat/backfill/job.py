@@ -261,7 +261,7 @@ def _default_policies(data, head) -> tuple[str, ...]:
         for p in POLICIES
         if p.startswith("uncertainty:") and (head is not None or p.split(":")[1] in stored)
     ]
-    pols.append("oracle")
+    pols.append("hinge-benefit")
     if data.gallery_adapted is not None or data.compat_dim == data.old_dim:
         pols.append("learned")
     return tuple(pols)

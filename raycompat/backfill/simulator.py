@@ -20,6 +20,11 @@ in memory or from parquet), a set of policies
 When the AUC gain is undefined (no new* reference, a lower-is-better metric, a partial grid,
 or new*-new* not better than old-old) it is ``None`` and ``auc_gain_note`` says why.
 
+Uncertainty (docs/methods.md, "Uncertainty"): every curve keeps its per-query terms
+(``Curve.samples``, :class:`~raycompat.metrics.bootstrap.Sample`), and with ``bootstrap``
+options every metric gets a band at every grid point and an interval on its AUC, resampling the
+query classes (seeded).
+
 All curves come from one call of :func:`raycompat.backfill.engine.compute_ranks`
 (one blockwise scoring pass per distinct score side, shared by every policy and
 mode), and equal a brute-force masked exact search at every grid point.
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +60,7 @@ from raycompat.backfill.policies import (
     policy_order,
 )
 from raycompat.metrics import auc, auc_gain, regression_stats
+from raycompat.metrics.bootstrap import Bootstrap, BootstrapOptions, Sample
 from raycompat.metrics.curves import auc_gain_note
 
 __all__ = [
@@ -66,6 +72,8 @@ __all__ = [
 ]
 
 COLD_POLICY = "any"  # the cold curve does not depend on the policy
+#: the query set name of a simulation's per-query samples
+QUERIES = "queries"
 
 
 @dataclass
@@ -85,6 +93,10 @@ class Curve:
     seconds: np.ndarray | None = None
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)
     backfilled: np.ndarray | None = None
+    #: per metric, the per-query terms at every grid point (``[1, Q, J]``)
+    samples: dict[str, Sample] = field(default_factory=dict, repr=False)
+    #: per metric, the bootstrap band ``{"low": [J], "high": [J]}`` (with ``bootstrap``)
+    bands: dict[str, dict[str, list]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.backfilled is None:
@@ -111,6 +123,40 @@ class SimulationResult:
     config: dict[str, Any]
     #: the policy orders, ``{(policy, mode): permutation}`` (not written to JSON)
     orders: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
+    #: the query labels (the classes the bootstrap resamples) and, per static reference,
+    #: its per-query samples ``{name: {metric: Sample}}``
+    query_labels: np.ndarray | None = field(default=None, repr=False)
+    reference_samples: dict[str, dict[str, Sample]] = field(default_factory=dict, repr=False)
+    #: the bootstrap behind the bands, or None
+    bootstrap: BootstrapOptions | None = None
+    #: per static reference and metric, its interval ``{low, high}``
+    reference_intervals: dict[str, dict[str, dict]] = field(default_factory=dict)
+
+    def add_intervals(self, options: BootstrapOptions) -> None:
+        """Bands on every curve, and intervals on every AUC and static reference."""
+        boot = Bootstrap(options)
+        boot.add_query_set(QUERIES, self.query_labels)
+        grid = np.asarray(self.fractions, dtype=np.float64)
+        full = bool(grid[0] == 0.0 and grid[-1] == 1.0)
+        for c in self.curves:
+            for name, sample in c.samples.items():
+                band = boot.interval(curve=sample)
+                c.bands[name] = {
+                    "low": [float(x) for x in band["low"]],
+                    "high": [float(x) for x in band["high"]],
+                }
+                summary = c.summary.get(name)
+                if summary is not None and summary.get("auc") is not None:
+                    iv = boot.interval(lambda curve: _trapezoid(grid, curve), curve=sample)
+                    summary["auc_interval"] = [iv.low, iv.high]
+                    if not full:
+                        summary["auc_interval"] = None
+        for ref, samples in self.reference_samples.items():
+            self.reference_intervals[ref] = {
+                name: {"low": iv.low, "high": iv.high}
+                for name, iv in ((n, boot.interval(m=s)) for n, s in samples.items())
+            }
+        self.bootstrap = options
 
     def states(self, policy: str, mode: str, j: int) -> np.ndarray:
         """int8 ``[N]`` at grid point ``j``: 1 = the item holds its new vector, 0 = its old one."""
@@ -190,10 +236,13 @@ class SimulationResult:
                     "items_served_new": [int(x) for x in c.counts],
                     "seconds": None if c.seconds is None else [float(x) for x in c.seconds],
                     "metrics": {k: [float(x) for x in v] for k, v in c.metrics.items()},
+                    "bands": c.bands,
                     "summary": c.summary,
                 }
                 for c in self.curves
             ],
+            "bootstrap": None if self.bootstrap is None else asdict(self.bootstrap),
+            "reference_intervals": self.reference_intervals,
             "rows": self.rows(),
             "summary": self.summary_rows(),
             "stats": self.stats,
@@ -333,6 +382,7 @@ def _references(res, static, k: int, reference_correct, references):
     """Metrics of the static references, and the per-query old-old top-1 correctness NFR@1
     compares against (``reference_correct`` when given); returns ``(refs, ref_correct)``."""
     refs: dict[str, dict[str, float]] = {}
+    samples: dict[str, dict[str, Sample]] = {}
     ref_correct = None if reference_correct is None else np.asarray(reference_correct, dtype=bool)
     if "old-old" in static and ref_correct is None:
         cr = res.curve(("reference", "old-old"))
@@ -340,11 +390,40 @@ def _references(res, static, k: int, reference_correct, references):
         ref_correct = per["correct1"][0]
     for name in static:
         cr = res.curve(("reference", name))
-        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, k, ref_correct)
+        mv, per = metrics_from_ranks(
+            cr.ranks, res.pairs_q, res.npos, k, ref_correct, return_per_query=True
+        )
         refs[name] = {mk: float(v[0]) for mk, v in mv.items()}
+        samples[name] = {
+            m: Sample(QUERIES, s.num[:, :, 0], s.den)
+            for m, s in per_query_samples(per, res.npos, k, ref_correct).items()
+        }
     for name, vals in (references or {}).items():
         refs[name] = {**refs.get(name, {}), **{str(a): float(b) for a, b in vals.items()}}
-    return refs, ref_correct
+    return refs, ref_correct, samples
+
+
+def per_query_samples(per: dict, npos: np.ndarray, k: int, ref_correct) -> dict[str, Sample]:
+    """The per-query terms of every curve metric (``[1, Q, J]``) from
+    :func:`~raycompat.backfill.engine.metrics_from_ranks`'s per-query arrays (``[J, Q]``):
+    means over the queries with positives; NFR@1 over the old-old successes."""
+    names = METRIC_NAMES(k)
+    valid = (npos > 0)[None, :]  # [1, Q] against [J, Q]
+    out = {
+        names[0]: Sample.mean(QUERIES, np.where(valid, per["ap@k"], np.nan).T),
+        names[1]: Sample.mean(QUERIES, np.where(valid, per["ap"], np.nan).T),
+        names[2]: Sample.mean(QUERIES, np.where(valid, per["correct1"], np.nan).T),
+    }
+    if ref_correct is not None:
+        flips = ref_correct[None, :] & ~per["correct1"]
+        out[names[3]] = Sample.rate(QUERIES, flips.T, ref_correct)
+    return out
+
+
+def _trapezoid(fractions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Trapezoid area over the last axis (the grid), any leading axes."""
+    widths = np.diff(fractions)
+    return ((values[..., 1:] + values[..., :-1]) / 2.0 * widths).sum(axis=-1)
 
 
 def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost, n: int) -> list[Curve]:
@@ -356,7 +435,9 @@ def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost, n: int) ->
         if c.key[0] == "reference":
             continue
         cr = res.curve(c.key)
-        mv = metrics_from_ranks(cr.ranks, res.pairs_q, res.npos, plan.k, ref_correct)
+        mv, per = metrics_from_ranks(
+            cr.ranks, res.pairs_q, res.npos, plan.k, ref_correct, return_per_query=True
+        )
         cv = Curve(
             policy=c.key[0],
             mode=c.key[1],
@@ -365,6 +446,7 @@ def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost, n: int) ->
             metrics=mv,
             seconds=None if cost is None else cost.seconds(work),
             backfilled=work.copy(),
+            samples=per_query_samples(per, res.npos, plan.k, ref_correct),
         )
         cv.summary = {
             name: _summaries(name, plan.grid, mv[name], refs) for name in METRIC_NAMES(plan.k)
@@ -455,6 +537,7 @@ def simulate_backfill(
     block_bytes: int = ENGINE_BLOCK_BYTES,
     progress: Callable[[str], None] | None = None,
     debug: bool = False,
+    bootstrap: BootstrapOptions | None = None,
 ) -> SimulationResult:
     """Exact backfill curves for every policy x mode (see the module docstring).
 
@@ -477,6 +560,8 @@ def simulate_backfill(
         device: torch device for the scoring passes (default: CUDA if available).
         progress: optional callable receiving one-line progress messages.
         debug: engine self-check (every item counted exactly once at every point).
+        bootstrap: with options, bands on every curve and intervals on every AUC and static
+            reference (:meth:`SimulationResult.add_intervals`).
     """
     t_all = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -499,7 +584,10 @@ def simulate_backfill(
     res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
     stats = {"policy_seconds": policy_seconds, "t_start": t_all}
     ranked = RankedCurves(plan, curves, static, res, inputs, orders)
-    return ranked.result(data.n_queries, reference_correct, references, cost, stats)
+    result = ranked.result(data.n_queries, reference_correct, references, cost, stats)
+    if bootstrap is not None:
+        result.add_intervals(bootstrap)
+    return result
 
 
 @dataclass(frozen=True)
@@ -520,7 +608,9 @@ class RankedCurves:
         """The :class:`SimulationResult`; ``stats`` holds ``t_start`` (perf_counter) and any
         other entries to report."""
         plan, res, n = self.plan, self.ranks, self.inputs.n_items
-        refs, ref_correct = _references(res, self.static, plan.k, reference_correct, references)
+        refs, ref_correct, ref_samples = _references(
+            res, self.static, plan.k, reference_correct, references
+        )
         out_curves = _metric_curves(plan, self.curves, res, ref_correct, refs, cost, n)
         stats = dict(stats)
         t_start = stats.pop("t_start")
@@ -538,6 +628,8 @@ class RankedCurves:
             stats={**stats, "engine": res.stats, "seconds": time.perf_counter() - t_start},
             config=_config(plan, self.inputs.data, self.inputs),
             orders=self.orders,
+            query_labels=np.asarray(self.inputs.data.query_labels),
+            reference_samples=ref_samples,
         )
 
 

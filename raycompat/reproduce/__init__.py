@@ -3,7 +3,8 @@ the built-in glyphs with every method, paper-shaped tables, and a verdict on eac
 claim of docs/methods.md (Headline claims).
 
 ``plan`` (scenarios x methods, scale presets), ``runner`` (training, evaluation, hot
-refresh), ``claims`` (one function per claim), ``report`` (markdown tables, plots).
+refresh), ``evidence`` (the per-query samples), ``intervals`` (seeds merged, intervals
+attached), ``claims`` (one function per claim), ``report`` (markdown tables, plots).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 from raycompat import console
 from raycompat.reproduce.claims import CLAIMS, evaluate_claims
+from raycompat.reproduce.evidence import Evidence
 from raycompat.reproduce.plan import (
     SCALES,
     SCENARIOS,
@@ -21,6 +23,9 @@ from raycompat.reproduce.plan import (
     Scale,
     ScaleOptions,
 )
+
+#: the per-query samples beside a report (:class:`~raycompat.reproduce.evidence.Evidence`)
+SAMPLES_FILE = "samples.npz"
 
 
 def run_reproduce(opts: ReproduceOptions) -> dict:
@@ -55,8 +60,11 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         if opts.address
         else max(os.cpu_count() or 1, opts.parallel * opts.training.workers),
     )
-    results = Reproduction(opts, out, output.runs, log).run()
-    claims = evaluate_claims(results)
+    reproduction = Reproduction(opts, out, output.runs, log)
+    results = reproduction.run()
+    # the per-query samples behind every number: the claims can be decided again from disk
+    reproduction.evidence.save(os.path.join(out, SAMPLES_FILE))
+    claims = evaluate_claims(results, reproduction.evidence)
     plots = [os.path.relpath(p, out) for p in plot_hot_refresh(results, os.path.join(out, "plots"))]
     timings = dict(results.pop("timings"))
     timings["total_s"] = time.time() - started
@@ -85,6 +93,8 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
 
 __all__ = [
     "CLAIMS",
+    "SAMPLES_FILE",
+    "Evidence",
     "SCALES",
     "SCENARIOS",
     "VARIANTS",

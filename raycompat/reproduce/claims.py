@@ -1,14 +1,20 @@
 """The papers' headline claims (docs/methods.md, "Headline claims"), each decided by one stated
-measurement on the results of ``runner`` -- whatever the numbers say.
+measurement on the results of ``runner`` and its per-query evidence -- whatever they say.
 
-Every function takes the results dict (``test_sets``, ``backfill``) and returns::
+Every claim is a set of *checks*; each check is a difference ``d`` whose claim is ``d > 0`` (or
+``d >= 0``) with its bootstrap interval over the queries (and seeds), paired where both sides
+were measured on the same queries (docs/methods.md, "Uncertainty"). A check is ``held`` when
+the interval excludes the opposite, ``not held`` when it excludes the claim, ``inconclusive``
+otherwise; a claim over every test set is held when every check is held and not held as soon
+as one is not held (:mod:`raycompat.metrics.verdicts`). ``not measured``: the run did not
+train what the claim needs. Nothing is tuned to make a claim pass: the measurements are the
+claims' own wording made exact, fixed before the run.
 
-    {id, paper, claim, measurement, verdict, numbers, explanation}
+Every function takes ``(results, evidence)`` and returns::
 
-``verdict``: ``held`` (the measurement passes on every test set / scenario it applies to),
-``partly held`` (on some, or some parts), ``not held`` (on none), ``not measured`` (the run
-did not train what the claim needs, e.g. ``--methods`` left it out). Nothing is tuned to make a
-claim pass: the thresholds below are the claims' own wording made exact, fixed before the run.
+    {id, paper, claim, measurement, verdict, checks, numbers, explanation}
+
+``checks``: ``[{check, difference: {value, low, high, queries, classes, seeds}, verdict}]``.
 """
 
 from __future__ import annotations
@@ -17,159 +23,197 @@ from collections.abc import Callable
 
 import numpy as np
 
-from raycompat.metrics import p_scores
+from raycompat.metrics.bootstrap import Interval
+from raycompat.metrics.verdicts import (
+    HELD,
+    INCONCLUSIVE,
+    NOT_HELD,
+    NOT_MEASURED,
+    combine_all,
+    combine_any,
+    verdict,
+)
+from raycompat.reproduce.evidence import Evidence
+from raycompat.reproduce.intervals import trapezoid
 
-HELD, PARTLY, NOT_HELD, NOT_MEASURED = "held", "partly held", "not held", "not measured"
+__all__ = ["CLAIMS", "HELD", "INCONCLUSIVE", "NOT_HELD", "NOT_MEASURED", "evaluate_claims"]
+
 # "far below": the new* cross test at less than half the old system's score.
 FAR_BELOW = 0.5
 PRIMARY = "mAP@100"
 
 
-def _verdict(results: list[bool]) -> str:
-    if not results:
-        return NOT_MEASURED
-    if all(results):
-        return HELD
-    return PARTLY if any(results) else NOT_HELD
+class Checks:
+    """The checks of one claim: each a difference with its interval and verdict."""
+
+    def __init__(self, evidence: Evidence):
+        self.evidence = evidence
+        self.items: list[dict] = []
+
+    def add(self, name: str, statistic: Callable, strict: bool = True, **samples) -> dict:
+        """Check ``statistic(**samples) > 0`` (``>= 0`` unless ``strict``)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iv = self.evidence.interval(statistic, **samples)
+        return self.add_interval(name, iv, verdict(iv, strict))
+
+    def add_interval(self, name: str, iv: Interval | None, outcome: str) -> dict:
+        item = dict(check=name, difference=None if iv is None else iv.to_dict(), verdict=outcome)
+        self.items.append(item)
+        return item
+
+    def verdicts(self) -> list[str]:
+        return [c["verdict"] for c in self.items]
 
 
-def _claim(cid, paper, claim, measurement, checks, numbers, note="") -> dict:
-    """One claim's record; ``note`` is appended to the verdict's standard explanation."""
-    verdict = _verdict(checks)
-    explanation = {
-        HELD: "holds on every test set it applies to",
-        PARTLY: f"holds on {sum(checks)} of {len(checks)} checks",
-        NOT_HELD: f"fails on all {len(checks)} checks",
-        NOT_MEASURED: "the run did not train the models this claim needs",
-    }[verdict] + note
+def _claim(cid, paper, claim, measurement, checks: Checks, numbers, outcome=None, note=""):
+    """One claim's record: ``outcome`` (default: every check must hold) and its explanation."""
+    v = checks.verdicts()
+    outcome = outcome or combine_all(v)
+    counts = ", ".join(f"{v.count(o)} {o}" for o in (HELD, NOT_HELD, INCONCLUSIVE) if v.count(o))
+    if outcome == NOT_MEASURED:
+        explanation = "the run did not train the models this claim needs"
+    else:
+        explanation = f"{len(v)} check(s): {counts}" if v else "no check could be decided"
+    explanation += note
     return dict(
         id=cid,
         paper=paper,
         claim=claim,
         measurement=measurement,
-        verdict=verdict,
+        verdict=outcome,
+        checks=checks.items,
         numbers=numbers,
         explanation=explanation,
     )
 
 
-def _sets_with(results: dict, *labels: str, pair_scenarios_only: bool = False) -> list[dict]:
-    """Test sets where every one of ``labels`` was trained (and whose old model is shared)."""
-    out = []
-    for ts in results["test_sets"]:
-        if ts.get("m_oo") is None or (pair_scenarios_only and ts["scenario"] == "sequential"):
-            continue
-        if all(label in ts["methods"] for label in labels):
-            out.append(ts)
-    return out
+def _sets_with(results: dict, *labels: str) -> list[dict]:
+    """Test sets where every one of ``labels`` was trained and which have an old model."""
+    return [
+        ts
+        for ts in results["test_sets"]
+        if ts.get("m_oo") is not None and all(label in ts["methods"] for label in labels)
+    ]
 
 
-def _m(entry: dict, key: str, metric: str = PRIMARY) -> float:
-    value = entry.get(key)
-    return float("nan") if value is None else float(value[metric])
+def _s(evidence: Evidence, *key, metric: str = PRIMARY):
+    return evidence.sample(("pair", *key), metric)
+
+
+def _value(evidence: Evidence, sample) -> dict | None:
+    return None if sample is None else evidence.interval(value=sample).to_dict()
+
+
+def _diff(a, b):
+    return a - b
 
 
 # -- BCT ---------------------------------------------------------------------------------
-def bct_independent_incompatible(results: dict) -> dict:
-    rows, checks = [], []
+def bct_independent_incompatible(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for ts in _sets_with(results, "independent"):
-        oo, no = ts["m_oo"][PRIMARY], _m(ts["methods"]["independent"], "m_no")
-        ok = no < FAR_BELOW * oo
+        oo, no = _s(evidence, ts["name"], "m_oo"), _s(evidence, ts["name"], "independent", "m_no")
+        c = checks.add(ts["name"], lambda oo, no: FAR_BELOW * oo - no, oo=oo, no=no)
         rows.append(
-            dict(
-                test_set=ts["name"],
-                **{"M(o,o)": oo, "M(n*,o)": no, "ratio": no / oo if oo else None, "holds": ok},
-            )
+            {
+                "test set": ts["name"],
+                "M(o,o)": _value(evidence, oo),
+                "M(n*,o)": _value(evidence, no),
+                f"{FAR_BELOW} M(o,o) - M(n*,o)": c["difference"],
+                "verdict": c["verdict"],
+            }
         )
-        checks.append(ok)
     return _claim(
         "bct-independent-incompatible",
         "BCT",
         "an independently trained new model is incompatible: M(n*,o) far below M(o,o)",
-        f"per test set, {PRIMARY}: M(n*,o) < {FAR_BELOW} x M(o,o)",
+        f"per test set, {PRIMARY}: {FAR_BELOW} x M(o,o) - M(n*,o) > 0 (paired)",
         checks,
         rows,
     )
 
 
-def bct_compatible(results: dict) -> dict:
-    rows, checks = [], []
+def bct_compatible(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for ts in _sets_with(results, "bct"):
-        oo, no = ts["m_oo"][PRIMARY], _m(ts["methods"]["bct"], "m_no")
+        oo, no = _s(evidence, ts["name"], "m_oo"), _s(evidence, ts["name"], "bct", "m_no")
+        c = checks.add(ts["name"], _diff, a=no, b=oo)
         rows.append(
-            dict(
-                test_set=ts["name"],
-                **{
-                    "M(o,o)": oo,
-                    "M(bct,o)": no,
-                    "update gain": ts["methods"]["bct"]["update_gain"],
-                    "holds": no > oo,
-                },
-            )
+            {
+                "test set": ts["name"],
+                "M(o,o)": _value(evidence, oo),
+                "M(bct,o)": _value(evidence, no),
+                "M(bct,o) - M(o,o)": c["difference"],
+                "verdict": c["verdict"],
+            }
         )
-        checks.append(no > oo)
     return _claim(
         "bct-compatible",
         "BCT",
         "BCT satisfies the compatibility criterion M(n,o) > M(o,o)",
-        f"per test set, {PRIMARY}: M(bct,o) > M(o,o) (BCT-sys)",
+        f"per test set, {PRIMARY}: M(bct,o) - M(o,o) > 0 (BCT-sys, paired)",
         checks,
         rows,
     )
 
 
-def bct_variant_order(results: dict) -> dict:
-    rows, checks = [], []
+def bct_variant_order(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for ts in _sets_with(results, "bct", "bct-kd", "bct-beta"):
         if not ts["unseen_classes"]:
             continue
-        sys_, kd, beta = (_m(ts["methods"][k], "m_no") for k in ("bct", "bct-kd", "bct-beta"))
-        ok = sys_ >= kd >= beta
-        rows.append(
-            dict(
-                test_set=ts["name"],
-                **{"M(sys,o)": sys_, "M(kd,o)": kd, "M(beta,o)": beta, "holds": ok},
-            )
+        sys_, kd, beta = (
+            _s(evidence, ts["name"], k, "m_no") for k in ("bct", "bct-kd", "bct-beta")
         )
-        checks.append(ok)
+        c1 = checks.add(f"{ts['name']}: sys >= kd", _diff, strict=False, a=sys_, b=kd)
+        c2 = checks.add(f"{ts['name']}: kd >= beta", _diff, strict=False, a=kd, b=beta)
+        rows.append(
+            {
+                "test set": ts["name"],
+                "M(sys,o)": _value(evidence, sys_),
+                "M(kd,o)": _value(evidence, kd),
+                "M(beta,o)": _value(evidence, beta),
+                "sys - kd": c1["difference"],
+                "kd - beta": c2["difference"],
+                "verdicts": [c1["verdict"], c2["verdict"]],
+            }
+        )
     return _claim(
         "bct-variants",
         "BCT",
         "on new classes, sys >= kd >= beta",
         f"per test set whose new training set has classes the old model never saw, {PRIMARY} "
-        "cross test: M(sys,o) >= M(kd,o) >= M(beta,o)",
+        "cross test, paired: M(sys,o) - M(kd,o) >= 0 and M(kd,o) - M(beta,o) >= 0",
         checks,
         rows,
     )
 
 
-def bct_l2_fails(results: dict) -> dict:
-    rows, checks = [], []
-    diverged = 0
+def bct_l2_fails(results: dict, evidence: Evidence) -> dict:
+    checks, rows, diverged = Checks(evidence), [], 0
     for ts in _sets_with(results, "l2"):
-        entry = ts["methods"]["l2"]
-        oo, no = ts["m_oo"][PRIMARY], _m(entry, "m_no")
-        # a model whose training diverged (NaN) produces no usable embedding: it fails too
-        ok = bool(entry.get("diverged")) or no <= oo
-        diverged += bool(entry.get("diverged"))
+        oo = _s(evidence, ts["name"], "m_oo")
+        if ts["methods"]["l2"].get("diverged"):
+            # a model whose training diverged (NaN) produces no usable embedding: it fails too
+            diverged += 1
+            checks.add_interval(f"{ts['name']}: diverged", None, HELD)
+            rows.append({"test set": ts["name"], "M(o,o)": _value(evidence, oo), "diverged": True})
+            continue
+        no = _s(evidence, ts["name"], "l2", "m_no")
+        c = checks.add(ts["name"], _diff, strict=False, a=oo, b=no)
         rows.append(
-            dict(
-                test_set=ts["name"],
-                **{
-                    "M(o,o)": oo,
-                    "M(l2,o)": no,
-                    "diverged": bool(entry.get("diverged")),
-                    "holds": ok,
-                },
-            )
+            {
+                "test set": ts["name"],
+                "M(o,o)": _value(evidence, oo),
+                "M(l2,o)": _value(evidence, no),
+                "M(o,o) - M(l2,o)": c["difference"],
+                "verdict": c["verdict"],
+            }
         )
-        checks.append(ok)
     note = (
-        (
-            f"; on {diverged} of {len(checks)} test sets the l2 training diverged (NaN loss), "
-            "which fails the criterion by producing no usable model -- unlike the paper, whose l2 "
-            "model trained but was incompatible"
-        )
+        f"; on {diverged} test set(s) the l2 training diverged (NaN loss), which fails the "
+        "criterion by producing no usable model -- unlike the paper, whose l2 model trained but "
+        "was incompatible"
         if diverged
         else ""
     )
@@ -177,10 +221,10 @@ def bct_l2_fails(results: dict) -> dict:
         "bct-l2-fails",
         "BCT",
         "the l2 baseline fails the compatibility criterion",
-        f"per test set, {PRIMARY}: M(l2,o) <= M(o,o), or the l2 training diverged",
+        f"per test set, {PRIMARY}: M(o,o) - M(l2,o) >= 0 (paired), or the l2 training diverged",
         checks,
         rows,
-        note,
+        note=note,
     )
 
 
@@ -193,245 +237,329 @@ def backfill_curve(results: dict, scenario: str, label: str, policy: str, mode: 
     return None
 
 
-def _value_at(curve: dict, metric: str, t: float) -> float:
-    fr = np.asarray(curve["fractions"])
-    return float(np.asarray(curve[metric])[int(np.argmin(np.abs(fr - t)))])
+def _curve(evidence: Evidence, scenario, label, policy, mode, metric=PRIMARY):
+    return evidence.sample(("curve", scenario, label, policy, mode), metric)
 
 
-def ract_vanilla_regresses(results: dict) -> dict:
-    rows, checks = [], []
+def _auc_difference(grid):
+    """``AUC(a) - AUC(b)`` over ``grid`` (trapezoids, t in [0, 1])."""
+    return lambda a, b: trapezoid(grid, a) - trapezoid(grid, b)
+
+
+def _largest_drop(curve):
+    """``max_t (M(0) - M(t))`` over the later grid points: > 0 is a regression (RACT Eq.3)."""
+    return np.max(curve[..., :1] - curve[..., 1:], axis=-1)
+
+
+def ract_vanilla_regresses(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for scenario in results.get("backfill", {}):
-        c = backfill_curve(results, scenario, "contrastive", "random", "compatible")
-        if c is None:
+        samples = {
+            m: _curve(evidence, scenario, "contrastive", "random", "compatible", m)
+            for m in (PRIMARY, "top1")
+        }
+        if any(s is None for s in samples.values()):
             continue
-        reg = {m: (c["summary"][m]["regression"] or {}) for m in ("mAP@100", "top1")}
-        ok = any(r.get("has_regression") for r in reg.values())
-        rows.append(
+        sub = Checks(evidence)
+        for metric, s in samples.items():
+            sub.add(f"{scenario} {metric}", _largest_drop, curve=s)
+        outcome = combine_any(sub.verdicts())
+        checks.items.append(
             dict(
-                scenario=scenario,
-                **{
-                    "mAP@100 t=0": c["mAP@100"][0],
-                    "mAP@100 min": min(c["mAP@100"]),
-                    "top1 t=0": c["top1"][0],
-                    "top1 min": min(c["top1"]),
-                    "points below t=0 (mAP@100, top1)": [
-                        len(reg[m].get("points_below_start", [])) for m in reg
-                    ],
-                    "worsening steps (mAP@100, top1)": [len(reg[m].get("drops", [])) for m in reg],
-                    "NFR@1 t=5%": _value_at(c, "NFR@1", 0.05),
-                    "NFR@1 t=50%": _value_at(c, "NFR@1", 0.5),
-                    "holds": ok,
-                },
+                check=scenario,
+                difference=sub.items[0]["difference"],
+                verdict=outcome,
+                parts=sub.items,
             )
         )
-        checks.append(ok)
+        rows.append(
+            {
+                "scenario": scenario,
+                **{
+                    f"largest drop below t=0, {c['check'].split()[-1]}": c["difference"]
+                    for c in sub.items
+                },
+                "verdict": outcome,
+            }
+        )
     return _claim(
         "ract-vanilla-regresses",
         "RACT",
         "vanilla compatible training regresses (flips) early in a hot refresh",
         "per scenario, `contrastive` model, random backfill order, compatible queries: the "
-        "mAP@100 or top-1 curve shows a regression (RACT Eq.3: a grid point below its t=0 "
-        "value or a worsening step)",
+        "largest drop of the mAP@100 or the top-1 curve below its t=0 value, max_t (M(0) - "
+        "M(t)), is > 0 (RACT Eq.3; either metric)",
         checks,
         rows,
     )
 
 
-def ract_lowers_nfr(results: dict) -> dict:
-    rows, checks = [], []
+def ract_lowers_nfr(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for scenario in results.get("backfill", {}):
-        van = backfill_curve(results, scenario, "contrastive", "random", "compatible")
-        ract = backfill_curve(results, scenario, "ract", "random", "compatible")
-        if van is None or ract is None:
+        van = _curve(evidence, scenario, "contrastive", "random", "compatible", "NFR@1")
+        ract = _curve(evidence, scenario, "ract", "random", "compatible", "NFR@1")
+        curve = backfill_curve(results, scenario, "ract", "random", "compatible")
+        if van is None or ract is None or curve is None:
             continue
-        a, b = np.asarray(ract["NFR@1"]), np.asarray(van["NFR@1"])
-        lower = int((a <= b).sum())
-        ok = bool((a <= b).all())
-        rows.append(
-            dict(
-                scenario=scenario,
-                **{
-                    "grid points with NFR(ract) <= NFR(contrastive)": f"{lower}/{len(a)}",
-                    "mean NFR@1 ract": float(a.mean()),
-                    "mean NFR@1 contrastive": float(b.mean()),
-                    "NFR@1 t=0 (ract, contrastive)": [float(a[0]), float(b[0])],
-                    "NFR@1 t=1 (ract, contrastive)": [float(a[-1]), float(b[-1])],
-                    "holds": ok,
-                },
-            )
+        grid = curve["fractions"]
+        c = checks.add(f"{scenario}: mean NFR@1", _auc_difference(grid), a=van, b=ract)
+        band = evidence.interval(_diff, a=van, b=ract)
+        worse = [t for t, h in zip(grid, band["high"], strict=True) if h < 0]
+        better = [t for t, lo in zip(grid, band["low"], strict=True) if lo > 0]
+        checks.add_interval(
+            f"{scenario}: no grid point where ract flips more", None, NOT_HELD if worse else HELD
         )
-        checks.append(ok)
+        rows.append(
+            {
+                "scenario": scenario,
+                "mean NFR@1 contrastive - ract": c["difference"],
+                "grid points ract lower (interval > 0)": f"{len(better)}/{len(grid)}",
+                "grid points ract higher (interval < 0)": f"{len(worse)}/{len(grid)}",
+                "old-old successes behind NFR": (curve.get("old_old_successes") or [None])[0],
+                "verdict": c["verdict"],
+            }
+        )
     return _claim(
         "ract-lower-nfr",
         "RACT",
         "RACT lowers the negative flip rate along the whole curve",
-        "per scenario, random order (same seed), compatible queries: NFR@1(ract) <= "
-        "NFR@1(contrastive) at every grid point t = 0, 5%, ..., 100%",
+        "per scenario, random order (same seed), compatible queries, paired: the mean NFR@1 "
+        "over the curve (area, t in [0,1]) of contrastive minus ract > 0, and no grid point "
+        "t = 0, 5%, ..., 100% where ract's NFR@1 is higher (difference interval below 0)",
         checks,
         rows,
     )
 
 
-def ract_uncertainty_faster(results: dict) -> dict:
-    rows, checks = [], []
+UNCERTAINTY_CHECKS = (
+    ("uncertainty:margin", "random", True),
+    ("uncertainty:least_confidence", "random", True),
+    ("uncertainty:margin", "uncertainty:entropy", False),
+    ("uncertainty:least_confidence", "uncertainty:entropy", False),
+)
+
+
+def ract_uncertainty_faster(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for scenario in results.get("backfill", {}):
-        curves = {
-            p: backfill_curve(results, scenario, "ract", p, "compatible")
-            for p in (
-                "random",
-                "uncertainty:margin",
-                "uncertainty:least_confidence",
-                "uncertainty:entropy",
-            )
-        }
-        if any(c is None for c in curves.values()):
+        policies = {p for a, b, _ in UNCERTAINTY_CHECKS for p in (a, b)}
+        s = {p: _curve(evidence, scenario, "ract", p, "compatible") for p in policies}
+        curve = backfill_curve(results, scenario, "ract", "random", "compatible")
+        if any(v is None for v in s.values()) or curve is None:
             continue
-        auc = {p: c["summary"]["mAP@100"]["auc"] for p, c in curves.items()}
-        margin, lc, ent, rnd = (
-            auc[p]
-            for p in (
-                "uncertainty:margin",
-                "uncertainty:least_confidence",
-                "uncertainty:entropy",
-                "random",
+        grid = curve["fractions"]
+        row = {"scenario": scenario}
+        for a, b, strict in UNCERTAINTY_CHECKS:
+            name = f"AUC {a.split(':')[-1]} - {b.split(':')[-1]}"
+            c = checks.add(
+                f"{scenario}: {name}",
+                _auc_difference(grid),
+                strict=strict,
+                a=s[a],
+                b=s[b],
             )
-        )
-        parts = [margin > rnd, lc > rnd, margin >= ent, lc >= ent]
-        rows.append(
-            dict(
-                scenario=scenario,
-                **{f"AUC {p}": v for p, v in auc.items()},
-                **{"margin>random, lc>random, margin>=entropy, lc>=entropy": parts},
-            )
-        )
-        checks += parts
+            row[name] = c["difference"]
+            row[f"{name} verdict"] = c["verdict"]
+        rows.append(row)
     return _claim(
         "ract-uncertainty-order",
         "RACT",
         "uncertainty ordering (margin, least confidence > entropy) converges faster than random",
-        "per scenario, `ract` model, compatible queries: area under the mAP@100 backfill "
-        "curve (t in [0,1]); four checks: AUC(margin) > AUC(random), AUC(least confidence) "
-        "> AUC(random), AUC(margin) >= AUC(entropy), AUC(least confidence) >= AUC(entropy)",
+        "per scenario, `ract` model, compatible queries, paired: area under the mAP@100 "
+        "backfill curve (t in [0,1]); AUC(margin) - AUC(random) > 0, AUC(least confidence) - "
+        "AUC(random) > 0, AUC(margin) - AUC(entropy) >= 0, AUC(least confidence) - "
+        "AUC(entropy) >= 0",
         checks,
         rows,
     )
 
 
 # -- DMU ---------------------------------------------------------------------------------
-def dmu_adapted_beats_bct(results: dict) -> dict:
-    rows, checks = [], []
+def dmu_adapted_beats_bct(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
     for ts in _sets_with(results, "dmu", "bct"):
-        dmu, bct = ts["methods"]["dmu"], ts["methods"]["bct"]
-        na, no = _m(dmu, "m_nadapted"), _m(bct, "m_no")
-        ok = na > no and dmu["delta_down"] < bct["delta_down"]
-        rows.append(
-            dict(
-                test_set=ts["name"],
-                **{
-                    "M(dmu,adapted)": na,
-                    "M(bct,o)": no,
-                    "Delta_down dmu": dmu["delta_down"],
-                    "Delta_down bct": bct["delta_down"],
-                    "holds": ok,
-                },
-            )
+        name = ts["name"]
+        na, no = _s(evidence, name, "dmu", "m_nadapted"), _s(evidence, name, "bct", "m_no")
+        nn_dmu, nn_bct = _s(evidence, name, "dmu", "m_nn"), _s(evidence, name, "bct", "m_nn")
+        nstar = _s(evidence, name, "m_nstar")
+        if na is None or nstar is None:
+            continue
+        c1 = checks.add(f"{name}: adapted cross test", _diff, a=na, b=no)
+        c2 = checks.add(
+            f"{name}: Delta_down",
+            lambda d, b, s: (d - b) / s,  # Delta_down(bct) - Delta_down(dmu), DMU Eq.7
+            d=nn_dmu,
+            b=nn_bct,
+            s=nstar,
         )
-        checks.append(ok)
+        rows.append(
+            {
+                "test set": name,
+                "M(dmu,psi(o))": _value(evidence, na),
+                "M(bct,o)": _value(evidence, no),
+                "M(dmu,psi(o)) - M(bct,o)": c1["difference"],
+                "Delta_down(bct) - Delta_down(dmu)": c2["difference"],
+                "verdicts": [c1["verdict"], c2["verdict"]],
+            }
+        )
     return _claim(
         "dmu-adapted",
         "DMU",
         "new-to-adapted-old beats BCT's new-to-old, with less new-new degradation",
-        f"per test set, {PRIMARY}: M(dmu, psi(old)) > M(bct, old) and Delta_down(dmu) < "
-        "Delta_down(bct) (DMU Eq.7, new* = independent)",
+        f"per test set, {PRIMARY}, paired: M(dmu, psi(old)) - M(bct, old) > 0 and "
+        "Delta_down(bct) - Delta_down(dmu) > 0 (DMU Eq.7, new* = independent)",
         checks,
         rows,
     )
 
 
 # -- RM ----------------------------------------------------------------------------------
-def rm_rank_merge(results: dict) -> dict:
-    rows, reach, beats, undefined = [], [], [], []
+RM_CURVES = (
+    ("rank_merge (mcl)", "mcl", "rank_merge"),
+    ("naive_merge", "mcl", "naive_merge"),
+    ("bct compatible", "bct", "compatible"),
+)
+
+
+def _gain(grid):
+    """AUC gain (RM Table 1): ``(AUC - M(o,o)) / (M(n*,n*) - M(o,o))``."""
+    return lambda c, oo, ns: (trapezoid(grid, c) - oo) / (ns - oo)
+
+
+def _gain_above_one(gain):
+    return lambda c, oo, ns: gain(c, oo, ns) - 1.0
+
+
+def _gain_difference(gain):
+    return lambda r, o, oo, ns: gain(r, oo, ns) - gain(o, oo, ns)
+
+
+def rm_rank_merge(results: dict, evidence: Evidence) -> dict:
+    checks, rows, reach, undefined = Checks(evidence), [], Checks(evidence), []
     for scenario in results.get("backfill", {}):
-        rm = backfill_curve(results, scenario, "mcl", "random", "rank_merge")
-        naive = backfill_curve(results, scenario, "mcl", "random", "naive_merge")
-        bct = backfill_curve(results, scenario, "bct", "random", "compatible")
-        if rm is None or naive is None or bct is None:
+        s = {k: _curve(evidence, scenario, m, "random", mode) for k, m, mode in RM_CURVES}
+        oo, ns = _s(evidence, scenario, "m_oo"), _s(evidence, scenario, "m_nstar")
+        curve = backfill_curve(results, scenario, "mcl", "random", "rank_merge")
+        if any(v is None for v in s.values()) or oo is None or ns is None or curve is None:
             continue
-        named = (("rank_merge (mcl)", rm), ("naive_merge", naive), ("bct compatible", bct))
-        g = {k: c["summary"][PRIMARY]["auc_gain"] for k, c in named}
-        if None in g.values():  # undefined gain (RM Table 1): no check, the reason instead
-            why = [c["summary"][PRIMARY].get("auc_gain_note") or "undefined" for _, c in named]
-            note = next(w for w, v in zip(why, g.values(), strict=True) if v is None)
-            rows.append(dict(scenario=scenario, **{f"AUC gain {k}": v for k, v in g.items()}))
-            rows[-1]["AUC gain n/a"] = note
-            undefined.append(f"{scenario}: {note}")
+        if not ns.value().mean() > oo.value().mean():
+            undefined.append(f"{scenario}: M(n*,n*) is not above M(o,o)")
+            rows.append({"scenario": scenario, "AUC gain": "undefined: M(n*,n*) <= M(o,o)"})
             continue
-        values = list(g.values())
-        reach.append(values[0] >= 1.0)
-        beats += [values[0] > values[2], values[0] > values[1]]
-        rows.append(
-            dict(
-                scenario=scenario,
-                **{f"AUC gain {k}": v for k, v in g.items()},
-                **{
-                    "gain >= 100%": values[0] >= 1.0,
-                    "beats bct": values[0] > values[2],
-                    "beats naive merge": values[0] > values[1],
-                },
-            )
+        gain = _gain(curve["fractions"])
+        row = {"scenario": scenario}
+        for k in s:
+            row[f"AUC gain {k}"] = evidence.interval(gain, c=s[k], oo=oo, ns=ns).to_dict()
+        a = reach.add(
+            f"{scenario}: gain >= 1",
+            _gain_above_one(gain),
+            strict=False,
+            c=s["rank_merge (mcl)"],
+            oo=oo,
+            ns=ns,
         )
-    checks = ([any(reach)] if reach else []) + beats
+        row["gain - 1"] = a["difference"]
+        for other in ("bct compatible", "naive_merge"):
+            c = checks.add(
+                f"{scenario}: beats {other}",
+                _gain_difference(gain),
+                r=s["rank_merge (mcl)"],
+                o=s[other],
+                oo=oo,
+                ns=ns,
+            )
+            row[f"gain - gain({other})"] = c["difference"]
+            row[f"beats {other}"] = c["verdict"]
+        rows.append(row)
+    if reach.items:
+        checks.items.insert(
+            0,
+            dict(
+                check="gain >= 1 in some scenario",
+                difference=None,
+                verdict=combine_any(reach.verdicts()),
+                parts=reach.items,
+            ),
+        )
+    outcome = INCONCLUSIVE if undefined and not checks.items else None
     return _claim(
         "rm-auc-gain",
         "RM",
         "rank merge reaches AUC gain >= 100% on some dataset and beats BCT / naive merge",
-        "random backfill order, mAP@100 AUC gain (RM Table 1, new* = independent): "
-        "(a) mcl rank_merge gain >= 1.0 in at least one scenario; (b) in every scenario it "
-        "beats bct (compatible queries); (c) in every scenario it beats naive merge",
+        "random backfill order, mAP@100 AUC gain (RM Table 1, new* = independent), paired: "
+        "(a) mcl rank_merge gain - 1 >= 0 in at least one scenario; (b) in every scenario its "
+        "gain minus bct's (compatible queries) > 0; (c) minus naive merge's > 0",
         checks,
         rows,
+        outcome,
         note="".join(f"; AUC gain n/a in {u} (scenario not counted)" for u in undefined),
     )
 
 
 # -- NDPP / ODPP -------------------------------------------------------------------------
-def ndpp_p1(results: dict) -> dict:
-    labels = ("ndpp", "odpp", "p2s", "bct")
-    sets = _sets_with(results, *labels)
-    rows, checks = [], []
+P1_LABELS = ("ndpp", "odpp", "p2s", "bct")
+
+
+def _p1(n_sets: int, label: str):
+    """P_1 of ``label`` (NDPP tables): the mean over test sets of the harmonic mean of
+    u = sigmoid((M(n,n) - M(n*,n*)) / M(n*,n*)) and v = sigmoid((M(n,o) - M(o,o)) /
+    (M(n*,n*) - M(o,o)))."""
+
+    def f(**m):
+        total = 0.0
+        for i in range(n_sets):
+            nn, no, oo, ns = (
+                m[f"{k}{i}_{label}"] if k in ("nn", "no") else m[f"{k}{i}"]
+                for k in ("nn", "no", "oo", "ns")
+            )
+            u = 1.0 / (1.0 + np.exp(-(nn - ns) / ns))
+            v = 1.0 / (1.0 + np.exp(-(no - oo) / (ns - oo)))
+            total = total + 2.0 * u * v / (u + v)
+        return 100.0 * total / n_sets
+
+    return f
+
+
+def ndpp_p1(results: dict, evidence: Evidence) -> dict:
+    sets = _sets_with(results, *P1_LABELS)
+    checks, rows = Checks(evidence), []
     if sets:
-        p1 = {}
-        for label in labels:
-            m = [ts["methods"][label] for ts in sets]
-            oo = [ts["m_oo"][PRIMARY] for ts in sets]
-            ns = [ts["m_nstar"][PRIMARY] for ts in sets]
-            p1[label] = p_scores([_m(e, "m_nn") for e in m], ns, [_m(e, "m_cross") for e in m], oo)
-        for ts in sets:
-            rows.append(
-                dict(test_set=ts["name"], **{f"P_1 {k}": ts["methods"][k]["P_1"] for k in labels})
-            )
+        samples = {}
+        for i, ts in enumerate(sets):
+            samples[f"oo{i}"] = _s(evidence, ts["name"], "m_oo")
+            samples[f"ns{i}"] = _s(evidence, ts["name"], "m_nstar")
+            for label in P1_LABELS:
+                samples[f"nn{i}_{label}"] = _s(evidence, ts["name"], label, "m_nn")
+                samples[f"no{i}_{label}"] = _s(evidence, ts["name"], label, "m_cross")
+        p1 = {label: _p1(len(sets), label) for label in P1_LABELS}
         rows.append(
-            dict(
-                test_set=f"mean over {len(sets)} test sets",
-                **{f"P_1 {k}": p1[k]["P_1"] for k in labels},
-            )
+            {
+                "test sets": ", ".join(ts["name"] for ts in sets),
+                **{f"P_1 {k}": evidence.interval(p1[k], **samples).to_dict() for k in P1_LABELS},
+            }
         )
         for new in ("ndpp", "odpp"):
             for base in ("p2s", "bct"):
-                checks.append(p1[new]["P_1"] > p1[base]["P_1"])
+                c = checks.add(
+                    f"P_1 {new} - P_1 {base}",
+                    lambda new=new, base=base, **m: p1[new](**m) - p1[base](**m),
+                    **samples,
+                )
+                rows[0][f"P_1 {new} - {base}"] = c["difference"]
     return _claim(
         "ndpp-p1",
         "NDPP/ODPP",
         "perturbed prototypes (NDPP, ODPP) beat plain P2S and BCT on P_1",
         "P_1 (NDPP tables: harmonic mean of u and v per test set, averaged over the test sets "
-        "where all four were trained); four checks: ndpp > p2s, ndpp > bct, odpp > p2s, "
-        "odpp > bct",
+        "where all four were trained), paired: P_1(ndpp) - P_1(p2s), P_1(ndpp) - P_1(bct), "
+        "P_1(odpp) - P_1(p2s), P_1(odpp) - P_1(bct), each > 0",
         checks,
         rows,
     )
 
 
-CLAIMS: tuple[Callable[[dict], dict], ...] = (
+CLAIMS: tuple[Callable[[dict, Evidence], dict], ...] = (
     bct_independent_incompatible,
     bct_compatible,
     bct_variant_order,
@@ -445,5 +573,5 @@ CLAIMS: tuple[Callable[[dict], dict], ...] = (
 )
 
 
-def evaluate_claims(results: dict) -> list[dict]:
-    return [claim(results) for claim in CLAIMS]
+def evaluate_claims(results: dict, evidence: Evidence) -> list[dict]:
+    return [claim(results, evidence) for claim in CLAIMS]

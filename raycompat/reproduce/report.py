@@ -28,8 +28,27 @@ TABLE_HEADERS = [
 CROSS_USED = {"compatible": "n->o", "adapted": "n->psi(o)", "rank_merge": "psi_rev(rho(n))->o"}
 
 
-def _v(d, metric):
-    return None if d is None else d.get(metric)
+def _v(d, metric, interval=None):
+    """``value [low, high]`` (``value`` alone without an interval)."""
+    value = None if d is None else d.get(metric)
+    if value is None or not interval:
+        return value
+    return with_interval(value, interval)
+
+
+def with_interval(value: float, interval) -> str:
+    """``value [low, high]``, with ``±sd`` across seeds when ``interval`` has a third entry."""
+    bounds = list(interval) if isinstance(interval, (list, tuple)) else []
+    low, high = (bounds + [None, None])[:2]
+    if low is None or high is None or low != low or high != high:
+        return fmt(value)
+    sd = f" ±{fmt(bounds[2])} sd" if len(bounds) > 2 else ""
+    return f"{fmt(value)} [{fmt(low)}, {fmt(high)}]{sd}"
+
+
+def _interval(entry: dict, key: str, metric: str | None = None):
+    got = (entry.get("intervals") or {}).get(key)
+    return got.get(metric) if metric is not None and isinstance(got, dict) else got
 
 
 def method_table(test_set: dict) -> str:
@@ -37,24 +56,27 @@ def method_table(test_set: dict) -> str:
     The first row is new* (independent); update gain, Delta and P use the method's cross test
     (``cross used``: new-to-old, new-to-adapted-old for DMU, the reverse query for RM)."""
     metric = test_set["metric"]
+    oo_iv = _interval(test_set, "m_oo", metric)
     rows = []
     for label, e in test_set["methods"].items():
         if e.get("diverged"):
             rows.append(
-                [label, _v(test_set.get("m_oo"), metric), "diverged (NaN loss)"] + [None] * 10
+                [label, _v(test_set.get("m_oo"), metric, oo_iv), "diverged (NaN loss)"]
+                + [None] * 10
             )
             continue
         rows.append(
             [
                 label + (" (new*)" if label == "independent" else ""),
-                _v(e["m_oo"], metric),
-                _v(e["m_nn"], metric),
-                _v(e["m_no"], metric),
-                _v(e["m_nadapted"], metric),
+                _v(e["m_oo"], metric, oo_iv),
+                _v(e["m_nn"], metric, _interval(e, "m_nn", metric)),
+                _v(e["m_no"], metric, _interval(e, "m_no", metric)),
+                _v(e["m_nadapted"], metric, _interval(e, "m_nadapted", metric)),
                 CROSS_USED[e["cross_mode"]],
-                e["update_gain"],
-                e["delta_up"],
-                e["delta_down"],
+                *(
+                    None if e[k] is None else with_interval(e[k], _interval(e, k))
+                    for k in ("update_gain", "delta_up", "delta_down")
+                ),
                 e["P_up"],
                 e["P_comp"],
                 e["P_1"],
@@ -85,11 +107,32 @@ def sequential_table(sequential: dict) -> str:
     return markdown_table(["method", "query", "gallery", "mAP@100", "top1"], rows)
 
 
+def interval_text(d: dict | None) -> str:
+    """An interval dict (``Interval.to_dict``) as ``value [low, high]`` (``± sd`` over seeds)."""
+    if not d:
+        return ""
+    text = with_interval(d["value"], [d["low"], d["high"]])
+    return text + (f" ±{fmt(d['seed_std'])} sd" if d.get("seeds", 1) > 1 else "")
+
+
+def check_text(check: dict) -> str:
+    """``name: d [low, high], n = Q queries -> verdict`` for the claims table."""
+    d = check.get("difference")
+    if not d:
+        return f"{check['check']}: {check['verdict']}"
+    return f"{check['check']}: {interval_text(d)}, n = {d['queries']} queries -> {check['verdict']}"
+
+
 def claims_table(claims: list[dict]) -> str:
     return markdown_table(
-        ["paper", "claim", "verdict", "measurement", "why"],
+        ["paper", "claim", "verdict", "difference [95% interval], queries -> verdict, per check"],
         [
-            [c["paper"], c["claim"], f"**{c['verdict']}**", c["measurement"], c["explanation"]]
+            [
+                c["paper"],
+                c["claim"],
+                f"**{c['verdict']}**",
+                "<br>".join(check_text(x) for x in c.get("checks", [])) or c["explanation"],
+            ]
             for c in claims
         ],
     )
@@ -103,8 +146,10 @@ def _numbers_table(numbers: list[dict]) -> str:
 
 
 def _cell(value):
+    if isinstance(value, dict) and {"value", "low", "high"} <= set(value):
+        return interval_text(value)
     if isinstance(value, list):
-        return ", ".join(fmt(v) for v in value)
+        return ", ".join(str(_cell(v)) if isinstance(v, dict) else fmt(v) for v in value)
     return value
 
 
@@ -127,7 +172,13 @@ RM_LINES = (
 
 
 def _pct_line(ax, curve: dict, metric: str, **style) -> None:
-    ax.plot([100 * t for t in curve["fractions"]], [100 * v for v in curve[metric]], **style)
+    """The curve in percent, with its bootstrap band when it has one."""
+    x = [100 * t for t in curve["fractions"]]
+    (line,) = ax.plot(x, [100 * v for v in curve[metric]], **style)
+    band = (curve.get("bands") or {}).get(metric)
+    if band:
+        low, high = ([100 * v for v in band[k]] for k in ("low", "high"))
+        ax.fill_between(x, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
 
 
 def _save(fig, path: str, drawn: bool, paths: list[str]) -> None:
@@ -257,7 +308,26 @@ def _intro_lines(report: dict) -> list[str]:
         "(`cross used`): new-to-old, new-to-psi(old) for DMU, psi_rev(rho(new))-to-old for the RM "
         "family (whose M(n,n) is rho-to-rho).",
         "",
+        _uncertainty_line(report),
+        "",
     ]
+
+
+def _uncertainty_line(report: dict) -> str:
+    results, opts = report["results"], report["options"]
+    boot = results.get("bootstrap") or opts.get("bootstrap") or {}
+    seeds = results.get("seeds") or [opts.get("seed")]
+    sizes = sorted({(ts.get("queries"), ts.get("classes")) for ts in results["test_sets"]})
+    shown = ", ".join(f"{q} queries of {c} classes" for q, c in sizes if q)
+    return (
+        f"Uncertainty: every `value [low, high]` is the {100 * boot.get('confidence', 0.95):.0f} % "
+        f"percentile bootstrap interval over {boot.get('resamples', 1000)} resamples of the "
+        "query classes (every query of a drawn class comes with it)"
+        + (f" and of the {len(seeds)} training seeds {seeds}" if len(seeds) > 1 else "")
+        + f"; comparisons are paired (the same draws on both sides). Test sets: {shown or 'none'}. "
+        "A check is held when its interval excludes the opposite, not held when it excludes the "
+        "claim, inconclusive otherwise; a claim needs every check held."
+    )
 
 
 def _claims_lines(claims: list[dict]) -> list[str]:

@@ -28,12 +28,16 @@ import numpy as np
 from raycompat.evaluation import (
     PRIMARY_METRIC,
     EmbeddedSet,
+    embed_batches,
     embed_scenario,
-    evaluate_pair,
+    pair_samples,
     scenario_eval_items,
     sequential_cross_evaluate,
     transform,
 )
+from raycompat.metrics.bootstrap import Sample
+from raycompat.reproduce.evidence import Evidence
+from raycompat.reproduce.intervals import attach_intervals, merge_seeds
 from raycompat.reproduce.plan import VARIANTS, ReproduceOptions, Variant
 
 CURVE_METRICS = ("mAP@100", "top1", "NFR@1")
@@ -189,7 +193,11 @@ class Reproduction:
         self.store = ModelStore(self.out, log, runs_dir)
         self.models: dict[str, dict] = {}
         self._embedded: dict[tuple, EmbeddedSet] = {}
+        self._images: dict[str, tuple] = {}
         self.timings: dict[str, float] = {}
+        self.seed = opts.seed  # the training seed being planned or evaluated
+        self.seed_index = 0
+        self.evidence = Evidence(opts.bootstrap, opts.seeds)
 
     # -- data and training ---------------------------------------------------------------
     def scenario(self, name: str):
@@ -220,7 +228,7 @@ class Reproduction:
             epochs=epochs,
             batch_size=t.batch_size,
             lr=t.lr,
-            seed=self.opts.seed,
+            seed=self.seed,
             split=split,
             **s.training_data(scenario),
             num_workers=t.workers,
@@ -236,7 +244,8 @@ class Reproduction:
         self, scenario_name: str, label: str, values: dict, deps: tuple = (), priority: float = 0.0
     ) -> Trained:
         t = self.store.plan(label, values, deps, priority)
-        self.models[f"{scenario_name}/{label}"] = t
+        suffix = f"@seed{self.seed}" if self.opts.seeds > 1 else ""
+        self.models[f"{scenario_name}/{label}{suffix}"] = t
         return t
 
     def new_model(
@@ -282,15 +291,54 @@ class Reproduction:
         from raycompat.models import ModelBundle
 
         key = (trained.key, scenario.name)
-        if key not in self._embedded:
-            self._embedded[key] = embed_scenario(
+        if key in self._embedded:
+            return self._embedded[key]
+        started = time.time()
+        bundle = ModelBundle.load(trained.path)
+        if scenario.user_data:
+            embedded = embed_scenario(
                 trained.label,
-                ModelBundle.load(trained.path),
+                bundle,
                 scenario,
                 self.opts.sizes.resolution,
                 self.opts.sizes.data_seed,
             )
-        return self._embedded[key]
+        else:  # glyphs: rendered once per scenario, embedded by every model
+            query, gallery = self._rendered(scenario)
+            embedded = EmbeddedSet(
+                trained.label,
+                embed_batches(bundle, len(query), lambda a, b: query[a:b]),
+                embed_batches(bundle, len(gallery), lambda a, b: gallery[a:b]),
+                int(bundle.manifest.get("compatible_dim", bundle.embed_dim)),
+            )
+        self._embedded[key] = embedded
+        self.log(
+            f"  embedded {len(embedded.query)} queries and {len(embedded.gallery)} gallery items "
+            f"with {trained.key} in {time.time() - started:.0f} s"
+        )
+        return embedded
+
+    def _rendered(self, scenario) -> tuple[np.ndarray, np.ndarray]:
+        """The uint8 query and gallery images of a glyph scenario (rendered once)."""
+        from raycompat.data import GlyphRenderer, catalog_for
+
+        if scenario.name not in self._images:
+            renderer = GlyphRenderer(
+                catalog_for(scenario),
+                resolution=self.opts.sizes.resolution,
+                seed=self.opts.sizes.data_seed,
+            )
+            (ql, qi), (gl, gi) = scenario_eval_items(scenario)
+            self._images[scenario.name] = tuple(
+                np.concatenate(
+                    [
+                        renderer.render_batch(lab[a : a + 2048], ins[a : a + 2048])
+                        for a in range(0, len(lab), 2048)
+                    ]
+                )
+                for lab, ins in ((ql, qi), (gl, gi))
+            )
+        return self._images[scenario.name]
 
     def model_rows(self) -> dict:
         rows = {}
@@ -301,6 +349,7 @@ class Reproduction:
             rows[name] = dict(
                 scenario=name.split("/")[0],
                 label=t.label,
+                seed=v["seed"],
                 key=t.key,
                 method=v["method"],
                 method_options=v["method_options"],
@@ -362,6 +411,9 @@ class Reproduction:
             set(scenario["new_train"].classes.tolist())
             - set(scenario["old_train"].classes.tolist())
         )
+        # the architecture change is measured on the extended-data queries: one query set
+        query_set = "extended-data" if name == "architecture" else name
+        self.evidence.add_query_set(query_set, q_labels)
         test_set = measure_test_set(
             name=name,
             scenario=name,
@@ -372,8 +424,12 @@ class Reproduction:
             news=news,
             query_labels=q_labels,
             gallery_labels=g_labels,
+            evidence=self.evidence,
+            seed_index=self.seed_index,
+            query_set=query_set,
         )
         self.timings[f"{name}_evaluate_s"] = time.time() - t
+        self.log(f"  {name}: hot-refresh curves of {len(news)} models")
         t = time.time()
         backfill = hot_refresh(
             old_emb,
@@ -382,7 +438,11 @@ class Reproduction:
             g_labels,
             test_set["m_nstar"],
             self.opts.backfill_policies,
-            self.opts.seed,
+            self.seed,
+            evidence=self.evidence,
+            scenario=name,
+            query_set=query_set,
+            seed_index=self.seed_index,
         )
         self.timings[f"{name}_backfill_s"] = time.time() - t
         return test_set, backfill
@@ -438,12 +498,20 @@ class Reproduction:
         }
         if "independent" not in chains:
             return [], None
+        self.evidence.add_query_set("sequential", q_labels)
+        per_query: dict[str, dict] = {}
         for label, chain in chains.items():
             gens = [self.embed(t, scenario) for t in chain]
             bundles = [ModelBundle.load(t.path) for t in chain]
             psis = [None] + [b.modules.get("psi") for b in bundles[1:]]
+            per_query[label] = {}
             pairs[label] = sequential_cross_evaluate(
-                gens, q_labels, g_labels, psis=psis if any(p is not None for p in psis) else None
+                gens,
+                q_labels,
+                g_labels,
+                psis=psis if any(p is not None for p in psis) else None,
+                samples=per_query[label],
+                query_set="sequential",
             )
         paragon_rows = {
             (r["query_generation"], r["metric"]): r["value"]
@@ -473,6 +541,7 @@ class Reproduction:
                     )
                 # one old model shared by every chain only when the gallery is phi_1
                 ts["m_oo"] = next(iter(ts["methods"].values()))["m_oo"] if i == 1 else None
+                self._put_sequential(ts["name"], per_query, i, j)
                 test_sets.append(ts)
         return test_sets, {
             "pairs": pairs,
@@ -480,32 +549,66 @@ class Reproduction:
             "chains": {label: [t.key for t in chain] for label, chain in chains.items()},
         }
 
+    def _put_sequential(self, name: str, per_query: dict, i: int, j: int) -> None:
+        """The samples of sequential test set ``name`` (phi_j -> phi_i) under the evidence keys
+        of a pair test set."""
+        put = self.evidence.put
+        if i == 1:
+            oo = next(iter(per_query.values()))[(1, 1, "stored")]
+            put(("pair", name, "m_oo"), oo, self.seed_index)
+        if "independent" in per_query:
+            nstar = per_query["independent"][(j, j, "stored")]
+            put(("pair", name, "m_nstar"), nstar, self.seed_index)
+        for label, got in per_query.items():
+            parts = dict(
+                m_oo=got.get((i, i, "stored")),
+                m_nn=got.get((j, j, "stored")),
+                m_no=got.get((j, i, "stored")),
+                m_nadapted=got.get((j, i, "adapted")),
+            )
+            adapted = VARIANTS[label].cross == "adapted" and parts["m_nadapted"]
+            parts["m_cross"] = parts["m_nadapted"] if adapted else parts["m_no"]
+            for kind, samples in parts.items():
+                if samples is not None:
+                    put(("pair", name, label, kind), samples, self.seed_index)
+
     # -- everything ------------------------------------------------------------------------
+    def seeds(self) -> list[int]:
+        return [self.opts.seed + i for i in range(self.opts.seeds)]
+
+    def plan_all(self) -> list[dict]:
+        """Per training seed, ``{scenario: plan}``: every model planned in the store (a model
+        of seed s is the same config with ``seed = s``)."""
+        planned = []
+        for i, seed in enumerate(self.seeds()):
+            self.seed, self.seed_index = seed, i
+            planned.append(
+                {
+                    name: (
+                        self.plan_sequential()
+                        if name == "sequential"
+                        else self.plan_pair_scenario(name)
+                    )
+                    for name in self.opts.scenarios
+                }
+            )
+        return planned
+
     def run(self) -> dict:
         started = time.time()
-        planned = {
-            name: (
-                self.plan_sequential() if name == "sequential" else self.plan_pair_scenario(name)
-            )
-            for name in self.opts.scenarios
-        }
+        planned = self.plan_all()
         n = sum(1 for t in self.store.planned.values())
         self.log(f"{n} models to train or reuse, {self.opts.parallel} at a time")
         budget = self.opts.train_budget_minutes
         self.store.run_all(self.opts.parallel, None if budget is None else 60.0 * budget)
         self.timings["training_s"] = time.time() - started
         self.log(f"training done in {self.timings['training_s']:.0f} s; evaluating")
-        test_sets, backfill, sequential = [], {}, None
-        for name, plan in planned.items():
-            if name == "sequential":
-                seq_sets, sequential = self.evaluate_sequential(plan)
-                test_sets += seq_sets
-            else:
-                ts, bf = self.evaluate_pair_scenario(name, plan)
-                if ts is not None:
-                    test_sets.append(ts)
-                    backfill[name] = bf
-            self.log(f"scenario {name} evaluated")
+        per_seed = []
+        for i, seed in enumerate(self.seeds()):
+            self.seed, self.seed_index = seed, i
+            per_seed.append(self.evaluate_seed(planned[i]))
+        test_sets, backfill, sequential = merge_seeds(per_seed)
+        attach_intervals(test_sets, backfill, self.evidence)
         self.timings["total_s"] = time.time() - started
         not_trained = [
             dict(model=name, key=t.key, reason=t.skipped)
@@ -518,8 +621,27 @@ class Reproduction:
             backfill=backfill,
             models=self.model_rows(),
             not_trained=not_trained,
+            seeds=self.seeds(),
+            bootstrap=dataclasses.asdict(self.opts.bootstrap),
             timings=self.timings,
         )
+
+    def evaluate_seed(self, planned: dict) -> tuple[list, dict, dict | None]:
+        """Test sets, hot-refresh curves and sequential pairs of the seed being evaluated."""
+        test_sets, backfill, sequential = [], {}, None
+        tag = f" (seed {self.seed})" if self.opts.seeds > 1 else ""
+        for name, plan in planned.items():
+            t = time.time()
+            if name == "sequential":
+                seq_sets, sequential = self.evaluate_sequential(plan)
+                test_sets += seq_sets
+            else:
+                ts, bf = self.evaluate_pair_scenario(name, plan)
+                if ts is not None:
+                    test_sets.append(ts)
+                    backfill[name] = bf
+            self.log(f"scenario {name} evaluated{tag} in {time.time() - t:.0f} s")
+        return test_sets, backfill, sequential
 
 
 def _pair_getter(rows: list[dict]):
@@ -609,6 +731,9 @@ def measure_test_set(
     news: dict,
     query_labels,
     gallery_labels,
+    evidence: Evidence | None = None,
+    seed_index: int = 0,
+    query_set: str | None = None,
 ) -> dict:
     """Evaluate every new model of a scenario against its old model (see the module docstring).
 
@@ -616,13 +741,21 @@ def measure_test_set(
     their exported modules: ``M(n,n) = M(rho(q), rho(g))``,
     ``M(n,o) = M(psi_rev(rho(q)), phi_o(g))``.
     DMU gets ``M(n, adapted) = M(phi_n(q), psi(phi_o(g)))`` besides ``M(n,o)``.
+    With ``evidence``, every pair's per-query samples go to it (query set ``query_set``, default
+    ``scenario``; keys
+    of :mod:`raycompat.reproduce.evidence`) as the ``seed_index``-th seed.
     """
 
-    def pair_metrics(q, g, dims=None):
-        return _metrics(evaluate_pair(q, g, query_labels, gallery_labels, dims=dims))
+    def pair_metrics(q, g, *key, dims=None):
+        metrics, samples = pair_samples(
+            q, g, query_labels, gallery_labels, dims=dims, query_set=query_set or scenario
+        )
+        if evidence is not None:
+            evidence.put(("pair", name, *key), samples, seed_index)
+        return _metrics(metrics)
 
-    m_oo = pair_metrics(old.query, old.gallery)
-    m_nstar = pair_metrics(paragon.query, paragon.gallery)
+    m_oo = pair_metrics(old.query, old.gallery, "m_oo")
+    m_nstar = pair_metrics(paragon.query, paragon.gallery, "m_nstar")
     methods = {}
     for label, (variant, bundle, new) in news.items():
         if diverged(new):
@@ -631,22 +764,33 @@ def measure_test_set(
         if variant.cross == "rank_merge":
             rho, psi_rev = bundle.modules["rho"], bundle.modules["psi_rev"]
             q_rho = transform(rho, new.query)
-            m_nn = pair_metrics(q_rho, transform(rho, new.gallery))
-            m_no = pair_metrics(transform(psi_rev, q_rho), old.gallery)
+            m_nn = pair_metrics(q_rho, transform(rho, new.gallery), label, "m_nn")
+            m_no = pair_metrics(transform(psi_rev, q_rho), old.gallery, label, "m_no")
         else:
-            m_nn = pair_metrics(new.query, new.gallery)
+            m_nn = pair_metrics(new.query, new.gallery, label, "m_nn")
             m_no = pair_metrics(
-                new.query, old.gallery, dims=min(new.compatible_dim, old.gallery.shape[1])
+                new.query,
+                old.gallery,
+                label,
+                "m_no",
+                dims=min(new.compatible_dim, old.gallery.shape[1]),
             )
         m_nadapted = None
         if "psi" in bundle.modules:
-            m_nadapted = pair_metrics(new.query, transform(bundle.modules["psi"], old.gallery))
+            adapted_gallery = transform(bundle.modules["psi"], old.gallery)
+            m_nadapted = pair_metrics(new.query, adapted_gallery, label, "m_nadapted")
+        if evidence is not None:  # the test set's old-old, and the cross test used
+            cross = "m_nadapted" if variant.cross == "adapted" and m_nadapted else "m_no"
+            for kind, source in (("m_oo", ("m_oo",)), ("m_cross", (label, cross))):
+                samples = evidence.latest(("pair", name, *source), seed_index)
+                evidence.put(("pair", name, label, kind), samples, seed_index)
         methods[label] = compat_entry(
             variant, m_oo=m_oo, m_nn=m_nn, m_no=m_no, m_nadapted=m_nadapted, m_nstar=m_nstar
         )
     return dict(
         name=name,
         scenario=scenario,
+        query_set=query_set or scenario,
         pair=pair,
         unseen_classes=unseen_classes,
         metric=PRIMARY_METRIC,
@@ -664,13 +808,19 @@ def hot_refresh(
     paragon_metrics: dict,
     uncertainty_policies: tuple,
     seed: int,
+    evidence: Evidence | None = None,
+    scenario: str = "",
+    query_set: str = "queries",
+    seed_index: int = 0,
 ) -> dict:
     """Hot-refresh curves per method (``raycompat.backfill.simulate_backfill``): the query mode
     each method is built for (``compatible``; DMU ``adapted`` and ``compatible``; RM
     ``rank_merge``, with ``naive_merge`` and ``cold`` as the RM paper's baselines), random
     order for all, and the uncertainty orders (RACT Eq.9-11) for bct / contrastive / ract.
     Returns ``{label: [curve, ...]}`` with ``curve = {policy, mode, fractions, <metric>: [...],
-    summary: {metric: {auc, auc_gain, auc_gain_note, regression}}}``."""
+    summary: {metric: {auc, auc_gain, auc_gain_note, regression}}}``. With ``evidence``, every
+    curve's and reference's per-query samples go to it (keys ``("curve", scenario, label,
+    policy, mode)`` and ``("ref", scenario, label, reference)``, query set ``query_set``)."""
     from raycompat.backfill import (
         GalleryEmbeddings,
         UncertaintyHead,
@@ -708,6 +858,8 @@ def hot_refresh(
         result = simulate_backfill(
             data, policies, modes, seed=seed, head=head, references={"new*-new*": paragon_metrics}
         )
+        if evidence is not None:
+            _put_curves(evidence, result, (scenario, query_set), label, seed_index)
         curves = []
         for c in result.curves:
             entry = dict(policy=c.policy, mode=c.mode, fractions=[float(x) for x in c.fractions])
@@ -722,6 +874,21 @@ def hot_refresh(
             curves.append(entry)
         out[label] = dict(curves=curves, references=result.references)
     return out
+
+
+def _put_curves(evidence: Evidence, result, where: tuple, label: str, seed_index: int) -> None:
+    """A simulation's per-query samples, re-tagged with the scenario's query set
+    (``where = (scenario, query_set)``)."""
+    scenario, query_set = where
+
+    def tagged(samples: dict) -> dict:
+        return {m: Sample(query_set, s.num, s.den) for m, s in samples.items()}
+
+    for c in result.curves:
+        key = ("curve", scenario, label, c.policy, c.mode)
+        evidence.put(key, tagged(c.samples), seed_index)
+    for ref, samples in result.reference_samples.items():
+        evidence.put(("ref", scenario, label, ref), tagged(samples), seed_index)
 
 
 def options_dict(opts: ReproduceOptions) -> dict:

@@ -84,7 +84,7 @@ class ParquetGallery(GallerySource):
             data = load_parquet(path)
             if (
                 need_rank_merge
-            ):  # rho / psi_rev arrays: the oracle policy ranks with the mode's sides
+            ):  # rho / psi_rev arrays: the hinge-benefit policy ranks with the mode's sides
                 from raycompat.backfill.modes import apply_bundle_modules
                 from raycompat.models import ModelBundle
                 from raycompat.serving.scoring import rank_merge_maps

@@ -4,7 +4,7 @@
 The order is over the gallery's rows exactly as :func:`raycompat.backfill.simulate_backfill`
 computes it for the same data, policy, seed and mode (random / sequential need only N;
 ``uncertainty:*`` the new model's classifier head on the old features; ``learned`` old
-features plus a revealed sample; ``oracle`` the queries and new embeddings), so the live
+features plus a revealed sample; ``hinge-benefit`` the queries and new embeddings), so the live
 backfill walks the simulator's order item for item.
 """
 

@@ -1,9 +1,10 @@
 """The one training loop every method runs in (Ray Train ``train_loop_per_worker``).
 
 Per worker: build the data shard, the new model and the method; wrap them in DDP
-(gloo on CPU, NCCL on GPU, chosen by Ray Train); resume from the latest checkpoint if
-Ray Train restarted us; then per epoch: the method's distributed pass, the steps, and a
-checkpoint with metrics. The loop knows nothing about any particular method.
+(gloo on CPU, NCCL on GPU, chosen by Ray Train; BatchNorm synchronized over the workers);
+resume from the latest checkpoint if Ray Train restarted us; then per epoch: the method's
+distributed pass, the steps, and a checkpoint with metrics. The loop knows nothing about
+any particular method.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_m
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.train.config import TrainConfig
 from raycompat.train.data import EpochPassLoader, build_training_set
+from raycompat.train.sync_batchnorm import synchronize_batchnorm
 
 TRAIN_STATE = "train_state.pt"
 HISTORY = "history.json"
@@ -61,8 +63,9 @@ def build_optimizer(cfg: TrainConfig, module: torch.nn.Module) -> torch.optim.Op
 def parameter_digest(module: torch.nn.Module) -> str:
     """sha256 of every parameter's bytes, in name order: equal across DDP workers iff in sync.
 
-    Buffers (BatchNorm running stats) are left out: DDP broadcasts them from rank 0 at the
-    start of each forward, so after the last step they legitimately differ per worker."""
+    Buffers (BatchNorm running stats) are left out: they are synchronized with more than one
+    worker (``raycompat.train.sync_batchnorm``), but DDP also broadcasts them from rank 0 at the
+    start of each forward; the parameters are what must agree."""
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
@@ -265,6 +268,13 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     )
     method = build_method(cfg.method, cfg.method_options, method_context)
     module = TrainingModule(embedder, head, method).to(device)
+    if world > 1:
+        # Every BatchNorm of the module, trainable or frozen: one in train mode needs the
+        # global batch statistics whatever its requires_grad (its running statistics still
+        # update), and one in eval mode behaves as plain BatchNorm anyway. The old model is
+        # no submodule (kept out of DDP) and stays plain. Names are unchanged, so checkpoints
+        # and exported bundles load into plain modules (docs/architecture.md, training).
+        module = synchronize_batchnorm(module, device)
     ddp_model = ray.train.torch.prepare_model(
         module,
         parallel_strategy_kwargs={"find_unused_parameters": False, "broadcast_buffers": True}

@@ -14,8 +14,9 @@ policy (module)                           knows
 ``uncertainty:least_confidence``,         the old gallery features and the new classifier
 ``uncertainty:margin``,                   head (RACT Eq.9-11), no image
 ``uncertainty:entropy`` (uncertainty)
-``oracle`` (oracle)                       the new embeddings of every item and the queries
-                                          (an upper-bound reference, not deployable)
+``hinge-benefit`` (benefit)               the new embeddings of every item and the queries
+                                          (a heuristic reference, not deployable; not an
+                                          upper bound: renamed from ``oracle``)
 ``learned`` (learned)                     old features (+ uncertainty), and the new
                                           embeddings of a held-out sample only
 ========================================  =================================================
@@ -36,7 +37,7 @@ from raycompat.backfill.gallery import BackfillInputError
 
 # The imports register the policies; their order is the order of POLICIES (isort keeps it).
 # isort: off
-from raycompat.backfill.policies import random, sequential, uncertainty, oracle, learned  # noqa: F401
+from raycompat.backfill.policies import random, sequential, uncertainty, benefit, learned  # noqa: F401
 
 # isort: on
 from raycompat.backfill.policies.base import (
@@ -50,13 +51,13 @@ from raycompat.backfill.policies.base import (
     policy_order,
     register_policy,
 )
+from raycompat.backfill.policies.benefit import hinge_benefit, hinge_benefit_order
 from raycompat.backfill.policies.learned import (
     LearnedPredictor,
     disagreement,
     learned_order,
     learned_target,
 )
-from raycompat.backfill.policies.oracle import oracle_benefit, oracle_order
 from raycompat.backfill.policies.random import random_order
 from raycompat.backfill.policies.sequential import sequential_order
 from raycompat.backfill.policies.uncertainty import (
@@ -87,8 +88,8 @@ __all__ = [
     "random_order",
     "sequential_order",
     "uncertainty_order",
-    "oracle_benefit",
-    "oracle_order",
+    "hinge_benefit",
+    "hinge_benefit_order",
     "disagreement",
     "LearnedPredictor",
     "learned_order",

@@ -140,7 +140,20 @@ def available_policies() -> dict[str, type[Policy]]:
     return dict(_REGISTRY)
 
 
+#: former names, and why they changed
+RENAMED = {
+    "oracle": (
+        "hinge-benefit",
+        "it orders items by a per-item hinge proxy of the AP change, a heuristic, not an upper "
+        "bound on the curve",
+    )
+}
+
+
 def policy_class(name: str) -> type[Policy]:
+    if name in RENAMED:
+        new, why = RENAMED[name]
+        raise BackfillInputError(f"policy {name!r} was renamed {new!r}: {why}")
     if name not in _REGISTRY:
         raise BackfillInputError(f"unknown policy {name!r}; allowed: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]

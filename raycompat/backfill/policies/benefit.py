@@ -1,5 +1,11 @@
-"""``oracle``: largest benefit first, computed with the new embeddings of every item and the
-queries (an upper-bound reference, not deployable).  Its order depends on the query mode."""
+"""``hinge-benefit``: largest estimated benefit first, computed with the new embeddings of every
+item and the queries (a reference that knows what a deployment cannot; not deployable).
+
+The benefit is a per-item hinge proxy of the AP change (docs/methods.md, "hinge-benefit"),
+summed over the queries as if every other item stayed old: a heuristic, *not* an upper bound.
+Items interact (moving one changes the ranks another competes with), so another order can
+beat it; the papers' "oracle" is therefore not what this is, and the policy was renamed from
+``oracle``. Its order depends on the query mode."""
 
 from __future__ import annotations
 
@@ -15,10 +21,10 @@ from raycompat.backfill.policies.base import (
     register_policy,
 )
 
-__all__ = ["OraclePolicy", "OracleScorer", "oracle_benefit", "oracle_order"]
+__all__ = ["HingeBenefitPolicy", "HingeBenefitScorer", "hinge_benefit", "hinge_benefit_order"]
 
 
-def oracle_benefit(
+def hinge_benefit(
     old_side,
     new_side,
     query_labels,
@@ -43,15 +49,15 @@ def oracle_benefit(
     from raycompat.backfill.engine import positive_pairs
 
     pq, pi, _ = positive_pairs(query_labels, gallery_labels)
-    scorer = OracleScorer.from_pairs(
+    scorer = HingeBenefitScorer.from_pairs(
         old_side, new_side, pq, pi, old_side.gallery[pi], new_side.gallery[pi], block_bytes
     )
     return scorer.benefit(old_side, new_side, 0, device)
 
 
 @dataclass(frozen=True)
-class OracleScorer(BlockScorer):
-    """:func:`oracle_benefit` one block at a time: ``tau`` per query and, per positive pair
+class HingeBenefitScorer(BlockScorer):
+    """:func:`hinge_benefit` one block at a time: ``tau`` per query and, per positive pair
     (gallery index ``pairs_i``), the correction that turns its negative term into its
     positive one; every block adds the negative terms of its items over every query."""
 
@@ -65,7 +71,7 @@ class OracleScorer(BlockScorer):
     @classmethod
     def from_pairs(
         cls, old_side, new_side, pq, pi, old_rows, new_rows, block_bytes, mode="", distance=""
-    ) -> OracleScorer:
+    ) -> HingeBenefitScorer:
         """From the positive pairs (query ``pq``, gallery index ``pi``) and the pairs' gallery
         rows on each side (``old_rows[p]`` the row of pair p's item)."""
         so, sn = (
@@ -117,17 +123,17 @@ def _negative_terms(old_side, new_side, tau: np.ndarray, device, block_bytes: in
     return neg
 
 
-def oracle_order(old_side, new_side, query_labels, gallery_labels, **kw) -> np.ndarray:
-    """Largest :func:`oracle_benefit` first (upper bound; needs the new embeddings)."""
-    return order_by_score(oracle_benefit(old_side, new_side, query_labels, gallery_labels, **kw))
+def hinge_benefit_order(old_side, new_side, query_labels, gallery_labels, **kw) -> np.ndarray:
+    """Largest :func:`hinge_benefit` first (a heuristic that needs the new embeddings)."""
+    return order_by_score(hinge_benefit(old_side, new_side, query_labels, gallery_labels, **kw))
 
 
 @register_policy
-class OraclePolicy(Policy):
-    name = "oracle"
+class HingeBenefitPolicy(Policy):
+    name = "hinge-benefit"
     knows = (
         "the new embeddings of every item and the queries "
-        "(an upper-bound reference, not deployable)"
+        "(a heuristic reference, not deployable and not an upper bound)"
     )
     needs_embeddings = True
     per_mode = True
@@ -139,7 +145,7 @@ class OraclePolicy(Policy):
         old_side, new_side = inputs.mode_sides()  # the queries and the positives' rows
         data = inputs.data
         pq, rows, _ = positive_pairs(data.query_labels, data.gallery_labels)
-        return OracleScorer.from_pairs(
+        return HingeBenefitScorer.from_pairs(
             old_side,
             new_side,
             pq,
@@ -157,7 +163,7 @@ class OraclePolicy(Policy):
         old_side, new_side = inputs.mode_sides()
         data = inputs.data
         block_bytes = ENGINE_BLOCK_BYTES if inputs.block_bytes is None else inputs.block_bytes
-        return oracle_order(
+        return hinge_benefit_order(
             old_side,
             new_side,
             data.query_labels,
