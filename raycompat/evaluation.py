@@ -17,7 +17,7 @@ import torch
 from raycompat.data import GlyphRenderer, Scenario, catalog_for, images_to_tensor
 from raycompat.index.search import l2_normalize
 from raycompat.metrics import compatibility_report, evaluate_retrieval, num_relevant_from_labels
-from raycompat.metrics.bootstrap import Sample
+from raycompat.metrics.bootstrap import BootstrapOptions, Sample
 from raycompat.models import ModelBundle
 
 PRIMARY_METRIC = "mAP@100"
@@ -172,31 +172,46 @@ def cross_evaluate(
     gallery_labels,
     paragon: str | None = None,
     k: int = 100,
+    bootstrap: BootstrapOptions | None = None,
 ):
     """Evaluate old-old, and for each new model new-new and new-old.
 
     Returns ``(evaluations, verdicts)``: evaluations are flat rows ``{model, query, gallery,
-    metric, value}``; verdicts give, per new model, the BCT empirical criterion
-    ``M(n,o) > M(o,o)`` on ``PRIMARY_METRIC`` plus update gain (BCT Eq.9) and DMU's
-    Delta_up/Delta_down, using the ``paragon`` model as new*.
+    metric, value, low, high}`` (``low``/``high``: the bootstrap interval over the query
+    classes, docs/methods.md "Uncertainty"); verdicts give, per new model, the BCT empirical
+    criterion ``M(n,o) > M(o,o)`` on ``PRIMARY_METRIC`` (``compatible``: the point values),
+    its paired difference with interval and three-outcome ``verdict``, plus update gain (BCT
+    Eq.9) and DMU's Delta_up/Delta_down, using the ``paragon`` model as new*.
     """
-    rows: list[dict] = []
+    from raycompat.metrics.bootstrap import Bootstrap
+    from raycompat.metrics.verdicts import verdict
 
-    def add(model, q_name, g_name, metrics):
+    boot = Bootstrap(bootstrap or BootstrapOptions())
+    boot.add_query_set("queries", query_labels)
+    rows: list[dict] = []
+    per_query: dict[tuple, dict] = {}
+
+    def add(model, q_name, g_name, q, g, dims=None):
+        metrics, samples = pair_samples(q, g, query_labels, gallery_labels, dims=dims, k=k)
+        per_query[(q_name, g_name)] = samples
         for metric, value in metrics.items():
             if metric.startswith("num_"):
                 continue
+            iv = boot.interval(value=samples[metric]) if metric in samples else None
             rows.append(
-                dict(model=model, query=q_name, gallery=g_name, metric=metric, value=float(value))
+                dict(
+                    model=model,
+                    query=q_name,
+                    gallery=g_name,
+                    metric=metric,
+                    value=float(value),
+                    low=None if iv is None else iv.low,
+                    high=None if iv is None else iv.high,
+                )
             )
         return metrics
 
-    oo = add(
-        old.name,
-        old.name,
-        old.name,
-        evaluate_pair(old.query, old.gallery, query_labels, gallery_labels, k=k),
-    )
+    oo = add(old.name, old.name, old.name, old.query, old.gallery)
     results = {}
     new_sets = list(new_sets)
     for new in new_sets:
@@ -205,21 +220,9 @@ def cross_evaluate(
                 f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
                 f"embedding size {new.query.shape[1]}"
             )
-        nn = add(
-            new.name,
-            new.name,
-            new.name,
-            evaluate_pair(new.query, new.gallery, query_labels, gallery_labels, k=k),
-        )
+        nn = add(new.name, new.name, new.name, new.query, new.gallery)
         dims = min(new.compatible_dim, old.gallery.shape[1])
-        no = add(
-            new.name,
-            new.name,
-            old.name,
-            evaluate_pair(
-                new.query[:, :dims], old.gallery[:, :dims], query_labels, gallery_labels, k=k
-            ),
-        )
+        no = add(new.name, new.name, old.name, new.query, old.gallery, dims=dims)
         results[new.name] = (nn, no)
     verdicts = []
     for new in new_sets:
@@ -228,12 +231,19 @@ def cross_evaluate(
         report = compatibility_report(
             oo[PRIMARY_METRIC], no[PRIMARY_METRIC], nn[PRIMARY_METRIC], nstar[PRIMARY_METRIC]
         )
+        diff = boot.interval(
+            lambda a, b: a - b,
+            a=per_query[(new.name, old.name)][PRIMARY_METRIC],
+            b=per_query[(old.name, old.name)][PRIMARY_METRIC],
+        )
         verdicts.append(
             dict(
                 model=new.name,
                 metric=PRIMARY_METRIC,
                 criterion="M(new, old) > M(old, old)",
                 compatible=bool(report["compatible"]),
+                verdict=verdict(diff),
+                difference=diff.to_dict(),
                 m_old_old=oo[PRIMARY_METRIC],
                 m_new_old=no[PRIMARY_METRIC],
                 m_new_new=nn[PRIMARY_METRIC],

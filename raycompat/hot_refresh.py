@@ -44,6 +44,7 @@ from raycompat.config import (
 from raycompat.console import job_main, quiet_ray
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
+from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.serving.scoring import SERVED_MODES
 
 __all__ = ["HotRefreshOptions", "TINY_SIZES", "run_hot_refresh", "build_parser", "main"]
@@ -95,6 +96,9 @@ class HotRefreshOptions:
     policy: str = choices(*POLICIES, default="random", help="backfill policy")
     mode: str = choices(*SERVED_MODES, default="compatible", help="query mode")
     seed: int = option(0, help="seed of the policy, the ingestion order and the tiny training")
+    bootstrap: BootstrapOptions = option(
+        BootstrapOptions(), help="bootstrap band of the simulated curve (over the query classes)"
+    )
     fractions: str = option(
         "0,0.1,0.25,0.5,0.75,1", help="comma-separated backfill fractions to measure at"
     )
@@ -445,6 +449,14 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
     return {"url": url, "live": live, "status": status, "image_check": image_check}
 
 
+def _with_band(curve, metric: str, j: int):
+    """The simulated value at grid point ``j`` with its bootstrap band, ``v [low, high]``."""
+    value, band = float(curve.metrics[metric][j]), curve.bands.get(metric)
+    if not band or not np.isfinite(value):
+        return value
+    return f"{value:.4f} [{band['low'][j]:.4f}, {band['high'][j]:.4f}]"
+
+
 def _curve_table(live: dict, sim_curve, fractions) -> tuple[list, list]:
     """``(headers, rows)``: live and simulated values of every metric either side measured."""
     names = list(live["metrics"])
@@ -454,7 +466,7 @@ def _curve_table(live: dict, sim_curve, fractions) -> tuple[list, list]:
             [f"{100 * t:.0f}%", live["counts"][j]]
             + sum(
                 (
-                    [live["metrics"][m][j], float(sim_curve.metrics[m][j])]
+                    [live["metrics"][m][j], _with_band(sim_curve, m, j)]
                     for m in names
                     if np.isfinite(live["metrics"][m][j]) or np.isfinite(sim_curve.metrics[m][j])
                 ),
@@ -484,7 +496,10 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
         f"policy `{opts.policy}`, mode `{opts.mode}`, "
         f"seed {opts.seed}, "
         f"new vectors from `{opts.vectors_from}`. "
-        "NFR@1 against old-old top-1 measured live at t=0.",
+        "NFR@1 against old-old top-1 measured live at t=0. `sim` values carry the "
+        f"{100 * opts.bootstrap.confidence:.0f} % bootstrap band over the query classes "
+        f"({opts.bootstrap.resamples} resamples; docs/methods.md, Uncertainty); with an exact "
+        "index the live curve is the simulated one, so the band is the live curve's too.",
         "",
         markdown_table(headers, rows, digits=4),
         "",
@@ -553,7 +568,14 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
         f"{len(fractions)} fractions"
     )
     sim = simulate_backfill(
-        data, [opts.policy], [opts.mode], fractions=fractions, k=k, seed=opts.seed, head=prep.head
+        data,
+        [opts.policy],
+        [opts.mode],
+        fractions=fractions,
+        k=k,
+        seed=opts.seed,
+        head=prep.head,
+        bootstrap=opts.bootstrap,
     )
     sim_curve = sim.curve(opts.policy, opts.mode)
     served = _serve_and_measure(opts, prep, fractions, out, say)
@@ -574,6 +596,8 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
             "fractions": sim_curve.fractions.tolist(),
             "counts": sim_curve.counts.tolist(),
             "metrics": {m: [float(x) for x in v] for m, v in sim_curve.metrics.items()},
+            "bands": sim_curve.bands,
+            "bootstrap": dataclasses.asdict(opts.bootstrap),
         },
         "comparison": cmp,
         "final_status": {"items": status["items"], "backfill": status["backfill"]},

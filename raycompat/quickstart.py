@@ -241,7 +241,7 @@ def _evaluate(scenario, embedded: dict, timings: dict) -> tuple[list, list, tupl
         "mAP@100 "
         + "; ".join(
             f"{v['model']}: M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
-            f"{'compatible' if v['compatible'] else 'NOT compatible'}"
+            f"compatibility {v['verdict']}"
             for v in verdicts
         ),
         timings["evaluate_s"],
@@ -525,15 +525,34 @@ def simulate_hot_refresh(
     return dict(rows=rows, summary=summary, reports=reports)
 
 
+def _with_interval(row: dict):
+    """``value [low, high]`` of an evaluation row (the value alone without an interval)."""
+    from raycompat.report import fmt
+
+    if row.get("low") is None or row.get("high") is None:
+        return row["value"]
+    return f"{fmt(row['value'])} [{fmt(row['low'])}, {fmt(row['high'])}]"
+
+
+def _difference_text(v: dict) -> str:
+    """The BCT criterion's paired difference ``M(n,o) - M(o,o)`` with its interval."""
+    from raycompat.report import fmt
+
+    d = v.get("difference")
+    if not d:
+        return "n/a"
+    return f"{fmt(d['value'])} [{fmt(d['low'])}, {fmt(d['high'])}], {d['queries']} queries"
+
+
 def render_markdown(report: dict, allocation: str) -> str:
     from raycompat.report import fmt, markdown_table
 
     metrics = ["mAP@100", "mAP", "top1", "top5"]
     by_pair: dict[tuple, dict] = {}
     for row in report["evaluations"]:
-        by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = row[
-            "value"
-        ]
+        by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = (
+            _with_interval(row)
+        )
     lines = [
         "# raycompat quickstart report",
         "",
@@ -565,6 +584,9 @@ def render_markdown(report: dict, allocation: str) -> str:
         "",
         "## Retrieval (query embedder -> gallery embedder)",
         "",
+        "`value [low, high]`: the 95 % bootstrap interval over the query classes (every query "
+        "of a drawn class comes with it; docs/methods.md, Uncertainty).",
+        "",
         markdown_table(
             ["model", "query", "gallery"] + metrics,
             [k + tuple(v.get(m) for m in metrics) for k, v in by_pair.items()],
@@ -581,7 +603,8 @@ def render_markdown(report: dict, allocation: str) -> str:
                 "update gain",
                 "Delta_up",
                 "Delta_down",
-                "compatible",
+                "M(n,o) - M(o,o) [95% interval] (paired)",
+                "verdict",
             ],
             [
                 (
@@ -592,7 +615,8 @@ def render_markdown(report: dict, allocation: str) -> str:
                     v["update_gain"],
                     v["delta_up"],
                     v["delta_down"],
-                    v["compatible"],
+                    _difference_text(v),
+                    v.get("verdict", "n/a"),
                 )
                 for v in report["verdicts"]
             ],
@@ -625,8 +649,9 @@ def render_markdown(report: dict, allocation: str) -> str:
     lines.append(
         "Verdicts: "
         + "; ".join(
-            f"{v['model']} is {'compatible' if v['compatible'] else 'not compatible'} "
-            f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])})"
+            f"{v['model']}: M(n,o) > M(o,o) {v.get('verdict', 'n/a')} "
+            f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])}; "
+            f"difference {_difference_text(v)})"
             for v in report["verdicts"]
         )
     )

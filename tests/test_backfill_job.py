@@ -154,6 +154,18 @@ def test_given_rate_and_explicit_names(tmp_path):
     assert data["policies"] == ["random", "sequential"] and data["modes"] == ["compatible", "cold"]
     c = data["curves"][0]
     assert c["seconds"][-1] == pytest.approx(60 / 5)  # 60 gallery items at 5 items/s
+    # every curve has its bootstrap band and AUC interval; the report shows them
+    assert data["bootstrap"]["resamples"] == 1000
+    m = data["metrics"][0]  # mAP@5
+    for curve in data["curves"]:
+        band, values = curve["bands"][m], curve["metrics"][m]
+        assert all(
+            lo <= v <= hi for lo, v, hi in zip(band["low"], values, band["high"], strict=True)
+        )
+        low, high = curve["summary"][m]["auc_interval"]
+        assert low <= curve["summary"][m]["auc"] <= high
+    markdown = (out / "curves.md").read_text()
+    assert "better than random (AUC, paired)" in markdown and " [" in markdown
 
 
 @pytest.mark.parametrize(

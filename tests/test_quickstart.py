@@ -95,6 +95,16 @@ def test_bct_first_claim_holds(quickstart_report):
     assert bct["compatible"] and bct["m_new_old"] > bct["m_old_old"]
     assert not independent["compatible"]
     assert independent["m_new_old"] < 0.5 * independent["m_old_old"]
+    # the verdict is the paired interval's: held / not held / inconclusive
+    for v in (bct, independent):
+        d = v["difference"]
+        assert d["low"] <= d["value"] <= d["high"]
+        assert d["value"] == pytest.approx(v["m_new_old"] - v["m_old_old"])
+        expected = "held" if d["low"] > 0 else "not held" if d["high"] <= 0 else "inconclusive"
+        assert v["verdict"] == expected
+    assert independent["verdict"] == "not held"
+    rows = [r for r in report["evaluations"] if r["metric"] == "mAP@100"]
+    assert rows and all(r["low"] <= r["value"] <= r["high"] for r in rows)
 
 
 def test_hot_refresh_curves_in_report(quickstart_report):

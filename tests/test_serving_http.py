@@ -794,6 +794,9 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
     m = report["live"]["metrics"]["mAP@20"]
     assert m[0] != m[-1]  # the backfill changed the ranking
     assert report["final_status"]["items"]["new"] == 72
+    band = report["simulator"]["bands"]["mAP@20"]  # the simulated curve's bootstrap band
+    sim = report["simulator"]["metrics"]["mAP@20"]
+    assert all(lo <= v <= hi for lo, v, hi in zip(band["low"], sim, band["high"], strict=True))
 
 
 @pytest.fixture(scope="module")

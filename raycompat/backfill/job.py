@@ -35,6 +35,7 @@ from raycompat.config import (
 from raycompat.console import fail, job_main
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
+from raycompat.metrics.bootstrap import BootstrapOptions
 
 __all__ = ["BackfillJobOptions", "build_parser", "run", "main"]
 
@@ -76,6 +77,9 @@ class BackfillJobOptions:
     )
     modes: str | None = option(
         None, help=f"comma-separated; allowed: {', '.join(MODES)} (none: all that the inputs allow)"
+    )
+    bootstrap: BootstrapOptions = option(
+        BootstrapOptions(), help="bootstrap intervals over the query classes"
     )
     grid_step: float = positive(5.0, help="grid step in percent (5: 21 points)")
     k: int = positive(100, help="cut-off of mAP@k")
@@ -374,6 +378,7 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
         learned_sample_fraction=opts.learned_sample,
         rank_merge_distance=opts.rank_merge_distance,
         progress=say,
+        bootstrap=opts.bootstrap,
     )
     if distributed:
         from raycompat.backfill.distributed import simulate_backfill_dataset

@@ -88,6 +88,10 @@ def _plot_one(
             linewidth=1.3,
             label=label,
         )
+        band = c.bands.get(metric)
+        if band:  # the bootstrap interval at every grid point
+            low, high = (100.0 * np.asarray(band[k], dtype=float) for k in ("low", "high"))
+            ax.fill_between(x, low, high, color=color, alpha=0.12, linewidth=0)
     if not metric.startswith("NFR"):
         for ref, color in (("old-old", "gray"), ("new-new", "black"), ("new*-new*", "tab:red")):
             v = result.references.get(ref, {}).get(metric)

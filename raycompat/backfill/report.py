@@ -7,7 +7,9 @@
   gain, regression statistics), references, the cost model and the
   configuration; NaN is written as ``null``; an undefined AUC gain is ``null`` with its
   reason in ``auc_gain_note``;
-* ``curves.md`` -- the same as tables a person can read;
+* ``curves.md`` -- the same as tables a person can read; with bootstrap intervals (the job's
+  default, docs/methods.md "Uncertainty") every value as ``value [low, high]`` and each policy's
+  AUC against ``random``'s in the same mode as a paired difference with its verdict;
 * ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
   :mod:`raycompat.backfill.plots`.
 
@@ -16,6 +18,7 @@ All values are fractions in [0, 1] in the JSON; the markdown shows percentages.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -32,6 +35,44 @@ def _pct(v) -> float | None:
         return None
     v = float(v)
     return 100.0 * v if np.isfinite(v) else None
+
+
+def _pct_iv(value, low=None, high=None) -> str | float | None:
+    """``12.34 [11.02, 13.60]`` in percent, or the plain percentage without an interval."""
+    v, lo, hi = _pct(value), _pct(low), _pct(high)
+    if v is None or lo is None or hi is None:
+        return v
+    return f"{v:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _band(curve, metric: str, j: int) -> tuple:
+    band = curve.bands.get(metric)
+    return (None, None) if not band else (band["low"][j], band["high"][j])
+
+
+def _vs_random(result, curve, metric: str) -> str | None:
+    """``AUC(curve) - AUC(random)`` in the same mode, paired, with its verdict."""
+    from raycompat.backfill.simulator import QUERIES
+    from raycompat.metrics.bootstrap import Bootstrap
+    from raycompat.metrics.verdicts import verdict
+
+    if result.bootstrap is None or curve.policy == "random" or curve.mode == "cold":
+        return None
+    base = next((c for c in result.curves if c.policy == "random" and c.mode == curve.mode), None)
+    a, b = curve.samples.get(metric), None if base is None else base.samples.get(metric)
+    if a is None or b is None or not (result.fractions[0] == 0 and result.fractions[-1] == 1):
+        return None
+    boot = Bootstrap(result.bootstrap)
+    boot.add_query_set(QUERIES, result.query_labels)
+    f = np.asarray(result.fractions, dtype=np.float64)
+
+    def area_difference(a, b):
+        return (((a - b)[..., 1:] + (a - b)[..., :-1]) / 2.0 * np.diff(f)).sum(axis=-1)
+
+    iv = boot.interval(area_difference, a=a, b=b)
+    if metric.startswith("NFR"):  # lower is better: the claim is AUC(random) - AUC(policy) > 0
+        iv = dataclasses.replace(iv, estimate=-iv.estimate, low=-iv.high, high=-iv.low, per_seed=())
+    return f"{_pct_iv(iv.estimate, iv.low, iv.high)} {verdict(iv)}"
 
 
 def _time_unit(seconds: float):
@@ -119,8 +160,13 @@ def _run_lines(result) -> list[str]:
 def _references_lines(result) -> list[str]:
     if not result.references:
         return []
+    ivs = result.reference_intervals
     rows = [
-        [ref] + [_pct(v.get(n)) for n in result.metric_names]
+        [ref]
+        + [
+            _pct_iv(v.get(n), *((ivs.get(ref, {}).get(n) or {}).get(k) for k in ("low", "high")))
+            for n in result.metric_names
+        ]
         for ref, v in result.references.items()
     ]
     return [
@@ -151,6 +197,7 @@ def _summary_lines(result) -> list[str]:
         "t=100%",
         "AUC",
         "AUC gain",
+        "better than random (AUC, paired)",
         "regression",
     ]
     rows = []
@@ -164,11 +211,12 @@ def _summary_lines(result) -> list[str]:
                     c.policy,
                     c.mode,
                     n,
-                    _pct(v[0]),
-                    _pct(v[mid]),
-                    _pct(v[-1]),
-                    _pct(s.get("auc")),
+                    _pct_iv(v[0], *_band(c, n, 0)),
+                    _pct_iv(v[mid], *_band(c, n, mid)),
+                    _pct_iv(v[-1], *_band(c, n, -1)),
+                    _pct_iv(s.get("auc"), *(s.get("auc_interval") or (None, None))[:2]),
                     _pct(s.get("auc_gain")),
+                    _vs_random(result, c, n),
                     _regression_text(s.get("regression")),
                 ]
             )
@@ -180,7 +228,9 @@ def _summary_lines(result) -> list[str]:
         "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference and "
         "new*-new* better than old-old; n/a otherwise, with the reason under the table); "
         "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
-        "for NFR, rises).",
+        "for NFR, rises). `value [low, high]`: the bootstrap interval over the query classes "
+        "(docs/methods.md, Uncertainty); better than random: the paired AUC difference to the "
+        "random order in the same mode (for NFR, random's minus the policy's) and its verdict.",
         "",
         markdown_table(headers, rows, digits=2),
         "",
