@@ -179,12 +179,15 @@ def cross_evaluate(
     Returns ``(evaluations, verdicts)``: evaluations are flat rows ``{model, query, gallery,
     metric, value, low, high}`` (``low``/``high``: the bootstrap interval over the query
     classes, docs/methods.md "Uncertainty"); verdicts give, per new model, the BCT empirical
-    criterion ``M(n,o) > M(o,o)`` on ``PRIMARY_METRIC`` (``compatible``: the point values),
-    its paired difference with interval and three-outcome ``verdict``, plus update gain (BCT
-    Eq.9) and DMU's Delta_up/Delta_down, using the ``paragon`` model as new*.
+    criterion ``M(n,o) > M(o,o)`` on ``PRIMARY_METRIC``: the paired interval of ``M(n,o) -
+    M(o,o)`` (same queries, same draws) as ``difference`` and its three-outcome ``verdict``
+    (``compatible``: the verdict is "held"), plus update gain (BCT Eq.9) and DMU's
+    Delta_up/Delta_down, using the ``paragon`` model as new*; ``intervals`` holds the paired
+    interval of every one of those numbers.
     """
     from raycompat.metrics.bootstrap import Bootstrap
-    from raycompat.metrics.verdicts import verdict
+    from raycompat.metrics.compatibility import delta_down, delta_up, update_gain
+    from raycompat.metrics.verdicts import HELD, verdict
 
     boot = Bootstrap(bootstrap or BootstrapOptions())
     boot.add_query_set("queries", query_labels)
@@ -225,25 +228,45 @@ def cross_evaluate(
         no = add(new.name, new.name, old.name, new.query, old.gallery, dims=dims)
         results[new.name] = (nn, no)
     verdicts = []
+    statistics = dict(  # every number of a verdict, as a function of the paired samples
+        m_old_old=lambda oo, no, nn, ns: oo,
+        m_new_old=lambda oo, no, nn, ns: no,
+        m_new_new=lambda oo, no, nn, ns: nn,
+        m_paragon=lambda oo, no, nn, ns: ns,
+        update_gain=lambda oo, no, nn, ns: update_gain(no, oo, ns),
+        delta_up=lambda oo, no, nn, ns: delta_up(no, oo),
+        delta_down=lambda oo, no, nn, ns: delta_down(nn, ns),
+    )
     for new in new_sets:
         nn, no = results[new.name]
-        nstar = results[paragon][0] if paragon in results else nn
+        nstar_name = paragon if paragon in results else new.name
+        nstar = results[nstar_name][0]
         report = compatibility_report(
             oo[PRIMARY_METRIC], no[PRIMARY_METRIC], nn[PRIMARY_METRIC], nstar[PRIMARY_METRIC]
         )
-        diff = boot.interval(
-            lambda a, b: a - b,
-            a=per_query[(new.name, old.name)][PRIMARY_METRIC],
-            b=per_query[(old.name, old.name)][PRIMARY_METRIC],
-        )
+        paired = {
+            key: per_query[pair][PRIMARY_METRIC]
+            for key, pair in (
+                ("oo", (old.name, old.name)),
+                ("no", (new.name, old.name)),
+                ("nn", (new.name, new.name)),
+                ("ns", (nstar_name, nstar_name)),
+            )
+        }
+        diff = boot.interval(lambda a, b: a - b, a=paired["no"], b=paired["oo"])
+        held = verdict(diff)
         verdicts.append(
             dict(
                 model=new.name,
                 metric=PRIMARY_METRIC,
                 criterion="M(new, old) > M(old, old)",
-                compatible=bool(report["compatible"]),
-                verdict=verdict(diff),
+                compatible=held == HELD,
+                verdict=held,
                 difference=diff.to_dict(),
+                intervals={
+                    name: boot.interval(stat, **paired).to_dict()
+                    for name, stat in statistics.items()
+                },
                 m_old_old=oo[PRIMARY_METRIC],
                 m_new_old=no[PRIMARY_METRIC],
                 m_new_new=nn[PRIMARY_METRIC],

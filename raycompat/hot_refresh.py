@@ -14,7 +14,11 @@ to ``<--storage>/hot_refresh/<--name>`` with ``--storage`` (training checkpoints
 
 The simulator and the shards rank by the same canonical scores (:mod:`raycompat.index.canonical`),
 so with an exact index (``--factory Flat``) the live curve equals the simulator's exactly, near-ties
-included. This module lives outside :mod:`raycompat.serving` because it trains models.
+included. Both curves carry their bootstrap band over the query classes (``--resamples``,
+``--confidence``, ``--bootstrap-seed``; docs/methods.md, "Uncertainty"): the simulator's from its
+per-query terms, the live one's from the per-query values of the searches it made; report.md
+shows every value with its interval and ``live_vs_simulator.png`` both curves with their bands.
+This module lives outside :mod:`raycompat.serving` because it trains models.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ class HotRefreshOptions:
     mode: str = choices(*SERVED_MODES, default="compatible", help="query mode")
     seed: int = option(0, help="seed of the policy, the ingestion order and the tiny training")
     bootstrap: BootstrapOptions = option(
-        BootstrapOptions(), help="bootstrap band of the simulated curve (over the query classes)"
+        BootstrapOptions(), help="bootstrap bands of the live and simulated curves"
     )
     fractions: str = option(
         "0,0.1,0.25,0.5,0.75,1", help="comma-separated backfill fractions to measure at"
@@ -385,9 +389,75 @@ def _prepare(opts: HotRefreshOptions, out: str, runs_dir: str, say) -> _Prepared
     )
 
 
+class _RecordingClient:
+    """The serving client, keeping the result ids of the labelled-query searches the live curve
+    makes: ``model="new"`` at every fraction, ``model="old"`` for the old-old reference."""
+
+    def __init__(self, client):
+        self._client = client
+        self.searches: dict[str, list] = {"new": [], "old": []}
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def search(self, vectors, *args, **kwargs):
+        out = self._client.search(vectors, *args, **kwargs)
+        if kwargs.get("model") in self.searches:
+            self.searches[kwargs["model"]].append(np.asarray(out[0]))
+        return out
+
+
+def live_samples(searches: dict, data, k: int, n_fractions: int) -> dict:
+    """Per-query terms (``{metric: Sample}``, ``[1, Q, J]``) of the live curve from its searches'
+    ids: AP@k and top-1 over the queries with a positive, NFR@1 over the old-old successes
+    (:func:`raycompat.serving.live_eval.live_metrics`'s definitions); empty unless there is one
+    search per fraction."""
+    from raycompat.backfill.engine import METRIC_NAMES, positive_pairs
+    from raycompat.backfill.simulator import QUERIES
+    from raycompat.metrics import average_precision_at_k, correct_at_k
+    from raycompat.metrics.bootstrap import Sample
+
+    if len(searches["new"]) != n_fractions:
+        return {}
+    order = np.argsort(data.gallery_ids)
+    gid, glab = np.asarray(data.gallery_ids)[order], np.asarray(data.gallery_labels)[order]
+    ql = np.asarray(data.query_labels)[:, None]
+
+    def relevance(ids):
+        pos = np.clip(np.searchsorted(gid, ids), 0, len(gid) - 1)
+        return (ids >= 0) & (gid[pos] == ids) & (glab[pos] == ql)
+
+    npos = positive_pairs(data.query_labels, data.gallery_labels)[2]
+    rel = [relevance(ids) for ids in searches["new"]]
+    c1 = np.stack([correct_at_k(r, 1) for r in rel], axis=1)  # [Q, J]
+    names = METRIC_NAMES(k)
+    out = {
+        names[0]: Sample.mean(
+            QUERIES, np.stack([average_precision_at_k(r, npos, k) for r in rel], axis=1)
+        ),
+        names[2]: Sample.mean(QUERIES, np.where((npos > 0)[:, None], c1, np.nan)),
+    }
+    if len(searches["old"]) == 1:
+        base = correct_at_k(relevance(searches["old"][0]), 1)
+        out[names[3]] = Sample.rate(QUERIES, base[:, None] & ~c1, base)
+    return out
+
+
+def live_bands(samples: dict, data, options: BootstrapOptions) -> dict:
+    """``{metric: {"low": [J], "high": [J]}}``: the live curve's bootstrap band."""
+    from raycompat.backfill.simulator import QUERIES
+    from raycompat.metrics.bootstrap import Bootstrap
+
+    boot = Bootstrap(options)
+    boot.add_query_set(QUERIES, data.query_labels)
+    bands = {m: boot.interval(curve=s) for m, s in samples.items()}
+    return {m: {k: [float(x) for x in b[k]] for k in ("low", "high")} for m, b in bands.items()}
+
+
 def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out: str, say) -> dict:
     """Serve the gallery, backfill it live through HTTP and measure at ``fractions``:
-    ``{"url", "live", "status", "image_check"}``."""
+    ``{"url", "live", "status", "image_check"}``; ``live["bands"]``: the live curve's bootstrap
+    band (:func:`live_samples`)."""
     from raycompat.serving.app import start_serving, stop_serving
     from raycompat.serving.auth import TOKEN_ENV
     from raycompat.serving.client import ServingClient
@@ -426,8 +496,9 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
             f"live backfill through {url} "
             f"(vectors from {opts.vectors_from}, batch {opts.batch_size})"
         )
+        recorder = _RecordingClient(client)
         live = live_backfill_curve(
-            client,
+            recorder,
             prep.data,
             fractions,
             policy=opts.policy,
@@ -438,6 +509,8 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
             rate=opts.rate,
             log=say,
         )
+        samples = live_samples(recorder.searches, prep.data, prep.k, len(fractions))
+        live["bands"] = live_bands(samples, prep.data, opts.bootstrap)
         status = client.status()
         image_check = (
             _image_query_check(client, prep.data, opts, prep.new_model, prep.old_model, prep.items)
@@ -449,9 +522,9 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
     return {"url": url, "live": live, "status": status, "image_check": image_check}
 
 
-def _with_band(curve, metric: str, j: int):
-    """The simulated value at grid point ``j`` with its bootstrap band, ``v [low, high]``."""
-    value, band = float(curve.metrics[metric][j]), curve.bands.get(metric)
+def _with_band(value, band: dict | None, j: int):
+    """The value at grid point ``j`` with its bootstrap band, ``v [low, high]``."""
+    value = float(value)
     if not band or not np.isfinite(value):
         return value
     return f"{value:.4f} [{band['low'][j]:.4f}, {band['high'][j]:.4f}]"
@@ -466,7 +539,10 @@ def _curve_table(live: dict, sim_curve, fractions) -> tuple[list, list]:
             [f"{100 * t:.0f}%", live["counts"][j]]
             + sum(
                 (
-                    [live["metrics"][m][j], _with_band(sim_curve, m, j)]
+                    [
+                        _with_band(live["metrics"][m][j], live.get("bands", {}).get(m), j),
+                        _with_band(sim_curve.metrics[m][j], sim_curve.bands.get(m), j),
+                    ]
                     for m in names
                     if np.isfinite(live["metrics"][m][j]) or np.isfinite(sim_curve.metrics[m][j])
                 ),
@@ -496,10 +572,11 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
         f"policy `{opts.policy}`, mode `{opts.mode}`, "
         f"seed {opts.seed}, "
         f"new vectors from `{opts.vectors_from}`. "
-        "NFR@1 against old-old top-1 measured live at t=0. `sim` values carry the "
-        f"{100 * opts.bootstrap.confidence:.0f} % bootstrap band over the query classes "
-        f"({opts.bootstrap.resamples} resamples; docs/methods.md, Uncertainty); with an exact "
-        "index the live curve is the simulated one, so the band is the live curve's too.",
+        "NFR@1 against old-old top-1 measured live at t=0. Values carry their "
+        f"{100 * opts.bootstrap.confidence:g} % bootstrap band over the query classes "
+        f"({opts.bootstrap.resamples} resamples, seed {opts.bootstrap.bootstrap_seed}; "
+        "docs/methods.md, Uncertainty): `live` from the per-query values of the live searches, "
+        "`sim` from the simulator's, on the same draws.",
         "",
         markdown_table(headers, rows, digits=4),
         "",
@@ -517,12 +594,47 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
         "float64 scores (`raycompat.index.canonical`), so they do not."
     )
     md.append("")
+    md += ["", f"![live vs simulator]({PLOT_NAME})", ""]
     if image_check:
         md.append(
             f"Image queries (base64 PNG, embedded by the router): {image_check['agree_top1']}/"
             f"{image_check['n']} top-1 ids equal to the vector search of the same embedding."
         )
     return "\n".join(md) + "\n"
+
+
+PLOT_NAME = "live_vs_simulator.png"
+
+
+def plot_live_vs_simulator(live: dict, sim_curve, path: str) -> str | None:
+    """One panel per metric measured live: the simulated curve with its band (shaded) and the
+    live values with theirs (error bars); None when no metric was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    names = [m for m, v in live["metrics"].items() if np.isfinite(v).any()]
+    if not names:
+        return None
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    x = 100.0 * np.asarray(live["fractions"])
+    for ax, m in zip(axes[0], names, strict=True):
+        ax.plot(x, sim_curve.metrics[m], color="tab:blue", label="simulator")
+        band = sim_curve.bands.get(m)
+        if band:
+            ax.fill_between(x, band["low"], band["high"], color="tab:blue", alpha=0.2, linewidth=0)
+        y, lb = np.asarray(live["metrics"][m], dtype=float), live.get("bands", {}).get(m)
+        err = None if not lb else np.abs(np.stack([y - lb["low"], np.asarray(lb["high"]) - y]))
+        ax.errorbar(x, y, yerr=err, fmt="o", color="tab:orange", capsize=3, label="live (HTTP)")
+        ax.set_xlabel("fraction backfilled (%)")
+        ax.set_title(m)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _serving_port(opts) -> int:
@@ -599,12 +711,14 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
             "bands": sim_curve.bands,
             "bootstrap": dataclasses.asdict(opts.bootstrap),
         },
+        "plot": PLOT_NAME,
         "comparison": cmp,
         "final_status": {"items": status["items"], "backfill": status["backfill"]},
         "image_queries": served["image_check"],
         "seconds": time.time() - t0,
     }
     write_json(os.path.join(out, "report.json"), report)
+    plot_live_vs_simulator(live, sim_curve, os.path.join(out, PLOT_NAME))
     with open(os.path.join(out, "report.md"), "w") as fh:
         table = _curve_table(live, sim_curve, fractions)
         fh.write(_markdown(opts, data, k, cmp, table, served["image_check"]))

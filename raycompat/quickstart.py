@@ -11,6 +11,11 @@ The job ends with the hot-refresh backfill simulation of its models
 allows, with the independent model (new*) as the AUC-gain paragon and as the
 incompatible counter-example. The console gets one summary line per phase
 (:func:`raycompat.console.phase`); see docs/architecture.md, "Jobs".
+
+Every retrieval number of the report carries its bootstrap interval over the query classes
+(``--resamples``, ``--confidence``, ``--bootstrap-seed``; docs/methods.md, "Uncertainty"), every
+backfill curve its band, and the BCT verdict is the paired interval's: held, not held or
+inconclusive.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from raycompat.config import (
 )
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
+from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.outputs import OutputOptions
 
 __all__ = ["QuickstartOptions", "QUICKSTART_SIZES", "build_parser", "main", "run_quickstart"]
@@ -80,11 +86,16 @@ class QuickstartOptions:
     workers: int = positive(1, help="DDP workers per training run (Ray Train)")
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
+    bootstrap: BootstrapOptions = option(
+        BootstrapOptions(), help="bootstrap intervals over the query classes"
+    )
     verbose: bool = option(False, help="keep Ray's own INFO lines and print every table")
 
 
 #: options that say where things go or what is printed, not what is trained
 LOCATION_OPTIONS = ("out", "storage", "name", "overwrite", "address", "verbose")
+#: options of the report's intervals, not of what is trained or embedded
+INTERVAL_OPTIONS = tuple(f.name for f in dataclasses.fields(BootstrapOptions))
 
 
 def options_record(opts: QuickstartOptions) -> dict:
@@ -100,7 +111,8 @@ def _config_tag(opts: QuickstartOptions, scenario) -> str:
     retraining (wherever its report goes)."""
     from raycompat.train.runs import config_tag
 
-    trained = {k: v for k, v in options_record(opts).items() if k not in LOCATION_OPTIONS}
+    skip = LOCATION_OPTIONS + INTERVAL_OPTIONS
+    trained = {k: v for k, v in options_record(opts).items() if k not in skip}
     return config_tag(trained, scenario.to_dict())
 
 
@@ -222,8 +234,11 @@ def data_record(scenario) -> dict:
     )
 
 
-def _evaluate(scenario, embedded: dict, timings: dict) -> tuple[list, list, tuple]:
-    """Every query model against every gallery model; one line with the verdicts."""
+def _evaluate(
+    opts: QuickstartOptions, scenario, embedded: dict, timings: dict
+) -> tuple[list, list, tuple]:
+    """Every query model against every gallery model, with intervals; one line with the
+    verdicts (the paired interval of M(n,o) - M(o,o))."""
     from raycompat.evaluation import cross_evaluate, scenario_eval_items
 
     t = time.time()
@@ -234,14 +249,15 @@ def _evaluate(scenario, embedded: dict, timings: dict) -> tuple[list, list, tupl
         q_labels,
         g_labels,
         paragon="independent",
+        bootstrap=opts.bootstrap,
     )
     timings["evaluate_s"] = time.time() - t
     console.phase(
         "evaluated",
         "mAP@100 "
         + "; ".join(
-            f"{v['model']}: M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f} "
-            f"compatibility {v['verdict']}"
+            f"{v['model']}: M(n,o)={v['m_new_old']:.4f} vs M(o,o)={v['m_old_old']:.4f}, "
+            f"difference {_difference_text(v)}: compatibility {v['verdict']}"
             for v in verdicts
         ),
         timings["evaluate_s"],
@@ -279,7 +295,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
         f"gallery items with {', '.join(models)} (Ray Data pipeline)",
         timings["embed_s"],
     )
-    evaluations, verdicts, (q_labels, g_labels) = _evaluate(scenario, embedded, timings)
+    evaluations, verdicts, (q_labels, g_labels) = _evaluate(opts, scenario, embedded, timings)
 
     t = time.time()
     paragon = {
@@ -296,6 +312,7 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
         paragon,
         seed=opts.seed,
         log=print if console.is_verbose() else None,
+        bootstrap=opts.bootstrap,
     )
     timings["backfill_s"] = time.time() - t
     console.phase(
@@ -446,6 +463,7 @@ def simulate_hot_refresh(
     paragon: dict,
     seed: int = 0,
     log=None,
+    bootstrap: BootstrapOptions | None = None,
 ) -> dict:
     """Backfill curves of the main job's upgrade (docs/methods.md: Backfill policies, Query
     strategies, Metrics).
@@ -462,6 +480,9 @@ def simulate_hot_refresh(
     (RM Table 1). The time axis uses the BCT embedder's measured items/s on this machine.
     Writes ``<out_dir>/<model>/curves.{json,md}`` and PNGs; returns ``{"rows", "summary",
     "reports"}`` where rows are ``{model, policy, mode, fraction, metric, value, ...}``.
+    With ``bootstrap``, rows carry their band (``low``/``high``), curves and PNGs their bands,
+    summaries their intervals and verdicts (:func:`raycompat.backfill.report.curve_intervals`;
+    the independent model's new-new per-query terms are new*-new*'s, resampled with the rest).
     """
     from raycompat.backfill import (
         CostModel,
@@ -470,7 +491,12 @@ def simulate_hot_refresh(
         measure_items_per_s,
         simulate_backfill,
     )
-    from raycompat.backfill.report import write_reports
+    from raycompat.backfill.report import (
+        curve_intervals,
+        curve_rows,
+        summary_rows,
+        write_reports,
+    )
 
     say = log or (lambda message: None)
     old = embedded["old"]
@@ -490,7 +516,7 @@ def simulate_hot_refresh(
     stored = np.random.default_rng([seed, 1]).permutation(
         len(gallery_labels)
     )  # not the random policy's stream
-    rows, summary, reports = [], [], {}
+    rows, summary, reports, newstar = [], [], {}, None
     for name, policies, modes, uncertainty_head in runs:
         new = embedded[name]
         data = GalleryEmbeddings(
@@ -512,12 +538,19 @@ def simulate_hot_refresh(
             head=uncertainty_head,
             cost=cost,
             references={"new*-new*": paragon},
+            bootstrap=bootstrap,
         )
+        if name == "independent":  # new*: the independent model, the first run
+            newstar = result.reference_samples.get("new-new")
+        intervals = curve_intervals(result, newstar)
         reports[name] = write_reports(
-            result, os.path.join(out_dir, name), title=f"Hot refresh: old -> {name}"
+            result,
+            os.path.join(out_dir, name),
+            title=f"Hot refresh: old -> {name}",
+            intervals=intervals,
         )
-        rows += [dict(model=name, **r) for r in result.rows()]
-        summary += [dict(model=name, **r) for r in result.summary_rows()]
+        rows += [dict(model=name, **r) for r in curve_rows(result)]
+        summary += [dict(model=name, **r) for r in summary_rows(result, intervals)]
         say(
             f"  {name}: {len(result.curves)} curves in {result.stats['seconds']:.1f} s -> "
             f"{reports[name]['markdown']}"
@@ -525,23 +558,39 @@ def simulate_hot_refresh(
     return dict(rows=rows, summary=summary, reports=reports)
 
 
-def _with_interval(row: dict):
-    """``value [low, high]`` of an evaluation row (the value alone without an interval)."""
+def _iv(value, low=None, high=None):
+    """``value [low, high]`` (4 digits), the value alone without an interval."""
     from raycompat.report import fmt
 
-    if row.get("low") is None or row.get("high") is None:
-        return row["value"]
-    return f"{fmt(row['value'])} [{fmt(row['low'])}, {fmt(row['high'])}]"
+    if value is None or low is None or high is None:
+        return value
+    return f"{fmt(value)} [{fmt(low)}, {fmt(high)}]"
+
+
+def _with_interval(row: dict):
+    """An evaluation row's value with its interval."""
+    return _iv(row["value"], row.get("low"), row.get("high"))
+
+
+def _verdict_number(v: dict, key: str):
+    """A verdict's number (``m_old_old``, ``update_gain``, ...) with its paired interval."""
+    d = v.get("intervals", {}).get(key)
+    return v[key] if not d else _iv(v[key], d["low"], d["high"])
 
 
 def _difference_text(v: dict) -> str:
-    """The BCT criterion's paired difference ``M(n,o) - M(o,o)`` with its interval."""
-    from raycompat.report import fmt
-
+    """The BCT criterion's paired difference ``M(n,o) - M(o,o)`` with its interval, and the
+    queries and classes behind it."""
     d = v.get("difference")
     if not d:
         return "n/a"
-    return f"{fmt(d['value'])} [{fmt(d['low'])}, {fmt(d['high'])}], {d['queries']} queries"
+    return (
+        f"{_iv(d['value'], d['low'], d['high'])}, {d['queries']} queries in {d['classes']} classes"
+    )
+
+
+def _confidence(report: dict) -> str:
+    return f"{100 * report['options'].get('confidence', 0.95):g} %"
 
 
 def render_markdown(report: dict, allocation: str) -> str:
@@ -553,11 +602,18 @@ def render_markdown(report: dict, allocation: str) -> str:
         by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = (
             _with_interval(row)
         )
+    conf = _confidence(report)
     lines = [
         "# raycompat quickstart report",
         "",
         f"Scenario `{report['scenario']['name']}` (seed {report['scenario']['seed']}), "
         f"{report['catalog']['description']}.",
+        "",
+        f"Every retrieval number is `value [low, high]`: its {conf} bootstrap interval over the "
+        f"query classes ({report['options'].get('resamples', 1000)} resamples, seed "
+        f"{report['options'].get('bootstrap_seed', 0)}; every query of a drawn class comes with "
+        "it; docs/methods.md, Uncertainty). Differences and ratios of two numbers are paired: "
+        "the same queries in the same draws.",
         "",
         "## Data allocation",
         "",
@@ -584,9 +640,6 @@ def render_markdown(report: dict, allocation: str) -> str:
         "",
         "## Retrieval (query embedder -> gallery embedder)",
         "",
-        "`value [low, high]`: the 95 % bootstrap interval over the query classes (every query "
-        "of a drawn class comes with it; docs/methods.md, Uncertainty).",
-        "",
         markdown_table(
             ["model", "query", "gallery"] + metrics,
             [k + tuple(v.get(m) for m in metrics) for k, v in by_pair.items()],
@@ -594,42 +647,24 @@ def render_markdown(report: dict, allocation: str) -> str:
         "",
         "## Compatibility (BCT criterion on mAP@100, new* = independent)",
         "",
-        markdown_table(
-            [
-                "model",
-                "M(o,o)",
-                "M(n,o)",
-                "M(n,n)",
-                "update gain",
-                "Delta_up",
-                "Delta_down",
-                "M(n,o) - M(o,o) [95% interval] (paired)",
-                "verdict",
-            ],
-            [
-                (
-                    v["model"],
-                    v["m_old_old"],
-                    v["m_new_old"],
-                    v["m_new_new"],
-                    v["update_gain"],
-                    v["delta_up"],
-                    v["delta_down"],
-                    _difference_text(v),
-                    v.get("verdict", "n/a"),
-                )
-                for v in report["verdicts"]
-            ],
-        ),
+        "The claim M(n,o) > M(o,o) is held when the paired interval of the difference is above "
+        "0, not held when it is at or below 0, inconclusive when it contains 0.",
+        "",
+        _compatibility_table(report, conf),
         "",
         "## Hot refresh (backfill simulation)",
         "",
         "The gallery is backfilled item by item with the new model while the new model "
         "already answers queries. Values at 0 %, 50 % and 100 % backfilled, the area under "
         "the curve over the fraction backfilled, the AUC gain against the independent model "
-        "(new*, RM Table 1), and regressions (RACT Eq.3: grid points worse than t=0, and steps "
-        "between grid points that make the metric worse; for NFR@1 worse means higher). "
-        "Full curves: `backfill/<model>/curves.md`, plots below.",
+        "(new*, RM Table 1), each with its interval; the paired AUC difference to the random "
+        "order in the same mode (for NFR@1, random's minus the policy's: positive is better) "
+        "with its verdict; regressions (RACT Eq.3: grid points worse than t=0, and steps "
+        "between grid points that make the metric worse; for NFR@1 worse means higher) with the "
+        "verdict on 'the curve regresses': held when one of those paired differences is "
+        "worse beyond its interval, not held when every interval excludes a worsening. "
+        "Full curves: `backfill/<model>/curves.md`, plots below (the shaded bands are the "
+        "intervals).",
         "",
         _backfill_table(report),
         "",
@@ -658,29 +693,51 @@ def render_markdown(report: dict, allocation: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _compatibility_table(report: dict, conf: str) -> str:
+    from raycompat.report import markdown_table
+
+    keys = ("m_old_old", "m_new_old", "m_new_new", "update_gain", "delta_up", "delta_down")
+    return markdown_table(
+        ["model", "M(o,o)", "M(n,o)", "M(n,n)", "update gain", "Delta_up", "Delta_down"]
+        + [f"M(n,o) - M(o,o) [{conf} interval] (paired)", "verdict"],
+        [
+            (v["model"], *(_verdict_number(v, k) for k in keys))
+            + (_difference_text(v), v.get("verdict", "n/a"))
+            for v in report["verdicts"]
+        ],
+    )
+
+
+def _regression(s: dict) -> str:
+    """Points worse than t=0 and worsening steps, and the verdict on 'the curve regresses'."""
+    reg = s.get("regression")
+    said = s.get("regression_verdict")
+    tail = "" if said is None else f"; regression {said}"
+    if not reg or not reg.get("has_regression"):
+        return "none" + tail
+    return (
+        f"{len(reg['points_below_start'])} points worse than t=0, "
+        f"{len(reg['drops'])} worsening steps" + tail
+    )
+
+
+def _vs_random(s: dict):
+    vs = s.get("vs_random")
+    return None if not vs else f"{_iv(vs['value'], vs['low'], vs['high'])} {vs['verdict']}"
+
+
 def _backfill_table(report: dict) -> str:
     from raycompat.backfill.report import auc_gain_notes
     from raycompat.report import markdown_table
 
-    def value_at(model, policy, mode, metric, fraction):
-        for r in report["curves"]:
-            if (r["model"], r["policy"], r["mode"], r["metric"]) == (
-                model,
-                policy,
-                mode,
-                metric,
-            ) and abs(r["fraction"] - fraction) < 1e-9:
-                return r["value"]
-        return None
+    points = {
+        (r["model"], r["policy"], r["mode"], r["metric"], round(r["fraction"], 9)): r
+        for r in report["curves"]
+    }
 
-    def regression(s):
-        reg = s.get("regression")
-        if not reg or not reg.get("has_regression"):
-            return "none"
-        return (
-            f"{len(reg['points_below_start'])} points worse than t=0, "
-            f"{len(reg['drops'])} worsening steps"
-        )
+    def value_at(s, fraction):
+        r = points.get((s["model"], s["policy"], s["mode"], s["metric"], fraction))
+        return None if r is None else _iv(r["value"], r.get("low"), r.get("high"))
 
     rows = []
     for s in report["backfill"]:
@@ -694,29 +751,15 @@ def _backfill_table(report: dict) -> str:
                 "-" if s["mode"] == "cold" else s["policy"],
                 s["mode"],
                 s["metric"],
-                *(
-                    value_at(s["model"], s["policy"], s["mode"], s["metric"], f)
-                    for f in (0, 0.5, 1)
-                ),
-                s.get("auc"),
-                s.get("auc_gain"),
-                regression(s),
+                *(value_at(s, f) for f in (0.0, 0.5, 1.0)),
+                _iv(s.get("auc"), *(s.get("auc_interval") or (None, None))),
+                _iv(s.get("auc_gain"), *(s.get("auc_gain_interval") or (None, None))),
+                _vs_random(s),
+                _regression(s),
             )
         )
-    table = markdown_table(
-        [
-            "model",
-            "policy",
-            "mode",
-            "metric",
-            "t=0",
-            "t=50%",
-            "t=100%",
-            "AUC",
-            "AUC gain",
-            "regression",
-        ],
-        rows,
-    )
+    headers = ["model", "policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC"]
+    headers += ["AUC gain", "AUC vs random (paired)", "regression"]
+    table = markdown_table(headers, rows)
     shown = [s for s in report["backfill"] if s["metric"] in ("mAP@100", "NFR@1")]
     return "\n".join([table, "", *(f"- {n}" for n in auc_gain_notes(shown))]).rstrip("\n")

@@ -164,8 +164,39 @@ def test_given_rate_and_explicit_names(tmp_path):
         )
         low, high = curve["summary"][m]["auc_interval"]
         assert low <= curve["summary"][m]["auc"] <= high
+    rows = [r for r in data["rows"] if r["value"] is not None]
+    assert rows and all(r["low"] <= r["value"] <= r["high"] for r in rows)
+    for s in data["summary"]:
+        vs = s["vs_random"]
+        if (s["policy"], s["mode"]) != ("sequential", "compatible"):
+            assert vs is None
+            continue
+        assert vs["low"] <= vs["value"] <= vs["high"]  # the paired AUC difference to random
+        expect = "held" if vs["low"] > 0 else "not held" if vs["high"] <= 0 else "inconclusive"
+        assert vs["verdict"] == expect
+        assert s["regression_verdict"] in ("held", "not held", "inconclusive")
     markdown = (out / "curves.md").read_text()
     assert "better than random (AUC, paired)" in markdown and " [" in markdown
+    # the per-fraction tables show every value with its band
+    table = markdown.split(f"## {m} (%) at each backfill fraction")[1].split("##")[0]
+    assert table.count("[") == 3 * len(data["curves"])  # 3 fractions x every curve
+
+
+def test_bootstrap_flags_and_determinism(tmp_path):
+    """--resamples / --confidence / --bootstrap-seed reach the report; the same seed gives the
+    same bands and intervals, value for value."""
+    emb = write_parquet(tmp_path / "emb.parquet", adapted=False)
+    flags = ["--policies", "random,sequential", "--modes", "compatible", "--grid-step", 50]
+    flags += ["--k", 5, "--no-plots", "--quiet", "--resamples", 300, "--confidence", 0.9]
+    reports = []
+    for run in ("a", "b"):
+        r = run_job("--embeddings", emb, *flags, "--bootstrap-seed", 3, "--out", tmp_path / run)
+        assert r.returncode == 0, r.stderr
+        reports.append(json.loads((tmp_path / run / "curves.json").read_text()))
+    a, b = reports
+    assert a["bootstrap"] == {"resamples": 300, "confidence": 0.9, "bootstrap_seed": 3}
+    assert [c["bands"] for c in a["curves"]] == [c["bands"] for c in b["curves"]]
+    assert a["summary"] == b["summary"] and a["reference_intervals"] == b["reference_intervals"]
 
 
 @pytest.mark.parametrize(

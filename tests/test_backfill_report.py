@@ -165,3 +165,90 @@ def test_without_old_queries_nfr_is_undefined_but_curves_exist(data):
     assert all(math.isnan(x) for x in c.metrics["NFR@1"])
     assert np.isfinite(c.metrics["mAP"]).all()
     assert c.summary["NFR@1"]["auc"] is None
+
+
+# ----------------------------------------------------------------------------- intervals
+@pytest.fixture(scope="module")
+def with_intervals(data):
+    """The same simulation with bootstrap intervals (a few resamples keep it quick)."""
+    from raycompat.metrics.bootstrap import BootstrapOptions
+
+    def simulate():
+        return simulate_backfill(
+            data,
+            ["random", "sequential"],
+            ["compatible", "cold"],
+            grid_step=10,
+            k=10,
+            references={"new*-new*": {"mAP@10": 0.9, "mAP": 0.8, "top1": 0.95}},
+            bootstrap=BootstrapOptions(resamples=200, bootstrap_seed=7),
+        )
+
+    return simulate
+
+
+def _inside(low, value, high) -> bool:
+    return low <= value <= high
+
+
+def test_intervals_in_json_and_markdown(with_intervals, tmp_path):
+    """Every row carries its band, every AUC and AUC gain its interval; the paired AUC difference
+    to random and the regression verdicts are one of the three outcomes, as their intervals
+    say."""
+    result = with_intervals()
+    paths = write_reports(result, str(tmp_path), plots=False)
+    back = load_json(paths["json"])
+    assert back["bootstrap"] == {"resamples": 200, "confidence": 0.95, "bootstrap_seed": 7}
+    for curve in back["curves"]:
+        for m, values in curve["metrics"].items():
+            band = curve["bands"][m]
+            assert all(map(_inside, band["low"], values, band["high"])), (curve["policy"], m)
+    rows = [r for r in back["rows"] if r["value"] is not None]
+    assert rows and all(_inside(r["low"], r["value"], r["high"]) for r in rows)
+    outcomes = {"held", "not held", "inconclusive"}
+    compared = 0
+    for s in back["summary"]:
+        if s["auc"] is not None:
+            low, high = s["auc_interval"]
+            assert low <= s["auc"] <= high
+        if s["auc_gain"] is not None:
+            low, high = s["auc_gain_interval"]
+            assert low <= s["auc_gain"] <= high
+        assert s["regression_verdict"] in outcomes
+        assert (s["regression_verdict"] == "held") == (s["regression_held"] > 0)
+        vs = s["vs_random"]
+        if (s["policy"], s["mode"]) == ("sequential", "compatible"):
+            compared += 1
+            assert _inside(vs["low"], vs["value"], vs["high"])
+            expect = "held" if vs["low"] > 0 else "not held" if vs["high"] <= 0 else "inconclusive"
+            assert vs["verdict"] == expect
+        else:
+            assert vs is None  # random itself, and the cold curve
+    assert compared == 4
+    md = open(paths["markdown"]).read()
+    assert "| AUC gain | better than random (AUC, paired) | regression |" in md
+    seq = next(ln for ln in md.splitlines() if ln.startswith("| sequential | compatible | mAP@10"))
+    assert seq.count("[") == 6  # t=0, t=50%, t=100%, AUC, AUC gain, vs random
+    assert "; regression " in seq
+    assert "| old-old | " in md and md.split("| old-old | ")[1].count("[") >= 3
+
+
+def test_paired_difference_and_determinism(with_intervals):
+    """The AUC difference to random is paired (the same draws for both curves), and the same
+    seed gives the same intervals, value for value."""
+    from raycompat.backfill.report import auc_difference, curve_bootstrap, curve_intervals
+    from raycompat.metrics.bootstrap import Bootstrap
+
+    a, b = with_intervals(), with_intervals()
+    assert curve_intervals(a) == curve_intervals(b)
+    assert [c.bands for c in a.curves] == [c.bands for c in b.curves]
+    seq, rnd = a.curve("sequential", "compatible"), a.curve("random", "compatible")
+    boot = curve_bootstrap(a)
+    paired = auc_difference(a, boot, seq, rnd, "mAP@10")
+    assert paired.estimate == pytest.approx(
+        seq.summary["mAP@10"]["auc"] - rnd.summary["mAP@10"]["auc"]
+    )
+    # a curve against itself: exactly 0 in every resample (the draws are shared)
+    same = auc_difference(a, boot, seq, seq, "mAP@10")
+    assert (same.low, same.estimate, same.high) == (0.0, 0.0, 0.0)
+    assert isinstance(boot, Bootstrap) and curve_bootstrap(a).options == a.bootstrap

@@ -797,6 +797,20 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
     band = report["simulator"]["bands"]["mAP@20"]  # the simulated curve's bootstrap band
     sim = report["simulator"]["metrics"]["mAP@20"]
     assert all(lo <= v <= hi for lo, v, hi in zip(band["low"], sim, band["high"], strict=True))
+    # the live curve's band, from the live searches' per-query values: inside it, and (the
+    # same per-query values, the same draws) the simulator's band
+    for metric in ("mAP@20", "top1", "NFR@1"):
+        live_band, values = report["live"]["bands"][metric], report["live"]["metrics"][metric]
+        lows, highs = live_band["low"], live_band["high"]
+        assert all(lo <= v <= hi for lo, v, hi in zip(lows, values, highs, strict=True))
+        sim_band = report["simulator"]["bands"][metric]
+        for side in ("low", "high"):
+            assert live_band[side] == pytest.approx(sim_band[side], abs=1e-9), (metric, side)
+    markdown = (out / "report.md").read_text()
+    row = next(ln for ln in markdown.splitlines() if ln.startswith("| 30% |"))
+    assert row.count("[") >= 4  # mAP@20 and top1, live and simulated, with their intervals
+    assert "![live vs simulator](live_vs_simulator.png)" in markdown
+    assert (out / "live_vs_simulator.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.fixture(scope="module")

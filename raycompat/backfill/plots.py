@@ -2,7 +2,8 @@
 
 One line per policy and mode (colour = policy, line style = mode); the metric against the
 fraction backfilled and, when a cost model is given, against simulated wall-clock time.  Reference
-levels (old-old, new-new, new*-new*) are drawn as dashed horizontal lines.
+levels (old-old, new-new, new*-new*) are drawn as dashed horizontal lines. With bootstrap
+intervals every curve carries its band, shaded in its colour (docs/methods.md, "Uncertainty").
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _plot_one(
         band = c.bands.get(metric)
         if band:  # the bootstrap interval at every grid point
             low, high = (100.0 * np.asarray(band[k], dtype=float) for k in ("low", "high"))
-            ax.fill_between(x, low, high, color=color, alpha=0.12, linewidth=0)
+            ax.fill_between(x, low, high, color=color, alpha=0.2, linewidth=0)
     if not metric.startswith("NFR"):
         for ref, color in (("old-old", "gray"), ("new-new", "black"), ("new*-new*", "tab:red")):
             v = result.references.get(ref, {}).get(metric)

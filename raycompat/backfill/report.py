@@ -6,10 +6,12 @@
   metric, value, items_backfilled, seconds}``, per-curve summaries (AUC, AUC
   gain, regression statistics), references, the cost model and the
   configuration; NaN is written as ``null``; an undefined AUC gain is ``null`` with its
-  reason in ``auc_gain_note``;
-* ``curves.md`` -- the same as tables a person can read; with bootstrap intervals (the job's
-  default, docs/methods.md "Uncertainty") every value as ``value [low, high]`` and each policy's
-  AUC against ``random``'s in the same mode as a paired difference with its verdict;
+  reason in ``auc_gain_note``. With bootstrap intervals (docs/methods.md, "Uncertainty"):
+  every curve's ``bands``, every row's ``low``/``high``, every summary's ``auc_interval``,
+  ``auc_gain_interval``, ``vs_random`` (the paired AUC difference to ``random`` in the same
+  mode, with its ``verdict``) and ``regression_verdict`` (:func:`curve_intervals`);
+* ``curves.md`` -- the same as tables a person can read, every value as
+  ``value [low, high]`` when there are intervals;
 * ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
   :mod:`raycompat.backfill.plots`.
 
@@ -27,7 +29,16 @@ import numpy as np
 from raycompat.backfill.grid import backfill_counts
 from raycompat.report import markdown_table, write_json
 
-__all__ = ["write_reports", "markdown_report", "load_json", "auc_gain_notes"]
+__all__ = [
+    "auc_gain_notes",
+    "curve_bootstrap",
+    "curve_intervals",
+    "curve_rows",
+    "load_json",
+    "markdown_report",
+    "summary_rows",
+    "write_reports",
+]
 
 
 def _pct(v) -> float | None:
@@ -50,29 +61,146 @@ def _band(curve, metric: str, j: int) -> tuple:
     return (None, None) if not band else (band["low"][j], band["high"][j])
 
 
-def _vs_random(result, curve, metric: str) -> str | None:
-    """``AUC(curve) - AUC(random)`` in the same mode, paired, with its verdict."""
+def _area(fractions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Trapezoid area over the last axis (the grid), any leading axes."""
+    return ((values[..., 1:] + values[..., :-1]) / 2.0 * np.diff(fractions)).sum(axis=-1)
+
+
+def _full_range(result) -> bool:
+    return bool(result.fractions[0] == 0 and result.fractions[-1] == 1)
+
+
+def curve_bootstrap(result):
+    """The :class:`~raycompat.metrics.bootstrap.Bootstrap` behind ``result``'s bands (its query
+    labels registered), or None when the simulation had no ``bootstrap``."""
     from raycompat.backfill.simulator import QUERIES
     from raycompat.metrics.bootstrap import Bootstrap
-    from raycompat.metrics.verdicts import verdict
 
-    if result.bootstrap is None or curve.policy == "random" or curve.mode == "cold":
-        return None
-    base = next((c for c in result.curves if c.policy == "random" and c.mode == curve.mode), None)
-    a, b = curve.samples.get(metric), None if base is None else base.samples.get(metric)
-    if a is None or b is None or not (result.fractions[0] == 0 and result.fractions[-1] == 1):
+    if result.bootstrap is None or result.query_labels is None:
         return None
     boot = Bootstrap(result.bootstrap)
     boot.add_query_set(QUERIES, result.query_labels)
+    return boot
+
+
+def _better(metric: str, iv):
+    """The interval of a difference read as "better": for NFR (lower is better) negated."""
+    if not metric.startswith("NFR"):
+        return iv
+    return dataclasses.replace(
+        iv,
+        estimate=0.0 - iv.estimate,  # 0.0 - x: no -0.0 in a report
+        low=0.0 - iv.high,
+        high=0.0 - iv.low,
+        per_seed=tuple(0.0 - x for x in iv.per_seed),
+    )
+
+
+def auc_difference(result, boot, curve, base, metric: str):
+    """Paired ``AUC(curve) - AUC(base)`` over the same query resamples (for NFR ``AUC(base) -
+    AUC(curve)``: positive is better), or None."""
+    a, b = curve.samples.get(metric), base.samples.get(metric)
+    if boot is None or a is None or b is None or not _full_range(result):
+        return None
     f = np.asarray(result.fractions, dtype=np.float64)
+    return _better(metric, boot.interval(lambda a, b: _area(f, a - b), a=a, b=b))
 
-    def area_difference(a, b):
-        return (((a - b)[..., 1:] + (a - b)[..., :-1]) / 2.0 * np.diff(f)).sum(axis=-1)
 
-    iv = boot.interval(area_difference, a=a, b=b)
-    if metric.startswith("NFR"):  # lower is better: the claim is AUC(random) - AUC(policy) > 0
-        iv = dataclasses.replace(iv, estimate=-iv.estimate, low=-iv.high, high=-iv.low, per_seed=())
-    return f"{_pct_iv(iv.estimate, iv.low, iv.high)} {verdict(iv)}"
+def auc_gain_interval(result, boot, curve, metric: str, newstar=None):
+    """The interval of the AUC gain (RM Table 1): the curve and old-old resampled together,
+    new*-new* too when its per-query ``newstar`` sample is given (else held at its value)."""
+    from raycompat.metrics.curves import auc_gain
+
+    c = curve.samples.get(metric)
+    oo = result.reference_samples.get("old-old", {}).get(metric)
+    if (
+        boot is None
+        or c is None
+        or oo is None
+        or curve.summary.get(metric, {}).get("auc_gain") is None
+    ):
+        return None
+    f = np.asarray(result.fractions, dtype=np.float64)
+    if newstar is not None:
+        return boot.interval(
+            lambda c, oo, ns: auc_gain(_area(f, c), oo, ns), c=c, oo=oo, ns=newstar
+        )
+    ns = result.references["new*-new*"][metric]
+    return boot.interval(lambda c, oo: auc_gain(_area(f, c), oo, ns), c=c, oo=oo)
+
+
+def regression_verdict(boot, curve, metric: str) -> tuple[str, int] | None:
+    """``(verdict, checks held)`` on "the curve regresses" (RACT Eq.3): every grid point
+    against t=0 and every step against the point before, each a paired difference (worse
+    positive) with its verdict, combined with :func:`~raycompat.metrics.verdicts.combine_any`."""
+    from raycompat.metrics.bootstrap import Interval
+    from raycompat.metrics.verdicts import HELD, combine_any, verdict
+
+    sample = curve.samples.get(metric)
+    if boot is None or sample is None or not np.isfinite(curve.metrics[metric]).all():
+        return None
+    sign = -1.0 if metric.startswith("NFR") else 1.0  # worse: lower (NFR: higher)
+
+    def worsening(c):
+        c = sign * c
+        return np.concatenate([c[..., :1] - c[..., 1:], c[..., :-1] - c[..., 1:]], axis=-1)
+
+    band = boot.interval(worsening, c=sample)
+    conf = boot.options.confidence
+    checks = [
+        verdict(Interval(float("nan"), float(lo), float(hi), conf, 0, 0))
+        for lo, hi in zip(band["low"], band["high"], strict=True)
+    ]
+    return combine_any(checks), checks.count(HELD)
+
+
+def curve_intervals(result, newstar: dict | None = None) -> dict:
+    """Per ``(policy, mode, metric)`` of every curve: ``auc_gain_interval`` (``[low, high]``),
+    ``vs_random`` (:func:`auc_difference` to ``random`` in the same mode, with its
+    ``verdict``) and ``regression_verdict`` / ``regression_held`` (:func:`regression_verdict`);
+    empty without a bootstrap. ``newstar``: ``{metric: Sample}`` of new*-new*, when known."""
+    from raycompat.metrics.verdicts import verdict
+
+    boot = curve_bootstrap(result)
+    if boot is None:
+        return {}
+    out = {}
+    for c in result.curves:
+        base = next((b for b in result.curves if (b.policy, b.mode) == ("random", c.mode)), None)
+        if c.mode == "cold" or base is c:
+            base = None
+        for n in result.metric_names:
+            gain = auc_gain_interval(result, boot, c, n, (newstar or {}).get(n))
+            vs = None if base is None else auc_difference(result, boot, c, base, n)
+            reg = regression_verdict(boot, c, n)
+            out[(c.policy, c.mode, n)] = dict(
+                auc_gain_interval=None if gain is None else [gain.low, gain.high],
+                vs_random=None if vs is None else dict(vs.to_dict(), verdict=verdict(vs)),
+                regression_verdict=None if reg is None else reg[0],
+                regression_held=None if reg is None else reg[1],
+            )
+    return out
+
+
+def summary_rows(result, intervals: dict) -> list[dict]:
+    """``result.summary_rows()`` with :func:`curve_intervals`'s entries."""
+    rows = result.summary_rows()
+    for r in rows:
+        c = result.curve(r["policy"], r["mode"])
+        r.update(intervals.get((c.policy, c.mode, r["metric"]), {}))
+    return rows
+
+
+def curve_rows(result) -> list[dict]:
+    """``result.rows()`` with each value's band, ``low``/``high`` (None without one)."""
+    rows = result.rows()
+    for r in rows:
+        c = result.curve(r["policy"], r["mode"])
+        j = int(np.argmin(np.abs(c.fractions - r["fraction"])))
+        low, high = _band(c, r["metric"], j)
+        ok = r["value"] is not None and low is not None
+        r.update(low=low if ok else None, high=high if ok else None)
+    return rows
 
 
 def _time_unit(seconds: float):
@@ -82,11 +210,15 @@ def _time_unit(seconds: float):
     return "s", 1.0
 
 
-def _regression_text(reg) -> str:
+def regression_text(reg, extra: dict | None = None) -> str:
+    """RACT Eq.3's points below start and drops, and with intervals the verdict on "the curve
+    regresses" (:func:`regression_verdict`)."""
+    said = (extra or {}).get("regression_verdict")
+    tail = "" if said is None else f"; regression {said}"
     if reg is None:
         return "n/a"
     if not reg["has_regression"]:
-        return "none"
+        return "none" + tail
     parts = []
     if reg["points_below_start"]:
         parts.append(
@@ -95,7 +227,7 @@ def _regression_text(reg) -> str:
         )
     if reg["drops"]:
         parts.append(f"{len(reg['drops'])} drop(s) (max {100 * reg['max_drop']:.2f})")
-    return "; ".join(parts)
+    return "; ".join(parts) + tail
 
 
 def _setup_lines(result) -> list[str]:
@@ -186,41 +318,42 @@ def auc_gain_notes(summaries) -> list[str]:
     return [f"AUC gain n/a for {m}: {note}." if m else f"AUC gain n/a: {note}." for m, note in seen]
 
 
-def _summary_lines(result) -> list[str]:
-    """Per policy, mode and metric: t=0, t=50%, t=100%, AUC, AUC gain, regression."""
-    headers = [
-        "policy",
-        "mode",
-        "metric",
-        "t=0",
-        "t=50%",
-        "t=100%",
-        "AUC",
-        "AUC gain",
-        "better than random (AUC, paired)",
-        "regression",
-    ]
+def _vs_random_text(extra: dict) -> str | None:
+    vs = extra.get("vs_random")
+    return None if vs is None else f"{_pct_iv(vs['value'], vs['low'], vs['high'])} {vs['verdict']}"
+
+
+def _summary_lines(result, intervals: dict) -> list[str]:
+    """Per policy, mode and metric: t=0, t=50%, t=100%, AUC, AUC gain, regression; with
+    intervals each as ``value [low, high]`` and the paired AUC difference to random."""
+    vs_random = any(e.get("vs_random") for e in intervals.values())
+    headers = ["policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC", "AUC gain"]
+    headers += ["better than random (AUC, paired)"] if vs_random else []
     rows = []
     mid = int(np.argmin(np.abs(result.fractions - 0.5)))
     for c in result.curves:
         for n in result.metric_names:
-            s = c.summary.get(n, {})
-            v = c.metrics[n]
+            s, v = c.summary.get(n, {}), c.metrics[n]
+            extra = intervals.get((c.policy, c.mode, n), {})
+            gain = extra.get("auc_gain_interval") or (None, None)
             rows.append(
-                [
-                    c.policy,
-                    c.mode,
-                    n,
-                    _pct_iv(v[0], *_band(c, n, 0)),
-                    _pct_iv(v[mid], *_band(c, n, mid)),
-                    _pct_iv(v[-1], *_band(c, n, -1)),
-                    _pct_iv(s.get("auc"), *(s.get("auc_interval") or (None, None))[:2]),
-                    _pct(s.get("auc_gain")),
-                    _vs_random(result, c, n),
-                    _regression_text(s.get("regression")),
-                ]
+                [c.policy, c.mode, n]
+                + [_pct_iv(v[j], *_band(c, n, j)) for j in (0, mid, -1)]
+                + [_pct_iv(s.get("auc"), *(s.get("auc_interval") or (None, None))[:2])]
+                + [_pct_iv(s.get("auc_gain"), *gain)]
+                + ([_vs_random_text(extra)] if vs_random else [])
+                + [regression_text(s.get("regression"), extra)]
             )
     notes = [f"- {line}" for line in auc_gain_notes(result.summary_rows())]
+    said = (
+        " `value [low, high]`: the bootstrap interval over the query classes (docs/methods.md, "
+        "Uncertainty); better than random: the paired AUC difference to the random order in "
+        "the same mode (for NFR, random's minus the policy's) and its verdict; regression "
+        "verdict: held when a grid point's (or a step's) paired interval shows it worse than "
+        "t=0 (than the point before), not held when every interval excludes a worsening."
+        if intervals
+        else ""
+    )
     return [
         "## Summary per policy and mode",
         "",
@@ -228,11 +361,9 @@ def _summary_lines(result) -> list[str]:
         "(AUC(new*-new*) - AUC(old-old)) (RM Table 1, needs the new* reference and "
         "new*-new* better than old-old; n/a otherwise, with the reason under the table); "
         "regression: points below the t=0 value and drops between consecutive points (RACT Eq.3; "
-        "for NFR, rises). `value [low, high]`: the bootstrap interval over the query classes "
-        "(docs/methods.md, Uncertainty); better than random: the paired AUC difference to the "
-        "random order in the same mode (for NFR, random's minus the policy's) and its verdict.",
+        "for NFR, rises)." + said,
         "",
-        markdown_table(headers, rows, digits=2),
+        markdown_table(headers + ["regression"], rows, digits=2),
         "",
         *(notes + [""] if notes else []),
     ]
@@ -254,22 +385,27 @@ def _metric_table_lines(result, n: str) -> list[str]:
         row = [f"{100 * t:g}%"]
         if result.cost is not None:
             row.append(float(result.cost.seconds([counts[j]])[0]) / div)
-        row += [_pct(c.metrics[n][j]) for c in result.curves]
+        row += [_pct_iv(c.metrics[n][j], *_band(c, n, j)) for c in result.curves]
         rows.append(row)
     return [f"## {n} (%) at each backfill fraction", "", markdown_table(cols, rows, digits=2), ""]
 
 
 def markdown_report(
-    result, *, title: str = "Backfill simulation", plots: list[str] | None = None
+    result,
+    *,
+    title: str = "Backfill simulation",
+    plots: list[str] | None = None,
+    intervals: dict | None = None,
 ) -> str:
     """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve
-    tables."""
+    tables; ``intervals``: :func:`curve_intervals` (computed when not given)."""
+    intervals = curve_intervals(result) if intervals is None else intervals
     lines = (
         [f"# {title}", ""]
         + _setup_lines(result)
         + _run_lines(result)
         + _references_lines(result)
-        + _summary_lines(result)
+        + _summary_lines(result, intervals)
     )
     for n in result.metric_names:
         lines += _metric_table_lines(result, n)
@@ -289,23 +425,27 @@ def write_reports(
     plots: bool = True,
     title: str = "Backfill simulation",
     extra: dict | None = None,
+    intervals: dict | None = None,
 ) -> dict[str, object]:
     """Write ``curves.json``, ``curves.md`` and the PNGs; returns ``{"json", "markdown",
-    "plots"}`` paths."""
+    "plots"}`` paths. ``intervals``: :func:`curve_intervals` (computed when not given)."""
     os.makedirs(out_dir, exist_ok=True)
     pngs: list[str] = []
     if plots:
         from raycompat.backfill.plots import plot_curves
 
         pngs = plot_curves(result, out_dir)
+    intervals = curve_intervals(result) if intervals is None else intervals
     payload = result.to_dict()
+    if result.bootstrap is not None:
+        payload.update(rows=curve_rows(result), summary=summary_rows(result, intervals))
     if extra:
         payload["extra"] = extra
     jpath = write_json(os.path.join(out_dir, "curves.json"), payload)
     mpath = os.path.join(out_dir, "curves.md")
     tmp = mpath + ".tmp"
     with open(tmp, "w") as f:
-        f.write(markdown_report(result, title=title, plots=pngs))
+        f.write(markdown_report(result, title=title, plots=pngs, intervals=intervals))
     os.replace(tmp, mpath)
     return {"json": jpath, "markdown": mpath, "plots": pngs}
 
