@@ -9,9 +9,11 @@ Above --distributed-above-mb of vectors (or with --engine ray) the gallery is st
 tasks, one row group each, on the cluster the job runs on (`ray job submit -- python
 jobs/simulate_backfill.py ...`); the curves are the same as in memory.
 
-Writes curves.json, curves.md and PNG plots to --out. Bad input (missing column, dimension
-mismatch, unknown policy or mode, empty gallery, NaN embeddings) prints one line naming the
-problem and exits with status 2. See `--help`.
+Writes curves.json, curves.md and PNG plots to --out; every value carries its bootstrap interval
+over the query classes (--resamples, --confidence, --bootstrap-seed), every plotted curve its
+band (docs/methods.md, "Uncertainty"). Bad input (missing column, dimension mismatch, unknown
+policy or mode, empty gallery, NaN embeddings) prints one line naming the problem and exits with
+status 2. See `--help`.
 """
 
 import os

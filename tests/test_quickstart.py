@@ -77,19 +77,23 @@ def test_report_files_and_schema(quickstart_report):
         ("independent", "independent", "old"),
     }
     for entry in on_disk["evaluations"]:
-        assert set(entry) == {"model", "query", "gallery", "metric", "value"}
-        assert 0.0 <= entry["value"] <= 1.0
+        assert set(entry) == {"model", "query", "gallery", "metric", "value", "low", "high"}
+        assert 0.0 <= entry["low"] <= entry["value"] <= entry["high"] <= 1.0
     assert {e["metric"] for e in on_disk["evaluations"]} >= {"mAP@100", "mAP", "top1"}
     assert set(on_disk["compatibility"]) == {"bct", "independent"}
     markdown = (out / "report.md").read_text()
     assert "## Compatibility" in markdown and "bct" in markdown
+    assert on_disk["options"]["resamples"] == 1000 and on_disk["options"]["confidence"] == 0.95
+    bct_row = next(ln for ln in markdown.splitlines() if ln.startswith("| bct | bct | old |"))
+    assert bct_row.count("[") == 4  # mAP@100, mAP, top1, top5 with their intervals
     for name in ("old", "bct", "independent"):
         assert (out / "models" / name / "manifest.json").is_file()
 
 
 def test_bct_first_claim_holds(quickstart_report):
-    """BCT: M(bct, old) > M(old, old); the independent model is far below M(old, old)."""
-    _, report = quickstart_report
+    """BCT: M(bct, old) > M(old, old) (held: the paired interval of the difference is above 0);
+    the independent model is far below M(old, old) (not held)."""
+    out, report = quickstart_report
     verdicts = {v["model"]: v for v in report["verdicts"]}
     bct, independent = verdicts["bct"], verdicts["independent"]
     assert bct["compatible"] and bct["m_new_old"] > bct["m_old_old"]
@@ -105,6 +109,20 @@ def test_bct_first_claim_holds(quickstart_report):
     assert independent["verdict"] == "not held"
     rows = [r for r in report["evaluations"] if r["metric"] == "mAP@100"]
     assert rows and all(r["low"] <= r["value"] <= r["high"] for r in rows)
+    # `compatible` is the verdict "held"; every number of a verdict carries its paired interval
+    assert report["compatibility"] == {
+        v["model"]: v["verdict"] == "held" for v in verdicts.values()
+    }
+    for v in (bct, independent):
+        d = v["difference"]
+        assert d["queries"] == SMALL.sizes.queries_per_class * d["classes"] > 0
+        for key, iv in v["intervals"].items():
+            if v[key] == v[key]:  # a defined number (update gain: new* better than old-old)
+                assert iv["value"] == pytest.approx(v[key])
+                assert iv["low"] <= iv["value"] <= iv["high"], key
+    markdown = (out / "report.md").read_text()
+    assert f"bct: M(n,o) > M(o,o) {bct['verdict']} (" in markdown
+    assert f"{d['queries']} queries in {d['classes']} classes" in markdown
 
 
 def test_hot_refresh_curves_in_report(quickstart_report):
@@ -156,6 +174,39 @@ def test_hot_refresh_curves_in_report(quickstart_report):
         assert (out / "backfill" / model / "curves.json").is_file()
 
 
+def test_hot_refresh_intervals(quickstart_report):
+    """Every curve value carries its band (report.json and curves.json), every AUC and AUC gain
+    its interval; the paired AUC differences to random and the regression verdicts are one of
+    the three outcomes, as their intervals say; the report's backfill table shows them."""
+    out, report = quickstart_report
+    values = [r for r in report["curves"] if r["value"] is not None]
+    assert values and all(r["low"] <= r["value"] <= r["high"] for r in values)
+    outcomes = {"held", "not held", "inconclusive"}
+    compared = set()
+    for s in report["backfill"]:
+        if s["auc"] is not None:
+            low, high = s["auc_interval"]
+            assert low <= s["auc"] <= high
+        if s["auc_gain"] is not None:
+            low, high = s["auc_gain_interval"]
+            assert low <= s["auc_gain"] <= high
+        assert s["regression_verdict"] in outcomes
+        vs = s["vs_random"]
+        if vs is not None:
+            compared.add((s["model"], s["policy"], s["mode"]))
+            expect = "held" if vs["low"] > 0 else "not held" if vs["high"] <= 0 else "inconclusive"
+            assert vs["verdict"] == expect and vs["low"] <= vs["value"] <= vs["high"]
+    assert ("bct", "sequential", "compatible") in compared
+    assert not any(model == "independent" or mode == "cold" for model, _, mode in compared)
+    for model in ("bct", "independent"):
+        curves = json.loads((out / "backfill" / model / "curves.json").read_text())
+        assert curves["bootstrap"]["resamples"] == 1000
+        assert all(set(c["bands"]) >= {"mAP@100", "top1"} for c in curves["curves"])
+    markdown = (out / "report.md").read_text()
+    row = next(ln for ln in markdown.splitlines() if ln.startswith("| bct | sequential |"))
+    assert row.count("[") >= 5 and row.rstrip(" |").split("regression ")[-1] in outcomes
+
+
 def test_gallery_embedded_by_the_pipeline(quickstart_report):
     """The main job's embeddings are the Ray Data pipeline's parquet output, which the
     simulator's loader reads as it is."""
@@ -181,7 +232,11 @@ def test_main_job_is_deterministic(ray_cluster, tmp_path):
         reports.append(json.loads((out / "report.json").read_text()))
     first, second = reports
     assert first["evaluations"] and first["evaluations"] == second["evaluations"]
-    assert first["verdicts"] == second["verdicts"]
+    assert first["verdicts"] == second["verdicts"]  # the same intervals, value for value
+    bands = [[(r["low"], r["high"]) for r in rep["curves"]] for rep in reports]
+    assert bands[0] == bands[1]
+    aucs = [[s.get("auc_interval") for s in rep["backfill"]] for rep in reports]
+    assert aucs[0] == aucs[1]
     for name in ("old", "bct", "independent"):
         losses = [[e.get("loss/loss") for e in r["models"][name]["history"]] for r in reports]
         assert losses[0] == losses[1], name

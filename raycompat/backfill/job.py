@@ -3,7 +3,9 @@
 The simulate-backfill job reads a parquet of old / new (/ adapted) embeddings and, optionally,
 the model bundles; it writes exact mAP@k / mAP / top-1 / NFR@1 curves with AUCs, regression
 statistics and a simulated time axis as JSON, markdown and PNG reports (see docs/methods.md,
-Backfill policies). ``main`` is ``raycompat simulate-backfill`` / ``jobs/simulate_backfill.py``;
+Backfill policies), every number with its bootstrap interval over the query classes and every
+curve with its band (``--resamples``, ``--confidence``, ``--bootstrap-seed``; docs/methods.md,
+"Uncertainty"). ``main`` is ``raycompat simulate-backfill`` / ``jobs/simulate_backfill.py``;
 :func:`run` is the library call.
 
 Every input problem raises :class:`~raycompat.backfill.gallery.BackfillInputError` (or a

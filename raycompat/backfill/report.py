@@ -30,12 +30,16 @@ from raycompat.backfill.grid import backfill_counts
 from raycompat.report import markdown_table, write_json
 
 __all__ = [
+    "auc_difference",
+    "auc_gain_interval",
     "auc_gain_notes",
     "curve_bootstrap",
     "curve_intervals",
     "curve_rows",
     "load_json",
     "markdown_report",
+    "regression_text",
+    "regression_verdict",
     "summary_rows",
     "write_reports",
 ]
