@@ -123,7 +123,7 @@ def test_search_ranks_by_canonical_scores_with_near_ties(tmp_path, factory, trai
     (faiss Flat, or numpy before an index is trained) equals the brute-force top-k of the
     canonical float64 scores, ties by ascending id, scores bit-identical."""
     from raycompat.index.canonical import pair_scores
-    from raycompat.serving.state import RepIndex
+    from raycompat.serving.rep_index import RepIndex
 
     rng = np.random.default_rng(len(factory) + train_min % 7)
     n, d = 3000, 24

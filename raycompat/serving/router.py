@@ -304,8 +304,8 @@ class Router:
 
     # ------------------------------------------------------------------ endpoints
     async def search(self, req: BaseModel, request: Request):
+        from raycompat.serving.rep_index import merge_topk
         from raycompat.serving.scoring import query_sides
-        from raycompat.serving.state import merge_topk
 
         t0 = time.perf_counter()
         q, old_q = await self.query_vectors(req)
