@@ -13,8 +13,11 @@ to ``<--storage>/hot_refresh/<--name>`` with ``--storage`` (training checkpoints
 ``<--storage>/runs``).
 
 The simulator and the shards rank by the same canonical scores (:mod:`raycompat.index.canonical`),
-so with an exact index (``--factory Flat``) the live curve equals the simulator's exactly, near-ties
-included. Both curves carry their bootstrap band over the query classes (``--resamples``,
+so with an exact index (``--index flat``, the default) the live curve equals the simulator's
+exactly, near-ties included; with an approximate index (``--index ivf_flat|ivf_pq|hnsw``) the
+report gives the difference, and at every fraction the recall@k of the served results against
+exact search of the same live gallery (docs/indexes.md, "Recall").
+Both curves carry their bootstrap band over the query classes (``--resamples``,
 ``--confidence``, ``--bootstrap-seed``; docs/methods.md, "Uncertainty"): the simulator's from its
 per-query terms, the live one's from the per-query values of the searches it made; report.md
 shows every value with its interval and ``live_vs_simulator.png`` both curves with their bands.
@@ -48,6 +51,7 @@ from raycompat.config import (
 from raycompat.console import job_main, quiet_ray
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
+from raycompat.index.ann import IndexOptions
 from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.serving.scoring import SERVED_MODES
 
@@ -119,7 +123,9 @@ class HotRefreshOptions:
         default="gallery",
         help="where the backfill's new vectors come from",
     )
-    factory: str = option("Flat", help="faiss factory string (Flat: exact)")
+    index: IndexOptions = option(
+        factory=IndexOptions, help="the live index's search index (docs/indexes.md)"
+    )
     data: DataSourceOptions = option(
         DataSourceOptions(), help="data: the built-in glyphs or your images"
     )
@@ -402,7 +408,7 @@ class _RecordingClient:
 
     def search(self, vectors, *args, **kwargs):
         out = self._client.search(vectors, *args, **kwargs)
-        if kwargs.get("model") in self.searches:
+        if kwargs.get("model") in self.searches and not kwargs.get("exact"):
             self.searches[kwargs["model"]].append(np.asarray(out[0]))
         return out
 
@@ -443,6 +449,18 @@ def live_samples(searches: dict, data, k: int, n_fractions: int) -> dict:
     return out
 
 
+def recall_name(k: int) -> str:
+    return f"recall@{k}"
+
+
+def recall_sample(live: dict):
+    """The per-query recall@k of the served results against exact search, ``[1, Q, J]``."""
+    from raycompat.backfill.simulator import QUERIES
+    from raycompat.metrics.bootstrap import Sample
+
+    return Sample.mean(QUERIES, np.asarray(live["recall_per_query"], np.float64))
+
+
 def live_bands(samples: dict, data, options: BootstrapOptions) -> dict:
     """``{metric: {"low": [J], "high": [J]}}``: the live curve's bootstrap band."""
     from raycompat.backfill.simulator import QUERIES
@@ -476,7 +494,7 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
         num_shards=opts.num_shards,
         host=opts.host,
         port=port,
-        factory=opts.factory,
+        index=opts.index,
         new_model=prep.new_model,
         old_model=prep.old_model,
         items=prep.items,
@@ -510,6 +528,7 @@ def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out:
             log=say,
         )
         samples = live_samples(recorder.searches, prep.data, prep.k, len(fractions))
+        samples[recall_name(prep.k)] = recall_sample(live)
         live["bands"] = live_bands(samples, prep.data, opts.bootstrap)
         status = client.status()
         image_check = (
@@ -531,12 +550,18 @@ def _with_band(value, band: dict | None, j: int):
 
 
 def _curve_table(live: dict, sim_curve, fractions) -> tuple[list, list]:
-    """``(headers, rows)``: live and simulated values of every metric either side measured."""
+    """``(headers, rows)``: live and simulated values of every metric either side measured, and
+    the recall@k of the served results against exact search."""
     names = list(live["metrics"])
+    rname = recall_name(live["k"])
     rows = []
     for j, t in enumerate(fractions):
         rows.append(
-            [f"{100 * t:.0f}%", live["counts"][j]]
+            [
+                f"{100 * t:.0f}%",
+                live["counts"][j],
+                _with_band(live["recall"][j], live.get("bands", {}).get(rname), j),
+            ]
             + sum(
                 (
                     [
@@ -549,7 +574,7 @@ def _curve_table(live: dict, sim_curve, fractions) -> tuple[list, list]:
                 [],
             )
         )
-    headers = ["t", "items new"] + sum(
+    headers = ["t", "items new", f"{rname} live vs exact"] + sum(
         (
             [f"{m} live", f"{m} sim"]
             for m in names
@@ -567,7 +592,7 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
     md = [
         "# Hot refresh, live vs simulator",
         "",
-        f"{data.n_items} gallery items on {opts.num_shards} shards (faiss `{opts.factory}`), "
+        f"{data.n_items} gallery items on {opts.num_shards} shards (index `{opts.index.kind}`), "
         f"{data.n_queries} queries through `POST /search`; "
         f"policy `{opts.policy}`, mode `{opts.mode}`, "
         f"seed {opts.seed}, "
@@ -582,7 +607,16 @@ def _markdown(opts: HotRefreshOptions, data, k: int, cmp: dict, table: tuple, im
         "",
         "Largest |live - simulator| per metric: "
         + ", ".join(f"{m} {d:.2e}" for m, d in cmp["max_abs_diff"].items())
-        + f" -> **{'equal' if cmp['equal'] else 'DIFFERENT'}**.",
+        + f" -> **{'equal' if cmp['equal'] else 'DIFFERENT'}**"
+        + (
+            "."
+            if opts.index.kind == "flat"
+            else f" (an approximate index, `{opts.index.kind}`: the simulator is exact, so the "
+            "difference is what the index gives up, with the recall column beside it)."
+        ),
+        f"Recall@{k} of the served top-{k} against exact search of the same live gallery "
+        f'(`"exact": true`): lowest {min(cmp["recall"]):.4f}, mean {np.mean(cmp["recall"]):.4f} '
+        "over the fractions.",
         "",
     ]
     nt = cmp["near_ties"]
@@ -694,6 +728,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     live, status = served["live"], served["status"]
     cmp = compare_curves(live, sim_curve, tol=1e-9)
     cmp["near_ties"] = near_ties(data, k, opts.mode)
+    cmp["recall"] = live["recall"]
     report = {
         "job": "hot_refresh",
         "options": dataclasses.asdict(opts),
@@ -725,7 +760,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     destination = output.publish()
     say(
         f"live == simulator: {cmp['equal']} (max diffs {cmp['max_abs_diff']}); "
-        f"report: {destination}/report.md"
+        f"recall@{k} vs exact: min {min(live['recall']):.4f}; report: {destination}/report.md"
     )
     report["out"] = destination
     return report

@@ -70,3 +70,39 @@ def fill_disk(path: str, leave: int = 0, spare: int = 0, name: str = "filler") -
                 fh.write(b"\0" * 4096)
     except OSError:  # the disk is full: what was wanted
         pass
+
+
+# ----------------------------------------------------------------------------- Ray Serve
+# One Serve instance for the whole session, shared by every test module that deploys an app.
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster):
+    from ray import serve
+
+    from raycompat.serving.app import free_port
+    from raycompat.serving.config import serving_config
+    from raycompat.serving.proxy import serve_http_options
+
+    port = free_port()
+    # what serve-index starts: request timeout and the JSON error middleware in the proxy
+    serve.start(http_options=serve_http_options(serving_config(gallery="synthetic:1", port=port)))
+    yield port
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gallery_parquet(tmp_path_factory):
+    from serving_helpers import labelled_embeddings
+
+    from raycompat.serving.gallery_source import write_gallery_parquet
+
+    path = str(tmp_path_factory.mktemp("gallery") / "embeddings.parquet")
+    return write_gallery_parquet(path, labelled_embeddings())
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("secret") / "token"
+    from serving_helpers import TOKEN
+
+    p.write_text(TOKEN + "\n")
+    return str(p)

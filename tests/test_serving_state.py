@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from raycompat.index.ann import index_options
 from raycompat.index.search import exact_search, l2_normalize
 from raycompat.serving.durability import LOG_NAME
 from raycompat.serving.placement import shard_of, split_by_shard
@@ -14,9 +15,9 @@ from raycompat.serving.state import ShardState, UnknownItemError
 DIMS = {"old": 8, "adapted": 12, "new": 12}
 
 
-def _state(tmp_path, n=200, factory="Flat", seed=0, **kw):
+def _state(tmp_path, n=200, index=None, seed=0, **kw):
     rng = np.random.default_rng(seed)
-    st = ShardState(str(tmp_path / "s"), DIMS, factory=factory, **kw)
+    st = ShardState(str(tmp_path / "s"), DIMS, index=index, **kw)
     ids = np.arange(n, dtype=np.int64) * 3 + 1
     st.load_initial("old", ids, l2_normalize(rng.standard_normal((n, 8))))
     st.snapshot()
@@ -85,19 +86,19 @@ def test_concurrent_queries_never_see_an_item_missing_or_twice(tmp_path):
     assert not bad and st.counts()["new"] == 300
 
 
-@pytest.mark.parametrize("factory", ["Flat", "HNSW16"])
-def test_recovery_from_snapshot_and_log_with_torn_tail(tmp_path, factory):
-    st, ids, rng = _state(tmp_path, factory=factory)
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_recovery_from_snapshot_and_log_with_torn_tail(tmp_path, kind):
+    index = index_options(kind=kind)
+    st, ids, rng = _state(tmp_path, index=index)
     newv = l2_normalize(rng.standard_normal((60, 12)))
     st.upsert(ids[:30], "new", newv[:30])
     st.upsert(ids[30:60], "adapted", newv[30:60])
     before = st.items()
-    st.log.close()
     with open(
         os.path.join(st.directory, LOG_NAME), "ab"
     ) as fh:  # a crash in the middle of an append
         fh.write(b"RCUL\x00\x01garbage")
-    st2 = ShardState(st.directory, DIMS, factory=factory)
+    st2 = ShardState(st.directory, DIMS, index=index)
     assert st2.recovery["replayed_records"] == 2 and st2.recovery["truncated_bytes"] > 0
     after = st2.items()
     assert (after[0] == before[0]).all() and (after[1] == before[1]).all()
@@ -111,44 +112,8 @@ def test_recovery_from_snapshot_and_log_with_torn_tail(tmp_path, factory):
     assert (a[1] == b[1]).all()
     # a snapshot folds the log in; recovery then replays nothing
     st2.snapshot()
-    st3 = ShardState(st.directory, DIMS, factory=factory)
+    st3 = ShardState(st.directory, DIMS, index=index)
     assert st3.recovery["replayed_records"] == 0 and (st3.items()[1] == before[1]).all()
-
-
-@pytest.mark.parametrize(
-    "factory,train_min", [("Flat", 4096), ("IVF4,Flat", 10**9), ("IDMap,Flat", 4096)]
-)
-def test_search_ranks_by_canonical_scores_with_near_ties(tmp_path, factory, train_min):
-    """Duplicated items and items one float32 step apart, some removed again: a shard's top-k
-    (faiss Flat, or numpy before an index is trained) equals the brute-force top-k of the
-    canonical float64 scores, ties by ascending id, scores bit-identical."""
-    from raycompat.index.canonical import pair_scores
-    from raycompat.serving.rep_index import RepIndex
-
-    rng = np.random.default_rng(len(factory) + train_min % 7)
-    n, d = 3000, 24
-    base = rng.standard_normal((n, d)).astype(np.float32)
-    base[1000:1400] = base[:400]  # exact ties
-    col = rng.integers(0, d, 300)
-    base[1400:1700] = base[400:700]
-    base[1400 + np.arange(300), col] = np.nextafter(
-        base[1400 + np.arange(300), col], np.float32(np.inf)
-    )
-    vecs = l2_normalize(base)
-    ids = rng.permutation(10 * n)[:n].astype(np.int64)  # ids not in vector order
-    rep = RepIndex(d, factory=factory, train_min=train_min)
-    rep.add(ids, vecs)
-    gone = rng.choice(n, 200, replace=False)
-    rep.remove(ids[gone])
-    keep = np.setdiff1d(np.arange(n), gone)
-    q = np.concatenate([vecs[:20], l2_normalize(rng.standard_normal((10, d)).astype(np.float32))])
-    for k in (1, 10, 150):
-        S, I = rep.search(q, k)
-        for r in range(q.shape[0]):
-            c = pair_scores(np.repeat(q[r : r + 1], keep.size, axis=0), vecs[keep])
-            order = np.lexsort((ids[keep], -c))[:k]
-            assert I[r].tolist() == ids[keep][order].tolist(), (k, r)
-            assert np.array_equal(S[r], c[order]), (k, r)
 
 
 # ----------------------------------------------------------------------------- faults on disk
@@ -195,6 +160,7 @@ def test_failed_log_writes_leave_exactly_the_acknowledged_upserts(tiny_fs):
 
 def test_a_failed_snapshot_keeps_the_log_and_leaves_no_temp_file(tiny_fs):
     from raycompat.serving.durability import SNAPSHOT_NAME, StorageError
+    from raycompat.serving.shared_log import rotated_logs
 
     fs = tiny_fs(512 << 10)
     rng = np.random.default_rng(3)
@@ -209,7 +175,11 @@ def test_a_failed_snapshot_keeps_the_log_and_leaves_no_temp_file(tiny_fs):
         st.snapshot()
     files = sorted(os.listdir(st.directory))
     assert SNAPSHOT_NAME + ".tmp" not in files and SNAPSHOT_NAME in files
-    assert os.path.getsize(os.path.join(st.directory, LOG_NAME)) > 0  # the log is kept
+    (rotated,) = rotated_logs(st.directory)  # the rotated log is kept: nothing is lost
+    assert rotated[0] == 1 and os.path.getsize(rotated[1]) > 0
+    os.unlink(os.path.join(fs, "filler"))
+    again = ShardState(st.directory, DIMS)
+    assert again.counts()["new"] == 50 and again.recovery["replayed_records"] == 1
 
 
 def _log_with_records(tmp_path, n_records=12):
@@ -272,7 +242,7 @@ def test_a_corrupt_snapshot_is_named(tmp_path):
         ShardState(st.directory, DIMS)
 
 
-def test_a_shard_directory_is_held_by_one_process(tmp_path):
+def test_reshard_cannot_take_a_shard_directory_a_replica_holds(tmp_path):
     import subprocess
     import sys
 
@@ -281,7 +251,7 @@ def test_a_shard_directory_is_held_by_one_process(tmp_path):
     st, _, _ = _state(tmp_path)
     code = (
         "import sys; from raycompat.serving.state import ShardState\n"
-        f"ShardState({st.directory!r}, {DIMS!r})"
+        f"ShardState({st.directory!r}, {DIMS!r}, exclusive=True)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode != 0 and "in use by another process" in r.stderr

@@ -9,6 +9,7 @@ from raycompat.metrics.compatibility import (
     update_gain,
 )
 from raycompat.metrics.curves import auc, auc_gain, regression_stats
+from raycompat.metrics.recall import recall_at_k as index_recall_at_k
 from raycompat.metrics.retrieval import (
     average_precision_at_k,
     average_precision_from_ranks,
@@ -40,6 +41,7 @@ __all__ = [
     "delta_up",
     "evaluate_ranking",
     "evaluate_retrieval",
+    "index_recall_at_k",
     "is_compatible",
     "map_full",
     "mean_average_precision_at_k",

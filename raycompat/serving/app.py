@@ -8,12 +8,13 @@ deletes the application (``serve.shutdown`` is left to the caller, since Serve i
 
 from __future__ import annotations
 
+import json
 import socket
 
 from raycompat.serving.config import ServingConfig
 from raycompat.serving.plan import ServingPlan, build_plan
 
-__all__ = ["build_app", "start_serving", "stop_serving", "free_port"]
+__all__ = ["build_app", "start_serving", "stop_serving", "free_port", "replica_options"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,20 +35,31 @@ def build_app(cfg: ServingConfig):
     return _bind_router(plan, shards, controller)
 
 
+def replica_options(replicas: int, autoscaling: str | None) -> dict:
+    """Serve's ``num_replicas`` or, when given, its ``autoscaling_config`` (never both)."""
+    if autoscaling:
+        return {"autoscaling_config": json.loads(autoscaling)}
+    return {"num_replicas": int(replicas)}
+
+
 def _bind_shards(plan: ServingPlan) -> list:
     from ray import serve
 
     from raycompat.serving.shard import ShardServer
 
     cfg = plan.config
-    opts = {"num_cpus": cfg.shard_cpus}
+    opts = {"num_cpus": cfg.shard_cpus, "num_gpus": cfg.shard_gpus}
     if cfg.shard_memory_mb:
         opts["memory"] = int(cfg.shard_memory_mb) * 1024 * 1024
     shard_cls = serve.deployment(
-        ShardServer, max_ongoing_requests=64, health_check_period_s=2.0, health_check_timeout_s=30.0
+        ShardServer,
+        max_ongoing_requests=max(64, 2 * cfg.search_batch_size),
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
     )
+    replicas = replica_options(cfg.shard_replicas, cfg.shard_autoscaling)
     return [
-        shard_cls.options(name=f"shard-{i}", num_replicas=1, ray_actor_options=opts).bind(i, plan)
+        shard_cls.options(name=f"shard-{i}", ray_actor_options=opts, **replicas).bind(i, plan)
         for i in range(cfg.num_shards)
     ]
 
@@ -75,9 +87,9 @@ def _bind_router(plan: ServingPlan, shards: list, controller):
     # read here (token_file, else RAYCOMPAT_ADMIN_TOKEN of this process); replicas get its hash
     admin = AdminToken.from_token(load_admin_token(cfg.token_file))
     return Router.options(
-        num_replicas=cfg.router_replicas,
         ray_actor_options={"num_cpus": cfg.router_cpus},
         max_ongoing_requests=256,
+        **replica_options(cfg.router_replicas, cfg.router_autoscaling),
     ).bind(shards, controller, plan, admin)
 
 

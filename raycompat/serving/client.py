@@ -47,9 +47,11 @@ class ServingClient:
         model: str = "new",
         batch: int = 256,
         old_vectors: np.ndarray | None = None,
+        exact: bool = False,
     ):
         """``(ids [Q, k], scores [Q, k], reps [Q, k])`` (-1 / -inf / '' padded); ``old_vectors``:
-        the old model's embeddings of the same queries (naive_merge mode)."""
+        the old model's embeddings of the same queries (naive_merge mode); ``exact``: brute
+        force, whatever the index (the reference of recall)."""
         q = np.asarray(vectors, np.float32)
         old = None if old_vectors is None else np.asarray(old_vectors, np.float32)
         ids = np.full((q.shape[0], k), -1, np.int64)
@@ -57,6 +59,8 @@ class ServingClient:
         reps = np.full((q.shape[0], k), "", dtype=object)
         for s in range(0, q.shape[0], batch):
             body = {"vectors": q[s : s + batch].tolist(), "k": int(k), "model": model}
+            if exact:
+                body["exact"] = True
             if old is not None:
                 body["old_vectors"] = old[s : s + batch].tolist()
             res = self._call("POST", "/search", body)

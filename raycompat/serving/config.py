@@ -8,13 +8,15 @@ not an option: :func:`raycompat.serving.plan.build_plan` derives it once, into t
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from raycompat.backfill.modes import SERVED_MODES
-from raycompat.config import ConfigError, choices, option, parse_options, positive
+from raycompat.config import ConfigError, choices, nonnegative, option, parse_options, positive
+from raycompat.index.ann import IndexOptions
 
 __all__ = ["ServingConfig", "serving_config"]
 
@@ -29,7 +31,9 @@ class ServingConfig:
     state_dir: str = option("serving_state", help="shard snapshots + logs, backfill checkpoint")
     mode: str = choices(*SERVED_MODES, default="compatible", help="query strategy served")
     num_shards: int = positive(2, help="shard deployments")
-    factory: str = option("Flat", help="faiss factory string; Flat = exact")
+    index: IndexOptions = option(
+        factory=IndexOptions, help="the search index of every representation (docs/indexes.md)"
+    )
     compatible_dim: int | None = option(
         None, help="D_c, the compatible dims of a new query (default: D_old)"
     )
@@ -38,6 +42,28 @@ class ServingConfig:
         None, help="ray_actor_options memory per shard replica (MiB)"
     )
     shard_threads: int = positive(1, help="faiss OpenMP threads per shard")
+    shard_replicas: int = positive(
+        1,
+        help="replicas per shard, all serving the shard's one snapshot + log (replaced by "
+        "shard_autoscaling when that is given)",
+    )
+    shard_gpus: float = option(
+        0.0, help="ray_actor_options num_gpus per shard replica (the index then lives on the GPU)"
+    )
+    shard_autoscaling: str | None = option(
+        None,
+        help="Serve autoscaling_config of every shard deployment, as JSON: e.g. "
+        '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}\'',
+    )
+    router_autoscaling: str | None = option(
+        None, help="Serve autoscaling_config of the router, as JSON (replaces router_replicas)"
+    )
+    search_batch_size: int = positive(
+        32, help="most search requests gathered into one search call (router and shards)"
+    )
+    search_batch_wait_ms: float = nonnegative(
+        2.0, help="longest wait, in ms, for more search requests to join a batch"
+    )
     router_cpus: float = option(0.0, help="ray_actor_options num_cpus per router replica")
     router_replicas: int = positive(1, help="router replicas")
     snapshot_every: int = positive(200_000, help="upserted items between snapshots")
@@ -103,7 +129,42 @@ def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> Servin
     _check_paths(cfg)
     if cfg.port > 65535:
         raise ConfigError(f"serving: port must be <= 65535, got {cfg.port}")
-    return dataclasses.replace(cfg, state_dir=os.path.abspath(cfg.state_dir))
+    return dataclasses.replace(
+        cfg,
+        state_dir=os.path.abspath(cfg.state_dir),
+        shard_autoscaling=autoscaling_json("shard_autoscaling", cfg.shard_autoscaling),
+        router_autoscaling=autoscaling_json("router_autoscaling", cfg.router_autoscaling),
+    )
+
+
+def autoscaling_json(name: str, value) -> str | None:
+    """``value`` (a mapping or JSON text) checked against Serve's ``AutoscalingConfig``, as
+    canonical JSON; ``ConfigError`` naming the option and the bad key (Serve itself ignores
+    unknown keys silently)."""
+    if value is None or value == "":
+        return None
+    try:
+        data = json.loads(value) if isinstance(value, str) else dict(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"serving: option {name!r} must be a JSON object: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"serving: option {name!r} must be a JSON object, got {value!r}")
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(data) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ConfigError(
+            f"serving: option {name!r}: unknown key {unknown[0]!r}; allowed keys: "
+            f"{sorted(AutoscalingConfig.model_fields)}"
+        )
+    try:
+        AutoscalingConfig(**data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "value"
+        raise ConfigError(f"serving: option {name!r}: {where}: {first['msg']}") from None
+    return json.dumps(data, sort_keys=True)
 
 
 def _check_paths(cfg: ServingConfig) -> None:

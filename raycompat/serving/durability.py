@@ -15,12 +15,15 @@ docs/architecture.md, "Durability".  Nothing here is pickled.  Formats:
   calls and fsyncs it *before* the upsert is applied and acknowledged.  If any write or the
   fsync fails, the file is truncated back to its last good length (nothing of a failed record
   can reach the disk with a later append) and :class:`StorageError` says what happened
-  ("no space left on device at <path>").
+  ("no space left on device at <path>").  The replicas of a shard share the file, each reading
+  it through its own :class:`UpsertLog` cursor; :mod:`raycompat.serving.shared_log` holds the
+  locks, the rotation at snapshots, and the reading across rotated files.
 
-Replay (:meth:`UpsertLog.replay`) tells two kinds of damage apart:
+Reading (:meth:`UpsertLog.read_new`) tells two kinds of damage apart:
 
 * a *torn tail* -- the last record is incomplete (a crash in the middle of an append; that
-  upsert was never acknowledged): it is cut off (``torn_tail_bytes``);
+  upsert was never acknowledged): it is not read (``torn_tail_bytes``), and the next writer
+  cuts it off (:meth:`UpsertLog.truncate_torn`);
 * *corruption* -- a complete record whose CRC does not match, or bytes that are no record,
   followed by valid records: the bad region is skipped, every valid record after it is kept,
   and the damage is reported (:class:`LogDamage`: offset, bytes, cause, the sequence numbers
@@ -28,8 +31,8 @@ Replay (:meth:`UpsertLog.replay`) tells two kinds of damage apart:
   damaged log aside as ``upserts.log.corrupt-<time>`` (:mod:`raycompat.serving.state`).
 
 Recovery = load the snapshot, then replay the log records whose sequence number is larger
-than the snapshot's (a crash between writing a snapshot and emptying the log replays
-nothing twice).
+than the snapshot's (a crash between writing a snapshot and deleting the rotated logs it
+contains replays nothing twice).
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ __all__ = [
     "StorageError",
     "CorruptStateError",
     "write_snapshot",
+    "open_snapshot",
     "read_snapshot",
+    "snapshot_seq",
     "storage_error",
     "atomic_write",
+    "fsync_dir",
     "SNAPSHOT_NAME",
     "LOG_NAME",
 ]
@@ -161,61 +167,87 @@ def _read_log(data: bytes) -> tuple[list[LogRecord], list[LogDamage], int]:
     return records, damage, pos
 
 
-def _lost_seqs(records: list[LogRecord], damage: list[LogDamage]) -> None:
-    """Fill in the sequence numbers missing around each damaged region."""
+def _lost_seqs(
+    records: list[LogRecord], damage: list[LogDamage], before_seq: int | None = None
+) -> None:
+    """Fill in the sequence numbers missing around each damaged region (``before_seq``: the
+    last sequence number read before these records)."""
     for d in damage:
         before = [r.seq for r in records if r.offset < d.offset]
         after = [r.seq for r in records if r.offset > d.offset]
-        lo = before[-1] + 1 if before else None
+        lo = before[-1] + 1 if before else (before_seq + 1 if before_seq is not None else None)
         hi = after[0] - 1 if after else None
         if lo is not None and hi is not None and hi >= lo:
             d.lost_seqs = list(range(lo, hi + 1))
 
 
 class UpsertLog:
-    """Append-only log of applied upserts (see the module docstring)."""
+    """One log file, read and appended through a cursor (see the module docstring).
 
-    def __init__(self, path: str, fsync: bool = True):
+    Several processes (the replicas of a shard) may hold the same file open: the caller
+    serialises them with the shard's write lock (:mod:`raycompat.serving.shared_log`), so a
+    read under that lock never sees an append in progress.  :attr:`pos` is where the complete
+    records read or appended so far end; bytes after it at the last read are a *torn tail*
+    (:attr:`torn_tail_bytes`) that only a writer cuts off (:meth:`truncate_torn`)."""
+
+    def __init__(self, path: str, fsync: bool = True, create: bool = True):
         self.path = path
         self.fsync = fsync
+        flags = os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
+        self._fd: int | None = os.open(path, flags, 0o644)
+        self.inode = os.fstat(self._fd).st_ino
+        self.pos = 0
         self.torn_tail_bytes = 0
+        self.items = 0  # items in the records of this file read or appended so far
+        self.last_seq: int | None = None
         self.damage: list[LogDamage] = []
-        self._fd: int | None = None
-        self._end: int | None = None  # length of the valid part of the file
         self.broken: str | None = None  # a failed rollback: no more appends until a restart
 
     @property
     def truncated_bytes(self) -> int:  # the name older status readers know
         return self.torn_tail_bytes
 
-    def replay(self) -> Iterator[LogRecord]:
-        """Every valid record in order.  A torn tail is cut off; corrupt regions in the middle
-        are skipped and reported in :attr:`damage` (the file is not modified for them)."""
-        if not os.path.exists(self.path):
-            self._end = 0
-            return
-        with open(self.path, "rb") as fh:
-            data = fh.read()
-        records, self.damage, good = _read_log(data)
-        _lost_seqs(records, self.damage)
-        if good < len(data):
-            self.torn_tail_bytes = len(data) - good
-            with open(self.path, "r+b") as fh:
-                fh.truncate(good)
-                os.fsync(fh.fileno())
-        self._end = good
-        yield from records
+    def read_new(self) -> list[LogRecord]:
+        """The complete records after :attr:`pos`, in file order; corrupt regions between
+        them are skipped and added to :attr:`damage` (the file is not modified)."""
+        size = os.fstat(self._fd).st_size
+        if size <= self.pos:
+            self.torn_tail_bytes = 0
+            return []
+        data = os.pread(self._fd, size - self.pos, self.pos)
+        records, damage, good = _read_log(data)
+        for rec in records:
+            rec.offset += self.pos
+        for d in damage:
+            d.offset += self.pos
+        _lost_seqs(records, damage, self.last_seq)
+        self.damage += damage
+        self.pos += good
+        self.torn_tail_bytes = size - self.pos
+        if records:
+            self.last_seq = records[-1].seq
+            self.items += sum(int(r.ids.size) for r in records)
+        return records
 
-    def _open(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            if self._end is None:
-                self._end = os.fstat(self._fd).st_size
-        return self._fd
+    def replay(self) -> Iterator[LogRecord]:
+        """Every valid record of the file from its start (for inspection and tests)."""
+        self.pos, self.items, self.last_seq, self.damage = 0, 0, None, []
+        yield from self.read_new()
+
+    def truncate_torn(self) -> int:
+        """Cut a torn tail off (only under the shard's write lock); returns the bytes cut."""
+        cut = os.fstat(self._fd).st_size - self.pos
+        if cut > 0:
+            os.ftruncate(self._fd, self.pos)
+            if self.fsync:
+                os.fsync(self._fd)
+        self.torn_tail_bytes = 0
+        return max(cut, 0)
 
     def append(self, seq: int, rep: int, ids: np.ndarray, vectors: np.ndarray) -> None:
-        """Write one whole record and fsync it; on any failure roll the file back to its last
-        good length and raise :class:`StorageError`."""
+        """Write one whole record at :attr:`pos` (the end of the file: the caller holds the
+        write lock and has read and truncated up to it) and fsync it; on any failure roll the
+        file back to :attr:`pos` and raise :class:`StorageError`."""
         if self.broken:
             raise StorageError(self.broken)
         ids = np.ascontiguousarray(ids, dtype="<i8")
@@ -224,52 +256,39 @@ class UpsertLog:
         payload = ids.tobytes() + vectors.tobytes()
         head = _HEADER.pack(_MAGIC, int(seq), int(n), int(dim), int(rep), zlib.crc32(payload))
         record = memoryview(head + payload)
-        fd = self._open()
         try:
             written = 0
             while written < len(record):
-                written += os.write(fd, record[written:])
+                written += os.write(self._fd, record[written:])
             if self.fsync:
-                os.fsync(fd)
+                os.fsync(self._fd)
         except OSError as exc:
-            self._rollback(fd)
+            self._rollback()
             raise storage_error(exc, self.path, f"appending log record {seq}") from None
-        self._end += len(record)
+        self.pos += len(record)
+        self.items += int(n)
+        self.last_seq = int(seq)
 
-    def _rollback(self, fd: int) -> None:
+    def _rollback(self) -> None:
         """Cut the file back to its last good length after a failed append."""
         try:
-            os.ftruncate(fd, self._end)
-            os.fsync(fd)
+            os.ftruncate(self._fd, self.pos)
+            os.fsync(self._fd)
         except OSError as exc:
             self.broken = (
                 f"{storage_error(exc, self.path, 'rolling back a failed append')}; "
                 "the log refuses appends until the shard restarts"
             )
 
-    def reset(self) -> None:
-        """Empty the log (after a snapshot that contains every record)."""
-        fd = self._open()
+    def replaced(self) -> bool:
+        """Whether :attr:`path` now names another file (the log was rotated or set aside)."""
         try:
-            os.ftruncate(fd, 0)
-            if self.fsync:
-                os.fsync(fd)
-        except OSError as exc:
-            raise storage_error(exc, self.path, "emptying the log after a snapshot") from None
-        self._end = 0
-        self.broken = None
-
-    def set_aside(self, suffix: str) -> str:
-        """Move the log file to ``<path>.<suffix>`` (kept for inspection) and start an empty
-        one; returns the new name of the old file."""
-        self.close()
-        dest = f"{self.path}.{suffix}"
-        os.replace(self.path, dest)
-        self._end = 0
-        return dest
+            return os.stat(self.path).st_ino != self.inode
+        except FileNotFoundError:
+            return True
 
     def size_bytes(self) -> int:
-        return os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        return os.fstat(self._fd).st_size if self._fd is not None else 0
 
     def close(self) -> None:
         if self._fd is not None:
@@ -293,7 +312,7 @@ def atomic_write(path: str, write, doing: str = "") -> None:
         raise storage_error(exc, tmp, doing) from None
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -328,7 +347,7 @@ def write_snapshot(
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
         if fsync:
-            _fsync_dir(directory)
+            fsync_dir(directory)
     except OSError as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -336,16 +355,36 @@ def write_snapshot(
     return path
 
 
+def _corrupt_snapshot(path: str, exc: Exception) -> CorruptStateError:
+    return CorruptStateError(
+        f"snapshot {path} is corrupt ({type(exc).__name__}: {exc}); restore it from a "
+        "backup, or move the shard directory away to reload the shard from the gallery"
+    )
+
+
+def open_snapshot(directory: str):
+    """The snapshot file opened for reading (``None`` when there is none): open it while the
+    files are consistent, read it later with :func:`read_snapshot` (an open file survives its
+    replacement by a newer snapshot)."""
+    path = os.path.join(directory, SNAPSHOT_NAME)
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        return None
+
+
 def read_snapshot(
-    directory: str,
+    directory: str, fh=None
 ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]], dict] | None:
-    """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot;
+    """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot (``fh``:
+    the snapshot file already opened by :func:`open_snapshot`);
     :class:`CorruptStateError` naming the file and the cause when it cannot be read."""
     path = os.path.join(directory, SNAPSHOT_NAME)
-    if not os.path.exists(path):
+    fh = fh if fh is not None else open_snapshot(directory)
+    if fh is None:
         return None
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with fh, np.load(fh, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             parts = {}
             for key in z.files:
@@ -357,11 +396,27 @@ def read_snapshot(
                     parts[name] = (ids, vecs)
             seq = int(meta["seq"])
     except Exception as exc:  # zip, npy, JSON or shape damage: name the file and the cause
-        raise CorruptStateError(
-            f"snapshot {path} is corrupt ({type(exc).__name__}: {exc}); restore it from a "
-            "backup, or move the shard directory away to reload the shard from the gallery"
-        ) from None
+        raise _corrupt_snapshot(path, exc) from None
     return seq, parts, meta
+
+
+def snapshot_seq(directory: str, fh=None) -> int | None:
+    """The sequence number of the snapshot (``None``: none), reading only its metadata;
+    ``fh``: an open snapshot file, left open at its start."""
+    own = fh is None
+    fh = open_snapshot(directory) if own else fh
+    if fh is None:
+        return None
+    try:
+        with np.load(fh, allow_pickle=False) as z:
+            return int(json.loads(bytes(z["meta"]).decode())["seq"])
+    except Exception as exc:
+        raise _corrupt_snapshot(os.path.join(directory, SNAPSHOT_NAME), exc) from None
+    finally:
+        if own:
+            fh.close()
+        else:
+            fh.seek(0)
 
 
 def corrupt_suffix() -> str:

@@ -13,13 +13,13 @@ controller: rho in the rank_merge mode) is applied to the raw new-model vectors 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
-from raycompat.serving.placement import shard_of
+from raycompat.serving.placement import _mix, shard_of
 
 __all__ = [
     "GallerySource",
@@ -165,20 +165,29 @@ class PipelineOutput(GallerySource):
 
 @dataclass
 class SyntheticGallery(GallerySource):
-    """``n_items`` items with ids ``0..n-1``; old and new vectors are seeded Gaussian draws per
-    block of 256 ids (``default_rng([seed, stream, block])``), so any id's vector is
-    reproducible anywhere without storing the gallery."""
+    """``n_items`` items with ids ``0..n-1`` and seeded vectors, reproducible anywhere without
+    storing the gallery (docs/indexes.md, "Synthetic clustered gallery").
+
+    Each stream (old, new, adapted) draws Gaussian rows per block of 256 ids
+    (``default_rng([seed, stream, block])``).  ``clusters == 0``: an item's vector is its row,
+    normalised (i.i.d. directions).  ``clusters = C > 0``: item i belongs to cluster
+    ``splitmix64(i ^ salt) mod C`` and its vector is ``normalize(centre[c] + row / sqrt(D))``
+    with seeded unit centres per stream, so a cluster is a cloud of directions at cosine ~0.7
+    from its centre and ~0.5 from each other."""
 
     n_items: int
     old_dim: int = 128
     new_dim: int = 128
     seed: int = 0
+    clusters: int = 0
     block: int = 256
+    _centre_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def gallery_ids(self) -> np.ndarray:
         return np.arange(self.n_items, dtype=np.int64)
 
-    def _draw(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
+    def _rows(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
+        """The raw Gaussian rows of ``ids`` in ``stream`` (unnormalised)."""
         ids = np.asarray(ids, np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_items):
             raise KeyError(
@@ -192,15 +201,52 @@ class SyntheticGallery(GallerySource):
                 (self.block, dim), dtype=np.float32
             )
             out[sel] = rows[ids[sel] - b * self.block]
-        return l2_normalize(out)
+        return out
+
+    def _draw(self, ids: np.ndarray, stream: int, dim: int) -> np.ndarray:
+        rows = self._rows(ids, stream, dim)
+        if self.clusters == 0:
+            return l2_normalize(rows)
+        centres = self._centres(stream, dim)[self.cluster_of(ids)]
+        return l2_normalize(centres + rows / np.float32(np.sqrt(dim)))
+
+    def cluster_of(self, ids) -> np.ndarray:
+        """The cluster of every id (``clusters > 0``): ``splitmix64(id ^ salt) mod C``, a hash
+        independent of the shard placement's."""
+        salted = np.asarray(ids, np.int64) ^ np.int64(_CLUSTER_SALT)
+        return (_mix(salted) % np.uint64(self.clusters)).astype(np.int64)
+
+    def _centres(self, stream: int, dim: int) -> np.ndarray:
+        """``[C, dim]`` unit centres of ``stream``, drawn from ``default_rng([seed, 3 + stream,
+        C])`` (a key no block of rows uses)."""
+        if stream not in self._centre_cache:
+            rng = np.random.default_rng([self.seed, 3 + stream, self.clusters])
+            draw = rng.standard_normal((self.clusters, dim), dtype=np.float32)
+            self._centre_cache[stream] = l2_normalize(draw)
+        return self._centre_cache[stream]
+
+    def _stream(self, rep: str) -> tuple[int, int]:
+        """``(stream, dim)`` of representation ``rep``."""
+        return _STREAMS[rep], self.old_dim if rep == "old" else self.new_dim
 
     def vectors_of(self, rep: str, ids) -> np.ndarray:
         """The L2-normalised vectors of ``ids`` in representation ``rep``: ``old`` / ``adapted``
         as a shard loads them, ``new`` as the backfill upserts them (:meth:`new_vectors`)."""
         if rep == "new":
             return self.new_vectors(ids)
-        stream, dim = {"old": (0, self.old_dim), "adapted": (2, self.new_dim)}[rep]
-        return self._draw(ids, stream, dim)
+        return self._draw(ids, *self._stream(rep))
+
+    def query_vectors(self, n: int, seed: int = 0, rep: str = "new") -> np.ndarray:
+        """``[n, dim]`` benchmark queries in representation ``rep``: perturbed copies
+        ``normalize(v + g / (2 sqrt(D)))`` of the vectors ``v`` of n random items
+        (``default_rng([self.seed, 6, seed])``), so each query has one clear nearest item and
+        its cluster's items after it (docs/indexes.md, "Synthetic clustered gallery")."""
+        stream, dim = self._stream(rep)
+        rng = np.random.default_rng([self.seed, 6, int(seed)])
+        items = rng.integers(0, self.n_items, int(n))
+        noise = rng.standard_normal((int(n), dim), dtype=np.float32)
+        base = self._draw(items, stream, dim)
+        return l2_normalize(base + noise / np.float32(2.0 * np.sqrt(dim)))
 
     def initial_vectors(self, rep, shard, n_shards):
         ids = self.gallery_ids()
@@ -213,31 +259,41 @@ class SyntheticGallery(GallerySource):
         return stored_new(self._draw(ids, 1, self.new_dim), self.new_map)
 
 
+_STREAMS = {"old": 0, "new": 1, "adapted": 2}
+_CLUSTER_SALT = 0x5851F42D4C957F2D
+_SYNTHETIC_FORM = "synthetic:N[:D_old[:D_new[:seed[:clusters]]]]"
+
+
 def open_gallery(
     spec: str,
     new_model: str | None = None,
     need_adapted: bool = False,
     need_rank_merge: bool = False,
 ) -> GallerySource:
-    """``synthetic:N[:D_old[:D_new[:seed]]]`` or a parquet path (file or folder)."""
+    """``synthetic:N[:D_old[:D_new[:seed[:clusters]]]]`` or a parquet path (file or folder)."""
     if spec.startswith("synthetic:"):
-        parts = spec.split(":")[1:]
-        try:
-            vals = [int(p) for p in parts]
-        except ValueError:
-            raise ConfigError(
-                f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]]"
-            ) from None
-        if not 1 <= len(vals) <= 4 or vals[0] < 1:
-            raise ConfigError(
-                f"gallery {spec!r}: expected synthetic:N[:D_old[:D_new[:seed]]] with N >= 1"
-            )
-        return SyntheticGallery(*vals)
+        return _synthetic(spec)
     if not os.path.exists(spec):
         raise ConfigError(f"gallery embeddings not found: {spec}")
     return ParquetGallery(
         spec, new_model=new_model, need_adapted=need_adapted, need_rank_merge=need_rank_merge
     )
+
+
+def _synthetic(spec: str) -> SyntheticGallery:
+    parts = spec.split(":")[1:]
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"gallery {spec!r}: expected {_SYNTHETIC_FORM} (integers)") from None
+    if not 1 <= len(vals) <= 5:
+        raise ConfigError(f"gallery {spec!r}: expected {_SYNTHETIC_FORM}")
+    names = ("N", "D_old", "D_new", "seed", "clusters")
+    lows = (1, 1, 1, 0, 0)
+    for name, value, low in zip(names, vals, lows, strict=False):
+        if value < low:
+            raise ConfigError(f"gallery {spec!r}: {name} = {value} must be >= {low}")
+    return SyntheticGallery(*vals)
 
 
 def write_gallery_parquet(path: str, data, items: dict | None = None) -> str:

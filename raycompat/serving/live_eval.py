@@ -8,7 +8,10 @@ scored with the same metric functions the simulator uses (docs/methods.md, "Metr
 ``mAP@k`` (:func:`raycompat.metrics.mean_average_precision_at_k`), ``top1``, ``NFR@1``
 (:func:`raycompat.metrics.negative_flip_rate` against old-old top-1 correctness, itself
 measured live at t = 0 with the old model's query vectors, ``model="old"``), and the
-revisited full ``mAP`` when the search returns the whole gallery (``k >= N``).
+revisited full ``mAP`` when the search returns the whole gallery (``k >= N``).  At every fraction
+the same queries are also searched with ``"exact": true`` (brute force over the live gallery), and
+``recall@k`` of the served top-k against that exact top-k is recorded (docs/indexes.md, "Recall"):
+1 for the exact index, what an approximate one gives up otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from raycompat.backfill.engine import METRIC_NAMES, full_ap_from_ranks, positive_pairs
 from raycompat.backfill.grid import backfill_counts
 from raycompat.metrics import correct_at_k, mean_average_precision_at_k, negative_flip_rate
+from raycompat.metrics.recall import recall_at_k
 
 __all__ = ["live_metrics", "live_backfill_curve", "old_old_reference", "compare_curves"]
 
@@ -95,7 +99,7 @@ def live_backfill_curve(
     ref_correct = old_old_reference(client, data, st)
     names = METRIC_NAMES(k_eff)
     metrics = {n: [] for n in names}
-    reps, seconds = [], []
+    reps, seconds, recall, recall_per_query = [], [], [], []
     t_start = time.perf_counter()
     client.start_backfill(
         policy=policy,
@@ -115,9 +119,14 @@ def live_backfill_curve(
             raise RuntimeError(
                 f"at t={t:.3f} expected {int(n)} new items, the shards hold {st['items']}"
             )
-        ids, _, _ = client.search(
-            data.query_new, k=k_eff, model="new", old_vectors=data.query_old if naive else None
+        old_q = data.query_old if naive else None
+        ids, _, _ = client.search(data.query_new, k=k_eff, model="new", old_vectors=old_q)
+        exact, _, _ = client.search(
+            data.query_new, k=k_eff, model="new", old_vectors=old_q, exact=True
         )
+        r, per_query = recall_at_k(ids, exact, k_eff)
+        recall.append(r)
+        recall_per_query.append(per_query)
         m, _ = live_metrics(ids, data, k_eff, ref_correct)
         for name in names:
             metrics[name].append(m[name])
@@ -126,11 +135,14 @@ def live_backfill_curve(
         log(
             f"  live t={t:5.2f} ({int(n):6d} new): "
             + ", ".join(f"{a}={m[a]:.4f}" for a in names if np.isfinite(m[a]))
+            + f", recall@{k_eff}={r:.4f}"
         )
     return {
         "fractions": fractions.tolist(),
         "counts": counts.tolist(),
         "metrics": metrics,
+        "recall": recall,
+        "recall_per_query": np.stack(recall_per_query, axis=1).tolist(),
         "items": reps,
         "seconds": seconds,
         "policy": policy,

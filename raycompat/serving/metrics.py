@@ -30,6 +30,12 @@ class RouterMetrics:
         self.hist: dict[str, list] = {}
         self.hist_sum: dict[str, float] = {}
         self.queries = 0
+        self.retries = 0
+
+    def count_retry(self) -> None:
+        """A shard call sent again because its replica died."""
+        with self.lock:
+            self.retries += 1
 
     def observe(self, endpoint: str, status: int, seconds: float, queries: int = 0) -> None:
         with self.lock:
@@ -43,7 +49,11 @@ class RouterMetrics:
             self.hist_sum[endpoint] = self.hist_sum.get(endpoint, 0.0) + seconds
             self.queries += queries
 
-    def render(self, gauges: Iterable[tuple[str, str, dict[str, str], float]] = ()) -> str:
+    def render(
+        self,
+        gauges: Iterable[tuple[str, str, dict[str, str], float]] = (),
+        batches: list[tuple[dict, dict]] = (),
+    ) -> str:
         p = self.prefix
         lines = [
             f"# HELP {p}_requests_total HTTP requests by endpoint and status code.",
@@ -58,6 +68,10 @@ class RouterMetrics:
                 f"# HELP {p}_queries_total Query vectors searched.",
                 f"# TYPE {p}_queries_total counter",
                 f"{p}_queries_total {self.queries}",
+                f"# HELP {p}_shard_call_retries_total Shard calls sent again after their "
+                "replica died.",
+                f"# TYPE {p}_shard_call_retries_total counter",
+                f"{p}_shard_call_retries_total {self.retries}",
                 f"# HELP {p}_request_seconds Request latency in the router.",
                 f"# TYPE {p}_request_seconds histogram",
             ]
@@ -79,4 +93,61 @@ class RouterMetrics:
                 lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} gauge"]
                 seen.add(name)
             lines.append(f"{p}_{name}{_labels(labels)} {float(value)}")
+        lines += batch_histogram_lines(p, list(batches))
         return "\n".join(lines) + "\n"
+
+
+#: upper bounds of the batch-size histogram buckets (requests, or queries, per search call)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class BatchSizes:
+    """Histograms of the search batches one process formed: requests and queries per batch
+    (``GET /metrics`` renders them as ``search_batch_requests`` / ``search_batch_queries``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts = {
+            "requests": [0] * (len(BATCH_BUCKETS) + 1),
+            "queries": [0] * (len(BATCH_BUCKETS) + 1),
+        }
+        self.sums = {"requests": 0, "queries": 0}
+
+    def observe(self, requests: int, queries: int) -> None:
+        with self.lock:
+            for what, n in (("requests", requests), ("queries", queries)):
+                h = self.counts[what]
+                for i, b in enumerate(BATCH_BUCKETS):
+                    if n <= b:
+                        h[i] += 1
+                h[-1] += 1
+                self.sums[what] += int(n)
+
+    def as_json(self) -> dict:
+        """``{"buckets", "requests": {"counts", "sum"}, "queries": {...}}`` (cumulative counts,
+        the last one the total number of batches)."""
+        with self.lock:
+            return {
+                "buckets": list(BATCH_BUCKETS),
+                **{w: {"counts": list(self.counts[w]), "sum": self.sums[w]} for w in self.counts},
+            }
+
+
+def batch_histogram_lines(prefix: str, batches: list[tuple[dict, dict]]) -> list[str]:
+    """Prometheus lines of ``search_batch_{requests,queries}`` histograms from
+    ``[(labels, BatchSizes.as_json())]`` (the router's own, and one per shard replica)."""
+    lines = []
+    for what in ("requests", "queries"):
+        name = f"{prefix}_search_batch_{what}"
+        lines += [
+            f"# HELP {name} {what.capitalize()} per search call, as batched (router and shards).",
+            f"# TYPE {name} histogram",
+        ]
+        for labels, h in batches:
+            counts = h[what]["counts"]
+            for b, c in zip(h["buckets"], counts, strict=False):
+                lines.append(f"{name}_bucket{_labels({**labels, 'le': str(b)})} {c}")
+            lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {counts[-1]}")
+            lines.append(f"{name}_sum{_labels(labels)} {h[what]['sum']}")
+            lines.append(f"{name}_count{_labels(labels)} {counts[-1]}")
+    return lines

@@ -142,6 +142,7 @@ def build_plan(cfg: ServingConfig) -> ServingPlan:
     new_dim = _rank_merge_dim(cfg, query_dims) if cfg.mode == "rank_merge" else query_dims.new
     dims = RepDims(old=query_dims.old, adapted=query_dims.new, new=new_dim)
     compatible_dim = _compatible_dim(cfg, dims)
+    _check_index(cfg, dims)
     return ServingPlan(
         config=cfg,
         dims=dims,
@@ -166,6 +167,15 @@ def _rank_merge_dim(cfg: ServingConfig, query_dims: QueryDims) -> int:
             f"/ old {query_dims.old} dims"
         )
     return int(rho.out_dim)
+
+
+def _check_index(cfg: ServingConfig, dims: RepDims) -> None:
+    """The index options fit every representation's dimension (``ConfigError`` before any
+    deploy: a PQ sub-quantizer count that does not divide a dimension, a bad factory string)."""
+    from raycompat.index.ann import create_kind
+
+    for d in sorted(set(dims.as_dict().values())):
+        create_kind(cfg.index, d)
 
 
 def _compatible_dim(cfg: ServingConfig, dims: RepDims) -> int:

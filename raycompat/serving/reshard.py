@@ -85,7 +85,7 @@ def _open_old(state_dir: str, layout: StateLayout) -> list[ShardState]:
             if snap is None:
                 raise ConfigError(f"reshard: {d} holds no snapshot")
             dims = layout.dims or snap[2]["dims"]
-            states.append(ShardState(d, dims, fsync=False))
+            states.append(ShardState(d, dims, fsync=False, exclusive=True))
     except ShardLockedError as exc:
         for st in states:
             st.close()

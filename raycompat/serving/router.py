@@ -60,7 +60,7 @@ class Router:
     """The ingress deployment over the shard handles and the backfill controller handle."""
 
     def __init__(self, shards: list, controller, plan: ServingPlan, admin):
-        from raycompat.serving.metrics import RouterMetrics
+        from raycompat.serving.metrics import BatchSizes, RouterMetrics
 
         self.shards = list(shards)
         self.controller = controller
@@ -69,6 +69,9 @@ class Router:
         self.limits = plan.limits
         self.admin = admin  # raycompat.serving.auth.AdminToken: the token's hash only
         self.recorder = RouterMetrics()
+        self.batches = BatchSizes()
+        self.search_batched.set_max_batch_size(self.cfg.search_batch_size)
+        self.search_batched.set_batch_wait_timeout_s(self.cfg.search_batch_wait_ms / 1000.0)
         self.embedders: dict = {}  # role -> ModelEmbedder
         self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode
         self._load_models()
@@ -244,9 +247,21 @@ class Router:
 
     # ------------------------------------------------------------------ shards, controller
     async def call(self, handle, method: str, *args, **kw):
-        """``handle.method(*args, **kw)``, waited for at most ``shard_timeout_s``."""
-        response = getattr(handle, method).remote(*args, **kw)
-        return await asyncio.wait_for(response, timeout=self.cfg.shard_timeout_s)
+        """``handle.method(*args, **kw)``, waited for at most ``shard_timeout_s``; a call
+        whose replica died is sent again (Serve then routes it to a live replica of the same
+        deployment): every shard method is idempotent (docs/architecture.md, "Replicas")."""
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + self.cfg.shard_timeout_s
+        while True:
+            response = getattr(handle, method).remote(*args, **kw)
+            try:
+                return await asyncio.wait_for(response, timeout=deadline - time.monotonic())
+            except RayActorError:
+                if time.monotonic() + 0.05 >= deadline:
+                    raise
+                self.recorder.count_retry()
+                await asyncio.sleep(0.05)
 
     async def fan_out(self, method: str, *args) -> list:
         """``method(*args)`` on every shard; 503 naming the first shard that fails."""
@@ -279,9 +294,29 @@ class Router:
             raise ApiError(int(res["status"]), res["error"], "body", headers)
         return res
 
+    async def shard_status(self, shard: int) -> dict:
+        """One shard's status (from one of its replicas) with ``replicas``: every live
+        replica's own status; 503 when no replica answers."""
+        try:
+            answers = (
+                await self.shards[shard]
+                .broadcast("status")
+                .results_async(timeout_s=self.cfg.shard_timeout_s, return_exceptions=True)
+            )
+        except Exception as exc:
+            raise unavailable(f"shard {shard}", exc) from None
+        live = [a for a in answers if isinstance(a, dict)]
+        if not live:
+            why = next((a for a in answers if isinstance(a, BaseException)), None)
+            raise unavailable(f"shard {shard}", why or RuntimeError("no replica is running"))
+        live.sort(key=lambda a: a.get("started", 0))
+        return {**live[0], "replicas": [replica_summary(a) for a in live]}
+
     async def gather_status(self) -> dict:
         """Items per representation (total and per shard), backfill state, mode, dims, models."""
-        shard_status = await self.fan_out("status")
+        shard_status = list(
+            await asyncio.gather(*(self.shard_status(i) for i in range(len(self.shards))))
+        )
         items = {"old": 0, "adapted": 0, "new": 0}
         for s in shard_status:
             for r, n in s["items"].items():
@@ -304,7 +339,6 @@ class Router:
 
     # ------------------------------------------------------------------ endpoints
     async def search(self, req: BaseModel, request: Request):
-        from raycompat.serving.rep_index import merge_topk
         from raycompat.serving.scoring import query_sides
 
         t0 = time.perf_counter()
@@ -314,11 +348,25 @@ class Router:
         sides = await asyncio.to_thread(
             query_sides, q, req.model, self.plan.compatible_dim, rank_merge, old_q
         )
-        parts = await self.fan_out("search", sides, req.k)
-        S, I, R = merge_topk(
-            [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], req.k
-        )
+        S, I, R = await self.search_batched(sides, req.k, req.exact)
         return {"results": hits(S, I, R), "k": req.k, "took_ms": 1000 * (time.perf_counter() - t0)}
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def search_batched(self, sides: list, k: list, exact: list) -> list:
+        """The searches of concurrent requests gathered into one call per shard and group
+        (docs/architecture.md, "Batching"): requests with the same representations, k and
+        exactness are stacked; each gets back exactly its own rows."""
+        from raycompat.serving.batching import query_rows, split_rows, stacked_groups
+
+        self.batches.observe(len(sides), sum(query_rows(s) for s in sides))
+        out: list = [None] * len(sides)
+        for members, stacked, kk, ex in stacked_groups(sides, k, exact):
+            parts = await self.fan_out("search", stacked, kk, ex)
+            merged = await asyncio.to_thread(_merge_parts, parts, kk)
+            sizes = [query_rows(sides[j]) for j in members]
+            for j, rows in zip(members, split_rows(merged, sizes), strict=True):
+                out[j] = rows
+        return out
 
     async def status(self, request: Request):
         """The status; process ids, actor names and model paths only with the admin token."""
@@ -335,8 +383,13 @@ class Router:
             st = await self.gather_status()
         except ApiError:
             st = None
+        batches = [({"stage": "router"}, self.batches.as_json())]
+        for sh in (st or {}).get("shards", []):
+            for rep in sh["replicas"]:
+                labels = {"stage": "shard", "shard": str(sh["shard"]), "replica": rep["replica"]}
+                batches.append((labels, rep["batches"]))
         return PlainTextResponse(
-            self.recorder.render(status_gauges(st)), media_type="text/plain; version=0.0.4"
+            self.recorder.render(status_gauges(st), batches), media_type="text/plain; version=0.0.4"
         )
 
     async def upsert(self, req: BaseModel):
@@ -433,6 +486,12 @@ class Router:
         return {"snapshots": len(results)}
 
 
+def replica_summary(status: dict) -> dict:
+    """What ``/status`` lists per replica of a shard."""
+    keys = ("replica", "pid", "actor_name", "seq", "searches", "startup_s", "log", "batches")
+    return {key: status.get(key) for key in keys}
+
+
 #: what /status shows only to the admin: where processes and files are
 PRIVATE_STATUS_KEYS = ("pid", "actor_id", "actor_name", "path")
 
@@ -444,6 +503,13 @@ def public_status(st: dict) -> dict:
     if isinstance(st, list):
         return [public_status(v) for v in st]
     return st
+
+
+def _merge_parts(parts: list, k: int):
+    """The shards' top-k lists merged into one ``(S, I, R)``."""
+    from raycompat.serving.rep_index import merge_topk
+
+    return merge_topk([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], k)
 
 
 def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:

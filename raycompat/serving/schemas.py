@@ -171,6 +171,11 @@ def _search_request(limits: Limits, Vector) -> type:
             description="which model embedded the query vectors; 'old' searches old-state "
             "items only (clients not upgraded yet)",
         )
+        exact: bool = Field(
+            default=False,
+            description="search every item by brute force, whatever the index kind: the "
+            "reference an approximate index's recall is measured against (slow)",
+        )
 
         @model_validator(mode="after")
         def _one_input(self):

@@ -1,20 +1,27 @@
-"""The shard deployment: one Serve deployment per shard, one replica each, wrapping a
-:class:`raycompat.serving.state.ShardState` kept in ``<state_dir>/shard-<i>`` (or, after a
-reshard, ``<state_dir>/shards-g<k>/shard-<i>``: :mod:`raycompat.serving.layout`).
+"""The shard deployment: one Serve deployment per shard, with ``shard_replicas`` replicas (or
+Serve's autoscaling), wrapping a :class:`raycompat.serving.state.ShardState` kept in
+``<state_dir>/shard-<i>`` (or, after a reshard, ``<state_dir>/shards-g<k>/shard-<i>``:
+:mod:`raycompat.serving.layout`).
 
-On (re)start the replica recovers from its snapshot + log; only when the directory is empty
-does it load its items (placed by :func:`raycompat.serving.placement.shard_of`) from the
-gallery source, in their initial representation, and write the first snapshot.
+On (re)start a replica recovers from the shard's snapshot + log, which every replica of the
+shard shares; only when the directory is empty does the first replica load the shard's items
+(placed by :func:`raycompat.serving.placement.shard_of`) from the gallery source, in their
+initial representation, as the first snapshot.  Searches that arrive together are answered
+by one search call (``@serve.batch``, :func:`search_grouped`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
 import numpy as np
+from ray import serve
 
+from raycompat.serving.batching import query_rows, split_rows, stacked_groups
 from raycompat.serving.durability import StorageError
+from raycompat.serving.metrics import BatchSizes
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.state import REPRESENTATIONS, ShardState, UnknownItemError
 
@@ -36,13 +43,15 @@ def shard_dir(state_dir: str, shard: int, num_shards: int) -> str:
 
 
 class ShardServer:
-    """Serve deployment class (bound per shard by :mod:`raycompat.serving.app`)."""
+    """Serve deployment class (bound per shard by :mod:`raycompat.serving.app`); every replica
+    of a shard opens the same directory (:mod:`raycompat.serving.shared_log`)."""
 
     def __init__(self, shard: int, plan: ServingPlan):
         t0 = time.perf_counter()
         cfg = plan.config
         self.shard = int(shard)
         self.n_shards = cfg.num_shards
+        self.plan = plan
         try:
             import faiss
 
@@ -52,33 +61,40 @@ class ShardServer:
         self.state = ShardState(
             shard_dir(cfg.state_dir, self.shard, cfg.num_shards),
             plan.dims.as_dict(),
-            factory=cfg.factory,
+            index=cfg.index,
             snapshot_every=cfg.snapshot_every,
             fsync=cfg.fsync,
-            lock_wait_s=60.0,
+            initial=self._initial_items,
+            tail_interval_s=1.0,
+            name=f"shard-{self.shard}",
         )
-        if not self.state.initialized:
-            self._load_initial(plan)
         self.started = time.time()
         self.startup_s = time.perf_counter() - t0
         self.searches = 0
+        self.batches = BatchSizes()
+        self.search.set_max_batch_size(cfg.search_batch_size)
+        self.search.set_batch_wait_timeout_s(cfg.search_batch_wait_ms / 1000.0)
 
-    def _load_initial(self, plan: ServingPlan) -> None:
-        """First start: this shard's items from the gallery, in their initial representation."""
+    def _initial_items(self) -> tuple[str, np.ndarray, np.ndarray]:
+        """First start of the shard: its items from the gallery, in their initial
+        representation (called by one replica, under the shard's write lock)."""
         from raycompat.serving.gallery_source import open_gallery
 
-        rep0 = plan.initial_representation
+        rep0 = self.plan.initial_representation
         src = open_gallery(
-            plan.config.gallery, plan.config.new_model, need_adapted=rep0 == "adapted"
+            self.plan.config.gallery, self.plan.config.new_model, need_adapted=rep0 == "adapted"
         )
         ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
-        self.state.load_initial(rep0, ids, vecs)
-        self.state.snapshot()
-        self.state.recovery["initial_load"] = int(ids.size)
+        return rep0, ids, vecs
 
-    def search(self, queries: dict[str, np.ndarray], k: int):
-        self.searches += 1
-        return self.state.search(queries, int(k))
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def search(self, queries: list, k: list, exact: list) -> list:
+        """Top-k of every request gathered into this batch, one state search per group of
+        requests with the same representations, k and exactness (docs/architecture.md,
+        "Batching"); each request gets its own rows: the same as searching it alone."""
+        self.searches += len(queries)
+        self.batches.observe(len(queries), sum(query_rows(q) for q in queries))
+        return await asyncio.to_thread(search_grouped, self.state, queries, k, exact)
 
     def unknown(self, ids) -> list:
         return self.state.unknown(ids)
@@ -118,19 +134,43 @@ class ShardServer:
     def status(self) -> dict:
         import ray
 
+        ctx = ray.get_runtime_context()
         return {
             "shard": self.shard,
+            "replica": _replica_id(),
             "items": self.state.counts(),
             "seq": self.state.seq,
             "upserts_applied": self.state.upserts_applied,
+            "log": self.state.replica_status(),
             "recovery": self.state.recovery,
-            "log_bytes": self.state.log.size_bytes(),
+            "log_bytes": self.state.log.current.size_bytes(),
             "storage": self.state.health(),
+            "index": {r: ix.describe() for r, ix in self.state.reps.items()},
             "startup_s": self.startup_s,
             "started": self.started,
             "pid": os.getpid(),
             "searches": self.searches,
-            "actor_id": ray.get_runtime_context().get_actor_id(),
-            "actor_name": ray.get_runtime_context().get_actor_name(),
+            "batches": self.batches.as_json(),
+            "actor_id": ctx.get_actor_id(),
+            "actor_name": ctx.get_actor_name(),
             "representations": list(REPRESENTATIONS),
         }
+
+
+def _replica_id() -> str | None:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests)
+        return None
+
+
+def search_grouped(state: ShardState, queries: list, k: list, exact: list) -> list:
+    """``state.search`` of every request of a batch, one search per stackable group
+    (:mod:`raycompat.serving.batching`)."""
+    out: list = [None] * len(queries)
+    for members, stacked, kk, ex in stacked_groups(queries, k, exact):
+        result = state.search(stacked, kk, exact=ex)
+        sizes = [query_rows(queries[j]) for j in members]
+        for j, rows in zip(members, split_rows(result, sizes), strict=True):
+            out[j] = rows
+    return out

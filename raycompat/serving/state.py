@@ -1,48 +1,55 @@
-"""One shard's items: each held in exactly one representation (old, adapted or new), a faiss
-index per representation, atomic per-item upserts, durable through snapshot + log.
+"""One shard's items: each held in exactly one representation (old, adapted or new), an index
+per representation, atomic per-item upserts, durable through snapshot + log, shared by the
+shard's replicas.
 
-docs/architecture.md, "Serving".  Every item id maps to one representation; its (L2-normalised)
-vector lives in that representation's store and faiss index only.  Moving an item (an
-upsert) removes it from its old representation and adds it to the new one under the
-shard's lock, and a search runs under the same lock, so a concurrent query sees every item
-exactly once: before or after the move, never missing, never twice.
+docs/architecture.md, "Serving" and "Replicas".  Every item id maps to one representation; its
+(L2-normalised) vector lives in that representation's :class:`~raycompat.serving.rep_index.
+RepIndex` only.  Moving an item (an upsert) removes it from its old representation and adds it
+to the new one under the shard's lock, and a search runs under the same lock, so a concurrent
+query sees every item exactly once: before or after the move, never missing, never twice.
+
+Every replica of a shard opens the same directory (:mod:`raycompat.serving.shared_log`): an
+upsert is appended to the shared log and fsynced, under the shard's write lock, before it is
+applied and acknowledged; every read (search, lookup, counts) first applies the records other
+replicas appended since the last one, so every replica answers with every acknowledged upsert
+applied.
 
 Scores are inner products of normalised vectors (cosines, docs/methods.md, "Notation"); the
 router sends one query array per representation (:mod:`raycompat.serving.scoring`), so an
 old-state item is scored with the old-state side and a new-state item with the new-state
 side, as in the simulator (:mod:`raycompat.backfill.modes`).  Results are ordered by
-descending *canonical* score (:mod:`raycompat.index.canonical`: the float64 sum of the
-products of the two float32 vectors), ties by ascending item id -- the simulator's ranking
-rule, so with an exact index the served order is the simulator's whatever faiss's float32
-summation order: faiss (or numpy) proposes float32 candidates, the shard re-scores them
-canonically and fetches more until no unfetched item can reach the k-th canonical score.
-
-faiss: ``factory="Flat"`` (the default) is exact (``IndexFlatIP``).  Any other factory
-string works: indexes that need training are trained once a representation holds
-``train_min`` items (until then that representation is searched exactly with numpy), and
-indexes without ``remove_ids`` (e.g. HNSW) keep removed items as tombstones that are
-filtered out of results and dropped at the next rebuild.
+descending *canonical* score (:mod:`raycompat.index.canonical`), ties by ascending item id --
+the simulator's ranking rule (docs/indexes.md for the index kinds and their re-ranking).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from raycompat.serving.durability import (
-    LOG_NAME,
+    SNAPSHOT_NAME,
+    LogDamage,
     StorageError,
-    UpsertLog,
     corrupt_suffix,
+    open_snapshot,
     read_snapshot,
+    snapshot_seq,
     write_snapshot,
 )
 from raycompat.serving.rep_index import RepIndex, merge_topk
+from raycompat.serving.shared_log import (
+    LogGapError,
+    ShardLockedError,
+    ShardLocks,
+    SharedLog,
+    missing_seqs,
+)
 
 __all__ = [
     "REPRESENTATIONS",
@@ -53,7 +60,6 @@ __all__ = [
     "rep_code",
 ]
 
-LOCK_NAME = "LOCK"
 logger = logging.getLogger("raycompat.serving")
 
 REPRESENTATIONS = ("old", "adapted", "new")
@@ -73,96 +79,160 @@ class UnknownItemError(KeyError):
         super().__init__(f"unknown item id(s) {self.ids[:10]}")
 
 
-class ShardLockedError(RuntimeError):
-    """Another process holds the shard directory (a running index, or a reshard)."""
+#: ``initial()`` returns ``(representation, ids, vectors)``: a new shard's items
+InitialItems = Callable[[], tuple[str, np.ndarray, np.ndarray]]
 
 
-def lock_directory(directory: str, wait_s: float = 0.0) -> int:
-    """Hold ``<directory>/LOCK`` (a POSIX record lock, released when the process exits) so
-    that no two processes write one shard; waits up to ``wait_s`` (a replica restarting while
-    its predecessor exits), then raises :class:`ShardLockedError`."""
-    path = os.path.join(directory, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except OSError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise ShardLockedError(
-                    f"{directory} is in use by another process (a running index or reshard); "
-                    "stop it first"
-                ) from None
-            time.sleep(0.2)
+class ShardMemory:
+    """The in-memory items of a shard at log sequence number :attr:`seq`: one
+    :class:`RepIndex` per representation and every item's representation."""
+
+    def __init__(self, dims: dict[str, int], index_options, name: str):
+        self.reps = {r: RepIndex(d, index_options, name=f"{name}/{r}") for r, d in dims.items()}
+        self.rep_of: dict[int, int] = {}
+        self.seq = 0
+
+    def move(self, ids: np.ndarray, code: int, vecs: np.ndarray) -> None:
+        """Put ``ids`` into representation ``code`` (removing them from where they were)."""
+        ids = np.asarray(ids, np.int64)
+        if ids.size == 0:
+            return
+        uniq, last = np.unique(ids[::-1], return_index=True)  # last write of a repeated id wins
+        if uniq.size != ids.size:
+            keep = np.sort(ids.size - 1 - last)
+            ids, vecs = ids[keep], vecs[keep]
+        by_rep: dict[int, list] = {}
+        for i in ids.tolist():
+            c = self.rep_of.get(i)
+            if c is not None:
+                by_rep.setdefault(c, []).append(i)
+        for c, lst in by_rep.items():
+            self.reps[REPRESENTATIONS[c]].remove(np.asarray(lst, np.int64))
+        self.reps[REPRESENTATIONS[code]].add(ids, np.asarray(vecs, np.float32))
+        for i in ids.tolist():
+            self.rep_of[i] = code
+
+    def export(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return {r: ix.export() for r, ix in self.reps.items()}
+
+    def close(self) -> None:
+        for ix in self.reps.values():
+            ix.close()
 
 
 class ShardState:
-    """The items of one shard, durable in ``directory`` (see :mod:`raycompat.serving.durability`).
+    """The items of one shard, durable in ``directory`` and shared by the shard's replicas.
 
     ``dims``: the vector dimension of each representation (``{"old": D_old, "adapted": D_new,
-    "new": D_new}``).  If the directory holds a snapshot, the state is recovered from it and
-    the log; otherwise the shard is empty until :meth:`load_initial`.
+    "new": D_new}``); ``index``: the index options of every representation
+    (:class:`raycompat.index.ann.IndexOptions`, default exact).  A directory without a
+    snapshot is loaded from ``initial`` (once, by whichever replica comes first) or stays
+    empty until :meth:`load_initial`.  ``exclusive``: hold the directory alone
+    (``reshard-index``); replicas share it.  ``tail_interval_s`` > 0 reads the other
+    replicas' records in the background at that interval, so a replica that gets no request
+    stays close to the log.
     """
 
     def __init__(
         self,
         directory: str,
         dims: dict[str, int],
-        factory: str = "Flat",
+        index=None,
         snapshot_every: int = 200_000,
         fsync: bool = True,
-        train_min: int = 4096,
         lock_wait_s: float = 0.0,
+        exclusive: bool = False,
+        initial: InitialItems | None = None,
+        tail_interval_s: float = 0.0,
+        name: str = "",
     ):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
-        self._lock_fd = lock_directory(directory, lock_wait_s)
+        self.locks = ShardLocks(directory, exclusive=exclusive, wait_s=lock_wait_s)
         self.dims = {r: int(dims[r]) for r in REPRESENTATIONS if r in dims}
-        self.factory = factory
+        self.index_options = index
+        self.name = name or os.path.basename(directory)
         self.snapshot_every = int(snapshot_every)
         self.fsync = fsync
-        self.lock = threading.RLock()
-        self.reps = {r: RepIndex(d, factory, train_min) for r, d in self.dims.items()}
-        self.rep_of: dict[int, int] = {}
-        self.seq = 0
-        self.since_snapshot = 0
-        self.recovery: dict = {}
-        self.log = UpsertLog(os.path.join(directory, LOG_NAME), fsync=fsync)
-        self.upserts_applied = 0
+        self.lock = threading.RLock()  # the in-memory state
+        self._reload_lock = threading.Lock()
+        self.log = SharedLog(directory, fsync=fsync)
+        self.mem = ShardMemory(self.dims, index, self.name)
+        self.upserts_applied = 0  # items this replica appended
+        self.peer_records = 0  # records other replicas appended, applied here
+        self.reloads = 0
         self.snapshot_error: str | None = None
         self._snapshot_retry_at = 0.0
+        self.recovery: dict = {}
+        if initial is not None:
+            self._initialize(initial)
         self._recover()
+        self._stop = threading.Event()
+        self._tailer = None
+        if tail_interval_s > 0:
+            self._tailer = threading.Thread(
+                target=self._tail, args=(tail_interval_s,), name="log-tail", daemon=True
+            )
+            self._tailer.start()
 
-    # ------------------------------------------------------------------ durability
+    # the in-memory state, as the rest of the package reads it
+    @property
+    def reps(self) -> dict[str, RepIndex]:
+        return self.mem.reps
+
+    @property
+    def rep_of(self) -> dict[int, int]:
+        return self.mem.rep_of
+
+    @property
+    def seq(self) -> int:
+        return self.mem.seq
+
+    # ------------------------------------------------------------------ recovery
     @property
     def initialized(self) -> bool:
-        return bool(self.rep_of) or os.path.exists(os.path.join(self.directory, "snapshot.npz"))
+        return bool(self.rep_of) or os.path.exists(os.path.join(self.directory, SNAPSHOT_NAME))
+
+    def _initialize(self, initial: InitialItems) -> None:
+        """First start of the shard: its items from ``initial()`` as the snapshot at seq 0,
+        written by exactly one replica (the others wait on the write lock, then find it)."""
+        with self.locks.writing():
+            if self.initialized:
+                return
+            rep, ids, vecs = initial()
+            ids = np.asarray(ids, np.int64)
+            order = np.argsort(ids, kind="stable")
+            parts = {
+                r: (np.zeros(0, np.int64), np.zeros((0, d), np.float32))
+                for r, d in self.dims.items()
+            }
+            parts[rep] = (ids[order], np.asarray(vecs, np.float32)[order])
+            with self.locks.snapshotting(exclusive=True):
+                self._write_snapshot_file(0, parts)
+            self.recovery["initial_load"] = int(ids.size)
 
     def _recover(self) -> None:
+        """Load the snapshot and the log records after it into a new :class:`ShardMemory`,
+        swap it in, then report a torn tail and damage (docs/architecture.md, "Durability")."""
         t0 = time.perf_counter()
-        snap = read_snapshot(self.directory)  # CorruptStateError names the file and the cause
-        if snap is None:
-            self.recovery = {"snapshot": False, "replayed_records": 0}
-            return
-        seq, parts, meta = snap
-        for name, d in meta.get("dims", {}).items():
-            if name in self.dims and int(d) != self.dims[name]:
-                raise ValueError(
-                    f"snapshot in {self.directory} has {name} dim {d}, expected {self.dims[name]}"
-                )
-        for name, (ids, vecs) in parts.items():
-            if ids.size:
-                self._move(ids, rep_code(name), vecs)
-        self.seq = seq
-        replayed = self._replay(seq)
+        for attempt in range(3):
+            try:
+                mem, snap_seq, replayed = self._load()
+                break
+            except LogGapError:  # a snapshot was written meanwhile: start from it
+                if attempt == 2:
+                    raise
+        with self.lock:
+            old, self.mem = self.mem, mem
+        old.close()
+        cut = self._cut_torn_tail() if snap_seq is not None else 0
         self.recovery = {
-            "snapshot": True,
-            "snapshot_seq": seq,
+            **self.recovery,
+            "snapshot": snap_seq is not None,
+            "snapshot_seq": snap_seq,
             "replayed_records": replayed,
             "log_seq": self.seq,
-            "truncated_bytes": self.log.torn_tail_bytes,
+            "truncated_bytes": cut,
             "corrupt_records": [d.as_json() for d in self.log.damage],
             "items": len(self.rep_of),
             "seconds": time.perf_counter() - t0,
@@ -170,19 +240,48 @@ class ShardState:
         if self.log.damage:
             self._quarantine_log()
 
-    def _replay(self, snapshot_seq: int) -> int:
-        replayed = 0
-        for rec in self.log.replay():
-            if rec.seq <= snapshot_seq:
-                continue
-            self._move(rec.ids, rec.rep, rec.vectors)
-            self.seq = max(self.seq, rec.seq)
-            replayed += 1
-            self.since_snapshot += len(rec.ids)
-        return replayed
+    def _load(self) -> tuple[ShardMemory, int | None, int]:
+        """``(memory, snapshot seq or None, log records applied)``: the snapshot and the
+        rotated logs are opened under the locks (so no snapshot or rotation comes between),
+        read after; the current log is read under the write lock."""
+        self.log.damage = []
+        with self.locks.reading(), self.locks.snapshotting(exclusive=False):
+            fh = open_snapshot(self.directory)
+            seq = snapshot_seq(self.directory, fh) if fh is not None else 0
+            rotated = self.log.open_rotated(seq)
+        mem = ShardMemory(self.dims, self.index_options, self.name)
+        if fh is None:
+            self.log.read_rotated(rotated)  # closes them: nothing to apply them to
+            return mem, None, 0
+        _, parts, meta = read_snapshot(self.directory, fh)  # CorruptStateError: file, cause
+        self._check_dims(meta)
+        for name, (ids, vecs) in parts.items():
+            if ids.size:
+                mem.move(ids, rep_code(name), vecs)
+        mem.seq = seq
+        replayed = self._apply_to(mem, self.log.read_rotated(rotated))
+        with self.locks.reading():
+            replayed += self._read_into(mem)
+        return mem, seq, replayed
+
+    def _check_dims(self, meta: dict) -> None:
+        for name, d in meta.get("dims", {}).items():
+            if name in self.dims and int(d) != self.dims[name]:
+                raise ValueError(
+                    f"snapshot in {self.directory} has {name} dim {d}, expected {self.dims[name]}"
+                )
+
+    def _cut_torn_tail(self) -> int:
+        """A record left incomplete by a replica that died mid-append: cut it off (under the
+        write lock, after reading every complete record); returns the bytes cut."""
+        if not self.log.current.torn_tail_bytes:
+            return 0
+        with self.locks.writing():
+            self._read_new()
+            return self.log.truncate_torn()
 
     def _quarantine_log(self) -> None:
-        """A log damaged in the middle: say so loudly, fold what was recovered into a
+        """A log damaged in the middle: say so loudly, fold every valid record into a
         snapshot, and keep the damaged file as ``upserts.log.corrupt-<time>``."""
         for d in self.log.damage:
             logger.error(
@@ -194,60 +293,159 @@ class ShardState:
                 d.cause,
                 d.lost_seqs or "unknown",
             )
-        self.snapshot()
-        kept = self.log.set_aside(corrupt_suffix())
+        with self.locks.writing():
+            self._read_new()
+            parts, seq = self._export()
+            with self.locks.snapshotting(exclusive=True):
+                self._write_snapshot_file(seq, parts)
+                kept = self.log.rotate(seq, suffix=corrupt_suffix())
+                self.log.remove_rotated(seq)
+        self.log.damage = []
         self.recovery["corrupt_log_kept_as"] = kept
         logger.error("the damaged log is kept as %s", kept)
 
-    def snapshot(self) -> str:
-        """Write the snapshot and empty the log; :class:`StorageError` when it fails (the
-        log is then kept, so nothing is lost)."""
+    # ------------------------------------------------------------------ following the log
+    def catch_up(self) -> int:
+        """Apply every record the other replicas appended since the last read; returns how
+        many.  A replica that lagged past records already removed reloads from the snapshot."""
+        try:
+            with self.locks.reading():
+                n = self._read_new()
+        except LogGapError as exc:
+            with self._reload_lock:  # one reload; concurrent readers wait for it
+                on_disk = snapshot_seq(self.directory)
+                if on_disk is not None and on_disk > self.seq:
+                    logger.warning("%s: %s; reloading from the snapshot", self.name, exc)
+                    self.reloads += 1
+                    self._recover()
+            return 0
+        if self.log.damage:
+            self._quarantine_log()
+        return n
+
+    def _read_new(self) -> int:
+        """(write lock held) Read and apply the records appended since the last read."""
         with self.lock:
-            parts = {r: ix.export() for r, ix in self.reps.items()}
-            path = write_snapshot(
-                self.directory,
-                self.seq,
-                parts,
-                self.dims,
-                info={"factory": self.factory, "items": len(self.rep_of)},
-                fsync=self.fsync,
+            n = self._read_into(self.mem)
+        self.peer_records += n
+        return n
+
+    def _read_into(self, mem: ShardMemory) -> int:
+        """(write lock held) Apply to ``mem`` the records after ``mem.seq``; when the reading
+        moved past a rotated file, a snapshot ahead of what was read means records this replica
+        needed were removed (:class:`LogGapError`)."""
+        n = self._apply_to(mem, self.log.read_new(mem.seq))
+        if self.log.switched:
+            on_disk = snapshot_seq(self.directory)
+            if on_disk is not None and on_disk > mem.seq:
+                raise LogGapError(
+                    f"log records {mem.seq + 1}..{on_disk} were folded into the snapshot at seq "
+                    f"{on_disk} and removed"
+                )
+        return n
+
+    def _apply_to(self, mem: ShardMemory, records) -> int:
+        """Apply log records in order (those at or below ``mem.seq`` are skipped); a missing
+        sequence number is damage already reported, or a gap (:class:`LogGapError`)."""
+        applied = 0
+        for rec in records:
+            if rec.seq <= mem.seq:
+                continue
+            missing = missing_seqs([rec], mem.seq)
+            if missing:
+                self._missing(missing)
+            mem.move(rec.ids, rec.rep, rec.vectors)
+            mem.seq = rec.seq
+            applied += 1
+        return applied
+
+    def _missing(self, seqs: list[int]) -> None:
+        """Sequence numbers absent from the log: explained by damage found reading it, folded
+        into a newer snapshot (:class:`LogGapError`: reload), or lost (reported as damage)."""
+        known = {s for d in self.log.damage for s in d.lost_seqs}
+        unexplained = [s for s in seqs if s not in known]
+        if not unexplained:
+            return
+        on_disk = snapshot_seq(self.directory)
+        if on_disk is not None and on_disk >= unexplained[-1]:
+            raise LogGapError(
+                f"log records {unexplained[0]}..{unexplained[-1]} were folded into the snapshot "
+                f"at seq {on_disk} and removed"
             )
-            self.log.reset()
-            self.since_snapshot = 0
-            self.snapshot_error = None
-            return path
+        self.log.damage.append(
+            LogDamage(-1, 0, "records missing from the log", lost_seqs=unexplained)
+        )
+
+    def _tail(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.catch_up()
+            except Exception as exc:  # keep following; the next read retries
+                logger.error("%s: reading the shard log failed: %s", self.name, exc)
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self) -> str:
+        """Rotate the log and write the snapshot at the current sequence number;
+        :class:`StorageError` when it fails (the rotated log is kept, so nothing is lost)."""
+        self.catch_up()
+        with self.locks.writing():
+            self._read_new()
+            self.log.rotate(self.seq)
+            parts, seq = self._export()
+        return self._store_snapshot(parts, seq)
+
+    def _export(self) -> tuple[dict, int]:
+        with self.lock:
+            return self.mem.export(), self.seq
+
+    def _store_snapshot(self, parts: dict, seq: int) -> str:
+        """Write the snapshot at ``seq`` unless a newer one is on disk, then delete the
+        rotated logs it contains."""
+        path = os.path.join(self.directory, SNAPSHOT_NAME)
+        with self.locks.snapshotting(exclusive=True):
+            on_disk = snapshot_seq(self.directory)
+            if on_disk is None or on_disk < seq:
+                path = self._write_snapshot_file(seq, parts)
+            self.log.remove_rotated(max(seq, on_disk or 0))
+        self.snapshot_error = None
+        return path
+
+    def _write_snapshot_file(self, seq: int, parts: dict) -> str:
+        return write_snapshot(
+            self.directory,
+            seq,
+            parts,
+            self.dims,
+            info={"items": int(sum(p[0].size for p in parts.values()))},
+            fsync=self.fsync,
+        )
+
+    def _snapshot_due(self) -> bool:
+        if self.snapshot_error is not None:
+            return time.time() >= self._snapshot_retry_at
+        return self.log.current.items >= self.snapshot_every
+
+    def _snapshot_after_upsert(self, parts: dict, seq: int) -> None:
+        """A failed snapshot does not fail the (logged, applied) upsert: it is reported in
+        ``snapshot_error`` and tried again 10 s later."""
+        try:
+            self._store_snapshot(parts, seq)
+        except StorageError as exc:
+            self.snapshot_error = str(exc)
+            self._snapshot_retry_at = time.time() + 10.0
+            logger.error("shard snapshot failed: %s", exc)
 
     def load_initial(self, rep: str, ids: np.ndarray, vecs: np.ndarray) -> None:
-        """Bulk-load items (new ids) into ``rep``; call :meth:`snapshot` afterwards."""
+        """Bulk-load items (new ids) into ``rep`` in this process only; call :meth:`snapshot`
+        afterwards (``reshard-index`` and tests; a served shard loads through ``initial``)."""
         with self.lock:
             ids = np.asarray(ids, np.int64)
             dup = [int(i) for i in ids if int(i) in self.rep_of]
             if dup:
                 raise ValueError(f"item id(s) already present: {dup[:10]}")
-            self._move(ids, rep_code(rep), vecs)
+            self.mem.move(ids, rep_code(rep), vecs)
 
-    # ------------------------------------------------------------------ state changes
-    def _move(self, ids: np.ndarray, code: int, vecs: np.ndarray) -> None:
-        """Put ``ids`` into representation ``code`` (removing them from where they were)."""
-        ids = np.asarray(ids, np.int64)
-        if ids.size == 0:
-            return
-        uniq, last = np.unique(ids[::-1], return_index=True)  # last write of a repeated id wins
-        if uniq.size != ids.size:
-            keep = np.sort(ids.size - 1 - last)
-            ids, vecs = ids[keep], vecs[keep]
-        target = REPRESENTATIONS[code]
-        by_rep: dict[int, list] = {}
-        for i in ids.tolist():
-            c = self.rep_of.get(i)
-            if c is not None:
-                by_rep.setdefault(c, []).append(i)
-        for c, lst in by_rep.items():
-            self.reps[REPRESENTATIONS[c]].remove(np.asarray(lst, np.int64))
-        self.reps[target].add(ids, np.asarray(vecs, np.float32))
-        for i in ids.tolist():
-            self.rep_of[i] = code
-
+    # ------------------------------------------------------------------ upserts
     def unknown(self, ids) -> list:
         with self.lock:
             return [int(i) for i in np.asarray(ids).tolist() if int(i) not in self.rep_of]
@@ -255,10 +453,42 @@ class ShardState:
     def upsert(self, ids, rep: str, vecs: np.ndarray) -> dict:
         """Atomically move existing items to ``rep`` with the given (normalised) vectors.
 
-        Logged (fsync) before it is applied; raises :class:`UnknownItemError` for ids this
-        shard does not hold, and :class:`~raycompat.serving.durability.StorageError` when the
-        log write fails (nothing is applied then, and nothing of it stays on disk)."""
+        Appended to the shared log (fsync) under the write lock, after every earlier record of
+        any replica, before it is applied and acknowledged; raises :class:`UnknownItemError`
+        for ids this shard does not hold, and :class:`~raycompat.serving.durability.
+        StorageError` when the log write fails (nothing is applied, nothing of it stays on
+        disk)."""
         code = rep_code(rep)
+        ids, vecs = self._checked_upsert(ids, rep, vecs)
+        if ids.size == 0:
+            return {"applied": 0, "seq": self.seq}
+        for attempt in range(3):
+            self.catch_up()  # a replica that lagged past a snapshot reloads here, unlocked
+            try:
+                return self._append_and_apply(ids, code, vecs)
+            except LogGapError:  # overtaken again before the write lock: nothing was written
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _append_and_apply(self, ids: np.ndarray, code: int, vecs: np.ndarray) -> dict:
+        with self.locks.writing():
+            self._read_new()
+            self.log.append(self.seq + 1, code, ids, vecs)  # StorageError: nothing applied
+            with self.lock:
+                self.mem.move(ids, code, vecs)
+                self.mem.seq += 1
+                seq = self.seq
+            self.upserts_applied += int(ids.size)
+            due = self._snapshot_due()
+            if due:
+                self.log.rotate(seq)
+                parts, _ = self._export()
+        if due:
+            self._snapshot_after_upsert(parts, seq)
+        return {"applied": int(ids.size), "seq": seq}
+
+    def _checked_upsert(self, ids, rep: str, vecs) -> tuple[np.ndarray, np.ndarray]:
         if rep not in self.dims:
             raise ValueError(f"representation {rep!r} is not served by this shard")
         ids = np.asarray(ids, np.int64)
@@ -268,60 +498,50 @@ class ShardState:
                 f"vectors for {rep!r} must be [{ids.size}, {self.dims[rep]}], "
                 f"got {list(vecs.shape)}"
             )
-        with self.lock:
-            missing = [int(i) for i in ids.tolist() if int(i) not in self.rep_of]
-            if missing:
-                raise UnknownItemError(missing)
-            if ids.size == 0:
-                return {"applied": 0, "seq": self.seq}
-            self.log.append(self.seq + 1, code, ids, vecs)  # StorageError: nothing applied
-            self.seq += 1
-            self._move(ids, code, vecs)
-            self.upserts_applied += int(ids.size)
-            self.since_snapshot += int(ids.size)
-            self._maybe_snapshot()
-            return {"applied": int(ids.size), "seq": self.seq}
-
-    def _maybe_snapshot(self) -> None:
-        """Snapshot once ``snapshot_every`` items were upserted since the last one.  A failed
-        snapshot does not fail the (logged, applied) upsert: it is reported in
-        ``snapshot_error`` and tried again 10 s later."""
-        if self.since_snapshot < self.snapshot_every or time.time() < self._snapshot_retry_at:
-            return
-        try:
-            self.snapshot()
-        except StorageError as exc:
-            self.snapshot_error = str(exc)
-            self._snapshot_retry_at = time.time() + 10.0
-            logger.error("shard snapshot failed: %s", exc)
+        missing = self.unknown(ids)
+        if missing:
+            raise UnknownItemError(missing)
+        return ids, vecs
 
     def close(self) -> None:
-        """Close the log and release the directory's lock."""
+        """Stop following the log, close it and release the directory's locks."""
+        if self._tailer is not None:
+            self._stop.set()
+            self._tailer.join(timeout=5)
+        self.mem.close()
         self.log.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.locks.close()
 
     def health(self) -> dict:
         """Storage problems a status should show: a failed snapshot, a log that refuses
         appends, corrupt log records found at recovery."""
         return {
             "snapshot_error": self.snapshot_error,
-            "log_error": self.log.broken,
+            "log_error": self.log.current.broken,
             "corrupt_records": len(self.recovery.get("corrupt_records", [])),
         }
 
+    def replica_status(self) -> dict:
+        """How this replica follows the shared log."""
+        return {
+            "seq": self.seq,
+            "log_items": self.log.current.items,
+            "peer_records": self.peer_records,
+            "reloads": self.reloads,
+        }
+
     # ------------------------------------------------------------------ reads
-    def search(self, queries: dict[str, np.ndarray], k: int):
-        """Top-k over every representation that has a query array: ``(scores, ids, rep codes)``."""
+    def search(self, queries: dict[str, np.ndarray], k: int, exact: bool = False):
+        """Top-k over every representation that has a query array: ``(scores, ids, rep
+        codes)``, after applying the other replicas' records; ``exact``: brute force whatever
+        the index kind (the reference recall is measured against)."""
+        self.catch_up()
         with self.lock:
             S, I, R = [], [], []
-            n_q = None
             for name, q in queries.items():
                 if name not in self.reps:
                     continue
-                n_q = q.shape[0]
-                s, i = self.reps[name].search(q, k)
+                s, i = self.reps[name].search(q, k, exact=exact)
                 S.append(s)
                 I.append(i)
                 R.append(np.full(i.shape, rep_code(name), np.int8))
@@ -335,6 +555,7 @@ class ShardState:
             return merge_topk(S, I, R, k)
 
     def representation_of(self, ids) -> list:
+        self.catch_up()
         with self.lock:
             return [
                 (REPRESENTATIONS[self.rep_of[int(i)]] if int(i) in self.rep_of else None)
@@ -343,6 +564,7 @@ class ShardState:
 
     def lookup(self, ids) -> tuple[list, list]:
         """``(representation names, vectors)`` of ``ids`` (``None`` for an unknown id)."""
+        self.catch_up()
         with self.lock:
             reps, vecs = [], []
             for i in np.asarray(ids, np.int64).tolist():
@@ -353,11 +575,13 @@ class ShardState:
             return reps, vecs
 
     def counts(self) -> dict[str, int]:
+        self.catch_up()
         with self.lock:
             return {r: len(ix) for r, ix in self.reps.items()}
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All ``(ids, rep codes)`` (sorted by id)."""
+        self.catch_up()
         with self.lock:
             ids = np.fromiter(self.rep_of.keys(), np.int64, len(self.rep_of))
             codes = np.fromiter(self.rep_of.values(), np.int8, len(self.rep_of))
