@@ -105,9 +105,12 @@ def timed_calls(call, seconds: float) -> tuple[list, float]:
 
 
 def faiss_baseline(vecs, queries, a, batch: int) -> dict:
+    """faiss with the shards' settings (``configure_faiss``: BLAS from 4 queries) on all cores."""
     import faiss
 
-    faiss.omp_set_num_threads(os.cpu_count())
+    from raycompat.index.ann import configure_faiss
+
+    configure_faiss(os.cpu_count(), a.dim)
     index = faiss.IndexFlatIP(a.dim)
     index.add(vecs)
     n = queries.shape[0] - batch
@@ -194,12 +197,31 @@ async def _http_run(url: str, bodies: list, c: int, seconds: float) -> tuple[lis
 
 
 def http_load(url: str, bodies: list, c: int, seconds: float) -> dict:
-    """``c`` concurrent single-query requests for ``seconds``; the driver's CPU seconds too."""
+    """``c`` concurrent single-query requests for ``seconds``: QPS, latency, the driver's CPU
+    seconds per second, and the mean number of requests per search call of the router."""
+    import requests
+
+    before = router_batches(requests.get(url + "/metrics", timeout=60).text)
     cpu0 = time.process_time()
     lat, errors, wall = asyncio.run(_http_run(url + "/search", bodies, c, seconds))
     r = summarize(lat, errors, wall)
     r["client_cpu_s_per_s"] = (time.process_time() - cpu0) / wall
+    after = router_batches(requests.get(url + "/metrics", timeout=60).text)
+    calls = after[1] - before[1]
+    r["requests_per_batch"] = (after[0] - before[0]) / calls if calls else None
     return r
+
+
+def router_batches(metrics: str) -> tuple[float, float]:
+    """``(requests, search calls)`` of the router so far, from ``/metrics``."""
+    total = {"sum": 0.0, "count": 0.0}
+    for line in metrics.splitlines():
+        for part in total:
+            if line.startswith(f"raycompat_serving_search_batch_requests_{part}{{") and (
+                'stage="router"' in line
+            ):
+                total[part] += float(line.rsplit(" ", 1)[1])
+    return total["sum"], total["count"]
 
 
 def search_bodies(queries: np.ndarray, k: int) -> list[bytes]:
@@ -242,9 +264,28 @@ def start_index(a, kind: str):
     url = start_serving(cfg, a.address)
     client = ServingClient(url, token=os.environ[TOKEN_ENV], timeout=600)
     st = client.wait_ready(timeout=1800)
+    wait_trained(client)
     seconds = time.perf_counter() - t
-    say(f"{kind}: served at {url} in {seconds:.1f} s: {st['items']}")
+    say(f"{kind}: served and its indexes built at {url} in {seconds:.1f} s: {st['items']}")
     return cfg, url, client, seconds
+
+
+def wait_trained(client, timeout: float = 3600.0) -> None:
+    """Until every representation that holds enough items has its index built (the shards
+    train in the background and search exactly until then)."""
+    t0 = time.perf_counter()
+    while True:
+        pending = [
+            (s["shard"], rep)
+            for s in client.status()["shards"]
+            for rep, ix in s["index"].items()
+            if ix["rebuilding"] or (ix["items"] >= max(ix["train_min"], 1) and not ix["trained"])
+        ]
+        if not pending:
+            return
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"indexes still building after {timeout:.0f} s: {pending}")
+        time.sleep(1.0)
 
 
 def index_memory(client) -> dict:
@@ -288,7 +329,8 @@ def exact_http(a, levels, queries, baselines) -> dict:
                 say(
                     f"HTTP flat {phase:8s} c={c:3d}: {r['qps']:7.1f} QPS p50 {r['p50_ms']:.0f} "
                     f"p99 {r['p99_ms']:.0f} ms, errors {r['errors']}, ratio "
-                    f"{r['ratio_to_inprocess']:.2f}, client CPU {r['client_cpu_s_per_s']:.2f}"
+                    f"{r['ratio_to_inprocess']:.2f}, client CPU {r['client_cpu_s_per_s']:.2f}, "
+                    f"{r['requests_per_batch'] or 0:.1f} requests per search call"
                 )
         out["final"] = client.status()["backfill"]
         out["metrics"] = client.metrics()
@@ -354,8 +396,8 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
         "## HTTP, exact index",
         "",
         "| phase | concurrency | HTTP QPS | p50 / p99 ms | ratio to baseline | errors | "
-        "backfill items/s | client CPU (cores) |",
-        "|---|---|---|---|---|---|---|---|",
+        "backfill items/s | client CPU (cores) | requests per search call |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for phase in ("idle", "backfill"):
         for c in levels:
@@ -363,7 +405,8 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
             lines.append(
                 f"| {phase} | {c} | {r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
                 f"{r['ratio_to_inprocess']:.2f} | {r['errors']} | "
-                f"{r['backfill_items_per_s']:.0f} | {r['client_cpu_s_per_s']:.2f} |"
+                f"{r['backfill_items_per_s']:.0f} | {r['client_cpu_s_per_s']:.2f} | "
+                f"{r['requests_per_batch'] or 0:.1f} |"
             )
     lines += [
         "",

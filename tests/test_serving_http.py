@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from serving_helpers import APP, TOKEN, deploy
+from serving_helpers import APP, TOKEN, deploy, labelled_embeddings
 
 from raycompat.backfill import GalleryEmbeddings, load_parquet, simulate_backfill
 from raycompat.serving.gallery_source import write_gallery_parquet
@@ -723,9 +723,48 @@ def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path
             assert live_band[side] == pytest.approx(sim_band[side], abs=1e-9), (metric, side)
     markdown = (out / "report.md").read_text()
     row = next(ln for ln in markdown.splitlines() if ln.startswith("| 30% |"))
-    assert row.count("[") >= 4  # mAP@20 and top1, live and simulated, with their intervals
+    assert row.count("[") >= 5  # recall, mAP@20 and top1 live and simulated, with intervals
     assert "![live vs simulator](live_vs_simulator.png)" in markdown
     assert (out / "live_vs_simulator.png").read_bytes()[:4] == b"\x89PNG"
+    # the exact index: the served results are the exact top-k at every fraction
+    assert report["live"]["recall"] == [1.0, 1.0, 1.0, 1.0]
+    assert report["live"]["bands"]["recall@20"] == {"low": [1.0] * 4, "high": [1.0] * 4}
+
+
+def test_hot_refresh_with_an_approximate_index_reports_recall_and_the_difference(
+    serve_port, tmp_path
+):
+    """An IVF index with one list probed of four and no extra candidates: the report gives
+    recall@k of the served results against exact search at every fraction and the live curve
+    beside the exact simulated one, without asserting them equal."""
+    from raycompat.backfill import simulate_backfill
+    from raycompat.hot_refresh import HotRefreshOptions, run_hot_refresh
+    from raycompat.index.ann import index_options
+
+    data = labelled_embeddings(n_items=400, n_queries=40, classes=20)
+    parquet = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
+    opts = HotRefreshOptions(
+        embeddings=parquet,
+        out=str(tmp_path / "out"),
+        port=serve_port,
+        policy="random",
+        k=5,
+        num_shards=2,
+        fractions="0,0.5,1",
+        index=index_options(kind="ivf_flat", nlist=4, nprobe=1, rerank=1, train_min=40),
+    )
+    report = run_hot_refresh(opts, log=lambda m: None)
+    recall = report["live"]["recall"]
+    print(f"\nAPPROXIMATE hot refresh: recall@5 {recall}, mAP@5 live {report['live']['metrics']}")
+    assert len(recall) == 3 and all(0.0 < r <= 1.0 for r in recall) and min(recall) < 1.0
+    band = report["live"]["bands"]["recall@5"]
+    assert all(lo <= r <= hi for lo, r, hi in zip(band["low"], recall, band["high"], strict=True))
+    sim = simulate_backfill(data, ["random"], ["compatible"], fractions=[0, 0.5, 1], k=5)
+    assert report["simulator"]["metrics"]["mAP@5"] == pytest.approx(
+        sim.curve("random", "compatible").metrics["mAP@5"]
+    )
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "an approximate index, `ivf_flat`" in markdown and "Recall@5 of the served" in markdown
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,10 @@ def _bind_shards(plan: ServingPlan) -> list:
     from raycompat.serving.shard import ShardServer
 
     cfg = plan.config
-    opts = {"num_cpus": cfg.shard_cpus, "num_gpus": cfg.shard_gpus}
+    opts = {
+        "num_cpus": cfg.shard_cpus,
+        "num_gpus": cfg.shard_gpus,
+    }
     if cfg.shard_memory_mb:
         opts["memory"] = int(cfg.shard_memory_mb) * 1024 * 1024
     shard_cls = serve.deployment(

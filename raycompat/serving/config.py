@@ -62,7 +62,9 @@ class ServingConfig:
         32, help="most search requests gathered into one search call (router and shards)"
     )
     search_batch_wait_ms: float = nonnegative(
-        2.0, help="longest wait, in ms, for more search requests to join a batch"
+        0.0,
+        help="longest wait, in ms, for more search requests to join a batch once its first "
+        "request is there (0: a batch takes the requests that queued while the last one ran)",
     )
     router_cpus: float = option(0.0, help="ray_actor_options num_cpus per router replica")
     router_replicas: int = positive(1, help="router replicas")

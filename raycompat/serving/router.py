@@ -60,6 +60,7 @@ class Router:
     """The ingress deployment over the shard handles and the backfill controller handle."""
 
     def __init__(self, shards: list, controller, plan: ServingPlan, admin):
+        from raycompat.serving.batching import Batcher
         from raycompat.serving.metrics import BatchSizes, RouterMetrics
 
         self.shards = list(shards)
@@ -70,8 +71,11 @@ class Router:
         self.admin = admin  # raycompat.serving.auth.AdminToken: the token's hash only
         self.recorder = RouterMetrics()
         self.batches = BatchSizes()
-        self.search_batched.set_max_batch_size(self.cfg.search_batch_size)
-        self.search_batched.set_batch_wait_timeout_s(self.cfg.search_batch_wait_ms / 1000.0)
+        self.batcher = Batcher(
+            self.search_batch,
+            self.cfg.search_batch_size,
+            self.cfg.search_batch_wait_ms / 1000,
+        )
         self.embedders: dict = {}  # role -> ModelEmbedder
         self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode
         self._load_models()
@@ -348,16 +352,16 @@ class Router:
         sides = await asyncio.to_thread(
             query_sides, q, req.model, self.plan.compatible_dim, rank_merge, old_q
         )
-        S, I, R = await self.search_batched(sides, req.k, req.exact)
+        S, I, R = await self.batcher.submit((sides, req.k, req.exact))
         return {"results": hits(S, I, R), "k": req.k, "took_ms": 1000 * (time.perf_counter() - t0)}
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
-    async def search_batched(self, sides: list, k: list, exact: list) -> list:
-        """The searches of concurrent requests gathered into one call per shard and group
-        (docs/architecture.md, "Batching"): requests with the same representations, k and
-        exactness are stacked; each gets back exactly its own rows."""
+    async def search_batch(self, requests: list) -> list:
+        """The searches of concurrent requests, ``[(sides, k, exact)]``, in one call per shard
+        and group (docs/architecture.md, "Batching"): requests with the same representations,
+        k and exactness are stacked; each gets back exactly its own rows."""
         from raycompat.serving.batching import query_rows, split_rows, stacked_groups
 
+        sides, k, exact = (list(column) for column in zip(*requests, strict=True))
         self.batches.observe(len(sides), sum(query_rows(s) for s in sides))
         out: list = [None] * len(sides)
         for members, stacked, kk, ex in stacked_groups(sides, k, exact):
@@ -552,8 +556,39 @@ def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:
                 health.get("corrupt_records", 0),
             )
         )
+        gauges += index_gauges(shard, s.get("index", {}))
+        gauges.append(("replicas", "Replicas of the shard answering.", shard, len(s["replicas"])))
     gauges += backfill_gauges(st["backfill"])
     gauges.append(("shards_up", "Shards answering.", {}, len(st["shards"])))
+    return gauges
+
+
+def index_gauges(shard: dict, index: dict) -> list[tuple[str, str, dict, float]]:
+    """Per representation: the index's memory, whether it is built, whether it is being
+    rebuilt (docs/indexes.md, "Status")."""
+    gauges = []
+    for rep, ix in index.items():
+        labels = {**shard, "representation": rep, "kind": ix.get("kind", "")}
+        gauges += [
+            (
+                "index_memory_bytes",
+                "Bytes of an index and its vectors.",
+                labels,
+                ix["memory_bytes"],
+            ),
+            (
+                "index_built",
+                "1 when the index is built (else exact search).",
+                labels,
+                ix["trained"],
+            ),
+            (
+                "index_rebuilding",
+                "1 while an index is built in the background.",
+                labels,
+                ix["rebuilding"],
+            ),
+        ]
     return gauges
 
 

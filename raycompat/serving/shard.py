@@ -7,7 +7,7 @@ On (re)start a replica recovers from the shard's snapshot + log, which every rep
 shard shares; only when the directory is empty does the first replica load the shard's items
 (placed by :func:`raycompat.serving.placement.shard_of`) from the gallery source, in their
 initial representation, as the first snapshot.  Searches that arrive together are answered
-by one search call (``@serve.batch``, :func:`search_grouped`).
+by one search call (:class:`raycompat.serving.batching.Batcher`, :func:`search_grouped`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import os
 import time
 
 import numpy as np
-from ray import serve
 
-from raycompat.serving.batching import query_rows, split_rows, stacked_groups
+from raycompat.index.ann import configure_faiss
+from raycompat.serving.batching import Batcher, query_rows, split_rows, stacked_groups
 from raycompat.serving.durability import StorageError
 from raycompat.serving.metrics import BatchSizes
 from raycompat.serving.plan import ServingPlan
@@ -52,12 +52,7 @@ class ShardServer:
         self.shard = int(shard)
         self.n_shards = cfg.num_shards
         self.plan = plan
-        try:
-            import faiss
-
-            faiss.omp_set_num_threads(cfg.shard_threads)
-        except Exception:  # pragma: no cover - faiss without OpenMP
-            pass
+        configure_faiss(cfg.shard_threads, max(plan.dims.as_dict().values()))
         self.state = ShardState(
             shard_dir(cfg.state_dir, self.shard, cfg.num_shards),
             plan.dims.as_dict(),
@@ -72,8 +67,9 @@ class ShardServer:
         self.startup_s = time.perf_counter() - t0
         self.searches = 0
         self.batches = BatchSizes()
-        self.search.set_max_batch_size(cfg.search_batch_size)
-        self.search.set_batch_wait_timeout_s(cfg.search_batch_wait_ms / 1000.0)
+        self.batcher = Batcher(
+            self._search_batch, cfg.search_batch_size, cfg.search_batch_wait_ms / 1000
+        )
 
     def _initial_items(self) -> tuple[str, np.ndarray, np.ndarray]:
         """First start of the shard: its items from the gallery, in their initial
@@ -87,11 +83,14 @@ class ShardServer:
         ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
         return rep0, ids, vecs
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
-    async def search(self, queries: list, k: list, exact: list) -> list:
-        """Top-k of every request gathered into this batch, one state search per group of
-        requests with the same representations, k and exactness (docs/architecture.md,
-        "Batching"); each request gets its own rows: the same as searching it alone."""
+    async def search(self, queries: dict, k: int, exact: bool = False):
+        """Top-k ``(scores, ids, rep codes)`` of ``queries`` (one array per representation),
+        searched together with the calls that arrive meanwhile (docs/architecture.md,
+        "Batching"): the same rows as searching them alone."""
+        return await self.batcher.submit((queries, int(k), bool(exact)))
+
+    async def _search_batch(self, calls: list) -> list:
+        queries, k, exact = (list(column) for column in zip(*calls, strict=True))
         self.searches += len(queries)
         self.batches.observe(len(queries), sum(query_rows(q) for q in queries))
         return await asyncio.to_thread(search_grouped, self.state, queries, k, exact)
@@ -158,6 +157,8 @@ class ShardServer:
 
 
 def _replica_id() -> str | None:
+    from ray import serve
+
     try:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (tests)
