@@ -252,11 +252,11 @@ def options_from_args(
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for dest, value in given.items():
-        head, _, rest = dest.partition(".")
-        if head not in names:
+        *path, name = dest.split(".")
+        if (path[0] if path else name) not in names:
             continue
-        if rest:
-            values.setdefault(head, {})[rest] = value
-        else:
-            values[head] = value
+        inner = values
+        for part in path:  # a nested dataclass, at any depth: a nested mapping
+            inner = inner.setdefault(part, {})
+        inner[name] = value
     return parse_options(cls, values, owner=owner, base=base)

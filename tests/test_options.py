@@ -260,3 +260,17 @@ def test_tuples_from_comma_lists():
     # a repeated --opt is one item per flag, commas inside a value kept
     opts = train(train_job, ["--opt", "fractions=0.25,0.5", "--opt", "tau=1"])
     assert opts.method_options == ("fractions=0.25,0.5", "tau=1")
+
+
+def test_flags_of_a_dataclass_nested_two_deep():
+    """serve-index's flags: ServingConfig is a group of the job's options and IndexOptions a
+    group of ServingConfig; a flag of the inner one reaches it, the rest keep their defaults."""
+    from raycompat.index.ann import IndexOptions
+    from raycompat.serving import job as serve_job
+
+    args = serve_job.build_parser().parse_args(
+        ["--index", "hnsw", "--ef-search", "32", "--num-shards", "3", "--shard-replicas", "2"]
+    )
+    opts = options_from_args(serve_job.ServeIndexOptions, args)
+    assert opts.serving.index == dataclasses.replace(IndexOptions(), kind="hnsw", ef_search=32)
+    assert opts.serving.num_shards == 3 and opts.serving.shard_replicas == 2

@@ -949,6 +949,12 @@ def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
         ("hot_refresh.py", ["--fractions", "0,2"], "--fractions '0,2'"),
         ("serve_index.py", ["--num-shard", "2"], "unrecognized arguments: --num-shard"),
         ("serve_index.py", ["--num-shards", "0"], "option 'num_shards' = 0 must be >= 1"),
+        ("serve_index.py", ["--index", "annoy"], "option 'kind' = 'annoy' is not allowed"),
+        (
+            "serve_index.py",
+            ["--gallery", "synthetic:100", "--shard-autoscaling", '{"max_replica": 2}'],
+            "option 'shard_autoscaling': unknown key 'max_replica'",
+        ),
         (
             "serve_index.py",
             ["--proxy-location", "Nowhere"],

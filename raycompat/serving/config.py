@@ -26,7 +26,9 @@ class ServingConfig:
     """Every option of the live index (docs/architecture.md "Serving")."""
 
     gallery: str = option(
-        "", help="embeddings parquet (simulator schema) or synthetic:N[:D_old[:D_new[:seed]]]"
+        "",
+        help="embeddings parquet (simulator schema) or "
+        "synthetic:N[:D_old[:D_new[:seed[:clusters]]]]",
     )
     state_dir: str = option("serving_state", help="shard snapshots + logs, backfill checkpoint")
     mode: str = choices(*SERVED_MODES, default="compatible", help="query strategy served")

@@ -2,7 +2,8 @@
 running.
 
 Every :class:`raycompat.serving.config.ServingConfig` option is a flag (``--gallery``,
-``--num-shards``, ``--shard-cpus``, ``--factory``, ``--host``, ``--port`` ...).  The job
+``--num-shards``, ``--shard-replicas``, ``--index``, ``--shard-autoscaling``, ``--host``,
+``--port`` ...).  The job
 connects to the cluster (``--address``, or the one ``ray job submit`` runs it in), starts
 Serve's HTTP proxy on ``--host:--port`` (on the head node only with the default
 ``--proxy-location HeadOnly``), deploys the application and waits until ``GET /status``
@@ -43,7 +44,7 @@ PROXY_LOCATIONS = ("HeadOnly", "EveryNode", "Disabled")
 
 @dataclass(frozen=True)
 class ServeIndexOptions:
-    """The job's own flags, and the index's (``index``: every ``ServingConfig`` option)."""
+    """The job's own flags, and the index's (``serving``: every ``ServingConfig`` option)."""
 
     address: str | None = option(
         None, help="Ray address (none: the job's cluster, or an embedded one)"
@@ -59,7 +60,7 @@ class ServeIndexOptions:
         False, help="stay in the foreground and delete the application on Ctrl-C (like `serve run`)"
     )
     verbose: bool = option(False, help="keep Ray's own INFO lines")
-    index: ServingConfig = option(
+    serving: ServingConfig = option(
         factory=ServingConfig, help="index options (raycompat.serving.config.ServingConfig)"
     )
 
@@ -93,7 +94,7 @@ def _checked_config(opts: ServeIndexOptions) -> ServingConfig:
     from raycompat.serving.auth import TOKEN_ENV, load_admin_token
     from raycompat.serving.config import serving_config
 
-    cfg = serving_config(dataclasses.asdict(opts.index))
+    cfg = serving_config(dataclasses.asdict(opts.serving))
     if load_admin_token(cfg.token_file) is None:  # checked here, before anything is deployed
         raise ConfigError(
             f"no admin token: set {TOKEN_ENV} or pass --token-file (the admin endpoints "
@@ -125,8 +126,8 @@ def _stop(opts: ServeIndexOptions) -> int:
     from raycompat.cluster import connect
 
     connect(opts.address)
-    serve.delete(opts.index.app_name)
-    print(f"[serve_index] deleted application {opts.index.app_name!r}", flush=True)
+    serve.delete(opts.serving.app_name)
+    print(f"[serve_index] deleted application {opts.serving.app_name!r}", flush=True)
     return 0
 
 
