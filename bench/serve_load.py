@@ -50,7 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--backfill-rate", type=float, default=2000.0, help="items/s while loaded")
-    p.add_argument("--indexes", default="flat,ivf_flat,ivf_pq,hnsw")
+    p.add_argument(
+        "--indexes",
+        default="flat,ivf_flat,ivf_flat:nprobe=128,ivf_pq:nprobe=128,hnsw:ef_search=128",
+        help="index configurations: KIND[:option=value,...] (docs/indexes.md)",
+    )
     p.add_argument("--approx-concurrency", type=int, default=16)
     p.add_argument("--recall-queries", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="search_batch_size")
@@ -238,20 +242,27 @@ def recall(client, queries: np.ndarray, k: int) -> float:
 
 
 # ----------------------------------------------------------------------------- serving
+def index_spec(spec: str) -> dict:
+    """``ivf_flat:nprobe=128`` -> ``{"kind": "ivf_flat", "nprobe": "128"}``."""
+    kind, _, rest = spec.partition(":")
+    return {"kind": kind, **dict(kv.split("=", 1) for kv in rest.split(",") if kv)}
+
+
 def start_index(a, kind: str):
-    """Serve the synthetic gallery with index ``kind``: ``(cfg, url, client, seconds)``."""
+    """Serve the synthetic gallery with index ``kind`` (``KIND[:option=value,...]``):
+    ``(cfg, url, client, seconds from deploy to every index built)``."""
     from raycompat.serving.app import free_port, start_serving
     from raycompat.serving.auth import TOKEN_ENV
     from raycompat.serving.client import ServingClient
     from raycompat.serving.config import serving_config
 
-    state = os.path.abspath(os.path.join(a.out, f"state-{kind}"))
+    state = os.path.abspath(os.path.join(a.out, "state-" + kind.split(":")[0]))
     shutil.rmtree(state, ignore_errors=True)
     cfg = serving_config(
         gallery=gallery_spec(a),
         state_dir=state,
         num_shards=a.shards,
-        index={"kind": kind},
+        index=index_spec(kind),
         port=getattr(a, "port", None) or free_port(),
         app_name="serve_load",
         snapshot_every=10**9,
@@ -365,7 +376,7 @@ def approx_row(a, kind: str, queries: np.ndarray) -> dict:
     for phase in ("idle", "backfill"):
         r = row[phase]
         say(
-            f"{kind:9s} {phase:8s}: {r['qps']:7.1f} QPS p99 {r['p99_ms']:.0f} ms recall@{a.k} "
+            f"{kind:20s} {phase:8s}: {r['qps']:7.1f} QPS p99 {r['p99_ms']:.0f} ms recall@{a.k} "
             f"{r['recall']:.4f} (build {build_s:.0f} s, index {row['index_bytes'] / 2**20:.0f} MiB)"
         )
     return row

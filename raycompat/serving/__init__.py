@@ -3,9 +3,12 @@
 One module per concept:
 
 * :mod:`.placement`      -- item id -> shard (fixed 64-bit hash)
-* :mod:`.state`          -- a shard's items: one representation each, faiss per representation,
-  atomic upserts
+* :mod:`.state`          -- a shard's items: one representation each, an index per
+  representation, atomic upserts
+* :mod:`.rep_index`      -- one representation's vectors and search index (docs/indexes.md)
 * :mod:`.durability`     -- snapshot + append-only upsert log (no pickle)
+* :mod:`.shared_log`     -- the log shared by a shard's replicas: locks, rotation, catching up
+* :mod:`.batching`       -- concurrent searches gathered into one search call
 * :mod:`.shard`          -- the shard Serve deployment (recovers from disk on restart)
 * :mod:`.scoring`        -- query vectors per representation (the simulator's score sides)
 * :mod:`.gallery_source` -- gallery vectors: embeddings parquet, pipeline output, synthetic

@@ -171,9 +171,12 @@ class SyntheticGallery(GallerySource):
     Each stream (old, new, adapted) draws Gaussian rows per block of 256 ids
     (``default_rng([seed, stream, block])``).  ``clusters == 0``: an item's vector is its row,
     normalised (i.i.d. directions).  ``clusters = C > 0``: item i belongs to cluster
-    ``splitmix64(i ^ salt) mod C`` and its vector is ``normalize(centre[c] + row / sqrt(D))``
-    with seeded unit centres per stream, so a cluster is a cloud of directions at cosine ~0.7
-    from its centre and ~0.5 from each other."""
+    ``splitmix64(i ^ salt) mod C`` and its vector is ``normalize(centre[c] + row / sqrt(D))``,
+    so a cluster is a cloud of directions at cosine ~0.7 from its centre and ~0.5 from each
+    other.  The centres are shared by the streams (the first ``D`` columns of one seeded draw of
+    ``max(D_old, D_new)`` columns, normalised): as in a compatible upgrade, an item's new vector
+    lies in the same cluster as its old one, so a query near a cluster finds its items in
+    every representation."""
 
     n_items: int
     old_dim: int = 128
@@ -217,13 +220,15 @@ class SyntheticGallery(GallerySource):
         return (_mix(salted) % np.uint64(self.clusters)).astype(np.int64)
 
     def _centres(self, stream: int, dim: int) -> np.ndarray:
-        """``[C, dim]`` unit centres of ``stream``, drawn from ``default_rng([seed, 3 + stream,
-        C])`` (a key no block of rows uses)."""
-        if stream not in self._centre_cache:
-            rng = np.random.default_rng([self.seed, 3 + stream, self.clusters])
-            draw = rng.standard_normal((self.clusters, dim), dtype=np.float32)
-            self._centre_cache[stream] = l2_normalize(draw)
-        return self._centre_cache[stream]
+        """``[C, dim]`` unit centres (the same for every stream of that dimension): the first
+        ``dim`` columns of ``default_rng([seed, 3, C])``'s draw of ``max(D_old, D_new)``
+        columns (a key no block of rows uses), normalised."""
+        if dim not in self._centre_cache:
+            rng = np.random.default_rng([self.seed, 3, self.clusters])
+            width = max(self.old_dim, self.new_dim)
+            draw = rng.standard_normal((self.clusters, width), dtype=np.float32)
+            self._centre_cache[dim] = l2_normalize(draw[:, :dim])
+        return self._centre_cache[dim]
 
     def _stream(self, rep: str) -> tuple[int, int]:
         """``(stream, dim)`` of representation ``rep``."""
