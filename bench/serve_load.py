@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--approx-concurrency", type=int, default=16)
     p.add_argument("--recall-queries", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="search_batch_size")
-    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="search_batch_wait_ms")
+    p.add_argument("--batch-wait-ms", type=float, default=0.0, help="search_batch_wait_ms")
     p.add_argument("--out", default="bench_out/serve_load")
     p.add_argument("--address", default=None)
     return p.parse_args(argv)
