@@ -232,13 +232,14 @@ def search_bodies(queries: np.ndarray, k: int) -> list[bytes]:
     return [json.dumps({"vectors": [q.tolist()], "k": k}).encode() for q in queries[:1024]]
 
 
-def recall(client, queries: np.ndarray, k: int) -> float:
-    """Mean recall@k of the served results against exact search of the same live gallery."""
-    from raycompat.metrics.recall import recall_at_k
+def recall(client, queries: np.ndarray, k: int) -> dict:
+    """Recall@k of the served results against exact search of the same live gallery, with its
+    95 % bootstrap interval over the queries."""
+    from raycompat.metrics.recall import recall_at_k, recall_interval
 
     served, _, _ = client.search(queries, k=k)
     exact, _, _ = client.search(queries, k=k, exact=True)
-    return float(recall_at_k(served, exact, k)[0])
+    return recall_interval(recall_at_k(served, exact, k)[1]).to_dict()
 
 
 # ----------------------------------------------------------------------------- serving
@@ -377,12 +378,17 @@ def approx_row(a, kind: str, queries: np.ndarray) -> dict:
         r = row[phase]
         say(
             f"{kind:20s} {phase:8s}: {r['qps']:7.1f} QPS p99 {r['p99_ms']:.0f} ms recall@{a.k} "
-            f"{r['recall']:.4f} (build {build_s:.0f} s, index {row['index_bytes'] / 2**20:.0f} MiB)"
+            f"{interval_text(r['recall'])} (build {build_s:.0f} s, "
+            f"index {row['index_bytes'] / 2**20:.0f} MiB)"
         )
     return row
 
 
 # ----------------------------------------------------------------------------- report
+def interval_text(iv: dict) -> str:
+    return f"{iv['value']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}]"
+
+
 def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
     lines = [
         f"# serve_load: {a.items} items x {a.dim} dims ({a.clusters} clusters) on {a.shards} "
@@ -422,7 +428,8 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
     lines += [
         "",
         f"## Approximate indexes (concurrency {a.approx_concurrency}; recall@{a.k} against exact "
-        f"search of the same live gallery, {a.recall_queries} queries)",
+        f"search of the same live gallery, {a.recall_queries} queries, with its 95 % bootstrap "
+        "interval over the queries)",
         "",
         f"| index | build s | index MiB | shard RSS MiB | idle QPS | idle p99 ms | idle "
         f"recall@{a.k} | backfill QPS | backfill p99 ms | backfill recall@{a.k} | items new |",
@@ -433,7 +440,8 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
         lines.append(
             f"| {row['kind']} | {row['build_s']:.0f} | {row['index_bytes'] / 2**20:.0f} | "
             f"{row['shard_rss_bytes'] / 2**20:.0f} | {i['qps']:.1f} | {i['p99_ms']:.0f} | "
-            f"{i['recall']:.4f} | {b['qps']:.1f} | {b['p99_ms']:.0f} | {b['recall']:.4f} | "
+            f"{interval_text(i['recall'])} | {b['qps']:.1f} | {b['p99_ms']:.0f} | "
+            f"{interval_text(b['recall'])} | "
             f"{b['items_new']} |"
         )
     return "\n".join(lines) + "\n"

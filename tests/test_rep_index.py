@@ -408,3 +408,16 @@ def test_recall_at_k_hand_worked():
     assert recall_at_k(served, exact, 1)[1].tolist() == [0.0, 1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="rows"):
         recall_at_k(served[:2], exact, 3)
+
+
+def test_recall_interval_resamples_queries():
+    from raycompat.metrics.recall import recall_interval
+
+    perfect = recall_interval(np.ones(50))
+    assert (perfect.estimate, perfect.low, perfect.high) == (1.0, 1.0, 1.0)
+    values = np.r_[np.ones(30), np.zeros(10), np.full(10, 0.5)]
+    iv = recall_interval(values)
+    assert iv.estimate == pytest.approx(0.7) and iv.low < 0.7 < iv.high and iv.queries == 50
+    assert recall_interval(values) == iv  # seeded
+    grouped = recall_interval(values, groups=np.repeat(np.arange(5), 10))
+    assert grouped.classes == 5 and grouped.high - grouped.low > iv.high - iv.low

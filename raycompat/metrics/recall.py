@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["recall_at_k"]
+from raycompat.metrics.bootstrap import Bootstrap, BootstrapOptions, Interval, Sample
+
+__all__ = ["recall_at_k", "recall_interval"]
 
 
 def recall_at_k(served_ids, exact_ids, k: int) -> tuple[float, np.ndarray]:
@@ -31,3 +33,13 @@ def recall_at_k(served_ids, exact_ids, k: int) -> tuple[float, np.ndarray]:
             per_query[r] = len(hits) / min(k, len(truth))
     mean = float(per_query.mean()) if per_query.size else 1.0
     return mean, per_query
+
+
+def recall_interval(per_query, options: BootstrapOptions | None = None, groups=None) -> Interval:
+    """Mean recall@k with its bootstrap interval over the queries (docs/methods.md,
+    "Uncertainty"); ``groups``: labels whose queries are resampled together (default: every
+    query on its own, as for independent synthetic queries)."""
+    values = np.asarray(per_query, np.float64)
+    boot = Bootstrap(options or BootstrapOptions())
+    boot.add_query_set("queries", np.arange(values.size) if groups is None else groups)
+    return boot.interval(value=Sample.mean("queries", values))
