@@ -39,8 +39,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from raycompat.backfill import GalleryEmbeddings, simulate_backfill  # noqa: E402
+from raycompat.backfill.assembly import compute_ranks  # noqa: E402
 from raycompat.backfill.blocks import exact_topk, fp32_matmul, resolve_device  # noqa: E402
-from raycompat.backfill.engine import CurveSpec, Side, compute_ranks, metrics_from_ranks  # noqa: E402
+from raycompat.backfill.rank_metrics import metrics_from_ranks  # noqa: E402
+from raycompat.backfill.rank_plan import CurveSpec  # noqa: E402
+from raycompat.backfill.score_sides import Side  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data

@@ -4,6 +4,10 @@
 (exact cosine, faiss) against a gallery embedded by another. Across models, only the
 first ``D_old`` dims of the new embedding are used (BCT dimension change), and both sides
 are L2-normalised after that cut.
+
+Every ranking is by the canonical score (:mod:`raycompat.index.canonical_ranking`: float64
+over the float32 vectors, ties by ascending gallery index), the ranking of the backfill
+simulator and the live index: a static number and the same number on a backfill curve agree.
 """
 
 from __future__ import annotations
@@ -15,9 +19,16 @@ import numpy as np
 import torch
 
 from raycompat.data import GlyphRenderer, Scenario, catalog_for, images_to_tensor
+from raycompat.index.canonical_ranking import iter_canonical_ranking
 from raycompat.index.search import l2_normalize
-from raycompat.metrics import compatibility_report, evaluate_retrieval, num_relevant_from_labels
+from raycompat.metrics import (
+    compatibility_report,
+    evaluate_ranking,
+    map_full,
+    num_relevant_from_labels,
+)
 from raycompat.metrics.bootstrap import BootstrapOptions, Sample
+from raycompat.metrics.compatibility import delta_down, delta_up, update_gain
 from raycompat.models import ModelBundle
 
 PRIMARY_METRIC = "mAP@100"
@@ -116,6 +127,39 @@ def scenario_eval_items(scenario: Scenario):
     return (q.labels, q.instances), (g_labels, g_instances)
 
 
+def canonical_retrieval(
+    query: np.ndarray,
+    gallery: np.ndarray,
+    query_labels,
+    gallery_labels,
+    k: int = 100,
+    ks=(1, 5, 10),
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """The metrics of :func:`raycompat.metrics.evaluate_retrieval` (the same keys, in the same
+    order) and their per-query arrays, from the canonical ranking of the L2-normalised
+    ``query`` against the L2-normalised ``gallery`` (one pass: the top of each chunk of the
+    full ranking is the top-k ranking)."""
+    q, g = l2_normalize(query), l2_normalize(gallery)
+    for name, emb, labels in (("query", q, query_labels), ("gallery", g, gallery_labels)):
+        if emb.shape[0] != len(labels):
+            raise ValueError(f"{name} embeddings {emb.shape} do not match {len(labels)} labels")
+    top = np.empty((q.shape[0], min(max((k, *ks)), g.shape[0])), dtype=np.int64)
+
+    def chunks():
+        for start, ranks in iter_canonical_ranking(q, g):
+            top[start : start + ranks.shape[0]] = ranks[:, : top.shape[1]]
+            yield start, ranks
+
+    full_map, ap = map_full(chunks(), query_labels, gallery_labels, return_per_query=True)
+    metrics, per = evaluate_ranking(
+        top, query_labels, gallery_labels, k=k, ks=ks, return_per_query=True
+    )
+    ordered = {m: v for m, v in metrics.items() if not m.startswith("num_")}
+    ordered["mAP"] = full_map
+    ordered.update((m, v) for m, v in metrics.items() if m.startswith("num_"))
+    return ordered, dict(per, ap=ap)
+
+
 def evaluate_pair(
     query: np.ndarray,
     gallery: np.ndarray,
@@ -124,12 +168,11 @@ def evaluate_pair(
     dims: int | None = None,
     k: int = 100,
 ) -> dict[str, float]:
-    """Metrics of one (query embedder, gallery embedder) pair, optionally on the first ``dims``."""
+    """Metrics of one (query embedder, gallery embedder) pair, optionally on the first ``dims``
+    (:func:`canonical_retrieval`)."""
     if dims is not None:
         query, gallery = query[:, :dims], gallery[:, :dims]
-    return evaluate_retrieval(
-        l2_normalize(query), l2_normalize(gallery), query_labels, gallery_labels, k=k, ks=(1, 5, 10)
-    )
+    return canonical_retrieval(query, gallery, query_labels, gallery_labels, k=k)[0]
 
 
 def pair_samples(
@@ -146,15 +189,7 @@ def pair_samples(
     (docs/methods.md, "Uncertainty")."""
     if dims is not None:
         query, gallery = query[:, :dims], gallery[:, :dims]
-    metrics, per = evaluate_retrieval(
-        l2_normalize(query),
-        l2_normalize(gallery),
-        query_labels,
-        gallery_labels,
-        k=k,
-        ks=(1, 5, 10),
-        return_per_query=True,
-    )
+    metrics, per = canonical_retrieval(query, gallery, query_labels, gallery_labels, k=k)
     valid = num_relevant_from_labels(query_labels, gallery_labels) > 0
     samples = {f"mAP@{k}": Sample.mean(query_set, per[f"ap@{k}"])}
     if "ap" in per:
@@ -177,8 +212,9 @@ def cross_evaluate(
     """Evaluate old-old, and for each new model new-new and new-old.
 
     Returns ``(evaluations, verdicts)``: evaluations are flat rows ``{model, query, gallery,
-    metric, value, low, high}`` (``low``/``high``: the bootstrap interval over the query
-    classes, docs/methods.md "Uncertainty"); verdicts give, per new model, the BCT empirical
+    metric, value, low, high, dropped}`` (``low``/``high``: the bootstrap interval over the
+    query classes, docs/methods.md "Uncertainty", NaN when refused; ``dropped``: resamples
+    with an undefined value); verdicts give, per new model, the BCT empirical
     criterion ``M(n,o) > M(o,o)`` on ``PRIMARY_METRIC``: the paired interval of ``M(n,o) -
     M(o,o)`` (same queries, same draws) as ``difference`` and its three-outcome ``verdict``
     (``compatible``: the verdict is "held"), plus update gain (BCT Eq.9) and DMU's
@@ -186,36 +222,21 @@ def cross_evaluate(
     interval of every one of those numbers.
     """
     from raycompat.metrics.bootstrap import Bootstrap
-    from raycompat.metrics.compatibility import delta_down, delta_up, update_gain
-    from raycompat.metrics.verdicts import HELD, verdict
 
     boot = Bootstrap(bootstrap or BootstrapOptions())
     boot.add_query_set("queries", query_labels)
     rows: list[dict] = []
+    metrics: dict[tuple, dict] = {}
     per_query: dict[tuple, dict] = {}
 
     def add(model, q_name, g_name, q, g, dims=None):
-        metrics, samples = pair_samples(q, g, query_labels, gallery_labels, dims=dims, k=k)
-        per_query[(q_name, g_name)] = samples
-        for metric, value in metrics.items():
-            if metric.startswith("num_"):
-                continue
-            iv = boot.interval(value=samples[metric]) if metric in samples else None
-            rows.append(
-                dict(
-                    model=model,
-                    query=q_name,
-                    gallery=g_name,
-                    metric=metric,
-                    value=float(value),
-                    low=None if iv is None else iv.low,
-                    high=None if iv is None else iv.high,
-                )
-            )
-        return metrics
+        pair = (q_name, g_name)
+        metrics[pair], per_query[pair] = pair_samples(
+            q, g, query_labels, gallery_labels, dims=dims, k=k
+        )
+        rows.extend(_evaluation_rows(boot, model, pair, metrics[pair], per_query[pair]))
 
-    oo = add(old.name, old.name, old.name, old.query, old.gallery)
-    results = {}
+    add(old.name, old.name, old.name, old.query, old.gallery)
     new_sets = list(new_sets)
     for new in new_sets:
         if new.compatible_dim > new.query.shape[1]:
@@ -223,61 +244,89 @@ def cross_evaluate(
                 f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
                 f"embedding size {new.query.shape[1]}"
             )
-        nn = add(new.name, new.name, new.name, new.query, new.gallery)
+        add(new.name, new.name, new.name, new.query, new.gallery)
         dims = min(new.compatible_dim, old.gallery.shape[1])
-        no = add(new.name, new.name, old.name, new.query, old.gallery, dims=dims)
-        results[new.name] = (nn, no)
-    verdicts = []
-    statistics = dict(  # every number of a verdict, as a function of the paired samples
-        m_old_old=lambda oo, no, nn, ns: oo,
-        m_new_old=lambda oo, no, nn, ns: no,
-        m_new_new=lambda oo, no, nn, ns: nn,
-        m_paragon=lambda oo, no, nn, ns: ns,
-        update_gain=lambda oo, no, nn, ns: update_gain(no, oo, ns),
-        delta_up=lambda oo, no, nn, ns: delta_up(no, oo),
-        delta_down=lambda oo, no, nn, ns: delta_down(nn, ns),
-    )
-    for new in new_sets:
-        nn, no = results[new.name]
-        nstar_name = paragon if paragon in results else new.name
-        nstar = results[nstar_name][0]
-        report = compatibility_report(
-            oo[PRIMARY_METRIC], no[PRIMARY_METRIC], nn[PRIMARY_METRIC], nstar[PRIMARY_METRIC]
+        add(new.name, new.name, old.name, new.query, old.gallery, dims=dims)
+    names = {new.name for new in new_sets}
+    verdicts = [
+        _compatibility_verdict(
+            boot,
+            dict(oo=old.name, no=new.name, nstar=paragon if paragon in names else new.name),
+            paragon,
+            metrics,
+            per_query,
         )
-        paired = {
-            key: per_query[pair][PRIMARY_METRIC]
-            for key, pair in (
-                ("oo", (old.name, old.name)),
-                ("no", (new.name, old.name)),
-                ("nn", (new.name, new.name)),
-                ("ns", (nstar_name, nstar_name)),
-            )
-        }
-        diff = boot.interval(lambda a, b: a - b, a=paired["no"], b=paired["oo"])
-        held = verdict(diff)
-        verdicts.append(
-            dict(
-                model=new.name,
-                metric=PRIMARY_METRIC,
-                criterion="M(new, old) > M(old, old)",
-                compatible=held == HELD,
-                verdict=held,
-                difference=diff.to_dict(),
-                intervals={
-                    name: boot.interval(stat, **paired).to_dict()
-                    for name, stat in statistics.items()
-                },
-                m_old_old=oo[PRIMARY_METRIC],
-                m_new_old=no[PRIMARY_METRIC],
-                m_new_new=nn[PRIMARY_METRIC],
-                m_paragon=nstar[PRIMARY_METRIC],
-                paragon=paragon,
-                update_gain=report["update_gain"],
-                delta_up=report["delta_up"],
-                delta_down=report["delta_down"],
-            )
-        )
+        for new in new_sets
+    ]
     return rows, verdicts
+
+
+def _evaluation_rows(boot, model: str, pair: tuple, metrics: dict, samples: dict) -> list[dict]:
+    """One row per metric of a (query, gallery) pair, with its bootstrap interval."""
+    rows = []
+    for metric, value in metrics.items():
+        if metric.startswith("num_"):
+            continue
+        iv = boot.interval(value=samples[metric]) if metric in samples else None
+        rows.append(
+            dict(
+                model=model,
+                query=pair[0],
+                gallery=pair[1],
+                metric=metric,
+                value=float(value),
+                low=None if iv is None else iv.low,
+                high=None if iv is None else iv.high,
+                dropped=None if iv is None else iv.dropped,
+            )
+        )
+    return rows
+
+
+#: every number of a compatibility verdict, as a function of the paired samples
+VERDICT_STATISTICS = dict(
+    m_old_old=lambda oo, no, nn, ns: oo,
+    m_new_old=lambda oo, no, nn, ns: no,
+    m_new_new=lambda oo, no, nn, ns: nn,
+    m_paragon=lambda oo, no, nn, ns: ns,
+    update_gain=lambda oo, no, nn, ns: update_gain(no, oo, ns),
+    delta_up=lambda oo, no, nn, ns: delta_up(no, oo),
+    delta_down=lambda oo, no, nn, ns: delta_down(nn, ns),
+)
+
+
+def _compatibility_verdict(boot, names: dict, paragon, metrics: dict, per_query: dict) -> dict:
+    """The BCT criterion of one new model (``names``: the old, new and new* model names) on
+    ``PRIMARY_METRIC``, with the paired interval of every number (see :func:`cross_evaluate`)."""
+    from raycompat.metrics.verdicts import HELD, verdict
+
+    old, new, nstar = names["oo"], names["no"], names["nstar"]
+    pairs = dict(oo=(old, old), no=(new, old), nn=(new, new), ns=(nstar, nstar))
+    value = {key: metrics[pair][PRIMARY_METRIC] for key, pair in pairs.items()}
+    paired = {key: per_query[pair][PRIMARY_METRIC] for key, pair in pairs.items()}
+    report = compatibility_report(value["oo"], value["no"], value["nn"], value["ns"])
+    diff = boot.interval(lambda a, b: a - b, a=paired["no"], b=paired["oo"])
+    held = verdict(diff)
+    return dict(
+        model=new,
+        metric=PRIMARY_METRIC,
+        criterion="M(new, old) > M(old, old)",
+        compatible=held == HELD,
+        verdict=held,
+        difference=diff.to_dict(),
+        intervals={
+            name: boot.interval(stat, **paired).to_dict()
+            for name, stat in VERDICT_STATISTICS.items()
+        },
+        m_old_old=value["oo"],
+        m_new_old=value["no"],
+        m_new_new=value["nn"],
+        m_paragon=value["ns"],
+        paragon=paragon,
+        update_gain=report["update_gain"],
+        delta_up=report["delta_up"],
+        delta_down=report["delta_down"],
+    )
 
 
 @torch.no_grad()

@@ -418,7 +418,7 @@ def live_samples(searches: dict, data, k: int, n_fractions: int) -> dict:
     ids: AP@k and top-1 over the queries with a positive, NFR@1 over the old-old successes
     (:func:`raycompat.serving.live_eval.live_metrics`'s definitions); empty unless there is one
     search per fraction."""
-    from raycompat.backfill.engine import METRIC_NAMES, positive_pairs
+    from raycompat.backfill.rank_metrics import METRIC_NAMES, positive_pairs
     from raycompat.backfill.simulator import QUERIES
     from raycompat.metrics import average_precision_at_k, correct_at_k
     from raycompat.metrics.bootstrap import Sample
@@ -462,14 +462,23 @@ def recall_sample(live: dict):
 
 
 def live_bands(samples: dict, data, options: BootstrapOptions) -> dict:
-    """``{metric: {"low": [J], "high": [J]}}``: the live curve's bootstrap band."""
+    """``{metric: {"low": [J], "high": [J], "dropped": [J]}}``: the live curve's bootstrap band
+    (``dropped``: resamples with an undefined value; past 1 % of them a point has no interval and
+    its bounds are NaN)."""
     from raycompat.backfill.simulator import QUERIES
     from raycompat.metrics.bootstrap import Bootstrap
 
     boot = Bootstrap(options)
     boot.add_query_set(QUERIES, data.query_labels)
     bands = {m: boot.interval(curve=s) for m, s in samples.items()}
-    return {m: {k: [float(x) for x in b[k]] for k in ("low", "high")} for m, b in bands.items()}
+    return {
+        m: {
+            "low": [float(x) for x in b["low"]],
+            "high": [float(x) for x in b["high"]],
+            "dropped": [int(x) for x in b["dropped"]],
+        }
+        for m, b in bands.items()
+    }
 
 
 def _serve_and_measure(opts: HotRefreshOptions, prep: _Prepared, fractions, out: str, say) -> dict:
@@ -682,10 +691,30 @@ def _serving_port(opts) -> int:
     return running[1] if running and running[0] == opts.host else free_port(opts.host)
 
 
+def _simulator_curve(opts: HotRefreshOptions, prep: _Prepared, fractions, say):
+    """The simulator's curve of ``opts.policy`` in ``opts.mode`` on the prepared gallery."""
+    from raycompat.backfill import simulate_backfill
+
+    say(
+        f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, "
+        f"{len(fractions)} fractions"
+    )
+    sim = simulate_backfill(
+        prep.data,
+        [opts.policy],
+        [opts.mode],
+        fractions=fractions,
+        k=prep.k,
+        seed=opts.seed,
+        head=prep.head,
+        bootstrap=opts.bootstrap,
+    )
+    return sim.curve(opts.policy, opts.mode)
+
+
 def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     """The job: embeddings, the simulator's curve, the live curve through HTTP, and the report
     comparing them; returns the report (``report["out"]``: where it was written)."""
-    from raycompat.backfill import simulate_backfill
     from raycompat.cluster import connect
     from raycompat.outputs import resolve_job_output
     from raycompat.report import write_json
@@ -709,21 +738,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     connect(opts.address)
     prep = _prepare(opts, out, output.runs, say)
     data, k = prep.data, prep.k
-    say(
-        f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, "
-        f"{len(fractions)} fractions"
-    )
-    sim = simulate_backfill(
-        data,
-        [opts.policy],
-        [opts.mode],
-        fractions=fractions,
-        k=k,
-        seed=opts.seed,
-        head=prep.head,
-        bootstrap=opts.bootstrap,
-    )
-    sim_curve = sim.curve(opts.policy, opts.mode)
+    sim_curve = _simulator_curve(opts, prep, fractions, say)
     served = _serve_and_measure(opts, prep, fractions, out, say)
     live, status = served["live"], served["status"]
     cmp = compare_curves(live, sim_curve, tol=1e-9)

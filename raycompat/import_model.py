@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = options_from_args(ImportModelOptions, build_parser().parse_args(argv))
     check_options(opts)
     started = time.time()
-    from raycompat.models.imported import imported_bundle
+    from raycompat.models.bundle import imported_bundle
 
     model = import_model(opts)
     path = imported_bundle(model, opts.resolution).save(os.path.expanduser(opts.out))

@@ -3,9 +3,10 @@
 Every job that produces a report (the main job, the reproduction report, the backfill and
 hot-refresh jobs) follows the same rules:
 
-- ``--out PATH``: the report folder is ``PATH``.
+- ``--out PATH``: the report folder is ``PATH`` (its missing parent folders are created).
 - ``--out URI`` (``s3://...``, ``file:///...``): the job writes into a local staging folder
-  and publishes it to the URI when it ends (:meth:`JobOutput.publish`).
+  and publishes it to the URI when it ends (:meth:`JobOutput.publish`); the URI's parent is
+  created (recursively) and checked for writing at start.
 - no ``--out`` but ``--storage S``: the report goes to ``S/<kind>/<name>``.
 - neither: ``default_out`` in the working directory.
 
@@ -15,15 +16,21 @@ Training checkpoints go to ``S/runs`` with ``--storage`` (every node writes ther
 takes the URI directly), else to ``<out>/runs``. An unwritable location raises
 :class:`raycompat.storage.StorageError` here, at start, not after an hour of training.
 
-Nothing is overwritten by accident. The job records what it is (``job.json``: the job and
-the options that decide its results, :func:`config_record`) in the folder when it starts. A
-folder that already holds anything else is refused (``ConfigError`` naming the path and the
-first options that differ) unless ``--overwrite`` is given, or unless its ``job.json`` is the
-same job with identical options: then the job resumes in it (the main job reuses its trained
-models). ``--overwrite`` writes into the folder anyway: the files this run writes replace the
-old ones, nothing else is deleted. A folder the job created and left with nothing but
-``job.json`` (a run that failed before writing anything) is removed when the process exits
-(:meth:`JobOutput.cleanup_if_empty`).
+Every place is a :class:`raycompat.storage.Location`: a local path made absolute against the
+working directory, or a URI.
+
+Nothing is overwritten by accident. The job records what it is (``job.json``: the job, the
+options that decide its results, :func:`config_record`, and the report folder ``out``) in the
+folder when it starts. Options that name files or folders (:data:`PATH_OPTIONS`, such as
+``--embeddings`` or ``--old-model``) are recorded resolved, as absolute paths or URIs: the same
+relative flags run from another working directory name other inputs, and the same run given
+absolute paths names the same ones. A folder that already holds anything else is refused
+(``ConfigError`` naming the folder and the first options that differ) unless ``--overwrite``
+is given, or unless its ``job.json`` is the same job with identical options: then the job
+resumes in it (the main job reuses its trained models). ``--overwrite`` writes into the
+folder anyway: the files this run writes replace the old ones, nothing else is deleted. A
+folder the job created and left with nothing but ``job.json`` (a run that failed before
+writing anything) is removed when the process exits (:meth:`JobOutput.cleanup_if_empty`).
 """
 
 from __future__ import annotations
@@ -33,23 +40,21 @@ import dataclasses
 import hashlib
 import json
 import os
-import posixpath
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
 from raycompat.config import ConfigError, option
-from raycompat.storage import Storage, StorageError, is_uri, open_storage
+from raycompat.storage import Location, StorageError, is_uri, open_storage, resolve_location
 
 __all__ = [
     "JobOutput",
-    "Location",
     "OutputOptions",
+    "PATH_OPTIONS",
     "STAMP",
     "check_report_target",
     "config_differences",
     "config_record",
-    "inspect_location",
     "remove_if_empty",
     "resolve_job_output",
 ]
@@ -58,6 +63,18 @@ __all__ = [
 STAMP = "job.json"
 #: options that say where a job writes, where it runs or what it prints: never compared
 NEUTRAL_OPTIONS = ("out", "storage", "name", "overwrite", "address", "verbose", "quiet")
+#: options (at any depth) whose value names a file or folder: recorded resolved
+PATH_OPTIONS = (
+    "embeddings",
+    "old_model",
+    "new_model",
+    "models",
+    "newstar_metrics",
+    "old_features",
+    "scenario",
+    "path",
+    "image_root",
+)
 
 
 @dataclass(frozen=True)
@@ -111,8 +128,8 @@ class JobOutput:
     local: str
     destination: str
     runs: str
-    storage: Storage | None = None
-    _upload: tuple | None = None  # (Storage of the parent, leaf name) for a URI destination
+    storage: Location | None = None
+    _upload: tuple | None = None  # (Location of the parent, leaf name) for a URI destination
     created: bool = False  # this job created ``local``
 
     @property
@@ -149,55 +166,32 @@ def remove_if_empty(path: str, ignore: tuple[str, ...] = (STAMP,)) -> bool:
     return True
 
 
-# -- what is already there ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Location:
-    """What a path or URI holds now: ``kind`` is ``missing``, ``file`` or ``folder``;
-    ``names``: a folder's entries (not recursive)."""
-
-    shown: str
-    kind: str
-    names: tuple[str, ...] = ()
-    filesystem: Any = None
-    root: str = ""
-
-    def read_json(self, name: str) -> dict | None:
-        """File ``name`` of the folder as JSON; ``None`` if it is missing or not JSON."""
-        if name not in self.names:
-            return None
-        try:
-            with self.filesystem.open_input_stream(posixpath.join(self.root, name)) as fh:
-                value = json.loads(fh.read())
-        except (OSError, ValueError):
-            return None
-        return value if isinstance(value, dict) else None
+# -- what a job records ------------------------------------------------------------------
+def resolved_option(value: str) -> str:
+    """The value of a :data:`PATH_OPTIONS` option as recorded: the :class:`Location` ``uri``
+    (absolute path or URI) when it names a place -- a URI, an absolute or ``~`` path, a path
+    with a folder in it, or a name that exists in the working directory -- else as typed (a
+    name such as a built-in scenario's)."""
+    named = is_uri(value) or os.path.isabs(value) or value.startswith("~") or os.sep in value
+    return resolve_location(value).uri if named or os.path.exists(value) else value
 
 
-def inspect_location(location: str) -> Location:
-    """The :class:`Location` of a local path (``~`` expanded) or a storage URI."""
-    import pyarrow.fs as pafs
-
-    try:
-        if is_uri(location):
-            fs, root = pafs.FileSystem.from_uri(location)
-        else:
-            fs, root = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(location))
-        info = fs.get_file_info(root)
-        if info.type == pafs.FileType.NotFound:
-            return Location(location, "missing")
-        if info.type != pafs.FileType.Directory:
-            return Location(location, "file")
-        entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    except Exception as exc:  # credentials, a bad URI
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise StorageError(f"{location}: cannot read it: {reason}") from exc
-    names = tuple(sorted(e.base_name for e in entries))
-    return Location(location, "folder", names, fs, root)
+def _resolve_paths(values: Any) -> Any:
+    """``values`` (JSON-like) with every :data:`PATH_OPTIONS` string resolved, at any depth."""
+    if not isinstance(values, dict):
+        return values
+    return {
+        key: resolved_option(value)
+        if key in PATH_OPTIONS and isinstance(value, str) and value
+        else _resolve_paths(value)
+        for key, value in values.items()
+    }
 
 
 def config_record(config: Any, ignore: tuple[str, ...] = ()) -> dict | None:
     """The options that decide a job's results, as JSON: ``config`` (an options dataclass or
-    a dict) less its :class:`OutputOptions` fields, :data:`NEUTRAL_OPTIONS` and ``ignore``."""
+    a dict) less its :class:`OutputOptions` fields, :data:`NEUTRAL_OPTIONS` and ``ignore``;
+    :data:`PATH_OPTIONS` resolved (:func:`resolved_option`)."""
     if config is None:
         return None
     if dataclasses.is_dataclass(config):
@@ -211,7 +205,7 @@ def config_record(config: Any, ignore: tuple[str, ...] = ()) -> dict | None:
         values = dict(config)
     drop = set(NEUTRAL_OPTIONS) | set(ignore)
     kept = {k: v for k, v in values.items() if k not in drop}
-    return json.loads(json.dumps(kept, sort_keys=True, default=str))
+    return _resolve_paths(json.loads(json.dumps(kept, sort_keys=True, default=str)))
 
 
 def _flat(values: dict, prefix: str = "") -> dict:
@@ -239,19 +233,29 @@ def _some(names: tuple[str, ...] | list[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def check_report_target(target: Location, record: dict, overwrite: bool) -> str:
+def _identity(stamp: dict | None) -> dict | None:
+    """What makes two runs the same: the job and its options (not where the folder is)."""
+    return None if stamp is None else {"job": stamp.get("job"), "config": stamp.get("config")}
+
+
+def check_report_target(
+    target: Location, record: dict, overwrite: bool, shown: str | None = None
+) -> str:
     """``'new'`` (nothing there but maybe an empty folder), ``'identical'`` (the same job
     with the same options wrote it: resume) or ``'overwrite'``; any other folder raises
-    ``ConfigError`` naming it and what it holds. ``record``: ``{job, config}``."""
-    content = [n for n in target.names if n != STAMP]
-    if target.kind == "missing" or (target.kind == "folder" and not content):
+    ``ConfigError`` naming it (``shown``, default its ``uri``) and what it holds.
+    ``record``: ``{job, config}``."""
+    shown = shown or target.uri
+    kind = target.kind()
+    content = [n for n in target.listdir() if n != STAMP]
+    if kind == "missing" or (kind == "folder" and not content):
         return "new"
-    if target.kind == "file":
-        raise StorageError(f"{target.shown} is a file, not a folder: choose another --out")
+    if kind == "file":
+        raise StorageError(f"{shown} is a file, not a folder: choose another --out")
     if overwrite:
         return "overwrite"
     there = target.read_json(STAMP)
-    if there == record and record.get("config") is not None:
+    if _identity(there) == _identity(record) and record.get("config") is not None:
         return "identical"
     job = record["job"]
     if there is None:
@@ -264,7 +268,7 @@ def check_report_target(target: Location, record: dict, overwrite: bool) -> str:
         diff = config_differences(there["config"], record["config"])
         holds = f"a {job} report made with other options ({diff})"
     raise ConfigError(
-        f"{target.shown} holds {holds}: pass --overwrite to write into it anyway, or another --out"
+        f"{shown} holds {holds}: pass --overwrite to write into it anyway, or another --out"
     )
 
 
@@ -275,35 +279,28 @@ def _staging_dir(uri: str) -> str:
     return os.path.join(root, key)
 
 
-def _check_existing(local: str, destination: str | None, record: dict, overwrite: bool) -> None:
+def _check_existing(
+    local: Location, destination: Location | None, record: dict, overwrite: bool
+) -> None:
     """:func:`check_report_target` on the local folder, or for a URI ``destination`` whose
-    staging folder holds nothing yet, on the destination itself."""
-    target = inspect_location(local)
-    if destination is not None:  # errors name the destination, not the staging folder
-        staged = [n for n in target.names if n != STAMP]
-        target = dataclasses.replace(target, shown=destination) if staged else None
-        target = target or inspect_location(destination)
-    check_report_target(target, record, overwrite)
+    staging folder holds nothing yet, on the destination itself (errors name the
+    destination, not the staging folder)."""
+    if destination is None:
+        check_report_target(local, record, overwrite)
+    elif [n for n in local.listdir() if n != STAMP]:
+        check_report_target(local, record, overwrite, shown=destination.uri)
+    else:
+        check_report_target(destination, record, overwrite)
 
 
-def _local_folder(out: str, given: bool) -> tuple[str, tuple | None]:
-    """``(local folder, upload)`` of report location ``out``: for a URI, a staging folder
-    and ``(Storage of its parent, leaf name)``; a given local path's parent must exist."""
-    if is_uri(out):
-        parent, leaf = out.rstrip("/").rsplit("/", 1)
-        return _staging_dir(out), (open_storage(parent), leaf)
-    local = os.path.abspath(os.path.expanduser(out))
-    parent = os.path.dirname(local.rstrip(os.sep)) or os.sep
-    if given and not os.path.exists(local) and not os.path.isdir(parent):
-        raise StorageError(f"--out {out}: the parent folder {parent} does not exist")
-    return local, None
-
-
-def _write_stamp(local: str, record: dict) -> None:
-    tmp = os.path.join(local, f".{STAMP}.tmp{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(record, fh, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(local, STAMP))
+def _folders(out: str) -> tuple[Location, Location | None]:
+    """``(local folder, URI destination or None)`` of report location ``out``: for a URI, a
+    staging folder and the URI, whose parent is created and checked for writing now."""
+    place = resolve_location(out, "--out")
+    if place.local:
+        return place, None
+    place.parent().check_writable("--out", parents=True)
+    return resolve_location(_staging_dir(place.uri)), place
 
 
 def resolve_job_output(
@@ -320,28 +317,26 @@ def resolve_job_output(
     """Apply the module's rules for one job (``kind``: ``quickstart``, ``reproduce``,
     ``backfill``, ``hot_refresh``...). Refuses a folder holding another run's output unless
     ``overwrite`` (``ConfigError``; ``config``: the job's options, see
-    :func:`config_record`), creates the local folder, records ``job.json`` and checks every
-    location for writing; raises StorageError naming the location otherwise."""
+    :func:`config_record`), creates the local folder and its parents, records ``job.json``
+    and checks every location for writing; raises StorageError naming the location
+    otherwise."""
     store = open_storage(storage) if storage else None
-    given = out is not None
-    if not given and store is not None:
+    if out is None and store is not None:
         out = store.join(kind, name)  # the storage was checked: its sub-folders are created
-    out = out or default_out
-    local, upload = _local_folder(out, given)
+    local, destination = _folders(out or default_out)
     record = {"job": kind, "config": config_record(config, ignore)}
-    _check_existing(local, out if upload else None, record, overwrite)
-    created = not os.path.exists(local)
-    try:
-        os.makedirs(local, exist_ok=True)
-    except OSError as exc:
-        raise StorageError(f"--out {out}: cannot create it: {exc}") from exc
-    if not upload and not os.access(local, os.W_OK):
-        raise StorageError(f"--out {out} is not writable")
-    _write_stamp(local, record)
-    runs = store.join("runs") if store is not None else os.path.join(local, "runs")
+    _check_existing(local, destination, record, overwrite)
+    created = not local.exists()
+    local.make_dirs("--out")
+    if destination is None and not os.access(local.root, os.W_OK):
+        raise StorageError(f"--out {local.uri} is not writable")
+    stamp = dict(record, out=(destination or local).uri)
+    local.write_bytes(STAMP, json.dumps(stamp, indent=2, sort_keys=True).encode())
+    runs = store.join("runs") if store is not None else local.join("runs")
+    upload = None if destination is None else (destination.parent(), destination.name)
     output = JobOutput(
-        local=local,
-        destination=out if upload else local,
+        local=local.uri,
+        destination=(destination or local).uri,
         runs=runs,
         storage=store,
         _upload=upload,

@@ -484,22 +484,9 @@ def simulate_hot_refresh(
     summaries their intervals and verdicts (:func:`raycompat.backfill.report.curve_intervals`;
     the independent model's new-new per-query terms are new*-new*'s, resampled with the rest).
     """
-    from raycompat.backfill import (
-        CostModel,
-        GalleryEmbeddings,
-        UncertaintyHead,
-        measure_items_per_s,
-        simulate_backfill,
-    )
-    from raycompat.backfill.report import (
-        curve_intervals,
-        curve_rows,
-        summary_rows,
-        write_reports,
-    )
+    from raycompat.backfill import CostModel, UncertaintyHead, measure_items_per_s
 
     say = log or (lambda message: None)
-    old = embedded["old"]
     cost = CostModel(
         measure_items_per_s(bct_bundle, batch_size=128),
         1,
@@ -518,39 +505,16 @@ def simulate_hot_refresh(
     )  # not the random policy's stream
     rows, summary, reports, newstar = [], [], {}, None
     for name, policies, modes, uncertainty_head in runs:
-        new = embedded[name]
-        data = GalleryEmbeddings(
-            gallery_labels=np.asarray(gallery_labels)[stored],
-            gallery_old=old.gallery[stored],
-            gallery_new=new.gallery[stored],
-            gallery_ids=stored,
-            query_labels=query_labels,
-            query_old=old.query,
-            query_new=new.query,
-            compatible_dim=new.compatible_dim,
-            source=f"quickstart: old -> {name}",
-        )
-        result = simulate_backfill(
-            data,
-            policies,
-            modes,
-            seed=seed,
-            head=uncertainty_head,
-            cost=cost,
-            references={"new*-new*": paragon},
-            bootstrap=bootstrap,
+        data = _stored_gallery(embedded, name, query_labels, gallery_labels, stored)
+        result = _simulate_model(
+            data, policies, modes, uncertainty_head, cost, paragon, seed, bootstrap
         )
         if name == "independent":  # new*: the independent model, the first run
             newstar = result.reference_samples.get("new-new")
-        intervals = curve_intervals(result, newstar)
-        reports[name] = write_reports(
-            result,
-            os.path.join(out_dir, name),
-            title=f"Hot refresh: old -> {name}",
-            intervals=intervals,
-        )
-        rows += [dict(model=name, **r) for r in curve_rows(result)]
-        summary += [dict(model=name, **r) for r in summary_rows(result, intervals)]
+        got = _model_reports(result, name, out_dir, newstar)
+        reports[name] = got["files"]
+        rows += got["rows"]
+        summary += got["summary"]
         say(
             f"  {name}: {len(result.curves)} curves in {result.stats['seconds']:.1f} s -> "
             f"{reports[name]['markdown']}"
@@ -558,13 +522,72 @@ def simulate_hot_refresh(
     return dict(rows=rows, summary=summary, reports=reports)
 
 
+def _stored_gallery(embedded: dict, name: str, query_labels, gallery_labels, stored):
+    """The old model and model ``name``'s embeddings, the gallery in its ``stored`` order."""
+    from raycompat.backfill import GalleryEmbeddings
+
+    old, new = embedded["old"], embedded[name]
+    return GalleryEmbeddings(
+        gallery_labels=np.asarray(gallery_labels)[stored],
+        gallery_old=old.gallery[stored],
+        gallery_new=new.gallery[stored],
+        gallery_ids=stored,
+        query_labels=query_labels,
+        query_old=old.query,
+        query_new=new.query,
+        compatible_dim=new.compatible_dim,
+        source=f"quickstart: old -> {name}",
+    )
+
+
+def _simulate_model(data, policies, modes, head, cost, paragon: dict, seed: int, bootstrap):
+    """One model's hot-refresh curves, new*-new* (``paragon``) as the AUC gains' reference."""
+    from raycompat.backfill import simulate_backfill
+
+    return simulate_backfill(
+        data,
+        policies,
+        modes,
+        seed=seed,
+        head=head,
+        cost=cost,
+        references={"new*-new*": paragon},
+        bootstrap=bootstrap,
+    )
+
+
+def _model_reports(result, name: str, out_dir: str, newstar) -> dict:
+    """One model's curves.{json,md} and PNGs (``files``), and its curve and summary rows."""
+    from raycompat.backfill.report import curve_intervals, curve_rows, summary_rows, write_reports
+
+    intervals = curve_intervals(result, newstar)
+    files = write_reports(
+        result,
+        os.path.join(out_dir, name),
+        title=f"Hot refresh: old -> {name}",
+        intervals=intervals,
+    )
+    return dict(
+        files=files,
+        rows=[dict(model=name, **r) for r in curve_rows(result)],
+        summary=[dict(model=name, **r) for r in summary_rows(result, intervals)],
+    )
+
+
 def _iv(value, low=None, high=None):
-    """``value [low, high]`` (4 digits), the value alone without an interval."""
+    """``value [low, high]`` (4 digits), the value alone without an interval, ``value [no
+    interval]`` when the bootstrap refused one (NaN bounds: too many undefined resamples)."""
     from raycompat.report import fmt
 
     if value is None or low is None or high is None:
         return value
+    if _finite(value) and not (_finite(low) and _finite(high)):
+        return f"{fmt(value)} [no interval]"
     return f"{fmt(value)} [{fmt(low)}, {fmt(high)}]"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and bool(np.isfinite(x))
 
 
 def _with_interval(row: dict):
@@ -584,8 +607,10 @@ def _difference_text(v: dict) -> str:
     d = v.get("difference")
     if not d:
         return "n/a"
+    dropped = d.get("dropped") or 0
     return (
         f"{_iv(d['value'], d['low'], d['high'])}, {d['queries']} queries in {d['classes']} classes"
+        + (f", {dropped} of {d['resamples']} resamples undefined" if dropped else "")
     )
 
 
@@ -594,16 +619,48 @@ def _confidence(report: dict) -> str:
 
 
 def render_markdown(report: dict, allocation: str) -> str:
+    """report.md: data, training, retrieval, compatibility, hot refresh, timings, verdicts."""
     from raycompat.report import fmt, markdown_table
 
-    metrics = ["mAP@100", "mAP", "top1", "top5"]
-    by_pair: dict[tuple, dict] = {}
-    for row in report["evaluations"]:
-        by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = (
-            _with_interval(row)
-        )
     conf = _confidence(report)
     lines = [
+        *_intro_lines(report, conf),
+        "## Data allocation",
+        "",
+        allocation,
+        "",
+        *_training_lines(report),
+        *_retrieval_lines(report),
+        "## Compatibility (BCT criterion on mAP@100, new* = independent)",
+        "",
+        "The claim M(n,o) > M(o,o) is held when the paired interval of the difference is above "
+        "0, not held when it is at or below 0, inconclusive when it contains 0.",
+        "",
+        _compatibility_table(report, conf),
+        "",
+        *_hot_refresh_lines(report),
+        "## Timings",
+        "",
+        markdown_table(
+            ["phase", "seconds"], [(k, v) for k, v in report["timings"].items()], digits=1
+        ),
+        "",
+    ]
+    lines.append(
+        "Verdicts: "
+        + "; ".join(
+            f"{v['model']}: M(n,o) > M(o,o) {v.get('verdict', 'n/a')} "
+            f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])}; "
+            f"difference {_difference_text(v)})"
+            for v in report["verdicts"]
+        )
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _intro_lines(report: dict, conf: str) -> list[str]:
+    """The title, the scenario and how intervals are read."""
+    return [
         "# raycompat quickstart report",
         "",
         f"Scenario `{report['scenario']['name']}` (seed {report['scenario']['seed']}), "
@@ -613,12 +670,17 @@ def render_markdown(report: dict, allocation: str) -> str:
         f"query classes ({report['options'].get('resamples', 1000)} resamples, seed "
         f"{report['options'].get('bootstrap_seed', 0)}; every query of a drawn class comes with "
         "it; docs/methods.md, Uncertainty). Differences and ratios of two numbers are paired: "
-        "the same queries in the same draws.",
+        "the same queries in the same draws. A resample whose value is undefined is dropped; "
+        "past 1 % dropped a number has no interval (`[no interval]`, its verdict inconclusive).",
         "",
-        "## Data allocation",
-        "",
-        allocation,
-        "",
+    ]
+
+
+def _training_lines(report: dict) -> list[str]:
+    """Each model's method, split, epochs, final loss, throughput and wall time."""
+    from raycompat.report import markdown_table
+
+    return [
         "## Training",
         "",
         markdown_table(
@@ -638,20 +700,38 @@ def render_markdown(report: dict, allocation: str) -> str:
             digits=3,
         ),
         "",
+    ]
+
+
+def _retrieval_lines(report: dict) -> list[str]:
+    """Every (query embedder, gallery embedder) pair's metrics with their intervals."""
+    from raycompat.report import markdown_table
+
+    metrics = ["mAP@100", "mAP", "top1", "top5"]
+    by_pair: dict[tuple, dict] = {}
+    for row in report["evaluations"]:
+        by_pair.setdefault((row["model"], row["query"], row["gallery"]), {})[row["metric"]] = (
+            _with_interval(row)
+        )
+    return [
         "## Retrieval (query embedder -> gallery embedder)",
+        "",
+        "Ranked by the canonical score (the float64 inner product of the float32 vectors), "
+        "ties by gallery index, as in the hot refresh: a value here and the same pair on a "
+        "backfill curve are the same number (the hot refresh stores the gallery in a shuffled "
+        "order, so only items with bit-identical canonical scores could rank differently).",
         "",
         markdown_table(
             ["model", "query", "gallery"] + metrics,
             [k + tuple(v.get(m) for m in metrics) for k, v in by_pair.items()],
         ),
         "",
-        "## Compatibility (BCT criterion on mAP@100, new* = independent)",
-        "",
-        "The claim M(n,o) > M(o,o) is held when the paired interval of the difference is above "
-        "0, not held when it is at or below 0, inconclusive when it contains 0.",
-        "",
-        _compatibility_table(report, conf),
-        "",
+    ]
+
+
+def _hot_refresh_lines(report: dict) -> list[str]:
+    """The backfill table, what it shows, and the plots."""
+    return [
         "## Hot refresh (backfill simulation)",
         "",
         "The gallery is backfilled item by item with the new model while the new model "
@@ -674,23 +754,7 @@ def render_markdown(report: dict, allocation: str) -> str:
             for p in plots
             if p.endswith("_vs_fraction.png") and os.path.basename(p) != "mAP_vs_fraction.png"
         ],
-        "## Timings",
-        "",
-        markdown_table(
-            ["phase", "seconds"], [(k, v) for k, v in report["timings"].items()], digits=1
-        ),
-        "",
     ]
-    lines.append(
-        "Verdicts: "
-        + "; ".join(
-            f"{v['model']}: M(n,o) > M(o,o) {v.get('verdict', 'n/a')} "
-            f"(M(n,o)={fmt(v['m_new_old'])} vs M(o,o)={fmt(v['m_old_old'])}; "
-            f"difference {_difference_text(v)})"
-            for v in report["verdicts"]
-        )
-    )
-    return "\n".join(lines) + "\n"
 
 
 def _compatibility_table(report: dict, conf: str) -> str:

@@ -259,10 +259,12 @@ def _kill_first_block_worker(stop: threading.Event, killed: list) -> None:
 def _retried(name: str) -> bool:
     """Whether a task called ``name`` finished on a second attempt (Ray's state API, whose
     task events arrive a little late)."""
+    import ray
     from ray.util.state import list_tasks
 
+    address = ray.get_runtime_context().gcs_address  # this session's cluster, not another one
     for _ in range(30):
-        tasks = list_tasks(filters=[("name", "=", name)], detail=True, limit=10000)
+        tasks = list_tasks(address=address, filters=[("name", "=", name)], detail=True, limit=10000)
         if any(t.attempt_number >= 1 and t.state == "FINISHED" for t in tasks):
             return True
         time.sleep(0.5)

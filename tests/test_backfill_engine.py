@@ -15,22 +15,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import raycompat.backfill.engine as engine_mod
+import raycompat.backfill.side_pass as side_pass_mod
+import raycompat.backfill.thresholds as thresholds_mod
 from raycompat.backfill import GalleryEmbeddings, simulate_backfill
+from raycompat.backfill.assembly import compute_ranks, ranks_from_counts
+from raycompat.backfill.block_pass import block_pass
 from raycompat.backfill.blocks import exact_topk
-from raycompat.backfill.engine import (
-    CurveSpec,
-    Side,
-    block_pass,
-    compute_ranks,
-    full_ap_from_ranks,
-    metrics_from_ranks,
-    plan_ranks,
-    positive_pairs,
-    ranks_from_counts,
-)
 from raycompat.backfill.grid import backfill_counts, cold_counts, default_grid, segments
 from raycompat.backfill.policies import UncertaintyHead
+from raycompat.backfill.rank_metrics import full_ap_from_ranks, metrics_from_ranks, positive_pairs
+from raycompat.backfill.rank_plan import CurveSpec, plan_ranks
+from raycompat.backfill.score_sides import Side
 from raycompat.index import exact_search
 from raycompat.metrics import (
     average_precision_from_ranks,
@@ -250,9 +245,9 @@ def test_engine_paths_ties_band_and_tiles(seed, monkeypatch):
     k = int(rng.choice([1, 3, 10, 400]))
     sides = {"o": Side(qo, go), "n": Side(qn, gn)}
     curves = [CurveSpec("c", "o", "n", counts, order), CurveSpec("ref", "o", None, np.array([0]))]
-    monkeypatch.setattr(engine_mod, "_TILE", int(rng.choice([1, 2, 4, 8])))
+    monkeypatch.setattr(side_pass_mod, "SURVIVOR_TILE", int(rng.choice([1, 2, 4, 8])))
     # survivors located in per-query tables (a few thresholds) or by float64 keys (many)
-    monkeypatch.setattr(engine_mod, "_TABLE_MAX", int(rng.choice([0, 2, 32])))
+    monkeypatch.setattr(thresholds_mod, "TABLE_MAX", int(rng.choice([0, 2, 32])))
     workers = int(rng.choice([1, 2, 3]))  # threads of a pass (per-worker histograms)
     ranking0 = np.lexsort((np.broadcast_to(np.arange(n), s_old.shape), -s_old), axis=-1)
     ref = gl[ranking0[:, 0]] == ql
@@ -301,7 +296,7 @@ def test_block_passes_one_at_a_time_add_up_to_compute_ranks(seed, monkeypatch):
         CurveSpec("ref", "o", None, np.array([0])),
         CurveSpec("new", "n", None, np.array([0])),
     ]
-    monkeypatch.setattr(engine_mod, "_TABLE_MAX", int(rng.choice([0, 32])))
+    monkeypatch.setattr(thresholds_mod, "TABLE_MAX", int(rng.choice([0, 32])))
     cuts = np.unique(np.concatenate([[0, n], rng.integers(1, n, int(rng.integers(1, 6)))]))
     for band, debug in ((1.0, False), (1e9, False), (1.0, True)):
         kw = dict(
@@ -483,7 +478,7 @@ def test_near_ties_rank_by_canonical_scores(seed, monkeypatch):
     want = brute_force_curve(s_old, s_new, [order[:c] for c in counts], ql, gl, k, ref)
     sides = {"o": Side(qo, go), "n": Side(qn, gn)}
     curves = [CurveSpec("c", "o", "n", counts, order), CurveSpec("ref", "o", None, np.array([0]))]
-    monkeypatch.setattr(engine_mod, "_TABLE_MAX", int(rng.choice([0, 32])))
+    monkeypatch.setattr(thresholds_mod, "TABLE_MAX", int(rng.choice([0, 32])))
     for band, bb, workers in ((1.0, 1 << 20, 1), (1.0, 4 * n_q * 64, 2), (1e6, 1 << 12, 3)):
         res = compute_ranks(sides, curves, ql, gl, band_scale=band, block_bytes=bb, workers=workers)
         ref_c = metrics_from_ranks(

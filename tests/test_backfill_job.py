@@ -199,6 +199,35 @@ def test_bootstrap_flags_and_determinism(tmp_path):
     assert a["summary"] == b["summary"] and a["reference_intervals"] == b["reference_intervals"]
 
 
+def test_compatibility_verdict_in_the_report(tmp_path):
+    """curves.json and curves.md give BCT's criterion as the main job does: the paired
+    M(n,o) - M(o,o) on mAP@k with its interval and its verdict."""
+    emb = write_parquet(tmp_path / "emb.parquet", adapted=False)
+    out = tmp_path / "out"
+    flags = ["--policies", "random", "--modes", "compatible,cold", "--grid-step", 50, "--k", 5]
+    r = run_job("--embeddings", emb, *flags, "--no-plots", "--quiet", "--out", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((out / "curves.json").read_text())
+    compat = data["compatibility"]
+    refs = data["references"]
+    assert compat["metric"] == "mAP@5" and compat["criterion"] == "M(new, old) > M(old, old)"
+    assert compat["m_new_old"] == refs["new-old"]["mAP@5"]
+    assert compat["m_old_old"] == refs["old-old"]["mAP@5"]
+    d = compat["difference"]
+    assert d["value"] == pytest.approx(compat["m_new_old"] - compat["m_old_old"])
+    assert d["low"] <= d["value"] <= d["high"]
+    assert (d["queries"], d["resamples"], d["dropped"]) == (8, 1000, 0)
+    expect = "held" if d["low"] > 0 else "not held" if d["high"] <= 0 else "inconclusive"
+    assert compat["verdict"] == expect and compat["compatible"] == (expect == "held")
+    markdown = (out / "curves.md").read_text()
+    section = markdown.split("## Compatibility (BCT criterion on mAP@5)")[1].split("##")[0]
+    header, row = [ln for ln in section.splitlines() if ln.startswith("| ")]
+    assert "M(n,o) - M(o,o) [95 % interval] (paired)" in header
+    low, high = 100 * d["low"], 100 * d["high"]
+    assert f"{100 * d['value']:.2f} [{low:.2f}, {high:.2f}]" in row
+    assert row.rstrip(" |").endswith(compat["verdict"])
+
+
 @pytest.mark.parametrize(
     "case, expect",
     [

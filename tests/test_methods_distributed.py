@@ -70,6 +70,15 @@ CASES = [
         None,
         "cosface",
     ),
+    # the field's baselines (test_field_methods.py)
+    ("lwf", "lwf", {"scale": 10.0, "teacher_scale": 10.0}, None, "cosface"),
+    ("fd", "fd", {}, None, "cosface"),
+    ("fd-new", "fd", {"indicator": "new"}, None, "softmax"),
+    ("lce", "lce", {}, None, "cosface"),
+    ("lce-all", "lce", {"centre_classes": "all"}, None, "arcface"),
+    ("unibct", "unibct", {"tau": 0.5}, None, "cosface"),
+    ("advbct", "advbct", {"grl_alpha": 0.5, "threshold": 0.5}, None, "cosface"),
+    ("advbct-dann", "advbct", {"centre_classes": "all"}, None, "cosface"),
 ]
 LOCAL = len(BATCH_LABELS) // 2
 
@@ -268,6 +277,15 @@ def test_per_epoch_passes_are_not_trivial(two_workers):
     ndpp = buffers["ndpp"]
     assert not torch.allclose(ndpp["pseudo_prototypes"], ndpp["old_prototypes"])
     assert buffers["odpp"]["perturbation"].abs().sum() > 0
+
+
+def test_field_method_passes_are_not_trivial(two_workers):
+    buffers = {case[0]: two_workers["gradients"][case[0]][2] for case in CASES}
+    assert buffers["lce"]["has_centre"].tolist() == [True, True, True, False, False]
+    assert buffers["lce"]["boundaries"][:3].abs().min() > 0
+    assert buffers["unibct"]["prototypes"].abs().sum() > 0
+    assert buffers["advbct"]["max_radius"][:3].min() > 0
+    assert buffers["advbct-dann"]["has_boundary"].all()  # every class has a centre with "all"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -3,6 +3,7 @@ the train_ract job's command line."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -107,6 +108,46 @@ def test_ract_then_mcl_in_the_ray_train_loop_on_two_workers(ray_cluster, scenari
     with torch.no_grad():
         rev = bundle.modules["psi_rev"](bundle.modules["rho"](bundle.embedder(x)))
     assert rev.shape == (3, DIM)
+
+
+# the field's baselines (test_field_methods.py): their loss terms, on 1 and on 2 workers
+FIELD_TERMS = {
+    "lwf": ["lwf"],
+    "fd": ["fd"],
+    "lce": ["align", "bound"],
+    "unibct": ["unibct"],
+    "advbct": ["bound", "adv", "elastic_radius"],
+}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("method", sorted(FIELD_TERMS))
+def test_field_methods_train_in_the_ray_train_loop(
+    ray_cluster, scenario, tmp_path, method, workers
+):
+    """A dimension change too: the new embedding is wider than the old (the prefix rule)."""
+    old = random_bundle(tmp_path / "old", scenario.splits["old_train"].classes, seed=0)
+    run = fit(
+        config(
+            scenario,
+            tmp_path,
+            method=method,
+            old_model=old,
+            embed_dim=DIM + 8,
+            num_workers=workers,
+            run_name=f"{method}-{workers}",
+        ),
+        export_to=str(tmp_path / method),
+    )
+    last = run.history[-1]
+    assert last["num_workers"] == workers
+    for term in FIELD_TERMS[method] + ["cls", "loss"]:
+        assert math.isfinite(last[f"loss/{term}"]), (term, last)
+    assert last[f"loss/{FIELD_TERMS[method][0]}"] > 0
+    bundle = run.load()
+    # nothing of these methods is needed at inference (advbct's discriminator and radii included)
+    assert set(bundle.modules) == {"embedder", "head"}
+    assert bundle.manifest["method"] == method and bundle.manifest["compatible_dim"] == DIM
 
 
 def test_train_ract_job_help_and_early_config_error():

@@ -144,3 +144,61 @@ def test_simulator_bands_contain_the_curves():
     assert oo["low"] <= result.references["old-old"]["mAP@100"] <= oo["high"]
     again = simulate_backfill(data, ("random",), ("compatible",), bootstrap=opts)
     assert again.to_dict()["curves"][0]["bands"] == result.to_dict()["curves"][0]["bands"]
+
+
+def _dropped_by_hand(boot: Bootstrap, base: np.ndarray) -> int:
+    """Resamples that draw no query of ``base`` (their rate is undefined), from the draws."""
+    weights = boot._sets["q"].weights
+    return int((weights[:, base].sum(axis=1) == 0).sum())
+
+
+def test_undefined_resamples_are_counted():
+    """An NFR whose old-old successes are 5 classes of 100: the resamples that draw none of
+    them have no rate; they are dropped and counted, and below 1 % the interval stands."""
+    labels = np.arange(100)
+    boot = Bootstrap(BootstrapOptions(resamples=1000))
+    boot.add_query_set("q", labels)
+    base = labels < 5
+    iv = boot.interval(v=Sample.rate("q", labels < 2, base))
+    expected = _dropped_by_hand(boot, base)
+    assert 0 < expected <= 10  # (95/100)^100: about 0.6 % of the resamples
+    assert (iv.dropped, iv.resamples) == (expected, 1000) and not iv.refused
+    assert iv.estimate == pytest.approx(0.4) and iv.low <= iv.estimate <= iv.high
+    assert iv.to_dict()["dropped"] == expected and "refused" not in iv.to_dict()
+    assert f"({expected} of 1000 resamples undefined)" in iv.text()
+    curve = boot.interval(v=Sample.rate("q", np.stack([labels < 2, labels < 3], 1), base))
+    assert curve["dropped"].tolist() == [expected, expected]
+    assert np.isfinite(curve["low"]).all()
+
+
+def test_more_than_one_percent_undefined_gives_no_interval():
+    """One old-old success among 100 classes: about 37 % of the resamples have no rate, so
+    the statistic has no interval: NaN bounds, an inconclusive verdict, "no interval"."""
+    labels = np.arange(100)
+    boot = Bootstrap(BootstrapOptions(resamples=1000))
+    boot.add_query_set("q", labels)
+    base = labels < 1
+    iv = boot.interval(v=Sample.rate("q", labels < 1, base))
+    expected = _dropped_by_hand(boot, base)
+    assert expected > 10 and iv.dropped == expected and iv.refused
+    assert iv.estimate == 1.0 and np.isnan(iv.low) and np.isnan(iv.high)
+    assert verdict(iv) == INCONCLUSIVE and verdict(iv, strict=False) == INCONCLUSIVE
+    assert iv.to_dict()["refused"] is True
+    assert iv.text() == f"1.000 [no interval: {expected} of 1000 resamples undefined]"
+    curve = boot.interval(v=Sample.rate("q", np.stack([labels < 1, labels < 1], 1), base))
+    assert np.isnan(curve["low"]).all() and np.isnan(curve["high"]).all()
+    # the same statistic on its own, defined on every resample, keeps its interval
+    assert not boot.interval(v=Sample.mean("q", (labels < 50).astype(float))).refused
+
+
+def test_query_set_seed_uses_the_whole_name():
+    """Two names with the same first 16 characters and the same length draw other resamples."""
+    first, second = "scenario-extended-a", "scenario-extended-b"
+    assert first[:16] == second[:16] and len(first) == len(second)
+    boot = Bootstrap(BootstrapOptions(resamples=50))
+    boot.add_query_set(first, LABELS)
+    boot.add_query_set(second, LABELS)
+    assert not np.array_equal(boot._sets[first].weights, boot._sets[second].weights)
+    again = Bootstrap(BootstrapOptions(resamples=50))
+    again.add_query_set(second, LABELS)  # seeded by the name alone
+    assert np.array_equal(again._sets[second].weights, boot._sets[second].weights)

@@ -65,10 +65,6 @@ def test_uri_destination_is_staged_and_published(tmp_path, monkeypatch):
     [
         (dict(out=None, storage="/proc/raycompat"), "--storage /proc/raycompat is not writable"),
         (
-            dict(out="/nonexistent-parent/x/out", storage=None),
-            "the parent folder /nonexistent-parent/x does not exist",
-        ),
-        (
             dict(out=None, storage="/nonexistent-parent/x"),
             "the parent folder /nonexistent-parent does not exist",
         ),
@@ -77,6 +73,30 @@ def test_uri_destination_is_staged_and_published(tmp_path, monkeypatch):
 def test_unusable_locations_are_named(kw, message):
     with pytest.raises(StorageError, match=message.replace("/", "/")):
         resolve_job_output("quickstart", name="main", default_out="quickstart_out", **kw)
+
+
+def test_missing_parents_of_out_are_created(tmp_path, monkeypatch):
+    """``--out emb/query`` where ``emb/`` does not exist: the parents are created (a local path
+    relative to the working directory, and a URI)."""
+    monkeypatch.chdir(tmp_path)
+    o = resolve_job_output("backfill", out="emb/query", storage=None, name="x", default_out="y")
+    assert o.local == o.destination == str(tmp_path / "emb" / "query")
+    assert os.path.isdir(o.local) and os.listdir(o.local) == ["job.json"]
+    monkeypatch.setenv("RAYCOMPAT_STAGING", str(tmp_path / "staging"))
+    uri = f"file://{tmp_path}/bucket/a/b/report"
+    o = resolve_job_output("backfill", out=uri, storage=None, name="x", default_out="y")
+    assert o.destination == uri and (tmp_path / "bucket" / "a" / "b").is_dir()
+    with open(o.path("curves.json"), "w") as fh:
+        fh.write("{}")
+    o.publish()
+    assert (tmp_path / "bucket" / "a" / "b" / "report" / "curves.json").read_text() == "{}"
+
+
+def test_out_under_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "x" / "out"
+    with pytest.raises(StorageError, match=f"^--out {out}: cannot create it: "):
+        resolve_job_output("quickstart", out=str(out), storage=None, name="m", default_out="q")
 
 
 @pytest.mark.parametrize("job", ["quickstart.py", "reproduce.py"])

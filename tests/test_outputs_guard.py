@@ -137,7 +137,8 @@ def resolve(out, config, overwrite=False):
 def test_report_folder_identical_config_resumes(tmp_path):
     out = tmp_path / "report"
     first = resolve(out, {"epochs": 2, "address": "auto"})
-    assert json.loads((out / STAMP).read_text()) == {"job": "quickstart", "config": {"epochs": 2}}
+    stamp = {"job": "quickstart", "config": {"epochs": 2}, "out": str(out)}
+    assert json.loads((out / STAMP).read_text()) == stamp
     (out / "report.md").write_text("# report\n")
     # the address only says where the job runs: the same results
     again = resolve(out, {"epochs": 2, "address": None})
@@ -242,6 +243,57 @@ def test_cleanup_if_empty(tmp_path):
     o = resolve(tmp_path / "b", {})
     (tmp_path / "b" / "report.md").write_text("x")
     assert not o.cleanup_if_empty() and os.path.isdir(o.local)
+
+
+def simulate_in(folder, monkeypatch, capsys, *flags) -> tuple[int, str]:
+    """simulate-backfill (in memory, no Ray) run from working directory ``folder`` with the
+    same small settings; returns ``(exit status, stderr)``."""
+    from raycompat.backfill.job import main
+
+    monkeypatch.chdir(folder)
+    capsys.readouterr()
+    small = ["--policies", "random", "--modes", "compatible", "--grid-step", "50", "--k", "5"]
+    code = main([*flags, *small, "--engine", "memory", "--no-plots", "--quiet"])
+    return code, capsys.readouterr().err
+
+
+def test_same_relative_flags_from_another_folder_are_refused(tmp_path, monkeypatch, capsys):
+    """Two folders with their own emb.parquet and the same relative flags naming one report
+    folder (``--out ../results``): the second run's inputs are other files, so it is refused
+    and the first run's curves.json is kept."""
+    from test_backfill_job import write_parquet
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    write_parquet(first / "emb.parquet", n_gallery=60)
+    write_parquet(second / "emb.parquet", n_gallery=40, seed=1)
+    flags = ["--embeddings", "emb.parquet", "--out", "../results"]
+    assert simulate_in(first, monkeypatch, capsys, *flags)[0] == 0
+    curves = tmp_path / "results" / "curves.json"
+    assert json.loads(curves.read_text())["n_items"] == 60
+    code, err = simulate_in(second, monkeypatch, capsys, *flags)
+    assert code == 2, err
+    assert err == (
+        f"error: {tmp_path / 'results'} holds a backfill report made with other options "
+        f"(embeddings {first / 'emb.parquet'} vs {second / 'emb.parquet'}): "
+        "pass --overwrite to write into it anyway, or another --out\n"
+    )
+    assert json.loads(curves.read_text())["n_items"] == 60
+
+
+def test_identical_run_with_absolute_paths_resumes(tmp_path, monkeypatch, capsys):
+    """The run given absolute paths instead of relative ones is the same run: accepted."""
+    from test_backfill_job import write_parquet
+
+    write_parquet(tmp_path / "emb.parquet")
+    relative = ["--embeddings", "emb.parquet", "--out", "out"]
+    assert simulate_in(tmp_path, monkeypatch, capsys, *relative)[0] == 0
+    absolute = ["--embeddings", str(tmp_path / "emb.parquet"), "--out", str(tmp_path / "out")]
+    code, err = simulate_in(tmp_path / "out", monkeypatch, capsys, *absolute)
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "curves.json").read_text())["n_items"] == 60
+    stamp = json.loads((tmp_path / "out" / STAMP).read_text())
+    assert stamp["config"]["embeddings"] == str(tmp_path / "emb.parquet")
 
 
 def test_quickstart_refuses_a_foreign_folder_before_starting_ray(tmp_path):

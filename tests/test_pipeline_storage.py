@@ -29,7 +29,7 @@ from raycompat.pipeline import (
     make_random_bundles,
 )
 from raycompat.pipeline.job import main
-from raycompat.pipeline.location import OutputDir, resolve_output
+from raycompat.pipeline.location import open_output, resolve_output
 from raycompat.pipeline.writer import META_KEY, ShardStore, output_schema, shard_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,6 +99,16 @@ def test_output_location_rules(tmp_path, monkeypatch):
     assert not [p for p in os.listdir(tmp_path / "elsewhere" / "g3")]  # the write probe is gone
 
 
+def test_missing_parents_of_out_are_created(tmp_path, monkeypatch):
+    """The README's ``embed-gallery ... --out emb/query`` where ``emb/`` does not exist."""
+    monkeypatch.chdir(tmp_path)
+    out = resolve_output(out="emb/query")
+    assert out.uri == str(tmp_path / "emb" / "query") and os.listdir(out.uri) == []
+    deep = resolve_output(out=f"file://{tmp_path}/bucket/a/b/g")
+    assert deep.uri == f"file://{tmp_path}/bucket/a/b/g"
+    assert (tmp_path / "bucket" / "a" / "b" / "g").is_dir()
+
+
 def test_unwritable_storage_is_reported_at_start(tmp_path):
     """The real script: exit status 2, one line naming the location, no traceback, and nothing
     started (no models made, no Ray)."""
@@ -140,9 +150,8 @@ def test_unwritable_storage_is_reported_at_start(tmp_path):
             "--storage nosuchscheme://bucket/x: not a location pyarrow can open",
         ),
         (
-            ["--out", "/nonexistent-raycompat/a/b"],
-            "--out /nonexistent-raycompat/a/b: the parent folder "
-            "/nonexistent-raycompat/a does not exist",
+            ["--out", "/proc/raycompat-gallery/a/b"],
+            "--out /proc/raycompat-gallery/a/b is not writable",
         ),
         (
             ["--storage", "/proc/raycompat-gallery", "--out", "{tmp}/g"],
@@ -200,10 +209,10 @@ def test_shard_store_writes_objects_directly_and_rewrites_truncated_ones(tmp_pat
     final objects; a torn write has no readable footer and the next run rewrites it."""
     (tmp_path / "bucket").mkdir()
     fs = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())
-    from raycompat.storage import Storage
+    from raycompat.storage import Location
 
-    out = OutputDir.open(Storage(uri="mock://bucket/g", root="g", filesystem=fs, local=False))
-    assert not out.local
+    out = open_output(Location(uri="mock://bucket/g", root="g", filesystem=fs, local=False))
+    assert not out.on_disk
     schema = output_schema({"old": 3})
     store = ShardStore(out, schema)
 

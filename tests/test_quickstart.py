@@ -77,8 +77,18 @@ def test_report_files_and_schema(quickstart_report):
         ("independent", "independent", "old"),
     }
     for entry in on_disk["evaluations"]:
-        assert set(entry) == {"model", "query", "gallery", "metric", "value", "low", "high"}
+        assert set(entry) == {
+            "model",
+            "query",
+            "gallery",
+            "metric",
+            "value",
+            "low",
+            "high",
+            "dropped",
+        }
         assert 0.0 <= entry["low"] <= entry["value"] <= entry["high"] <= 1.0
+        assert entry["dropped"] == 0  # every resample of a mean over queries is defined
     assert {e["metric"] for e in on_disk["evaluations"]} >= {"mAP@100", "mAP", "top1"}
     assert set(on_disk["compatibility"]) == {"bct", "independent"}
     markdown = (out / "report.md").read_text()
@@ -157,6 +167,18 @@ def test_hot_refresh_curves_in_report(quickstart_report):
             }
             assert ends[0.0] == pytest.approx(static[(model, model, "old", metric)], abs=1e-6)
             assert ends[1.0] == pytest.approx(static[(model, model, model, metric)], abs=1e-6)
+    # one report, one ranking: old->old in the retrieval table is old->old in the hot refresh
+    # (the cold curve, before its switch at t=1)
+    for metric in ("mAP@100", "mAP", "top1"):
+        cold = [
+            r["value"]
+            for r in curves
+            if (r["model"], r["policy"], r["mode"], r["metric"])
+            == ("bct", "random", "cold", metric)
+            and r["fraction"] < 1.0
+        ]
+        oo = static[("old", "old", "old", metric)]
+        assert cold and all(v == pytest.approx(oo, rel=1e-12, abs=1e-15) for v in cold), metric
     cold_nfr = [
         r["value"]
         for r in curves

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
-from raycompat.storage import StorageError, local_copy, open_storage
+from raycompat.config import ConfigError
+from raycompat.storage import StorageError, local_copy, open_storage, resolve_location
 
 
 def test_local_and_uri_locations(tmp_path):
@@ -49,6 +51,81 @@ def test_storage_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(StorageError, match="not a folder|not writable"):
         open_storage(str(tmp_path / "f"))
+
+
+def test_one_form_of_a_place(tmp_path, monkeypatch):
+    """A relative path, a ``~`` path and a file:// URI resolve to one form each; joins, parents
+    and the read / write helpers work alike on every filesystem."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    rel = resolve_location("emb/query")
+    assert rel.uri == rel.root == str(tmp_path / "emb" / "query") and rel.local and rel.on_disk
+    assert resolve_location("~/runs").uri == str(tmp_path / "home" / "runs")
+    uri = resolve_location(f"file://{tmp_path}/b/../bucket/")
+    assert (uri.uri, uri.root) == (f"file://{tmp_path}/bucket", str(tmp_path / "bucket"))
+    assert not uri.local and uri.on_disk
+    assert uri.child("g", "x").uri == f"file://{tmp_path}/bucket/g/x"
+    assert uri.child("g").parent().uri == uri.uri and rel.parent().uri == str(tmp_path / "emb")
+    for place in (rel, uri):
+        assert place.kind() == "missing" and place.listdir() == []
+        place.make_dirs()
+        place.write_bytes("a.json", b'{"k": 1}')
+        assert place.listdir() == ["a.json"] and place.is_file("a.json")
+        assert place.read_json("a.json") == {"k": 1} and place.read_json("none.json") is None
+        place.remove("a.json")
+        assert place.kind() == "folder" and place.listdir() == []
+
+
+def test_one_storage_error_for_jobs_and_the_live_index(capsys):
+    """The live index's StorageError is this one; a job stops on it with one line, exit 2."""
+    from raycompat.console import job_main
+    from raycompat.serving import durability
+
+    assert durability.StorageError is StorageError and issubclass(StorageError, ConfigError)
+
+    @job_main
+    def job() -> int:
+        raise durability.storage_error(OSError(28, "No space left on device"), "/s/upserts.log")
+
+    assert job() == 2
+    assert capsys.readouterr().err == "error: no space left on device at /s/upserts.log\n"
+
+
+def test_state_directory_is_a_local_folder(tmp_path, monkeypatch):
+    from raycompat.serving.durability import state_directory
+
+    monkeypatch.chdir(tmp_path)
+    assert state_directory("state") == str(tmp_path / "state")
+    assert state_directory(f"file://{tmp_path}/s/") == str(tmp_path / "s")
+    with pytest.raises(StorageError, match="^state_dir mock:///s: the live index's state must"):
+        state_directory("mock:///s")
+
+
+def test_a_full_disk_is_the_shards_storage_answer(tiny_fs):
+    """A shard's upsert on a full disk answers ``storage: True`` (the router's 503), not a
+    bad-request error, although a StorageError is a ConfigError (a ValueError)."""
+    from types import SimpleNamespace
+
+    from raycompat.index.search import l2_normalize
+    from raycompat.serving.shard import ShardServer
+    from raycompat.serving.state import ShardState
+
+    fs = tiny_fs(256 << 10)
+    rng = np.random.default_rng(0)
+    dims = {"old": 8, "adapted": 12, "new": 12}
+    state = ShardState(os.path.join(fs, "s"), dims, fsync=True, snapshot_every=10**9)
+    state.load_initial("old", np.arange(10), l2_normalize(rng.standard_normal((10, 8))))
+    state.snapshot()
+    tiny_fs.fill(fs)
+    server = SimpleNamespace(state=state, shard=3)
+    vecs = l2_normalize(rng.standard_normal((10, 12))).tolist()
+    answer = ShardServer.upsert(server, list(range(10)), "new", vecs)
+    assert answer["storage"] is True, answer
+    assert answer["error"].startswith("shard 3: no space left on device at " + fs)
+    assert ShardServer.upsert(server, [0], "newest", vecs[:1]) == {
+        "error": "unknown representation 'newest'; allowed: old, adapted, new"
+    }
+    state.close()
 
 
 def test_training_writes_to_a_uri_storage(ray_cluster, tmp_path):

@@ -149,3 +149,70 @@ def test_train_job_reports_config_error_without_traceback():
         timeout=120,
     ).stdout
     assert "bct:" in help_text and "variant='sys'" in help_text and "independent:" in help_text
+
+
+TINY_JOB = [
+    "--backbone", "test_resnet", "--embed-dim", "16", "--epochs", "1", "--batch-size", "32",
+    "--train-classes", "12", "--images-per-class", "8", "--eval-classes", "4",
+    "--gallery-per-class", "2", "--distractor-classes", "2", "--distractors-per-class", "1",
+]  # fmt: skip
+
+
+def _default_name(module, base, *flags):
+    opts = module.parse_train_options(module.build_parser(), [*TINY_JOB, *flags], base)
+    scenario = module.load_scenario(opts)
+    if module.__name__.endswith("old_job"):
+        return module.old_config(opts, scenario).run_name
+    return module.train_config(
+        opts, scenario, method=opts.method, split=opts.split, run_name=opts.run_name
+    ).run_name
+
+
+def test_default_run_name_is_a_hash_of_the_configuration(tmp_path):
+    """train and train-old name a run by a hash of what decides the model: the same options
+    give the same name (a re-run resumes), a changed option another, where and how it runs
+    (storage, restarts, CPUs) none; --run-name still wins."""
+    from raycompat.train import job, old_job
+
+    storage = ["--storage", str(tmp_path / "runs")]
+    first = _default_name(old_job, old_job.OLD_DEFAULTS, *storage)
+    assert first.startswith("old-") and len(first) == len("old-") + 10
+    assert _default_name(old_job, old_job.OLD_DEFAULTS, *storage) == first
+    assert _default_name(old_job, old_job.OLD_DEFAULTS, *storage, "--lr", "0.05") != first
+    assert _default_name(old_job, old_job.OLD_DEFAULTS, *storage, "--data-seed", "1") != first
+    elsewhere = ["--storage", str(tmp_path / "other"), "--max-failures", "0"]
+    assert _default_name(old_job, old_job.OLD_DEFAULTS, *elsewhere, "--cpus-per-worker", "2") == (
+        first
+    )
+    assert _default_name(old_job, old_job.OLD_DEFAULTS, "--run-name", "mine") == "mine"
+    independent = ["--method", "independent", *storage]
+    new = _default_name(job, job.TRAIN_DEFAULTS, *independent)
+    assert new.startswith("independent-") and new == _default_name(
+        job, job.TRAIN_DEFAULTS, *independent
+    )
+    assert new != _default_name(job, job.TRAIN_DEFAULTS, *independent, "--split", "old_train")
+
+
+def test_rerun_of_an_identical_configuration_resumes(ray_cluster, capsys, tmp_path):
+    """train-old twice with the same options: one run folder, and the second run trains no
+    epoch again (its checkpoints are the first run's, untouched) and exports the same model."""
+    import json
+
+    from raycompat.train import old_job
+
+    storage, out = tmp_path / "runs", tmp_path / "models" / "old"
+    argv = [*TINY_JOB, "--storage", str(storage), "--out", str(out)]
+    assert old_job.main(argv) == 0
+    runs = [p.name for p in storage.iterdir() if p.is_dir() and p.name.startswith("old-")]
+    assert len(runs) == 1, runs
+    checkpoints = {p: p.stat().st_mtime_ns for p in (storage / runs[0]).rglob("history.json")}
+    snapshot = json.loads((storage / runs[0] / "checkpoint_manager_snapshot.json").read_text())
+    assert checkpoints and snapshot  # Ray Train registered the epoch's checkpoint
+    first = (out / "manifest.json").read_text()
+    assert old_job.main(argv) == 0
+    capsys.readouterr()
+    again = [p.name for p in storage.iterdir() if p.is_dir() and p.name.startswith("old-")]
+    assert again == runs  # the same name: the run resumed, no second run
+    now = {p: p.stat().st_mtime_ns for p in (storage / runs[0]).rglob("history.json")}
+    assert now == checkpoints  # no epoch trained again
+    assert (out / "manifest.json").read_text() == first

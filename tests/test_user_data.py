@@ -324,6 +324,28 @@ def test_train_out_onto_another_bundle_is_refused_before_ray(capsys, photos, tmp
     assert "--overwrite" in err and json.loads((bundle / "manifest.json").read_text()) == manifest
 
 
+def test_a_corrupt_training_image_is_one_error_line(capsys, tmp_path):
+    """train-old on a folder with one corrupt image in a training class: one ``error:`` line
+    naming the file, exit 2, no traceback, and nothing started (no run folder)."""
+    photos = write_folder(tmp_path / "photos", range(CLASSES), 6)
+    scenario = scenario_file(capsys, photos, tmp_path / "scenario.json")
+    items = json.load(open(scenario))["splits"]["old_train"]["items"]
+    bad = os.path.join(photos, items[len(items) // 2])
+    with open(bad, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n this is not a picture")
+    runs, out = tmp_path / "runs", tmp_path / "models" / "old"
+    code, _, err = run_job(
+        capsys, "raycompat.train.old_job", "--scenario", scenario, *TRAIN_FLAGS,
+        "--storage", str(runs), "--out", str(out),
+    )  # fmt: skip
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad}: cannot decode the image"), err
+    assert "training split 'old_train'" in lines[0]
+    assert not runs.exists() and not out.exists()
+
+
 def test_class_names_that_cannot_be_matched_are_refused(tmp_path):
     """Shards that store class names only in part, an empty name, or a label with two names
     in one file: each refused, naming the file and the classes."""

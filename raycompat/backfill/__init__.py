@@ -11,8 +11,13 @@ Modules (one concept each):
   (compatible, adapted, rank_merge, ...)
 * :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU),
   exact top-k
-* :mod:`~raycompat.backfill.engine`    -- exact curves from one scoring pass per side, in blocks
-  that add up
+* the exact-ranks engine, one scoring pass per side in blocks that add up, one module per step:
+  :mod:`~raycompat.backfill.score_sides` (score sides), :mod:`~raycompat.backfill.rank_metrics`
+  (positive pairs, metrics from ranks), :mod:`~raycompat.backfill.thresholds` (the positives'
+  thresholds), :mod:`~raycompat.backfill.rank_plan` (``plan_ranks``),
+  :mod:`~raycompat.backfill.side_pass` and :mod:`~raycompat.backfill.block_pass` (the block
+  pass), :mod:`~raycompat.backfill.counting` (counts to ranks),
+  :mod:`~raycompat.backfill.assembly` (blocks added up; ``compute_ranks``)
 * :mod:`~raycompat.backfill.dataset`   -- :class:`ParquetGallery`: a parquet dataset streamed
   by row group
 * :mod:`~raycompat.backfill.distributed` -- :func:`simulate_backfill_dataset`: the engine as Ray

@@ -1,13 +1,13 @@
 """The backfill simulator on Ray: the engine's block pass as tasks over parquet row groups.
 
-The same engine as the in-memory simulator (:mod:`raycompat.backfill.engine`), run another way
+The same engine as the in-memory simulator (:mod:`raycompat.backfill.assembly` and the modules it assembles), run another way
 (docs/architecture.md, "Distributed backfill simulation"):
 
 1. the driver opens the dataset (:class:`~raycompat.backfill.dataset.ParquetGallery`): row
    groups, labels, ids and queries, from the metadata and the key columns;
 2. tasks read the rows of the positive pairs (and the ``learned`` policy's sample), so the
-   driver can plan the pass (:func:`raycompat.backfill.engine.plan_ranks` with
-   :class:`~raycompat.backfill.engine.SideSummary`), with nothing gallery-sized but one number
+   driver can plan the pass (:func:`raycompat.backfill.rank_plan.plan_ranks` with
+   :class:`~raycompat.backfill.score_sides.SideSummary`), with nothing gallery-sized but one number
    per item;
 3. policies that need embeddings score every row group in tasks
    (:meth:`raycompat.backfill.policies.Policy.block_scorer`); the global order sorts those
@@ -15,8 +15,8 @@ The same engine as the in-memory simulator (:mod:`raycompat.backfill.engine`), r
    sort above ``sort_above`` items -- so it does not depend on the blocks or the workers;
 4. one task per row group reads its rows, builds the score sides with the in-memory code
    (:class:`~raycompat.backfill.modes.SideBuilder`) and runs
-   :func:`~raycompat.backfill.engine.block_pass_rows`; the driver adds the histograms as they
-   arrive (:class:`~raycompat.backfill.engine.CountsSum`) and turns them into ranks and metrics
+   :func:`~raycompat.backfill.block_pass.block_pass_rows`; the driver adds the histograms as they
+   arrive (:class:`~raycompat.backfill.assembly.CountsSum`) and turns them into ranks and metrics
    with the simulator's code.
 
 A row group is counted once: results are keyed by row group, and a task whose worker dies is
@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from raycompat.backfill.dataset import ParquetGallery, RowGroup
-from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
+from raycompat.backfill.dataset import ParquetGallery
+from raycompat.backfill.embeddings_parquet import BackfillInputError, RowGroup
+from raycompat.backfill.gallery import GalleryEmbeddings
 from raycompat.console import format_eta
 
 __all__ = ["DistributedOptions", "DatasetRun", "simulate_backfill_dataset", "TASK_BLOCK_BYTES"]
@@ -128,8 +129,8 @@ def _policy_task(ctx: _Context, group: RowGroup, scorer):
 def _norm_task(ctx: _Context, group: RowGroup, sides: list[str], rank_merge_distance: str):
     """An upper bound of the gallery row norms of each side (for sides that are not
     normalised)."""
-    from raycompat.backfill.engine import _max_row_norm
     from raycompat.backfill.modes import SideBuilder
+    from raycompat.backfill.score_sides import max_row_norm as _max_row_norm
 
     t0 = time.perf_counter()
     builder = SideBuilder(ctx.block(group))
@@ -139,8 +140,8 @@ def _norm_task(ctx: _Context, group: RowGroup, sides: list[str], rank_merge_dist
 
 def _pass_task(ctx: _Context, group: RowGroup, plan, seg_rows: np.ndarray):
     """The engine's block pass over one row group (on CUDA when the task has a GPU)."""
+    from raycompat.backfill.block_pass import block_pass_rows
     from raycompat.backfill.blocks import release_memory
-    from raycompat.backfill.engine import block_pass_rows
     from raycompat.backfill.modes import SideBuilder
 
     t0 = time.perf_counter()
@@ -350,10 +351,7 @@ def simulate_backfill_dataset(
     """:func:`raycompat.backfill.simulate_backfill` on a streamed parquet dataset, on Ray: the
     same curves, value for value (arguments as there; ``modules``: the new bundle's psi / rho
     / psi_rev modules, applied to each block; ``block_bytes``: the engine's score blocks)."""
-    import ray
-
     from raycompat.backfill import simulator as sim
-    from raycompat.backfill.engine import plan_ranks
     from raycompat.backfill.modes import SideBuilder
     from raycompat.backfill.policies import PolicyInputs
 
@@ -362,20 +360,8 @@ def simulate_backfill_dataset(
     run = DatasetRun(dataset, options or DistributedOptions(), say)
     mods = _Modules(dict(modules)) if modules else None
     columns = dataset.vector_columns + dataset.uncertainty_columns
-    light = dataset.without_items()
-    ctx = _Context(light, dataset.query_arrays(), columns, mods)
-    ctx_ref = ray.put(ctx)
-
-    # the positives (and the queries' rho / psi_rev): what the plan needs of the gallery
-    pairs_items = _positive_items(dataset)
-    say(f"reading the {pairs_items.size:,} gallery items that are positives of a query")
-    small = _gather(run, ctx, ctx_ref, pairs_items, "positives")
-    ctx.queries = {
-        n: getattr(small, n)
-        for n in ("query_old", "query_new", "query_rho", "query_rev")
-        if getattr(small, n) is not None
-    }
-    ctx_ref = ray.put(ctx)
+    ctx = _Context(dataset.without_items(), dataset.query_arrays(), columns, mods)
+    pairs_items, small, ctx_ref = _read_positives(run, ctx)
     builder = SideBuilder(small)
     inputs = PolicyInputs(
         n_items=dataset.n_items,
@@ -394,17 +380,7 @@ def simulate_backfill_dataset(
     want_oo = reference_correct is None and small.query_old is not None
     curves, static = sim._curve_specs(plan, orders, dataset.n_items, want_oo)
     summaries = _summaries(run, ctx_ref, curves, builder, pairs_items, rank_merge_distance)
-    rplan = plan_ranks(
-        summaries,
-        curves,
-        dataset.query_labels,
-        dataset.gallery_labels,
-        device="cpu",
-        block_bytes=block_bytes,
-        debug=debug,
-        workers=1,
-    )
-    res = _rank_blocks(run, ctx_ref, rplan, say)
+    res = _ranks(run, ctx_ref, summaries, curves, block_bytes, debug)
     stats = {"policy_seconds": policy_seconds, "distributed": _run_stats(run), "t_start": t_all}
     ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders)
     result = ranked.result(dataset.n_queries, reference_correct, references, cost, stats)
@@ -414,9 +390,44 @@ def simulate_backfill_dataset(
     return result
 
 
+def _read_positives(run: DatasetRun, ctx: _Context):
+    """``(items, rows, context ref)``: the sorted gallery indices of the positives of the
+    queries, their rows with the queries (the modules add the queries' rho / psi_rev): what
+    the plan needs of the gallery; the context the tasks share then carries those queries."""
+    import ray
+
+    items = _positive_items(run.dataset)
+    run.say(f"reading the {items.size:,} gallery items that are positives of a query")
+    small = _gather(run, ctx, ray.put(ctx), items, "positives")
+    ctx.queries = {
+        n: getattr(small, n)
+        for n in ("query_old", "query_new", "query_rho", "query_rev")
+        if getattr(small, n) is not None
+    }
+    return items, small, ray.put(ctx)
+
+
+def _ranks(run: DatasetRun, ctx_ref, summaries, curves, block_bytes: int, debug: bool):
+    """The ranks of every curve: planned on the driver, counted by the block tasks."""
+    from raycompat.backfill.rank_plan import plan_ranks
+
+    ds = run.dataset
+    rplan = plan_ranks(
+        summaries,
+        curves,
+        ds.query_labels,
+        ds.gallery_labels,
+        device="cpu",
+        block_bytes=block_bytes,
+        debug=debug,
+        workers=1,
+    )
+    return _rank_blocks(run, ctx_ref, rplan, run.say)
+
+
 def _positive_items(dataset: ParquetGallery) -> np.ndarray:
     """The sorted gallery indices of every item that is a positive of some query."""
-    from raycompat.backfill.engine import positive_pairs
+    from raycompat.backfill.rank_metrics import positive_pairs
 
     _, pi, _ = positive_pairs(dataset.query_labels, dataset.gallery_labels)
     items = np.unique(pi)
@@ -458,7 +469,8 @@ def _dataset_orders(run, ctx, ctx_ref, plan, inputs, items: np.ndarray, say):
 def _summaries(run, ctx_ref, curves, builder, items: np.ndarray, distance: str):
     """Per pass side: its queries, the positive pairs' rows and a bound of its gallery norms
     (1 + a rounding margin for normalised sides; a pass over the gallery for the others)."""
-    from raycompat.backfill.engine import SideSummary, positive_pairs
+    from raycompat.backfill.rank_metrics import positive_pairs
+    from raycompat.backfill.score_sides import SideSummary
 
     small = builder.data
     _, rows, _ = positive_pairs(small.query_labels, small.gallery_labels)
@@ -485,7 +497,7 @@ def _rank_blocks(run: DatasetRun, ctx_ref, plan, say):
     """Every row group's block pass, added up as the tasks finish; then the ranks."""
     import ray
 
-    from raycompat.backfill.engine import CountsSum
+    from raycompat.backfill.assembly import CountsSum
 
     ds = run.dataset
     light = plan.for_blocks("cpu", workers=1)

@@ -1,35 +1,37 @@
 """Embeddings the simulator runs on: in memory (:class:`GalleryEmbeddings`) or from parquet.
 
-Parquet schema (one row per image; docs/architecture.md, "Formats"):
+:func:`load_parquet` reads the embeddings parquet schema (docs/architecture.md, "Formats":
+"Embeddings parquet") with the one reader of that schema,
+:class:`~raycompat.backfill.embeddings_parquet.EmbeddingsParquet`, collected into memory: the
+same checks, and the same messages, as the Ray engine's streamed
+:class:`~raycompat.backfill.dataset.ParquetGallery` and the live index's gallery.
 
-==========  ===============================  ==============================================
-column      type                             meaning
-==========  ===============================  ==============================================
-item_id     int64                            unique id of the image
-label       any (int or string)              class; a query's positives share its label
-split       string                           ``query`` (a query) or ``gallery`` /
-                                             ``distractor`` (a gallery item)
-old         fixed_size_list<float32>[D_old]  phi_o(x), the old model's embedding
-new         fixed_size_list<float32>[D_new]  phi_n(x), the new model's embedding
-adapted     fixed_size_list<float32>[D_new]  optional: psi(phi_o(x)) (DMU forward adaptation)
-==========  ===============================  ==============================================
-
-Plain ``list<float>`` columns with one length per column, and float16/float64
-values, are accepted too.  The path may be a file or a folder of parquet files.
-
-Every problem with the input raises :class:`BackfillInputError` with a
-one-line message naming it: a missing column, a dimension mismatch, an empty
-gallery, NaN/inf embeddings (with the offending item ids), duplicate ids,
-unknown split values.
+Every problem with the input raises :class:`BackfillInputError` with a one-line message
+naming it: a missing column, a dimension mismatch, an empty gallery, NaN/inf embeddings (with
+the offending item ids), duplicate ids, unknown split values.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from raycompat.backfill.embeddings_parquet import (
+    GALLERY,
+    QUERY,
+    SPLITS,
+    UNCERTAINTY_PREFIX,
+    VECTOR_COLUMNS,
+    BackfillInputError,
+    EmbeddingsParquet,
+    Rows,
+    duplicate_ids,
+    duplicate_ids_error,
+    nonfinite_error,
+    nonfinite_rows,
+)
 
 __all__ = [
     "BackfillInputError",
@@ -38,20 +40,6 @@ __all__ = [
     "SPLITS",
     "VECTOR_COLUMNS",
 ]
-
-SPLITS = {"query": "query", "gallery": "gallery", "distractor": "gallery", "distractors": "gallery"}
-REQUIRED_COLUMNS = ("item_id", "label", "split", "old", "new")
-VECTOR_COLUMNS = ("old", "new", "adapted")
-
-
-class BackfillInputError(ValueError):
-    """Bad input to the backfill simulator; the message names the problem in one line."""
-
-
-def _ids_preview(ids: np.ndarray, n: int = 5) -> str:
-    ids = np.asarray(ids)
-    shown = ", ".join(str(x) for x in ids[:n].tolist())
-    return f"[{shown}{', ...' if ids.size > n else ''}]"
 
 
 @dataclass
@@ -223,17 +211,14 @@ class GalleryEmbeddings:
             a = getattr(self, name)
             if a is None:
                 continue
-            bad = _nonfinite_rows(a)
+            bad = nonfinite_rows(a)
             if bad.any():
-                ids = (self.gallery_ids if name.startswith("gallery") else self.query_ids)[bad]
-                raise BackfillInputError(
-                    f"NaN or inf embeddings in {name} for {int(bad.sum())} item(s), "
-                    f"item ids {_ids_preview(ids)}"
-                )
+                ids = self.gallery_ids if name.startswith("gallery") else self.query_ids
+                raise nonfinite_error(name, ids, bad)
         for what, ids in (("gallery", self.gallery_ids), ("query", self.query_ids)):
-            u, c = np.unique(ids, return_counts=True)
-            if (c > 1).any():
-                raise BackfillInputError(f"duplicate {what} item ids {_ids_preview(u[c > 1])}")
+            dups = duplicate_ids(ids)
+            if dups.size:
+                raise duplicate_ids_error(what, dups)
 
     def require(self, names: Sequence[str], why: str) -> None:
         """Raise naming the first missing array among ``names`` (``why``: who needs it)."""
@@ -246,244 +231,51 @@ class GalleryEmbeddings:
         return replace(self, **arrays)
 
 
-def _nonfinite_rows(a: np.ndarray, chunk: int = 1 << 15) -> np.ndarray:
-    bad = np.zeros(a.shape[0], dtype=bool)
-    if np.isfinite(a.sum(dtype=np.float64)):  # cannot overflow: finite iff every value is
-        return bad
-    for s in range(0, a.shape[0], chunk):
-        bad[s : s + chunk] = ~np.isfinite(a[s : s + chunk]).all(axis=1)
-    return bad
-
-
 # ----------------------------------------------------------------------------- parquet
-def _vector_column(table, name: str, ids: np.ndarray) -> np.ndarray:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    col = table.column(name)
-    if col.null_count:
-        mask = pc.is_null(col).to_numpy(zero_copy_only=False)
-        raise BackfillInputError(f"column {name!r} is null for item ids {_ids_preview(ids[mask])}")
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    t = arr.type
-    if pa.types.is_fixed_size_list(t):
-        dim = t.list_size
-        values = arr.flatten()
-    elif pa.types.is_list(t) or pa.types.is_large_list(t):
-        lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
-        if lengths.size and (lengths != lengths[0]).any():
-            bad = np.flatnonzero(lengths != lengths[0])
-            raise BackfillInputError(
-                f"dimension mismatch in column {name!r}: rows have lengths "
-                f"{sorted(set(lengths.tolist()))[:5]}, "
-                f"e.g. item ids {_ids_preview(ids[bad])}"
-            )
-        dim = int(lengths[0]) if lengths.size else 0
-        values = arr.flatten()
-    else:
-        raise BackfillInputError(
-            f"column {name!r} must be fixed_size_list<float32> (an embedding), got {t}"
-        )
-    if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
-        raise BackfillInputError(f"column {name!r} must hold floats, got {values.type}")
-    out = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-    if len(arr) and dim == 0:
-        raise BackfillInputError(f"column {name!r} has dimension 0")
-    return out.reshape(len(arr), dim)
-
-
-def _parquet_files(path: str) -> list[str] | None:
-    """The parquet files under a local folder (recursively, sorted; ``_``/``.`` names are
-    metadata), ``[path]`` for a file, ``None`` for a URI (read as one dataset)."""
-    if "://" in str(path):
-        return None
-    if not os.path.exists(path):
-        raise BackfillInputError(f"embeddings not found: {path}")
-    if os.path.isfile(path):
-        return [path]
-    files = sorted(
-        os.path.join(d, f)
-        for d, subdirs, names in os.walk(path)
-        for f in names
-        if f.endswith(".parquet") and not f.startswith(("_", "."))
-        and not any(p.startswith(("_", ".")) for p in os.path.relpath(d, path).split(os.sep)[1:])
-    )  # fmt: skip
-    if not files:
-        raise BackfillInputError(f"no .parquet files under {path}")
-    return files
-
-
-def _read_parts(path: str) -> list[tuple[str, object]]:
-    """``(file, table)`` per parquet file of ``path`` (one part for a URI)."""
-    import pyarrow.parquet as pq
-
-    files = _parquet_files(path)
-    parts = []
-    for f in files if files is not None else [path]:
-        try:
-            parts.append((f, pq.read_table(f)))
-        except Exception as exc:  # pyarrow raises several types for unreadable files
-            raise BackfillInputError(f"cannot read parquet {f}: {exc}".splitlines()[0]) from exc
-    return parts
-
-
-def _check_part_schemas(parts) -> None:
-    """Every file has the same columns and each vector column one dimension: a mismatch names
-    the two files and the column."""
-    import pyarrow as pa
-
-    first_file, first = parts[0]
-    for f, t in parts[1:]:
-        if set(t.column_names) != set(first.column_names):
-            diff = sorted(set(t.column_names) ^ set(first.column_names))
-            raise BackfillInputError(
-                f"shard {f} and shard {first_file} have different columns (differ in {diff})"
-            )
-    for col in VECTOR_COLUMNS:
-        seen: dict[int, str] = {}
-        for f, t in parts:
-            typ = t.schema.field(col).type if col in t.column_names else None
-            if typ is not None and pa.types.is_fixed_size_list(typ):
-                seen.setdefault(typ.list_size, f)
-        if len(seen) > 1:
-            (d1, f1), (d2, f2) = list(seen.items())[:2]
-            raise BackfillInputError(
-                f"dimension mismatch in column {col!r}: {d1} in shard {f1}, {d2} in shard {f2}"
-            )
-
-
-def _labels_by_class_name(parts) -> tuple[np.ndarray | None, str | None]:
-    """Labels matched by the ``class_name`` column (one integer per class name, sorted), or
-    ``(None, None)`` when no file stores class names. Files that store them only in part, or
-    a label with two names in one file, fail naming the file and the classes; label maps that
-    differ between files (queries and gallery embedded from different folders) are fine: the
-    note says so."""
-    named = [f for f, t in parts if "class_name" in t.column_names]
-    if not named:
-        return None, None
-    if len(named) != len(parts):
-        bare = next(f for f, t in parts if "class_name" not in t.column_names)
-        raise BackfillInputError(
-            f"shard {named[0]} stores class names but {bare} does not: their labels cannot be "
-            "matched; embed both with this version"
-        )
-    import pyarrow as pa
-
-    maps = {f: _label_map(f, t) for f, t in parts}
-    names = pa.chunked_array([t.column("class_name").cast(pa.string()) for _, t in parts])
-    encoded = names.combine_chunks().dictionary_encode()
-    dictionary = np.asarray(encoded.dictionary.to_pylist(), dtype=str)
-    rank = np.empty(len(dictionary), np.int64)
-    rank[np.argsort(dictionary, kind="stable")] = np.arange(len(dictionary))
-    codes = rank[encoded.indices.to_numpy(zero_copy_only=False)]  # sorted class-name order
-    return codes, _label_map_note(maps)
-
-
-def _label_map(f: str, table) -> dict:
-    """``{label: class name}`` of one file; an empty name, or a label with two names, fails
-    naming the file and the classes."""
-    import pyarrow.compute as pc
-
-    names = table.column("class_name")
-    if names.null_count or pc.any(pc.equal(names, "")).as_py():
-        raise BackfillInputError(f"column 'class_name' of {f} has empty values")
-    pairs = table.select(["label", "class_name"]).group_by(["label", "class_name"]).aggregate([])
-    local: dict = {}
-    for label, name in zip(
-        pairs.column("label").to_pylist(), pairs.column("class_name").to_pylist(), strict=True
-    ):
-        if local.setdefault(label, name) != name:
-            raise BackfillInputError(
-                f"label {label!r} is both class {local[label]!r} and {name!r} in {f}"
-            )
-    return local
-
-
-def _label_map_note(maps: dict) -> str | None:
-    """A note naming one label whose class differs between files, if any."""
-    merged: dict = {}
-    for f, local in maps.items():
-        for label, name in local.items():
-            other = merged.setdefault(label, (name, f))
-            if other[0] != name:
-                return (
-                    f"label maps differ between files (label {label!r} is {other[0]!r} in "
-                    f"{other[1]} and {name!r} in {f}): queries and gallery matched by class name"
-                )
-    return None
-
-
 def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbeddings:
-    """Read embeddings from a parquet file or a folder of parquet files, subfolders included
-    (schema above). Queries and gallery items are matched by ``class_name`` when the files
-    store it (every file this project writes does), else by ``label``."""
-    import pyarrow as pa
-
-    parts = _read_parts(path)
-    by_name, label_note = _labels_by_class_name(parts)  # first: it names a missing class_name
-    _check_part_schemas(parts)
-    table = pa.concat_tables([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise BackfillInputError(
-            f"missing column(s) {missing} in {path}; found {table.column_names}"
-        )
-    ids = table.column("item_id").to_numpy(zero_copy_only=False)
-    if ids.dtype.kind not in "iu":
-        raise BackfillInputError(
-            f"column 'item_id' must be int64, got {table.schema.field('item_id').type}"
-        )
-    ids = ids.astype(np.int64)
-    split = np.asarray(table.column("split").to_pylist(), dtype=object)
-    unknown = sorted({str(s) for s in split if s not in SPLITS})
-    if unknown:
-        raise BackfillInputError(
-            f"unknown split value(s) {unknown[:5]} in column 'split'; "
-            "allowed: query, gallery, distractor"
-        )
-    kind = np.array([SPLITS[s] for s in split], dtype=object)
-    is_q = kind == "query"
-    is_g = kind == "gallery"
-    if any(table.column(c).null_count for c in ("label", "split", "item_id")):
-        raise BackfillInputError("columns 'item_id', 'label' and 'split' must not have null values")
-    labels = table.column("label").to_numpy(zero_copy_only=False) if by_name is None else by_name
-    vecs = {c: _vector_column(table, c, ids) for c in VECTOR_COLUMNS if c in table.column_names}
-    if "adapted" in vecs and vecs["adapted"].shape[1] != vecs["new"].shape[1]:
-        raise BackfillInputError(
-            f"dimension mismatch: column 'adapted' has dim {vecs['adapted'].shape[1]}, "
-            f"column 'new' has dim {vecs['new'].shape[1]}"
-        )
-    if not is_g.any():
-        raise BackfillInputError(
-            f"empty gallery: no rows with split 'gallery' or 'distractor' in {path}"
-        )
-    if not is_q.any():
-        raise BackfillInputError(f"no queries: no rows with split 'query' in {path}")
-    return GalleryEmbeddings(
-        gallery_labels=labels[is_g],
-        gallery_old=vecs["old"][is_g],
-        gallery_new=vecs["new"][is_g],
-        gallery_adapted=vecs["adapted"][is_g] if "adapted" in vecs else None,
-        query_labels=labels[is_q],
-        query_old=vecs["old"][is_q],
-        query_new=vecs["new"][is_q],
-        gallery_ids=ids[is_g],
-        query_ids=ids[is_q],
-        compatible_dim=compatible_dim,
-        source=path if "://" in str(path) else os.path.abspath(path),
-        extra=_extra(table, is_g, label_note),
-    )
-
-
-def _extra(table, is_g: np.ndarray, label_note: str | None) -> dict:
-    """``label_note``, and the gallery's stored uncertainty columns ``unc_<kind>`` (float64)
-    as ``{"uncertainty": {kind: [N]}}``."""
-    extra: dict[str, object] = {"label_note": label_note} if label_note else {}
+    """Read embeddings from a parquet file, a folder of parquet files (subfolders included)
+    or a URI: the streaming reader, collected.  Queries and gallery items are matched by
+    ``class_name`` when the files store it (every file this project writes does), else by
+    ``label``."""
+    reader = EmbeddingsParquet.open(path)
+    keys = reader.read_keys()
+    keys.require_both_sides(reader.source)
+    sides = _collect_sides(reader, reader.vector_columns + reader.uncertainty_columns)
+    gallery, queries = sides[GALLERY], sides[QUERY]
+    is_g = keys.kind == GALLERY
+    if not (
+        np.array_equal(gallery.ids, keys.ids[is_g]) and np.array_equal(queries.ids, keys.ids[~is_g])
+    ):
+        raise BackfillInputError(f"{reader.source} changed while it was being read")
+    extra: dict[str, object] = {"label_note": keys.label_note} if keys.label_note else {}
     stored = {
-        c[len("unc_") :]: table.column(c).to_numpy(zero_copy_only=False).astype(np.float64)[is_g]
-        for c in table.column_names
-        if c.startswith("unc_")
+        c[len(UNCERTAINTY_PREFIX) :]: v
+        for c, v in gallery.values.items()
+        if c.startswith(UNCERTAINTY_PREFIX)
     }
     if stored:
         extra["uncertainty"] = stored
-    return extra
+    return GalleryEmbeddings(
+        gallery_labels=keys.labels[is_g],
+        gallery_old=gallery.values["old"],
+        gallery_new=gallery.values["new"],
+        gallery_adapted=gallery.values.get("adapted"),
+        query_labels=keys.labels[~is_g],
+        query_old=queries.values["old"],
+        query_new=queries.values["new"],
+        gallery_ids=gallery.ids,
+        query_ids=queries.ids,
+        compatible_dim=compatible_dim,
+        source=reader.source,
+        extra=extra,
+    )
+
+
+def _collect_sides(reader: EmbeddingsParquet, columns: list[str]) -> dict[int, Rows]:
+    """``{GALLERY: rows, QUERY: rows}`` of the whole dataset, read a row group at a time."""
+    parts: dict[int, list[Rows]] = {GALLERY: [], QUERY: []}
+    for rows in reader.iter_rows(columns):
+        for side, kept in parts.items():
+            kept.append(rows.side(side))
+        del rows
+    return {side: Rows.concat(kept) for side, kept in parts.items()}

@@ -166,6 +166,17 @@ def _load_bundle(path: str, what: str):
         ) from exc
 
 
+def _input_location(path: str) -> str:
+    """``--embeddings`` resolved (:class:`raycompat.storage.Location`): an absolute path or
+    a normalised URI; a URI pyarrow cannot open is a ``BackfillInputError``."""
+    from raycompat.storage import StorageError, resolve_location
+
+    try:
+        return resolve_location(path, "--embeddings").uri
+    except StorageError as exc:
+        raise BackfillInputError(str(exc)) from exc
+
+
 def _output(opts: BackfillJobOptions):
     """The checked output location (an unwritable one is reported now, not after the simulation)."""
     from raycompat.outputs import resolve_job_output
@@ -351,6 +362,8 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     Cheap checks (names, parquet schema and values) run before torch is imported,
     so bad input fails fast."""
     say = log or (lambda msg: None)
+    if opts.embeddings:  # one form (absolute path or URI) for the readers and job.json
+        opts = dataclasses.replace(opts, embeddings=_input_location(opts.embeddings))
     output = _output(opts)
     if not opts.embeddings:
         opts = dataclasses.replace(opts, embeddings=_embed_first(opts, output, say))

@@ -12,7 +12,7 @@ mode            old-state item ``g`` scored with     new-state item ``g``       
 ``cold``        old-old until t = 1, then new-new
 =============== ==================================== ========================== ================
 
-Every mode reduces to two *score sides* (:class:`raycompat.backfill.engine.Side`):
+Every mode reduces to two *score sides* (:class:`raycompat.backfill.score_sides.Side`):
 float32 query and gallery arrays whose inner product is the score.  ``s`` is
 the cosine, i.e. the inner product of L2-normalised vectors (normalised after
 cutting to the compatible subspace, as in ``raycompat.evaluation``).
@@ -200,8 +200,8 @@ class SideBuilder:
         return self._norm[attr]
 
     def side(self, name: str):
-        """The named :class:`raycompat.backfill.engine.Side` (built once, then cached)."""
-        from raycompat.backfill.engine import Side
+        """The named :class:`raycompat.backfill.score_sides.Side` (built once, then cached)."""
+        from raycompat.backfill.score_sides import Side
 
         if name in self._cache:
             return self._cache[name]
@@ -242,7 +242,7 @@ class SideBuilder:
     def _rank_merge_side(self, base: str, raw: bool, why: str):
         """``rev-old`` (psi_rev(rho(q)) vs phi_o(g)) or ``rho-rho``; ``raw``: un-normalised
         sq. L2."""
-        from raycompat.backfill.engine import Side
+        from raycompat.backfill.score_sides import Side
 
         d = self.data
         if base == "rev-old":

@@ -9,7 +9,9 @@
   reason in ``auc_gain_note``. With bootstrap intervals (docs/methods.md, "Uncertainty"):
   every curve's ``bands``, every row's ``low``/``high``, every summary's ``auc_interval``,
   ``auc_gain_interval``, ``vs_random`` (the paired AUC difference to ``random`` in the same
-  mode, with its ``verdict``) and ``regression_verdict`` (:func:`curve_intervals`);
+  mode, with its ``verdict``) and ``regression_verdict`` (:func:`curve_intervals`), and
+  ``compatibility``: BCT's criterion ``M(n,o) > M(o,o)`` on mAP@k as the main job gives it,
+  the paired interval of ``M(n,o) - M(o,o)`` and its verdict (:func:`compatibility_verdict`);
 * ``curves.md`` -- the same as tables a person can read, every value as
   ``value [low, high]`` when there are intervals;
 * ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
@@ -31,6 +33,7 @@ from raycompat.report import markdown_table, write_json
 
 __all__ = [
     "auc_difference",
+    "compatibility_verdict",
     "auc_gain_interval",
     "auc_gain_notes",
     "curve_bootstrap",
@@ -53,10 +56,13 @@ def _pct(v) -> float | None:
 
 
 def _pct_iv(value, low=None, high=None) -> str | float | None:
-    """``12.34 [11.02, 13.60]`` in percent, or the plain percentage without an interval."""
+    """``12.34 [11.02, 13.60]`` in percent, the plain percentage without an interval, ``12.34
+    [no interval]`` when the bootstrap refused one (NaN bounds)."""
     v, lo, hi = _pct(value), _pct(low), _pct(high)
-    if v is None or lo is None or hi is None:
+    if v is None or low is None or high is None:
         return v
+    if lo is None or hi is None:
+        return f"{v:.2f} [no interval]"
     return f"{v:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
@@ -184,6 +190,57 @@ def curve_intervals(result, newstar: dict | None = None) -> dict:
                 regression_held=None if reg is None else reg[1],
             )
     return out
+
+
+def compatibility_verdict(result) -> dict | None:
+    """BCT's criterion ``M(n,o) > M(o,o)`` on mAP@k (the static new-old and old-old
+    references), as the main job gives it: ``difference``, the paired interval of ``M(n,o) -
+    M(o,o)`` (same queries, same draws), and its ``verdict`` (held / not held / inconclusive;
+    ``compatible``: held). None without a bootstrap or without both references."""
+    from raycompat.metrics.verdicts import HELD, verdict
+
+    boot = curve_bootstrap(result)
+    metric = result.metric_names[0]
+    no, oo = (result.reference_samples.get(r, {}).get(metric) for r in ("new-old", "old-old"))
+    if boot is None or no is None or oo is None:
+        return None
+    diff = boot.interval(lambda a, b: a - b, a=no, b=oo)
+    held = verdict(diff)
+    return dict(
+        metric=metric,
+        criterion="M(new, old) > M(old, old)",
+        compatible=held == HELD,
+        verdict=held,
+        difference=diff.to_dict(),
+        m_old_old=result.references["old-old"][metric],
+        m_new_old=result.references["new-old"][metric],
+    )
+
+
+def _compatibility_lines(compatibility: dict | None, confidence: float) -> list[str]:
+    """The compatibility verdict as a table (percent; the difference in points)."""
+    if compatibility is None:
+        return []
+    d = compatibility["difference"]
+    dropped = f", {d['dropped']} of {d['resamples']} resamples undefined" if d["dropped"] else ""
+    row = [
+        compatibility["m_old_old"],
+        compatibility["m_new_old"],
+        f"{_pct_iv(d['value'], d['low'], d['high'])}, {d['queries']} queries in "
+        f"{d['classes']} classes{dropped}",
+        compatibility["verdict"],
+    ]
+    headers = ["M(o,o)", "M(n,o)", f"M(n,o) - M(o,o) [{100 * confidence:g} % interval] (paired)"]
+    return [
+        f"## Compatibility (BCT criterion on {compatibility['metric']})",
+        "",
+        "The claim M(n,o) > M(o,o) (new queries against the old gallery beat the old system) is "
+        "held when the paired interval of the difference is above 0, not held when it is at or "
+        "below 0, inconclusive when it contains 0 (or when it has no interval).",
+        "",
+        markdown_table(headers + ["verdict"], [[_pct(row[0]), _pct(row[1]), *row[2:]]], digits=2),
+        "",
+    ]
 
 
 def summary_rows(result, intervals: dict) -> list[dict]:
@@ -400,15 +457,20 @@ def markdown_report(
     title: str = "Backfill simulation",
     plots: list[str] | None = None,
     intervals: dict | None = None,
+    compatibility: dict | None = None,
 ) -> str:
-    """Markdown: setup, references, summary (AUC, AUC gain, regression) and per-metric curve
-    tables; ``intervals``: :func:`curve_intervals` (computed when not given)."""
+    """Markdown: setup, references, the compatibility verdict, summary (AUC, AUC gain,
+    regression) and per-metric curve tables; ``intervals``: :func:`curve_intervals`,
+    ``compatibility``: :func:`compatibility_verdict` (each computed when not given)."""
     intervals = curve_intervals(result) if intervals is None else intervals
+    compatibility = compatibility_verdict(result) if compatibility is None else compatibility
+    confidence = None if result.bootstrap is None else result.bootstrap.confidence
     lines = (
         [f"# {title}", ""]
         + _setup_lines(result)
         + _run_lines(result)
         + _references_lines(result)
+        + _compatibility_lines(compatibility, confidence)
         + _summary_lines(result, intervals)
     )
     for n in result.metric_names:
@@ -440,16 +502,23 @@ def write_reports(
 
         pngs = plot_curves(result, out_dir)
     intervals = curve_intervals(result) if intervals is None else intervals
+    compatibility = compatibility_verdict(result)
     payload = result.to_dict()
     if result.bootstrap is not None:
         payload.update(rows=curve_rows(result), summary=summary_rows(result, intervals))
+    if compatibility is not None:
+        payload["compatibility"] = compatibility
     if extra:
         payload["extra"] = extra
     jpath = write_json(os.path.join(out_dir, "curves.json"), payload)
     mpath = os.path.join(out_dir, "curves.md")
     tmp = mpath + ".tmp"
     with open(tmp, "w") as f:
-        f.write(markdown_report(result, title=title, plots=pngs, intervals=intervals))
+        f.write(
+            markdown_report(
+                result, title=title, plots=pngs, intervals=intervals, compatibility=compatibility
+            )
+        )
     os.replace(tmp, mpath)
     return {"json": jpath, "markdown": mpath, "plots": pngs}
 

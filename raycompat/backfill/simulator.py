@@ -25,7 +25,7 @@ Uncertainty (docs/methods.md, "Uncertainty"): every curve keeps its per-query te
 options every metric gets a band at every grid point and an interval on its AUC, resampling the
 query classes (seeded).
 
-All curves come from one call of :func:`raycompat.backfill.engine.compute_ranks`
+All curves come from one call of :func:`raycompat.backfill.assembly.compute_ranks`
 (one blockwise scoring pass per distinct score side, shared by every policy and
 mode), and equal a brute-force masked exact search at every grid point.
 
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
+from raycompat.backfill.assembly import compute_ranks
 from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
 from raycompat.backfill.cost import CostModel
-from raycompat.backfill.engine import METRIC_NAMES, CurveSpec, compute_ranks, metrics_from_ranks
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
 from raycompat.backfill.grid import backfill_counts, check_grid, cold_counts, default_grid
 from raycompat.backfill.modes import ModeSpec, SideBuilder, mode_spec, parse_modes
@@ -59,6 +59,8 @@ from raycompat.backfill.policies import (
     policy_class,
     policy_order,
 )
+from raycompat.backfill.rank_metrics import METRIC_NAMES, metrics_from_ranks
+from raycompat.backfill.rank_plan import CurveSpec
 from raycompat.metrics import auc, auc_gain, regression_stats
 from raycompat.metrics.bootstrap import Bootstrap, BootstrapOptions, Sample
 from raycompat.metrics.curves import auc_gain_note
@@ -144,6 +146,7 @@ class SimulationResult:
                 c.bands[name] = {
                     "low": [float(x) for x in band["low"]],
                     "high": [float(x) for x in band["high"]],
+                    "dropped": [int(x) for x in band["dropped"]],  # undefined resamples
                 }
                 summary = c.summary.get(name)
                 if summary is not None and summary.get("auc") is not None:
@@ -153,7 +156,7 @@ class SimulationResult:
                         summary["auc_interval"] = None
         for ref, samples in self.reference_samples.items():
             self.reference_intervals[ref] = {
-                name: {"low": iv.low, "high": iv.high}
+                name: {"low": iv.low, "high": iv.high, "dropped": iv.dropped}
                 for name, iv in ((n, boot.interval(m=s)) for n, s in samples.items())
             }
         self.bootstrap = options
@@ -405,7 +408,7 @@ def _references(res, static, k: int, reference_correct, references):
 
 def per_query_samples(per: dict, npos: np.ndarray, k: int, ref_correct) -> dict[str, Sample]:
     """The per-query terms of every curve metric (``[1, Q, J]``) from
-    :func:`~raycompat.backfill.engine.metrics_from_ranks`'s per-query arrays (``[J, Q]``):
+    :func:`~raycompat.backfill.rank_metrics.metrics_from_ranks`'s per-query arrays (``[J, Q]``):
     means over the queries with positives; NFR@1 over the old-old successes."""
     names = METRIC_NAMES(k)
     valid = (npos > 0)[None, :]  # [1, Q] against [J, Q]
@@ -598,7 +601,7 @@ class RankedCurves:
     plan: _Plan
     curves: list
     static: dict
-    ranks: Any  # raycompat.backfill.engine.EngineResult
+    ranks: Any  # raycompat.backfill.assembly.EngineResult
     inputs: PolicyInputs  # n_items, and data whose source and dims the config records
     orders: dict
 

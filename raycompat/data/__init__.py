@@ -1,7 +1,7 @@
-"""Data: the built-in glyph data set, upgrade scenarios, user-data readers and
-PyTorch datasets. The torch-based names (``GlyphDataset``, ``ImageRecordDataset``,
-``collate_skip_none``, ``to_tensor``) are imported lazily, so building catalogs and
-scenarios does not import torch."""
+"""Data: the built-in glyph data set, upgrade scenarios, user-data readers, item sources
+(images by item id: ``item_source``, ``parquet_images``) and PyTorch datasets. The
+torch-based names (``GlyphDataset``, ``ImageRecordDataset``, ``collate_skip_none``,
+``to_tensor``) are imported lazily, so building catalogs and scenarios does not import torch."""
 
 from .glyphs import GlyphCatalog, GlyphRenderer, default_catalog
 from .readers import (

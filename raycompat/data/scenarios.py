@@ -222,6 +222,70 @@ def _split(name: str, classes, instances) -> Split:
     return Split(name, np.repeat(classes, len(instances)), np.tile(instances, len(classes)))
 
 
+def _check_sizes(name: str, sizes: dict, seed) -> None:
+    """``ValueError`` naming the first size (or the seed) :func:`build_scenario` cannot use."""
+    for key, value in sizes.items():
+        minimum = 0 if key in ("num_distractor_classes", "distractors_per_class") else 1
+        if int(value) != value or value < minimum:
+            raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    images_per_class = sizes["images_per_class"]
+    if name in ("extended-data", "open-data") and images_per_class < 2:
+        raise ValueError(f"images_per_class must be >= 2 for {name!r}, got {images_per_class}")
+    if int(seed) != seed or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+
+
+def _catalog_size(catalog) -> tuple[int, str | None]:
+    """``(number of classes, fingerprint)`` of a ``GlyphCatalog`` (default: the default
+    catalog) or of an int number of classes (no fingerprint)."""
+    if catalog is None:
+        from .glyphs import default_catalog
+
+        catalog = default_catalog()
+    if isinstance(catalog, (int, np.integer)):
+        return int(catalog), None
+    return int(catalog.num_classes), getattr(catalog, "fingerprint", None)
+
+
+def _training_splits(
+    name: str, train: np.ndarray, images_per_class: int, old_fraction, sequential_fractions
+) -> tuple[dict[str, Split], dict[str, str]]:
+    """The training splits of scenario ``name`` drawn from the (randomly ordered) ``train``
+    classes, and its split aliases (``old_train`` / ``new_train`` of ``sequential``)."""
+    images = np.arange(images_per_class)
+    splits: dict[str, Split] = {}
+    aliases: dict[str, str] = {}
+    if name in ("extended-data", "open-data"):
+        if not 0.0 < old_fraction < 1.0:
+            raise ValueError(f"old_fraction must be in (0, 1) for {name!r}, got {old_fraction}")
+        k = min(images_per_class - 1, max(1, int(round(old_fraction * images_per_class))))
+        classes = np.sort(train)
+        splits["old_train"] = _split("old_train", classes, images[:k])
+        splits["new_train"] = _split(
+            "new_train", classes, images if name == "extended-data" else images[k:]
+        )
+    elif name in ("open-class", "extended-class"):
+        old = _take(train, old_fraction, "old_fraction")
+        if name == "open-class" and len(old) == len(train):
+            raise ValueError(f"old_fraction={old_fraction} leaves no new classes for 'open-class'")
+        new = train if name == "extended-class" else train[len(old) :]
+        splits["old_train"] = _split("old_train", np.sort(old), images)
+        splits["new_train"] = _split("new_train", np.sort(new), images)
+    else:  # sequential
+        fractions = [float(f) for f in sequential_fractions]
+        if len(fractions) < 2 or any(b < a for a, b in zip(fractions, fractions[1:], strict=False)):
+            raise ValueError(
+                "sequential_fractions must be >= 2 non-decreasing values, "
+                f"got {sequential_fractions}"
+            )
+        for g, frac in enumerate(fractions, start=1):
+            splits[f"train_{g}"] = _split(
+                f"train_{g}", np.sort(_take(train, frac, "sequential_fractions")), images
+            )
+        aliases = {"old_train": "train_1", "new_train": f"train_{len(fractions)}"}
+    return splits, aliases
+
+
 def build_scenario(
     name: str,
     *,
@@ -258,23 +322,8 @@ def build_scenario(
         num_distractor_classes=num_distractor_classes,
         distractors_per_class=distractors_per_class,
     )
-    for key, value in sizes.items():
-        minimum = 0 if key in ("num_distractor_classes", "distractors_per_class") else 1
-        if int(value) != value or value < minimum:
-            raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    if name in ("extended-data", "open-data") and images_per_class < 2:
-        raise ValueError(f"images_per_class must be >= 2 for {name!r}, got {images_per_class}")
-    if int(seed) != seed or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-
-    if catalog is None:
-        from .glyphs import default_catalog
-
-        catalog = default_catalog()
-    if isinstance(catalog, (int, np.integer)):
-        num_classes, fingerprint = int(catalog), None
-    else:
-        num_classes, fingerprint = int(catalog.num_classes), getattr(catalog, "fingerprint", None)
+    _check_sizes(name, sizes, seed)
+    num_classes, fingerprint = _catalog_size(catalog)
     needed = num_train_classes + num_eval_classes + num_distractor_classes
     if needed > num_classes:
         raise ValueError(
@@ -288,38 +337,9 @@ def build_scenario(
     evals = np.sort(perm[num_train_classes : num_train_classes + num_eval_classes])
     distractor = np.sort(perm[num_train_classes + num_eval_classes : needed])
 
-    images = np.arange(images_per_class)
-    splits: dict[str, Split] = {}
-    aliases: dict[str, str] = {}
-    if name in ("extended-data", "open-data"):
-        if not 0.0 < old_fraction < 1.0:
-            raise ValueError(f"old_fraction must be in (0, 1) for {name!r}, got {old_fraction}")
-        k = min(images_per_class - 1, max(1, int(round(old_fraction * images_per_class))))
-        classes = np.sort(train)
-        splits["old_train"] = _split("old_train", classes, images[:k])
-        splits["new_train"] = _split(
-            "new_train", classes, images if name == "extended-data" else images[k:]
-        )
-    elif name in ("open-class", "extended-class"):
-        old = _take(train, old_fraction, "old_fraction")
-        if name == "open-class" and len(old) == len(train):
-            raise ValueError(f"old_fraction={old_fraction} leaves no new classes for 'open-class'")
-        new = train if name == "extended-class" else train[len(old) :]
-        splits["old_train"] = _split("old_train", np.sort(old), images)
-        splits["new_train"] = _split("new_train", np.sort(new), images)
-    else:  # sequential
-        fractions = [float(f) for f in sequential_fractions]
-        if len(fractions) < 2 or any(b < a for a, b in zip(fractions, fractions[1:], strict=False)):
-            raise ValueError(
-                "sequential_fractions must be >= 2 non-decreasing values, "
-                f"got {sequential_fractions}"
-            )
-        for g, frac in enumerate(fractions, start=1):
-            splits[f"train_{g}"] = _split(
-                f"train_{g}", np.sort(_take(train, frac, "sequential_fractions")), images
-            )
-        aliases = {"old_train": "train_1", "new_train": f"train_{len(fractions)}"}
-
+    splits, aliases = _training_splits(
+        name, train, images_per_class, old_fraction, sequential_fractions
+    )
     splits["query"] = _split("query", evals, np.arange(queries_per_class))
     splits["gallery"] = _split(
         "gallery", evals, np.arange(queries_per_class, queries_per_class + gallery_per_class)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from raycompat.config import ConfigError, choices, option, positive
+from raycompat.data.parquet_images import ParquetImageSource
 
 #: The data sources every job accepts (``--source``).
 SOURCE_KINDS = ("glyphs", "image_folder", "parquet", "gldv2")
@@ -166,8 +167,6 @@ def list_items(spec: SourceSpec) -> LabelledItems:
 
 
 def _list_parquet(spec: SourceSpec) -> LabelledItems:
-    from raycompat.pipeline.sources import ParquetImageSource
-
     source = ParquetImageSource(
         spec.path, spec.image_column, spec.class_column, spec.id_column, split="gallery"
     )
@@ -211,8 +210,6 @@ class ItemImages:
         if self.spec.kind != "parquet":
             return np.asarray(load_image(self.path_of(key), mode=mode, resolution=size))
         if self._parquet is None:
-            from raycompat.pipeline.sources import ParquetImageSource
-
             s = self.spec
             self._parquet = ParquetImageSource(
                 s.path, s.image_column, s.class_column, s.id_column, resolution=size,

@@ -143,6 +143,25 @@ def _sort_ties(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
 
 
+def _search_candidates(index, q: np.ndarray, fetch: int, kk: int, n_g: int):
+    """``fetch`` candidates of each query row, ties sorted: ``(scores, ids, ok)``, ``ok`` where
+    the first ``kk`` are final (every item tied with the ``kk``-th score is among them)."""
+    scores, ids = index.search(q, fetch)
+    if not np.isfinite(scores).all() or (ids < 0).any():
+        raise ValueError(
+            "inner products overflowed float32 (or faiss returned no result); "
+            "rescale the embeddings or use normalize=True"
+        )
+    scores, ids = _sort_ties(scores, ids.astype(np.int64, copy=False))
+    if fetch >= n_g:
+        ok = np.ones(q.shape[0], dtype=bool)
+    else:
+        # every item tied with the k-th score is among the candidates
+        # iff the k-th score is strictly above the last candidate's.
+        ok = scores[:, kk - 1] > scores[:, fetch - 1]
+    return scores, ids, ok
+
+
 def exact_search(
     queries,
     gallery,
@@ -207,19 +226,7 @@ def exact_search(
         unresolved = []
         for start in range(0, pending.size, rows_per_chunk):
             rows = pending[start : start + rows_per_chunk]
-            scores, ids = index.search(q[rows], fetch)
-            if not np.isfinite(scores).all() or (ids < 0).any():
-                raise ValueError(
-                    "inner products overflowed float32 (or faiss returned no result); "
-                    "rescale the embeddings or use normalize=True"
-                )
-            scores, ids = _sort_ties(scores, ids.astype(np.int64, copy=False))
-            if fetch >= n_g:
-                ok = np.ones(rows.size, dtype=bool)
-            else:
-                # every item tied with the k-th score is among the candidates
-                # iff the k-th score is strictly above the last candidate's.
-                ok = scores[:, kk - 1] > scores[:, fetch - 1]
+            scores, ids, ok = _search_candidates(index, q[rows], fetch, kk, n_g)
             out_s[rows[ok], :kk] = scores[ok, :kk]
             out_i[rows[ok], :kk] = ids[ok, :kk]
             unresolved.append(rows[~ok])

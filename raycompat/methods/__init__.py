@@ -4,7 +4,9 @@
 
 Methods (docs/methods.md, Training objectives): ``independent``, ``l2`` and ``bct``,
 ``contrastive`` and ``ract``, ``dmu``, ``mcl`` with its baselines ``rqt`` and ``cl``
-(base class in ``rank_merge``), ``p2s``, ``ndpp`` and ``odpp``. Pieces written once:
+(base class in ``rank_merge``), ``p2s``, ``ndpp`` and ``odpp``; the field's baselines
+(docs/methods.md, Field methods) ``lwf``, ``fd``, ``lce``, ``unibct`` and ``advbct``. Pieces
+written once:
 ``gathered`` (global-batch contrastive logits and the multi-worker loss conventions),
 ``prototypes`` (distributed per-class means) and, in ``raycompat.models``, the ArcFace /
 CosFace margin (``margin_logits``).
@@ -19,18 +21,23 @@ from raycompat.config import ConfigError, parse_options
 
 # the imports register the methods
 from raycompat.methods import (  # noqa: F401
+    advbct,
     bct,
     cl,
     contrastive,
     dmu,
+    fd,
     independent,
     l2,
+    lce,
+    lwf,
     mcl,
     ndpp,
     odpp,
     p2s,
     ract,
     rqt,
+    unibct,
 )
 from raycompat.methods.base import (
     CompatMethod,

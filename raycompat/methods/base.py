@@ -54,6 +54,10 @@ class MethodContext:
     # Yields this worker's shard of the training set once (no shuffle, no padding) as
     # TrainBatch objects, for per-epoch passes (prototypes, synthesised classifier rows).
     epoch_pass_loader: Callable[[], Iterator[TrainBatch]] | None = None
+    # The run's length, for terms that follow training progress (advbct's gradient reversal
+    # and adversarial weight decay).
+    epochs: int = 1
+    steps_per_epoch: int = 1
 
 
 class CompatMethod(nn.Module):

@@ -5,6 +5,8 @@ objectives).
 Each worker sums the features of its shard per class in float64; the sums and counts are
 all-reduced, so every worker ends with the same prototypes, whatever the number of workers.
 The embedders run in eval mode, so a sample's feature does not depend on its batch.
+Per-item values that a class statistic needs whole (quartiles, a per-class graph) are gathered
+from every worker in training-set order instead (``item_features``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycompat.distributed import all_reduce_sum
+from raycompat.distributed import all_reduce_sum, is_distributed, rank, world_size
 
 Features = Callable[["TrainBatch"], torch.Tensor]  # noqa: F821  (a TrainBatch -> [B, D])
 
@@ -65,6 +67,51 @@ def class_sums(
         all_reduce_sum(tensor)
     all_reduce_sum(counts)
     return sums, counts
+
+
+def gather_items(local: torch.Tensor) -> torch.Tensor:
+    """Per-item rows of an epoch pass from every worker, in training-set order: the shards are
+    strided (``shard_indices``: worker r holds items r, r + W, ...), so the result is the same
+    tensor whatever the number of workers. Shards may differ in length by one."""
+    if not is_distributed():
+        return local
+    import torch.distributed as dist
+
+    w = world_size()
+    sizes = torch.zeros(w, dtype=torch.long, device=local.device)
+    sizes[rank()] = local.shape[0]
+    all_reduce_sum(sizes)
+    padded = local.new_zeros((int(sizes.max()), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(w)]
+    dist.all_gather(parts, padded.contiguous())
+    out = local.new_empty((int(sizes.sum()), *local.shape[1:]))
+    for r, part in enumerate(parts):
+        out[r::w] = part[: int(sizes[r])]
+    return out
+
+
+def item_features(
+    context, features: Mapping[str, tuple[Features, int]], modules: tuple[nn.Module, ...] = ()
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One pass over the training set: every item's features (``name -> (fn, width)``, float32,
+    ``[N, width]``) and new-head row ``[N]``, gathered in training-set order on every worker
+    (``gather_items``), with ``modules`` in eval mode. Each worker then holds ``N x width``
+    values per feature."""
+    local: dict[str, list[torch.Tensor]] = {name: [] for name in features}
+    rows: list[torch.Tensor] = []
+    with eval_mode(*modules):
+        for batch in context.epoch_pass_loader():
+            rows.append(batch.new_targets)
+            for name, (fn, _) in features.items():
+                local[name].append(fn(batch).float())
+    device = context.device
+    out = {
+        name: gather_items(torch.cat(local[name]) if rows else torch.zeros(0, w, device=device))
+        for name, (_, w) in features.items()
+    }
+    all_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=device)
+    return out, gather_items(all_rows)
 
 
 def class_mean_features(context, num_rows: int, row_of_target) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,3 +201,22 @@ def prototype_logits(
         pos = (e * F.normalize(positives[targets], dim=1)).sum(dim=1, keepdim=True)
         logits = logits.scatter(1, targets[:, None], pos)
     return logits / tau
+
+
+def old_class_centres(context, classes: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(centres, counts)`` per new-head row: the mean of ``normalize(phi_o(x))`` over the new
+    training set (float32 ``[K_n, D_o]``, not re-normalised) and the number of items. ``classes``:
+    ``old`` gives centres to the classes the old model knows only (count 0 and a zero centre
+    for the others), ``all`` to every class of the new training set (LCE, AdvBCT)."""
+    known = unknown_class_rows(context)[0] >= 0
+    keep = known if classes == "old" else torch.ones_like(known)
+    keep = keep.to(context.device)
+    num_rows = len(context.new_classes)
+    with eval_mode(context.old.embedder):
+        sums, counts = class_sums(
+            context,
+            num_rows,
+            {"old": normalised_old_features(context)},
+            lambda t: torch.where(keep[t], t, -1),
+        )
+    return (sums["old"] / counts.clamp(min=1.0)[:, None]).float(), counts

@@ -8,11 +8,16 @@ query set (seeded): classes are drawn with replacement and every query of a draw
 with it (queries of one class share its gallery positives, so they are not independent), and
 with more than one seed the seeds are drawn with replacement too (hierarchical bootstrap).
 Statistics of several samples of the same query set use the same draws: comparisons are paired.
-The interval is the percentile interval of the statistic over the resamples.
+The interval is the percentile interval of the statistic over the resamples. A resample whose
+statistic is undefined (NaN: e.g. no old-old success drawn for NFR) is dropped and counted
+(``dropped``); when more than :data:`MAX_DROPPED_FRACTION` of the resamples were dropped there
+is no interval: ``low``/``high`` are NaN, verdicts read it as inconclusive and reports print
+"no interval".
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +26,10 @@ import numpy as np
 
 from raycompat.config import option, positive
 
-__all__ = ["Bootstrap", "BootstrapOptions", "Interval", "Sample"]
+__all__ = ["MAX_DROPPED_FRACTION", "Bootstrap", "BootstrapOptions", "Interval", "Sample"]
+
+#: the largest fraction of resamples an interval may drop for an undefined statistic
+MAX_DROPPED_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,8 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 class Interval:
     """A statistic with its bootstrap interval: ``estimate`` (the mean over seeds of the
     statistic on all queries), ``low``/``high`` (the ``confidence`` percentile interval),
-    ``queries`` and ``classes`` behind it, ``seeds`` and the per-seed values."""
+    ``queries`` and ``classes`` behind it, ``seeds`` and the per-seed values; ``dropped`` of the
+    ``resamples`` had an undefined statistic (:attr:`refused`: too many, no interval)."""
 
     estimate: float
     low: float
@@ -108,6 +117,13 @@ class Interval:
     classes: int
     seeds: int = 1
     per_seed: tuple = ()
+    dropped: int = 0
+    resamples: int = 0
+
+    @property
+    def refused(self) -> bool:
+        """More than :data:`MAX_DROPPED_FRACTION` of the resamples were dropped: no interval."""
+        return bool(too_many_dropped(self.dropped, self.resamples))
 
     @property
     def spread(self) -> float:
@@ -124,16 +140,37 @@ class Interval:
             queries=self.queries,
             classes=self.classes,
             seeds=self.seeds,
+            resamples=self.resamples,
+            dropped=self.dropped,
         )
+        if self.refused:
+            out["refused"] = True
         if self.seeds > 1:
             out.update(per_seed=list(self.per_seed), seed_std=self.spread)
         return out
 
     def text(self, digits: int = 3) -> str:
-        """``0.412 [0.398, 0.427]`` (with ``± std`` across seeds when there are several)."""
+        """``0.412 [0.398, 0.427]`` (with ``± std`` across seeds when there are several, and the
+        resamples dropped when there were any); ``0.412 [no interval: ...]`` when refused."""
         f = f"{{:.{digits}f}}"
+        dropped = f"{self.dropped} of {self.resamples} resamples undefined"
+        if self.refused:
+            return f"{f.format(self.estimate)} [no interval: {dropped}]"
         s = f"{f.format(self.estimate)} [{f.format(self.low)}, {f.format(self.high)}]"
-        return s + (f" ±{f.format(self.spread)} sd" if self.seeds > 1 else "")
+        s += f" ±{f.format(self.spread)} sd" if self.seeds > 1 else ""
+        return s + (f" ({dropped})" if self.dropped else "")
+
+
+def too_many_dropped(dropped, resamples):
+    """Whether ``dropped`` of ``resamples`` is more than :data:`MAX_DROPPED_FRACTION` (arrays
+    elementwise)."""
+    return np.asarray(dropped) > MAX_DROPPED_FRACTION * resamples if resamples else False
+
+
+def name_seed(name: str) -> int:
+    """A stable 128-bit seed from the whole of ``name`` (SHA-256; Python's ``hash`` is salted
+    per process)."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:16], "little")
 
 
 @dataclass
@@ -173,8 +210,7 @@ class Bootstrap:
             return
         _, inverse = np.unique(groups, return_inverse=True)
         n_classes = int(inverse.max()) + 1 if inverse.size else 0
-        digest = int.from_bytes(name.encode()[:16].ljust(16, b"\0"), "little")
-        rng = np.random.default_rng([self.options.bootstrap_seed, 2, digest, len(name)])
+        rng = np.random.default_rng([self.options.bootstrap_seed, 2, name_seed(name)])
         counts = rng.multinomial(
             n_classes, np.full(n_classes, 1.0 / max(1, n_classes)), size=self.options.resamples
         )
@@ -208,7 +244,9 @@ class Bootstrap:
         sample (arrays whose leading axes are broadcast: per seed, per resample). Without
         ``statistic`` there must be exactly one sample and the interval is of its metric.
         Returns an :class:`Interval` for a scalar statistic, else a dict of arrays
-        ``{estimate, low, high}`` (curves)."""
+        ``{estimate, low, high, dropped}`` (curves; ``dropped`` per point). Resamples with an
+        undefined (NaN) statistic are dropped and counted; past :data:`MAX_DROPPED_FRACTION` of
+        them the bounds are NaN (no interval)."""
         if statistic is None:
             if len(samples) != 1:
                 raise ValueError("without a statistic, give exactly one sample")
@@ -225,9 +263,12 @@ class Bootstrap:
         with warnings.catch_warnings(), np.errstate(invalid="ignore"):
             warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN statistic stays NaN
             low, high = np.nanquantile(boot, [alpha, 1.0 - alpha], axis=0)
+        dropped = np.isnan(boot).sum(axis=0)
+        refused = too_many_dropped(dropped, boot.shape[0])
+        low, high = np.where(refused, np.nan, low), np.where(refused, np.nan, high)
         estimate = point.mean(axis=0)
         if estimate.ndim:
-            return dict(estimate=estimate, low=low, high=high)
+            return dict(estimate=estimate, low=low, high=high, dropped=dropped)
         sets = [self._sets[name] for name in sorted({s.query_set for s in samples.values()})]
         return Interval(
             estimate=float(estimate),
@@ -238,4 +279,6 @@ class Bootstrap:
             classes=sum(d.classes for d in sets),
             seeds=int(point.shape[0]),
             per_seed=tuple(float(x) for x in np.atleast_1d(point)),
+            dropped=int(dropped),
+            resamples=int(boot.shape[0]),
         )

@@ -31,10 +31,11 @@ def verdict(difference: Interval, strict: bool = True) -> str:
     """The verdict on ``d > 0`` (``strict``) or ``d >= 0`` from the interval of ``d``.
 
     ``d > 0``: held when ``low > 0``, not held when ``high <= 0``. ``d >= 0``: held when
-    ``low >= 0``, not held when ``high < 0``. A NaN bound (an undefined statistic) gives
+    ``low >= 0``, not held when ``high < 0``. A NaN bound (an undefined statistic) and an
+    interval refused for too many undefined resamples (:attr:`Interval.refused`) give
     inconclusive."""
     low, high = difference.low, difference.high
-    if low != low or high != high:
+    if low != low or high != high or difference.refused:
         return INCONCLUSIVE
     if (low > 0) if strict else (low >= 0):
         return HELD

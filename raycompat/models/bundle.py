@@ -22,7 +22,12 @@ from torch import nn
 from raycompat.config import ConfigError
 from raycompat.models.embedder import Embedder
 from raycompat.models.heads import ClassifierHead
-from raycompat.models.imported import TimmFeatures, TorchScriptEmbedder
+from raycompat.models.imported import (
+    ImportedModel,
+    TimmFeatures,
+    TorchScriptEmbedder,
+    file_sha256,
+)
 from raycompat.models.psi import ProjectionMLP
 
 MANIFEST = "manifest.json"
@@ -159,3 +164,27 @@ class ModelBundle:
             module.load_state_dict(state)
             modules[name] = module.to(device).eval()
         return cls(modules, manifest)
+
+
+def imported_bundle(model: ImportedModel, resolution: int) -> ModelBundle:
+    """A head-less :class:`ModelBundle` of an imported ``model``: ``classes`` is empty,
+    ``compatible_dim`` is its own embedding size, generation 0."""
+    spec = model.embedder.spec
+    manifest = {
+        "method": "imported",
+        "backbone": model.backbone,
+        "embed_dim": int(spec["embed_dim"]),
+        "in_chans": int(spec["in_chans"]),
+        "resolution": int(resolution),
+        "classes": [],
+        "compatible_dim": int(spec["embed_dim"]),
+        "predecessor": None,
+        "generation": 0,
+        "imported": {
+            "form": model.form,
+            "source": os.path.abspath(model.source),
+            "sha256": file_sha256(model.source),
+            "input_norm": spec.get("input_norm", "none"),
+        },
+    }
+    return ModelBundle({"embedder": model.embedder}, manifest)

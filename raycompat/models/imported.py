@@ -38,7 +38,6 @@ __all__ = [
     "TorchScriptEmbedder",
     "import_timm",
     "import_torchscript",
-    "imported_bundle",
     "normalize_input",
     "read_state_dict",
 ]
@@ -365,29 +364,3 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def imported_bundle(model: ImportedModel, resolution: int):
-    """A head-less :class:`~raycompat.models.ModelBundle` of ``model``: ``classes`` is empty,
-    ``compatible_dim`` is its own embedding size, generation 0."""
-    from raycompat.models.bundle import ModelBundle
-
-    spec = model.embedder.spec
-    manifest = {
-        "method": "imported",
-        "backbone": model.backbone,
-        "embed_dim": int(spec["embed_dim"]),
-        "in_chans": int(spec["in_chans"]),
-        "resolution": int(resolution),
-        "classes": [],
-        "compatible_dim": int(spec["embed_dim"]),
-        "predecessor": None,
-        "generation": 0,
-        "imported": {
-            "form": model.form,
-            "source": os.path.abspath(model.source),
-            "sha256": file_sha256(model.source),
-            "input_norm": spec.get("input_norm", "none"),
-        },
-    }
-    return ModelBundle({"embedder": model.embedder}, manifest)

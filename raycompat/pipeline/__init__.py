@@ -5,16 +5,16 @@ The library call is :func:`embed_gallery`; :mod:`raycompat.pipeline.job` is its 
 (``raycompat embed-gallery``, ``jobs/embed_gallery.py``).
 """
 
+from raycompat.data.item_source import GallerySource
+from raycompat.data.parquet_images import ParquetImageSource
 from raycompat.pipeline.bundles import bundle_fingerprint, make_random_bundles
 from raycompat.pipeline.ids import IdPlan
 from raycompat.pipeline.job import EmbedGalleryOptions, GalleryRun, embed_gallery, main
 from raycompat.pipeline.options import ExecutionOptions, PipelineOptions, StageOptions
 from raycompat.pipeline.sources import (
     EXTRA_INSTANCE_BASE,
-    GallerySource,
     GlyphGallerySource,
     OldFeatureSource,
-    ParquetImageSource,
     RecordSource,
 )
 

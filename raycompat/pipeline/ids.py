@@ -4,6 +4,10 @@ A plan is either a contiguous range ``[start, stop)`` or an explicit sorted list
 ids (``--ids``: what a backfill batch asks for). Chunk ``k`` always holds the ids at plan
 positions ``[k * chunk_size, (k + 1) * chunk_size)``, so the same plan cuts into the same
 chunks on every run, and each id belongs to exactly one chunk (exactly-once output).
+
+A model stage runs its rows in :class:`ForwardBatches`: each chunk cut again into sub-batches
+of the stage's batch size from the chunk's start, so which rows share a forward pass, and in
+which places, follows from their plan positions alone (never from Ray Data's batching).
 """
 
 from __future__ import annotations
@@ -90,6 +94,43 @@ class IdPlan:
             "sha256": digest,
             "chunk_size": self.chunk_size,
         }
+
+
+@dataclass(frozen=True)
+class ForwardBatches:
+    """The fixed sub-batches of a model stage: plan positions ``[0, total)`` in chunks of
+    ``chunk_size``, each chunk cut into runs of ``batch_size`` positions from its start (a
+    chunk's last run shorter). A row's sub-batch, its length and the row's place in it depend
+    only on the row's plan position."""
+
+    chunk_size: int
+    total: int
+    batch_size: int
+
+    @classmethod
+    def of(cls, plan: IdPlan, batch_size: int) -> ForwardBatches:
+        return cls(plan.chunk_size, len(plan), int(batch_size))
+
+    def split(self, positions) -> list[tuple[np.ndarray, int, np.ndarray]]:
+        """``(rows, length, offsets)`` for every sub-batch that ``positions`` (plan positions,
+        e.g. of one Ray Data batch) touch: the indices into ``positions`` of its rows, its full
+        length and those rows' places in it; in ascending order of sub-batch."""
+        pos = np.asarray(positions, np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.total):
+            raise IndexError(
+                f"plan positions must be in [0, {self.total}), got {int(pos.min())}.."
+                f"{int(pos.max())}"
+            )
+        chunk, within = np.divmod(pos, self.chunk_size)
+        start = chunk * self.chunk_size + within - within % self.batch_size
+        end = np.minimum(
+            np.minimum(start + self.batch_size, (chunk + 1) * self.chunk_size), self.total
+        )
+        out = []
+        for first in np.unique(start).tolist():
+            rows = np.flatnonzero(start == first)
+            out.append((rows, int(end[rows[0]]) - first, pos[rows] - first))
+        return out
 
 
 def parse_ids_option(value: str) -> np.ndarray:

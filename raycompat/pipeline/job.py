@@ -45,7 +45,7 @@ from raycompat.pipeline.options import (
     parse_columns,
     pipeline_options,
 )
-from raycompat.pipeline.stages import UNCERTAINTY_COLUMNS
+from raycompat.pipeline.stages import POSITION_COLUMN, UNCERTAINTY_COLUMNS
 
 __all__ = ["EmbedGalleryOptions", "GalleryRun", "embed_gallery", "build_parser", "run_job", "main"]
 
@@ -171,15 +171,20 @@ def _resources(stage):
 
 
 def _id_blocks(todo, plan: IdPlan, size: int) -> list:
-    """The input: the ids themselves, one block per render batch (not per chunk), so results
-    stream out of the render tasks batch by batch instead of a whole chunk at a time."""
+    """The input: the ids and their plan positions (``POSITION_COLUMN``), one block per render
+    batch (not per chunk), so results stream out of the render tasks batch by batch instead of
+    a whole chunk at a time."""
     import pyarrow as pa
 
-    return [
-        pa.table({"item_id": ids[k : k + size]})
-        for ids in (plan.chunk_ids(c) for c in todo)
-        for k in range(0, len(ids), size)
-    ]
+    blocks = []
+    for chunk in todo:
+        ids = plan.chunk_ids(chunk)
+        first = chunk * plan.chunk_size
+        for k in range(0, len(ids), size):
+            part = ids[k : k + size]
+            positions = np.arange(first + k, first + k + len(part), dtype=np.int64)
+            blocks.append(pa.table({"item_id": part, POSITION_COLUMN: positions}))
+    return blocks
 
 
 def _task_stage(ds, fn, stage, **kw):
@@ -195,14 +200,18 @@ def _task_stage(ds, fn, stage, **kw):
     )
 
 
-def _actor_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, **kwargs):
-    """An actor-pool stage of ``cls(**kwargs, threads=..., use_gpu=...)``."""
+def _actor_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, plan, **kwargs):
+    """An actor-pool stage of ``cls(**kwargs, batches=..., threads=..., use_gpu=...)``: its
+    model runs in the fixed sub-batches of ``plan`` of the stage's batch size."""
     from ray.data import ActorPoolStrategy
 
+    from raycompat.pipeline.ids import ForwardBatches
+
     g = _gpus(stage, opts, cluster_gpus)
+    batches = ForwardBatches.of(plan, stage.batch_size)
     return ds.map_batches(
         cls,
-        fn_constructor_kwargs=dict(kwargs, threads=opts.threads, use_gpu=g > 0),
+        fn_constructor_kwargs=dict(kwargs, batches=batches, threads=opts.threads, use_gpu=g > 0),
         batch_size=stage.batch_size,
         num_cpus=stage.num_cpus,
         num_gpus=g or None,
@@ -245,6 +254,7 @@ def build_dataset(
             st["new"],
             opts,
             cluster_gpus,
+            plan,
             bundle_path=new_model,
             column="new",
             drop_pixels=not need_old,
@@ -256,6 +266,7 @@ def build_dataset(
             st["old"],
             opts,
             cluster_gpus,
+            plan,
             bundle_path=old_model,
             column="old",
             drop_pixels=True,
@@ -267,6 +278,7 @@ def build_dataset(
             st["adapt"],
             opts,
             cluster_gpus,
+            plan,
             new_bundle_path=new_model,
             adapt="adapted" in columns,
             uncertainty=uncertainty,
@@ -323,11 +335,11 @@ def _open_output(
 ) -> _Output:
     """Create and check ``out`` (``StorageError`` otherwise), write or check its manifest
     (``ConfigError`` for other settings) and find the complete shards."""
-    from raycompat.pipeline.location import OutputDir
+    from raycompat.pipeline.location import open_output
     from raycompat.pipeline.manifest import check_or_write, content_manifest
     from raycompat.pipeline.writer import ShardStore, output_schema
 
-    location = OutputDir.open(out)
+    location = open_output(out)
     if opts.overwrite:
         location.clear()
     resuming = check_or_write(
@@ -474,6 +486,17 @@ def _finish(output: _Output, summary: dict, skipped: list, log) -> None:
     log(format_summary(summary))
 
 
+def _resolve_request(source, columns, uncertainty: bool, old_model, new_model):
+    """``(columns, stage plan, old model)`` of a request, checked (``ConfigError``); no old
+    model when ``source`` holds stored old features."""
+    columns = parse_columns(columns)
+    if not columns and not uncertainty:
+        raise ConfigError("nothing to compute: --columns is empty and uncertainty is off")
+    stored_old_dim = source.old_dim if getattr(source, "provides_old", False) else None
+    stages = resolve_models(columns, uncertainty, old_model, new_model, stored_old_dim)
+    return columns, stages, (None if stored_old_dim is not None else old_model)
+
+
 def embed_gallery(
     out,
     source,
@@ -488,7 +511,7 @@ def embed_gallery(
 ) -> GalleryRun:
     """Embed ``source``'s items (all, or ``ids``) into parquet shards under ``out``: a local
     folder, any URI pyarrow's filesystems open (``s3://bucket/gallery``, ``file:///nfs/g``),
-    or a checked ``raycompat.pipeline.location.OutputDir``; it is created and checked for
+    or a checked ``raycompat.storage.Location``; it is created and checked for
     writing first (``StorageError`` naming it otherwise).
 
     ``columns``: any of ``old``, ``new``, ``adapted`` (psi(old), DMU); ``uncertainty`` adds
@@ -503,13 +526,9 @@ def embed_gallery(
 
     opts = options or PipelineOptions()
     opts.check()
-    columns = parse_columns(columns)
-    if not columns and not uncertainty:
-        raise ConfigError("nothing to compute: --columns is empty and uncertainty is off")
-    stored_old_dim = source.old_dim if getattr(source, "provides_old", False) else None
-    stages = resolve_models(columns, uncertainty, old_model, new_model, stored_old_dim)
-    if stored_old_dim is not None:
-        old_model = None
+    columns, stages, old_model = _resolve_request(
+        source, columns, uncertainty, old_model, new_model
+    )
     plan = _id_plan(source, ids, opts.chunk_size)
     unc_cols = tuple(UNCERTAINTY_COLUMNS.values()) if uncertainty else ()
     models = {
@@ -672,7 +691,8 @@ def _glyph_source(opts: EmbedGalleryOptions, scenario, resolution: int):
 
 def _file_source(opts: EmbedGalleryOptions, in_chans: int, resolution: int):
     """All the images of ``--path``, every one in ``--split``."""
-    from raycompat.pipeline.sources import ParquetImageSource, RecordSource
+    from raycompat.data.parquet_images import ParquetImageSource
+    from raycompat.pipeline.sources import RecordSource
 
     spec = opts.data.spec()
     kw = dict(split=opts.split, resolution=resolution, in_chans=in_chans)

@@ -61,11 +61,11 @@ def _comparable(manifest: dict) -> dict:
 def check_or_write(directory, manifest: dict) -> bool:
     """Write the manifest into a new output; for an existing one, raise ``ConfigError``
     listing every setting that differs. Returns True when resuming an existing output.
-    ``directory``: a local path, a URI or an ``OutputDir``."""
-    from raycompat.pipeline.location import OutputDir
+    ``directory``: a local path, a URI or a :class:`~raycompat.storage.Location`."""
+    from raycompat.pipeline.location import open_output
 
-    out = OutputDir.open(directory, check=False)
-    if out.isfile(MANIFEST_NAME):
+    out = open_output(directory, check=False)
+    if out.is_file(MANIFEST_NAME):
         old = json.loads(out.read_bytes(MANIFEST_NAME))
         a, b = _comparable(old), _comparable(manifest)
         diffs = [
@@ -87,7 +87,6 @@ def check_or_write(directory, manifest: dict) -> bool:
             f"{out.uri} holds parquet files but no {MANIFEST_NAME}: not an output of this job; "
             "use another --out, or --overwrite to start again"
         )
-    if out.local:
-        os.makedirs(out.root, exist_ok=True)
+    out.make_dirs()
     out.write_bytes(MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True).encode())
     return False

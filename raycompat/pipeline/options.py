@@ -1,6 +1,8 @@
 """Options of the gallery pipeline: per-stage Ray Data resources and the run settings that
 do not change the output (batch sizes, concurrency, threads), kept apart from what does
-(source, ids, columns, models: recorded in the manifest)."""
+(source, ids, columns, models: recorded in the manifest). Bit for bit, the model stages' batch
+sizes (their fixed sub-batches of ids) and ``threads`` set the float rounding; with them equal
+the output is bit-identical however Ray Data batches (``raycompat.pipeline.stages``)."""
 
 from __future__ import annotations
 
@@ -169,7 +171,16 @@ def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
     pool = name in ("old", "new", "adapt")
     unit = "actor" if pool else "task"
     fields = [
-        (f"{name}_batch_size", int, positive(default.batch_size, help=f"rows per {name} batch")),
+        (
+            f"{name}_batch_size",
+            int,
+            positive(
+                default.batch_size,
+                help=f"ids per {name} forward pass, cut from each chunk's start"
+                if pool
+                else f"rows per {name} batch",
+            ),
+        ),
         (
             f"{name}_concurrency",
             int,

@@ -7,7 +7,18 @@ forward adaptation and RACT Eq.9-11 uncertainty of old features under the new he
 
 Each embedding stage adds an internal column ``__node_<stage>`` (``new``, ``old``, ``adapt``):
 the Ray node id of the actor that computed the row. The shard writer records these per
-shard and in ``_summary.json`` and never stores them as data columns.
+shard and in ``_summary.json`` and never stores them as data columns. ``__plan_pos`` (set with
+the ids, carried by ``load_images``) is each row's position in the run's ``IdPlan``.
+
+Same output whatever Ray Data's batching: every model pass (old, new, psi and the
+uncertainty head) runs on a fixed sub-batch of ids, ``raycompat.pipeline.ids.ForwardBatches``
+of the stage's batch size, with each row in its fixed place and zeros for the sub-batch's ids
+that are not in the batch Ray Data handed over (rows never influence one another). CPU BLAS and
+oneDNN round by batch shape, so the same rows always go through the same shapes: a run, and a
+resumed run, writes bit-identical vectors whatever Ray Data's block and batch sizes, task order
+or actor, on the same machine (same CPU or GPU, same torch build) with the same torch thread
+count (``--threads``) and the same model-stage batch sizes (other sizes round in the last bits).
+The cost: a sub-batch that Ray Data split across batches is computed once per piece.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 NODE_PREFIX = "__node_"  # internal per-row column prefix: the node that ran a stage
+POSITION_COLUMN = "__plan_pos"  # internal per-row column: the row's position in the IdPlan
 UNCERTAINTY_COLUMNS = {
     "least_confidence": "unc_least_confidence",
     "margin": "unc_margin",
@@ -24,8 +36,10 @@ UNCERTAINTY_COLUMNS = {
 
 def load_images(batch: dict, source, on_corrupt: str) -> dict:
     """Decode or render the items of ``batch['item_id']`` (uint8 ``image``, ``error`` message
-    for a skipped corrupt image, empty otherwise)."""
-    return source.load(np.asarray(batch["item_id"], np.int64), on_corrupt)
+    for a skipped corrupt image, empty otherwise), keeping their plan positions."""
+    loaded = source.load(np.asarray(batch["item_id"], np.int64), on_corrupt)
+    loaded[POSITION_COLUMN] = np.asarray(batch[POSITION_COLUMN], np.int64)
+    return loaded
 
 
 def preprocess(batch: dict) -> dict:
@@ -67,14 +81,38 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(int(threads))
 
 
+def by_fixed_batches(fn, values, positions, batches) -> dict[str, np.ndarray]:
+    """``fn`` (float32 array of one whole sub-batch -> ``{column: one value per row}``) over
+    the rows of ``values`` at plan ``positions``, each row computed in its fixed sub-batch of
+    ``batches`` (a ``ForwardBatches``) and place: rows of a sub-batch missing here are zeros.
+    The sub-batch lives in torch's 64-byte aligned memory, so its alignment is fixed too."""
+    import torch
+
+    values = np.asarray(values)
+    out: dict[str, np.ndarray] = {}
+    for rows, length, offsets in batches.split(positions):
+        group = torch.zeros((length, *values.shape[1:]), dtype=torch.float32).numpy()
+        group[offsets] = values[rows]
+        for column, result in fn(group).items():
+            result = np.asarray(result)
+            if column not in out:
+                out[column] = np.empty((len(values), *result.shape[1:]), result.dtype)
+            out[column][rows] = result[offsets]
+    if not len(values):  # an empty batch: the columns, with no rows
+        out = {c: np.asarray(r)[:0] for c, r in fn(values.astype(np.float32)).items()}
+    return out
+
+
 class EmbedStage:
     """One embedder (the old or the new model) over ``pixels`` -> ``column``: raw float32
-    ``phi(x)`` as ``raycompat.evaluation.embed_glyphs`` returns (retrieval L2-normalises)."""
+    ``phi(x)`` as ``raycompat.evaluation.embed_glyphs`` returns (retrieval L2-normalises), in
+    the fixed sub-batches ``batches`` (a ``ForwardBatches``)."""
 
     def __init__(
         self,
         bundle_path: str,
         column: str,
+        batches,
         threads: int = 1,
         use_gpu: bool = False,
         drop_pixels: bool = False,
@@ -87,23 +125,23 @@ class EmbedStage:
         self.embedder = bundle.embedder.eval()
         self.in_chans = int(bundle.embedder.spec.get("in_chans", 1))
         self.column = column
+        self.batches = batches
         self.drop_pixels = drop_pixels
         self.node_id = current_node_id()
 
-    def __call__(self, batch: dict) -> dict:
+    def _embed(self, pixels: np.ndarray) -> dict:
         import torch
 
-        pixels = batch["pixels"]
-        if not (
-            pixels.flags.writeable and pixels.flags.c_contiguous
-        ):  # Ray hands out read-only views
-            pixels = np.array(pixels, dtype=np.float32, order="C")
         x = torch.from_numpy(pixels)
         if x.shape[1] != self.in_chans:  # channel conversion as raycompat.data.to_tensor
             x = x.expand(-1, self.in_chans, -1, -1) if x.shape[1] == 1 else x.mean(1, keepdim=True)
         with torch.inference_mode():
-            out = self.embedder(x.to(self.device)).float().cpu().numpy()
-        batch[self.column] = out
+            return {self.column: self.embedder(x.to(self.device)).float().cpu().numpy()}
+
+    def __call__(self, batch: dict) -> dict:
+        batch.update(
+            by_fixed_batches(self._embed, batch["pixels"], batch[POSITION_COLUMN], self.batches)
+        )
         if self.drop_pixels:
             del batch["pixels"]
         _mark_node(batch, self.column, self.node_id)
@@ -114,13 +152,14 @@ class OldFeatureStage:
     """Gallery-side operations on old features (docs/methods.md, "Gallery-side operations"), no
     image and no backbone pass: ``adapted = psi(old)`` (DMU forward adaptation) and the
     uncertainty of ``old`` under the new head ``w_n`` (RACT Eq.9-11, via
-    ``raycompat.backfill.policies.uncertainty_scores``)."""
+    ``raycompat.backfill.policies.uncertainty_scores``), in the fixed sub-batches ``batches``."""
 
     def __init__(
         self,
         new_bundle_path: str,
         adapt: bool,
         uncertainty: bool,
+        batches,
         drop_old: bool = False,
         threads: int = 1,
         use_gpu: bool = False,
@@ -133,23 +172,30 @@ class OldFeatureStage:
         bundle = ModelBundle.load(new_bundle_path, device=self.device)
         self.psi = bundle.modules["psi"].eval() if adapt else None
         self.head = UncertaintyHead.from_classifier_head(bundle.head) if uncertainty else None
+        self.batches = batches
         self.drop_old = drop_old
         self.node_id = current_node_id()
 
-    def __call__(self, batch: dict) -> dict:
+    def _features(self, old: np.ndarray) -> dict:
         import torch
 
-        old = np.array(batch["old"], dtype=np.float32, order="C")
+        out = {}
         if self.psi is not None:
             with torch.inference_mode():
-                batch["adapted"] = (
+                out["adapted"] = (
                     self.psi(torch.from_numpy(old).to(self.device)).float().cpu().numpy()
                 )
         if self.head is not None:
             from raycompat.backfill.policies import uncertainty_scores
 
             for kind, column in UNCERTAINTY_COLUMNS.items():
-                batch[column] = uncertainty_scores(old, self.head, kind)
+                out[column] = uncertainty_scores(old, self.head, kind)
+        return out
+
+    def __call__(self, batch: dict) -> dict:
+        batch.update(
+            by_fixed_batches(self._features, batch["old"], batch[POSITION_COLUMN], self.batches)
+        )
         if self.drop_old:
             del batch["old"]
         _mark_node(batch, "adapt", self.node_id)

@@ -8,9 +8,9 @@ embedding stage (``new``, ``old``, ``adapt``) to the sorted Ray node ids that co
 chunk's rows. A shard is complete when it exists, its footer reads, and
 ``rows + len(skipped) == expected``. Schema: see ``output_schema``.
 
-The folder is an :class:`~raycompat.pipeline.location.OutputDir`: a local path (temp file +
-fsync + rename) or a URI on any pyarrow filesystem (the final object written directly; a
-truncated object has no readable footer and is rewritten on resume).
+The folder is a :class:`raycompat.storage.Location`: a local path (temp file + fsync +
+rename) or a URI on any pyarrow filesystem (the final object written directly; a truncated
+object has no readable footer and is rewritten on resume).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ META_KEY = b"raycompat.chunk"
 
 
 def remove_at_exit_if_unwritten(location) -> bool:
-    """A failed first run leaves no folder behind: when local output folder ``location`` (an
-    ``OutputDir``) is empty now, it is removed when the process exits if it then holds no
-    shard (only the manifest and temp files of killed writers). Returns whether that was
-    arranged."""
+    """A failed first run leaves no folder behind: when output folder ``location`` (a
+    :class:`~raycompat.storage.Location` on this machine's disk) is empty now, it is removed
+    when the process exits if it then holds no shard (only the manifest and temp files of
+    killed writers). Returns whether that was arranged."""
     import atexit
 
-    if not location.local or location.listdir():
+    if not location.on_disk or location.listdir():
         return False
     atexit.register(_remove_if_unwritten, location.root)
     return True
@@ -82,16 +82,13 @@ def output_schema(vector_dims: dict[str, int], uncertainty_columns=()):
 
 class ShardStore:
     """The shard folder of one run: which chunks are done, and atomic writes of new ones.
-    ``directory``: a local path, a URI, or an ``OutputDir``."""
+    ``directory``: a local path, a URI, or a :class:`~raycompat.storage.Location`."""
 
     def __init__(self, directory, schema):
-        from raycompat.pipeline.location import OutputDir
+        from raycompat.pipeline.location import open_output
 
-        self.out = OutputDir.open(directory, check=False)
-        if self.out.local:
-            os.makedirs(self.out.root, exist_ok=True)
-        else:
-            self.out.fs.create_dir(self.out.root, recursive=True)
+        self.out = open_output(directory, check=False)
+        self.out.make_dirs()
         self.directory = self.out.uri
         self.schema = schema
 
@@ -109,7 +106,7 @@ class ShardStore:
         import pyarrow.parquet as pq
 
         name = shard_name(chunk)
-        if not self.out.isfile(name):
+        if not self.out.is_file(name):
             return None
         try:
             with self.out.open_input(name) as fh:

@@ -25,9 +25,10 @@ import time
 
 import numpy as np
 
-from raycompat.serving.durability import CorruptStateError, StorageError, atomic_write
+from raycompat.serving.durability import CorruptStateError, atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.serving.plan import ServingPlan
+from raycompat.storage import StorageError
 
 __all__ = ["BackfillController", "backfill_dir"]
 

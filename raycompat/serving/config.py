@@ -128,14 +128,16 @@ class ServingConfig:
 
 def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> ServingConfig:
     """Build and check a :class:`ServingConfig` (unknown keys or bad values raise ``ConfigError``);
-    ``state_dir`` becomes absolute."""
+    ``state_dir`` becomes an absolute local path (``durability.state_directory``)."""
+    from raycompat.serving.durability import state_directory
+
     cfg = parse_options(ServingConfig, {**(values or {}), **kw}, owner="serving")
     _check_paths(cfg)
     if cfg.port > 65535:
         raise ConfigError(f"serving: port must be <= 65535, got {cfg.port}")
     return dataclasses.replace(
         cfg,
-        state_dir=os.path.abspath(cfg.state_dir),
+        state_dir=state_directory(cfg.state_dir, "serving: state_dir"),
         shard_autoscaling=autoscaling_json("shard_autoscaling", cfg.shard_autoscaling),
         router_autoscaling=autoscaling_json("router_autoscaling", cfg.router_autoscaling),
     )

@@ -33,6 +33,10 @@ Reading (:meth:`UpsertLog.read_new`) tells two kinds of damage apart:
 Recovery = load the snapshot, then replay the log records whose sequence number is larger
 than the snapshot's (a crash between writing a snapshot and deleting the rotated logs it
 contains replays nothing twice).
+
+The state directory is named like every other place (:func:`state_directory`), but must be on
+this machine's disk: the shards lock, append to and fsync its files.  Every failed write
+raises the project's one :class:`raycompat.storage.StorageError`.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raycompat.storage import StorageError, resolve_location
+
 __all__ = [
     "LogRecord",
     "LogDamage",
@@ -60,6 +66,7 @@ __all__ = [
     "storage_error",
     "atomic_write",
     "fsync_dir",
+    "state_directory",
     "SNAPSHOT_NAME",
     "LOG_NAME",
 ]
@@ -71,12 +78,21 @@ _MAGIC = b"RCUL"
 _MAX_RECORD_BYTES = 1 << 34  # no legitimate record is larger (a corrupt n or dim is)
 
 
-class StorageError(RuntimeError):
-    """A write to the state directory failed; the message says what and where."""
-
-
 class CorruptStateError(RuntimeError):
     """A snapshot (or another state file) cannot be read; the message names file and cause."""
+
+
+def state_directory(location: str, what: str = "state_dir") -> str:
+    """The live index's state directory as an absolute local path (``~`` expanded; a
+    ``file://`` URI's path); StorageError naming ``what`` for a place off this machine's disk,
+    where files cannot be locked and fsynced."""
+    place = resolve_location(location, what)
+    if not place.on_disk:
+        raise StorageError(
+            f"{what} {place.uri}: the live index's state must be a local folder "
+            "(its shards lock and fsync files there)"
+        )
+    return place.root
 
 
 def storage_error(exc: OSError, path: str, doing: str = "") -> StorageError:

@@ -1,5 +1,7 @@
-"""Where a served gallery's vectors come from: an embeddings parquet (the simulator's schema,
-:func:`raycompat.backfill.gallery.load_parquet`) or a seeded synthetic gallery (benchmarks).
+"""Where a served gallery's vectors come from: an embeddings parquet or a seeded synthetic
+gallery (benchmarks).  Parquet (a file, a folder or a URI) is read by the simulator's one reader
+of that schema (:mod:`raycompat.backfill.embeddings_parquet`; docs/architecture.md, "Formats"),
+so the live index refuses bad input with the simulator's messages.
 
 A source answers three questions: the dimension of each representation, the initial
 (old-state) vectors of the items placed on one shard, and the new-model vectors of any ids
@@ -66,7 +68,8 @@ class GallerySource:
 
 
 class ParquetGallery(GallerySource):
-    """Gallery rows of an embeddings parquet (columns item_id, label, split, old, new[, adapted]).
+    """Gallery rows of an embeddings parquet (columns item_id, label, split, old, new[, adapted]),
+    read by :func:`raycompat.backfill.gallery.load_parquet`.
 
     ``adapted`` vectors come from the column or, when a new model bundle with a ``psi``
     module is given, from psi(old) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
@@ -140,19 +143,19 @@ class ParquetGallery(GallerySource):
 
 
 class PipelineOutput(GallerySource):
-    """New vectors read from the Ray Data pipeline's parquet output (item_id + ``new`` column)."""
+    """New vectors read from the Ray Data pipeline's parquet output (item_id + ``new`` column
+    of every row, by the simulator's reader of the schema: a file, a folder or a URI)."""
 
     def __init__(self, path: str, column: str = "new"):
-        import pyarrow.parquet as pq
+        from raycompat.backfill.embeddings_parquet import BackfillInputError, EmbeddingsParquet
 
-        if not os.path.exists(path):
-            raise ConfigError(f"pipeline output not found: {path}")
-        table = pq.read_table(path, columns=["item_id", column])
-        ids = table.column("item_id").to_numpy().astype(np.int64)
-        col = table.column(column).combine_chunks()
-        self.vectors = (
-            col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(ids), -1)
-        )
+        try:
+            reader = EmbeddingsParquet.open(path, required=("item_id", column))
+            rows = reader.collect([column])
+        except BackfillInputError as exc:
+            raise ConfigError(f"pipeline output: {exc}") from exc
+        ids = rows.ids
+        self.vectors = rows.values[column]
         o = np.argsort(ids, kind="stable")
         self._sorted, self._rows = ids[o], o
         self.new_dim = int(self.vectors.shape[1])
@@ -275,12 +278,11 @@ def open_gallery(
     need_adapted: bool = False,
     need_rank_merge: bool = False,
 ) -> GallerySource:
-    """``synthetic:N[:D_old[:D_new[:seed[:clusters]]]]`` or a parquet path (file or folder)."""
+    """``synthetic:N[:D_old[:D_new[:seed[:clusters]]]]`` or an embeddings parquet (a file, a
+    folder or a URI)."""
     if spec.startswith("synthetic:"):
         return _synthetic(spec)
-    if not os.path.exists(spec):
-        raise ConfigError(f"gallery embeddings not found: {spec}")
-    return ParquetGallery(
+    return ParquetGallery(  # a missing file or folder is named by the reader
         spec, new_model=new_model, need_adapted=need_adapted, need_rank_merge=need_rank_merge
     )
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from raycompat.backfill.engine import METRIC_NAMES, full_ap_from_ranks, positive_pairs
 from raycompat.backfill.grid import backfill_counts
+from raycompat.backfill.rank_metrics import METRIC_NAMES, full_ap_from_ranks, positive_pairs
 from raycompat.metrics import correct_at_k, mean_average_precision_at_k, negative_flip_rate
 from raycompat.metrics.recall import recall_at_k
 
@@ -68,6 +68,17 @@ def live_metrics(
             ap = full_ap_from_ranks(ranks, pq, npos)[0]
             out[names[1]] = float(np.nanmean(ap[valid])) if valid.any() else float("nan")
     return out, c1
+
+
+def _measure_now(client, data, k: int, naive: bool, ref_correct):
+    """Every query searched now, served and exact: ``(live metrics, recall@k, recall@k per
+    query)``. ``naive``: each query carries its old-model embedding too."""
+    old_q = data.query_old if naive else None
+    ids, _, _ = client.search(data.query_new, k=k, model="new", old_vectors=old_q)
+    exact, _, _ = client.search(data.query_new, k=k, model="new", old_vectors=old_q, exact=True)
+    r, per_query = recall_at_k(ids, exact, k)
+    m, _ = live_metrics(ids, data, k, ref_correct)
+    return m, r, per_query
 
 
 def live_backfill_curve(
@@ -119,15 +130,9 @@ def live_backfill_curve(
             raise RuntimeError(
                 f"at t={t:.3f} expected {int(n)} new items, the shards hold {st['items']}"
             )
-        old_q = data.query_old if naive else None
-        ids, _, _ = client.search(data.query_new, k=k_eff, model="new", old_vectors=old_q)
-        exact, _, _ = client.search(
-            data.query_new, k=k_eff, model="new", old_vectors=old_q, exact=True
-        )
-        r, per_query = recall_at_k(ids, exact, k_eff)
+        m, r, per_query = _measure_now(client, data, k_eff, naive, ref_correct)
         recall.append(r)
         recall_per_query.append(per_query)
-        m, _ = live_metrics(ids, data, k_eff, ref_correct)
         for name in names:
             metrics[name].append(m[name])
         reps.append(st["items"])

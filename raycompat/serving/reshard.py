@@ -32,7 +32,7 @@ from raycompat.config import (
     positive,
 )
 from raycompat.console import job_main
-from raycompat.serving.durability import read_snapshot, write_snapshot
+from raycompat.serving.durability import read_snapshot, state_directory, write_snapshot
 from raycompat.serving.layout import StateLayout, read_layout, stored_shards, write_layout
 from raycompat.serving.placement import split_by_shard
 from raycompat.serving.state import REPRESENTATIONS, ShardLockedError, ShardState
@@ -136,7 +136,7 @@ def reshard(
 ) -> ReshardResult:
     """Move every item of the stopped index in ``state_dir`` to ``num_shards`` shards."""
     t0 = time.perf_counter()
-    state_dir = os.path.abspath(state_dir)
+    state_dir = state_directory(state_dir, "reshard: state_dir")
     layout = _current_layout(state_dir)
     if layout.num_shards == num_shards:
         raise ConfigError(f"reshard: {state_dir} already has {num_shards} shards")

@@ -20,10 +20,10 @@ import numpy as np
 
 from raycompat.index.ann import configure_faiss
 from raycompat.serving.batching import Batcher, query_rows, split_rows, stacked_groups
-from raycompat.serving.durability import StorageError
 from raycompat.serving.metrics import BatchSizes
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.state import REPRESENTATIONS, ShardState, UnknownItemError
+from raycompat.storage import StorageError
 
 __all__ = ["ShardServer", "shard_dir"]
 
@@ -108,10 +108,10 @@ class ShardServer:
             )
         except UnknownItemError as exc:
             return {"error": str(exc), "unknown_ids": exc.ids}
+        except StorageError as exc:  # before ValueError: a StorageError is a ConfigError
+            return {"error": f"shard {self.shard}: {exc}", "storage": True}
         except ValueError as exc:
             return {"error": str(exc)}
-        except StorageError as exc:
-            return {"error": f"shard {self.shard}: {exc}", "storage": True}
 
     def representation_of(self, ids) -> list:
         return self.state.representation_of(ids)

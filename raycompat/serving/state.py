@@ -35,7 +35,6 @@ import numpy as np
 from raycompat.serving.durability import (
     SNAPSHOT_NAME,
     LogDamage,
-    StorageError,
     corrupt_suffix,
     open_snapshot,
     read_snapshot,
@@ -50,6 +49,7 @@ from raycompat.serving.shared_log import (
     SharedLog,
     missing_seqs,
 )
+from raycompat.storage import StorageError
 
 __all__ = [
     "REPRESENTATIONS",

@@ -8,12 +8,15 @@ cost no rendering.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from raycompat.config import ConfigError
 from raycompat.data import GlyphRenderer, Scenario, catalog_for
 from raycompat.data.datasets import images_to_tensor
 from raycompat.distributed import shard_indices
@@ -92,6 +95,46 @@ def build_training_set(cfg, views: int) -> TrainingSet:
         return renderer.render(int(split.labels[index]), int(split.instances[index]), view=view)
 
     return TrainingSet(split.labels, render, (r, r), views, cfg.in_chans)
+
+
+def check_training_images(cfg) -> None:
+    """Decode every image of ``cfg.split`` on the driver, before Ray starts (your images only:
+    glyphs are rendered, not read). The first missing or undecodable one, in item order, is a
+    ``ConfigError`` naming its file, so the job prints one ``error: <path>: ...`` line and
+    exits 2 instead of failing in a Ray worker after the first epoch started."""
+    scenario = Scenario.from_dict(cfg.scenario)
+    if not scenario.user_data:
+        return
+    from raycompat.data.readers import CorruptImageError
+    from raycompat.data.source import ItemImages, SourceSpec
+
+    images = ItemImages(SourceSpec.from_dict(scenario.source), cfg.resolution, cfg.in_chans)
+    keys = list(scenario.splits[cfg.split].items)
+
+    def problem(key: str):
+        try:
+            images.load(key)
+        except (CorruptImageError, FileNotFoundError) as exc:
+            return key, exc
+        return None
+
+    threads = 1 if images.spec.kind == "parquet" else min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for found in pool.map(problem, keys):  # in item order: the first bad one is named
+            if found is not None:
+                raise ConfigError(_bad_image_message(images, cfg.split, *found))
+
+
+def _bad_image_message(images, split: str, key: str, exc: Exception) -> str:
+    """``<path>: <what is wrong> ...``: the file first (a parquet source: the file and the
+    item id)."""
+    if images.spec.kind == "parquet":
+        where, why = f"{images.spec.path} (item_id {key})", str(exc)
+    else:
+        where = images.path_of(key)
+        missing = isinstance(exc, FileNotFoundError)
+        why = "no such file" if missing else f"cannot decode the image ({exc.__cause__ or exc})"
+    return f"{where}: {why}; it is in the training split {split!r}: fix or remove it"
 
 
 class EpochPassLoader:

@@ -16,8 +16,8 @@ import json
 import os
 
 from raycompat.config import ConfigError
-from raycompat.outputs import config_differences, inspect_location
-from raycompat.storage import is_uri
+from raycompat.outputs import config_differences
+from raycompat.storage import is_uri, resolve_location
 
 __all__ = ["RUN_ONLY_FIELDS", "check_bundle_target", "scenario_fingerprint"]
 
@@ -76,16 +76,17 @@ def check_bundle_target(path: str, train_config: dict, overwrite: bool) -> str:
     """``'new'`` (nothing at ``path``, or an empty folder), ``'identical'`` (a bundle trained
     with the same model configuration: the run goes ahead) or ``'overwrite'``
     (``overwrite``); anything else raises ``ConfigError`` naming ``path`` and what it holds."""
-    target = inspect_location(path)
-    if target.kind == "missing" or (target.kind == "folder" and not target.names):
+    target = resolve_location(path, "--out")
+    kind, names = target.kind(), target.listdir()
+    if kind == "missing" or (kind == "folder" and not names):
         return "new"
     if overwrite:
         return "overwrite"
     manifest = target.read_json("manifest.json")
-    if target.kind == "file":
+    if kind == "file":
         holds = "a file"
     elif manifest is None:
-        holds = f"files ({', '.join(target.names[:3])}) but no model bundle (no manifest.json)"
+        holds = f"files ({', '.join(names[:3])}) but no model bundle (no manifest.json)"
     elif not manifest.get("train_config"):
         holds = "a model bundle with no recorded training config (not trained by this project)"
     else:

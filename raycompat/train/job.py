@@ -9,6 +9,7 @@ Ray starts (a bad option exits 2 naming it). See docs/architecture.md, "Jobs".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -59,7 +60,11 @@ class TrainOptions:
     out: str | None = option(
         None, help="where to export the model bundle; none: <storage>/models/<run name>"
     )
-    run_name: str | None = option(None, help="run name; none: <method>-<unix time>")
+    run_name: str | None = option(
+        None,
+        help="run name; none: <method>-<hash of the options that decide the model>, so an "
+        "identical configuration resumes its run",
+    )
     data: DataSourceOptions = option(
         DataSourceOptions(), help="data: the built-in glyphs or your images"
     )
@@ -145,14 +150,19 @@ def train_config(
     *,
     method: str,
     split: str,
-    run_name: str,
+    run_name: str | None,
     method_options: dict | None = None,
     old_model: str | None = None,
     init_model: str | None = None,
     check_paths: bool = True,
+    name_prefix: str | None = None,
 ):
-    """The :class:`TrainConfig` of one run of a training job (checked on the driver)."""
+    """The :class:`TrainConfig` of one run of a training job (checked on the driver). Without
+    ``run_name`` the run is named ``<name_prefix or method>-<tag>`` by a hash of the options
+    that decide the model (:func:`raycompat.train.runs.default_run_name`): re-running an
+    identical configuration resumes its run."""
     from raycompat.train import TrainConfig
+    from raycompat.train.runs import default_run_name
 
     values = dict(
         method=method,
@@ -174,12 +184,15 @@ def train_config(
         cpus_per_worker=opts.cpus_per_worker,
         max_failures=opts.max_failures,
         storage_path=opts.storage,
-        run_name=run_name,
+        run_name=run_name or "unnamed",
         old_model=_absolute(old_model),
         init_model=_absolute(init_model),
     )
     values["pretrained_path"] = _absolute(opts.pretrained_path)
-    return TrainConfig.from_dict(values, check_paths=check_paths)
+    cfg = TrainConfig.from_dict(values, check_paths=check_paths)
+    if run_name:
+        return cfg
+    return dataclasses.replace(cfg, run_name=default_run_name(name_prefix or method, cfg))
 
 
 def _absolute(path: str | None) -> str | None:
@@ -203,9 +216,11 @@ def run_training(opts: TrainOptions, cfg, export_to: str) -> str:
     from raycompat.cluster import connect
     from raycompat.data import Scenario
     from raycompat.train import fit
+    from raycompat.train.data import check_training_images
     from raycompat.train.export import check_bundle_target
 
     check_bundle_target(export_to, cfg.to_dict(), opts.overwrite)  # before Ray starts
+    check_training_images(cfg)  # a bad image is one error line, not a worker traceback
     print(Scenario.from_dict(cfg.scenario).allocation_table(), flush=True)
     console.quiet_ray(opts.verbose)
     connect(opts.address)
@@ -235,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario,
         method=opts.method,
         split=opts.split,
-        run_name=opts.run_name or f"{opts.method}-{int(time.time())}",
+        run_name=opts.run_name,
         method_options=parse_key_values(list(opts.method_options)),
         old_model=opts.old_model,
         init_model=opts.init_model,

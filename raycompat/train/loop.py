@@ -256,6 +256,12 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
     embedder, head = _build_networks(cfg, new_classes)
     new_target, old_target = class_targets(new_classes, old.classes if old is not None else [])
+    sampler, loader = _build_loader(cfg, train_set, rank, world)
+    if len(loader) == 0:
+        raise ConfigError(
+            f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
+            f"of {cfg.batch_size}"
+        )
     method_context = MethodContext(
         old=old,
         new_classes=new_classes,
@@ -265,6 +271,8 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
         epoch_pass_loader=EpochPassLoader(
             train_set, cfg.batch_size // world, new_target, old_target, device
         ),
+        epochs=cfg.epochs,
+        steps_per_epoch=len(loader),
     )
     method = build_method(cfg.method, cfg.method_options, method_context)
     module = TrainingModule(embedder, head, method).to(device)
@@ -282,12 +290,6 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
         else None,
     )
     optimizer = build_optimizer(cfg, module)
-    sampler, loader = _build_loader(cfg, train_set, rank, world)
-    if len(loader) == 0:
-        raise ConfigError(
-            f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
-            f"of {cfg.batch_size}"
-        )
     return WorkerState(
         cfg,
         rank,

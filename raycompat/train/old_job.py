@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 from raycompat import console
 from raycompat.train.job import (
@@ -24,18 +23,29 @@ from raycompat.train.job import (
     train_config,
 )
 
-__all__ = ["OLD_DEFAULTS", "NEW_MODEL_ONLY", "build_parser", "main", "train_old"]
+__all__ = ["OLD_DEFAULTS", "NEW_MODEL_ONLY", "build_parser", "main", "old_config", "train_old"]
 
 OLD_DEFAULTS = dataclasses.replace(TRAIN_DEFAULTS, method="independent", split="old_train")
 #: the options of a new model that the old model does not take
 NEW_MODEL_ONLY = ("method", "method_options", "old_model", "init_model")
 
 
-def train_old(opts: TrainOptions, *, run_name: str | None = None, out: str | None = None) -> str:
-    """Train the old model of ``opts`` (independent, on ``opts.split``); returns its bundle path."""
-    scenario = load_scenario(opts)
-    name = run_name or opts.run_name or f"old-{int(time.time())}"
-    cfg = train_config(opts, scenario, method="independent", split=opts.split, run_name=name)
+def old_config(opts: TrainOptions, scenario, name_prefix: str = "old"):
+    """The :class:`~raycompat.train.TrainConfig` of the old model of ``opts`` (independent, on
+    ``opts.split``), named ``--run-name`` or ``<name_prefix>-<hash of its configuration>``."""
+    return train_config(
+        opts,
+        scenario,
+        method="independent",
+        split=opts.split,
+        run_name=opts.run_name,
+        name_prefix=name_prefix,
+    )
+
+
+def train_old(opts: TrainOptions, *, out: str | None = None, name_prefix: str = "old") -> str:
+    """Train the old model of ``opts`` (:func:`old_config`); returns its bundle path."""
+    cfg = old_config(opts, load_scenario(opts), name_prefix)
     return run_training(opts, cfg, out or export_path(opts, cfg.run_name))
 
 

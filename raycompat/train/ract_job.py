@@ -4,8 +4,9 @@
 40 training classes, 3 epochs: a couple of minutes on 2 CPU cores, both models included).
 Without ``--old-model`` it first trains the old model (independent, on the scenario's
 ``old_train`` split, with the same data and model options) to
-``<storage>/models/ract-old-<time>``, so the bare command runs end to end. Every option of
-``raycompat train`` is accepted. See docs/architecture.md, "Jobs".
+``<storage>/models/ract-old-<hash of its configuration>``, so the bare command runs end to end
+(and a re-run resumes both runs). Every option of ``raycompat train`` is accepted. See
+docs/architecture.md, "Jobs".
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import time
 
 from raycompat import console
 from raycompat.config import parse_key_values
@@ -28,7 +28,7 @@ from raycompat.train.job import (
     run_training,
     train_config,
 )
-from raycompat.train.old_job import train_old
+from raycompat.train.old_job import old_config, train_old
 
 __all__ = ["RACT_DEFAULTS", "build_parser", "main"]
 
@@ -53,18 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     return options_parser("train-ract", __doc__, RACT_DEFAULTS)
 
 
-def old_model_path(opts: TrainOptions, stamp: int) -> str:
-    """Where the old model trained by this job goes: ``<storage>/models/ract-old-<stamp>``."""
-    return os.path.join(os.path.expanduser(opts.storage), "models", f"ract-old-{stamp}")
+def old_model_path(opts: TrainOptions, run_name: str) -> str:
+    """Where the old model trained by this job goes: ``<storage>/models/<run_name>``."""
+    return os.path.join(os.path.expanduser(opts.storage), "models", run_name)
 
 
 @console.job_main
 def main(argv: list[str] | None = None) -> int:
     opts = parse_train_options(build_parser(), argv, RACT_DEFAULTS)
     scenario = load_scenario(opts)
-    stamp = int(time.time())
-    old_model = opts.old_model or old_model_path(opts, stamp)
-    run_name = opts.run_name or f"{opts.method}-{stamp}"
+    old_opts = dataclasses.replace(opts, split="old_train", run_name=None, out=None)
+    old_model = opts.old_model
+    if not old_model:
+        old_name = old_config(old_opts, scenario, name_prefix="ract-old").run_name
+        old_model = old_model_path(opts, old_name)
 
     def new_config(check_paths: bool):
         return train_config(
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             scenario,
             method=opts.method,
             split=opts.split,
-            run_name=run_name,
+            run_name=opts.run_name,
             method_options=parse_key_values(list(opts.method_options)),
             old_model=old_model,
             init_model=opts.init_model,
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.old_model:
         new_config(check_paths=False)  # a bad option fails now, not after the old model
         console.phase("old model", f"no --old-model: training it first -> {old_model}")
-        old_opts = dataclasses.replace(opts, split="old_train")
-        train_old(old_opts, run_name=f"ract-old-{stamp}", out=old_model)
-    run_training(opts, new_config(check_paths=True), export_path(opts, run_name))
+        train_old(old_opts, out=old_model, name_prefix="ract-old")
+    cfg = new_config(check_paths=True)  # named once its old model exists (its fingerprint)
+    run_training(opts, cfg, export_path(opts, cfg.run_name))
     return 0

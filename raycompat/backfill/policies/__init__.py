@@ -52,6 +52,7 @@ from raycompat.backfill.policies.base import (
     register_policy,
 )
 from raycompat.backfill.policies.benefit import hinge_benefit, hinge_benefit_order
+from raycompat.backfill.policies.head import UncertaintyHead
 from raycompat.backfill.policies.learned import (
     LearnedPredictor,
     disagreement,
@@ -62,7 +63,6 @@ from raycompat.backfill.policies.random import random_order
 from raycompat.backfill.policies.sequential import sequential_order
 from raycompat.backfill.policies.uncertainty import (
     UNCERTAINTY_KINDS,
-    UncertaintyHead,
     class_probabilities,
     uncertainty_features,
     uncertainty_order,

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
+from raycompat.backfill.policies.head import UncertaintyHead
 
 if TYPE_CHECKING:
     from raycompat.backfill.modes import SideBuilder
-    from raycompat.backfill.policies.uncertainty import UncertaintyHead
 
 __all__ = [
     "BlockScorer",

@@ -46,7 +46,7 @@ def hinge_benefit(
     hurts and lowering it helps (a hinge proxy of the AP change).  Costs one
     blockwise scoring pass of both sides.
     """
-    from raycompat.backfill.engine import positive_pairs
+    from raycompat.backfill.rank_metrics import positive_pairs
 
     pq, pi, _ = positive_pairs(query_labels, gallery_labels)
     scorer = HingeBenefitScorer.from_pairs(
@@ -140,7 +140,7 @@ class HingeBenefitPolicy(Policy):
 
     def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
         from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
-        from raycompat.backfill.engine import positive_pairs
+        from raycompat.backfill.rank_metrics import positive_pairs
 
         old_side, new_side = inputs.mode_sides()  # the queries and the positives' rows
         data = inputs.data

@@ -17,7 +17,8 @@ from raycompat.backfill.policies.base import (
     order_by_score,
     register_policy,
 )
-from raycompat.backfill.policies.uncertainty import UncertaintyHead, gallery_uncertainty_features
+from raycompat.backfill.policies.head import UncertaintyHead
+from raycompat.backfill.policies.uncertainty import gallery_uncertainty_features
 
 __all__ = [
     "LearnedPolicy",

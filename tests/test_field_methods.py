@@ -1,0 +1,419 @@
+"""The field's baselines (lwf, fd, lce, unibct, advbct): each loss against a direct computation on
+tiny hand-made tensors, written out with loops and plain formulas (one process). The 1-vs-2-worker
+equality is in test_methods_distributed.py, the Ray Train runs in test_methods_ray.py."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_methods_losses import (
+    BATCH_LABELS,
+    D_NEW,
+    D_OLD,
+    IN_DIM,
+    NEW_CLASSES,
+    OLD_CLASSES,
+    TRAIN_LABELS,
+    ShardLoader,
+    TinyEmbedder,
+    build,
+    features,
+    make_batch,
+    old_bundle,
+)
+
+from raycompat.config import ConfigError
+from raycompat.methods import (
+    MethodContext,
+    TrainBatch,
+    TrainingModule,
+    available_methods,
+    build_method,
+    method_class,
+    parse_method_options,
+)
+from raycompat.methods.advbct import grl_coefficient, tukey_max
+from raycompat.models import ClassifierHead, ModelBundle
+
+pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+FIELD = ["lwf", "fd", "lce", "unibct", "advbct"]
+
+
+def cos(a, b) -> float:
+    return float(a @ b) / (float(a.norm()) * float(b.norm()))
+
+
+def log_softmax(values: list[float]) -> list[float]:
+    top = max(values)
+    total = math.log(sum(math.exp(v - top) for v in values)) + top
+    return [v - total for v in values]
+
+
+def build_with(method, options, train: TrainBatch, old: ModelBundle | None = None, **context):
+    """A TrainingModule of the tiny stand-ins over the training set ``train``."""
+    old = old if old is not None else old_bundle()
+    ctx = MethodContext(
+        old=old,
+        new_classes=NEW_CLASSES,
+        old_classes=OLD_CLASSES,
+        compatible_dim=D_OLD,
+        device=torch.device("cpu"),
+        epoch_pass_loader=ShardLoader(train),
+        **context,
+    )
+    torch.manual_seed(2)
+    embedder = TinyEmbedder(IN_DIM, D_NEW)
+    head = ClassifierHead(D_NEW, len(NEW_CLASSES), kind="cosface")
+    return TrainingModule(embedder, head, build_method(method, options, ctx))
+
+
+def outlier_training_set() -> TrainBatch:
+    """Class 0 has six items, five close together and one pointing the other way (an outlier of
+    the old model's distances); classes 1-4 two items each."""
+    g = torch.Generator().manual_seed(11)
+    labels = torch.tensor([0] * 6 + [1, 2, 3, 4] * 2)
+    x_old = torch.randn(len(labels), IN_DIM, generator=g)
+    base = 5.0 * torch.randn(IN_DIM, generator=g)
+    x_old[:5] = base + 0.3 * torch.randn(5, IN_DIM, generator=g)
+    x_old[5] = -base
+    return TrainBatch(
+        x_new=torch.randn(len(labels), IN_DIM, generator=g),
+        labels=labels,
+        new_targets=labels.clone(),
+        x_old=x_old,
+        old_targets=torch.where(labels < len(OLD_CLASSES), labels, -1),
+    )
+
+
+# -- lwf -----------------------------------------------------------------------------------------
+def test_lwf_distils_the_old_heads_cosine_softmax():
+    module = build("lwf", {"scale": 10.0, "teacher_scale": 5.0})
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, old = features(module, batch)
+    rows = module.method.old.head.weight
+    want = 0.0
+    for i in range(len(BATCH_LABELS)):
+        teacher = [math.exp(v) for v in log_softmax([5.0 * cos(old[i], w) for w in rows])]
+        student = log_softmax([10.0 * cos(emb[i, :D_OLD], w) for w in rows])
+        want -= sum(p * q for p, q in zip(teacher, student, strict=True))
+    got = module.method.compat_loss(module, batch, emb)["lwf"]
+    assert float(got) == pytest.approx(want / len(BATCH_LABELS), rel=1e-5)
+
+
+def test_lwf_and_fd_refuse_an_old_model_without_head():
+    cfg = SimpleNamespace(old_model="/models/imported", method_options={})
+    manifest = {"modules": {"embedder": {}}}
+    with pytest.raises(ConfigError, match="needs the old model's classifier head"):
+        method_class("lwf").check_config(cfg, manifest)
+    with pytest.raises(ConfigError, match="use indicator=new"):
+        method_class("fd").check_config(cfg, manifest)
+    new_indicator = SimpleNamespace(old_model=cfg.old_model, method_options={"indicator": "new"})
+    method_class("fd").check_config(new_indicator, manifest)  # the released code's form: allowed
+    headless = ModelBundle({"embedder": old_bundle().embedder}, {"classes": []}).freeze()
+    with pytest.raises(ConfigError, match="lwf"):
+        build_with("lwf", {}, make_batch(TRAIN_LABELS, seed=7), old=headless)
+
+
+# -- fd ------------------------------------------------------------------------------------------
+def _fd_direct(emb, old, labels, correct, alpha, beta) -> float:
+    total = 0.0
+    for i in range(len(labels)):
+        d = sum((float(emb[i, k]) - float(old[i, k])) ** 2 for k in range(D_OLD)) / D_OLD
+        total += (alpha + beta * (1.0 if correct[i] else 0.0)) * d
+    return total / len(labels)
+
+
+def test_fd_weights_samples_the_old_model_classifies_correctly():
+    module = build("fd", {"alpha": 0.5, "beta": 2.0})
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, old = features(module, batch)
+    head = module.method.old.head
+    with torch.no_grad():  # old rows at the batch's class means: most known samples are right
+        head.weight.copy_(torch.stack([old[batch.labels == c].mean(dim=0) for c in OLD_CLASSES]))
+    correct = []
+    for i, y in enumerate(BATCH_LABELS):
+        scores = [cos(old[i], w) for w in head.weight]
+        correct.append(y in OLD_CLASSES and scores.index(max(scores)) == y)
+    assert any(correct) and not all(correct)
+    got = module.method.compat_loss(module, batch, emb)["fd"]
+    assert float(got) == pytest.approx(_fd_direct(emb, old, BATCH_LABELS, correct, 0.5, 2.0))
+
+
+def test_fd_new_indicator_uses_the_new_heads_prediction():
+    module = build("fd", {"alpha": 1.0, "beta": 5.0, "indicator": "new"})
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, old = features(module, batch)
+    with torch.no_grad():
+        module.head.weight.copy_(
+            torch.stack([emb[batch.labels == c].mean(dim=0) for c in NEW_CLASSES])
+        )
+    correct = []
+    for i, y in enumerate(BATCH_LABELS):
+        scores = [cos(emb[i], w) for w in module.head.weight]
+        correct.append(scores.index(max(scores)) == y)
+    assert any(correct[i] for i, y in enumerate(BATCH_LABELS) if y not in OLD_CLASSES)
+    got = module.method.compat_loss(module, batch, emb)["fd"]
+    assert float(got) == pytest.approx(_fd_direct(emb, old, BATCH_LABELS, correct, 1.0, 5.0))
+
+
+# -- lce -----------------------------------------------------------------------------------------
+def _old_space(module, train):
+    with torch.no_grad():
+        return F.normalize(module.method.old.embedder(train.x_old), dim=1)
+
+
+@pytest.mark.parametrize("centre_classes", ["old", "all"])
+def test_lce_alignment_and_cosine_boundary_match_direct_computation(centre_classes):
+    module = build("lce", {"lambda_align": 10.0, "centre_classes": centre_classes})
+    module.method.on_epoch_start(0, module)
+    train = make_batch(TRAIN_LABELS, seed=7)
+    old_train = _old_space(module, train)
+    classes = OLD_CLASSES if centre_classes == "old" else NEW_CLASSES
+    centres, bounds = {}, {}
+    for c in classes:
+        items = [old_train[i] for i, y in enumerate(TRAIN_LABELS) if y == c]
+        mean = sum(items) / len(items)
+        centres[c] = mean / mean.norm()
+        bounds[c] = min(float(f @ centres[c]) for f in items)
+        assert float(module.method.boundaries[c]) == pytest.approx(bounds[c], abs=1e-6)
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, _ = features(module, batch)
+    terms = module.method.compat_loss(module, batch, emb)
+    align = 0.0
+    for c in classes:
+        row = module.head.weight[c, :D_OLD]
+        row = row / row.norm()
+        align += sum((float(row[d]) - float(centres[c][d])) ** 2 for d in range(D_OLD))
+    assert float(terms["align"]) == pytest.approx(10.0 * align / (len(classes) * D_OLD), rel=1e-5)
+    hinges = [
+        max(bounds[y] - cos(emb[i, :D_OLD], centres[y]), 0.0)
+        for i, y in enumerate(BATCH_LABELS)
+        if y in classes
+    ]
+    assert float(terms["bound"]) == pytest.approx(sum(hinges) / len(hinges), rel=1e-5)
+    assert sum(hinges) > 0
+
+
+# -- unibct --------------------------------------------------------------------------------------
+def _refined(old_items, new_items, tau, lam, by_row=True):
+    """mean_i [(1 - lam) (I - lam A)^-1 O]_i with A written out entry by entry."""
+    n = len(old_items)
+    a = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                a[i, j] = math.exp(float(new_items[i] @ new_items[j]) / tau)
+    a = a / (a.sum(dim=1, keepdim=True) if by_row else a.sum(dim=0, keepdim=True))
+    propagate = (1 - lam) * torch.linalg.inv(torch.eye(n, dtype=torch.float64) - lam * a)
+    refined = propagate @ torch.stack(old_items).double()
+    return refined.mean(dim=0).float()
+
+
+def test_unibct_refined_prototypes_and_loss_match_direct_computation():
+    module = build("unibct", {"scale": 10.0, "tau": 0.5, "propagation": 0.5})
+    module.method.on_epoch_start(0, module)
+    train = make_batch(TRAIN_LABELS, seed=7)
+    old_train = _old_space(module, train)
+    with torch.no_grad():
+        new_train = F.normalize(module.embedder(train.x_new), dim=1)
+    protos = []
+    for c in NEW_CLASSES:  # every class, the ones the old model never saw included
+        index = [i for i, y in enumerate(TRAIN_LABELS) if y == c]
+        protos.append(_refined([old_train[i] for i in index], new_train[index], 0.5, 0.5))
+        plain = sum(old_train[i] for i in index) / len(index)
+        # two items: A = [[0, 1], [1, 0]] either way; from three on the refinement moves the mean
+        assert torch.allclose(protos[-1], plain, atol=1e-4) == (len(index) < 3)
+    protos = torch.stack(protos)
+    assert torch.allclose(module.method.prototypes, protos, atol=1e-6)
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, _ = features(module, batch)
+    want = 0.0
+    for i, y in enumerate(BATCH_LABELS):
+        want -= log_softmax([10.0 * cos(emb[i, :D_OLD], p) for p in protos])[y]
+    got = module.method.compat_loss(module, batch, emb)["unibct"]
+    assert float(got) == pytest.approx(want / len(BATCH_LABELS), rel=1e-5)
+
+
+def test_unibct_column_softmax_of_the_released_code_gives_the_plain_class_mean():
+    """MixBCT's softmax over dim 0 makes A column-stochastic: the refinement cancels out."""
+    module = build("unibct", {"affinity": "column", "tau": 0.5, "propagation": 0.9})
+    module.method.on_epoch_start(0, module)
+    train = make_batch(TRAIN_LABELS, seed=7)
+    old_train = _old_space(module, train)
+    with torch.no_grad():
+        new_train = F.normalize(module.embedder(train.x_new), dim=1)
+    for c in NEW_CLASSES:
+        index = [i for i, y in enumerate(TRAIN_LABELS) if y == c]
+        plain = sum(old_train[i] for i in index) / len(index)
+        direct = _refined([old_train[i] for i in index], new_train[index], 0.5, 0.9, False)
+        assert torch.allclose(direct, plain, atol=1e-6)
+        assert torch.allclose(module.method.prototypes[c], plain, atol=1e-6)
+
+
+def test_unibct_schedule_and_per_class_cap():
+    train = outlier_training_set()  # class 0: six items
+    opts = {"start_epoch": 1, "refine_every": 2, "max_per_class": 4}
+    module = build_with("unibct", opts, train)
+    method, batch = module.method, make_batch(BATCH_LABELS, seed=3)
+    method.on_epoch_start(0, module)  # before start_epoch: no compatibility term, no pass
+    emb, _ = features(module, batch)
+    assert float(method.compat_loss(module, batch, emb)["unibct"]) == 0.0
+    assert int(method.refined_at) == -1 and float(method.prototypes.abs().sum()) == 0.0
+    method.on_epoch_start(1, module)
+    first = method.prototypes.clone()
+    assert int(method.refined_at) == 1
+    with torch.no_grad():
+        module.embedder.fc.weight.add_(0.5)
+    method.on_epoch_start(2, module)  # not a refinement epoch: prototypes kept
+    assert torch.equal(method.prototypes, first) and int(method.refined_at) == 1
+    method.on_epoch_start(3, module)  # refined with the changed phi_n
+    assert int(method.refined_at) == 3 and not torch.allclose(method.prototypes[0], first[0])
+    # the cap keeps 4 of class 0's 6 items, picked by a generator seeded with the row (0)
+    pick = sorted(torch.randperm(6, generator=torch.Generator().manual_seed(0))[:4].tolist())
+    old_train = _old_space(module, train)
+    with torch.no_grad():
+        new_train = F.normalize(module.embedder(train.x_new), dim=1)
+    want = _refined([old_train[i] for i in pick], new_train[pick], 0.05, 0.9)
+    assert torch.allclose(method.prototypes[0], want, atol=1e-6)
+    every = _refined([old_train[i] for i in range(6)], new_train[:6], 0.05, 0.9)
+    assert not torch.allclose(method.prototypes[0], every, atol=1e-4)
+
+
+# -- advbct --------------------------------------------------------------------------------------
+def test_tukey_max_drops_outliers_like_the_released_code():
+    values = torch.tensor([0.3, 5.0, 0.1, 0.4, 0.2, 0.7, 0.5, 9.0], dtype=torch.float64)
+    rows = torch.tensor([0, 0, 0, 0, 0, 1, 1, -1])
+    r_max, kept = tukey_max(values, rows, 3)
+    # row 0 sorted [0.1 .. 0.4, 5.0]: q1 = s[1] = 0.2, q3 = s[3] = 0.4, upper fence 0.7
+    assert r_max.tolist() == [0.4, 0.7, 0.0] and kept.tolist() == [4, 2, 0]
+
+
+def test_gradient_reversal_schedule():
+    assert grl_coefficient(0.0) == 0.0
+    assert grl_coefficient(0.5) == pytest.approx(2 / (1 + math.exp(-5)) - 1)
+    assert grl_coefficient(1.0) == pytest.approx(0.99991, abs=1e-5)
+
+
+def _radius_direct(items) -> tuple[torch.Tensor, float, int]:
+    """Centre, r_max and the number of distances kept, as the released ``gen_class_meta``."""
+    centre = sum(items) / len(items)
+    radius = sorted(float((f - centre).norm()) for f in items)
+    kept = radius
+    if len(radius) >= 4:
+        q1, q3 = radius[int(len(radius) / 4)], radius[int(3 * len(radius) / 4)]
+        iqr = q3 - q1
+        kept = [r for r in radius if q1 - 1.5 * iqr <= r <= q3 + 1.5 * iqr]
+    return centre, max(kept), len(kept)
+
+
+def test_advbct_boundary_and_adversarial_terms_match_direct_computation():
+    train = outlier_training_set()
+    module = build_with("advbct", {"threshold": 0.5}, train, epochs=4, steps_per_epoch=3)
+    method = module.method
+    method.on_epoch_start(2, module)
+    old_train = _old_space(module, train)
+    boundary = {}
+    for c in OLD_CLASSES:
+        items = [old_train[i] for i in range(len(train.labels)) if int(train.labels[i]) == c]
+        centre, r_max, kept = _radius_direct(items)
+        assert float(method.max_radius[c]) == pytest.approx(r_max, abs=1e-6)
+        assert torch.allclose(method.centres[c], centre, atol=1e-6)
+        v = float(method.elastic[c])
+        sigmoid = 1 / (1 + math.exp(-v))
+        sign = 1.0 if r_max < 0.5 else -1.0
+        boundary[c] = (centre, r_max + sign * sigmoid * abs(r_max - 0.5), kept > 1)
+    outlier = float((old_train[5] - boundary[0][0]).norm())
+    assert float(method.max_radius[0]) < outlier  # the outlier's distance was dropped
+    assert not bool(method.has_boundary[3]) and bool(method.has_boundary[0])
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb = module.embedder(batch.x_new)
+    old = method.old_features(batch.x_old)
+    terms = method.compat_loss(module, batch, emb)
+    hinges = []
+    for i, y in enumerate(BATCH_LABELS):
+        if y in boundary and boundary[y][2]:
+            n = emb[i, :D_OLD] / emb[i, :D_OLD].norm()
+            h = float((n - boundary[y][0]).norm()) - boundary[y][1]
+            if h > 0:
+                hinges.append(h)
+    assert hinges and float(terms["bound"]) == pytest.approx(sum(hinges) / len(hinges), rel=1e-5)
+    # L_adv: new features labelled 0, old 1, through one discriminator batch; w_e = (4-2+1)/4
+    inputs = torch.cat([F.normalize(emb[:, :D_OLD], dim=1), F.normalize(old, dim=1)])
+    logits = method.discriminator(inputs)
+    b = len(BATCH_LABELS)
+    adv = -sum(log_softmax(logits[i].tolist())[0] for i in range(b)) / b
+    adv -= sum(log_softmax(logits[b + i].tolist())[1] for i in range(b)) / b
+    assert float(terms["adv"]) == pytest.approx(0.75 * adv, rel=1e-5)
+    # the progress advanced by one step: p = (2 * 3 + 1) / (4 * 3)
+    alpha, weight = method.schedule()
+    assert alpha == pytest.approx(grl_coefficient(7 / 12)) and weight == 0.75
+
+
+def test_advbct_reverses_the_gradient_to_phi_n_only():
+    train = outlier_training_set()
+    alpha = 0.3
+    module = build_with("advbct", {"grl_alpha": alpha, "adv_decay": False}, train)
+    method = module.method
+    method.on_epoch_start(0, module)
+    method.discriminator.eval()  # running statistics: the two passes below see the same function
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb = module.embedder(batch.x_new).detach().requires_grad_(True)
+    adv = method.compat_loss(module, batch, emb)["adv"]
+    grad_emb, grad_disc = torch.autograd.grad(adv, [emb, method.discriminator[0].weight])
+    # the same loss without the reversal
+    plain_emb = emb.detach().clone().requires_grad_(True)
+    old = F.normalize(method.old_features(batch.x_old), dim=1)
+    logits = method.discriminator(torch.cat([F.normalize(plain_emb[:, :D_OLD], dim=1), old]))
+    b = len(BATCH_LABELS)
+    plain = F.cross_entropy(logits[:b], torch.zeros(b, dtype=torch.long)) + F.cross_entropy(
+        logits[b:], torch.ones(b, dtype=torch.long)
+    )
+    plain_emb_grad, plain_disc = torch.autograd.grad(
+        plain, [plain_emb, method.discriminator[0].weight]
+    )
+    assert float(plain_emb_grad.abs().sum()) > 0
+    assert torch.allclose(grad_emb, -alpha * plain_emb_grad, atol=1e-7)
+    assert torch.allclose(grad_disc, plain_disc, atol=1e-7)
+
+
+def test_advbct_trains_discriminator_and_radius_but_exports_neither():
+    module = build("advbct")
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert "method.elastic" in trainable and "method.discriminator.0.weight" in trainable
+    assert module.method.exports() == {}
+    assert module.method.elastic.shape == (len(NEW_CLASSES),)
+    module.method.on_epoch_start(0, module)
+    terms = module(make_batch(BATCH_LABELS, seed=3))
+    assert "elastic_radius" in terms and float(terms["elastic_radius"]) > 0
+    total = terms["cls"] + terms["bound"] + terms["adv"]
+    assert float(terms["loss"]) == pytest.approx(float(total), rel=1e-6)
+
+
+# -- registry, options, --help -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "method,options,match",
+    [
+        ("fd", {"indicator": "both"}, r"allowed values: \['old', 'new'\]"),
+        ("lce", {"centre_classes": "new"}, r"allowed values: \['old', 'all'\]"),
+        ("unibct", {"propagation": 1.0}, "'propagation' = 1.0 must be < 1"),
+        ("unibct", {"affinity": "sym"}, r"allowed values: \['row', 'column'\]"),
+        ("advbct", {"grl_alpha": "fast"}, "'grl_alpha' must be a number"),
+        ("lwf", {"tau": 2}, r"unknown option 'tau'"),
+    ],
+)
+def test_bad_options_name_the_key(method, options, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_method_options(method, options)
+
+
+def test_every_field_method_is_registered_and_in_train_help():
+    from raycompat.train.job import methods_help  # the epilog of jobs/train.py --help
+
+    assert set(FIELD) <= set(available_methods())
+    text = methods_help()
+    for name in FIELD:
+        assert f"  {name}: {method_class(name).description}" in text, name
