@@ -1,7 +1,7 @@
 """The backfill simulator on Ray: the engine's block pass as tasks over parquet row groups.
 
-The same engine as the in-memory simulator (:mod:`raycompat.backfill.assembly` and the modules it assembles), run another way
-(docs/architecture.md, "Distributed backfill simulation"):
+The same engine as the in-memory simulator (:mod:`raycompat.backfill.assembly` and the modules
+it assembles), run another way (docs/architecture.md, "Distributed backfill simulation"):
 
 1. the driver opens the dataset (:class:`~raycompat.backfill.dataset.ParquetGallery`): row
    groups, labels, ids and queries, from the metadata and the key columns;
