@@ -24,6 +24,7 @@ JOBS: dict[str, str] = {
     "import-model": "raycompat.import_model",
     "embed-gallery": "raycompat.pipeline.job",
     "simulate-backfill": "raycompat.backfill.job",
+    "plan-upgrade": "raycompat.planning.job",
     "hot-refresh": "raycompat.hot_refresh",
     "serve-index": "raycompat.serving.job",
     "reshard-index": "raycompat.serving.reshard",

@@ -209,7 +209,8 @@ def cross_evaluate(
     k: int = 100,
     bootstrap: BootstrapOptions | None = None,
 ):
-    """Evaluate old-old, and for each new model new-new and new-old.
+    """Evaluate old-old, and for each new model new-new and new-old (one training seed: see
+    :func:`cross_evaluate_seeds`, which this calls with one seed).
 
     Returns ``(evaluations, verdicts)``: evaluations are flat rows ``{model, query, gallery,
     metric, value, low, high, dropped}`` (``low``/``high``: the bootstrap interval over the
@@ -221,32 +222,37 @@ def cross_evaluate(
     Delta_up/Delta_down, using the ``paragon`` model as new*; ``intervals`` holds the paired
     interval of every one of those numbers.
     """
+    return cross_evaluate_seeds(
+        [(old, list(new_sets))], query_labels, gallery_labels, paragon, k, bootstrap
+    )
+
+
+def cross_evaluate_seeds(
+    runs: list[tuple[EmbeddedSet, list[EmbeddedSet]]],
+    query_labels,
+    gallery_labels,
+    paragon: str | None = None,
+    k: int = 100,
+    bootstrap: BootstrapOptions | None = None,
+):
+    """:func:`cross_evaluate` over several training seeds: ``runs`` holds, per seed, the old
+    model's embeddings and the new models' (the same names in every seed). Every value is the
+    mean over the seeds; every interval resamples the seeds as well as the query classes
+    (hierarchical bootstrap, docs/methods.md "Uncertainty"), so a verdict counts the training
+    variation; rows and verdicts list the per-seed values (``per_seed``) when there are
+    several."""
     from raycompat.metrics.bootstrap import Bootstrap
 
-    boot = Bootstrap(bootstrap or BootstrapOptions())
+    boot = Bootstrap(bootstrap or BootstrapOptions(), seeds=len(runs))
     boot.add_query_set("queries", query_labels)
+    per_seed = [_seed_pairs(old, news, query_labels, gallery_labels, k) for old, news in runs]
+    metrics = {pair: _mean_metrics([m[pair] for m, _ in per_seed]) for pair in per_seed[0][0]}
+    per_query = {pair: _stacked([q[pair] for _, q in per_seed]) for pair in per_seed[0][1]}
+    old, new_sets = runs[0]
     rows: list[dict] = []
-    metrics: dict[tuple, dict] = {}
-    per_query: dict[tuple, dict] = {}
-
-    def add(model, q_name, g_name, q, g, dims=None):
-        pair = (q_name, g_name)
-        metrics[pair], per_query[pair] = pair_samples(
-            q, g, query_labels, gallery_labels, dims=dims, k=k
-        )
+    for pair in metrics:
+        model = pair[0]
         rows.extend(_evaluation_rows(boot, model, pair, metrics[pair], per_query[pair]))
-
-    add(old.name, old.name, old.name, old.query, old.gallery)
-    new_sets = list(new_sets)
-    for new in new_sets:
-        if new.compatible_dim > new.query.shape[1]:
-            raise ValueError(
-                f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
-                f"embedding size {new.query.shape[1]}"
-            )
-        add(new.name, new.name, new.name, new.query, new.gallery)
-        dims = min(new.compatible_dim, old.gallery.shape[1])
-        add(new.name, new.name, old.name, new.query, old.gallery, dims=dims)
     names = {new.name for new in new_sets}
     verdicts = [
         _compatibility_verdict(
@@ -261,25 +267,69 @@ def cross_evaluate(
     return rows, verdicts
 
 
+def _seed_pairs(old: EmbeddedSet, new_sets, query_labels, gallery_labels, k: int):
+    """One seed's ``({(query, gallery): metrics}, {(query, gallery): samples})``: old-old,
+    then new-new and new-old for every new model."""
+    metrics: dict[tuple, dict] = {}
+    samples: dict[tuple, dict] = {}
+
+    def add(q_name, g_name, q, g, dims=None):
+        pair = (q_name, g_name)
+        metrics[pair], samples[pair] = pair_samples(
+            q, g, query_labels, gallery_labels, dims=dims, k=k
+        )
+
+    add(old.name, old.name, old.query, old.gallery)
+    for new in new_sets:
+        if new.compatible_dim > new.query.shape[1]:
+            raise ValueError(
+                f"{new.name}: compatible_dim {new.compatible_dim} exceeds its "
+                f"embedding size {new.query.shape[1]}"
+            )
+        add(new.name, new.name, new.query, new.gallery)
+        dims = min(new.compatible_dim, old.gallery.shape[1])
+        add(new.name, old.name, new.query, old.gallery, dims=dims)
+    return metrics, samples
+
+
+def _mean_metrics(per_seed: list[dict]) -> dict:
+    """Every metric's mean over the seeds (one seed: its values, unchanged)."""
+    if len(per_seed) == 1:
+        return per_seed[0]
+    return {m: float(np.mean([d[m] for d in per_seed])) for m in per_seed[0]}
+
+
+def _stacked(per_seed: list[dict]) -> dict:
+    """Every metric's per-query sample with the seeds stacked (:meth:`Sample.stacked`)."""
+    out = {}
+    for metric, sample in per_seed[0].items():
+        for other in per_seed[1:]:
+            sample = sample.stacked(other[metric])
+        out[metric] = sample
+    return out
+
+
 def _evaluation_rows(boot, model: str, pair: tuple, metrics: dict, samples: dict) -> list[dict]:
-    """One row per metric of a (query, gallery) pair, with its bootstrap interval."""
+    """One row per metric of a (query, gallery) pair, with its bootstrap interval (and the
+    per-seed values when there are several seeds)."""
     rows = []
     for metric, value in metrics.items():
         if metric.startswith("num_"):
             continue
         iv = boot.interval(value=samples[metric]) if metric in samples else None
-        rows.append(
-            dict(
-                model=model,
-                query=pair[0],
-                gallery=pair[1],
-                metric=metric,
-                value=float(value),
-                low=None if iv is None else iv.low,
-                high=None if iv is None else iv.high,
-                dropped=None if iv is None else iv.dropped,
-            )
+        row = dict(
+            model=model,
+            query=pair[0],
+            gallery=pair[1],
+            metric=metric,
+            value=float(value),
+            low=None if iv is None else iv.low,
+            high=None if iv is None else iv.high,
+            dropped=None if iv is None else iv.dropped,
         )
+        if iv is not None and iv.seeds > 1:
+            row["per_seed"] = list(iv.per_seed)
+        rows.append(row)
     return rows
 
 

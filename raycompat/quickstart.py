@@ -86,6 +86,17 @@ class QuickstartOptions:
     workers: int = positive(1, help="DDP workers per training run (Ray Train)")
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
+    seeds: int = positive(
+        1,
+        help="train every model this many times, with seeds --seed, --seed+1, ...; every "
+        "interval resamples the seeds as well as the query classes, so the verdicts count the "
+        "training variation (the backfill curves use the first seed's models)",
+    )
+    threads: int = nonnegative(
+        0,
+        help="torch threads per training worker (0: this machine's cores / workers); the "
+        "float rounding, and so the last digits of every number, depend on it",
+    )
     bootstrap: BootstrapOptions = option(
         BootstrapOptions(), help="bootstrap intervals over the query classes"
     )
@@ -94,6 +105,9 @@ class QuickstartOptions:
 
 #: options that say where things go or what is printed, not what is trained
 LOCATION_OPTIONS = ("out", "storage", "name", "overwrite", "address", "verbose")
+#: the training seeds: in each run's name instead of its tag, so ``--seeds 3`` reuses the runs
+#: of ``--seeds 2``
+SEED_OPTIONS = ("seed", "seeds")
 #: options of the report's intervals, not of what is trained or embedded
 INTERVAL_OPTIONS = tuple(f.name for f in dataclasses.fields(BootstrapOptions))
 
@@ -111,7 +125,7 @@ def _config_tag(opts: QuickstartOptions, scenario) -> str:
     retraining (wherever its report goes)."""
     from raycompat.train.runs import config_tag
 
-    skip = LOCATION_OPTIONS + INTERVAL_OPTIONS
+    skip = LOCATION_OPTIONS + INTERVAL_OPTIONS + SEED_OPTIONS
     trained = {k: v for k, v in options_record(opts).items() if k not in skip}
     return config_tag(trained, scenario.to_dict())
 
@@ -126,6 +140,7 @@ def _train(
     old_model: str | None,
     runs_dir: str,
     models_dir: str,
+    seed: int,
 ):
     from raycompat.train.runs import train_named
 
@@ -138,7 +153,7 @@ def _train(
         epochs=epochs,
         batch_size=opts.batch_size,
         lr=opts.lr,
-        seed=opts.seed,
+        seed=seed,
         split=split,
         **s.training_data(scenario),
         num_workers=opts.workers,
@@ -146,45 +161,73 @@ def _train(
         gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0,
         old_model=old_model,
         log_every=50,
+        threads_per_worker=opts.threads,
     )
-    tag = _config_tag(opts, scenario)
+    tag = f"seed{seed}-{_config_tag(opts, scenario)}"
     return train_named(values, name, tag, runs_dir, models_dir, overwrite=opts.output.overwrite)
 
 
+def training_seeds(opts: QuickstartOptions) -> list[int]:
+    """The seeds every model is trained with: ``--seed``, ``--seed + 1``, ... (``--seeds``)."""
+    return [opts.seed + i for i in range(opts.seeds)]
+
+
+def models_folder(out: str, seed_index: int, seed: int) -> str:
+    """Where a seed's bundles go: ``<out>/models`` for the first seed (what ``hot-refresh
+    --models`` and the guides use), ``<out>/models/seed<s>`` for the others."""
+    base = os.path.join(out, "models")
+    return base if seed_index == 0 else os.path.join(base, f"seed{seed}")
+
+
 def _train_models(
-    opts: QuickstartOptions, scenario, runs_dir: str, models_dir: str, timings: dict
-) -> dict:
-    """old (independent on old_train), then bct and independent on new_train; one line each."""
-    train_info = {}
-    plan = [
+    opts: QuickstartOptions, scenario, runs_dir: str, out: str, timings: dict
+) -> list[dict]:
+    """For every training seed: old (independent on old_train), then bct and independent on
+    new_train; one line each. Returns one ``{name: info}`` per seed."""
+    per_seed = []
+    for i, seed in enumerate(training_seeds(opts)):
+        models_dir = models_folder(out, i, seed)
+        train_info: dict[str, dict] = {}
+        for name, method, split, epochs, predecessor in _training_plan(opts):
+            old_model = train_info[predecessor]["path"] if predecessor else None
+            run, wall = _train(
+                opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir, seed
+            )
+            timings[f"train_{name}_s"] = timings.get(f"train_{name}_s", 0.0) + wall
+            train_info[name] = dict(
+                method=method,
+                split=split,
+                epochs=epochs,
+                seed=seed,
+                path=run.bundle_path,
+                run_path=run.run_path,
+                wall_s=wall,
+                history=run.history,
+            )
+            _trained_line(opts, name, seed, train_info[name], run.history, wall)
+        per_seed.append(train_info)
+    return per_seed
+
+
+def _training_plan(opts: QuickstartOptions) -> list[tuple]:
+    """(name, method, split, epochs, predecessor) of the three models, in training order."""
+    return [
         ("old", "independent", "old_train", opts.old_epochs, None),
         ("bct", "bct", "new_train", opts.new_epochs, "old"),
         ("independent", "independent", "new_train", opts.new_epochs, None),
     ]
-    for name, method, split, epochs, predecessor in plan:
-        old_model = train_info[predecessor]["path"] if predecessor else None
-        run, wall = _train(
-            opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir
-        )
-        timings[f"train_{name}_s"] = wall
-        train_info[name] = dict(
-            method=method,
-            split=split,
-            epochs=epochs,
-            path=run.bundle_path,
-            run_path=run.run_path,
-            wall_s=wall,
-            history=run.history,
-        )
-        last = run.history[-1]
-        console.phase(
-            f"trained {name}",
-            f"{method} on {split}, {len(run.history)} epochs, "
-            f"{opts.workers} worker(s): final loss {last.get('loss/loss', float('nan')):.4f}, "
-            f"{last.get('images_per_s', float('nan')):.0f} images/s",
-            wall,
-        )
-    return train_info
+
+
+def _trained_line(opts, name: str, seed: int, info: dict, history: list, wall: float) -> None:
+    last = history[-1]
+    which = f"{name} (seed {seed})" if opts.seeds > 1 else name
+    console.phase(
+        f"trained {which}",
+        f"{info['method']} on {info['split']}, {len(history)} epochs, "
+        f"{opts.workers} worker(s): final loss {last.get('loss/loss', float('nan')):.4f}, "
+        f"{last.get('images_per_s', float('nan')):.0f} images/s",
+        wall,
+    )
 
 
 def _build_scenario(opts: QuickstartOptions, out: str, timings: dict):
@@ -235,17 +278,16 @@ def data_record(scenario) -> dict:
 
 
 def _evaluate(
-    opts: QuickstartOptions, scenario, embedded: dict, timings: dict
+    opts: QuickstartOptions, scenario, embedded_by_seed: list[dict], timings: dict
 ) -> tuple[list, list, tuple]:
-    """Every query model against every gallery model, with intervals; one line with the
-    verdicts (the paired interval of M(n,o) - M(o,o))."""
-    from raycompat.evaluation import cross_evaluate, scenario_eval_items
+    """Every query model against every gallery model, with intervals over the query classes and
+    the training seeds; one line with the verdicts (the paired interval of M(n,o) - M(o,o))."""
+    from raycompat.evaluation import cross_evaluate_seeds, scenario_eval_items
 
     t = time.time()
     (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
-    evaluations, verdicts = cross_evaluate(
-        embedded["old"],
-        [embedded["bct"], embedded["independent"]],
+    evaluations, verdicts = cross_evaluate_seeds(
+        [(e["old"], [e["bct"], e["independent"]]) for e in embedded_by_seed],
         q_labels,
         g_labels,
         paragon="independent",
@@ -265,6 +307,36 @@ def _evaluate(
     return evaluations, verdicts, (q_labels, g_labels)
 
 
+def _embed_seeds(opts, scenario, per_seed: list[dict], out: str, timings: dict):
+    """Every seed's queries and gallery through the Ray Data pipeline; one line."""
+    t = time.time()
+    embedded_by_seed, paths_by_seed = [], []
+    for train_info in per_seed:
+        models = {name: info["path"] for name, info in train_info.items()}
+        seed = next(iter(train_info.values()))["seed"]
+        folder = f"seed{seed}-{_config_tag(opts, scenario)}"
+        embedded, paths = embed_with_pipeline(
+            scenario,
+            models,
+            os.path.join(out, "embeddings", folder),
+            resolution=opts.sizes.resolution,
+            data_seed=opts.sizes.data_seed,
+        )
+        embedded_by_seed.append(embedded)
+        paths_by_seed.append(paths)
+    timings["embed_s"] = time.time() - t
+    first = embedded_by_seed[0]
+    console.phase(
+        "embedded",
+        f"{len(first['old'].query)} queries and {len(first['old'].gallery)} "
+        f"gallery items with {', '.join(first)}"
+        + (f", {len(per_seed)} seeds" if len(per_seed) > 1 else "")
+        + " (Ray Data pipeline)",
+        timings["embed_s"],
+    )
+    return embedded_by_seed, paths_by_seed
+
+
 def run_quickstart(opts: QuickstartOptions) -> dict:
     """Run the main job with ``opts``; returns the report dict (also written as report.json)."""
     from raycompat.cluster import connect
@@ -277,29 +349,17 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
     console.quiet_ray(opts.verbose)
     connect(opts.address)
     data, scenario = _build_scenario(opts, out, timings)
-    train_info = _train_models(opts, scenario, output.runs, os.path.join(out, "models"), timings)
+    per_seed = _train_models(opts, scenario, output.runs, out, timings)
+    embedded_by_seed, paths_by_seed = _embed_seeds(opts, scenario, per_seed, out, timings)
+    evaluations, verdicts, (q_labels, g_labels) = _evaluate(
+        opts, scenario, embedded_by_seed, timings
+    )
+    train_info, embedded = per_seed[0], embedded_by_seed[0]
     models = {name: info["path"] for name, info in train_info.items()}
 
     t = time.time()
-    embedded, embedding_paths = embed_with_pipeline(
-        scenario,
-        models,
-        os.path.join(out, "embeddings", _config_tag(opts, scenario)),
-        resolution=opts.sizes.resolution,
-        data_seed=opts.sizes.data_seed,
-    )
-    timings["embed_s"] = time.time() - t
-    console.phase(
-        "embedded",
-        f"{len(embedded['old'].query)} queries and {len(embedded['old'].gallery)} "
-        f"gallery items with {', '.join(models)} (Ray Data pipeline)",
-        timings["embed_s"],
-    )
-    evaluations, verdicts, (q_labels, g_labels) = _evaluate(opts, scenario, embedded, timings)
-
-    t = time.time()
-    paragon = {
-        row["metric"]: row["value"]
+    paragon = {  # new* of the first seed, whose models the backfill simulation uses
+        row["metric"]: row.get("per_seed", [row["value"]])[0]
         for row in evaluations
         if row["model"] == row["query"] == row["gallery"] == "independent"
     }
@@ -326,8 +386,8 @@ def run_quickstart(opts: QuickstartOptions) -> dict:
         opts,
         scenario,
         data,
-        train_info,
-        embedding_paths,
+        per_seed,
+        paths_by_seed,
         evaluations,
         verdicts,
         backfill,
@@ -347,8 +407,8 @@ def _report(
     opts,
     scenario,
     data,
-    train_info,
-    embedding_paths,
+    per_seed,
+    paths_by_seed,
     evaluations,
     verdicts,
     backfill,
@@ -365,8 +425,9 @@ def _report(
             name=scenario.name, seed=scenario.seed, allocation=scenario.allocation_rows()
         ),
         catalog=data,
-        models=train_info,
-        embeddings=embedding_paths,
+        models=per_seed[0],
+        embeddings=paths_by_seed[0],
+        seeds=seeds_record(per_seed, paths_by_seed, verdicts),
         evaluations=evaluations,
         verdicts=verdicts,
         compatibility={v["model"]: v["compatible"] for v in verdicts},
@@ -382,6 +443,33 @@ def _report(
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report, scenario.allocation_table()))
     return report
+
+
+def seeds_record(per_seed: list[dict], paths_by_seed: list[dict], verdicts: list[dict]) -> dict:
+    """The training seeds behind every number: the seeds, each seed's models and embeddings,
+    and per seed M(o,o), every new model's M(n,o) and the difference (``rows``)."""
+    seeds = [next(iter(info.values()))["seed"] for info in per_seed]
+    rows = []
+    for i, seed in enumerate(seeds):
+        row = dict(seed=seed)
+        for v in verdicts:
+            ivs = v["intervals"]
+            row["m_old_old"] = _seed_value(ivs["m_old_old"], i)
+            row[f"m_{v['model']}_old"] = _seed_value(ivs["m_new_old"], i)
+            row[f"difference_{v['model']}"] = _seed_value(v["difference"], i)
+        rows.append(row)
+    return dict(
+        count=len(seeds),
+        seeds=seeds,
+        models=[{name: info["path"] for name, info in m.items()} for m in per_seed],
+        embeddings=paths_by_seed,
+        rows=rows,
+    )
+
+
+def _seed_value(interval: dict, i: int) -> float:
+    """Seed ``i``'s value of an interval dict (its only value with one seed)."""
+    return interval.get("per_seed", [interval["value"]])[i]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -610,8 +698,13 @@ def _difference_text(v: dict) -> str:
     dropped = d.get("dropped") or 0
     return (
         f"{_iv(d['value'], d['low'], d['high'])}, {d['queries']} queries in {d['classes']} classes"
+        + f", {_seeds_text(d.get('seeds', 1))}"
         + (f", {dropped} of {d['resamples']} resamples undefined" if dropped else "")
     )
+
+
+def _seeds_text(seeds: int) -> str:
+    return "1 training seed" if seeds == 1 else f"{seeds} training seeds"
 
 
 def _confidence(report: dict) -> str:
@@ -638,6 +731,7 @@ def render_markdown(report: dict, allocation: str) -> str:
         "",
         _compatibility_table(report, conf),
         "",
+        *_seed_lines(report),
         *_hot_refresh_lines(report),
         "## Timings",
         "",
@@ -656,6 +750,38 @@ def render_markdown(report: dict, allocation: str) -> str:
         )
     )
     return "\n".join(lines) + "\n"
+
+
+def _seed_lines(report: dict) -> list[str]:
+    """How many training seeds stand behind each number, and every seed's values."""
+    from raycompat.report import markdown_table
+
+    seeds = report.get("seeds") or {"count": 1, "rows": []}
+    lines = ["## Training seeds", ""]
+    if seeds["count"] == 1:
+        return lines + [
+            "One training seed stands behind every number: the intervals count the query "
+            "sampling, not the training variation (`--seeds N` trains every model N times).",
+            "",
+        ]
+    models = [v["model"] for v in report["verdicts"]]
+    header = ["seed", "M(o,o)"]
+    for m in models:
+        header += [f"M({m},o)", f"M({m},o) - M(o,o)"]
+    body = [
+        [r["seed"], r["m_old_old"]]
+        + [x for m in models for x in (r[f"m_{m}_old"], r[f"difference_{m}"])]
+        for r in seeds["rows"]
+    ]
+    return lines + [
+        f"{seeds['count']} training seeds ({', '.join(map(str, seeds['seeds']))}) stand behind "
+        "every number: each value above is the mean over the seeds, and each interval resamples "
+        "the seeds as well as the query classes. The backfill curves below use the first "
+        "seed's models. Per seed (mAP@100):",
+        "",
+        markdown_table(header, body),
+        "",
+    ]
 
 
 def _intro_lines(report: dict, conf: str) -> list[str]:

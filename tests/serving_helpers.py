@@ -48,6 +48,7 @@ def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw)
     from raycompat.serving.config import serving_config
     from raycompat.serving.deploy import run_application
 
+    kw.setdefault("router_replicas", 1)  # the default (0: two where there are CPUs) costs more
     cfg = serving_config(
         gallery=gallery,
         state_dir=str(state_dir),

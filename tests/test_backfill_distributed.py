@@ -126,13 +126,15 @@ def test_many_small_blocks_give_the_in_memory_curves(tmp_path, ray_cluster):
 
 
 def test_blocks_apply_psi_and_the_head_and_the_raw_distance(tmp_path, ray_cluster):
-    """No adapted or uncertainty columns: psi and the head run on each block; rank_merge with
-    the un-normalised distance needs a norm pass."""
+    """No adapted or uncertainty columns: psi, FCT's h and the head run on each block;
+    rank_merge with the un-normalised distance needs a norm pass."""
+    from raycompat.models import ForwardTransformation
+
     root = write_dataset(tmp_path / "b", adapted=False, stored_uncertainty=False, seed=1)
     policies = ["uncertainty:entropy", "learned", "hinge-benefit", "random"]
-    modes = ["adapted", "rank_merge"]
+    modes = ["adapted", "fct", "rank_merge"]
     kw = dict(k=5, head=head(), rank_merge_distance="sq_l2_raw", learned_sample_fraction=0.2)
-    mods = modules()
+    mods = dict(modules(), fct=ForwardTransformation(8, 12, hidden_dim=16))
     data = apply_bundle_modules(load_parquet(root), types.SimpleNamespace(modules=mods))
     mem = simulate_backfill(data, policies, modes, **kw)
     opts = DistributedOptions(max_in_flight=3)

@@ -236,7 +236,8 @@ def test_compatibility_verdict_in_the_report(tmp_path):
         ("unknown_policy", "unknown policy 'fastest'; allowed: random, sequential"),
         (
             "unknown_mode",
-            "unknown mode 'lukewarm'; allowed: compatible, adapted, rank_merge, naive_merge, cold",
+            "unknown mode 'lukewarm'; allowed: compatible, adapted, fct, rank_merge, naive_merge, "
+            "cold",
         ),
         ("empty_gallery", "empty gallery"),
         ("nan", "NaN or inf embeddings in gallery_new for 1 item(s), item ids [1005]"),

@@ -15,10 +15,14 @@ from raycompat.backfill.policies import (
     UncertaintyHead,
     available_policies,
     parse_policies,
+    policy_class,
     policy_order,
 )
 from raycompat.serving.gallery_source import GallerySource, ParquetGallery, write_gallery_parquet
 from raycompat.serving.orders import policy_order_ids
+
+#: the policies that need no query log (tests/test_backfill_cost_demand.py has the others)
+LOGLESS = tuple(p for p in POLICIES if not policy_class(p).needs_query_log)
 
 
 def unit(a):
@@ -65,7 +69,7 @@ def test_simulator_order_equals_live_order_for_every_policy_and_served_mode(seed
     data, head = synthetic(seed)
     sim = simulate_backfill(
         data,
-        POLICIES,
+        LOGLESS,
         SERVED_MODES,
         head=head,
         seed=seed,
@@ -74,7 +78,7 @@ def test_simulator_order_equals_live_order_for_every_policy_and_served_mode(seed
         learned_sample_fraction=0.1,
     )
     source = MemoryGallery(data)
-    for policy in available_policies():
+    for policy in LOGLESS:
         for mode in SERVED_MODES:
             live = policy_order_ids(
                 policy, source, mode=mode, seed=seed, head=head, learned_sample_fraction=0.1
@@ -142,19 +146,23 @@ def test_registries_derive_the_name_lists():
             "uncertainty:entropy",
             "hinge-benefit",
             "learned",
+            "cost-aware",
+            "demand",
+            "upgrade-on-read",
         )
     )
     assert all(
         issubclass(cls, Policy) and cls.name == name for name, cls in available_policies().items()
     )
-    assert MODES == ("compatible", "adapted", "rank_merge", "naive_merge", "cold")
+    assert MODES == ("compatible", "adapted", "fct", "rank_merge", "naive_merge", "cold")
     assert (
         SERVED_MODES == tuple(m for m in MODES if mode_spec(m).served)
         and "cold" not in SERVED_MODES
     )
     assert mode_spec("rank_merge", "sq_l2_raw").old_side == "rev-old:l2raw"
     data, _ = synthetic(0)
-    assert available_modes(data) == MODES
+    assert available_modes(data) == tuple(m for m in MODES if m != "fct")  # no h(phi_o(g))
+    assert "fct" in available_modes(data.with_arrays(gallery_fct=data.gallery_new))
     assert available_modes(data.with_arrays(gallery_adapted=None, query_rev=None)) == (
         "compatible",
         "naive_merge",

@@ -22,6 +22,7 @@ ALL_JOBS = (
     "train-ract",
     "embed-gallery",
     "simulate-backfill",
+    "plan-upgrade",
     "hot-refresh",
     "serve-index",
     "reshard-index",

@@ -1,6 +1,7 @@
-"""The field's baselines (lwf, fd, lce, unibct, advbct): each loss against a direct computation on
-tiny hand-made tensors, written out with loops and plain formulas (one process). The 1-vs-2-worker
-equality is in test_methods_distributed.py, the Ray Train runs in test_methods_ray.py."""
+"""The field's baselines (lwf, fd, lce, unibct, advbct, bt2, dsimplex, fct): each loss against a
+direct computation on tiny hand-made tensors, written out with loops and plain formulas (one
+process), and fct's query mode in the simulator. The 1-vs-2-worker equality is in
+test_methods_distributed.py, the Ray Train runs in test_methods_ray.py."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from raycompat.methods.advbct import grl_coefficient, tukey_max
 from raycompat.models import ClassifierHead, ModelBundle
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
-FIELD = ["lwf", "fd", "lce", "unibct", "advbct"]
+FIELD = ["lwf", "fd", "lce", "unibct", "advbct", "bt2", "dsimplex", "fct"]
 
 
 def cos(a, b) -> float:
@@ -393,6 +394,314 @@ def test_advbct_trains_discriminator_and_radius_but_exports_neither():
     assert float(terms["loss"]) == pytest.approx(float(total), rel=1e-6)
 
 
+# -- bt2 -----------------------------------------------------------------------------------------
+def _basis_direct(basis, z):
+    """BT^2's wiring written out with explicit matrices: (v, b, e)."""
+    n_dim, o_dim, a_dim, c = basis.new_dim, basis.old_dim, basis.extra_dim, basis.scale
+    u = torch.relu(z) @ basis.fc3.weight.t() + basis.fc3.bias
+    u = u / u.norm(dim=1, keepdim=True)
+    v = z[:, :n_dim] / z[:, :n_dim].norm(dim=1, keepdim=True)
+    head = u[:, :a_dim] / u[:, :a_dim].norm(dim=1, keepdim=True)
+    m = torch.cat([head, (c * v) @ basis.q1.weight.t()], dim=1)
+    return v, m[:, :o_dim] @ basis.q2.weight.t(), m[:, o_dim:]
+
+
+def test_bt2_basis_is_orthogonal_and_keeps_a_compatible_prefix():
+    from raycompat.models import BasisTransform
+
+    torch.manual_seed(0)
+    basis = BasisTransform(new_dim=5, old_dim=4, extra_dim=2, scale=2.0)
+    for q in (basis.q1.weight, basis.q2.weight):
+        assert torch.allclose(q @ q.t(), torch.eye(q.shape[0]), atol=1e-5)
+    z = torch.randn(3, 9)
+    with torch.no_grad():
+        parts = basis.parts(z)
+        v, b, e = _basis_direct(basis, z)
+    assert parts["out"].shape == (3, 5 + 2) and basis.out_dim == 7
+    assert torch.allclose(parts["v"], v, atol=1e-6)
+    assert torch.allclose(parts["out"][:, :4], b, atol=1e-6)  # the first D_o dims are b
+    assert torch.allclose(parts["out"][:, 4:], e, atol=1e-6)
+    # Q1, Q2 orthogonal: |concat(b, e)|^2 = |normalize(u[:A])|^2 + C^2 |v|^2 = 1 + 4
+    assert torch.allclose(parts["out"].norm(dim=1), torch.full((3,), 5**0.5), atol=1e-5)
+    with pytest.raises(ValueError, match=r"D_n \+ A = 1 \+ 2 must be >= D_o = 4"):
+        BasisTransform(new_dim=1, old_dim=4, extra_dim=2)
+    with pytest.raises(ValueError, match=r"A = 5 must be in \[1, D_o = 4\]"):
+        BasisTransform(new_dim=5, old_dim=4, extra_dim=5)
+
+
+def _cosface_log_softmax(emb, rows, target, s=32.0, m=0.4) -> float:
+    logits = [s * (cos(emb, w) - (m if k == target else 0.0)) for k, w in enumerate(rows)]
+    return log_softmax(logits)[target]
+
+
+def test_bt2_loss_matches_direct_computation():
+    module = build("bt2", {"extra_dim": 3, "lambda_compat": 0.5})
+    independent = ModelBundle({"embedder": TinyEmbedder(IN_DIM, D_NEW)}, {}).freeze()
+    module.method.__dict__["independent"] = independent  # what independent_model=PATH loads
+    method = module.method
+    assert module.embedder.fc.out_features == D_NEW + D_OLD  # the backbone emits z
+    method.on_epoch_start(0, module)
+    train = make_batch(TRAIN_LABELS, seed=7)
+    with torch.no_grad():
+        old_train = method.old.embedder(train.x_old)
+    pseudo = torch.stack([old_train[train.labels == c].mean(dim=0) for c in NEW_CLASSES])
+    assert torch.allclose(method.pseudo_classifier, pseudo, atol=1e-6)  # raw means, every class
+    batch = make_batch(BATCH_LABELS, seed=3)
+    terms = module(batch)
+    with torch.no_grad():
+        v, b, _ = _basis_direct(method.basis, module.embedder(batch.x_new))
+        old = method.old.embedder(batch.x_old)
+        ind = independent.embedder(batch.x_new)
+    n = len(BATCH_LABELS)
+    cls = -sum(
+        _cosface_log_softmax(v[i], module.head.weight, y) for i, y in enumerate(BATCH_LABELS)
+    )
+    b_hat = [b[i] / b[i].norm() for i in range(n)]
+    pseudo_ce = -sum(
+        log_softmax([float(b_hat[i] @ p) for p in pseudo])[y] for i, y in enumerate(BATCH_LABELS)
+    )
+    old_cos = 1.0 - sum(cos(old[i], b[i]) for i in range(n)) / n
+    new_cos = 1.0 - sum(cos(ind[i], v[i]) for i in range(n)) / n
+    assert float(terms["cls"]) == pytest.approx(cls / n, rel=1e-5)
+    assert float(terms["pseudo_cls"]) == pytest.approx(10.0 * pseudo_ce / n, rel=1e-5)
+    assert float(terms["old_cosine"]) == pytest.approx(5.0 * old_cos, rel=1e-5)
+    assert float(terms["new_cosine"]) == pytest.approx(1.0 * new_cos, rel=1e-5)
+    total = cls / n + 0.5 * (10.0 * pseudo_ce / n + 5.0 * old_cos + new_cos)
+    assert float(terms["loss"]) == pytest.approx(total, rel=1e-5)
+    method.__dict__["independent"] = None  # without phi'_n: lambda_1 = 0, no such term
+    assert "new_cosine" not in module(batch)
+
+
+def test_bt2_bundle_gives_the_deployed_embedding(tmp_path):
+    from raycompat.models import BasisEmbedder, BasisTransform, Embedder
+
+    torch.manual_seed(0)
+    base = Embedder("test_resnet", 6 + 4, in_chans=1)
+    deployed = BasisEmbedder(base, BasisTransform(new_dim=6, old_dim=4, extra_dim=2)).eval()
+    path = ModelBundle({"embedder": deployed}, {"compatible_dim": 4}).save(str(tmp_path / "b"))
+    loaded = ModelBundle.load(path)
+    assert loaded.manifest["modules"]["embedder"]["type"] == "bt2" and loaded.embed_dim == 8
+    x = torch.randn(2, 1, 32, 32)
+    with torch.no_grad():
+        want = deployed.basis(base(x))
+        assert torch.allclose(loaded.embedder(x), want, atol=1e-5)
+
+
+def test_bt2_config_checks_dims_and_the_independent_model(tmp_path):
+    check = method_class("bt2").check_config
+    cfg = SimpleNamespace(embed_dim=8, old_model="/models/old", method_options={"extra_dim": 4})
+    with pytest.warns(UserWarning, match="lambda_1 = 0"):
+        check(cfg, {"embed_dim": 6})
+    cfg.method_options = {}  # A = 32 by default
+    with pytest.raises(ConfigError, match=r"A = 32 must be in \[1, D_o = 6\].*'/models/old'"):
+        check(cfg, {"embed_dim": 6})
+    cfg.method_options = {"extra_dim": 4, "independent_model": "models/new"}
+    with pytest.raises(ConfigError, match="must be an absolute path or a URI"):
+        check(cfg, {"embed_dim": 6})
+    other = ModelBundle({"head": ClassifierHead(4, 2)}, {"embed_dim": 12}).save(str(tmp_path / "n"))
+    cfg.method_options = {"extra_dim": 4, "independent_model": other}
+    with pytest.raises(ConfigError, match="embeds 12 dims, but v has embed_dim 8"):
+        check(cfg, {"embed_dim": 6})
+
+
+# -- dsimplex ------------------------------------------------------------------------------------
+def test_simplex_vertices_construction_and_row_order():
+    from raycompat.models.heads import continued_vertices, simplex_vertices
+
+    k = 5
+    rows = simplex_vertices(k)
+    # by hand: I_4 with a row of (1 - sqrt(5)) / 4 appended, centred, row-normalised
+    hand = [[1.0 if j == i else 0.0 for j in range(k - 1)] for i in range(k - 1)]
+    hand.append([(1.0 - math.sqrt(k)) / (k - 1)] * (k - 1))
+    means = [sum(r[j] for r in hand) / k for j in range(k - 1)]
+    hand = [[r[j] - means[j] for j in range(k - 1)] for r in hand]
+    hand = torch.tensor([[x / math.sqrt(sum(y * y for y in r)) for x in r] for r in hand])
+    assert torch.allclose(rows, hand, atol=1e-6)
+    gram = rows @ rows.t()
+    assert torch.allclose(gram.diagonal(), torch.ones(k), atol=1e-6)  # unit rows
+    off = gram[~torch.eye(k, dtype=torch.bool)]
+    assert torch.allclose(off, torch.full_like(off, -1.0 / (k - 1)), atol=1e-6)
+    # class label y on row K-1-y; labels continue across generations in order of arrival
+    head = ClassifierHead(k - 1, 3, kind="dsimplex", vertices=[2, 0, 1])
+    assert torch.equal(head.weight, rows[[2, 4, 3]])
+    assert not list(head.parameters())  # fixed: nothing trains
+    assert continued_vertices([1, 3, 5, 7], [3, 5, 9], [0, 1, 2]) == [3, 0, 1, 4]
+    assert continued_vertices([4, 2]) == [0, 1]
+    with pytest.raises(ValueError, match="K = 5 simplex vertices, but a class needs vertex"):
+        ClassifierHead(k - 1, 2, kind="dsimplex", vertices=[0, 5])
+
+
+def test_dsimplex_heads_of_three_generations_share_every_class_vertex():
+    """A sequential chain (nested class sets in arrival order): each generation's head keeps the
+    vertex of every class its predecessor knows, and the chain passes the config checks."""
+    from raycompat.models.heads import continued_vertices
+
+    generations = [[2, 7], [2, 5, 7, 9], [1, 2, 5, 7, 8, 9]]  # sorted class ids per generation
+    heads, known = [], ([], None)
+    for classes in generations:
+        vertices = continued_vertices(classes, *known)
+        heads.append(ClassifierHead(6, len(classes), kind="dsimplex", vertices=vertices))
+        known = (classes, vertices)
+    assert [h.vertices for h in heads] == [[0, 1], [0, 2, 1, 3], [4, 0, 2, 1, 5, 3]]
+    for c in (2, 7):  # phi_1's classes: one vertex in all three heads
+        rows = [h.weight[g.index(c)] for h, g in zip(heads, generations, strict=True)]
+        assert torch.equal(rows[0], rows[1]) and torch.equal(rows[1], rows[2])
+    check = method_class("dsimplex").check_config
+    for j in (1, 2):  # generation j + 1 against generation j's bundle manifest
+        old = {"modules": {"head": heads[j - 1].spec}, "classes": generations[j - 1]}
+        scenario = {"splits": {f"train_{j + 1}": {"labels": generations[j]}}}
+        cfg = SimpleNamespace(
+            head="dsimplex",
+            embed_dim=6,
+            old_model="/m/gen",
+            split=f"train_{j + 1}",
+            scenario=scenario,
+            method_options={"classes": 7},
+        )
+        check(cfg, old)
+
+
+def _dsimplex(options):
+    return build("dsimplex", dict({"classes": D_OLD + 1}, **options), D_OLD, "dsimplex")
+
+
+def test_dsimplex_cores_is_cross_entropy_on_the_fixed_unnormalised_head():
+    module = _dsimplex({})
+    batch = make_batch(BATCH_LABELS, seed=3)
+    terms = module(batch)
+    emb = module.embedder(batch.x_new)
+    rows = module.head.weight
+    want = -sum(
+        log_softmax([float(emb[i] @ w) for w in rows])[y] for i, y in enumerate(BATCH_LABELS)
+    )
+    assert set(terms) == {"cls", "loss"}
+    assert float(terms["loss"]) == pytest.approx(want / len(BATCH_LABELS), rel=1e-5)
+
+
+def test_dsimplex_hoc_zeroes_same_class_terms_like_the_released_code():
+    module = _dsimplex({"loss": "hoc", "mu": 3.0, "hoc_lambda": 0.25})
+    batch = make_batch(BATCH_LABELS, seed=3)
+    terms = module(batch)
+    emb = module.embedder(batch.x_new)
+    with torch.no_grad():
+        old = module.method.old.embedder(batch.x_old)
+    n, zeroed, removed = len(BATCH_LABELS), 0.0, 0.0
+    for i, y in enumerate(BATCH_LABELS):
+        logits = [3.0 * cos(old[i], emb[j]) for j in range(n)]
+        # same-class entries (j = i included) become exp(0) = 1 terms, not dropped ones
+        kept = [logits[j] if BATCH_LABELS[j] != y else 0.0 for j in range(n)]
+        others = [logits[j] for j in range(n) if BATCH_LABELS[j] != y]
+        zeroed += math.log(sum(math.exp(v) for v in kept)) - logits[i]
+        removed += math.log(sum(math.exp(v) for v in others)) - logits[i]
+    assert float(terms["hoc"]) == pytest.approx(zeroed / n, rel=1e-5)
+    assert abs(zeroed - removed) > 0.1
+    total = 0.25 * float(terms["cls"]) + 0.75 * zeroed / n
+    assert float(terms["loss"]) == pytest.approx(total, rel=1e-5)
+
+
+def test_dsimplex_config_refuses_another_simplex_naming_both():
+    check = method_class("dsimplex").check_config
+    scenario = {"splits": {"new_train": {"labels": [0, 1, 2, 3, 4, 5]}}}
+
+    def cfg(**values):
+        base = dict(head="dsimplex", embed_dim=6, old_model="/m/old", split="new_train")
+        base.update(method_options={"classes": 7}, scenario=scenario)
+        return SimpleNamespace(**dict(base, **values))
+
+    def old(kind="dsimplex", dim=6, vertices=(0, 1, 2)):
+        head = {"kind": kind, "embed_dim": dim, "vertices": list(vertices)}
+        return {"modules": {"head": head}, "classes": [0, 1, 2]}
+
+    check(cfg(), old())  # six classes on seven vertices
+    with pytest.raises(ConfigError, match="pass --head dsimplex .*head 'cosface'"):
+        check(cfg(head="cosface"), old())
+    with pytest.raises(ConfigError, match="embed_dim 8 must be K - 1 = 6 .*classes K = 7"):
+        check(cfg(embed_dim=8), old())
+    with pytest.raises(ConfigError, match="same simplex head .*K = 7.*has head 'arcface'$"):
+        check(cfg(), old(kind="arcface"))
+    with pytest.raises(ConfigError, match="same simplex head .*K = 7.*head 'dsimplex' with K = 9"):
+        check(cfg(), old(dim=8))
+    with pytest.raises(ConfigError, match="K = 7 simplex vertices, but the chain has 8 classes"):
+        check(cfg(), old(vertices=(0, 1, 4)))  # labels 0..4 taken, three new classes
+
+
+# -- fct -----------------------------------------------------------------------------------------
+def test_fct_transformation_shapes_and_mse_on_frozen_models():
+    module = build("fct", {"hidden": 16})
+    h = module.method.transformation
+    linears = [
+        (m.in_features, m.out_features) for m in h.modules() if isinstance(m, torch.nn.Linear)
+    ]
+    # p1: D_o -> 2 D_o -> 2 D_n; mixer: 2 D_n -> H -> H -> D_n
+    assert linears == [(6, 12), (12, 16), (16, 16), (16, 16), (16, 8)]
+    assert module.method.exports() == {"fct": h}
+    trainable = {n.split(".")[0] for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable == {"method"}  # phi_n and its head are frozen
+    module.train()
+    assert not h.training and module.method.training  # switch_mode_to_eval
+    before = {n: b.clone() for n, b in h.named_buffers()}
+    batch = make_batch(BATCH_LABELS, seed=3)
+    terms = module(batch)
+    with torch.no_grad():
+        target = module.embedder(batch.x_new)
+        mapped = h(module.method.old.embedder(batch.x_new))  # the same view for both models
+    want = sum(
+        (float(mapped[i, d]) - float(target[i, d])) ** 2
+        for i in range(len(BATCH_LABELS))
+        for d in range(D_NEW)
+    )
+    assert float(terms["fct"]) == pytest.approx(want / (len(BATCH_LABELS) * D_NEW), rel=1e-5)
+    assert all(torch.equal(b, before[n]) for n, b in h.named_buffers())  # stored statistics
+    trained = build("fct", {"hidden": 16, "batchnorm": "train"})
+    trained.train()
+    assert trained.method.transformation.training
+
+
+def test_fct_query_mode_scores_old_items_through_h():
+    from raycompat.backfill import GalleryEmbeddings, apply_bundle_modules, simulate_backfill
+    from raycompat.models import ForwardTransformation
+
+    g = torch.Generator().manual_seed(5)
+    gallery_labels = torch.arange(12) % 4
+    query_labels = torch.tensor([0, 1, 2, 3, 1])
+    torch.manual_seed(3)
+    h = ForwardTransformation(4, 6, hidden_dim=8).eval()
+    data = GalleryEmbeddings(
+        gallery_labels=gallery_labels.numpy(),
+        gallery_old=torch.randn(12, 4, generator=g).numpy(),
+        gallery_new=torch.randn(12, 6, generator=g).numpy(),
+        query_labels=query_labels.numpy(),
+        query_new=torch.randn(5, 6, generator=g).numpy(),
+    )
+    data = apply_bundle_modules(data, ModelBundle({"fct": h}, {}))
+    with torch.no_grad():
+        mapped = h(torch.from_numpy(data.gallery_old))
+    assert torch.allclose(torch.from_numpy(data.gallery_fct), mapped, atol=1e-5)
+    mapped = torch.from_numpy(data.gallery_fct)  # FeatureMap's float64 pass, as the simulator
+    result = simulate_backfill(data, ["random"], ["fct"], fractions=[0.0, 0.5, 1.0], k=100)
+    curve = result.curves[0]
+    assert curve.mode == "fct"
+
+    def mean_ap(gallery) -> float:
+        q = F.normalize(torch.from_numpy(data.query_new), dim=1)
+        scores = q @ F.normalize(gallery, dim=1).t()
+        total = 0.0
+        for i, y in enumerate(query_labels.tolist()):
+            order = sorted(range(12), key=lambda j: (-float(scores[i, j]), j))
+            hits, ap = 0, 0.0
+            for rank, j in enumerate(order, start=1):
+                if int(gallery_labels[j]) == y:
+                    hits += 1
+                    ap += hits / rank
+            total += ap / int((gallery_labels == y).sum())
+        return total / len(query_labels)
+
+    values = curve.metrics["mAP@100"]
+    assert values[0] == pytest.approx(mean_ap(mapped), abs=1e-9)  # t = 0: new vs h(old)
+    assert values[-1] == pytest.approx(mean_ap(torch.from_numpy(data.gallery_new)), abs=1e-9)
+    assert values[0] != pytest.approx(values[-1])
+
+
 # -- registry, options, --help -------------------------------------------------------------------
 @pytest.mark.parametrize(
     "method,options,match",
@@ -403,6 +712,11 @@ def test_advbct_trains_discriminator_and_radius_but_exports_neither():
         ("unibct", {"affinity": "sym"}, r"allowed values: \['row', 'column'\]"),
         ("advbct", {"grl_alpha": "fast"}, "'grl_alpha' must be a number"),
         ("lwf", {"tau": 2}, r"unknown option 'tau'"),
+        ("bt2", {"extra_dim": 0}, "'extra_dim' = 0 must be >= 1"),
+        ("dsimplex", {"classes": 1}, "'classes' = 1 must be >= 2"),
+        ("dsimplex", {"hoc_lambda": 1.5}, "'hoc_lambda' = 1.5 must be <= 1"),
+        ("dsimplex", {"loss": "ce"}, r"allowed values: \['cores', 'hoc'\]"),
+        ("fct", {"batchnorm": "sync"}, r"allowed values: \['eval', 'train'\]"),
     ],
 )
 def test_bad_options_name_the_key(method, options, match):

@@ -41,6 +41,7 @@ LAYERS = {
     "evaluation": 2,
     "pipeline": 2,
     "backfill": 2,
+    "planning": 2,
     "train": 3,
     "serving": 3,
     "cli": 4,

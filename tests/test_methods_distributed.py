@@ -79,6 +79,11 @@ CASES = [
     ("unibct", "unibct", {"tau": 0.5}, None, "cosface"),
     ("advbct", "advbct", {"grl_alpha": 0.5, "threshold": 0.5}, None, "cosface"),
     ("advbct-dann", "advbct", {"centre_classes": "all"}, None, "cosface"),
+    ("bt2", "bt2", {"extra_dim": 4}, None, "cosface"),
+    ("dsimplex", "dsimplex", {"classes": D_OLD + 1}, D_OLD, "dsimplex"),
+    ("dsimplex-hoc", "dsimplex", {"classes": D_OLD + 1, "loss": "hoc"}, D_OLD, "dsimplex"),
+    ("fct", "fct", {"hidden": 16}, None, "cosface"),  # h's BatchNorm in eval mode (default)
+    ("fct-bn-train", "fct", {"hidden": 16, "batchnorm": "train"}, None, "cosface"),
 ]
 LOCAL = len(BATCH_LABELS) // 2
 
@@ -124,13 +129,14 @@ def _running_stats(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _biases_before_batchnorm(module: nn.Module) -> set[str]:
-    """Names of the Linear biases a BatchNorm follows: their gradient is 0 in train mode
-    (the batch mean removes them), so what is left is rounding noise."""
+    """Names of the Linear biases a BatchNorm in train mode follows: their gradient is 0 (the
+    batch mean removes them), so what is left is rounding noise."""
     names = set()
     for prefix, seq in module.named_modules():
         if isinstance(seq, nn.Sequential):
             for i in range(len(seq) - 1):
-                if isinstance(seq[i], nn.Linear) and isinstance(seq[i + 1], _BatchNorm):
+                follows = isinstance(seq[i + 1], _BatchNorm) and seq[i + 1].training
+                if isinstance(seq[i], nn.Linear) and follows:
                     names.add(f"{prefix}.{i}.bias")
     return names
 
@@ -259,8 +265,8 @@ def test_two_workers_match_one_process(two_workers, case):
     assert stats1.keys() == stats2.keys() and "embedder.bn.running_mean" in stats1
     ran = {n.rsplit(".", 1)[0] for n in stats1 if n.endswith("num_batches_tracked") and stats1[n]}
     assert ("embedder.bn" in ran) == reference.method.trains_embedder, ran  # frozen: eval mode
-    norms = reference.method.named_modules()
-    method_norms = {f"method.{n}" for n, m in norms if isinstance(m, _BatchNorm)}
+    norms = reference.method.named_modules()  # those in train mode (fct: eval by default)
+    method_norms = {f"method.{n}" for n, m in norms if isinstance(m, _BatchNorm) and m.training}
     assert method_norms <= ran, (method_norms, ran)
     for name in stats1:
         assert torch.allclose(stats1[name], stats2[name], rtol=1e-5, atol=1e-6), (
@@ -286,6 +292,7 @@ def test_field_method_passes_are_not_trivial(two_workers):
     assert buffers["unibct"]["prototypes"].abs().sum() > 0
     assert buffers["advbct"]["max_radius"][:3].min() > 0
     assert buffers["advbct-dann"]["has_boundary"].all()  # every class has a centre with "all"
+    assert buffers["bt2"]["pseudo_classifier"].abs().sum(dim=1).min() > 0  # a mean per class
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -299,5 +306,6 @@ def test_every_method_trains_on_two_workers_and_exports_load(two_workers, case):
         "mcl": {"rho", "psi_rev"},
         "cl": {"rho", "psi_rev"},
         "rqt": {"rho", "psi_rev"},
+        "fct": {"fct"},
     }.get(case[1], set())
     assert set(result["exported"]) == expected and all(result["exported"].values())

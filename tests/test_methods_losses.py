@@ -85,23 +85,26 @@ class ShardLoader:
             yield slice_batch(self.batch, rows[start : start + self.batch_size])
 
 
-def old_bundle() -> ModelBundle:
-    """The frozen old model: a linear embedder and a CosFace head over OLD_CLASSES (seeded)."""
+def old_bundle(head: str = "cosface") -> ModelBundle:
+    """The frozen old model: a linear embedder and a CosFace (or ``head``) head over OLD_CLASSES
+    (seeded)."""
     torch.manual_seed(1)
     return ModelBundle(
         {
             "embedder": TinyEmbedder(IN_DIM, D_OLD),
-            "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind="cosface"),
+            "head": ClassifierHead(D_OLD, len(OLD_CLASSES), kind=head),
         },
         {"classes": OLD_CLASSES},
     ).freeze()
 
 
 def build(method: str, options=None, new_dim: int = D_NEW, head: str = "cosface") -> TrainingModule:
-    """A TrainingModule of tiny stand-ins, identical in every process (seeded)."""
-    old = old_bundle()
+    """A TrainingModule of tiny stand-ins, identical in every process (seeded). With the fixed
+    ``dsimplex`` head the old model has one too (every generation shares the simplex)."""
+    old = old_bundle("dsimplex" if head == "dsimplex" else "cosface")
     with torch.no_grad():
-        old.head.weight.normal_()  # well-spread old classifier rows
+        if head != "dsimplex":
+            old.head.weight.normal_()  # well-spread old classifier rows
     context = MethodContext(
         old=old,
         new_classes=NEW_CLASSES,

@@ -35,12 +35,12 @@ def scenario() -> Scenario:
     )
 
 
-def random_bundle(path, classes, seed: int) -> str:
+def random_bundle(path, classes, seed: int, head: str = "cosface") -> str:
     """An untrained (seeded) test_resnet bundle: enough to be a frozen old/initial model."""
     torch.manual_seed(seed)
     modules = {
         "embedder": Embedder("test_resnet", DIM, in_chans=1),
-        "head": ClassifierHead(DIM, len(classes), kind="cosface"),
+        "head": ClassifierHead(DIM, len(classes), kind=head),
     }
     return ModelBundle(
         modules,
@@ -148,6 +148,76 @@ def test_field_methods_train_in_the_ray_train_loop(
     # nothing of these methods is needed at inference (advbct's discriminator and radii included)
     assert set(bundle.modules) == {"embedder", "head"}
     assert bundle.manifest["method"] == method and bundle.manifest["compatible_dim"] == DIM
+
+
+@pytest.fixture(scope="module")
+def field_bundles(scenario, tmp_path_factory) -> dict[str, str]:
+    """The frozen models the bt2, dsimplex and fct runs share: an old model, one with the
+    dsimplex head (K = DIM + 1), and an independent new model (bt2's phi'_n, fct's phi_n)."""
+    root = tmp_path_factory.mktemp("field")
+    old_classes = scenario.splits["old_train"].classes
+    return {
+        "old": random_bundle(root / "old", old_classes, seed=0),
+        "old_simplex": random_bundle(root / "simplex", old_classes, seed=0, head="dsimplex"),
+        "independent": random_bundle(root / "new", scenario.splits["new_train"].classes, 1),
+    }
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("method", ["bt2", "dsimplex", "fct"])
+def test_bt2_dsimplex_fct_train_in_the_ray_train_loop(
+    ray_cluster, scenario, tmp_path, field_bundles, method, workers
+):
+    paths = field_bundles
+    run_values = {
+        "bt2": dict(
+            old_model=paths["old"],
+            method_options={"extra_dim": 8, "independent_model": paths["independent"]},
+        ),
+        "dsimplex": dict(
+            old_model=paths["old_simplex"],
+            head="dsimplex",
+            method_options={"classes": DIM + 1, "loss": "hoc"},
+        ),
+        "fct": dict(
+            old_model=paths["old"],
+            init_model=paths["independent"],
+            method_options={"hidden": 32},
+        ),
+    }[method]
+    run = fit(
+        config(
+            scenario,
+            tmp_path,
+            method=method,
+            num_workers=workers,
+            run_name=f"{method}-{workers}",
+            **run_values,
+        ),
+        export_to=str(tmp_path / method),
+    )
+    last = run.history[-1]
+    terms = {"bt2": ["pseudo_cls", "old_cosine", "new_cosine"], "dsimplex": ["hoc"]}
+    for term in terms.get(method, ["fct"]) + ["loss"]:
+        assert last["num_workers"] == workers and math.isfinite(last[f"loss/{term}"]), last
+    bundle = run.load()
+    x = torch.randn(3, 1, 32, 32)
+    with torch.no_grad():
+        emb = bundle.embedder(x)
+    assert bundle.manifest["compatible_dim"] == DIM
+    if method == "bt2":  # the deployed embedding: D_n + A dims, the first D_o compatible
+        assert bundle.manifest["modules"]["embedder"]["type"] == "bt2"
+        assert emb.shape == (3, DIM + 8) and bundle.manifest["embed_dim"] == DIM + 8
+    elif method == "dsimplex":  # the old classes keep their simplex labels, the others follow
+        old = ModelBundle.load(paths["old_simplex"])
+        labels = dict(zip(bundle.classes, bundle.head.vertices, strict=True))
+        assert [labels[c] for c in old.classes] == old.head.vertices
+        assert sorted(labels.values()) == list(range(len(labels)))
+    else:  # phi_n frozen: the independent model; h exported as 'fct'
+        assert set(bundle.modules) == {"embedder", "head", "fct"}
+        frozen = ModelBundle.load(paths["independent"])
+        with torch.no_grad():
+            assert torch.equal(emb, frozen.embedder(x))
 
 
 def test_train_ract_job_help_and_early_config_error():

@@ -211,6 +211,39 @@ def test_seeds_train_every_model_once_per_seed(tmp_path):
     assert parse_reproduce_options(["--seeds", "3", "--resamples", "200"]).seeds == 3
 
 
+def test_methods_all_plans_the_field_methods_where_they_fit(tmp_path):
+    from raycompat.reproduce.runner import Reproduction
+
+    opts = parse_reproduce_options(["--methods", "all", "--out", str(tmp_path)])
+    field = ("lwf", "fd", "lce", "unibct", "advbct", "bt2", "dsimplex", "fct")
+    assert set(field) <= set(opts.methods)
+    opts = dataclasses.replace(opts, sizes=TINY_SIZES, training=TINY)
+    rep = Reproduction(opts, str(tmp_path), log=lambda m: None)
+    rep.plan_all()  # every configuration checked on the driver, nothing trained
+    models = rep.models
+    for scenario in ("extended-data", "open-class", "architecture"):
+        paragon = models[f"{scenario}/independent"]
+        bt2, fct = models[f"{scenario}/bt2"], models[f"{scenario}/fct"]
+        # bt2 reuses the paragon as its independent new model, fct freezes it as phi_n
+        assert bt2.values["method_options"]["independent_model"] == paragon.path
+        assert fct.values["init_model"] == paragon.path and fct.values["method"] == "fct"
+        assert paragon.key in bt2.deps and paragon.key in fct.deps
+        assert {f"{scenario}/{m}" for m in field if m != "dsimplex"} <= set(models)
+        assert f"{scenario}/dsimplex" not in models
+        why = dict(opts.skipped(scenario))["dsimplex"]
+        assert "same simplex head" in why
+    # dsimplex: its own chain of three generations, all with the simplex head (K = 16 classes)
+    gen1, gen2, gen3 = (models[f"sequential/dsimplex-gen{g}"] for g in (1, 2, 3))
+    assert gen1.values["method"] == "independent" and gen1.key != models["sequential/gen1"].key
+    for gen, old in ((gen2, gen1), (gen3, gen2)):
+        assert gen.values["method"] == "dsimplex" and gen.values["old_model"] == old.path
+        assert gen.values["method_options"]["classes"] == 16
+    for gen in (gen1, gen2, gen3):
+        assert gen.values["head"] == "dsimplex" and gen.values["embed_dim"] == 15
+    assert not any(name.startswith(("sequential/bt2", "sequential/fct")) for name in models)
+    assert "paragon (new*) of its generation" in dict(opts.skipped("sequential"))["fct"]
+
+
 def test_merged_seeds_average_every_number():
     from raycompat.reproduce.intervals import merge_seeds
 

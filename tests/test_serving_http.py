@@ -1160,13 +1160,17 @@ def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfil
         assert r.status_code == 503 and "Retry-After" in r.headers, r.text
         assert "no space left on device at" in r.json()["error"]
         assert "nothing of shard" in r.json()["error"]
+        log_error = client.status()["shards"][0]["storage"]["log_error"]  # the probe's finding
+        assert "no space left on device at " + state in log_error, log_error
         assert not [f for f in _state_files(state) if f.endswith(".tmp")]
         os.unlink(os.path.join(fs, "filler"))
         os.unlink(os.path.join(fs, "filler2"))
         bf = client.resume_backfill()
         assert bf["state"] == "running" and bf["error"] is None and bf["worker_alive"]
         assert client.wait_backfill(600)["state"] == "done"
-        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": 600}
+        st = client.status()
+        assert st["items"] == {"old": 0, "adapted": 0, "new": 600}
+        assert [s["storage"]["log_error"] for s in st["shards"]] == [None, None]  # appends work
         reps, _ = _shard_handle("full", 0).lookup.remote(victims).result()
         assert set(reps) == {"new"}  # the refused upsert never landed
     finally:

@@ -118,7 +118,7 @@ def test_bad_method_options_name_the_key(scenario, old_bundle, method, options, 
         (
             {"head": "sphereface"},
             r"'head' = 'sphereface' is not allowed; allowed values: "
-            r"\['softmax', 'cosface', 'arcface'\]",
+            r"\['softmax', 'cosface', 'arcface', 'dsimplex'\]",
         ),
         ({"optimizer": "adam"}, r"allowed values: \['sgd', 'adamw'\]"),
         ({"resolution": 4}, r"resolution must be >= 8 pixels, got 4"),
@@ -143,6 +143,14 @@ def test_bad_method_options_name_the_key(scenario, old_bundle, method, options, 
         ),
         ({"method": "mcl"}, r"method 'mcl' needs init_model"),
         ({"lr": "fast"}, r"'lr' must be a number, got 'fast'"),
+        (
+            {"method": "independent", "head": "dsimplex", "embed_dim": 4, "old_model": None},
+            r"embed_dim 4 has K = 5 simplex vertices, but split 'new_train' has \d+ classes",
+        ),
+        (
+            {"method": "dsimplex", "head": "dsimplex", "method_options": {"classes": 33}},
+            r"needs an old model trained with the same simplex head \(dsimplex, K = 33\)",
+        ),
     ],
 )
 def test_bad_train_config_values_name_the_key(scenario, old_bundle, values, message):

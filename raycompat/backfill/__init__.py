@@ -5,8 +5,12 @@ Modules (one concept each):
 * :mod:`~raycompat.backfill.gallery`   -- :class:`GalleryEmbeddings`, parquet loading, input errors
 * :mod:`~raycompat.backfill.grid`      -- backfill fractions, the rounding rule, segments
 * :mod:`~raycompat.backfill.policies`  -- backfill orders, one module per policy behind one registry
-  (random, sequential, uncertainty, hinge-benefit, learned); :func:`policy_order` is the one
-  dispatch, shared by the simulator and the live backfill controller
+  (random, sequential, uncertainty, hinge-benefit, learned, cost-aware, demand,
+  upgrade-on-read); :func:`policy_order` is the one dispatch, shared by the simulator and the
+  live backfill controller
+* :mod:`~raycompat.backfill.query_log` -- a query log read and matched with a gallery: its
+  queries' top-k, the items' popularity, the searches in time order (demand, upgrade-on-read,
+  frequency-weighted metrics)
 * :mod:`~raycompat.backfill.modes`     -- query modes (one registered ModeSpec each) as score sides
   (compatible, adapted, rank_merge, ...)
 * :mod:`~raycompat.backfill.blocks`    -- blockwise float32 scoring with torch (CPU/GPU),
@@ -58,6 +62,8 @@ _EXPORTS = {
     "PolicyInputs": "policies",
     "UncertaintyHead": "policies",
     "policy_order": "policies",
+    "QueryLog": "query_log",
+    "read_query_log": "query_log",
     "Curve": "simulator",
     "SimulationResult": "simulator",
     "backfill_curve_rows": "simulator",
@@ -83,6 +89,7 @@ __all__ = [
     "POLICIES",
     "ParquetGallery",
     "PolicyInputs",
+    "QueryLog",
     "SERVED_MODES",
     "SideBuilder",
     "SimulationResult",
@@ -97,6 +104,7 @@ __all__ = [
     "measure_items_per_s",
     "mode_spec",
     "policy_order",
+    "read_query_log",
     "simulate_backfill",
     "simulate_backfill_dataset",
 ]

@@ -12,6 +12,14 @@ forward passes of the new embedder on random inputs of the model's size).
 ``device`` says what the rate was measured on: ``"gpu"`` (a given rate, or one
 measured on CUDA) labels it "items/s per GPU"; any other device (``"cpu"``)
 labels it "items/s on cpu", and ``num_gpus`` counts such workers.
+
+Items of unequal cost (docs/methods.md, "cost-aware"): with a cost column (``unit``: its
+name; bytes of the image, pixels, a storage tier's price) the rate counts cost units per second
+and the time axis is the summed cost of what was backfilled,
+
+    seconds(t) = sum of c_i over the first n(t) items of the order / (rate * num_gpus),
+
+so :meth:`CostModel.seconds` takes that sum (``work``) instead of the count.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ class CostModel:
     num_gpus: int = 1
     source: str = "given"  # "given" or "measured: ..."
     device: str = "gpu"
+    #: what the rate counts: ``items``, or the cost column whose units it counts
+    unit: str = "items"
 
     def __post_init__(self):
         r = self.items_per_s_per_gpu
@@ -50,6 +60,7 @@ class CostModel:
         self.items_per_s_per_gpu = float(r)
         self.num_gpus = int(self.num_gpus)
         self.device = str(self.device).strip().lower() or "gpu"
+        self.unit = str(self.unit).strip() or "items"
 
     @property
     def items_per_s(self) -> float:
@@ -60,9 +71,15 @@ class CostModel:
         return self.device == "gpu" or self.device.startswith("cuda")
 
     @property
+    def by_cost(self) -> bool:
+        """Whether the rate counts a cost column's units (the time axis sums the costs)."""
+        return self.unit != "items"
+
+    @property
     def rate_label(self) -> str:
-        """The rate's unit: ``"items/s per GPU"`` or ``"items/s on cpu"``."""
-        return "items/s per GPU" if self.on_gpu else f"items/s on {self.device}"
+        """The rate's unit: ``"items/s per GPU"``, ``"items/s on cpu"``, or ``"<unit>/s per GPU"``
+        with a cost column."""
+        return f"{self.unit}/s per GPU" if self.on_gpu else f"{self.unit}/s on {self.device}"
 
     @property
     def workers_label(self) -> str:
@@ -75,9 +92,10 @@ class CostModel:
             f"{self.items_per_s_per_gpu:g} {self.rate_label} x {self.num_gpus} {self.workers_label}"
         )
 
-    def seconds(self, counts) -> np.ndarray:
-        """Simulated seconds to backfill ``counts`` items (float64 array)."""
-        return np.asarray(counts, dtype=np.float64) / self.items_per_s
+    def seconds(self, work) -> np.ndarray:
+        """Simulated seconds to backfill ``work``: a count of items, or with a cost column
+        (:attr:`by_cost`) the summed cost of the items backfilled (float64 array)."""
+        return np.asarray(work, dtype=np.float64) / self.items_per_s
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -8,7 +8,7 @@ by one cheap pass over the footers and the ``item_id`` / ``label`` / ``split`` /
 * the row groups of every file (:class:`~raycompat.backfill.embeddings_parquet.RowGroup`: the
   unit of work of a block pass), with the gallery index of their first gallery row;
 * the label of every gallery item (matched by class name like ``load_parquet``) and every
-  item id;
+  item id (and, with ``cost_column``, every item's backfill cost);
 * the queries' vectors (query-sized).
 
 Gallery vectors are read by :meth:`ParquetGallery.read_block`, one row group at a time, by
@@ -78,6 +78,8 @@ class ParquetGallery:
     queries: dict[str, np.ndarray]  # vector column -> [Q, D] float32
     compatible_dim: int | None = None
     label_note: str | None = None
+    #: every gallery item's backfill cost (``cost_column``), or None (1 for every item)
+    gallery_costs: np.ndarray | None = None
 
     @property
     def n_items(self) -> int:
@@ -122,16 +124,28 @@ class ParquetGallery:
     def uncertainty_columns(self) -> list[str]:
         return self.reader.uncertainty_columns
 
+    @property
+    def item_columns(self) -> list[str]:
+        """Stored uncertainty columns and the cost column: one number per item."""
+        return self.reader.item_columns
+
+    @property
+    def cost_column(self) -> str | None:
+        return self.reader.cost_column
+
     # ------------------------------------------------------------------ open
     @classmethod
-    def open(cls, path: str, *, compatible_dim: int | None = None) -> ParquetGallery:
-        """The footer and key-column pass: shards, row groups, labels, ids, queries."""
+    def open(
+        cls, path: str, *, compatible_dim: int | None = None, cost_column: str | None = None
+    ) -> ParquetGallery:
+        """The footer and key-column pass: shards, row groups, labels, ids, queries (and the
+        items' costs from ``cost_column``)."""
         with _system_allocator():
-            return cls._open(path, compatible_dim)
+            return cls._open(path, compatible_dim, cost_column)
 
     @classmethod
-    def _open(cls, path: str, compatible_dim: int | None) -> ParquetGallery:
-        reader = EmbeddingsParquet.open(path)
+    def _open(cls, path: str, compatible_dim: int | None, cost_column: str | None):
+        reader = EmbeddingsParquet.open(path, cost_column=cost_column)
         keys = reader.read_keys()
         keys.require_both_sides(reader.source)
         is_q = keys.kind == QUERY
@@ -148,7 +162,18 @@ class ParquetGallery:
         )
         del keys, is_q
         out.queries = out._read_queries()
+        if cost_column:
+            out.gallery_costs = out._read_costs()
         return out
+
+    def _read_costs(self) -> np.ndarray:
+        """The cost column of every gallery row, in gallery order (checked by the reader)."""
+        parts = [
+            self.reader.read_group(g, [self.cost_column]).values[self.cost_column]
+            for g in self.groups
+            if g.gallery_rows
+        ]
+        return np.concatenate(parts)
 
     @property
     def old_dim(self) -> int:
@@ -208,6 +233,7 @@ class ParquetGallery:
                 compatible_dim=self.compatible_dim,
                 source=group.name,
                 extra=_stored_uncertainty(cols),
+                item_costs=cols.get(self.cost_column) if self.cost_column else None,
                 **queries,
             )
         except BackfillInputError as exc:
@@ -217,7 +243,7 @@ class ParquetGallery:
         """A copy without the per-item arrays (what a block task needs: files, row groups,
         dims, queries)."""
         empty = np.zeros(0, dtype=np.int64)
-        return replace(self, gallery_labels=empty, gallery_ids=empty)
+        return replace(self, gallery_labels=empty, gallery_ids=empty, gallery_costs=None)
 
 
 def _stored_uncertainty(cols: dict[str, np.ndarray]) -> dict:

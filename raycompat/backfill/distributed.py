@@ -13,6 +13,9 @@ it assembles), run another way (docs/architecture.md, "Distributed backfill simu
    (:meth:`raycompat.backfill.policies.Policy.block_scorer`); the global order sorts those
    scores, highest first and ties by lower gallery index -- on the driver, or with Ray Data's
    sort above ``sort_above`` items -- so it does not depend on the blocks or the workers;
+   a query log's top-k (``demand``, ``upgrade-on-read``) is one task per row group too, the
+   canonical top-k lists merged on the driver (:func:`raycompat.backfill.query_log.block_topk`),
+   and a policy built on a base order gets the base's global order first;
 4. one task per row group reads its rows, builds the score sides with the in-memory code
    (:class:`~raycompat.backfill.modes.SideBuilder`) and runs
    :func:`~raycompat.backfill.block_pass.block_pass_rows`; the driver adds the histograms as they
@@ -136,6 +139,17 @@ def _norm_task(ctx: _Context, group: RowGroup, sides: list[str], rank_merge_dist
     builder = SideBuilder(ctx.block(group))
     out = {s: _max_row_norm(builder.side(s).gallery) for s in sides}
     return out, _task_info(t0, group)
+
+
+def _log_topk_task(ctx: _Context, group: RowGroup, side: str, queries: np.ndarray, k: int):
+    """The canonical top-k of the query log's queries among one row group's gallery rows on
+    score side ``side`` (a mode's t=0 side)."""
+    from raycompat.backfill.modes import SideBuilder
+    from raycompat.backfill.query_log import block_topk
+
+    t0 = time.perf_counter()
+    gallery = SideBuilder(ctx.block(group)).side(side).gallery
+    return block_topk(queries, gallery, group.g0, k), _task_info(t0, group)
 
 
 def _pass_task(ctx: _Context, group: RowGroup, plan, seg_rows: np.ndarray):
@@ -266,7 +280,8 @@ def _gather(run: DatasetRun, ctx: _Context, ctx_ref, items: np.ndarray, step: st
         parts[i] = res
     cols = {c: np.concatenate([p[0][c] for p in parts]) for c in ctx.columns}
     names = {"old": "gallery_old", "new": "gallery_new", "adapted": "gallery_adapted"}
-    stored = {c[len("unc_") :]: v for c, v in cols.items() if c.startswith("unc_")}
+    cost = ds.cost_column
+    stored = {c[len("unc_") :]: v for c, v in cols.items() if c.startswith("unc_") and c != cost}
     data = GalleryEmbeddings(
         gallery_labels=ds.gallery_labels[items],
         query_labels=ds.query_labels,
@@ -275,6 +290,7 @@ def _gather(run: DatasetRun, ctx: _Context, ctx_ref, items: np.ndarray, step: st
         compatible_dim=ds.compatible_dim,
         source=ds.source,
         extra={"uncertainty": stored} if stored else {},
+        item_costs=cols.get(cost) if cost else None,
         **{names[c]: v for c, v in cols.items() if c in names},
         **ctx.queries,
     )
@@ -347,22 +363,31 @@ def simulate_backfill_dataset(
     debug: bool = False,
     options: DistributedOptions | None = None,
     bootstrap=None,
+    query_log=None,
+    policy_options=None,
 ):
     """:func:`raycompat.backfill.simulate_backfill` on a streamed parquet dataset, on Ray: the
     same curves, value for value (arguments as there; ``modules``: the new bundle's psi / rho
-    / psi_rev modules, applied to each block; ``block_bytes``: the engine's score blocks)."""
+    / psi_rev modules, applied to each block; ``block_bytes``: the engine's score blocks; the
+    items' costs come from the dataset's cost column, ``ParquetGallery.open(cost_column=)``)."""
     from raycompat.backfill import simulator as sim
     from raycompat.backfill.modes import SideBuilder
-    from raycompat.backfill.policies import PolicyInputs
+    from raycompat.backfill.policies import PolicyInputs, PolicyOptions
 
     t_all = time.perf_counter()
     say = progress or (lambda msg: None)
     run = DatasetRun(dataset, options or DistributedOptions(), say)
     mods = _Modules(dict(modules)) if modules else None
-    columns = dataset.vector_columns + dataset.uncertainty_columns
+    columns = dataset.vector_columns + dataset.item_columns
     ctx = _Context(dataset.without_items(), dataset.query_arrays(), columns, mods)
     pairs_items, small, ctx_ref = _read_positives(run, ctx)
     builder = SideBuilder(small)
+    policy_options = policy_options or PolicyOptions()
+    reads = None
+    if query_log is not None:
+        reads = _log_searches(
+            run, ctx_ref, small, query_log, policy_options.demand_k, rank_merge_distance
+        )
     inputs = PolicyInputs(
         n_items=dataset.n_items,
         data=small,
@@ -372,6 +397,8 @@ def simulate_backfill_dataset(
         rank_merge_distance=rank_merge_distance,
         block_bytes=None,  # the hinge-benefit blocks as in memory: the same float64 sums
         sides=builder,
+        options=policy_options,
+        reads=reads,
     )
     plan = sim._check_inputs(
         small, policies, modes, k, fractions, grid_step, reference_correct, inputs
@@ -382,7 +409,7 @@ def simulate_backfill_dataset(
     summaries = _summaries(run, ctx_ref, curves, builder, pairs_items, rank_merge_distance)
     res = _ranks(run, ctx_ref, summaries, curves, block_bytes, debug)
     stats = {"policy_seconds": policy_seconds, "distributed": _run_stats(run), "t_start": t_all}
-    ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders)
+    ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders, dataset.gallery_costs)
     result = ranked.result(dataset.n_queries, reference_correct, references, cost, stats)
     result.config["engine"] = "ray"
     if bootstrap is not None:
@@ -405,6 +432,27 @@ def _read_positives(run: DatasetRun, ctx: _Context):
         if getattr(small, n) is not None
     }
     return items, small, ray.put(ctx)
+
+
+def _log_searches(run: DatasetRun, ctx_ref, small, log, k: int, distance: str):
+    """``log`` matched with the streamed dataset: each mode's t=0 top-k from one task per row
+    group, merged on the driver (the same lists as in memory: canonical scores)."""
+    from raycompat.backfill.modes import mode_spec
+    from raycompat.backfill.query_log import log_query_side, log_searches, merge_topk
+
+    holder: dict = {}
+
+    def search(mode: str) -> np.ndarray:
+        side = mode_spec(mode, distance).old_side
+        queries = log_query_side(log, small, holder["reads"].eval_rows, side)
+        jobs = [(g, (side, queries, k)) for g in run.dataset.groups if g.gallery_rows]
+        best = (np.full((queries.shape[0], k), -np.inf), np.full((queries.shape[0], k), -1))
+        for _, part in run.map(f"query log top-{k} {mode}", _log_topk_task, ctx_ref, jobs):
+            best = merge_topk([best, part], k)
+        return best[1]
+
+    holder["reads"] = log_searches(log, small, run.dataset.gallery_ids, k, search)
+    return holder["reads"]
 
 
 def _ranks(run: DatasetRun, ctx_ref, summaries, curves, block_bytes: int, debug: bool):
@@ -440,7 +488,7 @@ def _dataset_orders(run, ctx, ctx_ref, plan, inputs, items: np.ndarray, say):
     """``{(policy, hot mode): order}``: from N on the driver, or from block scores."""
     from dataclasses import replace
 
-    from raycompat.backfill.policies import policy_class, policy_order
+    from raycompat.backfill.policies import check_order, policy_class, policy_order
     from raycompat.backfill.policies.base import DatasetAccess
 
     access = DatasetAccess(
@@ -449,17 +497,32 @@ def _dataset_orders(run, ctx, ctx_ref, plan, inputs, items: np.ndarray, say):
     orders: dict[tuple, np.ndarray] = {}
     seconds: dict[str, float] = {}
     hot = [m for m in plan.modes if plan.specs[m].schedule == "hot"]
+
+    done: dict[tuple, np.ndarray] = {}  # base orders are computed once
+
+    def order_of(p: str, m: str) -> np.ndarray:
+        policy = policy_class(p)()
+        key = (p, m if policy.per_mode else None)
+        if key in done:
+            return done[key]
+        mine = replace(inputs, mode=m)
+        base = policy.base_policy(mine)
+        if base is not None:  # demand, upgrade-on-read: from the base's global order
+            order = check_order(policy.order_with_base(mine, order_of(base, m)), inputs.n_items)
+        elif (scorer := policy.block_scorer(mine, access)) is None:
+            order = policy_order(p, replace(mine, data=None))
+        else:
+            step = f"policy {p}" + (f" {m}" if policy.per_mode else "")
+            order = _order(run, ctx_ref, scorer, step)
+        done[key] = order
+        return order
+
     for p in plan.policies:
         t0 = time.perf_counter()
-        policy = policy_class(p)()
-        for m in hot if policy.per_mode else hot[:1]:
-            scorer = policy.block_scorer(replace(inputs, mode=m), access)
-            if scorer is None:
-                order = policy_order(p, replace(inputs, data=None))
-            else:
-                step = f"policy {p}" + (f" {m}" if policy.per_mode else "")
-                order = _order(run, ctx_ref, scorer, step)
-            for mm in [m] if policy.per_mode else hot:
+        per_mode = policy_class(p).per_mode
+        for m in hot if per_mode else hot[:1]:
+            order = order_of(p, m)
+            for mm in [m] if per_mode else hot:
                 orders[(p, mm)] = order
         seconds[p] = time.perf_counter() - t0
         say(f"policy {p}: order ready")

@@ -14,6 +14,8 @@ old         fixed_size_list<float32>[D_old]  phi_o(x), the old model's embedding
 new         fixed_size_list<float32>[D_new]  phi_n(x), the new model's embedding
 adapted     fixed_size_list<float32>[D_new]  optional: psi(phi_o(x)) (DMU forward adaptation)
 unc_<kind>  float64, optional                stored uncertainty (the embed-gallery job)
+<cost>      number, optional                 an item's backfill cost (``cost_column``: bytes,
+                                             pixels, a storage tier's price), finite and > 0
 ==========  ===============================  ==============================================
 
 Plain ``list<float>`` columns with one length per column, and float16/float64 values, are
@@ -26,14 +28,15 @@ starting with ``_`` or ``.`` are metadata) or a URI pyarrow opens, resolved by
 * :meth:`~EmbeddingsParquet.open`: file list and footers only -- unreadable file, missing
   column, ``item_id`` not integer, class names in some files only, files with other columns,
   a fixed vector dimension that differs between files (both files named), ``adapted`` vs
-  ``new``;
+  ``new``, a cost column that is missing or not numeric;
 * :meth:`~EmbeddingsParquet.read_keys`: ``item_id`` / ``label`` / ``split`` / ``class_name``
   of every row -- nulls, unknown splits, class names vs labels (:func:`labels_by_class_name`),
   duplicate ids within a side (with the files holding them), an empty side;
 * :meth:`~EmbeddingsParquet.read_group` / :meth:`~EmbeddingsParquet.iter_rows`: the asked-for
   columns only, a row group at a time, vectors straight to float32 ``[n, D]`` -- null
   vectors, list lengths, a dimension that differs from the other files', NaN/inf rows (with
-  their item ids).  :meth:`~EmbeddingsParquet.collect` is every row group in memory.
+  their item ids), a gallery row whose cost is null, NaN, inf or not > 0 (with its item
+  ids).  :meth:`~EmbeddingsParquet.collect` is every row group in memory.
 
 Every problem raises :class:`BackfillInputError`, one line naming the file and the column.
 """
@@ -59,6 +62,7 @@ __all__ = [
     "SPLITS",
     "UNCERTAINTY_PREFIX",
     "VECTOR_COLUMNS",
+    "cost_values",
     "duplicate_ids",
     "duplicate_ids_error",
     "ids_preview",
@@ -217,14 +221,25 @@ class EmbeddingsParquet:
     group_rows: list[list[int]]  # per file: the rows of each row group
     group_bytes: list[list[int]]  # per file: compressed bytes of each row group's vectors
     filesystem: object = field(default=None, repr=False)
+    #: the column holding each item's backfill cost (read as float64, checked), or None
+    cost_column: str | None = None
 
     @classmethod
-    def open(cls, location: str, required: Sequence[str] = REQUIRED_COLUMNS) -> EmbeddingsParquet:
-        """Resolve ``location``, list its files and check their footers (module docstring)."""
+    def open(
+        cls,
+        location: str,
+        required: Sequence[str] = REQUIRED_COLUMNS,
+        cost_column: str | None = None,
+    ) -> EmbeddingsParquet:
+        """Resolve ``location``, list its files and check their footers (module docstring);
+        ``cost_column``: a numeric column every file must have (an item's backfill cost)."""
         storage = _open_location(location)
         files = _list_files(storage.filesystem, storage.root, location)
         metas = [_metadata(storage.filesystem, f) for f in files]
-        columns, dims = _check_schemas(files, metas, tuple(required), storage.uri)
+        need = tuple(required) + ((cost_column,) if cost_column else ())
+        columns, dims = _check_schemas(files, metas, need, storage.uri)
+        if cost_column:
+            _check_cost_type(files, metas, cost_column)
         return cls(
             source=storage.uri,
             files=files,
@@ -233,6 +248,7 @@ class EmbeddingsParquet:
             group_rows=[[m.row_group(i).num_rows for i in range(m.num_row_groups)] for m in metas],
             group_bytes=[[_vector_bytes(m, i) for i in range(m.num_row_groups)] for m in metas],
             filesystem=storage.filesystem,
+            cost_column=cost_column or None,
         )
 
     @property
@@ -242,6 +258,11 @@ class EmbeddingsParquet:
     @property
     def uncertainty_columns(self) -> list[str]:
         return [c for c in self.columns if c.startswith(UNCERTAINTY_PREFIX)]
+
+    @property
+    def item_columns(self) -> list[str]:
+        """The per-item number columns a block reads: stored uncertainty, and the cost."""
+        return self.uncertainty_columns + ([self.cost_column] if self.cost_column else [])
 
     @property
     def nbytes(self) -> int:
@@ -345,7 +366,9 @@ class EmbeddingsParquet:
         ids = table.column("item_id").to_numpy().astype(np.int64)
         values: dict[str, np.ndarray] = {}
         for c in columns:
-            if c.startswith(UNCERTAINTY_PREFIX):
+            if c == self.cost_column:
+                values[c] = cost_values(table, c, ids, kind, where)
+            elif c.startswith(UNCERTAINTY_PREFIX):
                 values[c] = table.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
             else:
                 values[c] = self._vectors(table, c, ids, where)
@@ -495,6 +518,35 @@ def _check_adapted_dim(dims: dict[str, int], where: str) -> None:
             f"dimension mismatch: column 'adapted' has dim {dims['adapted']}, "
             f"column 'new' has dim {dims['new']} in {where}"
         )
+
+
+def _check_cost_type(files: list[str], metas, column: str) -> None:
+    """The cost column holds numbers (integers or floats) in every file."""
+    import pyarrow as pa
+
+    for f, m in zip(files, metas, strict=True):
+        t = m.schema.to_arrow_schema().field(column).type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+            raise BackfillInputError(
+                f"cost column {column!r} of {f} must hold numbers (bytes, pixels, a price), got {t}"
+            )
+
+
+def cost_values(table, column: str, ids: np.ndarray, kind: np.ndarray, where: str) -> np.ndarray:
+    """float64 per row of cost column ``column``; a gallery row whose cost is null, NaN, inf or
+    not > 0 names the column, ``where`` and its item ids (query rows are not checked)."""
+    col = table.column(column)
+    values = col.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls read as NaN
+    gallery = np.asarray(kind) == GALLERY
+    with np.errstate(invalid="ignore"):
+        bad = gallery & ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        raise BackfillInputError(
+            f"cost column {column!r} of {where}: {int(bad.sum())} item(s) with a cost that is "
+            f"not a finite number > 0 ({ids_preview(values[bad])}), item ids "
+            f"{ids_preview(ids[bad])}"
+        )
+    return values
 
 
 def _vector_bytes(meta, i: int) -> int:

@@ -29,6 +29,7 @@ from raycompat.backfill.embeddings_parquet import (
     Rows,
     duplicate_ids,
     duplicate_ids_error,
+    ids_preview,
     nonfinite_error,
     nonfinite_rows,
 )
@@ -36,6 +37,7 @@ from raycompat.backfill.embeddings_parquet import (
 __all__ = [
     "BackfillInputError",
     "GalleryEmbeddings",
+    "load_item_costs",
     "load_parquet",
     "SPLITS",
     "VECTOR_COLUMNS",
@@ -48,7 +50,8 @@ class GalleryEmbeddings:
 
     Gallery side (``N`` items): ``gallery_old`` phi_o(g) is required;
     ``gallery_new`` phi_n(g), ``gallery_adapted`` psi(phi_o(g)) and
-    ``gallery_rho`` rho(phi_n(g)) are needed by the modes that use them.
+    ``gallery_rho`` rho(phi_n(g)) are needed by the modes that use them, ``gallery_fct``
+    h(phi_o(g)) (FCT's transformation, mode ``fct``) too.
     Query side (``Q`` queries): ``query_old`` phi_o(q) (naive_merge, cold and the
     old-old reference for NFR), ``query_new`` phi_n(q), ``query_rho``
     rho(phi_n(q)) and ``query_rev`` psi_rev(rho(phi_n(q))) (rank_merge).
@@ -56,7 +59,9 @@ class GalleryEmbeddings:
     ``compatible_dim``: the first ``compatible_dim`` dims of a new embedding
     form the subspace compatible with the old model (default ``D_old`` when
     ``D_new >= D_old``).  ``normalized=True`` promises that every vector is
-    already L2-normalised, so the modes skip a normalising copy.
+    already L2-normalised, so the modes skip a normalising copy.  ``item_costs``: each
+    gallery item's backfill cost (float64 ``[N]``, finite and > 0; ``None``: 1 for every item;
+    docs/methods.md, "cost-aware").
     """
 
     gallery_labels: np.ndarray
@@ -75,6 +80,8 @@ class GalleryEmbeddings:
     normalized: bool = False
     source: str = "memory"
     extra: dict[str, object] = field(default_factory=dict)
+    item_costs: np.ndarray | None = None
+    gallery_fct: np.ndarray | None = None
 
     def __post_init__(self):
         self.gallery_labels = np.asarray(self.gallery_labels)
@@ -90,6 +97,7 @@ class GalleryEmbeddings:
             "gallery_new",
             "gallery_adapted",
             "gallery_rho",
+            "gallery_fct",
             "query_old",
             "query_new",
             "query_rho",
@@ -103,7 +111,15 @@ class GalleryEmbeddings:
                         raise BackfillInputError(f"{name} must be numeric, got dtype {a.dtype}")
                     a = a.astype(np.float32)
                 setattr(self, name, a)
+        if self.item_costs is not None:
+            self.item_costs = np.asarray(self.item_costs, dtype=np.float64)
         self.validate()
+
+    def costs(self) -> np.ndarray:
+        """Every item's backfill cost: ``item_costs``, or 1 for every item."""
+        if self.item_costs is None:
+            return np.ones(self.n_items, dtype=np.float64)
+        return self.item_costs
 
     # ------------------------------------------------------------------ shape info
     @property
@@ -158,7 +174,11 @@ class GalleryEmbeddings:
                 f"{self.query_ids.shape} query ids for {q} queries"
             )
         for _side, rows, names in (
-            ("gallery", n, ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho")),
+            (
+                "gallery",
+                n,
+                ("gallery_old", "gallery_new", "gallery_adapted", "gallery_rho", "gallery_fct"),
+            ),
             ("query", q, ("query_old", "query_new", "query_rho", "query_rev")),
         ):
             for name in names:
@@ -180,6 +200,7 @@ class GalleryEmbeddings:
             ("gallery_new", "gallery_adapted"),
             ("query_new", "gallery_adapted"),
             ("query_rho", "gallery_rho"),
+            ("query_new", "gallery_fct"),
             ("query_rev", "gallery_old"),
         ]
         for a_name, b_name in pairs:
@@ -203,6 +224,7 @@ class GalleryEmbeddings:
             "gallery_new",
             "gallery_adapted",
             "gallery_rho",
+            "gallery_fct",
             "query_old",
             "query_new",
             "query_rho",
@@ -219,6 +241,19 @@ class GalleryEmbeddings:
             dups = duplicate_ids(ids)
             if dups.size:
                 raise duplicate_ids_error(what, dups)
+        c = self.item_costs
+        if c is not None:
+            if c.shape != (self.n_items,):
+                raise BackfillInputError(
+                    f"item_costs has shape {c.shape}, expected one cost per item [{self.n_items}]"
+                )
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.isfinite(c) & (c > 0))
+            if bad.any():
+                raise BackfillInputError(
+                    f"item costs must be finite numbers > 0: {int(bad.sum())} item(s) are not, "
+                    f"item ids {ids_preview(self.gallery_ids[bad])}"
+                )
 
     def require(self, names: Sequence[str], why: str) -> None:
         """Raise naming the first missing array among ``names`` (``why``: who needs it)."""
@@ -232,15 +267,17 @@ class GalleryEmbeddings:
 
 
 # ----------------------------------------------------------------------------- parquet
-def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbeddings:
+def load_parquet(
+    path: str, *, compatible_dim: int | None = None, cost_column: str | None = None
+) -> GalleryEmbeddings:
     """Read embeddings from a parquet file, a folder of parquet files (subfolders included)
     or a URI: the streaming reader, collected.  Queries and gallery items are matched by
     ``class_name`` when the files store it (every file this project writes does), else by
-    ``label``."""
-    reader = EmbeddingsParquet.open(path)
+    ``label``.  ``cost_column``: the column of every item's backfill cost (``item_costs``)."""
+    reader = EmbeddingsParquet.open(path, cost_column=cost_column)
     keys = reader.read_keys()
     keys.require_both_sides(reader.source)
-    sides = _collect_sides(reader, reader.vector_columns + reader.uncertainty_columns)
+    sides = _collect_sides(reader, reader.vector_columns + reader.item_columns)
     gallery, queries = sides[GALLERY], sides[QUERY]
     is_g = keys.kind == GALLERY
     if not (
@@ -268,7 +305,23 @@ def load_parquet(path: str, *, compatible_dim: int | None = None) -> GalleryEmbe
         compatible_dim=compatible_dim,
         source=reader.source,
         extra=extra,
+        item_costs=gallery.values.get(cost_column) if cost_column else None,
     )
+
+
+def load_item_costs(path: str, cost_column: str, gallery_ids: np.ndarray) -> np.ndarray:
+    """The cost column of an embeddings parquet for the items ``gallery_ids`` (in that order),
+    read and checked by the one reader of the schema (what a served gallery's backfill reads
+    when its vectors are already loaded)."""
+    reader = EmbeddingsParquet.open(path, required=("item_id",), cost_column=cost_column)
+    rows = _collect_sides(reader, [cost_column])[GALLERY]
+    o = np.argsort(rows.ids, kind="stable")
+    ids = np.asarray(gallery_ids, dtype=np.int64)
+    pos = np.minimum(np.searchsorted(rows.ids[o], ids), max(rows.ids.size - 1, 0))
+    missing = rows.ids.size == 0 or (rows.ids[o][pos] != ids).any()
+    if missing:
+        raise BackfillInputError(f"cost column {cost_column!r}: {path} lacks some gallery items")
+    return rows.values[cost_column][o[pos]]
 
 
 def _collect_sides(reader: EmbeddingsParquet, columns: list[str]) -> dict[int, Rows]:

@@ -22,9 +22,10 @@ import os
 import sys
 from dataclasses import dataclass
 
+from raycompat.backfill.canary import CanaryOptions
 from raycompat.backfill.gallery import BackfillInputError, load_parquet
 from raycompat.backfill.modes import MODES, apply_bundle_modules, available_modes, parse_modes
-from raycompat.backfill.policies import POLICIES, UncertaintyHead, parse_policies
+from raycompat.backfill.policies import POLICIES, PolicyOptions, UncertaintyHead, parse_policies
 from raycompat.config import (
     ConfigError,
     add_options,
@@ -37,6 +38,7 @@ from raycompat.config import (
 from raycompat.console import fail, job_main
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
+from raycompat.data.workload import ZipfWorkload
 from raycompat.metrics.bootstrap import BootstrapOptions
 
 __all__ = ["BackfillJobOptions", "build_parser", "run", "main"]
@@ -64,7 +66,7 @@ class BackfillJobOptions:
     new_model: str | None = option(
         None,
         help="new model bundle: its head drives the uncertainty "
-        "policies; psi, rho, psi_rev modules give the adapted and "
+        "policies; psi, fct, rho, psi_rev modules give the adapted, fct and "
         "rank_merge modes",
     )
     old_model: str | None = option(
@@ -82,6 +84,33 @@ class BackfillJobOptions:
     )
     bootstrap: BootstrapOptions = option(
         BootstrapOptions(), help="bootstrap intervals over the query classes"
+    )
+    cost_column: str | None = option(
+        None,
+        help="gallery column of every item's backfill cost (bytes, pixels, a storage tier's "
+        "price; > 0): the cost-aware policy divides by it and the time axis sums it, the rate "
+        "(--items-per-s-per-gpu) then counting its units per second; none: 1 per item",
+    )
+    query_log: str | None = option(
+        None,
+        help="parquet query log: query_id (+ count, order, new/old vectors) or item_id (+ count) "
+        "of returned items; for demand, upgrade-on-read and the frequency-weighted metrics",
+    )
+    workload: ZipfWorkload = option(
+        ZipfWorkload(),
+        help="without --query-log: a generated Zipf log over the embeddings' queries "
+        "(written to <out>/query_log.parquet)",
+    )
+    policy_options: PolicyOptions = option(
+        PolicyOptions(), help="the bases of cost-aware, demand and upgrade-on-read"
+    )
+    canary: str | None = option(
+        None,
+        help="a canary parquet (the live index's <state_dir>/canary/canary.parquet): its curve "
+        "along every simulated order, as the live index measures it, into canary.json",
+    )
+    canary_options: CanaryOptions = option(
+        CanaryOptions(), help="the canary's positions, cut-off, intervals and guards (--canary)"
     )
     grid_step: float = positive(5.0, help="grid step in percent (5: 21 points)")
     k: int = positive(100, help="cut-off of mAP@k")
@@ -215,8 +244,8 @@ def _use_ray(opts: BackfillJobOptions, say) -> bool:
 
 
 def _gallery_modules(bundle) -> dict:
-    """The new bundle's modules applied to gallery rows (psi, rho, psi_rev)."""
-    return {k: m for k, m in bundle.modules.items() if k in ("psi", "rho", "psi_rev")}
+    """The new bundle's modules applied to gallery rows (psi, fct, rho, psi_rev)."""
+    return {k: m for k, m in bundle.modules.items() if k in ("psi", "fct", "rho", "psi_rev")}
 
 
 def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
@@ -236,12 +265,16 @@ def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
         from raycompat.backfill.dataset import ParquetGallery
 
         say(f"opening {opts.embeddings} (labels, ids and queries; vectors stay where they are)")
-        data = ParquetGallery.open(opts.embeddings, compatible_dim=compatible_dim)
+        data = ParquetGallery.open(
+            opts.embeddings, compatible_dim=compatible_dim, cost_column=opts.cost_column
+        )
         note = data.label_note
         say(f"{len(data.files)} shard(s), {len(data.groups)} row groups")
     else:
         say(f"loading {opts.embeddings}")
-        data = load_parquet(opts.embeddings, compatible_dim=compatible_dim)
+        data = load_parquet(
+            opts.embeddings, compatible_dim=compatible_dim, cost_column=opts.cost_column
+        )
         note = data.extra.get("label_note")
     say(
         f"{data.n_items:,} gallery items, {data.n_queries:,} queries, old dim {data.old_dim}, "
@@ -268,9 +301,20 @@ def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
     return data, new_bundle, head
 
 
-def _default_policies(data, head) -> tuple[str, ...]:
+def _default_policies(data, head, opts: BackfillJobOptions, log) -> tuple[str, ...]:
     """Every policy the inputs allow: uncertainty needs the new head or stored uncertainty
-    columns, learned the adapted or compatible old features."""
+    columns, learned the adapted or compatible old features, cost-aware a cost column,
+    demand and upgrade-on-read a query log."""
+    pols = list(_embedding_policies(data, head))
+    if opts.cost_column and opts.policy_options.cost_base in pols:
+        pols.append("cost-aware")
+    if log is not None:
+        pols += ["demand", "upgrade-on-read"]
+    return tuple(pols)
+
+
+def _embedding_policies(data, head) -> tuple[str, ...]:
+    """The policies that need no more than the embeddings and the new model's head."""
     pols = ["random", "sequential"]
     stored = data.extra.get("uncertainty", {})
     pols += [
@@ -286,11 +330,18 @@ def _default_policies(data, head) -> tuple[str, ...]:
 
 def _cost_model(opts: BackfillJobOptions, new_bundle, say):
     """The time axis: a given rate per GPU, or the new embedder's rate measured on the CPU
-    (labelled "items/s on cpu")."""
+    (labelled "items/s on cpu"); with a cost column the given rate counts its units."""
     from raycompat.backfill.cost import CostModel, measure_items_per_s
 
     if opts.items_per_s_per_gpu is not None:
-        return CostModel(opts.items_per_s_per_gpu, opts.gpus, source="given")
+        unit = opts.cost_column or "items"
+        return CostModel(opts.items_per_s_per_gpu, opts.gpus, source="given", unit=unit)
+    if opts.cost_column and new_bundle is not None:
+        raise ConfigError(
+            f"--cost-column {opts.cost_column}: the time axis sums the items' costs, so give the "
+            f"rate in {opts.cost_column} per second per GPU (--items-per-s-per-gpu); a measured "
+            "rate counts items"
+        )
     if new_bundle is None:
         return None
     rate = measure_items_per_s(new_bundle, device="cpu")
@@ -312,17 +363,47 @@ def _references(path: str | None) -> dict | None:
     return {"new*-new*": ns}
 
 
+def _query_log(opts: BackfillJobOptions, data, output, say):
+    """The query log: ``--query-log``, or a Zipf log over the embeddings' queries generated
+    into ``<out>/query_log.parquet`` (``--zipf-exponent``), or None."""
+    from raycompat.backfill.query_log import read_query_log
+
+    if opts.query_log:
+        log = read_query_log(opts.query_log)
+    elif opts.workload.zipf_exponent is not None:
+        from raycompat.data.workload import write_query_log, zipf_query_log
+
+        w = opts.workload
+        columns = zipf_query_log(
+            data.query_ids,
+            data.query_labels,
+            searches=w.zipf_searches,
+            exponent=w.zipf_exponent,
+            seed=w.zipf_seed,
+        )
+        path = write_query_log(output.path("query_log.parquet"), columns, overwrite=True)
+        say(f"Zipf query log (exponent {w.zipf_exponent:g}, {w.zipf_searches} searches): {path}")
+        log = read_query_log(path)
+    else:
+        return None
+    say(f"query log: {log.searches:,} searches of {log.keys.size:,} distinct {log.kind}")
+    return log
+
+
 def _published(written: dict, output) -> dict:
     """``written``'s paths at the output's destination (a URI after :meth:`publish`)."""
     where = output.publish()
     if where == output.local:
         return written
     rename = lambda p: where + "/" + os.path.basename(p)  # noqa: E731
-    return {
+    out = {
         "json": rename(written["json"]),
         "markdown": rename(written["markdown"]),
         "plots": [rename(p) for p in written["plots"]],
     }
+    if "canary" in written:
+        out["canary"] = rename(written["canary"])
+    return out
 
 
 def _embed_first(opts: BackfillJobOptions, output, say) -> str:
@@ -380,7 +461,8 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     modes = req_modes or available_modes(probe)
     if not modes:
         raise BackfillInputError("no query mode is possible with these inputs")
-    policies = req_policies or _default_policies(probe, head)
+    log = _query_log(opts, data, output, say)
+    policies = req_policies or _default_policies(probe, head, opts, log)
     cost = _cost_model(opts, new_bundle, say)
     say(f"policies: {', '.join(policies)}; modes: {', '.join(modes)}")
     common = dict(
@@ -394,6 +476,8 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
         rank_merge_distance=opts.rank_merge_distance,
         progress=say,
         bootstrap=opts.bootstrap,
+        query_log=log,
+        policy_options=opts.policy_options,
     )
     if distributed:
         from raycompat.backfill.distributed import simulate_backfill_dataset
@@ -406,7 +490,21 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
         device = None if opts.device == "auto" else opts.device
         result = simulate_backfill(data, policies, modes, device=device, **common)
     title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
-    return _published(write_reports(result, output.local, plots=opts.plots, title=title), output)
+    written = write_reports(result, output.local, plots=opts.plots, title=title)
+    if opts.canary:
+        written["canary"] = _canary_curves(opts, result, data, new_bundle, output, distributed)
+    return _published(written, output)
+
+
+def _canary_curves(opts, result, data, new_bundle, output, distributed: bool) -> str:
+    """``canary.json``: the canary of ``--canary`` along every simulated order."""
+    from raycompat.backfill.canary import write_canary_curves
+
+    if distributed:
+        raise BackfillInputError("--canary needs the in-memory engine: pass --engine memory")
+    return write_canary_curves(
+        result, data, opts.canary, opts.canary_options, output.local, new_bundle
+    )
 
 
 @job_main
@@ -425,4 +523,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"json:   {paths['json']}")
     for p in paths["plots"]:
         print(f"plot:   {p}")
+    if "canary" in paths:
+        print(f"canary: {paths['canary']}")
     return 0

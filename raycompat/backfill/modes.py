@@ -7,6 +7,7 @@ mode            old-state item ``g`` scored with     new-state item ``g``       
 =============== ==================================== ========================== ================
 ``compatible``  ``s(phi_n(q)[:D_old], phi_o(g))``    ``s(phi_n(q), phi_n(g))``  BCT, RACT, NDPP
 ``adapted``     ``s(phi_n(q), psi(phi_o(g)))``       ``s(phi_n(q), phi_n(g))``  DMU
+``fct``         ``s(phi_n(q), h(phi_o(g)))``         ``s(phi_n(q), phi_n(g))``  FCT
 ``rank_merge``  ``-d(psi_rev(rho(q)), phi_o(g))``    ``-d(rho(q), rho(g))``     RM
 ``naive_merge`` ``s(phi_o(q), phi_o(g))``            ``s(phi_n(q), phi_n(g))``  RM naive
 ``cold``        old-old until t = 1, then new-new
@@ -29,7 +30,7 @@ At every grid point each gallery item holds exactly one vector (old-state or
 new-state), see :mod:`raycompat.backfill.grid`.
 
 Side names (shared between modes, so the engine computes each once):
-``old-old``, ``new-old`` (compatible subspace), ``new-new``, ``new-adapted``,
+``old-old``, ``new-old`` (compatible subspace), ``new-new``, ``new-adapted``, ``new-fct``,
 ``rev-old`` and ``rho-rho`` (``:l2raw`` suffix for the raw distance).
 
 Every mode is one registered :class:`ModeSpec` (:func:`register_mode`): ``MODES``,
@@ -102,6 +103,17 @@ register_mode(ModeSpec("compatible", "new-old", "new-new", needs_compatible_subs
 register_mode(
     ModeSpec(
         "adapted", "new-adapted", "new-new", arrays=("query_new", "gallery_new", "gallery_adapted")
+    )
+)
+# FCT's transformation h of the stored old vectors (the bundle's ``fct`` module), a gallery
+# transform as DMU's psi; the live index does not serve it yet
+register_mode(
+    ModeSpec(
+        "fct",
+        "new-fct",
+        "new-new",
+        served=False,
+        arrays=("query_new", "gallery_new", "gallery_fct"),
     )
 )
 register_mode(
@@ -232,6 +244,13 @@ class SideBuilder:
             s = Side(q, self._n("gallery_old", why))
         elif base == "new-adapted":
             s = Side(self._n("query_new", why), self._n("gallery_adapted", why))
+        elif base == "new-fct":
+            if d.gallery_fct is None:
+                raise BackfillInputError(
+                    "mode 'fct' needs gallery_fct (h(phi_o(g))): pass a new model with an 'fct' "
+                    "module (method fct)"
+                )
+            s = Side(self._n("query_new", why), self._n("gallery_fct", why))
         elif base in ("rev-old", "rho-rho"):
             s = self._rank_merge_side(base, raw == "l2raw", why)
         else:
@@ -269,14 +288,16 @@ class SideBuilder:
 def apply_bundle_modules(
     data: GalleryEmbeddings, new_bundle, *, batch_size: int = 8192
 ) -> GalleryEmbeddings:
-    """Fill ``gallery_adapted`` (psi), ``gallery_rho`` / ``query_rho`` (rho) and ``query_rev``
-    (psi_rev after rho) from a new :class:`raycompat.models.ModelBundle`'s modules, when the
-    bundle has them and the arrays are missing.
+    """Fill ``gallery_adapted`` (psi), ``gallery_fct`` (FCT's h), ``gallery_rho`` / ``query_rho``
+    (rho) and ``query_rev`` (psi_rev after rho) from a new
+    :class:`raycompat.models.ModelBundle`'s modules, when the bundle has them and the arrays are
+    missing.
 
     The modules are applied with :class:`raycompat.models.FeatureMap` (eval mode, no grad,
     float64 then float32: what the live index applies too) to the stored embeddings as they
-    are: psi to ``old`` (docs/methods.md, Training objectives, DMU), rho to ``new`` and psi_rev to
-    ``rho(new)`` of the queries (docs/methods.md, Training objectives, RM).
+    are: psi to ``old`` (docs/methods.md, Training objectives, DMU), h to ``old``
+    (docs/methods.md, Field methods, fct), rho to ``new`` and psi_rev to ``rho(new)`` of the
+    queries (docs/methods.md, Training objectives, RM).
     """
     from raycompat.models import FeatureMap
 
@@ -297,6 +318,9 @@ def apply_bundle_modules(
     if data.gallery_adapted is None and "psi" in modules:
         check_in(modules["psi"], data.gallery_old, "column 'old'", "psi")
         updates["gallery_adapted"] = run(modules["psi"], data.gallery_old)
+    if data.gallery_fct is None and "fct" in modules:
+        check_in(modules["fct"], data.gallery_old, "column 'old'", "fct")
+        updates["gallery_fct"] = run(modules["fct"], data.gallery_old)
     if "rho" in modules and data.gallery_new is not None and data.query_new is not None:
         rho = modules["rho"]
         check_in(rho, data.gallery_new, "column 'new'", "rho")

@@ -12,6 +12,9 @@
   mode, with its ``verdict``) and ``regression_verdict`` (:func:`curve_intervals`), and
   ``compatibility``: BCT's criterion ``M(n,o) > M(o,o)`` on mAP@k as the main job gives it,
   the paired interval of ``M(n,o) - M(o,o)`` and its verdict (:func:`compatibility_verdict`);
+* with a query log, every curve's ``weighted`` metrics (mAP@k and NFR@1 counting each of the
+  log's evaluation queries by its frequency, bands, AUCs) and ``weighted_summary`` (per curve:
+  t=0, 50 %, 100 %, AUC, the paired weighted-AUC difference to ``random``);
 * ``curves.md`` -- the same as tables a person can read, every value as
   ``value [low, high]`` when there are intervals;
 * ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
@@ -44,6 +47,7 @@ __all__ = [
     "regression_text",
     "regression_verdict",
     "summary_rows",
+    "weighted_summary",
     "write_reports",
 ]
 
@@ -305,7 +309,9 @@ def _setup_lines(result) -> list[str]:
         "ties ranked by lower gallery index.",
         "",
     ]
-    if result.cost is not None:
+    if result.cost is not None and result.cost.by_cost:
+        lines.append(_cost_axis_line(result))
+    elif result.cost is not None:
         c = result.cost
         total = c.seconds([result.n_items])[0]
         unit, div = _time_unit(total)
@@ -321,6 +327,105 @@ def _setup_lines(result) -> list[str]:
             "to get a simulated time axis)."
         )
     return lines + [""]
+
+
+def _cost_axis_line(result) -> str:
+    """The cost model when items have costs: the time axis sums them along each order."""
+    c = result.cost
+    total = max(float(cv.backfilled_cost[-1]) for cv in result.curves)
+    unit, div = _time_unit(c.seconds([total])[0])
+    return (
+        f"Cost model ({c.source}): {c.describe()} = {c.items_per_s:g} {c.unit}/s; items cost "
+        f"their {c.unit!r} column, {total:,.6g} {c.unit} in all, so the full backfill takes "
+        f"{c.seconds([total])[0] / div:,.2f} {unit}; time(t) = (sum of {c.unit} of the first "
+        f"n(t) items of the curve's order) / ({c.items_per_s:g} {c.unit}/s), cold in gallery "
+        "order."
+    )
+
+
+def _query_log_lines(result) -> list[str]:
+    """What the query log is (demand, upgrade-on-read, weighted metrics)."""
+    q = result.query_log
+    if not q:
+        return []
+    opts = result.config.get("policy_options", {})
+    return [
+        f"Query log `{q['source']}` ({q['form']}): {q['searches']:,} searches of "
+        f"{q['distinct']:,} distinct {'queries' if q['form'] == 'queries' else 'returned items'}"
+        f"{', in time order' if q['time_order'] else ''}; {q['evaluation_queries']:,} of them "
+        f"are evaluation queries (the weighted metrics); top-{q['k']} per search in the mode's "
+        f"t=0 state; demand's ties and upgrade-on-read's queue: {opts.get('order_base')}; "
+        f"upgrade-on-read: {opts.get('queries_per_item'):g} searches per backfilled item, the "
+        f"last {opts.get('read_window')} searches' results to the front.",
+        "",
+    ]
+
+
+def weighted_summary(result) -> list[dict]:
+    """Per curve and weighted metric (query log): t=0, t=50 %, t=100 %, AUC with intervals,
+    and with a bootstrap the paired AUC difference to ``random`` in the same mode over the
+    log's queries (for NFR, random's minus the policy's) and its verdict."""
+    from raycompat.backfill.simulator import LOG_QUERIES
+    from raycompat.metrics.bootstrap import Bootstrap
+    from raycompat.metrics.verdicts import verdict
+
+    curves = [c for c in result.curves if c.weighted]
+    if not curves:
+        return []
+    boot = None
+    if result.bootstrap is not None:
+        boot = Bootstrap(result.bootstrap)
+        n = next(iter(curves[0].weighted_samples.values())).num.shape[1]
+        boot.add_query_set(LOG_QUERIES, np.arange(n))
+    f = np.asarray(result.fractions, dtype=np.float64)
+    mid = int(np.argmin(np.abs(f - 0.5)))
+    rows = []
+    for c in curves:
+        base = next((b for b in curves if (b.policy, b.mode) == ("random", c.mode)), None)
+        for name, values in c.weighted.items():
+            band = c.weighted_bands.get(name, {})
+            row = {"policy": c.policy, "mode": c.mode, "metric": name}
+            for key, j in (("start", 0), ("mid", mid), ("end", -1)):
+                row[key] = [float(values[j])] + [band[b][j] for b in ("low", "high") if band]
+            row["auc"] = c.weighted_auc.get(name)
+            vs = None
+            if boot is not None and base is not None and base is not c and c.mode != "cold":
+                a, b = c.weighted_samples[name], base.weighted_samples[name]
+                iv = _better(name, boot.interval(lambda a, b: _area(f, a - b), a=a, b=b))
+                vs = dict(iv.to_dict(), verdict=verdict(iv))
+            row["vs_random"] = vs
+            rows.append(row)
+    return rows
+
+
+def _weighted_lines(rows: list[dict]) -> list[str]:
+    """The frequency-weighted metrics as a table (percent)."""
+    if not rows:
+        return []
+    table = []
+    for r in rows:
+        auc = r["auc"] or {}
+        vs = r["vs_random"]
+        table.append(
+            [r["policy"], r["mode"], r["metric"]]
+            + [_pct_iv(*r[k]) if len(r[k]) == 3 else _pct(r[k][0]) for k in ("start", "mid", "end")]
+            + [_pct_iv(auc.get("auc"), *(auc.get("interval") or (None, None)))]
+            + [None if vs is None else _vs_random_text({"vs_random": vs})]
+        )
+    return [
+        "## Frequency-weighted metrics (query log)",
+        "",
+        "Each of the log's evaluation queries counted as often as it was searched, M_w = sum_q "
+        "f_q M_q / sum_q f_q; intervals resample the log's distinct queries; better than random: "
+        "the paired difference of the weighted AUCs (for NFR, random's minus the policy's).",
+        "",
+        markdown_table(
+            ["policy", "mode", "metric", "t=0", "t=50%", "t=100%", "AUC", "better than random"],
+            table,
+            digits=2,
+        ),
+        "",
+    ]
 
 
 def _run_lines(result) -> list[str]:
@@ -433,18 +538,19 @@ def _summary_lines(result, intervals: dict) -> list[str]:
 def _metric_table_lines(result, n: str) -> list[str]:
     """Metric ``n`` (%) of every curve at each backfill fraction (and the simulated time)."""
     unit, div = "s", 1.0
-    if result.cost is not None:
+    timed = result.cost is not None and not result.cost.by_cost  # by cost: per curve, in JSON
+    if timed:
         unit, div = _time_unit(float(result.cost.seconds([result.n_items])[0]))
     cols = (
         ["backfilled"]
-        + ([f"time ({unit})"] if result.cost is not None else [])
+        + ([f"time ({unit})"] if timed else [])
         + [f"{c.policy} / {c.mode}" for c in result.curves]
     )
     counts = backfill_counts(result.fractions, result.n_items)  # the same for every mode
     rows = []
     for j, t in enumerate(result.fractions):
         row = [f"{100 * t:g}%"]
-        if result.cost is not None:
+        if timed:
             row.append(float(result.cost.seconds([counts[j]])[0]) / div)
         row += [_pct_iv(c.metrics[n][j], *_band(c, n, j)) for c in result.curves]
         rows.append(row)
@@ -468,10 +574,12 @@ def markdown_report(
     lines = (
         [f"# {title}", ""]
         + _setup_lines(result)
+        + _query_log_lines(result)
         + _run_lines(result)
         + _references_lines(result)
         + _compatibility_lines(compatibility, confidence)
         + _summary_lines(result, intervals)
+        + _weighted_lines(weighted_summary(result))
     )
     for n in result.metric_names:
         lines += _metric_table_lines(result, n)
@@ -508,6 +616,9 @@ def write_reports(
         payload.update(rows=curve_rows(result), summary=summary_rows(result, intervals))
     if compatibility is not None:
         payload["compatibility"] = compatibility
+    weighted = weighted_summary(result)
+    if weighted:
+        payload["weighted_summary"] = weighted
     if extra:
         payload["extra"] = extra
     jpath = write_json(os.path.join(out_dir, "curves.json"), payload)

@@ -15,7 +15,13 @@ in memory or from parquet), a set of policies
   between consecutive points; for NFR "worse" means higher);
 * a simulated wall-clock axis from a :class:`~raycompat.backfill.cost.CostModel`: the time
   the backfill job needs to re-embed ``n(t)`` items, for every mode (``cold`` too: it
-  re-embeds in the background and serves the new model only at t = 1).
+  re-embeds in the background and serves the new model only at t = 1); with items' costs
+  (``data.item_costs``, a cost column) the summed cost of the first ``n(t)`` items of each
+  curve's order over the rate (``cold``: in gallery order);
+* with a query log (:mod:`~raycompat.backfill.query_log`): the ``demand`` and
+  ``upgrade-on-read`` policies, and mAP@k and NFR@1 weighted by query frequency over the log's
+  queries that are evaluation queries, ``M_w = sum_q f_q M_q / sum_q f_q``, beside the
+  unweighted ones (``Curve.weighted``; intervals resample the log's distinct queries).
 
 When the AUC gain is undefined (no new* reference, a lower-is-better metric, a partial grid,
 or new*-new* not better than old-old) it is ``None`` and ``auc_gain_note`` says why.
@@ -53,12 +59,14 @@ from raycompat.backfill.grid import backfill_counts, check_grid, cold_counts, de
 from raycompat.backfill.modes import ModeSpec, SideBuilder, mode_spec, parse_modes
 from raycompat.backfill.policies import (
     PolicyInputs,
+    PolicyOptions,
     UncertaintyHead,
     check_policy_inputs,
     parse_policies,
     policy_class,
     policy_order,
 )
+from raycompat.backfill.query_log import LogSearches, QueryLog, memory_log_searches
 from raycompat.backfill.rank_metrics import METRIC_NAMES, metrics_from_ranks
 from raycompat.backfill.rank_plan import CurveSpec
 from raycompat.metrics import auc, auc_gain, regression_stats
@@ -76,6 +84,10 @@ __all__ = [
 COLD_POLICY = "any"  # the cold curve does not depend on the policy
 #: the query set name of a simulation's per-query samples
 QUERIES = "queries"
+#: the query set of the frequency-weighted samples: the query log's distinct evaluation queries
+LOG_QUERIES = "log queries"
+#: the metrics weighted by query frequency (index into ``METRIC_NAMES(k)``: mAP@k, NFR@1)
+WEIGHTED = (0, 3)
 
 
 @dataclass
@@ -84,7 +96,9 @@ class Curve:
 
     ``counts``: items whose new vector is served at each point (``cold``: 0 until t = 1).
     ``backfilled``: items the backfill job has re-embedded by then, ``n(t)`` for every mode
-    (defaults to ``counts``); ``seconds`` is its cost.
+    (defaults to ``counts``); ``seconds`` is its cost.  ``backfilled_cost``: with items' costs,
+    their sum over the items re-embedded by then.  ``weighted``: per weighted metric, its value
+    at every grid point over the query log's queries (``weighted_samples``, ``weighted_bands``).
     """
 
     policy: str
@@ -99,6 +113,12 @@ class Curve:
     samples: dict[str, Sample] = field(default_factory=dict, repr=False)
     #: per metric, the bootstrap band ``{"low": [J], "high": [J]}`` (with ``bootstrap``)
     bands: dict[str, dict[str, list]] = field(default_factory=dict)
+    backfilled_cost: np.ndarray | None = None
+    weighted: dict[str, np.ndarray] = field(default_factory=dict)
+    weighted_samples: dict[str, Sample] = field(default_factory=dict, repr=False)
+    weighted_bands: dict[str, dict[str, list]] = field(default_factory=dict)
+    #: per weighted metric: its AUC and, with ``bootstrap``, the AUC's interval
+    weighted_auc: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.backfilled is None:
@@ -133,6 +153,13 @@ class SimulationResult:
     bootstrap: BootstrapOptions | None = None
     #: per static reference and metric, its interval ``{low, high}``
     reference_intervals: dict[str, dict[str, dict]] = field(default_factory=dict)
+    #: the query log behind ``demand`` / ``upgrade-on-read`` and the weighted metrics, or None
+    query_log: dict | None = None
+    #: per static reference, its frequency-weighted metrics ``{metric: {value[, low, high]}}``
+    weighted_references: dict[str, dict[str, dict]] = field(default_factory=dict)
+    reference_weighted_samples: dict[str, dict[str, Sample]] = field(
+        default_factory=dict, repr=False
+    )
 
     def add_intervals(self, options: BootstrapOptions) -> None:
         """Bands on every curve, and intervals on every AUC and static reference."""
@@ -140,6 +167,7 @@ class SimulationResult:
         boot.add_query_set(QUERIES, self.query_labels)
         grid = np.asarray(self.fractions, dtype=np.float64)
         full = bool(grid[0] == 0.0 and grid[-1] == 1.0)
+        self._weighted_intervals(boot, grid, full)
         for c in self.curves:
             for name, sample in c.samples.items():
                 band = boot.interval(curve=sample)
@@ -160,6 +188,29 @@ class SimulationResult:
                 for name, iv in ((n, boot.interval(m=s)) for n, s in samples.items())
             }
         self.bootstrap = options
+
+    def _weighted_intervals(self, boot: Bootstrap, grid: np.ndarray, full: bool) -> None:
+        """Bands and AUC intervals of the frequency-weighted curves, and intervals of the
+        weighted references: the log's distinct evaluation queries resampled."""
+        samples = [s for c in self.curves for s in c.weighted_samples.values()]
+        if not samples:
+            return
+        boot.add_query_set(LOG_QUERIES, np.arange(samples[0].num.shape[1]))
+        for c in self.curves:
+            for name, sample in c.weighted_samples.items():
+                band = boot.interval(curve=sample)
+                c.weighted_bands[name] = {
+                    "low": [float(x) for x in band["low"]],
+                    "high": [float(x) for x in band["high"]],
+                    "dropped": [int(x) for x in band["dropped"]],
+                }
+                if full and name in c.weighted_auc:
+                    iv = boot.interval(lambda curve: _trapezoid(grid, curve), curve=sample)
+                    c.weighted_auc[name]["interval"] = [iv.low, iv.high]
+        for ref, samples_of in self.reference_weighted_samples.items():
+            for name, sample in samples_of.items():
+                iv = boot.interval(m=sample)
+                self.weighted_references[ref][name].update(low=iv.low, high=iv.high)
 
     def states(self, policy: str, mode: str, j: int) -> np.ndarray:
         """int8 ``[N]`` at grid point ``j``: 1 = the item holds its new vector, 0 = its old one."""
@@ -201,6 +252,9 @@ class SimulationResult:
                                 "value": v if np.isfinite(v) else None,
                                 "items_backfilled": int(c.backfilled[j]),
                                 "seconds": None if c.seconds is None else float(c.seconds[j]),
+                                "cost_backfilled": None
+                                if c.backfilled_cost is None
+                                else float(c.backfilled_cost[j]),
                             }
                         )
         return out
@@ -241,9 +295,21 @@ class SimulationResult:
                     "metrics": {k: [float(x) for x in v] for k, v in c.metrics.items()},
                     "bands": c.bands,
                     "summary": c.summary,
+                    "cost_backfilled": None
+                    if c.backfilled_cost is None
+                    else [float(x) for x in c.backfilled_cost],
+                    "weighted": {
+                        "metrics": {k: [float(x) for x in v] for k, v in c.weighted.items()},
+                        "bands": c.weighted_bands,
+                        "auc": c.weighted_auc,
+                    }
+                    if c.weighted
+                    else None,
                 }
                 for c in self.curves
             ],
+            "query_log": self.query_log,
+            "weighted_references": self.weighted_references,
             "bootstrap": None if self.bootstrap is None else asdict(self.bootstrap),
             "reference_intervals": self.reference_intervals,
             "rows": self.rows(),
@@ -406,6 +472,22 @@ def _references(res, static, k: int, reference_correct, references):
     return refs, ref_correct, samples
 
 
+def _weighted_references(samples: dict, weights, k: int):
+    """Per static reference, its frequency-weighted metrics and their samples."""
+    values: dict[str, dict[str, dict]] = {}
+    out: dict[str, dict[str, Sample]] = {}
+    if weights is None:
+        return values, out
+    names = METRIC_NAMES(k)
+    for ref, by_metric in samples.items():
+        for i in WEIGHTED:
+            if names[i] in by_metric:
+                ws = _weighted_sample(by_metric[names[i]], weights)
+                out.setdefault(ref, {})[names[i]] = ws
+                values.setdefault(ref, {})[names[i]] = {"value": float(ws.value()[0])}
+    return values, out
+
+
 def per_query_samples(per: dict, npos: np.ndarray, k: int, ref_correct) -> dict[str, Sample]:
     """The per-query terms of every curve metric (``[1, Q, J]``) from
     :func:`~raycompat.backfill.rank_metrics.metrics_from_ranks`'s per-query arrays (``[J, Q]``):
@@ -429,9 +511,13 @@ def _trapezoid(fractions: np.ndarray, values: np.ndarray) -> np.ndarray:
     return ((values[..., 1:] + values[..., :-1]) / 2.0 * widths).sum(axis=-1)
 
 
-def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost, n: int) -> list[Curve]:
+def _metric_curves(
+    plan: _Plan, curves, res, ref_correct, refs, cost, n: int, costs=None, weights=None
+) -> list[Curve]:
     """Per policy x mode: the metrics at every grid point, the simulated seconds (the cost of
-    re-embedding ``n(t)`` items, the same for every mode), the summaries."""
+    re-embedding ``n(t)`` items, the same for every mode; with ``costs``, their summed cost
+    along the curve's order), the summaries, and with ``weights`` (:func:`_log_weights`) the
+    frequency-weighted metrics."""
     out: list[Curve] = []
     work = backfill_counts(plan.grid, n)
     for c in curves:
@@ -441,21 +527,66 @@ def _metric_curves(plan: _Plan, curves, res, ref_correct, refs, cost, n: int) ->
         mv, per = metrics_from_ranks(
             cr.ranks, res.pairs_q, res.npos, plan.k, ref_correct, return_per_query=True
         )
+        spent = None if costs is None else _summed_costs(costs, c.order, work)
         cv = Curve(
             policy=c.key[0],
             mode=c.key[1],
             fractions=plan.grid.copy(),
             counts=cr.counts.copy(),
             metrics=mv,
-            seconds=None if cost is None else cost.seconds(work),
+            seconds=None if cost is None else cost.seconds(work if spent is None else spent),
             backfilled=work.copy(),
             samples=per_query_samples(per, res.npos, plan.k, ref_correct),
+            backfilled_cost=spent,
         )
         cv.summary = {
             name: _summaries(name, plan.grid, mv[name], refs) for name in METRIC_NAMES(plan.k)
         }
+        if weights is not None:
+            _add_weighted(cv, weights, plan)
         out.append(cv)
     return out
+
+
+def _summed_costs(costs: np.ndarray, order, counts: np.ndarray) -> np.ndarray:
+    """The summed cost of the first ``counts[j]`` items of ``order`` (``None``: gallery order),
+    float64, accumulated in order."""
+    c = np.asarray(costs, dtype=np.float64)
+    along = c if order is None else c[np.asarray(order)]
+    return np.concatenate([[0.0], np.cumsum(along)])[np.asarray(counts, dtype=np.int64)]
+
+
+def _log_weights(reads: LogSearches | None):
+    """``(evaluation query rows, counts)`` of the query log's queries, or None."""
+    if reads is None:
+        return None
+    rows, counts = reads.weights()
+    return (rows, counts) if rows.size else None
+
+
+def _weighted_sample(sample: Sample, weights) -> Sample:
+    """``sample`` over the log's queries, each counted ``f_q`` times: ``M_w = sum_q f_q num_q /
+    sum_q f_q den_q``."""
+    rows, f = weights
+    shape = (1, rows.size) + (1,) * (sample.num.ndim - 2)
+    return Sample(
+        LOG_QUERIES, sample.num[:, rows] * f.reshape(shape), sample.den[:, rows] * f[None, :]
+    )
+
+
+def _add_weighted(cv: Curve, weights, plan: _Plan) -> None:
+    names = METRIC_NAMES(plan.k)
+    for i in WEIGHTED:
+        sample = cv.samples.get(names[i])
+        if sample is None:
+            continue
+        ws = _weighted_sample(sample, weights)
+        cv.weighted_samples[names[i]] = ws
+        values = ws.value()[0]
+        cv.weighted[names[i]] = values
+        full = bool(plan.grid[0] == 0.0 and plan.grid[-1] == 1.0)
+        if full and np.isfinite(values).all():
+            cv.weighted_auc[names[i]] = {"auc": float(_trapezoid(plan.grid, values))}
 
 
 def _config(plan: _Plan, data: GalleryEmbeddings, inputs: PolicyInputs) -> dict[str, Any]:
@@ -469,6 +600,7 @@ def _config(plan: _Plan, data: GalleryEmbeddings, inputs: PolicyInputs) -> dict[
         "tie_rule": "descending score, ties by ascending gallery index",
         "learned_sample_fraction": inputs.learned_sample_fraction,
         "rank_merge_distance": inputs.rank_merge_distance,
+        "policy_options": asdict(inputs.options),
         "source": data.source,
         "compatible_dim": data.compat_dim,
         "old_dim": data.old_dim,
@@ -541,6 +673,8 @@ def simulate_backfill(
     progress: Callable[[str], None] | None = None,
     debug: bool = False,
     bootstrap: BootstrapOptions | None = None,
+    query_log: QueryLog | None = None,
+    policy_options: PolicyOptions | None = None,
 ) -> SimulationResult:
     """Exact backfill curves for every policy x mode (see the module docstring).
 
@@ -565,10 +699,14 @@ def simulate_backfill(
         debug: engine self-check (every item counted exactly once at every point).
         bootstrap: with options, bands on every curve and intervals on every AUC and static
             reference (:meth:`SimulationResult.add_intervals`).
+        query_log: a :class:`~raycompat.backfill.query_log.QueryLog` (``demand``,
+            ``upgrade-on-read``, the weighted metrics); ``policy_options``: their options.
+            The items' costs (``cost-aware``, the time axis) are ``data.item_costs``.
     """
     t_all = time.perf_counter()
     say = progress or (lambda msg: None)
     builder = SideBuilder(data)
+    options = policy_options or PolicyOptions()
     inputs = PolicyInputs(
         n_items=data.n_items,
         data=data,
@@ -579,6 +717,8 @@ def simulate_backfill(
         device=device,
         block_bytes=block_bytes,
         sides=builder,
+        options=options,
+        reads=_log_reads(query_log, data, builder, options, rank_merge_distance),
     )
     plan = _check_inputs(data, policies, modes, k, fractions, grid_step, reference_correct, inputs)
     orders, policy_seconds = _build_orders(plan, inputs, say)
@@ -586,11 +726,18 @@ def simulate_backfill(
     curves, static = _curve_specs(plan, orders, data.n_items, want_oo)
     res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
     stats = {"policy_seconds": policy_seconds, "t_start": t_all}
-    ranked = RankedCurves(plan, curves, static, res, inputs, orders)
+    ranked = RankedCurves(plan, curves, static, res, inputs, orders, data.item_costs)
     result = ranked.result(data.n_queries, reference_correct, references, cost, stats)
     if bootstrap is not None:
         result.add_intervals(bootstrap)
     return result
+
+
+def _log_reads(log: QueryLog | None, data, builder, options: PolicyOptions, distance: str):
+    """The query log's searches over the in-memory gallery, or None without a log."""
+    if log is None:
+        return None
+    return memory_log_searches(log, data, builder, options.demand_k, distance)
 
 
 @dataclass(frozen=True)
@@ -604,6 +751,8 @@ class RankedCurves:
     ranks: Any  # raycompat.backfill.assembly.EngineResult
     inputs: PolicyInputs  # n_items, and data whose source and dims the config records
     orders: dict
+    #: every item's cost (the time axis sums them), or None
+    costs: np.ndarray | None = None
 
     def result(
         self, n_queries: int, reference_correct, references, cost, stats: dict
@@ -614,7 +763,11 @@ class RankedCurves:
         refs, ref_correct, ref_samples = _references(
             res, self.static, plan.k, reference_correct, references
         )
-        out_curves = _metric_curves(plan, self.curves, res, ref_correct, refs, cost, n)
+        weights = _log_weights(self.inputs.reads)
+        out_curves = _metric_curves(
+            plan, self.curves, res, ref_correct, refs, cost, n, self.costs, weights
+        )
+        weighted_refs, weighted_ref_samples = _weighted_references(ref_samples, weights, plan.k)
         stats = dict(stats)
         t_start = stats.pop("t_start")
         return SimulationResult(
@@ -633,6 +786,9 @@ class RankedCurves:
             orders=self.orders,
             query_labels=np.asarray(self.inputs.data.query_labels),
             reference_samples=ref_samples,
+            query_log=None if self.inputs.reads is None else self.inputs.reads.summary(),
+            weighted_references=weighted_refs,
+            reference_weighted_samples=weighted_ref_samples,
         )
 
 

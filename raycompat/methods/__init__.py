@@ -5,8 +5,8 @@
 Methods (docs/methods.md, Training objectives): ``independent``, ``l2`` and ``bct``,
 ``contrastive`` and ``ract``, ``dmu``, ``mcl`` with its baselines ``rqt`` and ``cl``
 (base class in ``rank_merge``), ``p2s``, ``ndpp`` and ``odpp``; the field's baselines
-(docs/methods.md, Field methods) ``lwf``, ``fd``, ``lce``, ``unibct`` and ``advbct``. Pieces
-written once:
+(docs/methods.md, Field methods) ``lwf``, ``fd``, ``lce``, ``unibct``, ``advbct``, ``bt2``,
+``dsimplex`` and ``fct``. Pieces written once:
 ``gathered`` (global-batch contrastive logits and the multi-worker loss conventions),
 ``prototypes`` (distributed per-class means) and, in ``raycompat.models``, the ArcFace /
 CosFace margin (``margin_logits``).
@@ -23,9 +23,12 @@ from raycompat.config import ConfigError, parse_options
 from raycompat.methods import (  # noqa: F401
     advbct,
     bct,
+    bt2,
     cl,
     contrastive,
     dmu,
+    dsimplex,
+    fct,
     fd,
     independent,
     l2,

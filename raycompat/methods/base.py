@@ -120,6 +120,12 @@ class CompatMethod(nn.Module):
         """Extra modules saved into the model bundle (e.g. ``psi``)."""
         return {}
 
+    def deployed_embedder(self, embedder: nn.Module) -> nn.Module:
+        """The embedder saved into the model bundle, what retrieval runs: the trained one by
+        default; a method whose deployed embedding is a function of it (bt2's basis
+        transform) returns that module."""
+        return embedder
+
     # -- shared pieces --------------------------------------------------------------------
     @property
     def old(self) -> ModelBundle:

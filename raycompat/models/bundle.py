@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from raycompat.config import ConfigError
+from raycompat.models.basis import BasisEmbedder, BasisTransform
 from raycompat.models.embedder import Embedder
 from raycompat.models.heads import ClassifierHead
 from raycompat.models.imported import (
@@ -28,32 +30,46 @@ from raycompat.models.imported import (
     TorchScriptEmbedder,
     file_sha256,
 )
-from raycompat.models.psi import ProjectionMLP
+from raycompat.models.psi import ForwardTransformation, ProjectionMLP
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
+def _torchscript(kwargs: dict[str, Any], root: str | None) -> nn.Module:
+    if root is None:
+        raise ValueError("a 'torchscript' module is rebuilt from its bundle folder (root)")
+    return TorchScriptEmbedder.load(os.path.join(root, kwargs.pop("file")), **kwargs)
+
+
+def _bt2(kwargs: dict[str, Any], root: str | None) -> nn.Module:
+    """BT^2's deployed embedder: its backbone embedder's spec, then the basis transform."""
+    return BasisEmbedder(build_module(kwargs["base"], root), BasisTransform(**kwargs["basis"]))
+
+
+#: module type (``spec["type"]``) -> builder ``(constructor arguments, bundle folder)``
+MODULE_TYPES: dict[str, Callable[[dict[str, Any], str | None], nn.Module]] = {
+    "embedder": lambda kwargs, root: Embedder(**kwargs),
+    "head": lambda kwargs, root: ClassifierHead(**kwargs),
+    "mlp": lambda kwargs, root: ProjectionMLP(**kwargs),
+    "fct": lambda kwargs, root: ForwardTransformation(**kwargs),
+    "bt2": _bt2,
+    "timm": lambda kwargs, root: TimmFeatures(**kwargs),
+    "torchscript": _torchscript,
+}
+
+
 def build_module(spec: dict[str, Any], root: str | None = None) -> nn.Module:
-    """Rebuild a module from its ``spec`` (the inverse of ``module.spec``); ``root``: the bundle
-    folder, for modules kept in a file of their own there (``torchscript``)."""
+    """Rebuild a module from its ``spec`` (the inverse of ``module.spec``) by its registered type
+    (``MODULE_TYPES``); ``root``: the bundle folder, for modules kept in a file of their own
+    there (``torchscript``)."""
     kwargs = {k: v for k, v in spec.items() if k != "type"}
     kind = spec.get("type")
-    if kind == "embedder":
-        return Embedder(**kwargs)
-    if kind == "head":
-        return ClassifierHead(**kwargs)
-    if kind == "mlp":
-        return ProjectionMLP(**kwargs)
-    if kind == "timm":
-        return TimmFeatures(**kwargs)
-    if kind == "torchscript":
-        if root is None:
-            raise ValueError("a 'torchscript' module is rebuilt from its bundle folder (root)")
-        return TorchScriptEmbedder.load(os.path.join(root, kwargs.pop("file")), **kwargs)
-    raise ValueError(
-        f"unknown module type {kind!r} in manifest; allowed: embedder, head, mlp, timm, torchscript"
-    )
+    if kind not in MODULE_TYPES:
+        raise ValueError(
+            f"unknown module type {kind!r} in manifest; allowed: {', '.join(MODULE_TYPES)}"
+        )
+    return MODULE_TYPES[kind](kwargs, root)
 
 
 def _versions() -> dict[str, str]:

@@ -4,6 +4,8 @@
   Training objectives).
 - RM rho (head on phi_n) and psi_rev (new -> old reverse query transform) reuse the same
   building block with their own depth (docs/methods.md, Training objectives).
+- FCT's transformation h (old -> new, trained on frozen models; docs/methods.md, Field methods):
+  ``ForwardTransformation``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,34 @@ class ProjectionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def linear_bn_relu(in_dim: int, out_dim: int) -> list[nn.Module]:
+    """One [Linear-BN-ReLU] block: the math of a 1x1 conv-BN-ReLU on a ``[B, D, 1, 1]`` map."""
+    return [nn.Linear(in_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(inplace=True)]
+
+
+class ForwardTransformation(nn.Module):
+    """FCT's ``h`` without side information (Ramanujan et al., CVPR 2022): ``p1`` maps the old
+    feature ``D_o -> 2 D_o -> 2 D_n`` and the ``mixer`` maps ``2 D_n -> H -> H -> D_n``, every
+    layer Linear-BN-ReLU except the last (a plain Linear). The released code's 1x1 convolutions
+    on ``[B, D, 1, 1]`` are these Linear layers (the same math)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048):
+        super().__init__()
+        self.p1 = nn.Sequential(
+            *linear_bn_relu(in_dim, 2 * in_dim), *linear_bn_relu(2 * in_dim, 2 * out_dim)
+        )
+        self.mixer = nn.Sequential(
+            *linear_bn_relu(2 * out_dim, hidden_dim),
+            *linear_bn_relu(hidden_dim, hidden_dim),
+            nn.Linear(hidden_dim, out_dim),
+        )
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.spec = dict(type="fct", in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixer(self.p1(x))
 
 
 def PsiMLP(in_dim: int, out_dim: int, hidden_dim: int = 1024) -> ProjectionMLP:

@@ -8,7 +8,10 @@ classes, each generation trained against its predecessor).
 
 Methods are *variants*: a registered training method plus options (``bct``, ``bct-kd`` and
 ``bct-beta`` are the three BCT variants). ``independent`` is always trained: it is new*,
-the paragon of its scenario (and of each sequential generation).
+the paragon of its scenario (and of each sequential generation). The field's methods
+(docs/methods.md, Field methods) are variants too: ``bt2`` reuses the paragon as its independent
+new model, ``fct`` trains its transformation on the frozen paragon, and ``dsimplex`` runs in the
+sequential scenario only, in a chain of its own whose first generation has the same simplex head.
 """
 
 from __future__ import annotations
@@ -40,8 +43,14 @@ class Variant:
     needs_unseen_classes: bool = False
     sequential: bool = True  # meaningful in a sequential chain
     # how new-to-old retrieval is done: "compatible" (phi_n[:D_o] vs phi_o), "adapted"
-    # (phi_n vs psi(phi_o), DMU), "rank_merge" (psi_rev(rho(q)) vs phi_o, RM)
+    # (phi_n vs psi(phi_o), DMU), "fct" (phi_n vs h(phi_o), FCT), "rank_merge"
+    # (psi_rev(rho(q)) vs phi_o, RM)
     cross: str = "compatible"
+    # the method option that names the paragon's bundle (bt2: its independent new model)
+    paragon_option: str | None = None
+    # the scenarios it fits (None: every one); dsimplex needs an old model with its own simplex
+    # head, which only its sequential chain trains
+    scenarios: tuple | None = None
 
     def method_options(self, scale: ScaleOptions) -> dict:
         opts = dict(self.options)
@@ -49,6 +58,8 @@ class Variant:
             opts.setdefault("psi_hidden", scale.psi_hidden)
         if self.method in ("mcl", "rqt", "cl"):
             opts.setdefault("psi_rev_hidden", scale.psi_hidden)
+        if self.method == "fct":
+            opts.setdefault("hidden", scale.psi_hidden)
         return opts
 
 
@@ -69,6 +80,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("p2s", "p2s"),
         Variant("ndpp", "ndpp"),
         Variant("odpp", "odpp"),
+        Variant("lwf", "lwf"),
+        Variant("fd", "fd"),
+        Variant("lce", "lce"),
+        Variant("unibct", "unibct"),
+        Variant("advbct", "advbct"),
+        Variant("bt2", "bt2", paragon_option="independent_model", sequential=False),
+        Variant("dsimplex", "dsimplex", head="dsimplex", scenarios=("sequential",)),
+        Variant("fct", "fct", init_from_paragon=True, sequential=False, cross="fct"),
     )
 }
 
@@ -259,6 +278,8 @@ class ReproduceOptions:
                 continue
             if scenario == "sequential" and not v.sequential:
                 continue
+            if v.scenarios is not None and scenario not in v.scenarios:
+                continue
             out.append(v)
         return out
 
@@ -286,6 +307,14 @@ class ReproduceOptions:
                 why = (
                     "the rank-merge family trains rho/psi_rev on a frozen new* against one "
                     "predecessor; the RM paper has no sequential chain"
+                    if v.cross == "rank_merge"
+                    else "it needs the paragon (new*) of its generation, which the sequential "
+                    "chains do not pair with it"
+                )
+            elif v.scenarios is not None and scenario not in v.scenarios:
+                why = (
+                    "its old model must be trained with the same simplex head; only its "
+                    "sequential chain trains one (docs/methods.md, Field methods)"
                 )
             elif label not in self.requested(scenario):
                 why = (

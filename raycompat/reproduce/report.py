@@ -25,7 +25,12 @@ TABLE_HEADERS = [
 ]
 
 
-CROSS_USED = {"compatible": "n->o", "adapted": "n->psi(o)", "rank_merge": "psi_rev(rho(n))->o"}
+CROSS_USED = {
+    "compatible": "n->o",
+    "adapted": "n->psi(o)",
+    "fct": "n->h(o)",
+    "rank_merge": "psi_rev(rho(n))->o",
+}
 
 
 def _v(d, metric, interval=None):

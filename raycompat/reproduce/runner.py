@@ -41,6 +41,9 @@ from raycompat.reproduce.intervals import attach_intervals, merge_seeds
 from raycompat.reproduce.plan import VARIANTS, ReproduceOptions, Variant
 
 CURVE_METRICS = ("mAP@100", "top1", "NFR@1")
+#: cross tests through a gallery transform of the stored old vectors (``m_nadapted``): DMU's psi,
+#: FCT's h
+ADAPTED_CROSS = ("adapted", "fct")
 #: Training order across scenarios (after the old models and the paragons): what the most
 #: claims need first, so that a run cut short by ``--train-budget-minutes`` still covers them;
 #: the architecture scenario's methods (a larger backbone, the slowest runs) come last.
@@ -217,13 +220,14 @@ class Reproduction:
         old_model: str | None = None,
         init_model: str | None = None,
         head: str | None = None,
+        embed_dim: int | None = None,
     ) -> dict:
         s, t = self.opts.sizes, self.opts.training
         return dict(
             method=method,
             method_options=method_options or {},
             backbone=backbone,
-            embed_dim=t.embed_dim,
+            embed_dim=embed_dim or t.embed_dim,
             head=head or "cosface",
             epochs=epochs,
             batch_size=t.batch_size,
@@ -261,7 +265,15 @@ class Reproduction:
     ) -> Trained:
         s = self.opts.training
         needs_old = variant.method != "independent"
-        deps = ((old,) if needs_old else ()) + ((paragon,) if variant.init_from_paragon else ())
+        uses_paragon = variant.init_from_paragon or variant.paragon_option is not None
+        deps = ((old,) if needs_old else ()) + ((paragon,) if uses_paragon else ())
+        options = variant.method_options(s)
+        if variant.paragon_option is not None:
+            options[variant.paragon_option] = paragon.path
+        embed_dim = None
+        if variant.head == "dsimplex":  # K = every training class of the scenario, D = K - 1
+            options.setdefault("classes", len(scenario.train_classes))
+            embed_dim = options["classes"] - 1
         rank = (
             METHOD_PRIORITY.index(variant.label)
             if variant.label in METHOD_PRIORITY
@@ -274,12 +286,13 @@ class Reproduction:
                 scenario,
                 backbone=backbone,
                 method=variant.method,
-                method_options=variant.method_options(s),
+                method_options=options,
                 split=split,
                 epochs=s.new_epochs,
                 old_model=old.path if needs_old else None,
                 init_model=paragon.path if variant.init_from_paragon else None,
                 head=variant.head,
+                embed_dim=embed_dim,
             ),
             deps,
             priority=0.0
@@ -450,7 +463,9 @@ class Reproduction:
     # -- sequential ------------------------------------------------------------------------
     def plan_sequential(self) -> dict:
         """phi_1 -> phi_2 -> phi_3 per method, each generation trained against the previous one
-        of its own chain; the ``independent`` chain is the paragon of every generation."""
+        of its own chain; the ``independent`` chain is the paragon of every generation. A chain
+        whose head is a fixed simplex (``dsimplex``) starts from a phi_1 of its own, trained
+        with that head."""
         s, t = self.opts.sizes, self.opts.training
         scenario = self.scenario("sequential")
         splits = scenario.train_generations()
@@ -467,7 +482,7 @@ class Reproduction:
         )
         chains: dict[str, list[Trained]] = {}
         for v in self.opts.method_plan("sequential"):
-            chain = [first]
+            chain = [first if v.head != "dsimplex" else self._simplex_first(scenario, v)]
             for g, split in enumerate(splits[1:], start=2):
                 chain.append(
                     self.new_model(
@@ -483,6 +498,25 @@ class Reproduction:
                 )
             chains[v.label] = chain
         return dict(scenario=scenario, splits=splits, chains=chains)
+
+    def _simplex_first(self, scenario, variant: Variant) -> Trained:
+        """phi_1 of a ``dsimplex`` chain: independent, with the chain's simplex head (K = every
+        training class of the scenario)."""
+        s, t = self.opts.sizes, self.opts.training
+        k = int(dict(variant.options).get("classes", len(scenario.train_classes)))
+        return self.train(
+            "sequential",
+            f"{variant.label}-gen1",
+            self.values(
+                scenario,
+                backbone=s.backbone,
+                method="independent",
+                split=scenario.train_generations()[0],
+                epochs=t.old_epochs,
+                head="dsimplex",
+                embed_dim=k - 1,
+            ),
+        )
 
     def evaluate_sequential(self, planned: dict) -> tuple[list[dict], dict]:
         from raycompat.models import ModelBundle
@@ -566,7 +600,7 @@ class Reproduction:
                 m_no=got.get((j, i, "stored")),
                 m_nadapted=got.get((j, i, "adapted")),
             )
-            adapted = VARIANTS[label].cross == "adapted" and parts["m_nadapted"]
+            adapted = VARIANTS[label].cross in ADAPTED_CROSS and parts["m_nadapted"]
             parts["m_cross"] = parts["m_nadapted"] if adapted else parts["m_no"]
             for kind, samples in parts.items():
                 if samples is not None:
@@ -670,7 +704,7 @@ def compat_entry(
     (DMU) or the rank-merge reverse query (RM), per ``variant.cross``."""
     from raycompat.metrics import compatibility_report
 
-    cross = m_nadapted if variant.cross == "adapted" and m_nadapted else m_no
+    cross = m_nadapted if variant.cross in ADAPTED_CROSS and m_nadapted else m_no
     rep = compatibility_report(m_oo[metric], cross[metric], m_nn[metric], m_nstar[metric])
     return dict(
         method=variant.method,
@@ -720,6 +754,13 @@ def diverged_entry(variant: Variant) -> dict:
     )
 
 
+def gallery_transform(bundle, gallery: np.ndarray) -> np.ndarray | None:
+    """The new bundle's transform of stored old vectors: DMU's ``psi`` or FCT's ``fct`` (``None``
+    without one)."""
+    module = bundle.modules.get("psi", bundle.modules.get("fct"))
+    return None if module is None else transform(module, gallery)
+
+
 def measure_test_set(
     *,
     name: str,
@@ -740,7 +781,8 @@ def measure_test_set(
     ``news[label] = (variant, bundle, embedded)``. Rank-merge methods are measured through
     their exported modules: ``M(n,n) = M(rho(q), rho(g))``,
     ``M(n,o) = M(psi_rev(rho(q)), phi_o(g))``.
-    DMU gets ``M(n, adapted) = M(phi_n(q), psi(phi_o(g)))`` besides ``M(n,o)``.
+    DMU gets ``M(n, adapted) = M(phi_n(q), psi(phi_o(g)))`` besides ``M(n,o)``, FCT
+    ``M(phi_n(q), h(phi_o(g)))`` (its ``fct`` module) in the same place.
     With ``evidence``, every pair's per-query samples go to it (query set ``query_set``, default
     ``scenario``; keys
     of :mod:`raycompat.reproduce.evidence`) as the ``seed_index``-th seed.
@@ -776,11 +818,10 @@ def measure_test_set(
                 dims=min(new.compatible_dim, old.gallery.shape[1]),
             )
         m_nadapted = None
-        if "psi" in bundle.modules:
-            adapted_gallery = transform(bundle.modules["psi"], old.gallery)
-            m_nadapted = pair_metrics(new.query, adapted_gallery, label, "m_nadapted")
+        if (adapted := gallery_transform(bundle, old.gallery)) is not None:
+            m_nadapted = pair_metrics(new.query, adapted, label, "m_nadapted")
         if evidence is not None:  # the test set's old-old, and the cross test used
-            cross = "m_nadapted" if variant.cross == "adapted" and m_nadapted else "m_no"
+            cross = "m_nadapted" if variant.cross in ADAPTED_CROSS and m_nadapted else "m_no"
             for kind, source in (("m_oo", ("m_oo",)), ("m_cross", (label, cross))):
                 samples = evidence.latest(("pair", name, *source), seed_index)
                 evidence.put(("pair", name, label, kind), samples, seed_index)
@@ -848,6 +889,8 @@ def hot_refresh(
             modes = ("rank_merge", "naive_merge", "cold")
         elif variant.cross == "adapted":
             modes = ("adapted", "compatible")
+        elif variant.cross == "fct":
+            modes = ("fct", "compatible")
         elif label == "independent":
             modes = ("compatible", "cold")
         else:

@@ -14,7 +14,14 @@ import socket
 from raycompat.serving.config import ServingConfig
 from raycompat.serving.plan import ServingPlan, build_plan
 
-__all__ = ["build_app", "start_serving", "stop_serving", "free_port", "replica_options"]
+__all__ = [
+    "build_app",
+    "start_serving",
+    "stop_serving",
+    "free_port",
+    "replica_options",
+    "router_replicas",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,8 +99,21 @@ def _bind_router(plan: ServingPlan, shards: list, controller):
     return Router.options(
         ray_actor_options={"num_cpus": cfg.router_cpus},
         max_ongoing_requests=256,
-        **replica_options(cfg.router_replicas, cfg.router_autoscaling),
+        **replica_options(router_replicas(cfg), cfg.router_autoscaling),
     ).bind(shards, controller, plan, admin)
+
+
+def router_replicas(cfg: ServingConfig, cluster_cpus: float | None = None) -> int:
+    """``router_replicas``, or (0) two where the cluster has at least 2 CPUs (and room for two
+    replicas of ``router_cpus``), else one: with one replica, requests wait while Serve replaces
+    a router that died (docs/live-index.md, "Replicas")."""
+    if cfg.router_replicas:
+        return int(cfg.router_replicas)
+    if cluster_cpus is None:
+        import ray
+
+        cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
+    return 2 if cluster_cpus >= max(2.0, 2 * cfg.router_cpus) else 1
 
 
 def start_serving(

@@ -14,10 +14,19 @@ durably before acknowledging it (:mod:`raycompat.serving.durability`), so:
 
 New vectors come from the gallery source (the embeddings parquet's ``new`` column, or the
 synthetic generator), the Ray Data pipeline's parquet output, or the embedder actor pool.
+
+Upgrade on read (``upgrade_on_read`` at start; docs/live-index.md): the router reports the ids
+every search returned (:meth:`BackfillController.note_reads`); the controller keeps the last
+``read_window`` searches and, before a batch, when searches came in since the last batch,
+moves the items they returned that are still waiting to the front of the rest of the order
+(:func:`raycompat.serving.orders.reorder_on_read`, the simulator's ``upgrade-on-read`` rule)
+and saves ``order.npy`` before the batch.  Only the part after ``position`` moves, so the
+backfilled prefix, exactly-once and the crash resume are as before.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -28,6 +37,7 @@ import numpy as np
 from raycompat.serving.durability import CorruptStateError, atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.serving.plan import ServingPlan
+from raycompat.serving.upgrade import UpgradeCommands
 from raycompat.storage import StorageError
 
 __all__ = ["BackfillController", "backfill_dir"]
@@ -37,8 +47,9 @@ def backfill_dir(state_dir: str) -> str:
     return os.path.join(state_dir, "backfill")
 
 
-class BackfillController:
-    """Serve deployment class (one replica); ``shards``: the shard deployment handles."""
+class BackfillController(UpgradeCommands):
+    """Serve deployment class (one replica); ``shards``: the shard deployment handles.  The
+    canary gate, rollback, finalize and the stale listing: :class:`UpgradeCommands`."""
 
     def __init__(self, shards: list, plan: ServingPlan):
         self.shards = list(shards)
@@ -59,7 +70,11 @@ class BackfillController:
         self.generation = 0
         self._rate_t0 = time.perf_counter()
         self._rate_p0 = 0
+        self.reads: collections.deque = collections.deque(maxlen=1)  # recent searches' ids
+        self.reads_seen = 0  # searches reported by the router
+        self._reads_applied = 0  # ... of which the order has been reordered with
         self._load_checkpoint()
+        self._init_upgrade()
         self.thread: threading.Thread | None = None
         self.worker_restarts = 0
         self._ensure_worker()
@@ -92,6 +107,7 @@ class BackfillController:
         if ck.get("state") == "running":
             self.resumed = True
         self._rate_p0 = int(ck["position"])
+        self.reads = collections.deque(maxlen=int(ck.get("read_window") or 1))
 
     def _save_checkpoint(self) -> None:
         data = json.dumps(self.ck).encode()
@@ -180,32 +196,50 @@ class BackfillController:
         until: int | None = None,
         source: str = "gallery",
         restart: bool = False,
+        cost_column: str | None = None,
+        query_log: str | None = None,
+        cost_base: str = "uncertainty:margin",
+        order_base: str = "random",
+        demand_k: int = 10,
+        upgrade_on_read: bool = False,
+        read_window: int = 8,
     ) -> dict:
-        """Compute the policy's order and start walking it; errors come back as ``{"error"}``."""
+        """Compute the policy's order and start walking it; errors come back as ``{"error"}``.
+        ``cost_column``, ``query_log``, ``cost_base``, ``order_base``, ``demand_k``: the
+        cost-aware and demand policies' inputs (as the simulator's flags); ``upgrade_on_read``:
+        move what the last ``read_window`` searches returned to the front before each batch."""
         from raycompat.config import ConfigError
 
         with self.lock:
-            if self.ck["state"] in ("running", "paused") and not restart:
+            if self.ck["state"] in ("running", "paused", "rolling_back") and not restart:
                 return {
                     "error": f"a backfill is already {self.ck['state']} "
                     f"(policy {self.ck.get('policy')}); pause/resume it or pass restart=true",
                     "status": 409,
                 }
+        inputs = {
+            "cost_column": cost_column,
+            "query_log": query_log,
+            "options": {"cost_base": cost_base, "order_base": order_base, "demand_k": demand_k},
+        }
+        reads = {"upgrade_on_read": bool(upgrade_on_read), "read_window": int(read_window)}
         try:
             self._vector_source(source)
-            order = self._policy_order(policy, int(seed))
+            order = self._policy_order(policy, int(seed), inputs)
         except (ConfigError, ValueError) as exc:
             return {"error": str(exc), "status": 400}
         try:
-            return self._begin(order, policy, seed, source, rate, batch_size, until)
+            return self._begin(order, policy, seed, source, rate, batch_size, until, reads)
         except StorageError as exc:
             return {"error": f"backfill not started: {exc}", "status": 503}
 
-    def _begin(self, order, policy, seed, source, rate, batch_size, until) -> dict:
+    def _begin(self, order, policy, seed, source, rate, batch_size, until, reads) -> dict:
         """Save the order and the first checkpoint, then wake the walking thread."""
         with self.lock:
             self.order = np.asarray(order, np.int64)
             self._save_order()
+            self.reads = collections.deque(maxlen=reads["read_window"])
+            self._reads_applied = self.reads_seen
             self.ck = {
                 "state": "running",
                 "policy": policy,
@@ -218,32 +252,73 @@ class BackfillController:
                 "total": int(self.order.size),
                 "mode": self.cfg.mode,
                 "started": time.time(),
+                **reads,
             }
             self.error = None
             self.resumed = False
+            self.gate.new_run()
             self.generation += 1
             self._rate_t0, self._rate_p0 = time.perf_counter(), 0
             self._save_checkpoint()
             self.wake.notify_all()
             return self.status()
 
-    def _policy_order(self, policy: str, seed: int) -> np.ndarray:
-        """The policy's order of the gallery's item ids (the simulator's policies)."""
+    def _policy_order(self, policy: str, seed: int, inputs: dict) -> np.ndarray:
+        """The policy's order of the gallery's item ids (the simulator's policies; ``inputs``:
+        the cost column, the query log and the policy options of :meth:`start`)."""
+        from raycompat.backfill.policies import PolicyOptions
         from raycompat.serving.orders import policy_order_ids
 
-        head = self._head() if policy.startswith("uncertainty:") or policy == "learned" else None
+        options = PolicyOptions(**inputs["options"])
+        names = (policy, options.cost_base, options.order_base)
+        wants_head = any(n.startswith("uncertainty:") or n == "learned" for n in names)
         return policy_order_ids(
             policy,
             self.gallery(),
             mode=self.cfg.mode,
             seed=seed,
-            head=head,
+            head=self._head() if wants_head else None,
             learned_sample_fraction=self.cfg.learned_sample_fraction,
+            options=options,
+            cost_column=inputs["cost_column"],
+            query_log=inputs["query_log"],
         )
 
-    def pause(self) -> dict:
+    def note_reads(self, ids) -> dict:
+        """The router's report of searches: ``ids`` one list of returned item ids per search,
+        in the order they ran; kept (the last ``read_window``) while a backfill with
+        ``upgrade_on_read`` runs.  Returns ``{"wanted": ...}``: whether reports are wanted."""
         with self.lock:
-            if self.ck["state"] == "running":
+            wanted = bool(self.ck.get("upgrade_on_read")) and self.ck["state"] in (
+                "running",
+                "paused",
+            )
+            if wanted:
+                for row in ids:
+                    self.reads.append(np.asarray(row, dtype=np.int64))
+                    self.reads_seen += 1
+            return {"wanted": wanted}
+
+    def _reorder_on_read(self, pos: int) -> None:
+        """Before a batch: the window of recent searches' results to the front of the rest of
+        the order, saved before the batch is taken (under the lock)."""
+        if not self.ck.get("upgrade_on_read") or self.reads_seen == self._reads_applied:
+            return
+        from raycompat.serving.orders import reorder_on_read
+
+        window = np.concatenate(list(reversed(self.reads))) if self.reads else np.zeros(0)
+        order = reorder_on_read(self.order, pos, window)
+        self._reads_applied = self.reads_seen
+        if not np.array_equal(order, self.order):
+            self.order = order
+            self._save_order()
+
+    def pause(self) -> dict:
+        """Pause the walk (or a rollback in progress: ``resume`` continues it)."""
+        with self.lock:
+            if self.ck["state"] == "rolling_back":
+                self.ck["rollback"]["state"] = "paused"
+            if self.ck["state"] in ("running", "rolling_back"):
                 self.ck["state"] = "paused"
                 self._try_save("paused")
             return self.status()
@@ -257,11 +332,19 @@ class BackfillController:
             self.error = f"{what}, but the checkpoint was not saved: {exc}"
 
     def resume(
-        self, until: int | None = None, rate: float | None = None, clear_until: bool = False
+        self,
+        until: int | None = None,
+        rate: float | None = None,
+        clear_until: bool = False,
+        override: bool = False,
     ) -> dict:
+        """Continue (``override``: past a canary guard; a paused rollback continues first)."""
         with self.lock:
             if self.order is None:
                 return {"error": "no backfill to resume: start one first", "status": 409}
+            refused = self._resume_checks(bool(override))
+            if refused:
+                return refused
             if clear_until:
                 self.ck["until"] = None
             elif until is not None:
@@ -291,8 +374,12 @@ class BackfillController:
                     "until",
                     "rate",
                     "batch_size",
+                    "upgrade_on_read",
+                    "read_window",
                 )
             }
+            out["reads_seen"] = self.reads_seen
+            out.update(self.upgrade_status())
             out["error"] = self.error
             out["resumed_from_checkpoint"] = self.resumed
             dt = time.perf_counter() - self._rate_t0
@@ -353,6 +440,8 @@ class BackfillController:
 
     def _step(self) -> None:
         """One batch: fetch its vectors, upsert them on the shards, checkpoint."""
+        if self._rollback_step() or self._canary_step():
+            return
         step = self._next_batch()
         if step is None:
             return
@@ -366,14 +455,21 @@ class BackfillController:
         ``None`` after marking the backfill done / paused at its end or ``until``."""
         with self.lock:
             while self.ck["state"] != "running":
+                if self.ck["state"] == "rolling_back":  # the rollback's step takes the turn
+                    self.wake.wait(timeout=1.0)
+                    return None
                 self.wake.wait(timeout=1.0)
             pos, total = int(self.ck["position"]), int(self.ck["total"])
+            if self.gate.due(self.ck.get("started"), pos, total):
+                return None  # the canary is measured here first (:meth:`_canary_step`)
             until = self.ck.get("until")
             stop = total if until is None else min(total, int(until))
+            stop = min(stop, self._canary_stop(pos, total))  # the canary's next position
             if pos >= stop:
                 self.ck["state"] = "done" if pos >= total else "paused"
                 self._save_checkpoint()
                 return None
+            self._reorder_on_read(pos)
             rate = self.ck.get("rate")
             size = _batch_size(int(self.ck["batch_size"]), rate)
             batch = self.order[pos : min(stop, pos + size)]

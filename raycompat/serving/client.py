@@ -90,14 +90,51 @@ class ServingClient:
         return self._call("POST", "/admin/backfill/pause", None, admin=True)
 
     def resume_backfill(
-        self, until: int | None = None, rate: float | None = None, clear_until: bool = False
+        self,
+        until: int | None = None,
+        rate: float | None = None,
+        clear_until: bool = False,
+        override: bool = False,
     ) -> dict:
         """Resume; ``until`` / ``rate`` replace the old ones when given, ``clear_until`` removes
-        an earlier ``until`` (the body then says ``"until": null``)."""
+        an earlier ``until`` (the body then says ``"until": null``); ``override``: past a canary
+        guard."""
         body: dict = {} if rate is None else {"rate": rate}
         if clear_until or until is not None:
             body["until"] = None if clear_until else until
+        if override:
+            body["override"] = True
         return self._call("POST", "/admin/backfill/resume", body, admin=True)
+
+    def register_canary(self, vectors, classes=None, relevant_ids=None, old_vectors=None) -> dict:
+        """Register the canary: new-model ``vectors`` and, per query, its class or its relevant
+        item ids (``old_vectors``: the old model's, for the old-old reference)."""
+        body: dict = {"vectors": np.asarray(vectors, np.float32).tolist()}
+        if old_vectors is not None:
+            body["old_vectors"] = np.asarray(old_vectors, np.float32).tolist()
+        if classes is not None:
+            body["classes"] = [str(c) for c in classes]
+        if relevant_ids is not None:
+            body["relevant_ids"] = [[int(i) for i in r] for r in relevant_ids]
+        return self._call("POST", "/admin/canary", body, admin=True)
+
+    def rollback_backfill(self, to: int | None = None, **kw) -> dict:
+        """Roll back the items upgraded at or after ``to`` (all: ``None``); ``batch_size``,
+        ``rate``."""
+        return self._call("POST", "/admin/backfill/rollback", {"to": to, **kw}, admin=True)
+
+    def finalize_backfill(self) -> dict:
+        return self._call("POST", "/admin/backfill/finalize", None, admin=True)
+
+    def stale(self, model: str, limit: int = 1000) -> list[int]:
+        """Every id whose vector ``model`` did not produce, in the backfill's order (all pages)."""
+        ids, cursor = [], 0
+        while cursor is not None:
+            params = f"?model={model}&cursor={cursor}&limit={int(limit)}"
+            page = self._call("GET", "/admin/stale" + params, admin=True)
+            ids += page["ids"]
+            cursor = page["next_cursor"]
+        return ids
 
     def wait_backfill(self, position: int, timeout: float = 600.0, poll: float = 0.1) -> dict:
         """Wait until the backfill has reached ``position`` and stopped moving (paused/done)."""

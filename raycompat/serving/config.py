@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from raycompat.backfill.canary import CanaryOptions
 from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError, choices, nonnegative, option, parse_options, positive
 from raycompat.index.ann import IndexOptions
@@ -69,7 +70,11 @@ class ServingConfig:
         "request is there (0: a batch takes the requests that queued while the last one ran)",
     )
     router_cpus: float = option(0.0, help="ray_actor_options num_cpus per router replica")
-    router_replicas: int = positive(1, help="router replicas")
+    router_replicas: int = nonnegative(
+        0,
+        help="router replicas (0: two where the cluster has at least 2 CPUs, else one; with one, "
+        "requests wait while Serve replaces a router that died)",
+    )
     snapshot_every: int = positive(200_000, help="upserted items between snapshots")
     fsync: bool = option(True, help="fsync every log append and snapshot")
     host: str = option("127.0.0.1", help="HTTP host")
@@ -123,6 +128,16 @@ class ServingConfig:
     )
     upsert_retry_s: float = positive(
         300.0, help="seconds the backfill controller retries a batch on a shard that is down"
+    )
+    canary: CanaryOptions = option(
+        factory=CanaryOptions,
+        help="the canary gate of a backfill: when it is measured and what pauses it "
+        "(docs/live-index.md, 'Upgrading a live gallery safely')",
+    )
+    kept_on_disk: bool = option(
+        False,
+        help="keep the old vectors of upgraded items (kept for a rollback until finalize) "
+        "memory-mapped on disk in the shard directories instead of in memory",
     )
 
 

@@ -9,9 +9,18 @@ docs/architecture.md, "Durability".  Nothing here is pickled.  Formats:
   renamed over the old one (atomic on POSIX), then the directory is fsynced; a failed write
   removes its temporary file.  A snapshot that cannot be read raises :class:`CorruptStateError`
   naming the file and the cause.
-* log ``upserts.log``: records ``header | ids int64[n] | vectors float32[n * dim]`` with the
-  header ``<4sQIIBI`` = magic ``RCUL``, sequence number, n, dim, representation code, CRC32 of
-  the payload.  :meth:`UpsertLog.append` writes a whole record with unbuffered ``os.write``
+* snapshot arrays of format 2 (``meta["format"] == 2``): ``model_<r>`` (uint16, per item: the
+  index in ``meta["models"]`` of the fingerprint of the model that produced its vector), and the
+  old vectors kept for a rollback by the representation they return to, ``kept_ids_<r>``,
+  ``kept_vec_<r>``, ``kept_model_<r>`` (:mod:`raycompat.serving.shard_content`).  A snapshot
+  without them (written before model identity) loads with every item's model unrecorded and
+  nothing kept.
+* log ``upserts.log``: records ``header | model | ids int64[n] | vectors float32[n * dim]`` with
+  the header ``<4sQIIBBHI`` = magic ``RCU2``, sequence number, n, dim, representation code,
+  operation (0 upsert, 1 rollback: ids only, 2 finalize: nothing), the model fingerprint's
+  length in bytes, CRC32 of the payload (the model's UTF-8 bytes, ids, vectors).  Records of
+  the first format (magic ``RCUL``, header ``<4sQIIBI``, no operation and no model: an upsert)
+  are still read.  :meth:`UpsertLog.append` writes a whole record with unbuffered ``os.write``
   calls and fsyncs it *before* the upsert is applied and acknowledged.  If any write or the
   fsync fails, the file is truncated back to its last good length (nothing of a failed record
   can reach the disk with a later append) and :class:`StorageError` says what happened
@@ -69,12 +78,20 @@ __all__ = [
     "state_directory",
     "SNAPSHOT_NAME",
     "LOG_NAME",
+    "OP_UPSERT",
+    "OP_ROLLBACK",
+    "OP_FINALIZE",
+    "read_snapshot_arrays",
 ]
 
 SNAPSHOT_NAME = "snapshot.npz"
 LOG_NAME = "upserts.log"
-_HEADER = struct.Struct("<4sQIIBI")
+_HEADER = struct.Struct("<4sQIIBI")  # format 1: an upsert without a model
 _MAGIC = b"RCUL"
+_HEADER2 = struct.Struct("<4sQIIBBHI")  # format 2: operation and model fingerprint
+_MAGIC2 = b"RCU2"
+#: the operations of a format-2 record
+OP_UPSERT, OP_ROLLBACK, OP_FINALIZE = 0, 1, 2
 _MAX_RECORD_BYTES = 1 << 34  # no legitimate record is larger (a corrupt n or dim is)
 
 
@@ -103,11 +120,18 @@ def storage_error(exc: OSError, path: str, doing: str = "") -> StorageError:
 
 @dataclass
 class LogRecord:
+    """One record: an upsert of ``ids`` into representation ``rep`` with ``vectors`` produced by
+    ``model`` (``""``: not recorded, a format-1 record), a rollback of ``ids``, or a finalize;
+    ``nbytes``: its size in the file."""
+
     seq: int
     rep: int
     ids: np.ndarray
     vectors: np.ndarray
     offset: int = 0
+    op: int = OP_UPSERT
+    model: str = ""
+    nbytes: int = 0
 
 
 @dataclass
@@ -133,31 +157,47 @@ def _record_at(data: bytes, pos: int) -> tuple[LogRecord | None, str]:
     bytes end before the record does."""
     if pos + _HEADER.size > len(data):
         return None, "torn"
-    magic, seq, n, dim, rep, crc = _HEADER.unpack_from(data, pos)
-    if magic != _MAGIC:
+    magic = data[pos : pos + 4]
+    if magic not in (_MAGIC, _MAGIC2):
         return None, "bad magic"
-    size = n * 8 + n * dim * 4
+    header = _HEADER2 if magic == _MAGIC2 else _HEADER
+    if pos + header.size > len(data):
+        return None, "torn"
+    if magic == _MAGIC2:
+        _, seq, n, dim, rep, op, model_len, crc = header.unpack_from(data, pos)
+    else:
+        _, seq, n, dim, rep, crc = header.unpack_from(data, pos)
+        op, model_len = OP_UPSERT, 0
+    if op > OP_FINALIZE:
+        return None, "unknown operation"
+    size = model_len + n * 8 + n * dim * 4
     if size > _MAX_RECORD_BYTES:
         return None, "impossible record size"
-    start = pos + _HEADER.size
+    start = pos + header.size
     if start + size > len(data):
         return None, "torn"
     payload = data[start : start + size]
     if zlib.crc32(payload) != crc:
         return None, "CRC mismatch"
-    ids = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64)
-    vecs = np.frombuffer(payload, dtype="<f4", offset=n * 8).astype(np.float32).reshape(n, dim)
-    return LogRecord(int(seq), int(rep), ids, vecs, pos), ""
+    try:
+        model = payload[:model_len].decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "model fingerprint is not UTF-8"
+    ids = np.frombuffer(payload, dtype="<i8", count=n, offset=model_len).astype(np.int64)
+    vecs = np.frombuffer(payload, dtype="<f4", offset=model_len + n * 8).astype(np.float32)
+    rec = LogRecord(int(seq), int(rep), ids, vecs.reshape(n, dim), pos, int(op), model)
+    rec.nbytes = header.size + size
+    return rec, ""
 
 
 def _next_record(data: bytes, pos: int) -> LogRecord | None:
     """The first valid record starting after ``pos`` (a magic whose record checks out)."""
-    at = data.find(_MAGIC, pos + 1)
+    at = data.find(_MAGIC[:3], pos + 1)
     while at >= 0:
         rec, _ = _record_at(data, at)
         if rec is not None:
             return rec
-        at = data.find(_MAGIC, at + 1)
+        at = data.find(_MAGIC[:3], at + 1)
     return None
 
 
@@ -179,7 +219,7 @@ def _read_log(data: bytes) -> tuple[list[LogRecord], list[LogDamage], int]:
             damage.append(LogDamage(pos, nxt.offset - pos, why))
             rec = nxt
         records.append(rec)
-        pos = rec.offset + _HEADER.size + rec.ids.size * 8 + rec.vectors.nbytes
+        pos = rec.offset + rec.nbytes
     return records, damage, pos
 
 
@@ -218,6 +258,7 @@ class UpsertLog:
         self.last_seq: int | None = None
         self.damage: list[LogDamage] = []
         self.broken: str | None = None  # a failed rollback: no more appends until a restart
+        self.last_error: str | None = None  # the last failed append, until one succeeds
 
     @property
     def truncated_bytes(self) -> int:  # the name older status readers know
@@ -260,17 +301,29 @@ class UpsertLog:
         self.torn_tail_bytes = 0
         return max(cut, 0)
 
-    def append(self, seq: int, rep: int, ids: np.ndarray, vectors: np.ndarray) -> None:
+    def append(
+        self,
+        seq: int,
+        rep: int,
+        ids: np.ndarray,
+        vectors: np.ndarray,
+        op: int = OP_UPSERT,
+        model: str = "",
+    ) -> None:
         """Write one whole record at :attr:`pos` (the end of the file: the caller holds the
         write lock and has read and truncated up to it) and fsync it; on any failure roll the
-        file back to :attr:`pos` and raise :class:`StorageError`."""
+        file back to :attr:`pos` and raise :class:`StorageError` (also kept in
+        :attr:`last_error` until an append succeeds)."""
         if self.broken:
             raise StorageError(self.broken)
         ids = np.ascontiguousarray(ids, dtype="<i8")
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         n, dim = vectors.shape
-        payload = ids.tobytes() + vectors.tobytes()
-        head = _HEADER.pack(_MAGIC, int(seq), int(n), int(dim), int(rep), zlib.crc32(payload))
+        name = model.encode("utf-8")
+        payload = name + ids.tobytes() + vectors.tobytes()
+        head = _HEADER2.pack(
+            _MAGIC2, int(seq), int(n), int(dim), int(rep), int(op), len(name), zlib.crc32(payload)
+        )
         record = memoryview(head + payload)
         try:
             written = 0
@@ -280,7 +333,10 @@ class UpsertLog:
                 os.fsync(self._fd)
         except OSError as exc:
             self._rollback()
-            raise storage_error(exc, self.path, f"appending log record {seq}") from None
+            err = storage_error(exc, self.path, f"appending log record {seq}")
+            self.last_error = str(err)
+            raise err from None
+        self.last_error = None
         self.pos += len(record)
         self.items += int(n)
         self.last_seq = int(seq)
@@ -343,21 +399,27 @@ def write_snapshot(
     dims: dict[str, int],
     info: dict | None = None,
     fsync: bool = True,
+    arrays: dict[str, np.ndarray] | None = None,
+    models: list[str] | None = None,
 ) -> str:
-    """Atomically write ``parts`` (``{rep name: (ids, vectors)}``) as the snapshot at ``seq``;
-    :class:`StorageError` (and no temporary file left) when the write fails."""
+    """Atomically write ``parts`` (``{rep name: (ids, vectors)}``) as the snapshot at ``seq``,
+    with the format-2 ``arrays`` (``model_<r>``, ``kept_*_<r>``) and the fingerprint table
+    ``models`` they index; :class:`StorageError` (and no temporary file left) when the write
+    fails."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, SNAPSHOT_NAME)
     tmp = path + ".tmp"
-    arrays = {}
+    out = dict(arrays or {})
     for name, (ids, vecs) in parts.items():
-        arrays[f"ids_{name}"] = np.asarray(ids, dtype=np.int64)
-        arrays[f"vec_{name}"] = np.asarray(vecs, dtype=np.float32).reshape(len(ids), dims[name])
-    meta = json.dumps({"seq": int(seq), "dims": dims, "info": info or {}}).encode()
-    arrays["meta"] = np.frombuffer(meta, dtype=np.uint8)
+        out[f"ids_{name}"] = np.asarray(ids, dtype=np.int64)
+        out[f"vec_{name}"] = np.asarray(vecs, dtype=np.float32).reshape(len(ids), dims[name])
+    meta = {"seq": int(seq), "dims": dims, "info": info or {}}
+    if models is not None:
+        meta.update(format=2, models=list(models))
+    out["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     try:
         with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
+            np.savez(fh, **out)
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
@@ -395,6 +457,19 @@ def read_snapshot(
     """``(seq, {rep: (ids, vectors)}, meta)`` or ``None`` when there is no snapshot (``fh``:
     the snapshot file already opened by :func:`open_snapshot`);
     :class:`CorruptStateError` naming the file and the cause when it cannot be read."""
+    snap = read_snapshot_arrays(directory, fh)
+    if snap is None:
+        return None
+    seq, arrays, meta = snap
+    parts = {
+        key[4:]: (arrays[key], arrays[f"vec_{key[4:]}"]) for key in arrays if key.startswith("ids_")
+    }
+    return seq, parts, meta
+
+
+def read_snapshot_arrays(directory: str, fh=None) -> tuple[int, dict[str, np.ndarray], dict] | None:
+    """``(seq, every array by name, meta)`` of the snapshot (see :func:`read_snapshot`); the
+    ``ids_<r>`` / ``vec_<r>`` pairs checked for matching lengths."""
     path = os.path.join(directory, SNAPSHOT_NAME)
     fh = fh if fh is not None else open_snapshot(directory)
     if fh is None:
@@ -402,18 +477,17 @@ def read_snapshot(
     try:
         with fh, np.load(fh, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
-            parts = {}
-            for key in z.files:
-                if key.startswith("ids_"):
-                    name = key[4:]
-                    ids, vecs = z[key].astype(np.int64), z[f"vec_{name}"].astype(np.float32)
-                    if vecs.ndim != 2 or vecs.shape[0] != ids.size:
-                        raise ValueError(f"{name}: {ids.size} ids but vectors {vecs.shape}")
-                    parts[name] = (ids, vecs)
+            arrays = {key: z[key] for key in z.files if key != "meta"}
+            for key in [k for k in arrays if k.startswith("ids_")]:
+                name = key[4:]
+                ids = arrays[key] = arrays[key].astype(np.int64)
+                vecs = arrays[f"vec_{name}"] = arrays[f"vec_{name}"].astype(np.float32)
+                if vecs.ndim != 2 or vecs.shape[0] != ids.size:
+                    raise ValueError(f"{name}: {ids.size} ids but vectors {vecs.shape}")
             seq = int(meta["seq"])
     except Exception as exc:  # zip, npy, JSON or shape damage: name the file and the cause
         raise _corrupt_snapshot(path, exc) from None
-    return seq, parts, meta
+    return seq, arrays, meta
 
 
 def snapshot_seq(directory: str, fh=None) -> int | None:

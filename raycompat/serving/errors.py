@@ -41,18 +41,23 @@ class ApiError(Exception):
         message: str,
         field: str | None = None,
         headers: dict[str, str] | None = None,
+        extra: dict | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.field, self.headers = status, message, field, headers
+        self.extra = extra  # more fields of the JSON body (e.g. ``applied_ids``)
 
 
 def error_response(
-    status: int, message: str, problems: Iterable[dict] = (), headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    problems: Iterable[dict] = (),
+    headers: dict[str, str] | None = None,
+    extra: dict | None = None,
 ) -> JSONResponse:
-    """The JSON error body with ``status``."""
-    return JSONResponse(
-        status_code=status, headers=headers, content={"error": message, "problems": list(problems)}
-    )
+    """The JSON error body with ``status`` (``extra``: more fields of the body)."""
+    content = {"error": message, "problems": list(problems), **(extra or {})}
+    return JSONResponse(status_code=status, headers=headers, content=content)
 
 
 def problem_field(loc: Sequence[Any]) -> str:
@@ -99,7 +104,7 @@ def internal_error(exc: BaseException) -> JSONResponse:
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     probs = [{"field": exc.field, "message": exc.message}] if exc.field else []
-    return error_response(exc.status, exc.message, probs, exc.headers)
+    return error_response(exc.status, exc.message, probs, exc.headers, exc.extra)
 
 
 async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -29,6 +29,7 @@ __all__ = [
     "PipelineOutput",
     "SyntheticGallery",
     "open_gallery",
+    "gallery_classes",
     "rows_of",
     "write_gallery_parquet",
 ]
@@ -265,6 +266,33 @@ class SyntheticGallery(GallerySource):
         from raycompat.serving.scoring import stored_new
 
         return stored_new(self._draw(ids, 1, self.new_dim), self.new_map)
+
+
+def gallery_classes(src: GallerySource) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(gallery ids, the class name of each)``: an embeddings parquet's ``class_name``
+    column (else ``label``, as text), a clustered synthetic gallery's cluster numbers;
+    ``None`` for a gallery without classes."""
+    ids = src.gallery_ids()
+    if isinstance(src, SyntheticGallery):
+        return ids, (src.cluster_of(ids).astype(str) if src.clusters else None)
+    if not isinstance(src, ParquetGallery):
+        return ids, None
+    from raycompat.backfill.embeddings_parquet import (
+        GALLERY,
+        EmbeddingsParquet,
+        split_kinds,
+    )
+
+    reader = EmbeddingsParquet.open(src.path)
+    name_of: dict[int, str] = {}
+    for f in reader.files:
+        table = reader._read_key_table(f)
+        column = "class_name" if "class_name" in table.column_names else "label"
+        gallery = split_kinds(f, table) == GALLERY
+        names = [str(v) for v in table.column(column).to_pylist()]
+        row_ids = table.column("item_id").to_numpy().astype(np.int64)
+        name_of.update(zip(row_ids[gallery].tolist(), np.asarray(names)[gallery], strict=True))
+    return ids, np.asarray([name_of[i] for i in ids.tolist()])
 
 
 _STREAMS = {"old": 0, "new": 1, "adapted": 2}

@@ -9,7 +9,9 @@ Derived fields:
   where a new item holds ``rho(phi_n(g))``);
 * ``query_dims`` -- what clients send per model (``old`` = D_old, ``new`` = D_new);
 * ``compatible_dim`` -- D_c, the option or D_old (docs/methods.md "Query strategies");
-* ``n_items`` -- gallery items; ``old_model`` / ``new_model`` -- the bundles' versions.
+* ``n_items`` -- gallery items; ``old_model`` / ``new_model`` -- the bundles' versions;
+* ``identities`` -- the fingerprint of the model behind each representation's vectors
+  (:mod:`raycompat.serving.identity`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from raycompat.config import ConfigError
 from raycompat.serving.config import ServingConfig
+from raycompat.serving.identity import ModelIdentities, model_identities
 from raycompat.serving.schemas import Limits
 
 __all__ = ["RepDims", "QueryDims", "ModelVersion", "ServingPlan", "build_plan", "model_version"]
@@ -99,6 +102,7 @@ class ServingPlan:
     n_items: int
     old_model: ModelVersion | None = None
     new_model: ModelVersion | None = None
+    identities: ModelIdentities | None = None
 
     @property
     def initial_representation(self) -> str:
@@ -151,6 +155,7 @@ def build_plan(cfg: ServingConfig) -> ServingPlan:
         n_items=int(src.n_items),
         old_model=model_version(cfg.old_model) if cfg.old_model else None,
         new_model=model_version(cfg.new_model) if cfg.new_model else None,
+        identities=model_identities(cfg, dims.as_dict()),
     )
 
 

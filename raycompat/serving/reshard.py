@@ -1,13 +1,14 @@
 """Move a stopped live index's items to a new shard count, exactly once (reshard-index).
 
 docs/architecture.md, "Serving state".  Every item goes to the shard its id is placed on under
-the new count (:func:`raycompat.serving.placement.shard_of`), keeping its representation and
-vector.  The old shards are read (snapshot + log) while holding their locks, so a running index
-is refused; the new shards are written as snapshots into ``shards-g<k>/`` and checked (every id
-exactly once, on its shard, the same counts per representation); only then does the state
-directory's ``layout.json`` switch to them (one atomic rename: a crash before it leaves the old
-index as it was).  The old shards' files are kept unless ``--remove-old``; the backfill
-checkpoint holds item ids, so a backfill resumes where it stopped.
+the new count (:func:`raycompat.serving.placement.shard_of`), keeping its representation,
+vector and model fingerprint, and the old vector it keeps for a rollback.  The old shards are
+read (snapshot + log) while holding their locks, so a running index is refused; the new shards
+are written as snapshots into ``shards-g<k>/`` and checked (every id exactly once, on its
+shard, the same counts per representation); only then does the state directory's
+``layout.json`` switch to them (one atomic rename: a crash before it leaves the old index as it
+was).  The old shards' files are kept unless ``--remove-old``; the backfill checkpoint holds
+item ids, so a backfill resumes where it stopped.
 
 Needs memory for every vector of the index on the machine that runs it.
 """
@@ -35,6 +36,7 @@ from raycompat.console import job_main
 from raycompat.serving.durability import read_snapshot, state_directory, write_snapshot
 from raycompat.serving.layout import StateLayout, read_layout, stored_shards, write_layout
 from raycompat.serving.placement import split_by_shard
+from raycompat.serving.shard_content import ShardContent
 from raycompat.serving.state import REPRESENTATIONS, ShardLockedError, ShardState
 
 __all__ = ["ReshardOptions", "ReshardResult", "reshard", "main", "build_parser"]
@@ -93,42 +95,33 @@ def _open_old(state_dir: str, layout: StateLayout) -> list[ShardState]:
     return states
 
 
-def _split(states: list[ShardState], n_new: int) -> list[dict[str, tuple]]:
-    """``[{rep: (ids, vectors)}]`` per new shard."""
-    parts: list[dict[str, list]] = [{} for _ in range(n_new)]
-    for st in states:
-        for rep, ix in st.reps.items():
-            ids, vecs = ix.export()
-            for j, pos in enumerate(split_by_shard(ids, n_new)):
-                parts[j].setdefault(rep, []).append((ids[pos], vecs[pos]))
-    out = []
-    for j in range(n_new):
-        merged = {}
-        for rep, chunks in parts[j].items():
-            ids = np.concatenate([c[0] for c in chunks])
-            order = np.argsort(ids, kind="stable")
-            merged[rep] = (ids[order], np.concatenate([c[1] for c in chunks])[order])
-        out.append(merged)
-    return out
+def _split(contents: list[ShardContent], n_new: int) -> list[ShardContent]:
+    """The content of every new shard from the old shards' ``contents``: items with their
+    models, and the old vectors kept for a rollback (:mod:`raycompat.serving.shard_content`)."""
+    pieces = [c.split(lambda ids: split_by_shard(ids, n_new)) for c in contents]
+    return [ShardContent.merge([p[j] for p in pieces]) for j in range(n_new)]
 
 
-def _check_exactly_once(states: list[ShardState], new_parts: list[dict], n_new: int) -> None:
-    """Every old item is in exactly one new shard, the one it is placed on, same state."""
+def _check_exactly_once(old_contents: list[ShardContent], new_parts: list[ShardContent], n_new):
+    """Every old item (and kept vector) is in exactly one new shard, the one it is placed on,
+    in the same representation."""
     from raycompat.serving.placement import shard_of
 
-    for rep in REPRESENTATIONS:
-        old = np.sort(
-            np.concatenate([st.reps[rep].export()[0] for st in states if rep in st.reps] or [[]])
-        )
-        new_chunks = [p[rep][0] for p in new_parts if rep in p]
-        new = np.sort(np.concatenate(new_chunks)) if new_chunks else np.zeros(0, np.int64)
-        if not np.array_equal(old.astype(np.int64), new):
-            raise RuntimeError(f"reshard check failed: {rep} items differ after the move")
-        for j, p in enumerate(new_parts):
-            if rep in p and (shard_of(p[rep][0], n_new) != j).any():
-                raise RuntimeError(
-                    f"reshard check failed: an item on new shard {j} belongs elsewhere"
-                )
+    for attr in ("items", "kept"):
+        old_parts = [getattr(c, attr) for c in old_contents]
+        for rep in REPRESENTATIONS:
+            old_chunks = [p[rep][0] for p in old_parts if rep in p]
+            old = np.sort(np.concatenate(old_chunks)) if old_chunks else np.zeros(0, np.int64)
+            new_chunks = [getattr(p, attr)[rep][0] for p in new_parts if rep in getattr(p, attr)]
+            new = np.sort(np.concatenate(new_chunks)) if new_chunks else np.zeros(0, np.int64)
+            if not np.array_equal(old.astype(np.int64), new):
+                raise RuntimeError(f"reshard check failed: {attr} {rep} differ after the move")
+            for j, p in enumerate(new_parts):
+                part = getattr(p, attr).get(rep)
+                if part is not None and (shard_of(part[0], n_new) != j).any():
+                    raise RuntimeError(
+                        f"reshard check failed: an item on new shard {j} belongs elsewhere"
+                    )
 
 
 def reshard(
@@ -143,8 +136,9 @@ def reshard(
     states = _open_old(state_dir, layout)
     try:
         dims = layout.dims or states[0].dims
-        new_parts = _split(states, num_shards)
-        _check_exactly_once(states, new_parts, num_shards)
+        contents = [st.mem.export() for st in states]
+        new_parts = _split(contents, num_shards)
+        _check_exactly_once(contents, new_parts, num_shards)
         new = dataclasses.replace(
             layout,
             num_shards=num_shards,
@@ -160,8 +154,10 @@ def reshard(
     old_root = os.path.normpath(os.path.join(state_dir, layout.shard_root))
     if remove_old:
         _remove_old(state_dir, layout)
-    per_shard = [sum(int(v[0].size) for v in p.values()) for p in new_parts]
-    items = {r: sum(int(p[r][0].size) for p in new_parts if r in p) for r in REPRESENTATIONS}
+    per_shard = [p.count() for p in new_parts]
+    items = {
+        r: sum(int(p.items[r][0].size) for p in new_parts if r in p.items) for r in REPRESENTATIONS
+    }
     return ReshardResult(
         items,
         layout.num_shards,
@@ -173,16 +169,22 @@ def reshard(
     )
 
 
-def _write_new_shards(state_dir, new: StateLayout, parts, dims, fsync: bool) -> None:
+def _write_new_shards(state_dir, new: StateLayout, parts: list[ShardContent], dims, fsync):
     root = os.path.join(state_dir, new.shard_root)
     if os.path.exists(root):  # left by a reshard that crashed before its commit: not in use
         shutil.rmtree(root)
-    for j, p in enumerate(parts):
-        full = {
-            r: p.get(r, (np.zeros(0, np.int64), np.zeros((0, dims[r]), np.float32))) for r in dims
-        }
+    for j, content in enumerate(parts):
+        content.dims = dict(dims)
+        snap_parts, arrays, models = content.snapshot_arrays()
         write_snapshot(
-            new.shard_dir(state_dir, j), 0, full, dims, info={"resharded": True}, fsync=fsync
+            new.shard_dir(state_dir, j),
+            0,
+            snap_parts,
+            dims,
+            info={"resharded": True},
+            fsync=fsync,
+            arrays=arrays,
+            models=models,
         )
 
 

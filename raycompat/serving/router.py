@@ -7,8 +7,10 @@ Endpoints (the OpenAPI document at ``/openapi.json`` describes every one):
   ``{id, score, representation}`` (descending score, ties by ascending id).
 * ``GET /status`` -- items per representation (total and per shard), backfill progress,
   model versions; ``GET /metrics`` -- Prometheus text; ``GET /healthz``.
-* ``POST /admin/upsert``, ``POST /admin/backfill/{start,pause,resume}``,
-  ``POST /admin/snapshot`` -- need ``Authorization: Bearer <token>`` (:mod:`.auth`).
+* ``POST /admin/upsert``, ``POST /admin/backfill/{start,pause,resume,rollback,finalize}``,
+  ``POST /admin/canary``, ``GET /admin/stale``, ``POST /admin/snapshot`` -- need
+  ``Authorization: Bearer <token>`` (:mod:`.auth`); the guarded upgrade behind them:
+  :mod:`.upgrade`.
 
 Every error is JSON ``{"error": "...", "problems": [{"field", "message"}]}`` with a 4xx code
 for bad input (401 auth, 404 unknown ids / paths, 409 backfill state, 413 too large,
@@ -23,12 +25,13 @@ because the request models carry the server's limits
 
 import asyncio
 import inspect
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
@@ -49,6 +52,8 @@ __all__ = ["Router", "build_api"]
 
 #: the error codes the OpenAPI document lists for every endpoint
 ERROR_CODES = (400, 401, 404, 409, 413, 422, 503)
+#: seconds between two asks whether the backfill controller wants the searches' results
+READS_RECHECK_S = 1.0
 BEARER = HTTPBearer(
     auto_error=False, description="admin token (env RAYCOMPAT_ADMIN_TOKEN or token file)"
 )
@@ -78,6 +83,9 @@ class Router:
         )
         self.embedders: dict = {}  # role -> ModelEmbedder
         self.rank_merge_maps = None  # (rho, psi_rev) in the rank_merge mode
+        self._reads_wanted = False  # upgrade on read: the controller wants the results
+        self._reads_checked = -float("inf")
+        self._read_tasks: set = set()
         self._load_models()
 
     def _load_models(self) -> None:
@@ -314,7 +322,11 @@ class Router:
             why = next((a for a in answers if isinstance(a, BaseException)), None)
             raise unavailable(f"shard {shard}", why or RuntimeError("no replica is running"))
         live.sort(key=lambda a: a.get("started", 0))
-        return {**live[0], "replicas": [replica_summary(a) for a in live]}
+        return {
+            **live[0],
+            "storage": merged_storage(live),
+            "replicas": [replica_summary(a) for a in live],
+        }
 
     async def gather_status(self) -> dict:
         """Items per representation (total and per shard), backfill state, mode, dims, models."""
@@ -339,6 +351,8 @@ class Router:
             "mode": self.cfg.mode,
             "dims": self.plan.dims.as_dict(),
             "models": self.plan.models_json(),
+            **upgrade_totals(shard_status, self.plan),
+            "router": {"replica": _router_replica(), "pid": os.getpid()},
         }
 
     # ------------------------------------------------------------------ endpoints
@@ -353,7 +367,41 @@ class Router:
             query_sides, q, req.model, self.plan.compatible_dim, rank_merge, old_q
         )
         S, I, R = await self.batcher.submit((sides, req.k, req.exact))
+        self.report_reads(I)
         return {"results": hits(S, I, R), "k": req.k, "took_ms": 1000 * (time.perf_counter() - t0)}
+
+    def report_reads(self, ids) -> None:
+        """Upgrade on read: the ids each search returned go to the backfill controller in the
+        background, while it wants them (asked again every ``READS_RECHECK_S`` otherwise)."""
+        now = time.monotonic()
+        if not self._reads_wanted and now - self._reads_checked < READS_RECHECK_S:
+            return
+        self._reads_checked = now
+        task = asyncio.ensure_future(self._send_reads(np.asarray(ids).tolist()))
+        self._read_tasks.add(task)
+        task.add_done_callback(self._read_tasks.discard)
+
+    async def _send_reads(self, rows: list) -> None:
+        try:
+            res = await self.call(self.controller, "note_reads", rows)
+            self._reads_wanted = bool(res.get("wanted"))
+        except Exception:  # the controller is away: these searches go unreported
+            self._reads_wanted = False
+
+    async def canary_search(self, vectors, k: int, model: str = "new", old_vectors=None):
+        """Result ids ``[Q, k]`` of the canary's queries (called by the backfill controller):
+        the query sides and the batcher of ``POST /search``, without the HTTP layer."""
+        from raycompat.serving.scoring import query_sides
+
+        q = np.asarray(vectors, np.float32)
+        naive = self.cfg.mode == "naive_merge" and model == "new"
+        rank_merge = self.rank_merge() if model == "new" else None
+        old_q = np.asarray(old_vectors, np.float32) if naive else None
+        sides = await asyncio.to_thread(
+            query_sides, q, model, self.plan.compatible_dim, rank_merge, old_q
+        )
+        _, ids, _ = await self.batcher.submit((sides, int(k), False))
+        return ids
 
     async def search_batch(self, requests: list) -> list:
         """The searches of concurrent requests, ``[(sides, k, exact)]``, in one call per shard
@@ -389,8 +437,8 @@ class Router:
             st = None
         batches = [({"stage": "router"}, self.batches.as_json())]
         for sh in (st or {}).get("shards", []):
-            for rep in sh["replicas"]:
-                labels = {"stage": "shard", "shard": str(sh["shard"]), "replica": rep["replica"]}
+            for j, rep in enumerate(sh["replicas"]):  # by start order: no Serve replica tags
+                labels = {"stage": "shard", "shard": str(sh["shard"]), "replica": str(j)}
                 batches.append((labels, rep["batches"]))
         return PlainTextResponse(
             self.recorder.render(status_gauges(st), batches), media_type="text/plain; version=0.0.4"
@@ -409,22 +457,25 @@ class Router:
             raise ApiError(404, f"unknown item id(s): {sorted(unknown)[:10]}", "body.items")
         per_shard = [0] * len(self.shards)
         applied: list[int] = []  # ids acknowledged by their shard so far
-        for rep, rid, vec in prepared:
+        for (rep, model), rid, vec in prepared:
             for s, p in enumerate(split_by_shard(rid, len(self.shards))):
                 if p.size:
-                    res = await self.upsert_on_shard(s, rid[p], rep, vec[p], applied)
+                    res = await self.upsert_on_shard(s, rid[p], rep, vec[p], applied, model)
                     per_shard[s] += int(res["applied"])
                     applied += rid[p].tolist()
         return {"applied": int(sum(per_shard)), "per_shard": per_shard}
 
-    async def upsert_on_shard(self, shard: int, ids, rep: str, vecs, applied: list) -> dict:
+    async def upsert_on_shard(
+        self, shard: int, ids, rep: str, vecs, applied: list, model: str = ""
+    ) -> dict:
         """One shard's part of an upsert.  A failure says which ids of the request were
-        already applied (they stay: an upsert is idempotent, so retrying it is safe) and that
-        this shard applied nothing -- or, when the shard died mid-call, that its part's outcome
-        is unknown."""
+        already applied (they stay: an upsert is idempotent, so retrying it is safe; the body's
+        ``applied_ids`` lists all of them) and that this shard applied nothing -- or, when the
+        shard died mid-call, that its part's outcome is unknown."""
         done = f"; ids applied before it: {sorted(applied)[:20]}" if applied else ""
+        extra = {"applied_ids": sorted(applied)}
         try:
-            res = await self.call(self.shards[shard], "upsert", ids, rep, vecs)
+            res = await self.call(self.shards[shard], "upsert", ids, rep, vecs, model)
         except Exception as exc:
             raise ApiError(
                 503,
@@ -432,6 +483,7 @@ class Router:
                 f"{len(ids)} item(s) is unknown; retry the upsert (it is idempotent){done}",
                 "body.items",
                 headers={"Retry-After": "1"},
+                extra=extra,
             ) from None
         if "error" not in res:
             return res
@@ -441,14 +493,17 @@ class Router:
                 f"{res['error']}: nothing of shard {shard}'s part was applied{done}",
                 "body.items",
                 headers={"Retry-After": "5"},
+                extra=extra,
             )
-        raise ApiError(404 if res.get("unknown_ids") else 422, res["error"] + done, "body.items")
+        status = 404 if res.get("unknown_ids") else 422
+        raise ApiError(status, res["error"] + done, "body.items", extra=extra)
 
     def prepare_upsert(
         self, items: list, ids: np.ndarray
-    ) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """``[(representation, ids, normalised vectors)]``; 422 for a repeated id or a bad
-        vector."""
+    ) -> list[tuple[tuple[str, str], np.ndarray, np.ndarray]]:
+        """``[((representation, model fingerprint), ids, normalised vectors)]``; 422 for a
+        repeated id or a bad vector, 409 for a model the index does not know, or whose
+        dimension or representation is not the item's."""
         from raycompat.index.search import l2_normalize
 
         u, c = np.unique(ids, return_counts=True)
@@ -456,32 +511,86 @@ class Router:
             raise ApiError(
                 422, f"duplicate id(s) in one upsert: {u[c > 1][:10].tolist()}", "body.items"
             )
-        groups: dict[str, list[int]] = {}
-        for pos, it in enumerate(items):
-            groups.setdefault(it.representation, []).append(pos)
+        groups: dict[tuple[str, str], list[int]] = {}
+        known = self.plan.identities
+        for pos, it in enumerate(items):  # a named model is checked; none: the default
+            refused = it.model and known.refusal(it.model, it.representation, len(it.vector))
+            if refused:
+                raise ApiError(409, refused, f"body.items[{pos}].model")
+            model = it.model or known.default(it.representation)
+            groups.setdefault((it.representation, model), []).append(pos)
         prepared = []
-        for rep, pos in groups.items():
+        for (rep, model), pos in groups.items():
             vec = self.matrix(
                 [items[p].vector for p in pos],
                 f"body.items[{pos[0]}].vector",
                 getattr(self.plan.dims, rep),
                 f"representation {rep!r}",
             )
-            prepared.append((rep, ids[pos], l2_normalize(vec)))
+            prepared.append(((rep, model), ids[pos], l2_normalize(vec)))
         return prepared
 
     async def backfill_start(self, req: BaseModel):
-        return await self.on_controller("start", **req.model_dump())
+        res = await self.on_controller("start", **req.model_dump())
+        self._reads_wanted = bool(req.upgrade_on_read)
+        return res
 
-    async def backfill_pause(self):
+    async def backfill_pause(self, req: BaseModel | None = None):
+        """No parameters: a body other than none or ``{}`` is a 422."""
         return await self.on_controller("pause")
 
     async def backfill_resume(self, req: BaseModel):
         """``"until": null`` clears an earlier ``until``; an absent field keeps the old value."""
         clear = "until" in req.model_fields_set and req.until is None
-        return await self.on_controller("resume", until=req.until, rate=req.rate, clear_until=clear)
+        return await self.on_controller(
+            "resume", until=req.until, rate=req.rate, clear_until=clear, override=req.override
+        )
 
-    async def snapshot(self):
+    async def backfill_rollback(self, req: BaseModel):
+        return await self.on_controller(
+            "rollback", to=req.to, batch_size=req.batch_size, rate=req.rate
+        )
+
+    async def backfill_finalize(self, req: BaseModel | None = None):
+        return await self.on_controller("finalize")
+
+    async def canary_register(self, req: BaseModel):
+        """Store the canary set (image queries embedded here, by both models when the old one
+        is configured)."""
+        if req.images is not None:
+            q = await self.embed_images(req.images, "new")
+            old = await self.embed_images(req.images, "old") if self.cfg.old_model else None
+        else:
+            dims = self.plan.query_dims
+            q = self.matrix(req.vectors, "body.vectors", dims.new, "the new model's embedding")
+            old = None
+            if req.old_vectors is not None:
+                what = "the old model's embedding"
+                old = self.matrix(req.old_vectors, "body.old_vectors", dims.old, what)
+        return await self.on_controller(
+            "register_canary",
+            vectors=q,
+            relevant_ids=req.relevant_ids,
+            classes=req.classes,
+            old_vectors=old,
+        )
+
+    async def stale(
+        self,
+        model: str = Query(description="a model fingerprint (GET /status, 'fingerprints')"),
+        cursor: int = Query(0, ge=0, le=2**62, description="next_cursor of the last page"),
+        limit: int = Query(1000, ge=1, le=10_000, description="ids per page"),
+    ):
+        """The ids whose vector ``model`` did not produce, paged in the backfill's order."""
+        if self.plan.identities.get(model) is None:
+            raise ApiError(
+                404,
+                f"unknown model fingerprint {model!r}; known: {self.plan.identities.known()}",
+                "query.model",
+            )
+        return await self.on_controller("stale", model=model, cursor=cursor, limit=limit)
+
+    async def snapshot(self, req: BaseModel | None = None):
         """Every shard's snapshot; 503 naming the shard and the cause when one fails."""
         results = await self.fan_out("snapshot")
         failed = [r["error"] for r in results if "error" in r]
@@ -490,14 +599,44 @@ class Router:
         return {"snapshots": len(results)}
 
 
+def merged_storage(replicas: list[dict]) -> dict:
+    """A shard's storage health over its replicas: the first replica's, with the errors any
+    replica saw (the one whose write failed may not be the first)."""
+    out = dict(replicas[0].get("storage") or {})
+    for key in ("snapshot_error", "log_error"):
+        out[key] = next(
+            (r["storage"][key] for r in replicas if r.get("storage", {}).get(key)), None
+        )
+    return out
+
+
+def upgrade_totals(shards: list[dict], plan) -> dict:
+    """``items_by_model``, ``fingerprints`` and ``kept`` (summed over the shards) of a status."""
+    by_model: dict[str, int] = {}
+    kept = {"items": 0, "memory_bytes": 0, "disk_bytes": 0, "on_disk": plan.config.kept_on_disk}
+    for s in shards:
+        for fp, n in (s.get("models") or {}).items():
+            by_model[fp] = by_model.get(fp, 0) + int(n)
+        for key in ("items", "memory_bytes", "disk_bytes"):
+            kept[key] += int((s.get("kept") or {}).get(key, 0))
+    known = plan.identities.as_json() if plan.identities else {}
+    return {"items_by_model": by_model, "fingerprints": known, "kept": kept}
+
+
+def _router_replica() -> str | None:
+    from raycompat.serving.shard import _replica_id
+
+    return _replica_id()
+
+
 def replica_summary(status: dict) -> dict:
     """What ``/status`` lists per replica of a shard."""
     keys = ("replica", "pid", "actor_name", "seq", "searches", "startup_s", "log", "batches")
     return {key: status.get(key) for key in keys}
 
 
-#: what /status shows only to the admin: where processes and files are
-PRIVATE_STATUS_KEYS = ("pid", "actor_id", "actor_name", "path")
+#: what /status shows only to the admin: where processes and files are, Serve's replica tags
+PRIVATE_STATUS_KEYS = ("pid", "actor_id", "actor_name", "path", "replica")
 
 
 def public_status(st: dict) -> dict:
@@ -532,7 +671,7 @@ def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:
 
 
 #: the backfill states ``GET /metrics`` exports as ``raycompat_backfill_state{state}``
-BACKFILL_STATES = ("idle", "running", "paused", "done", "error", "unavailable")
+BACKFILL_STATES = ("idle", "running", "paused", "rolling_back", "done", "error", "unavailable")
 
 
 def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:
@@ -558,7 +697,12 @@ def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:
         )
         gauges += index_gauges(shard, s.get("index", {}))
         gauges.append(("replicas", "Replicas of the shard answering.", shard, len(s["replicas"])))
+        gauges += kept_gauges(shard, s.get("kept") or {})
+    for fp, n in (st.get("items_by_model") or {}).items():
+        help_ = "Items whose vector the model with this fingerprint produced."
+        gauges.append(("items_by_model", help_, {"model": fp}, n))
     gauges += backfill_gauges(st["backfill"])
+    gauges += canary_gauges(st["backfill"])
     gauges.append(("shards_up", "Shards answering.", {}, len(st["shards"])))
     return gauges
 
@@ -589,6 +733,64 @@ def index_gauges(shard: dict, index: dict) -> list[tuple[str, str, dict, float]]
                 ix["rebuilding"],
             ),
         ]
+    return gauges
+
+
+def kept_gauges(shard: dict, kept: dict) -> list[tuple[str, str, dict, float]]:
+    """The old vectors a shard keeps for a rollback: items, bytes in memory and on disk."""
+    return [
+        (
+            "kept_vectors",
+            "Old vectors kept for a rollback (until finalize).",
+            shard,
+            kept.get("items", 0),
+        ),
+        (
+            "kept_memory_bytes",
+            "Bytes of kept old vectors in memory.",
+            shard,
+            kept.get("memory_bytes", 0),
+        ),
+        (
+            "kept_disk_bytes",
+            "Bytes of kept old vectors memory-mapped on disk.",
+            shard,
+            kept.get("disk_bytes", 0),
+        ),
+    ]
+
+
+#: the canary guards ``GET /metrics`` exports as ``raycompat_backfill_paused_by{guard}``
+GUARDS = ("map", "nfr")
+
+
+def canary_gauges(bf: dict) -> list[tuple[str, str, dict, float]]:
+    """The canary's last point (mAP@k and NFR@1 with their bounds, the mAP difference), and a
+    0/1 gauge per guard: 1 while the backfill is paused by it."""
+    paused_by = (bf.get("paused_by") or {}).get("guard")
+    gauges = [
+        (
+            "backfill_paused_by",
+            "1 while a canary guard keeps the backfill paused.",
+            {"guard": g},
+            int(paused_by == g),
+        )
+        for g in GUARDS
+    ]
+    last = (bf.get("canary") or {}).get("last")
+    if not last:
+        return gauges
+    gauges.append(("canary_position", "Position of the canary's last point.", {}, last["position"]))
+    fields = {
+        "canary_map": ("map", "map_low", "map_high"),
+        "canary_delta_map": ("delta_map", "delta_low", "delta_high"),
+        "canary_nfr": ("nfr", "nfr_low", "nfr_high"),
+    }
+    for name, keys in fields.items():
+        help_ = f"The canary's {keys[0]} at its last point, with its interval's bounds."
+        for bound, key in zip(("value", "low", "high"), keys, strict=True):
+            if last.get(key) is not None:
+                gauges.append((name, help_, {"bound": bound}, last[key]))
     return gauges
 
 
@@ -678,25 +880,42 @@ def _public_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
     )
 
 
+#: the OpenAPI description of ``POST /admin/upsert``: what a failure leaves applied
+UPSERT_DESCRIPTION = (
+    "Each item is moved atomically (its old vector out, the new one in, logged durably first), "
+    "and the shards apply their parts one after the other, so a request is **not** atomic "
+    "across shards: when a shard fails (a full disk: 503; a replica that died mid-call: 503 "
+    "'outcome unknown'), the parts of the shards before it stay applied and the error body's "
+    "`applied_ids` lists exactly those ids, while the failing shard applied nothing of its part "
+    "(or, if it died mid-call, its part's outcome is unknown). An upsert is idempotent: retry it "
+    "whole. `model` names the fingerprint of the model that produced a vector (409 for an "
+    "unknown one, or a dimension or representation that is not the model's)."
+)
+
+
+def _add_admin(app, router, path, endpoint, summary, response_model=None, method="POST", **kw):
+    app.add_api_route(
+        path,
+        endpoint,
+        methods=[method],
+        response_model=response_model,
+        responses={c: {"model": ErrorResponse} for c in ERROR_CODES},
+        dependencies=[Depends(router.admin_auth)],
+        summary=summary,
+        **kw,
+    )
+
+
 def _admin_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
-    def admin(
-        path: str, endpoint: Callable, summary: str, response_model: type | None = None
-    ) -> None:
-        app.add_api_route(
-            path,
-            endpoint,
-            methods=["POST"],
-            response_model=response_model,
-            responses={c: {"model": ErrorResponse} for c in ERROR_CODES},
-            dependencies=[Depends(router.admin_auth)],
-            summary=summary,
-        )
+    def admin(path, endpoint, summary, response_model=None, **kw) -> None:
+        _add_admin(app, router, path, endpoint, summary, response_model, **kw)
 
     admin(
         "/admin/upsert",
         typed_endpoint(router.upsert, req=models.UpsertRequest),
         "Atomically set items' representation and vector (existing ids only)",
         models.UpsertResponse,
+        description=UPSERT_DESCRIPTION,
     )
     admin(
         "/admin/backfill/start",
@@ -706,18 +925,53 @@ def _admin_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
     )
     admin(
         "/admin/backfill/pause",
-        router.backfill_pause,
-        "Pause the running backfill",
+        typed_endpoint(router.backfill_pause, req=models.EmptyRequest),
+        "Pause the running backfill (or rollback); no body, or {}",
         models.BackfillState,
     )
     admin(
         "/admin/backfill/resume",
         typed_endpoint(router.backfill_resume, req=models.BackfillResumeRequest),
-        "Resume (optionally up to 'until', at 'rate')",
+        "Resume (optionally up to 'until', at 'rate'; 'override' past a canary guard)",
         models.BackfillState,
     )
     admin(
         "/admin/snapshot",
-        router.snapshot,
-        "Write every shard's snapshot now (and truncate its log)",
+        typed_endpoint(router.snapshot, req=models.EmptyRequest),
+        "Write every shard's snapshot now (and truncate its log); no body, or {}",
+    )
+    _upgrade_routes(app, router, models)
+
+
+def _upgrade_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
+    """The guarded upgrade's endpoints (docs/live-index.md, "Upgrading a live gallery
+    safely")."""
+
+    def admin(path, endpoint, summary, response_model=None, **kw) -> None:
+        _add_admin(app, router, path, endpoint, summary, response_model, **kw)
+
+    admin(
+        "/admin/canary",
+        typed_endpoint(router.canary_register, req=models.CanaryRequest),
+        "Register the canary queries a backfill is measured with",
+        models.CanaryResponse,
+    )
+    admin(
+        "/admin/backfill/rollback",
+        typed_endpoint(router.backfill_rollback, req=models.BackfillRollbackRequest),
+        "Return the items upgraded at or after 'to' (all: null) to their old vectors",
+        models.BackfillState,
+    )
+    admin(
+        "/admin/backfill/finalize",
+        typed_endpoint(router.backfill_finalize, req=models.EmptyRequest),
+        "Drop the old vectors kept for a rollback (memory and disk); no body, or {}",
+        models.FinalizeResponse,
+    )
+    admin(
+        "/admin/stale",
+        router.stale,
+        "The ids not yet produced by a model, paged in the backfill's order",
+        models.StaleResponse,
+        method="GET",
     )

@@ -46,6 +46,11 @@ class Problem(BaseModel):
 class ErrorResponse(BaseModel):
     error: str = Field(description="one-line description naming the problem")
     problems: list[Problem] = Field(default_factory=list)
+    applied_ids: list[int] | None = Field(
+        default=None,
+        description="a 503 of POST /admin/upsert: the ids of the request that earlier shards "
+        "applied before one failed (they stay applied)",
+    )
 
 
 class Hit(BaseModel):
@@ -80,6 +85,54 @@ class BackfillResumeRequest(BaseModel):
         description="pause after this many items; null clears an earlier until, absent keeps it",
     )
     rate: float | None = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
+    override: bool = Field(
+        default=False,
+        description="continue past a canary guard: a backfill the gate paused resumes, and "
+        "guards no longer pause this backfill (they are still measured and logged)",
+    )
+
+
+class EmptyRequest(BaseModel):
+    """No parameters: send no body, or ``{}``."""
+
+    model_config = STRICT
+
+
+class BackfillRollbackRequest(BaseModel):
+    model_config = STRICT
+    to: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**62,
+        description="roll back the items upgraded at or after this position of the backfill "
+        "order; null: every item that keeps an old vector",
+    )
+    batch_size: int = Field(default=256, ge=1, le=100_000, description="items per shard call")
+    rate: float | None = Field(
+        default=None, gt=0, le=1e9, allow_inf_nan=False, description="items per second"
+    )
+
+
+class FinalizeResponse(BaseModel):
+    dropped: int = Field(description="old vectors dropped, on every shard together")
+    per_shard: list[int]
+    position: int = Field(description="the backfill position when it was finalized")
+
+
+class StaleResponse(BaseModel):
+    model: str
+    ids: list[int] = Field(description="ids whose vector the model did not produce, in order")
+    next_cursor: int | None = Field(description="pass as cursor for the next page; null: done")
+    order: Literal["backfill", "gallery"]
+
+
+class CanaryResponse(BaseModel):
+    queries: int
+    groups: int
+    relevant: int = Field(description="relevant items over every query")
+    old_vectors: bool
+    every: int
+    k: int
 
 
 class BackfillState(BaseModel):
@@ -96,11 +149,22 @@ class BackfillState(BaseModel):
     resumed_from_checkpoint: bool = False
     items_per_s: float | None = None
     upsert_retries: int = 0
+    upgrade_on_read: bool | None = None
+    read_window: int | None = None
+    reads_seen: int = 0
     worker_alive: bool | None = None
     worker_restarts: int = 0
     errors: int = 0
     pid: int | None = None
     actor_name: str | None = None
+    paused_by: dict | None = Field(
+        default=None, description="the canary guard that paused the backfill: guard, reason"
+    )
+    override: bool = False
+    canary: dict | None = None
+    rollback: dict | None = None
+    rollback_in_flight: bool = False
+    finalized: dict | None = None
 
 
 class StatusResponse(BaseModel):
@@ -110,6 +174,19 @@ class StatusResponse(BaseModel):
     models: dict
     mode: str
     dims: dict
+    items_by_model: dict[str, int] = Field(
+        default_factory=dict, description="items per fingerprint of the model behind the vector"
+    )
+    fingerprints: dict = Field(
+        default_factory=dict, description="the models this index knows, by fingerprint"
+    )
+    kept: dict = Field(
+        default_factory=dict,
+        description="old vectors kept for a rollback until finalize: items, memory and disk bytes",
+    )
+    router: dict | None = Field(
+        default=None, description="the router replica that answered (with the token only)"
+    )
 
 
 @dataclass(frozen=True)
@@ -125,6 +202,12 @@ class ApiModels:
     BackfillResumeRequest: type = BackfillResumeRequest
     BackfillState: type = BackfillState
     StatusResponse: type = StatusResponse
+    CanaryRequest: type | None = None
+    EmptyRequest: type = EmptyRequest
+    BackfillRollbackRequest: type = BackfillRollbackRequest
+    FinalizeResponse: type = FinalizeResponse
+    StaleResponse: type = StaleResponse
+    CanaryResponse: type = CanaryResponse
 
 
 def build_models(limits: Limits) -> ApiModels:
@@ -136,6 +219,7 @@ def build_models(limits: Limits) -> ApiModels:
         UpsertItem=upsert_item,
         UpsertRequest=upsert_request,
         BackfillStartRequest=_backfill_start_request(limits),
+        CanaryRequest=_canary_request(limits, Vector),
     )
 
 
@@ -198,6 +282,14 @@ def _upsert_models(limits: Limits, Vector) -> tuple[type, type]:
         id: int = Field(ge=0, le=2**63 - 1)
         representation: Literal["old", "adapted", "new"]
         vector: Vector
+        model: str | None = Field(
+            default=None,
+            min_length=1,
+            max_length=64,
+            description="fingerprint of the model that produced the vector (GET /status, "
+            "'fingerprints'); absent: the representation's model. An unknown one, or one "
+            "whose dimension or representation differs, is refused with 409",
+        )
 
     class UpsertRequest(BaseModel):
         model_config = STRICT
@@ -230,5 +322,72 @@ def _backfill_start_request(limits: Limits) -> type:
         restart: bool = Field(
             default=False, description="discard a finished or paused backfill's progress"
         )
+        cost_column: str | None = Field(
+            default=None,
+            min_length=1,
+            max_length=256,
+            description="cost-aware: the gallery parquet's column of every item's cost (> 0)",
+        )
+        query_log: str | None = Field(
+            default=None,
+            min_length=1,
+            max_length=4096,
+            description="demand, upgrade-on-read: a query log parquet on the server",
+        )
+        cost_base: Literal[POLICIES] = Field(
+            default="uncertainty:margin", description="cost-aware: the scored base policy"
+        )
+        order_base: Literal[POLICIES] = Field(
+            default="random", description="demand: the order of its ties"
+        )
+        demand_k: int = Field(default=10, ge=1, le=limits.max_k, description="top-k per query")
+        upgrade_on_read: bool = Field(
+            default=False,
+            description="move the items recent searches returned to the front of the queue",
+        )
+        read_window: int = Field(
+            default=8, ge=1, le=1_000_000, description="upgrade_on_read: the searches kept"
+        )
 
     return BackfillStartRequest
+
+
+def _canary_request(limits: Limits, Vector) -> type:
+    b64_chars = 4 * ((limits.max_image_bytes + 2) // 3)
+    Image = Annotated[str, Field(min_length=1, max_length=b64_chars)]
+    n = limits.max_upsert_items
+    Queries = Annotated[list[Vector], Field(min_length=1, max_length=n)]
+    Ids = Annotated[list[Annotated[int, Field(ge=0, le=2**63 - 1)]], Field(min_length=1)]
+
+    class CanaryRequest(BaseModel):
+        """The canary queries (``vectors`` of the new model, or ``images``; ``old_vectors``:
+        the old model's embeddings of the same queries, for the old-old reference) and, per
+        query, exactly one of its relevant item ids or its class name."""
+
+        model_config = STRICT
+        vectors: Queries | None = None
+        images: Annotated[list[Image], Field(min_length=1, max_length=n)] | None = None
+        old_vectors: Queries | None = None
+        relevant_ids: Annotated[list[Ids], Field(min_length=1, max_length=n)] | None = None
+        classes: (
+            Annotated[
+                list[Annotated[str, Field(min_length=1, max_length=256)] | int],
+                Field(min_length=1, max_length=n),
+            ]
+            | None
+        ) = None
+
+        @model_validator(mode="after")
+        def _one_each(self):
+            if (self.vectors is None) == (self.images is None):
+                raise ValueError("give exactly one of 'vectors' or 'images'")
+            if (self.relevant_ids is None) == (self.classes is None):
+                raise ValueError("give exactly one of 'relevant_ids' or 'classes'")
+            n_q = len(self.vectors if self.vectors is not None else self.images)
+            for name in ("old_vectors", "relevant_ids", "classes"):
+                value = getattr(self, name)
+                if value is not None and len(value) != n_q:
+                    raise ValueError(f"'{name}' has {len(value)} rows, the queries {n_q}")
+            return self
+
+    return CanaryRequest

@@ -62,6 +62,8 @@ class ShardServer:
             initial=self._initial_items,
             tail_interval_s=1.0,
             name=f"shard-{self.shard}",
+            default_models=plan.identities.defaults() if plan.identities else None,
+            kept_on_disk=cfg.kept_on_disk,
         )
         self.started = time.time()
         self.startup_s = time.perf_counter() - t0
@@ -98,20 +100,47 @@ class ShardServer:
     def unknown(self, ids) -> list:
         return self.state.unknown(ids)
 
-    def upsert(self, ids, rep: str, vectors) -> dict:
-        """Apply; returns ``{"applied", "seq"}``, or (nothing applied) ``{"error",
-        "unknown_ids"}`` for unknown ids and ``{"error", "storage": True}`` when the log write
-        failed."""
-        try:
-            return self.state.upsert(
-                np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32)
+    def upsert(self, ids, rep: str, vectors, model: str = "") -> dict:
+        """Apply (``model``: the fingerprint of the model that produced ``vectors``; ``""``: the
+        representation's default); returns ``{"applied", "seq"}``, or (nothing applied)
+        ``{"error", "unknown_ids"}`` for unknown ids and ``{"error", "storage": True}`` when the
+        log write failed."""
+        return self._write(
+            lambda: self.state.upsert(
+                np.asarray(ids, np.int64), rep, np.asarray(vectors, np.float32), model
             )
+        )
+
+    def rollback(self, ids) -> dict:
+        """Return the items of ``ids`` that keep an old vector to it: ``{"rolled_back": ids,
+        "seq"}``, or an error as :meth:`upsert` answers it."""
+        return self._write(lambda: self.state.rollback(np.asarray(ids, np.int64)))
+
+    def finalize(self) -> dict:
+        """Drop the kept old vectors and write a snapshot: ``{"dropped", "seq", "snapshot"}``,
+        or an error as :meth:`upsert` answers it."""
+        return self._write(self.state.finalize)
+
+    def _write(self, write) -> dict:
+        try:
+            return write()
         except UnknownItemError as exc:
             return {"error": str(exc), "unknown_ids": exc.ids}
         except StorageError as exc:  # before ValueError: a StorageError is a ConfigError
             return {"error": f"shard {self.shard}: {exc}", "storage": True}
         except ValueError as exc:
             return {"error": str(exc)}
+
+    def kept_ids(self) -> np.ndarray:
+        """The ids that keep an old vector for a rollback."""
+        return self.state.kept_ids()
+
+    def models_of(self, ids) -> list:
+        """The model fingerprint of each id's vector (``None``: not on this shard)."""
+        return self.state.models_of(ids)
+
+    def counts(self) -> dict[str, int]:
+        return self.state.counts()
 
     def representation_of(self, ids) -> list:
         return self.state.representation_of(ids)
@@ -144,6 +173,8 @@ class ShardServer:
             "recovery": self.state.recovery,
             "log_bytes": self.state.log.current.size_bytes(),
             "storage": self.state.health(),
+            "models": self.state.model_counts(),
+            "kept": self.state.kept_usage(),
             "index": {r: ix.describe() for r, ix in self.state.reps.items()},
             "startup_s": self.startup_s,
             "started": self.started,

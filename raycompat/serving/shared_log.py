@@ -198,12 +198,13 @@ class SharedLog:
         return records
 
     # ------------------------------------------------------------------ writing
-    def append(self, seq: int, rep: int, ids, vectors) -> None:
+    def append(self, seq: int, rep: int, ids, vectors, op: int = 0, model: str = "") -> None:
         """Append to the current file (write lock held exclusively, records read up to its
-        end); a torn tail left by a replica that died mid-append is cut off first."""
+        end); a torn tail left by a replica that died mid-append is cut off first.  ``op``,
+        ``model``: the record's operation and model fingerprint (:mod:`.durability`)."""
         if self.current.torn_tail_bytes or self.current.size_bytes() > self.current.pos:
             self.truncate_torn()
-        self.current.append(seq, rep, ids, vectors)
+        self.current.append(seq, rep, ids, vectors, op=op, model=model)
 
     def truncate_torn(self) -> int:
         try:

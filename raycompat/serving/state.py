@@ -33,15 +33,21 @@ from collections.abc import Callable
 import numpy as np
 
 from raycompat.serving.durability import (
+    OP_FINALIZE,
+    OP_ROLLBACK,
+    OP_UPSERT,
     SNAPSHOT_NAME,
+    CorruptStateError,
     LogDamage,
     corrupt_suffix,
     open_snapshot,
-    read_snapshot,
+    read_snapshot_arrays,
     snapshot_seq,
     write_snapshot,
 )
+from raycompat.serving.kept import KeptVectors
 from raycompat.serving.rep_index import RepIndex, merge_topk
+from raycompat.serving.shard_content import ModelTable, ShardContent
 from raycompat.serving.shared_log import (
     LogGapError,
     ShardLockedError,
@@ -71,6 +77,10 @@ def rep_code(name: str) -> int:
     return REPRESENTATIONS.index(name)
 
 
+#: the code of the representation a backfill upgrades items to
+NEW = rep_code("new")
+
+
 class UnknownItemError(KeyError):
     """An upsert named item ids this shard does not hold."""
 
@@ -85,15 +95,37 @@ InitialItems = Callable[[], tuple[str, np.ndarray, np.ndarray]]
 
 class ShardMemory:
     """The in-memory items of a shard at log sequence number :attr:`seq`: one
-    :class:`RepIndex` per representation and every item's representation."""
+    :class:`RepIndex` per representation, every item's representation and model (a code into
+    :attr:`models`), and the old vectors of upgraded items (:attr:`kept`, until finalize).
 
-    def __init__(self, dims: dict[str, int], index_options, name: str):
+    ``default_models``: the fingerprint a vector gets when its record names none (written
+    before model identity), by representation; ``kept_dir``: keep the old vectors
+    memory-mapped in files there (:mod:`raycompat.serving.kept`)."""
+
+    def __init__(
+        self,
+        dims: dict[str, int],
+        index_options,
+        name: str,
+        default_models: dict[str, str] | None = None,
+        kept_dir: str | None = None,
+    ):
         self.reps = {r: RepIndex(d, index_options, name=f"{name}/{r}") for r, d in dims.items()}
         self.rep_of: dict[int, int] = {}
+        self.model_of: dict[int, int] = {}
+        self.models = ModelTable()
+        self.default_models = dict(default_models or {})
+        self.kept = KeptVectors({rep_code(r): d for r, d in dims.items()}, kept_dir)
         self.seq = 0
 
-    def move(self, ids: np.ndarray, code: int, vecs: np.ndarray) -> None:
-        """Put ``ids`` into representation ``code`` (removing them from where they were)."""
+    def _model_code(self, model: str, rep: str) -> int:
+        return self.models.code(model or self.default_models.get(rep, ""))
+
+    def move(self, ids: np.ndarray, code: int, vecs: np.ndarray, model: str = "") -> None:
+        """Put ``ids`` into representation ``code`` with vectors produced by ``model``
+        (removing them from where they were); an item moving into ``new`` from another
+        representation keeps its vector there until a finalize (:meth:`rollback`), one moving
+        out of ``new`` forgets it."""
         ids = np.asarray(ids, np.int64)
         if ids.size == 0:
             return
@@ -106,18 +138,89 @@ class ShardMemory:
             c = self.rep_of.get(i)
             if c is not None:
                 by_rep.setdefault(c, []).append(i)
+        if code == NEW:
+            self._keep(by_rep)
+        else:
+            self.kept.pop(ids)
         for c, lst in by_rep.items():
             self.reps[REPRESENTATIONS[c]].remove(np.asarray(lst, np.int64))
         self.reps[REPRESENTATIONS[code]].add(ids, np.asarray(vecs, np.float32))
+        mcode = self._model_code(model, REPRESENTATIONS[code])
         for i in ids.tolist():
             self.rep_of[i] = code
+            self.model_of[i] = mcode
 
-    def export(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        return {r: ix.export() for r, ix in self.reps.items()}
+    def _keep(self, by_rep: dict[int, list]) -> None:
+        """Keep the current vectors of items about to move into ``new`` (not those already
+        there, nor those that kept one already)."""
+        for c, lst in by_rep.items():
+            fresh = [i for i in lst if c != NEW and i not in self.kept]
+            if fresh:
+                vecs = self.reps[REPRESENTATIONS[c]].vectors_of(fresh)
+                models = [self.model_of[i] for i in fresh]
+                self.kept.add(c, np.asarray(fresh, np.int64), vecs, np.asarray(models, np.int32))
+
+    def rollback(self, ids) -> np.ndarray:
+        """Return the items of ``ids`` that kept an old vector to it (its representation and
+        model); returns the ids moved back."""
+        moved = []
+        for code, (rids, vecs, models) in self.kept.pop(ids).items():
+            self.reps["new"].remove(rids)
+            self.reps[REPRESENTATIONS[code]].add(rids, vecs)
+            for i, m in zip(rids.tolist(), models.tolist(), strict=True):
+                self.rep_of[i] = code
+                self.model_of[i] = m
+            moved.append(rids)
+        return np.concatenate(moved) if moved else np.zeros(0, np.int64)
+
+    def apply(self, rec) -> None:
+        """Apply one log record (:class:`~raycompat.serving.durability.LogRecord`)."""
+        if rec.op == OP_ROLLBACK:
+            self.rollback(rec.ids)
+        elif rec.op == OP_FINALIZE:
+            self.kept.clear()
+        else:
+            self.move(rec.ids, rec.rep, rec.vectors, rec.model)
+
+    def load(self, content: ShardContent) -> None:
+        """Fill an empty memory from a snapshot's content."""
+        for rep, (ids, vecs, codes) in content.items.items():
+            if ids.size:
+                self.reps[rep].add(ids, vecs)
+                table = [self._model_code(m, rep) for m in content.models]
+                code = rep_code(rep)
+                for i, m in zip(ids.tolist(), codes.tolist(), strict=True):
+                    self.rep_of[i] = code
+                    self.model_of[i] = table[m]
+        for rep, (ids, vecs, codes) in content.kept.items():
+            table = np.array([self._model_code(m, rep) for m in content.models], np.int32)
+            self.kept.add(rep_code(rep), ids, vecs, table[codes])
+
+    def export(self) -> ShardContent:
+        """Everything this memory holds (copies), ready for a snapshot."""
+        out = ShardContent({r: ix.dim for r, ix in self.reps.items()}, models=self.models.names)
+        for rep, ix in self.reps.items():
+            ids, vecs = ix.export()
+            unrecorded = self._model_code("", rep)
+            codes = np.array([self.model_of.get(i, unrecorded) for i in ids.tolist()], np.int32)
+            out.items[rep] = (ids, vecs, codes)
+        for code, part in self.kept.export().items():
+            out.kept[REPRESENTATIONS[code]] = part
+        out.models = list(self.models.names)
+        return out
+
+    def model_counts(self) -> dict[str, int]:
+        """Items per model fingerprint."""
+        counts = np.bincount(
+            np.fromiter(self.model_of.values(), np.int64, len(self.model_of)),
+            minlength=len(self.models.names),
+        )
+        return {self.models.name(c): int(n) for c, n in enumerate(counts.tolist()) if n}
 
     def close(self) -> None:
         for ix in self.reps.values():
             ix.close()
+        self.kept.close()
 
 
 class ShardState:
@@ -130,7 +233,9 @@ class ShardState:
     empty until :meth:`load_initial`.  ``exclusive``: hold the directory alone
     (``reshard-index``); replicas share it.  ``tail_interval_s`` > 0 reads the other
     replicas' records in the background at that interval, so a replica that gets no request
-    stays close to the log.
+    stays close to the log.  ``default_models``: the fingerprint of a vector whose record names
+    no model, by representation (:mod:`raycompat.serving.identity`); ``kept_on_disk``: keep
+    the old vectors of upgraded items memory-mapped in the directory, not in memory.
     """
 
     def __init__(
@@ -145,6 +250,8 @@ class ShardState:
         initial: InitialItems | None = None,
         tail_interval_s: float = 0.0,
         name: str = "",
+        default_models: dict[str, str] | None = None,
+        kept_on_disk: bool = False,
     ):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
@@ -157,7 +264,9 @@ class ShardState:
         self.lock = threading.RLock()  # the in-memory state
         self._reload_lock = threading.Lock()
         self.log = SharedLog(directory, fsync=fsync)
-        self.mem = ShardMemory(self.dims, index, self.name)
+        self.default_models = dict(default_models or {})
+        self.kept_dir = directory if kept_on_disk else None
+        self.mem = self._new_memory()
         self.upserts_applied = 0  # items this replica appended
         self.peer_records = 0  # records other replicas appended, applied here
         self.reloads = 0
@@ -174,6 +283,11 @@ class ShardState:
                 target=self._tail, args=(tail_interval_s,), name="log-tail", daemon=True
             )
             self._tailer.start()
+
+    def _new_memory(self) -> ShardMemory:
+        return ShardMemory(
+            self.dims, self.index_options, self.name, self.default_models, self.kept_dir
+        )
 
     # the in-memory state, as the rest of the package reads it
     @property
@@ -202,13 +316,14 @@ class ShardState:
             rep, ids, vecs = initial()
             ids = np.asarray(ids, np.int64)
             order = np.argsort(ids, kind="stable")
-            parts = {
-                r: (np.zeros(0, np.int64), np.zeros((0, d), np.float32))
-                for r, d in self.dims.items()
-            }
-            parts[rep] = (ids[order], np.asarray(vecs, np.float32)[order])
+            content = ShardContent(dict(self.dims), models=[self.default_models.get(rep, "")])
+            content.items[rep] = (
+                ids[order],
+                np.asarray(vecs, np.float32)[order],
+                np.zeros(ids.size, np.int32),
+            )
             with self.locks.snapshotting(exclusive=True):
-                self._write_snapshot_file(0, parts)
+                self._write_snapshot_file(0, content)
             self.recovery["initial_load"] = int(ids.size)
 
     def _recover(self) -> None:
@@ -249,15 +364,20 @@ class ShardState:
             fh = open_snapshot(self.directory)
             seq = snapshot_seq(self.directory, fh) if fh is not None else 0
             rotated = self.log.open_rotated(seq)
-        mem = ShardMemory(self.dims, self.index_options, self.name)
+        mem = self._new_memory()
         if fh is None:
             self.log.read_rotated(rotated)  # closes them: nothing to apply them to
             return mem, None, 0
-        _, parts, meta = read_snapshot(self.directory, fh)  # CorruptStateError: file, cause
+        _, arrays, meta = read_snapshot_arrays(self.directory, fh)  # CorruptStateError
         self._check_dims(meta)
-        for name, (ids, vecs) in parts.items():
-            if ids.size:
-                mem.move(ids, rep_code(name), vecs)
+        try:
+            mem.load(ShardContent.from_snapshot(arrays, meta, self.dims))
+        except ValueError as exc:
+            raise CorruptStateError(
+                f"snapshot {os.path.join(self.directory, SNAPSHOT_NAME)} is corrupt ({exc}); "
+                "restore it from a backup, or move the shard directory away to reload the "
+                "shard from the gallery"
+            ) from None
         mem.seq = seq
         replayed = self._apply_to(mem, self.log.read_rotated(rotated))
         with self.locks.reading():
@@ -295,9 +415,9 @@ class ShardState:
             )
         with self.locks.writing():
             self._read_new()
-            parts, seq = self._export()
+            content, seq = self._export()
             with self.locks.snapshotting(exclusive=True):
-                self._write_snapshot_file(seq, parts)
+                self._write_snapshot_file(seq, content)
                 kept = self.log.rotate(seq, suffix=corrupt_suffix())
                 self.log.remove_rotated(seq)
         self.log.damage = []
@@ -354,7 +474,7 @@ class ShardState:
             missing = missing_seqs([rec], mem.seq)
             if missing:
                 self._missing(missing)
-            mem.move(rec.ids, rec.rep, rec.vectors)
+            mem.apply(rec)
             mem.seq = rec.seq
             applied += 1
         return applied
@@ -391,33 +511,36 @@ class ShardState:
         with self.locks.writing():
             self._read_new()
             self.log.rotate(self.seq)
-            parts, seq = self._export()
-        return self._store_snapshot(parts, seq)
+            content, seq = self._export()
+        return self._store_snapshot(content, seq)
 
-    def _export(self) -> tuple[dict, int]:
+    def _export(self) -> tuple[ShardContent, int]:
         with self.lock:
             return self.mem.export(), self.seq
 
-    def _store_snapshot(self, parts: dict, seq: int) -> str:
+    def _store_snapshot(self, content: ShardContent, seq: int) -> str:
         """Write the snapshot at ``seq`` unless a newer one is on disk, then delete the
         rotated logs it contains."""
         path = os.path.join(self.directory, SNAPSHOT_NAME)
         with self.locks.snapshotting(exclusive=True):
             on_disk = snapshot_seq(self.directory)
             if on_disk is None or on_disk < seq:
-                path = self._write_snapshot_file(seq, parts)
+                path = self._write_snapshot_file(seq, content)
             self.log.remove_rotated(max(seq, on_disk or 0))
         self.snapshot_error = None
         return path
 
-    def _write_snapshot_file(self, seq: int, parts: dict) -> str:
+    def _write_snapshot_file(self, seq: int, content: ShardContent) -> str:
+        parts, arrays, models = content.snapshot_arrays()
         return write_snapshot(
             self.directory,
             seq,
             parts,
             self.dims,
-            info={"items": int(sum(p[0].size for p in parts.values()))},
+            info={"items": content.count(), "kept": content.count("kept")},
             fsync=self.fsync,
+            arrays=arrays,
+            models=models,
         )
 
     def _snapshot_due(self) -> bool:
@@ -425,11 +548,11 @@ class ShardState:
             return time.time() >= self._snapshot_retry_at
         return self.log.current.items >= self.snapshot_every
 
-    def _snapshot_after_upsert(self, parts: dict, seq: int) -> None:
+    def _snapshot_after_upsert(self, content: ShardContent, seq: int) -> None:
         """A failed snapshot does not fail the (logged, applied) upsert: it is reported in
         ``snapshot_error`` and tried again 10 s later."""
         try:
-            self._store_snapshot(parts, seq)
+            self._store_snapshot(content, seq)
         except StorageError as exc:
             self.snapshot_error = str(exc)
             self._snapshot_retry_at = time.time() + 10.0
@@ -450,8 +573,9 @@ class ShardState:
         with self.lock:
             return [int(i) for i in np.asarray(ids).tolist() if int(i) not in self.rep_of]
 
-    def upsert(self, ids, rep: str, vecs: np.ndarray) -> dict:
-        """Atomically move existing items to ``rep`` with the given (normalised) vectors.
+    def upsert(self, ids, rep: str, vecs: np.ndarray, model: str = "") -> dict:
+        """Atomically move existing items to ``rep`` with the given (normalised) vectors,
+        produced by the model with fingerprint ``model`` (``""``: the representation's default).
 
         Appended to the shared log (fsync) under the write lock, after every earlier record of
         any replica, before it is applied and acknowledged; raises :class:`UnknownItemError`
@@ -462,31 +586,102 @@ class ShardState:
         ids, vecs = self._checked_upsert(ids, rep, vecs)
         if ids.size == 0:
             return {"applied": 0, "seq": self.seq}
+        model = model or self.default_models.get(rep, "")
+        res = self._logged(OP_UPSERT, ids, vecs, code=code, model=model)
+        return {"applied": int(ids.size), "seq": res["seq"]}
+
+    def rollback(self, ids) -> dict:
+        """Return every item of ``ids`` that kept an old vector to it, in one logged record
+        (atomic per item, durable before it is acknowledged); ``{"rolled_back": ids moved
+        back, "seq"}``.  Ids without a kept vector are left as they are (a rollback is
+        idempotent); unknown ids raise :class:`UnknownItemError`."""
+        ids = np.unique(np.asarray(ids, np.int64))
+        missing = self.unknown(ids)
+        if missing:
+            raise UnknownItemError(missing)
+        self.catch_up()
+        with self.lock:
+            todo = np.asarray([i for i in ids.tolist() if i in self.mem.kept], np.int64)
+        if not todo.size:
+            return {"rolled_back": [], "seq": self.seq}
+        res = self._logged(OP_ROLLBACK, todo, np.zeros((todo.size, 0), np.float32))
+        return {"rolled_back": res["moved"].tolist(), "seq": res["seq"]}
+
+    def finalize(self) -> dict:
+        """Drop every kept old vector (a logged record), then write a snapshot so that the disk
+        is freed too; ``{"dropped", "seq", "snapshot"}`` (``snapshot``: the path, or why it
+        failed -- the finalize itself is durable in the log then)."""
+        self.catch_up()
+        with self.lock:
+            n = len(self.mem.kept)
+        empty = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+        res = self._logged(OP_FINALIZE, *empty)
+        try:
+            snap = self.snapshot()
+        except StorageError as exc:
+            snap = f"snapshot failed: {exc}"
+        return {"dropped": n, "seq": res["seq"], "snapshot": snap}
+
+    def _logged(self, op: int, ids, vecs, code: int = 0, model: str = "") -> dict:
+        """Append one record and apply it (retried when a snapshot overtook this replica)."""
         for attempt in range(3):
             self.catch_up()  # a replica that lagged past a snapshot reloads here, unlocked
             try:
-                return self._append_and_apply(ids, code, vecs)
+                return self._append_and_apply(op, ids, vecs, code, model)
             except LogGapError:  # overtaken again before the write lock: nothing was written
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
 
-    def _append_and_apply(self, ids: np.ndarray, code: int, vecs: np.ndarray) -> dict:
+    def _append_and_apply(self, op: int, ids, vecs, code: int, model: str) -> dict:
         with self.locks.writing():
             self._read_new()
-            self.log.append(self.seq + 1, code, ids, vecs)  # StorageError: nothing applied
+            # StorageError: nothing applied
+            self.log.append(self.seq + 1, code, ids, vecs, op=op, model=model)
             with self.lock:
-                self.mem.move(ids, code, vecs)
+                moved = self.mem.rollback(ids) if op == OP_ROLLBACK else None
+                if op == OP_UPSERT:
+                    self.mem.move(ids, code, vecs, model)
+                elif op == OP_FINALIZE:
+                    self.mem.kept.clear()
                 self.mem.seq += 1
                 seq = self.seq
-            self.upserts_applied += int(ids.size)
+            self.upserts_applied += int(ids.size) if op == OP_UPSERT else 0
             due = self._snapshot_due()
             if due:
                 self.log.rotate(seq)
-                parts, _ = self._export()
+                content, _ = self._export()
         if due:
-            self._snapshot_after_upsert(parts, seq)
-        return {"applied": int(ids.size), "seq": seq}
+            self._snapshot_after_upsert(content, seq)
+        return {"seq": seq, "moved": moved}
+
+    # ------------------------------------------------------------------ models, kept vectors
+    def kept_ids(self) -> np.ndarray:
+        """The ids that keep an old vector (upgraded since the last finalize), ascending."""
+        self.catch_up()
+        with self.lock:
+            return self.mem.kept.ids()
+
+    def models_of(self, ids) -> list:
+        """The model fingerprint of each of ``ids``' vectors (``None`` for an unknown id)."""
+        self.catch_up()
+        with self.lock:
+            mem = self.mem
+            return [
+                mem.models.name(mem.model_of[i]) if i in mem.model_of else None
+                for i in np.asarray(ids, np.int64).tolist()
+            ]
+
+    def model_counts(self) -> dict[str, int]:
+        """Items per model fingerprint."""
+        self.catch_up()
+        with self.lock:
+            return self.mem.model_counts()
+
+    def kept_usage(self) -> dict:
+        """What the kept old vectors take: items, bytes in memory and on disk."""
+        with self.lock:
+            return self.mem.kept.usage()
 
     def _checked_upsert(self, ids, rep: str, vecs) -> tuple[np.ndarray, np.ndarray]:
         if rep not in self.dims:
@@ -514,10 +709,11 @@ class ShardState:
 
     def health(self) -> dict:
         """Storage problems a status should show: a failed snapshot, a log that refuses
-        appends, corrupt log records found at recovery."""
+        appends (or whose last append failed: a full disk), corrupt log records found at
+        recovery."""
         return {
             "snapshot_error": self.snapshot_error,
-            "log_error": self.log.current.broken,
+            "log_error": self.log.current.broken or self.log.current.last_error,
             "corrupt_records": len(self.recovery.get("corrupt_records", [])),
         }
 

@@ -36,7 +36,7 @@ class TrainConfig:
     method_options: dict = field(default_factory=dict)
     backbone: str = "resnet10t"
     embed_dim: int = positive(128)
-    head: str = choices("softmax", "cosface", "arcface", default="cosface")
+    head: str = choices("softmax", "cosface", "arcface", "dsimplex", default="cosface")
     head_scale: float | None = None
     head_margin: float | None = None
     pretrained_path: str | None = None
@@ -141,6 +141,10 @@ class TrainConfig:
                 f"split {self.split!r} has {len(items)} images: fewer than one batch "
                 f"(batch_size {self.batch_size})"
             )
+        if self.head == "dsimplex" and items is not None:
+            from raycompat.models.heads import check_simplex_size
+
+            check_simplex_size(self.embed_dim, len(set(items)), f"split {self.split!r}")
 
     def _validate_values(self) -> None:
         """Checks that would otherwise fail inside a worker (timm, the renderer, torch)."""

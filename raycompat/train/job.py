@@ -77,7 +77,14 @@ class TrainOptions:
         None, flag="--pretrained", help="local weights file for the backbone"
     )
     embed_dim: int = positive(128, help="embedding dimension")
-    head: str = choices("softmax", "cosface", "arcface", default="cosface", help="classifier head")
+    head: str = choices(
+        "softmax",
+        "cosface",
+        "arcface",
+        "dsimplex",
+        default="cosface",
+        help="classifier head (dsimplex: the fixed d-Simplex of K = embed-dim + 1 classes)",
+    )
     epochs: int = positive(10, help="training epochs")
     batch_size: int = positive(128, help="global batch size")
     lr: float = positive(0.1, help="peak learning rate")

@@ -26,6 +26,7 @@ from raycompat import console, distributed
 from raycompat.config import ConfigError
 from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
+from raycompat.models.heads import continued_vertices
 from raycompat.train.config import TrainConfig
 from raycompat.train.data import EpochPassLoader, build_training_set
 from raycompat.train.sync_batchnorm import synchronize_batchnorm
@@ -88,12 +89,13 @@ def make_bundle(
     from raycompat.pipeline.bundles import bundle_fingerprint
     from raycompat.train.export import scenario_fingerprint
 
-    modules = {"embedder": module.embedder, "head": module.head, **module.method.exports()}
+    embedder = module.method.deployed_embedder(module.embedder)
+    modules = {"embedder": embedder, "head": module.head, **module.method.exports()}
     manifest = {
         "method": cfg.method,
         "method_options": cfg.method_options,
         "backbone": cfg.backbone,
-        "embed_dim": cfg.embed_dim,
+        "embed_dim": int(getattr(embedder, "embed_dim", cfg.embed_dim)),
         "in_chans": cfg.in_chans,
         "resolution": cfg.resolution,
         "classes": [int(c) for c in new_classes],
@@ -197,13 +199,26 @@ def _write_pid(cfg: TrainConfig, rank: int) -> None:
             f.write(str(os.getpid()))
 
 
-def _build_networks(cfg: TrainConfig, new_classes: list[int]) -> tuple[Embedder, ClassifierHead]:
-    """The new embedder and head, started from ``init_model`` when one is given."""
+def _build_networks(
+    cfg: TrainConfig, new_classes: list[int], old: ModelBundle | None
+) -> tuple[Embedder, ClassifierHead]:
+    """The new embedder and head, started from ``init_model`` when one is given. A ``dsimplex``
+    head keeps the simplex labels of the classes an old ``dsimplex`` head knows."""
     embedder = Embedder(
         cfg.backbone, cfg.embed_dim, in_chans=cfg.in_chans, pretrained_path=cfg.pretrained_path
     )
+    vertices = None
+    if cfg.head == "dsimplex":
+        old_head = old.modules.get("head") if old is not None else None
+        known = getattr(old_head, "vertices", None)
+        vertices = continued_vertices(new_classes, old.classes if known else [], known)
     head = ClassifierHead(
-        cfg.embed_dim, len(new_classes), kind=cfg.head, scale=cfg.head_scale, margin=cfg.head_margin
+        cfg.embed_dim,
+        len(new_classes),
+        kind=cfg.head,
+        scale=cfg.head_scale,
+        margin=cfg.head_margin,
+        vertices=vertices,
     )
     if cfg.init_model:
         init = ModelBundle.load(cfg.init_model)
@@ -254,7 +269,7 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
             f"{old.embed_dim}: the compatible subspace needs D_new >= D_old"
         )
     compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
-    embedder, head = _build_networks(cfg, new_classes)
+    embedder, head = _build_networks(cfg, new_classes, old)
     new_target, old_target = class_targets(new_classes, old.classes if old is not None else [])
     sampler, loader = _build_loader(cfg, train_set, rank, world)
     if len(loader) == 0:

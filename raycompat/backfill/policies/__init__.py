@@ -19,6 +19,12 @@ policy (module)                           knows
                                           upper bound: renamed from ``oracle``)
 ``learned`` (learned)                     old features (+ uncertainty), and the new
                                           embeddings of a held-out sample only
+``cost-aware`` (cost_aware)               a scored base policy's knowledge and every item's
+                                          cost: ``b_i / c_i``
+``demand`` (demand)                       a query log: how often each item is in the top-k
+                                          of its queries (t=0 state); ties by a base order
+``upgrade-on-read`` (read)                the searches so far, in time order: their results
+                                          move to the front of a base order's queue
 ========================================  =================================================
 
 One module per policy, each registering a :class:`~raycompat.backfill.policies.base.Policy`
@@ -28,7 +34,7 @@ walk the same order item for item.  Adding a policy: one module here with a regi
 class, plus its import below.
 
 Ordering rule for scored policies: highest score first, ties by lower item index
-(a stable sort of ``-score``).  ``cost_aware`` ordering is not implemented.
+(a stable sort of ``-score``).
 """
 
 from __future__ import annotations
@@ -38,11 +44,13 @@ from raycompat.backfill.gallery import BackfillInputError
 # The imports register the policies; their order is the order of POLICIES (isort keeps it).
 # isort: off
 from raycompat.backfill.policies import random, sequential, uncertainty, benefit, learned  # noqa: F401
+from raycompat.backfill.policies import cost_aware, demand, read  # noqa: F401
 
 # isort: on
 from raycompat.backfill.policies.base import (
     Policy,
     PolicyInputs,
+    PolicyOptions,
     available_policies,
     check_order,
     check_policy_inputs,
@@ -52,6 +60,8 @@ from raycompat.backfill.policies.base import (
     register_policy,
 )
 from raycompat.backfill.policies.benefit import hinge_benefit, hinge_benefit_order
+from raycompat.backfill.policies.cost_aware import cost_aware_priority
+from raycompat.backfill.policies.demand import demand_order
 from raycompat.backfill.policies.head import UncertaintyHead
 from raycompat.backfill.policies.learned import (
     LearnedPredictor,
@@ -60,6 +70,12 @@ from raycompat.backfill.policies.learned import (
     learned_target,
 )
 from raycompat.backfill.policies.random import random_order
+from raycompat.backfill.policies.read import (
+    read_reorder,
+    read_window_ids,
+    searches_before,
+    upgrade_on_read_order,
+)
 from raycompat.backfill.policies.sequential import sequential_order
 from raycompat.backfill.policies.uncertainty import (
     UNCERTAINTY_KINDS,
@@ -75,6 +91,7 @@ __all__ = [
     "parse_policies",
     "Policy",
     "PolicyInputs",
+    "PolicyOptions",
     "available_policies",
     "check_policy_inputs",
     "policy_class",
@@ -95,6 +112,12 @@ __all__ = [
     "learned_order",
     "learned_target",
     "check_order",
+    "cost_aware_priority",
+    "demand_order",
+    "read_reorder",
+    "read_window_ids",
+    "searches_before",
+    "upgrade_on_read_order",
 ]
 
 #: every registered policy name, in registration order

@@ -2,30 +2,38 @@
 live backfill controller), and the registry behind :func:`policy_order`.
 
 A policy is a small class: it declares what it needs (``needs_embeddings``: the gallery's
-embeddings, not only N; ``needs_head``: the new model's classifier head; ``per_mode``: its
-order depends on the query mode's score sides) and computes the order from a
-:class:`PolicyInputs`, reading nothing else.  Register it with ``@register_policy``
-(docs/methods.md, Backfill policies).
+embeddings, not only N; ``needs_head``: the new model's classifier head; ``needs_query_log``:
+a query log; ``per_mode``: its order depends on the query mode's score sides) and computes the
+order from a :class:`PolicyInputs`, reading nothing else.  Register it with
+``@register_policy`` (docs/methods.md, Backfill policies).
+
+A policy may build on another one: :meth:`Policy.scores` is a scored policy's priority per item
+(what ``cost-aware`` divides by the cost), and a policy with a :meth:`Policy.base_policy`
+computes its order from the base's order (:meth:`Policy.order_with_base`: ``demand``'s ties,
+``upgrade-on-read``'s queue), so each engine computes the base order its own way first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
 from raycompat.backfill.policies.head import UncertaintyHead
+from raycompat.config import option, positive
 
 if TYPE_CHECKING:
     from raycompat.backfill.modes import SideBuilder
+    from raycompat.backfill.query_log import LogSearches
 
 __all__ = [
     "BlockScorer",
     "DatasetAccess",
     "Policy",
     "PolicyInputs",
+    "PolicyOptions",
     "register_policy",
     "available_policies",
     "policy_class",
@@ -37,13 +45,40 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class PolicyOptions:
+    """Options of the policies that build on another policy or read a query log
+    (docs/methods.md, "cost-aware", "demand", "Upgrade on read")."""
+
+    cost_base: str = option(
+        "uncertainty:margin",
+        help="cost-aware: the scored policy whose score b_i is divided by the item's cost c_i",
+    )
+    order_base: str = option(
+        "random",
+        help="demand: the order its ties (equal popularity) follow; upgrade-on-read: the queue "
+        "it reorders",
+    )
+    demand_k: int = positive(
+        10, help="demand and upgrade-on-read: results per search of the query log (top-k)"
+    )
+    queries_per_item: float = positive(
+        1.0, help="upgrade-on-read: searches per backfilled item in the simulated stream"
+    )
+    read_window: int = positive(
+        8, help="upgrade-on-read: the last searches whose results move to the front of the queue"
+    )
+
+
+@dataclass(frozen=True)
 class PolicyInputs:
     """Everything a policy may be given; each policy reads only what it declares.
 
     ``data`` is ``None`` for a served gallery without stored embeddings (N only).
     ``sides`` is an optional shared cache of score sides (the simulator's); without it a
     per-mode policy builds the mode's sides from ``data``.  ``block_bytes=None``: the
-    simulator engine's default block size.
+    simulator engine's default block size.  ``options``: what the policies that build on
+    another one or read a query log are told (:class:`PolicyOptions`); ``reads``: the query
+    log's searches (:class:`~raycompat.backfill.query_log.LogSearches`).
     """
 
     n_items: int
@@ -56,6 +91,8 @@ class PolicyInputs:
     device: Any = None
     block_bytes: int | None = None
     sides: SideBuilder | None = None
+    options: PolicyOptions = field(default_factory=PolicyOptions)
+    reads: LogSearches | None = None
 
     def mode_sides(self) -> tuple[Any, Any]:
         """The (old-state, new-state) score sides of ``mode``."""
@@ -74,10 +111,16 @@ class Policy:
     knows: ClassVar[str] = ""
     needs_embeddings: ClassVar[bool] = False
     needs_head: ClassVar[bool] = False
+    needs_query_log: ClassVar[bool] = False
     per_mode: ClassVar[bool] = False
 
     def check(self, inputs: PolicyInputs) -> None:
         """Raise :class:`BackfillInputError` naming what is missing from ``inputs``."""
+        if self.needs_query_log and inputs.reads is None:
+            raise BackfillInputError(
+                f"policy {self.name!r} needs a query log (--query-log or --zipf-exponent; "
+                "the service option query_log)"
+            )
         if self.needs_embeddings and inputs.data is None:
             raise BackfillInputError(
                 f"policy {self.name!r} needs the gallery's embeddings (a parquet gallery)"
@@ -90,6 +133,25 @@ class Policy:
 
     def order(self, inputs: PolicyInputs) -> np.ndarray:
         """A permutation of ``0..n_items-1``: the items in the order they get their new vector."""
+        raise NotImplementedError
+
+    def scores(self, inputs: PolicyInputs) -> np.ndarray:
+        """A scored policy's priority of every item (float64 ``[N]``, highest first, ties by
+        lower index: :meth:`order` is ``order_by_score(scores)``)."""
+        raise BackfillInputError(
+            f"policy {self.name!r} has no per-item score (scored policies: "
+            f"{', '.join(n for n, c in _REGISTRY.items() if c.scored)})"
+        )
+
+    #: whether :meth:`scores` is defined
+    scored: ClassVar[bool] = False
+
+    def base_policy(self, inputs: PolicyInputs) -> str | None:
+        """The policy whose order this one builds on (:meth:`order_with_base`), or None."""
+        return None
+
+    def order_with_base(self, inputs: PolicyInputs, base_order: np.ndarray) -> np.ndarray:
+        """The order, given the order of :meth:`base_policy` (checked permutation)."""
         raise NotImplementedError
 
     def block_scorer(self, inputs: PolicyInputs, access: DatasetAccess) -> BlockScorer | None:

@@ -137,6 +137,7 @@ class HingeBenefitPolicy(Policy):
     )
     needs_embeddings = True
     per_mode = True
+    scored = True
 
     def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
         from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
@@ -157,13 +158,13 @@ class HingeBenefitPolicy(Policy):
             inputs.rank_merge_distance,
         )
 
-    def order(self, inputs: PolicyInputs) -> np.ndarray:
+    def scores(self, inputs: PolicyInputs) -> np.ndarray:
         from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
 
         old_side, new_side = inputs.mode_sides()
         data = inputs.data
         block_bytes = ENGINE_BLOCK_BYTES if inputs.block_bytes is None else inputs.block_bytes
-        return hinge_benefit_order(
+        return hinge_benefit(
             old_side,
             new_side,
             data.query_labels,
@@ -171,3 +172,6 @@ class HingeBenefitPolicy(Policy):
             device=inputs.device,
             block_bytes=block_bytes,
         )
+
+    def order(self, inputs: PolicyInputs) -> np.ndarray:
+        return order_by_score(self.scores(inputs))

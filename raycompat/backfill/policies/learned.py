@@ -27,6 +27,7 @@ __all__ = [
     "disagreement",
     "learned_order",
     "learned_sample",
+    "learned_scores",
     "learned_target",
 ]
 
@@ -143,6 +144,24 @@ def learned_sample(n: int, seed: int, sample_fraction: float, min_sample: int = 
     return np.sort(np.random.default_rng(seed).choice(n, size=m, replace=False))
 
 
+def learned_scores(
+    old_features: np.ndarray,
+    reveal: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int = 0,
+    sample_fraction: float = 0.02,
+    min_sample: int = 32,
+    extra_features: np.ndarray | None = None,
+):
+    """``(scores, model, sample_ids)`` of :func:`learned_order`: ``+inf`` for the sample, the
+    predicted disagreement for every other item."""
+    f = np.asarray(old_features)
+    sample = learned_sample(f.shape[0], seed, sample_fraction, min_sample)
+    extra = None if extra_features is None else extra_features[sample]
+    model = _fit(f[sample], extra, reveal(sample), seed)
+    return LearnedScorer(model, sample, None).predict(f, extra_features, 0), model, sample
+
+
 def learned_order(
     old_features: np.ndarray,
     reveal: Callable[[np.ndarray], np.ndarray],
@@ -168,13 +187,15 @@ def learned_order(
 
     With ``return_model`` returns ``(order, model, sample_ids)``.
     """
-    f = np.asarray(old_features)
-    n = f.shape[0]
-    sample = learned_sample(n, seed, sample_fraction, min_sample)
-    extra = None if extra_features is None else extra_features[sample]
-    model = _fit(f[sample], extra, reveal(sample), seed)
-    scorer = LearnedScorer(model, sample, None)
-    order = order_by_score(scorer.predict(f, extra_features, 0))
+    scores, model, sample = learned_scores(
+        old_features,
+        reveal,
+        seed=seed,
+        sample_fraction=sample_fraction,
+        min_sample=min_sample,
+        extra_features=extra_features,
+    )
+    order = order_by_score(scores)
     return (order, model, sample) if return_model else order
 
 
@@ -215,6 +236,7 @@ class LearnedPolicy(Policy):
     name = "learned"
     knows = "old features (+ uncertainty), and the new embeddings of a held-out sample only"
     needs_embeddings = True
+    scored = True
 
     def check(self, inputs: PolicyInputs) -> None:
         super().check(inputs)
@@ -228,15 +250,18 @@ class LearnedPolicy(Policy):
                 "to measure old/new disagreement"
             )
 
-    def order(self, inputs: PolicyInputs) -> np.ndarray:
+    def scores(self, inputs: PolicyInputs) -> np.ndarray:
         data = inputs.data
-        return learned_order(
+        return learned_scores(
             data.gallery_old,
             learned_target(data),
             seed=inputs.seed,
             sample_fraction=inputs.learned_sample_fraction,
             extra_features=gallery_uncertainty_features(data, inputs.head),
-        )
+        )[0]
+
+    def order(self, inputs: PolicyInputs) -> np.ndarray:
+        return order_by_score(self.scores(inputs))
 
     def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
         sample = learned_sample(access.n_items, inputs.seed, inputs.learned_sample_fraction)

@@ -121,14 +121,18 @@ class UncertaintyPolicy(Policy):
     knows = "the old gallery features and the new classifier head (RACT Eq.9-11), no image"
     needs_embeddings = True
     needs_head = True
+    scored = True
 
     def check(self, inputs: PolicyInputs) -> None:
         if inputs.data is not None and self.kind in inputs.data.extra.get("uncertainty", {}):
             return  # the stored column is enough
         super().check(inputs)
 
+    def scores(self, inputs: PolicyInputs) -> np.ndarray:
+        return gallery_uncertainty(inputs.data, inputs.head, self.kind)
+
     def order(self, inputs: PolicyInputs) -> np.ndarray:
-        return order_by_score(gallery_uncertainty(inputs.data, inputs.head, self.kind))
+        return order_by_score(self.scores(inputs))
 
     def block_scorer(self, inputs: PolicyInputs, access) -> BlockScorer:
         return UncertaintyScorer(inputs.head, self.kind)

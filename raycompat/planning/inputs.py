@@ -1,0 +1,283 @@
+"""The planner's inputs: the backfill curves of candidate new models of one old model.
+
+A result is a ``simulate-backfill`` report folder (its ``curves.json``), that file itself, or
+the main job's report folder (``report.json`` beside ``backfill/<model>/curves.json``, one
+candidate per model); ``NAME=PATH`` names the candidate (default: the folder's name; in a main
+job's folder, the model's, prefixed ``NAME/``). Every candidate must share the old model and
+the gallery: the same gallery size, queries and cut-off, and the same old-old reference (same
+old model, same queries). Curves are read per fraction of the gallery, so a plan may scale
+them to any gallery size (docs/planning.md, "How each number is computed").
+
+Each problem raises one :class:`~raycompat.config.ConfigError` naming the file and what is
+wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from raycompat.config import ConfigError
+
+__all__ = [
+    "CURVES_FILE",
+    "Curve",
+    "Estimate",
+    "Simulation",
+    "load_results",
+    "read_simulation",
+    "split_name",
+]
+
+CURVES_FILE = "curves.json"
+MAIN_JOB_REPORT = "report.json"
+#: the metric NFR@1 (RACT Eq.12) in ``curves.json``
+NFR_METRIC = "NFR@1"
+#: relative tolerance of "the same old-old reference" across candidates
+SAME_REFERENCE_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A value with its bootstrap interval (``low``/``high`` NaN without one)."""
+
+    value: float
+    low: float = math.nan
+    high: float = math.nan
+
+    @property
+    def has_interval(self) -> bool:
+        return math.isfinite(self.low) and math.isfinite(self.high)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One (policy, mode) curve: the quality metric (mAP@k) with its band and NFR@1 at each grid
+    fraction; ``work``: the share of the whole re-embedding done at each point (its time over
+    the time of the whole gallery: items, or summed item cost under a cost-aware order)."""
+
+    policy: str
+    mode: str
+    fractions: np.ndarray
+    work: np.ndarray
+    quality: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    nfr: np.ndarray
+
+    def at(self, fraction: float) -> tuple[Estimate, float, bool]:
+        """``(quality, NFR@1, interpolated)`` at ``fraction``: linear between grid points."""
+        f = self.fractions
+        interpolated = not bool(np.isclose(f, fraction, rtol=0, atol=1e-12).any())
+        pick = lambda a: float(np.interp(fraction, f, a))  # noqa: E731
+        quality = Estimate(pick(self.quality), pick(self.low), pick(self.high))
+        return quality, pick(self.nfr), interpolated
+
+    def work_at(self, fraction: float) -> float:
+        """The share of the whole re-embedding done when ``fraction`` of the items hold their
+        new vector (linear between grid points)."""
+        return float(np.interp(fraction, self.fractions, self.work))
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One candidate new model: its hot-refresh curves, the old-old and new-new references,
+    and the embedding rate its simulation recorded (``cost_model``, or None)."""
+
+    model: str
+    path: str
+    n_items: int
+    n_queries: int
+    k: int
+    metric: str
+    old_old: Estimate
+    new_new: Estimate
+    new_new_nfr: float
+    curves: tuple[Curve, ...]
+    cost_model: dict | None
+
+    @property
+    def has_intervals(self) -> bool:
+        return self.old_old.has_interval
+
+
+def _bad(path: str, message: str) -> ConfigError:
+    return ConfigError(f"--results {path}: {message}")
+
+
+def _array(values, path: str, what: str) -> np.ndarray:
+    try:
+        return np.asarray([math.nan if v is None else float(v) for v in values], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise _bad(path, f"{what} is not a list of numbers") from None
+
+
+def _reference(payload: dict, name: str, metric: str, path: str) -> Estimate:
+    value = (payload.get("references") or {}).get(name, {}).get(metric)
+    if value is None:
+        raise _bad(path, f"no {name} reference of {metric}")
+    iv = (payload.get("reference_intervals") or {}).get(name, {}).get(metric) or {}
+    low, high = iv.get("low"), iv.get("high")
+    return Estimate(
+        float(value),
+        math.nan if low is None else float(low),
+        math.nan if high is None else float(high),
+    )
+
+
+def _work(raw: dict, n_items: int, path: str) -> np.ndarray:
+    """The share of the re-embedding at each point: the curve's simulated seconds over its
+    last (a cost-aware time axis), else the items re-embedded over the gallery."""
+    seconds = raw.get("seconds")
+    if seconds and seconds[-1]:
+        return _array(seconds, path, "seconds") / float(seconds[-1])
+    if raw.get("items_backfilled") is not None:
+        return _array(raw["items_backfilled"], path, "items_backfilled") / float(n_items)
+    return _array(raw["fractions"], path, "fractions")
+
+
+def _curve(raw: dict, metric: str, n_items: int, path: str) -> Curve:
+    """One ``curves[]`` entry of ``curves.json``."""
+    from raycompat.backfill.modes import MODES
+    from raycompat.backfill.policies import POLICIES
+
+    policy, mode = raw.get("policy"), raw.get("mode")
+    if mode not in MODES:
+        raise _bad(path, f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    if mode != "cold" and policy not in POLICIES:
+        raise _bad(path, f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
+    metrics = raw.get("metrics") or {}
+    if metric not in metrics or NFR_METRIC not in metrics:
+        raise _bad(path, f"curve {policy} / {mode} has no {metric} or {NFR_METRIC}")
+    fractions = _array(raw["fractions"], path, "fractions")
+    quality = _array(metrics[metric], path, metric)
+    band = (raw.get("bands") or {}).get(metric) or {}
+    nan = np.full_like(quality, math.nan)
+    low = _array(band["low"], path, "band") if band.get("low") else nan
+    high = _array(band["high"], path, "band") if band.get("high") else nan
+    if not (len(fractions) == len(quality) == len(low) == len(high)) or len(fractions) < 2:
+        raise _bad(path, f"curve {policy} / {mode}: grid and values differ in length")
+    if fractions[0] != 0 or fractions[-1] != 1 or np.any(np.diff(fractions) <= 0):
+        raise _bad(path, f"curve {policy} / {mode}: its grid must rise from 0 to 1")
+    return Curve(
+        policy=str(policy),
+        mode=str(mode),
+        fractions=fractions,
+        work=_work(raw, n_items, path),
+        quality=quality,
+        low=low,
+        high=high,
+        nfr=_array(metrics[NFR_METRIC], path, NFR_METRIC),
+    )
+
+
+def read_simulation(path: str, model: str) -> Simulation:
+    """One ``curves.json`` as the candidate ``model``."""
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise _bad(path, f"cannot read it: {exc}".splitlines()[0]) from None
+    if not isinstance(payload, dict) or not payload.get("curves") or not payload.get("metrics"):
+        raise _bad(path, "not a simulate-backfill curves.json (no 'curves' or 'metrics')")
+    metric = payload["metrics"][0]
+    n_items = int(payload["n_items"])
+    curves = tuple(_curve(c, metric, n_items, path) for c in payload["curves"])
+    cold = [c for c in curves if c.mode == "cold"]
+    nn = _reference(payload, "new-new", metric, path)
+    nn_nfr = (payload.get("references") or {}).get("new-new", {}).get(NFR_METRIC)
+    if nn_nfr is None and cold:
+        nn_nfr = float(cold[0].nfr[-1])
+    return Simulation(
+        model=model,
+        path=path,
+        n_items=n_items,
+        n_queries=int(payload["n_queries"]),
+        k=int(payload["k"]),
+        metric=metric,
+        old_old=_reference(payload, "old-old", metric, path),
+        new_new=nn,
+        new_new_nfr=math.nan if nn_nfr is None else float(nn_nfr),
+        curves=tuple(c for c in curves if c.mode != "cold"),
+        cost_model=payload.get("cost_model"),
+    )
+
+
+def split_name(entry: str) -> tuple[str | None, str]:
+    """``NAME=PATH`` -> ``(NAME, PATH)``; a bare path -> ``(None, PATH)``."""
+    name, sep, path = entry.partition("=")
+    if sep and name and os.sep not in name:
+        return name.strip(), path.strip()
+    return None, entry.strip()
+
+
+def _main_job_models(folder: str) -> list[tuple[str, str]]:
+    """``(model, curves.json)`` of each model of a main job's report folder."""
+    root = os.path.join(folder, "backfill")
+    if not os.path.isdir(root):
+        return []
+    return [
+        (m, os.path.join(root, m, CURVES_FILE))
+        for m in sorted(os.listdir(root))
+        if os.path.isfile(os.path.join(root, m, CURVES_FILE))
+    ]
+
+
+def _entries(entry: str) -> list[tuple[str, str]]:
+    """``(model, curves.json)`` of one ``--results`` entry."""
+    name, path = split_name(entry)
+    if os.path.isfile(path):
+        return [(name or os.path.basename(os.path.dirname(os.path.abspath(path))), path)]
+    if not os.path.isdir(path):
+        raise _bad(path, "not found")
+    if os.path.isfile(os.path.join(path, CURVES_FILE)):
+        return [(name or os.path.basename(os.path.abspath(path)), os.path.join(path, CURVES_FILE))]
+    models = _main_job_models(path) if os.path.isfile(os.path.join(path, MAIN_JOB_REPORT)) else []
+    if not models:
+        raise _bad(
+            path,
+            f"holds no simulation: no {CURVES_FILE} (a simulate-backfill report) and no "
+            f"{MAIN_JOB_REPORT} with backfill/<model>/{CURVES_FILE} (a main-job report)",
+        )
+    return [(f"{name}/{m}" if name else m, p) for m, p in models]
+
+
+def _check_same_old_and_gallery(sims: list[Simulation]) -> None:
+    """Every candidate measured on the first one's gallery, queries and old model."""
+    first = sims[0]
+    for s in sims[1:]:
+        if (s.n_items, s.n_queries, s.k) != (first.n_items, first.n_queries, first.k):
+            raise _bad(
+                s.path,
+                f"{s.n_items:,} gallery items, {s.n_queries:,} queries, k={s.k}; "
+                f"{first.path}: {first.n_items:,}, {first.n_queries:,}, k={first.k}: "
+                "curves of different galleries",
+            )
+        a, b = s.old_old.value, first.old_old.value
+        if not math.isclose(a, b, rel_tol=SAME_REFERENCE_RTOL, abs_tol=1e-15):
+            raise _bad(
+                s.path,
+                f"old-old {s.metric} {a:.6g}, {first.path}: {b:.6g}: curves of different old "
+                "models (or query sets)",
+            )
+
+
+def load_results(entries) -> list[Simulation]:
+    """Every candidate of the ``--results`` entries, checked to share one old model and one
+    gallery; a candidate named twice is an error."""
+    found = [pair for entry in entries for pair in _entries(entry)]
+    if not found:
+        raise ConfigError("--results: give at least one simulation")
+    names = [m for m, _ in found]
+    twice = sorted({m for m in names if names.count(m) > 1})
+    if twice:
+        raise ConfigError(
+            f"--results: candidate {twice[0]!r} named twice; name them with NAME=PATH"
+        )
+    sims = [read_simulation(path, model) for model, path in found]
+    _check_same_old_and_gallery(sims)
+    return sims

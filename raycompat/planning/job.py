@@ -1,0 +1,245 @@
+"""Plan an upgrade: which new model, query mode and backfill order, how long, how much, and how
+good at every hour.
+
+``raycompat plan-upgrade`` / ``jobs/plan_upgrade.py`` reads simulated backfill curves (one or
+more ``simulate-backfill`` report folders, or the main job's report folder), puts every
+candidate (model x policy x query mode), a cold refresh per model and staying on the old model
+on one wall clock for the gallery size, devices, rates and price given, checks the
+constraints, and writes ``plan.md``, ``plan.json`` and two PNGs (docs/planning.md). :func:`run`
+is the library call. A bad input is one ``error:`` line naming it (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    make_parser,
+    nonnegative,
+    option,
+    options_from_args,
+    positive,
+)
+from raycompat.console import job_main
+from raycompat.outputs import OutputOptions
+
+__all__ = ["PlanUpgradeOptions", "build_parser", "main", "run"]
+
+
+@dataclass(frozen=True)
+class PlanUpgradeOptions:
+    """Every flag of the plan-upgrade job."""
+
+    results: tuple[str, ...] = option(
+        (),
+        help="comma-separated: simulate-backfill report folders (or their curves.json) or main "
+        "job report folders, one per candidate new model of one old model; NAME=PATH names one",
+    )
+    items: int | None = option(
+        None, min=1, help="gallery size to plan for (none: the simulated gallery's)"
+    )
+    devices: int = positive(1, help="devices re-embedding the gallery")
+    device_kind: str = choices("gpu", "cpu", default="gpu", help="what a device is")
+    price_per_device_hour: float = nonnegative(0.0, help="price of one device for one hour")
+    items_per_s: float | None = option(
+        None,
+        min=1e-12,
+        help="embedding rate per device, given (none: --rate-summary, --rate-model, or each "
+        "simulation's recorded rate)",
+    )
+    rate_summary: str | None = option(
+        None, help="an embed-gallery output folder (or its _summary.json): the rate it measured"
+    )
+    rate_model: str | None = option(
+        None,
+        help="a new-model bundle: measure its rate on the spot, embedding --rate-items glyph "
+        "items with embed-gallery on this machine",
+    )
+    rate_items: int = positive(2000, help="items embedded by --rate-model")
+    psi_per_s: float | None = option(
+        None, min=1e-12, help="psi refresh rate per device (adapted mode), vectors/s, given"
+    )
+    psi_model: str | None = option(
+        None, help="a new-model bundle with psi: measure its refresh rate on the spot"
+    )
+    queries_per_s: float | None = option(
+        None, min=0, help="query load during the upgrade (prices second searches per query)"
+    )
+    searches_per_s: float | None = option(
+        None, min=1e-12, help="searches per second of one device (with --queries-per-s)"
+    )
+    never_below_old: bool = option(
+        False, help="constraint: the lower bound of mAP@k never below old-old's value"
+    )
+    max_nfr: float | None = option(None, min=0, help="constraint: NFR@1 at most this (fraction)")
+    deadline_hours: float | None = option(
+        None, min=1e-12, help="constraint: every item re-embedded within this many hours"
+    )
+    budget: float | None = option(None, min=0, help="constraint: total cost at most this")
+    policies: str | None = option(None, help="comma-separated: only these policies (none: all)")
+    modes: str | None = option(None, help="comma-separated: only these query modes (none: all)")
+    output: OutputOptions = option(OutputOptions(name="plan"), help="where the plan goes")
+    plots: bool = option(True, help="write the PNG plots (--no-plots skips them)")
+    quiet: bool = option(False, help="no progress messages")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = make_parser(
+        "plan-upgrade",
+        description="Plan an upgrade from simulated backfill curves: hours, cost, mAP@k and NFR@1 "
+        "at 25/50/90/100 %, quality-hours, the hour quality passes old-old, and the option "
+        "that meets the constraints with the most quality-hours (plan.md, plan.json, PNGs).",
+    )
+    add_options(parser, PlanUpgradeOptions)
+    return parser
+
+
+def _check(opts: PlanUpgradeOptions) -> None:
+    """Flag combinations (``ConfigError`` naming them)."""
+    rates = {"items_per_s": "--items-per-s", "rate_summary": "--rate-summary"}
+    rates["rate_model"] = "--rate-model"
+    given = [flag for field, flag in rates.items() if getattr(opts, field) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one embedding rate, not {' and '.join(given)}")
+    if opts.psi_per_s is not None and opts.psi_model:
+        raise ConfigError("give --psi-per-s or --psi-model, not both")
+    if (opts.queries_per_s is None) != (opts.searches_per_s is None):
+        raise ConfigError("--queries-per-s and --searches-per-s go together")
+    if opts.budget is not None and opts.price_per_device_hour == 0:
+        raise ConfigError("--budget needs --price-per-device-hour")
+    if not opts.results:
+        raise ConfigError("--results: give at least one simulation")
+
+
+def _resolved(opts: PlanUpgradeOptions) -> PlanUpgradeOptions:
+    """Input paths made absolute (``NAME=`` kept), as job.json records them."""
+    from raycompat.planning.inputs import split_name
+
+    def absolute(entry: str) -> str:
+        name, path = split_name(entry)
+        return f"{name}={os.path.abspath(path)}" if name else os.path.abspath(path)
+
+    paths = {f: getattr(opts, f) for f in ("rate_summary", "rate_model", "psi_model")}
+    return dataclasses.replace(
+        opts,
+        results=tuple(absolute(r) for r in opts.results),
+        **{f: os.path.abspath(p) for f, p in paths.items() if p},
+    )
+
+
+def _names(parse, text: str | None, flag: str) -> tuple[str, ...]:
+    from raycompat.backfill.gallery import BackfillInputError
+
+    if not text:
+        return ()
+    try:
+        return tuple(parse(text))
+    except BackfillInputError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _given_rate(opts: PlanUpgradeOptions):
+    """The embedding rate of ``--items-per-s`` or ``--rate-summary`` (None otherwise)."""
+    from raycompat.planning import rates
+
+    if opts.items_per_s is not None:
+        return rates.EmbeddingRate(opts.items_per_s, 0.0, "given (--items-per-s)")
+    if opts.rate_summary:
+        return rates.rate_from_summary(opts.rate_summary)
+    return None
+
+
+def _psi_rate(opts: PlanUpgradeOptions):
+    from raycompat.planning import rates
+
+    if opts.psi_per_s is not None:
+        return rates.PsiRate(opts.psi_per_s, "given (--psi-per-s)")
+    if opts.psi_model:
+        return rates.measure_psi_rate(opts.psi_model, opts.device_kind)
+    return None
+
+
+def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
+    """Read the curves, build and assess every option, write the plan; returns the written
+    paths and the plan (``"plan"``). Inputs are checked before the output folder is made."""
+    from raycompat.backfill.modes import parse_modes
+    from raycompat.backfill.policies import parse_policies
+    from raycompat.planning.inputs import load_results
+    from raycompat.planning.plan import candidates, make_plan, model_rates
+    from raycompat.planning.rates import SearchLoad, measure_embedding_rate
+    from raycompat.planning.recommend import Constraints
+    from raycompat.planning.report import write_plan
+    from raycompat.planning.timeline import Hardware
+
+    say = log or (lambda message: None)
+    _check(opts)
+    opts = _resolved(opts)
+    sims = load_results(opts.results)
+    policies = _names(parse_policies, opts.policies, "--policies")
+    modes = _names(parse_modes, opts.modes, "--modes")
+    psi = _psi_rate(opts)
+    candidates(sims, policies, modes, psi)  # every input checked before the output folder
+    rate = _given_rate(opts)
+    if rate is None and not opts.rate_model:
+        model_rates(sims, None)
+    output = opts.output.resolve("plan_upgrade", default_out="plan_out", config=opts)
+    if opts.rate_model:
+        rate = measure_embedding_rate(
+            opts.rate_model, opts.rate_items, output.path("rate_probe"), opts.device_kind, say
+        )
+    search = None
+    if opts.queries_per_s is not None:
+        search = SearchLoad(opts.queries_per_s, opts.searches_per_s)
+    hardware = Hardware(
+        items=opts.items or sims[0].n_items,
+        devices=opts.devices,
+        device_kind=opts.device_kind,
+        price=opts.price_per_device_hour,
+        search=search,
+    )
+    constraints = Constraints(
+        never_below_old=opts.never_below_old,
+        max_nfr=opts.max_nfr,
+        deadline_hours=opts.deadline_hours,
+        budget=opts.budget,
+    )
+    plan = make_plan(
+        sims,
+        hardware,
+        constraints,
+        rate=rate,
+        psi=psi,
+        policies=policies,
+        modes=modes,
+    )
+    say(f"{len(plan.assessed)} options planned; writing {output.local}")
+    written = write_plan(plan, output.local, plots=opts.plots, command=command)
+    output.publish()
+    return dict(written, plan=plan)
+
+
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = options_from_args(PlanUpgradeOptions, build_parser().parse_args(argv))
+
+    def log(message: str) -> None:
+        if not opts.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    command = "raycompat plan-upgrade " + " ".join(shlex.quote(a) for a in argv)
+    paths = run(opts, log, command=command)
+    print(f"recommendation: {paths['plan'].recommendation.reason}")
+    print(f"plan: {paths['markdown']}")
+    print(f"json: {paths['json']}")
+    for p in paths["plots"]:
+        print(f"plot: {p}")
+    return 0

@@ -1,0 +1,149 @@
+"""The plan: every option of every candidate model on one clock, assessed against the
+constraints, with the recommendation (:func:`make_plan`), and the notes that say where each
+number came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycompat.config import ConfigError
+from raycompat.planning.inputs import Estimate, Simulation
+from raycompat.planning.rates import EmbeddingRate, PsiRate, rate_from_cost_model
+from raycompat.planning.recommend import (
+    Assessment,
+    Constraints,
+    Recommendation,
+    assess,
+    recommend,
+)
+from raycompat.planning.timeline import (
+    Hardware,
+    candidate_option,
+    cold_refresh_option,
+    horizon_hours,
+    stay_on_old_option,
+)
+
+__all__ = ["Plan", "candidates", "make_plan", "model_rates"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the report shows: the inputs, the hardware, the rate each model uses, the
+    options assessed (candidates, then each model's cold refresh, then staying on the old
+    model), the horizon, the recommendation and the notes."""
+
+    simulations: tuple[Simulation, ...]
+    hardware: Hardware
+    rates: dict[str, EmbeddingRate]
+    psi: PsiRate | None
+    constraints: Constraints
+    metric: str
+    old_old: Estimate
+    horizon: float
+    assessed: tuple[Assessment, ...]
+    recommendation: Recommendation
+    notes: tuple[str, ...]
+
+
+def model_rates(sims, given: EmbeddingRate | None) -> dict[str, EmbeddingRate]:
+    """The embedding rate of each model: the given one, else its simulation's cost model."""
+    out = {}
+    for s in sims:
+        rate = given or rate_from_cost_model(s.cost_model, s.path)
+        if rate is None:
+            raise ConfigError(
+                f"--results {s.path}: no embedding rate recorded; give --items-per-s, "
+                "--rate-summary or --rate-model"
+            )
+        out[s.model] = rate
+    return out
+
+
+def candidates(sims, policies=(), modes=(), psi: PsiRate | None = None) -> list[tuple]:
+    """``(simulation, curve)`` of every candidate the ``policies`` / ``modes`` filters keep;
+    ``ConfigError`` when none is left, or for the adapted mode without a psi rate."""
+    keep = [
+        (s, c)
+        for s in sims
+        for c in s.curves
+        if (not policies or c.policy in policies) and (not modes or c.mode in modes)
+    ]
+    if not keep:
+        raise ConfigError("no candidate left: --policies / --modes keep no curve of --results")
+    if psi is None and any(c.mode == "adapted" for _, c in keep):
+        raise ConfigError(
+            "the adapted mode needs the psi refresh rate: give --psi-per-s or --psi-model, "
+            "or leave it out with --modes"
+        )
+    return keep
+
+
+def _notes(sims, hw: Hardware, psi, adapted: bool) -> list[str]:
+    first = sims[0]
+    notes = []
+    if hw.items != first.n_items:
+        notes.append(
+            f"The curves come from a simulation of {first.n_items:,} gallery items and "
+            f"{first.n_queries:,} queries; the plan applies them, per fraction of the gallery, "
+            f"to {hw.items:,} items (it assumes the quality at each fraction does not change "
+            "with the gallery's size)."
+        )
+    if hw.search is None:
+        notes.append(
+            "Second searches per query (rank_merge, naive_merge) are not counted: no "
+            "--queries-per-s was given."
+        )
+    else:
+        notes.append(
+            f"Second searches: {hw.search.queries_per_s:g} queries/s at "
+            f"{hw.search.searches_per_s:g} searches/s per device (given)."
+        )
+    if adapted and psi is not None:
+        notes.append(
+            f"psi refresh (adapted mode): {psi.vectors_per_s:,.0f} vectors/s per device, "
+            f"{psi.source}."
+        )
+    if not first.has_intervals:
+        notes.append("The simulations carry no intervals: every check compares values.")
+    return notes
+
+
+def make_plan(
+    sims: list[Simulation],
+    hw: Hardware,
+    constraints: Constraints,
+    *,
+    rate: EmbeddingRate | None = None,
+    psi: PsiRate | None = None,
+    policies=(),
+    modes=(),
+) -> Plan:
+    """Every option of ``sims`` (filtered by ``policies`` / ``modes``), both baselines,
+    assessed, and the recommendation. ``rate``: the embedding rate per device (None: each
+    simulation's own); ``psi``: needed when an adapted-mode option is planned."""
+    chosen = candidates(sims, policies, modes, psi)
+    rates = model_rates(sims, rate)
+    options = [candidate_option(s, c, hw, rates[s.model], psi) for s, c in chosen]
+    options += [cold_refresh_option(s, hw, rates[s.model]) for s in sims]
+    options.append(stay_on_old_option(sims[0].old_old, hw))
+    horizon = horizon_hours(options)
+    old_value = sims[0].old_old.value
+    assessed = assess(options, constraints, old_value, horizon)
+    rec = recommend(
+        assessed, constraints, metric=sims[0].metric, horizon=horizon, devices=hw.devices
+    )
+    notes = _notes(sims, hw, psi, any(c.mode == "adapted" for _, c in chosen))
+    return Plan(
+        simulations=tuple(sims),
+        hardware=hw,
+        rates=rates,
+        psi=psi,
+        constraints=constraints,
+        metric=sims[0].metric,
+        old_old=sims[0].old_old,
+        horizon=horizon,
+        assessed=tuple(assessed),
+        recommendation=rec,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,279 @@
+"""The plan as files: ``plan.json`` (every number; schema in docs/planning.md, "plan.json"),
+``plan.md`` (the recommendation first, a summary of every option, then a table per option) and
+the PNGs of :mod:`raycompat.planning.plots`. Values are fractions in the JSON and percentages
+in the markdown; hours are wall-clock hours from the start of the upgrade."""
+
+from __future__ import annotations
+
+import os
+
+from raycompat.planning.plan import Plan
+from raycompat.planning.recommend import CONSTRAINT_FLAGS, Assessment
+from raycompat.planning.timeline import CANDIDATE, COLD, STAY
+from raycompat.report import markdown_table, write_json
+
+__all__ = ["plan_dict", "plan_markdown", "write_plan"]
+
+
+def _option_row(a: Assessment) -> dict:
+    """One ``options`` row of plan.json."""
+    o = a.option
+    return {
+        "model": o.model,
+        "policy": o.policy,
+        "mode": o.mode,
+        "kind": o.kind,
+        "deployable": o.deployable,
+        "milestones": [
+            {
+                "fraction": m.fraction,
+                "hours": m.hours,
+                "cost": m.cost,
+                "map": m.quality.value,
+                "map_low": m.quality.low,
+                "map_high": m.quality.high,
+                "nfr": m.nfr,
+                "interpolated": m.interpolated,
+            }
+            for m in o.milestones
+        ],
+        "end_hours": o.end_hours,
+        "prep_hours": o.prep_hours,
+        "devices_busy": o.devices_busy,
+        "total_cost": o.total_cost,
+        "quality_hours": a.quality_hours,
+        "mean_map": a.mean_quality,
+        "map_at_deadline": {
+            "map": a.quality_at_deadline.value,
+            "map_low": a.quality_at_deadline.low,
+            "map_high": a.quality_at_deadline.high,
+        },
+        "passes_old_at_hours": a.passes_old_at_hours,
+        "meets_constraints": a.meets,
+        "violations": dict(a.violations),
+    }
+
+
+def plan_dict(plan: Plan, command: str | None = None) -> dict:
+    """Everything in plan.json."""
+    hw, rec = plan.hardware, plan.recommendation
+    chosen = rec.chosen.option if rec.chosen is not None else None
+    first = plan.simulations[0]
+    return {
+        "command": command,
+        "metric": plan.metric,
+        "items": hw.items,
+        "simulated_items": first.n_items,
+        "queries": first.n_queries,
+        "hardware": {
+            "devices": hw.devices,
+            "device_kind": hw.device_kind,
+            "price_per_device_hour": hw.price,
+        },
+        "rates": {
+            "embedding": {
+                m: {
+                    "items_per_s_per_device": r.items_per_s,
+                    "startup_s": r.startup_s,
+                    "source": r.source,
+                }
+                for m, r in plan.rates.items()
+            },
+            "psi": None
+            if plan.psi is None
+            else {"vectors_per_s_per_device": plan.psi.vectors_per_s, "source": plan.psi.source},
+            "search": None
+            if hw.search is None
+            else {
+                "queries_per_s": hw.search.queries_per_s,
+                "searches_per_s_per_device": hw.search.searches_per_s,
+            },
+        },
+        "constraints": {c: getattr(plan.constraints, c) for c in CONSTRAINT_FLAGS},
+        "horizon_hours": plan.horizon,
+        "old_old": {
+            "map": plan.old_old.value,
+            "map_low": plan.old_old.low,
+            "map_high": plan.old_old.high,
+        },
+        "inputs": [
+            {
+                "model": s.model,
+                "path": s.path,
+                "n_items": s.n_items,
+                "n_queries": s.n_queries,
+                "k": s.k,
+            }
+            for s in plan.simulations
+        ],
+        "options": [_option_row(a) for a in plan.assessed],
+        "recommended": None
+        if chosen is None
+        else {
+            "model": chosen.model,
+            "policy": chosen.policy,
+            "mode": chosen.mode,
+            "kind": chosen.kind,
+        },
+        "reason": rec.reason,
+        "binding": [
+            {"constraint": b.constraint, "flag": CONSTRAINT_FLAGS[b.constraint], "advice": b.advice}
+            for b in rec.binding
+        ],
+        "notes": list(plan.notes),
+    }
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.2f}"
+
+
+def _pct_iv(e) -> str:
+    if e.has_interval:
+        return f"{_pct(e.value)} [{_pct(e.low)}, {_pct(e.high)}]"
+    return _pct(e.value)
+
+
+def _hours(h) -> str:
+    return "never" if h is None else f"{h:.4g}"
+
+
+def _verdict(a: Assessment) -> str:
+    if a.meets:
+        return "meets all" if a.option.deployable else "meets all (reference, not deployable)"
+    return "; ".join(f"{CONSTRAINT_FLAGS[c]}: {why}" for c, why in a.violations.items())
+
+
+def _summary_lines(plan: Plan) -> list[str]:
+    """One row per option, recommended first, then by quality-hours."""
+    chosen = plan.recommendation.chosen
+    rows = sorted(plan.assessed, key=lambda a: (a is not chosen, -a.quality_hours))
+    at = "deadline" if plan.constraints.deadline_hours is not None else "horizon"
+    headers = [
+        "option",
+        "hours to 100 %",
+        "cost",
+        f"{plan.metric}-hours (fraction x h)",
+        f"mean {plan.metric} (%)",
+        f"{plan.metric} at the {at} (%)",
+        "passes old-old at (h)",
+        "constraints",
+    ]
+    body = [
+        [
+            ("**" + a.option.label + "**") if a is chosen else a.option.label,
+            _hours(a.option.end_hours),
+            f"{a.option.total_cost:,.2f}",
+            f"{a.quality_hours:.4g}",
+            _pct(a.mean_quality),
+            _pct_iv(a.quality_at_deadline),
+            _hours(a.passes_old_at_hours),
+            _verdict(a),
+        ]
+        for a in rows
+    ]
+    return ["## Every option", "", markdown_table(headers, body), ""]
+
+
+def _option_table(plan: Plan, a: Assessment) -> list[str]:
+    o = a.option
+    rows = [
+        [
+            f"{100 * m.fraction:g} %",
+            _hours(m.hours),
+            f"{m.cost:,.2f}",
+            _pct_iv(m.quality) + (" (interpolated)" if m.interpolated else ""),
+            _pct(m.nfr),
+        ]
+        for m in o.milestones
+    ]
+    prep = f"; psi refresh first: {o.prep_hours:.4g} h" if o.prep_hours else ""
+    h = a.passes_old_at_hours
+    passes = "never passes old-old" if h is None else f"passes old-old at {h:.4g} h"
+    return [
+        f"### {o.label}",
+        "",
+        f"Quality-hours {a.quality_hours:.4g}; {passes}; {_verdict(a)}{prep}.",
+        "",
+        markdown_table(["re-embedded", "hours", "cost", f"{plan.metric} (%)", "NFR@1 (%)"], rows),
+        "",
+    ]
+
+
+def _setup_lines(plan: Plan, command: str | None) -> list[str]:
+    hw = plan.hardware
+    lines = ["## What the plan assumes", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines.append(
+        f"- Gallery: {hw.items:,} items; {hw.devices} {hw.device_kind} device(s) at "
+        f"{hw.price:g} per device-hour; horizon H = {plan.horizon:.4g} h (the slowest "
+        f"option's end); old-old {plan.metric}: {_pct_iv(plan.old_old)} %."
+    )
+    for model, r in plan.rates.items():
+        lines.append(
+            f"- Embedding rate for {model}: {r.items_per_s:,.1f} items/s per device"
+            + (f" after {r.startup_s:.1f} s of start-up" if r.startup_s else "")
+            + f" ({r.source})."
+        )
+    active = plan.constraints.active()
+    lines.append(
+        "- Constraints: "
+        + (
+            ", ".join(
+                f"{CONSTRAINT_FLAGS[c]}"
+                + ("" if c == "never_below_old" else f" {getattr(plan.constraints, c):g}")
+                for c in active
+            )
+            if active
+            else "none"
+        )
+        + "."
+    )
+    return lines + [f"- {n}" for n in plan.notes] + [""]
+
+
+def plan_markdown(plan: Plan, plots: list[str] | None = None, command: str | None = None) -> str:
+    """plan.md: the recommendation, every option, the assumptions, a table per option."""
+    rec = plan.recommendation
+    lines = [
+        f"# Upgrade plan: {plan.hardware.items:,} items on {plan.hardware.devices} "
+        f"{plan.hardware.device_kind} device(s)",
+        "",
+        "## Recommendation",
+        "",
+        ("Recommended: " if rec.chosen else "") + rec.reason,
+        "",
+    ]
+    lines += _summary_lines(plan) + _setup_lines(plan, command)
+    for s in plan.simulations:
+        lines += [f"## {s.model}", "", f"Curves: `{s.path}`.", ""]
+        for a in plan.assessed:
+            if a.option.kind == CANDIDATE and a.option.model == s.model:
+                lines += _option_table(plan, a)
+    lines += ["## Baselines", ""]
+    for a in plan.assessed:
+        if a.option.kind in (COLD, STAY):
+            lines += _option_table(plan, a)
+    if plots:
+        lines += ["## Plots", ""] + [
+            f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_plan(plan: Plan, out_dir: str, *, plots: bool = True, command: str | None = None):
+    """Write plan.json, plan.md and the PNGs into ``out_dir``; returns ``{"json", "markdown",
+    "plots"}`` paths."""
+    pngs = []
+    if plots:
+        from raycompat.planning.plots import plot_plan
+
+        pngs = plot_plan(plan, out_dir)
+    jpath = write_json(os.path.join(out_dir, "plan.json"), plan_dict(plan, command))
+    mpath = os.path.join(out_dir, "plan.md")
+    with open(mpath + ".tmp", "w") as f:
+        f.write(plan_markdown(plan, pngs, command))
+    os.replace(mpath + ".tmp", mpath)
+    return {"json": jpath, "markdown": mpath, "plots": pngs}

@@ -1,0 +1,304 @@
+"""Each option of an upgrade on the wall clock: when it reaches each fraction of the gallery,
+what that costs, and the search quality it serves at every hour (docs/planning.md, "How each
+number is computed").
+
+An option is a candidate (model x policy x query mode), a cold refresh of a model (the old
+system serves until every item is re-embedded, then the new model), or staying on the old
+model. For ``N`` items on ``d`` devices at ``r`` items/s per device after a start-up ``s0``:
+
+* the adapted mode first refreshes every stored old vector with psi, ``P = N / (psi * d)``
+  seconds, serving the old system meanwhile;
+* fraction ``f`` of the items hold their new vector at ``P + s0 + w(f) * N / (r * d)`` seconds,
+  ``w(f)`` the share of the re-embedding done by then (``f`` itself unless the order is
+  cost-aware);
+* cost at ``h`` hours: ``h * (d + e) * price``, ``e`` the extra devices a second search per
+  query keeps busy (:class:`~raycompat.planning.rates.SearchLoad`);
+* quality: the curve's mAP@k (with its band) at each grid point, linear in between, the old
+  system's value (old-old) before an option serves anything new, and the last value held after
+  its end. Quality-hours: the trapezoid integral of it over ``[0, H]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from raycompat.backfill.modes import mode_spec
+from raycompat.planning.inputs import Curve, Estimate, Simulation
+from raycompat.planning.rates import EmbeddingRate, PsiRate, SearchLoad
+
+__all__ = [
+    "MILESTONES",
+    "REFERENCE_POLICIES",
+    "Hardware",
+    "Milestone",
+    "Option",
+    "Timeline",
+    "candidate_option",
+    "cold_refresh_option",
+    "stay_on_old_option",
+]
+
+#: the fractions of the gallery each option is reported at
+MILESTONES = (0.25, 0.5, 0.9, 1.0)
+#: policies that know what a deployment cannot (hinge-benefit reads every item's new
+#: embedding; docs/methods.md, "Backfill policies"): planned and shown, never recommended
+REFERENCE_POLICIES = ("hinge-benefit",)
+#: the option kinds
+CANDIDATE, COLD, STAY = "candidate", "cold refresh", "stay on old"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the plan runs on: ``items`` to re-embed on ``devices`` devices of ``device_kind`` at
+    ``price`` per device-hour, with the query load that prices second searches (or None)."""
+
+    items: int
+    devices: int
+    device_kind: str
+    price: float
+    search: SearchLoad | None = None
+
+    def extra_devices(self, mode: str) -> float:
+        return 0.0 if self.search is None else self.search.extra_devices(mode)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Quality on the wall clock: points ``(hours, quality, low, high, nfr)``, linear between
+    points (two points at one hour: a step); ``old``: the point serves the old system itself."""
+
+    hours: np.ndarray
+    quality: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    nfr: np.ndarray
+    old: np.ndarray
+
+    @staticmethod
+    def of(points: list[tuple]) -> Timeline:
+        """From ``(hours, Estimate, nfr, old)`` tuples in time order."""
+        cols = list(zip(*points, strict=True))
+        est = cols[1]
+        return Timeline(
+            hours=np.asarray(cols[0], dtype=np.float64),
+            quality=np.asarray([e.value for e in est], dtype=np.float64),
+            low=np.asarray([e.low for e in est], dtype=np.float64),
+            high=np.asarray([e.high for e in est], dtype=np.float64),
+            nfr=np.asarray(cols[2], dtype=np.float64),
+            old=np.asarray(cols[3], dtype=bool),
+        )
+
+    def _held(self, horizon: float) -> tuple[np.ndarray, np.ndarray]:
+        """``(hours, quality)`` cut at ``horizon``, the last value held up to it."""
+        h, q = self.hours, self.quality
+        keep = h <= horizon
+        hours, values = list(h[keep]), list(q[keep])
+        if h[-1] > horizon:  # cut inside the segment that crosses the horizon
+            values.append(self.value_at(horizon))
+            hours.append(horizon)
+        elif hours[-1] < horizon:
+            hours.append(horizon)
+            values.append(values[-1])
+        return np.asarray(hours), np.asarray(values)
+
+    def value_at(self, hour: float, values: np.ndarray | None = None) -> float:
+        """Quality (or ``values``, one per point) at ``hour``: the later side of a step,
+        linear between points, the last value after the end."""
+        q = self.quality if values is None else values
+        i = int(np.searchsorted(self.hours, hour, side="right")) - 1
+        if i < 0:
+            return float(q[0])
+        if i >= len(self.hours) - 1:
+            return float(q[-1])
+        h0, h1 = self.hours[i], self.hours[i + 1]
+        return float(q[i] + (q[i + 1] - q[i]) * (hour - h0) / (h1 - h0))
+
+    def estimate_at(self, hour: float) -> Estimate:
+        """Quality with its band at ``hour``."""
+        return Estimate(*(self.value_at(hour, a) for a in (self.quality, self.low, self.high)))
+
+    def quality_hours(self, horizon: float) -> float:
+        """The trapezoid integral of quality over ``[0, horizon]`` hours."""
+        h, q = self._held(horizon)
+        return float(((q[1:] + q[:-1]) / 2.0 * np.diff(h)).sum())
+
+    def lower(self) -> np.ndarray:
+        """The lower bound at every point (the value where there is no interval)."""
+        return np.where(np.isfinite(self.low), self.low, self.quality)
+
+    def first_pass(self, old_value: float) -> float | None:
+        """The first hour the lower bound rises above ``old_value`` (linear between points, the
+        later side of a step), or None; points serving the old system never pass."""
+        low = self.lower()
+        passes = (low > old_value) & ~self.old
+        for j in np.flatnonzero(passes):
+            if j == 0:
+                return float(self.hours[0])
+            if passes[j - 1]:
+                continue
+            h0, h1, m0, m1 = self.hours[j - 1], self.hours[j], low[j - 1], low[j]
+            if self.old[j - 1] or h1 == h0:
+                return float(h1)
+            return float(h0 + (h1 - h0) * (old_value - m0) / (m1 - m0))
+        return None
+
+
+@dataclass(frozen=True)
+class Milestone:
+    """An option at one fraction of the gallery: when (hours; None: never), at what cost, and
+    the quality it serves then (``interpolated``: between two grid points of the curve)."""
+
+    fraction: float
+    hours: float | None
+    cost: float
+    quality: Estimate
+    nfr: float
+    interpolated: bool = False
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to upgrade (or not): its milestones, timeline and price.
+
+    ``end_hours``: when every item holds its new vector (None: never); ``prep_hours``: the psi
+    refresh before the adapted mode serves; ``devices_busy``: devices paid per hour until the
+    end (the backfill's plus a second search's)."""
+
+    model: str
+    policy: str
+    mode: str
+    kind: str
+    deployable: bool
+    milestones: tuple[Milestone, ...]
+    timeline: Timeline
+    end_hours: float | None
+    prep_hours: float
+    devices_busy: float
+    price: float
+    rate: EmbeddingRate | None
+    psi: PsiRate | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == STAY:
+            return "stay on old"
+        if self.kind == COLD:
+            return f"{self.model} / cold refresh"
+        return f"{self.model} / {self.policy} / {self.mode}"
+
+    def cost_at(self, hours: float | None) -> float:
+        """What the devices cost up to ``hours`` (capped at the end: nothing runs after it)."""
+        if hours is None or self.end_hours is None:
+            return 0.0
+        return min(hours, self.end_hours) * self.devices_busy * self.price
+
+    @property
+    def total_cost(self) -> float:
+        return self.cost_at(self.end_hours)
+
+
+def _hours_at(work: float, prep_s: float, rate: EmbeddingRate, hw: Hardware) -> float:
+    return (prep_s + rate.seconds(work * hw.items, hw.devices)) / 3600.0
+
+
+def candidate_option(
+    sim: Simulation, curve: Curve, hw: Hardware, rate: EmbeddingRate, psi: PsiRate | None
+) -> Option:
+    """A hot refresh: ``curve``'s policy and mode for model ``sim`` (psi first when adapted)."""
+    prep_s = psi.seconds(hw.items, hw.devices) if curve.mode == "adapted" else 0.0
+    points = []
+    if prep_s > 0:  # the old system serves until psi has refreshed every stored vector
+        points += [(0.0, sim.old_old, 0.0, True), (prep_s / 3600.0, sim.old_old, 0.0, True)]
+    # a mode that scores old items with the old query (naive_merge) is the old system at t = 0
+    old_at_start = mode_spec(curve.mode).old_side == "old-old"
+    first, nfr0, _ = curve.at(0.0)
+    points.append((prep_s / 3600.0, first, nfr0, old_at_start))
+    for j in range(len(curve.fractions)):
+        est = Estimate(float(curve.quality[j]), float(curve.low[j]), float(curve.high[j]))
+        old = old_at_start and curve.fractions[j] == 0
+        points.append((_hours_at(curve.work[j], prep_s, rate, hw), est, curve.nfr[j], old))
+    option = Option(
+        model=sim.model,
+        policy=curve.policy,
+        mode=curve.mode,
+        kind=CANDIDATE,
+        deployable=curve.policy not in REFERENCE_POLICIES,
+        milestones=(),
+        timeline=Timeline.of(points),
+        end_hours=_hours_at(1.0, prep_s, rate, hw),
+        prep_hours=prep_s / 3600.0,
+        devices_busy=hw.devices + hw.extra_devices(curve.mode),
+        price=hw.price,
+        rate=rate,
+        psi=psi if curve.mode == "adapted" else None,
+    )
+    milestones = []
+    for f in MILESTONES:
+        quality, nfr, interpolated = curve.at(f)
+        h = _hours_at(curve.work_at(f), prep_s, rate, hw)
+        milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr, interpolated))
+    return replace(option, milestones=tuple(milestones))
+
+
+def cold_refresh_option(sim: Simulation, hw: Hardware, rate: EmbeddingRate) -> Option:
+    """Re-embed everything while the old system serves, then switch to ``sim``'s model."""
+    end = _hours_at(1.0, 0.0, rate, hw)
+    points = [
+        (0.0, sim.old_old, 0.0, True),
+        (end, sim.old_old, 0.0, True),
+        (end, sim.new_new, sim.new_new_nfr, False),
+    ]
+    option = Option(
+        model=sim.model,
+        policy="any",
+        mode="cold",
+        kind=COLD,
+        deployable=True,
+        milestones=(),
+        timeline=Timeline.of(points),
+        end_hours=end,
+        prep_hours=0.0,
+        devices_busy=float(hw.devices),
+        price=hw.price,
+        rate=rate,
+    )
+    milestones = []
+    for f in MILESTONES:
+        h = _hours_at(f, 0.0, rate, hw)
+        done = f >= 1.0
+        quality, nfr = (sim.new_new, sim.new_new_nfr) if done else (sim.old_old, 0.0)
+        milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr))
+    return replace(option, milestones=tuple(milestones))
+
+
+def stay_on_old_option(old_old: Estimate, hw: Hardware) -> Option:
+    """Keep the old model: old-old at every hour, nothing re-embedded, nothing paid."""
+    timeline = Timeline.of([(0.0, old_old, 0.0, True)])
+    milestones = tuple(Milestone(f, None, 0.0, old_old, 0.0) for f in MILESTONES)
+    return Option(
+        model="old",
+        policy="none",
+        mode="old",
+        kind=STAY,
+        deployable=True,
+        milestones=milestones,
+        timeline=timeline,
+        end_hours=None,
+        prep_hours=0.0,
+        devices_busy=0.0,
+        price=hw.price,
+        rate=None,
+    )
+
+
+def horizon_hours(options: list[Option]) -> float:
+    """H: the end of the slowest option (0 when none ends)."""
+    ends = [o.end_hours for o in options if o.end_hours is not None]
+    return max(ends) if ends else 0.0
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)

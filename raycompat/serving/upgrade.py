@@ -1,0 +1,417 @@
+"""The backfill controller's guarded upgrade: the canary gate, rollback, finalize and the stale
+listing (docs/live-index.md, "Upgrading a live gallery safely").
+
+:class:`UpgradeCommands` is a part of :class:`raycompat.serving.backfill.BackfillController`
+(it uses the controller's lock, checkpoint ``ck``, shard handles and order):
+
+* **canary** -- registered once (:meth:`~UpgradeCommands.register_canary`, stored by
+  :class:`~raycompat.serving.canary_gate.CanaryGate`), measured by the walking thread at every
+  ``canary_every``-th position (batches stop there), through the router's search path
+  (``Router.canary_search``: the same query sides and batcher as ``POST /search``).  A point
+  whose guard trips pauses the backfill (``paused_by``, a warning in the controller's log)
+  unless ``resume`` was given ``override``;
+* **rollback** -- the ids that keep an old vector at or after a position of the order (or all)
+  are sent back to the shards in batches, latest upgraded first, each batch a logged rollback
+  record per shard (atomic per item); ``rollback.npy`` holds the list, ``ck["rollback"]`` how
+  far the shards acknowledged it, so a crash resumes it; when it ends the backfill is paused at
+  the first position rolled back;
+* **finalize** -- every shard drops its kept vectors and writes a snapshot;
+* **stale** -- the ids whose vector another model produced, paged in the backfill's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+import numpy as np
+
+from raycompat.backfill.canary import CanarySet
+from raycompat.serving.canary_gate import CanaryGate
+from raycompat.serving.durability import atomic_write
+from raycompat.serving.placement import split_by_shard
+from raycompat.storage import StorageError
+
+__all__ = ["UpgradeCommands", "rollback_plan"]
+
+logger = logging.getLogger("raycompat.serving")
+
+ROLLBACK_NAME = "rollback.npy"
+IDLE_STATES = ("idle", "paused", "done", "error")
+
+
+def rollback_plan(
+    kept: np.ndarray, order: np.ndarray | None, to: int | None
+) -> tuple[np.ndarray, int | None]:
+    """``(ids, first position)``: the ``kept`` ids (those with an old vector) to roll back,
+    latest upgraded first -- those at position ``to`` or later of ``order`` (``to=None``: every
+    kept id; ids not in the order come last) -- and the first position among them."""
+    kept = np.unique(np.asarray(kept, np.int64))
+    if order is None:
+        return kept, None
+    order = np.asarray(order, np.int64)
+    sorter = np.argsort(order, kind="stable")
+    at = np.minimum(np.searchsorted(order, kept, sorter=sorter), max(order.size - 1, 0))
+    found = (order[sorter[at]] == kept) if order.size else np.zeros(kept.size, bool)
+    pos = np.where(found, sorter[at] if order.size else 0, -1)
+    if to is not None:
+        kept, pos = kept[pos >= int(to)], pos[pos >= int(to)]
+    first = int(pos[pos >= 0].min()) if (pos >= 0).any() else None
+    return kept[np.lexsort((kept, -pos))], first
+
+
+class UpgradeCommands:
+    """The guarded-upgrade part of the backfill controller (see the module docstring)."""
+
+    def _init_upgrade(self) -> None:
+        self.gate = CanaryGate(self.cfg.state_dir, self.cfg.canary, self.cfg.mode)
+        path = os.path.join(self.dir, ROLLBACK_NAME)
+        self.rollback_order = np.load(path) if os.path.exists(path) else None
+        self._router = None
+        self._rollback_in_flight = False  # a batch sent to the shards, not acknowledged yet
+
+    # ------------------------------------------------------------------ canary
+    def register_canary(
+        self, vectors, relevant_ids=None, classes=None, old_vectors=None, groups=None
+    ) -> dict:
+        """Store a canary: ``vectors`` (new model), one of ``relevant_ids`` (item ids per
+        query) or ``classes`` (a class name per query); ``{"error", "status"}`` for bad
+        input."""
+        if self.cfg.mode == "naive_merge" and old_vectors is None:
+            return {
+                "error": "the naive_merge mode searches with the old model's embedding of each "
+                "query too: send 'old_vectors' (or images, with old_model configured)",
+                "status": 422,
+            }
+        try:
+            relevant, groups = self._canary_relevance(relevant_ids, classes)
+            canary = CanarySet(vectors, relevant, groups, old_vectors)
+        except KeyError as exc:
+            return {"error": str(exc.args[0]), "status": 404}
+        except ValueError as exc:
+            return {"error": str(exc), "status": 422}
+        with self.lock:
+            try:
+                self.gate.register(canary)
+            except StorageError as exc:
+                return {"error": f"canary not stored: {exc}", "status": 503}
+            total = int(self.ck.get("total") or self.plan.n_items)
+            return {
+                "queries": canary.n_queries,
+                "groups": int(np.unique(canary.groups).size),
+                "relevant": int(sum(r.size for r in canary.relevant)),
+                "old_vectors": canary.old_vectors is not None,
+                "every": self.gate.every(total),
+                "k": self.cfg.canary.canary_k,
+            }
+
+    def _canary_relevance(self, relevant_ids, classes) -> tuple[list, list]:
+        """``(relevant ids per query, group per query)``; KeyError naming unknown ids or
+        classes."""
+        from raycompat.serving.gallery_source import gallery_classes
+
+        src = self.gallery()
+        if classes is not None:
+            ids, names = gallery_classes(src)
+            if names is None:
+                raise ValueError("this gallery has no classes: give 'relevant_ids'")
+            relevant = [ids[names == str(c)] for c in classes]
+            missing = [str(c) for c, r in zip(classes, relevant, strict=True) if not r.size]
+            if missing:
+                raise KeyError(f"no gallery item has class {missing[0]!r}")
+            return relevant, [str(c) for c in classes]
+        known = np.sort(src.gallery_ids())
+        flat = np.unique(np.concatenate([np.asarray(r, np.int64) for r in relevant_ids]))
+        unknown = flat[~np.isin(flat, known)]
+        if unknown.size:
+            raise KeyError(f"unknown item id(s) in relevant_ids: {unknown[:10].tolist()}")
+        groups = [
+            hashlib.sha256(np.unique(np.asarray(r, np.int64)).tobytes()).hexdigest()[:12]
+            for r in relevant_ids
+        ]
+        return [np.asarray(r, np.int64) for r in relevant_ids], groups
+
+    def _canary_stop(self, pos: int, total: int) -> int:
+        return self.gate.next_stop(pos, total)
+
+    def _router_handle(self):
+        if self._router is None:
+            from ray import serve
+
+            self._router = serve.get_deployment_handle("router", app_name=self.cfg.app_name)
+        return self._router
+
+    def _search_canary(self, vectors, model: str, old_vectors=None) -> np.ndarray:
+        """Result ids of the canary's queries through the router's search path."""
+        k = self.cfg.canary.canary_k
+        call = self._router_handle().canary_search.remote(vectors, k, model, old_vectors)
+        return np.asarray(call.result(timeout_s=self.cfg.shard_timeout_s))
+
+    def _has_new_items(self) -> bool:
+        counts = [h.counts.remote().result(timeout_s=self.cfg.shard_timeout_s) for h in self.shards]
+        return any(c.get("new", 0) for c in counts)
+
+    def _canary_step(self) -> bool:
+        """Measure the canary when it is due at the current position (the walking thread)."""
+        with self.lock:
+            run, pos, total = self.ck.get("started"), int(self.ck["position"]), self.ck["total"]
+            if self.ck["state"] != "running" or not self.gate.due(run, pos, int(total)):
+                return False
+            gen, canary = self.generation, self.gate.canary
+            wants_old = self.gate.wants_old_old(False)
+        old_ids = None
+        if wants_old and not self._has_new_items():
+            old_ids = self._search_canary(canary.old_vectors, "old")
+        ids = self._search_canary(canary.vectors, "new", canary.old_vectors)
+        with self.lock:
+            if gen != self.generation or canary is not self.gate.canary:
+                return True  # restarted, or another canary: measure again
+            self.gate.last = (run, pos)
+            point = self.gate.measure(pos, ids, old_ids)
+            self._judge(point)
+        return True
+
+    def _judge(self, point: dict) -> None:
+        """(lock held) Pause on a tripped guard, unless overridden; log either way."""
+        if point["guard"] is None or not self.cfg.canary.canary_guard:
+            return
+        if self.ck.get("override"):
+            point["overridden"] = True
+            logger.warning(
+                "canary guard %s tripped at position %d, backfill continues (override): %s",
+                point["guard"],
+                point["position"],
+                point["reason"],
+            )
+            return
+        self.ck["state"] = "paused"
+        self.ck["paused_by"] = {
+            "guard": point["guard"],
+            "position": point["position"],
+            "reason": point["reason"],
+        }
+        logger.warning(
+            "backfill paused by the canary guard %s at position %d: %s",
+            point["guard"],
+            point["position"],
+            point["reason"],
+        )
+        self._try_save("paused by the canary")
+
+    def _resume_checks(self, override: bool) -> dict | None:
+        """(lock held) A resume: 409 for a backfill the canary paused unless ``override``;
+        with it, the override is recorded and logged. A paused rollback resumes."""
+        paused_by = self.ck.get("paused_by")
+        if paused_by and not override:
+            return {
+                "error": f"the backfill was paused by the canary guard {paused_by['guard']} at "
+                f"position {paused_by['position']} ({paused_by['reason']}): resume with "
+                "'override': true to continue past it, or roll it back",
+                "status": 409,
+            }
+        if override:
+            self.ck["override"] = True
+            logger.warning(
+                "backfill resumed at position %d with override: canary guards no longer pause it%s",
+                int(self.ck["position"]),
+                f" (it was paused by {paused_by['guard']})" if paused_by else "",
+            )
+        self.ck["paused_by"] = None
+        rb = self.ck.get("rollback")
+        if rb and rb["state"] == "paused" and self.ck["state"] == "paused":
+            rb["state"] = "running"
+            self.ck["state"] = "rolling_back"
+        return None
+
+    # ------------------------------------------------------------------ rollback
+    def rollback(self, to: int | None = None, batch_size: int = 256, rate=None) -> dict:
+        """Start returning the upgraded items at or after position ``to`` of the order (all:
+        ``None``) to their old vectors (see the module docstring)."""
+        with self.lock:
+            refused = self._idle_or_409("roll back")
+            if refused:
+                return refused
+            if to is not None and self.order is None:
+                return {"error": "no backfill order: roll back without 'to'", "status": 409}
+        try:
+            kept = np.concatenate(
+                [np.asarray(h.kept_ids.remote().result(timeout_s=60)) for h in self.shards]
+            )
+        except Exception as exc:
+            return {"error": f"shards unavailable: {type(exc).__name__}", "status": 503}
+        with self.lock:
+            refused = self._idle_or_409("roll back")
+            if refused:
+                return refused
+            ids, first = rollback_plan(kept, self.order, to)
+            self.rollback_order = ids
+            rb = {"state": "running", "to": to, "done": 0, "total": int(ids.size), "first": first}
+            rb.update(rolled_back=0, batch_size=int(batch_size), rate=rate, started=time.time())
+            try:
+                atomic_write(
+                    os.path.join(self.dir, ROLLBACK_NAME),
+                    lambda fh: np.save(fh, ids, allow_pickle=False),
+                )
+                self.ck.update(state="rolling_back", rollback=rb, paused_by=None)
+                self._save_checkpoint()
+            except StorageError as exc:
+                return {"error": f"rollback not started: {exc}", "status": 503}
+            logger.warning("rollback of %d item(s) started (to position %s)", ids.size, to)
+            self.wake.notify_all()
+            return self.status()
+
+    def _idle_or_409(self, what: str) -> dict | None:
+        state = self.ck["state"]
+        if state in IDLE_STATES:
+            return None
+        return {
+            "error": f"cannot {what} while the backfill is {state}: pause it first"
+            + (" (a rollback is in progress)" if self.ck.get("rollback") else ""),
+            "status": 409,
+        }
+
+    def _rollback_step(self) -> bool:
+        """One batch of a running rollback (the walking thread); ``False``: none runs."""
+        with self.lock:
+            rb = self.ck.get("rollback")
+            if self.ck["state"] != "rolling_back" or not rb:
+                return False
+            done, gen = int(rb["done"]), self.generation
+            if done >= rb["total"]:
+                self._end_rollback(rb)
+                return True
+            batch = self.rollback_order[done : done + int(rb["batch_size"])]
+            self._rollback_in_flight = True
+        try:
+            moved = self._rollback_on_shards(batch)
+        except Exception:
+            self._rollback_in_flight = False
+            raise
+        with self.lock:
+            self._rollback_in_flight = False
+            if gen == self.generation and self.ck.get("rollback") is rb and rb["done"] == done:
+                rb["done"] = done + int(batch.size)
+                rb["rolled_back"] += moved
+                self._save_checkpoint()
+        if rb.get("rate"):
+            time.sleep(batch.size / float(rb["rate"]))
+        return True
+
+    def _end_rollback(self, rb: dict) -> None:
+        """(lock held) The rollback is acknowledged: pause the backfill at the first position
+        rolled back."""
+        pos = int(self.ck.get("position") or 0)
+        if rb.get("first") is not None:
+            self.ck["position"] = min(pos, int(rb["first"]))
+        rb["state"] = "done"
+        self.ck["state"] = "paused" if self.order is not None else "idle"
+        self._save_checkpoint()
+        logger.warning(
+            "rollback done: %d item(s) back to their old vectors; the backfill is paused at %d",
+            rb["rolled_back"],
+            self.ck["position"],
+        )
+
+    def _rollback_on_shards(self, ids: np.ndarray) -> int:
+        """Roll ``ids`` back on their shards, retrying a shard that is down (as a backfill
+        batch); returns the items the shards moved back."""
+        parts = split_by_shard(ids, len(self.shards))
+        pending = [s for s, p in enumerate(parts) if p.size]
+        deadline, moved = time.time() + self.cfg.upsert_retry_s, 0
+        while pending:
+            calls = {s: self.shards[s].rollback.remote(ids[parts[s]]) for s in pending}
+            failed = []
+            for s, call in calls.items():
+                try:
+                    res = call.result()
+                except Exception:  # replica down or restarting: retry that shard's part
+                    failed.append(s)
+                    continue
+                if res.get("storage"):
+                    raise StorageError(res["error"])
+                if "error" in res:
+                    raise RuntimeError(f"shard {s} refused a rollback: {res['error']}")
+                moved += len(res["rolled_back"])
+            pending = failed
+            if pending:
+                self.upsert_retries += 1
+                if time.time() > deadline:
+                    raise RuntimeError(f"shard(s) {pending} unavailable during the rollback")
+                time.sleep(0.5)
+        return moved
+
+    # ------------------------------------------------------------------ finalize, stale
+    def finalize(self) -> dict:
+        """Every shard drops its kept old vectors (memory, then disk through a snapshot)."""
+        with self.lock:
+            refused = self._idle_or_409("finalize")
+            if refused:
+                return refused
+        results = []
+        for s, h in enumerate(self.shards):
+            try:
+                res = h.finalize.remote().result(timeout_s=self.cfg.shard_timeout_s * 4)
+            except Exception as exc:
+                return {"error": f"shard {s} unavailable: {type(exc).__name__}", "status": 503}
+            if "error" in res:
+                return {"error": res["error"], "status": 503}
+            results.append(res)
+        with self.lock:
+            pos = int(self.ck.get("position") or 0)
+            dropped = [int(r["dropped"]) for r in results]
+            self.ck["finalized"] = {"position": pos, "dropped": sum(dropped), "at": time.time()}
+            if (self.ck.get("rollback") or {}).get("state") != "running":
+                self.ck["rollback"] = None
+            self._try_save("finalized")
+            logger.warning("finalized at position %d: %d old vector(s) dropped", pos, sum(dropped))
+            return {"dropped": sum(dropped), "per_shard": dropped, "position": pos}
+
+    def stale(self, model: str, cursor: int = 0, limit: int = 1000) -> dict:
+        """A page of the ids whose vector ``model`` did not produce, in the backfill's order
+        (the gallery's before any backfill), from position ``cursor`` of that order."""
+        with self.lock:
+            order = self.order
+            kind = "backfill" if order is not None else "gallery"
+        if order is None:
+            order = self.gallery().gallery_ids()
+        out: list[int] = []
+        pos = int(cursor)
+        while pos < order.size and len(out) < limit:
+            chunk = order[pos : pos + max(4 * limit, 1024)]
+            stale = np.flatnonzero(self._models_of(chunk) != model)
+            need = limit - len(out)
+            if stale.size >= need:
+                out += chunk[stale[:need]].tolist()
+                pos += int(stale[need - 1]) + 1
+                break
+            out += chunk[stale].tolist()
+            pos += int(chunk.size)
+        return {
+            "model": model,
+            "ids": out,
+            "next_cursor": pos if pos < order.size else None,
+            "order": kind,
+        }
+
+    def _models_of(self, ids: np.ndarray) -> np.ndarray:
+        """The model fingerprint of every id (``""`` where no shard holds it)."""
+        out = np.full(ids.size, "", dtype=object)
+        for s, p in enumerate(split_by_shard(ids, len(self.shards))):
+            if p.size:
+                res = self.shards[s].models_of.remote(ids[p]).result(timeout_s=60)
+                out[p] = [m or "" for m in res]
+        return out
+
+    def upgrade_status(self) -> dict:
+        """(lock held) What ``/status`` shows of the guarded upgrade."""
+        total = int(self.ck.get("total") or self.plan.n_items)
+        return {
+            "paused_by": self.ck.get("paused_by"),
+            "override": bool(self.ck.get("override")),
+            "canary": self.gate.status(total),
+            "rollback": self.ck.get("rollback"),
+            "rollback_in_flight": self._rollback_in_flight,
+            "finalized": self.ck.get("finalized"),
+        }

@@ -1,0 +1,288 @@
+"""raycompat plan-upgrade: the arithmetic by hand on tiny curves, the binding constraint when
+nothing meets the constraints, each bad input as one ``error:`` line, the rate read from a real
+embed-gallery run, and one end-to-end run on a real simulate-backfill output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_backfill_job import make_bundle, run_job, write_parquet
+
+from raycompat.planning.job import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD_OLD = 0.32
+#: the hand-made curves: (policy, mode) -> mAP@10 and NFR@1 at t = 0, 0.5, 1 (bands +-0.05)
+CURVES = {
+    ("random", "compatible"): ([0.30, 0.40, 0.50], [0.0, 0.1, 0.2]),
+    ("random", "adapted"): ([0.34, 0.42, 0.50], [0.0, 0.1, 0.2]),
+    ("random", "naive_merge"): ([0.32, 0.36, 0.50], [0.0, 0.05, 0.2]),
+}
+#: 7,200 items at 1 item/s per device on 2 devices: the whole gallery in 1 h; psi at 2 vectors/s
+#: per device: 0.5 h; price 5 per device-hour: 10 per hour
+HARDWARE = [
+    "--items", "7200", "--devices", "2", "--device-kind", "cpu", "--items-per-s", "1",
+    "--price-per-device-hour", "5", "--no-plots",
+]  # fmt: skip
+PSI = ["--psi-per-s", "2"]
+
+
+def curve_entry(policy, mode, quality, nfr, n_items=8):
+    fractions = [0.0, 0.5, 1.0]
+    return {
+        "policy": policy,
+        "mode": mode,
+        "fractions": fractions,
+        "items_backfilled": [round(f * n_items) for f in fractions],
+        "seconds": None,
+        "metrics": {"mAP@10": quality, "NFR@1": nfr},
+        "bands": {
+            "mAP@10": {"low": [q - 0.05 for q in quality], "high": [q + 0.05 for q in quality]}
+        },
+    }
+
+
+def write_curves(folder, curves=CURVES, *, old_old=OLD_OLD, n_items=8, policy=None, mode=None):
+    """A curves.json as simulate-backfill writes it (the fields the planner reads)."""
+    os.makedirs(folder, exist_ok=True)
+    entries = [curve_entry(p, m, q, n, n_items) for (p, m), (q, n) in curves.items()]
+    if policy or mode:
+        entries[0].update(policy=policy or entries[0]["policy"], mode=mode or entries[0]["mode"])
+    entries.append(curve_entry("any", "cold", [old_old, old_old, 0.5], [0.0, 0.0, 0.2], n_items))
+    payload = {
+        "k": 10,
+        "fractions": [0.0, 0.5, 1.0],
+        "n_items": n_items,
+        "n_queries": 4,
+        "metrics": ["mAP@10", "mAP", "top1", "NFR@1"],
+        "references": {
+            "old-old": {"mAP@10": old_old, "NFR@1": 0.0},
+            "new-new": {"mAP@10": 0.5, "NFR@1": 0.2},
+        },
+        "reference_intervals": {
+            "old-old": {"mAP@10": {"low": old_old - 0.04, "high": old_old + 0.04}},
+            "new-new": {"mAP@10": {"low": 0.45, "high": 0.55}},
+        },
+        "cost_model": None,
+        "curves": entries,
+    }
+    with open(os.path.join(folder, "curves.json"), "w") as f:
+        json.dump(payload, f)
+    return str(folder)
+
+
+def main_job_folder(root):
+    """A main job's report folder: report.json and backfill/<model>/curves.json."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "report.json"), "w") as f:
+        json.dump({"job": "quickstart"}, f)
+    write_curves(os.path.join(root, "backfill", "bct"))
+    compatible = {("random", "compatible"): CURVES[("random", "compatible")]}
+    write_curves(os.path.join(root, "backfill", "independent"), compatible)
+    return str(root)
+
+
+def plan(tmp_path, *args, out="plan"):
+    out = tmp_path / out
+    rc = main(["--out", str(out), *HARDWARE, *PSI, *map(str, args)])
+    assert rc == 0
+    return json.loads((out / "plan.json").read_text()), out
+
+
+def option(payload, model, mode, policy="random"):
+    return next(
+        o
+        for o in payload["options"]
+        if (o["model"], o["policy"], o["mode"]) == (model, policy, mode)
+    )
+
+
+def test_hand_arithmetic_on_a_main_job_folder(tmp_path):
+    payload, out = plan(tmp_path, "--results", main_job_folder(tmp_path / "qs"))
+    a = pytest.approx
+    compatible = option(payload, "bct", "compatible")
+    # hours = w(f) * N / (rate * devices) = f * 1 h; cost = hours * 2 devices * 5
+    ms = {m["fraction"]: m for m in compatible["milestones"]}
+    assert [ms[f]["hours"] for f in (0.25, 0.5, 0.9, 1.0)] == a([0.25, 0.5, 0.9, 1.0])
+    assert [ms[f]["cost"] for f in (0.25, 0.5, 0.9, 1.0)] == a([2.5, 5.0, 9.0, 10.0])
+    # milestones between grid points are linear: 25 % between 0.30 and 0.40, 90 % past 0.40
+    assert (ms[0.25]["map"], ms[0.25]["map_low"], ms[0.25]["nfr"]) == a((0.35, 0.30, 0.05))
+    assert (ms[0.9]["map"], ms[0.9]["map_high"], ms[0.25]["interpolated"]) == (
+        a(0.48),
+        a(0.53),
+        True,
+    )
+    adapted = option(payload, "bct", "adapted")  # psi first: 7200 / (2 * 2) s = 0.5 h
+    assert [m["hours"] for m in adapted["milestones"]] == a([0.75, 1.0, 1.4, 1.5])
+    assert adapted["total_cost"] == a(15.0) and adapted["prep_hours"] == a(0.5)
+    assert payload["horizon_hours"] == a(1.5)
+    # quality-hours by the trapezoid rule up to H = 1.5 h, old-old before anything new
+    assert compatible["quality_hours"] == a(0.5 * 0.35 + 0.5 * 0.45 + 0.5 * 0.5)
+    assert adapted["quality_hours"] == a(0.5 * OLD_OLD + 0.5 * 0.38 + 0.5 * 0.46)
+    cold = option(payload, "bct", "cold", policy="any")
+    stay = next(o for o in payload["options"] if o["kind"] == "stay on old")
+    assert cold["quality_hours"] == a(1.0 * OLD_OLD + 0.5 * 0.5)
+    assert stay["quality_hours"] == a(1.5 * OLD_OLD) and stay["total_cost"] == 0
+    assert [m["hours"] for m in stay["milestones"]] == [None] * 4
+    assert [m["map"] for m in cold["milestones"]] == a([OLD_OLD, OLD_OLD, OLD_OLD, 0.5])
+    # first hour the lower bound passes old-old: 0.25 + 0.2 h = 0.32 at 0.35 h; cold at 1 h
+    assert compatible["passes_old_at_hours"] == a(0.35)
+    assert adapted["passes_old_at_hours"] == a(0.5 + 0.5 * 0.03 / 0.08)
+    assert cold["passes_old_at_hours"] == a(1.0) and stay["passes_old_at_hours"] is None
+    # both models of the main job, both cold refreshes, one stay-on-old
+    assert len(payload["options"]) == 3 + 1 + 2 + 1
+    assert payload["recommended"]["mode"] == "compatible"
+    assert "Recommended: bct / random / compatible" in (out / "plan.md").read_text()
+
+
+def test_second_searches_are_priced(tmp_path):
+    results = write_curves(tmp_path / "sim")
+    payload, _ = plan(
+        tmp_path, "--results", results, "--queries-per-s", 100, "--searches-per-s", 50
+    )
+    # naive_merge searches twice: 100 * 1 / 50 = 2 extra devices for the hour it runs
+    assert option(payload, "sim", "naive_merge")["total_cost"] == pytest.approx(20.0)
+    assert option(payload, "sim", "compatible")["total_cost"] == pytest.approx(10.0)
+
+
+def test_a_deadline_nothing_meets_gives_the_binding_constraint(tmp_path):
+    results = write_curves(tmp_path / "sim")
+    payload, out = plan(tmp_path, "--results", results, "--deadline-hours", "0.5")
+    assert payload["recommended"] is None
+    assert not any(o["meets_constraints"] for o in payload["options"])
+    (binding,) = payload["binding"]
+    assert binding["constraint"] == "deadline_hours"
+    # 2 device-hours of work in 0.5 h: 4 devices; the fastest options end at 1 h
+    assert "sim / random / compatible would meet it on 4 devices" in binding["advice"]
+    assert "a deadline of 1 h would admit" in binding["advice"]
+    assert "--deadline-hours binds" in (out / "plan.md").read_text()
+
+
+def test_two_constraints_bind_each_with_its_advice(tmp_path):
+    results = write_curves(tmp_path / "sim")
+    payload, _ = plan(tmp_path, "--results", results, "--deadline-hours", 1.2, "--max-nfr", 0.1)
+    binding = {b["constraint"]: b["advice"] for b in payload["binding"]}
+    assert payload["recommended"] is None and set(binding) == {"max_nfr", "deadline_hours"}
+    assert binding["max_nfr"] == "--max-nfr 0.2 would admit sim / random / compatible"
+    assert "only staying on the old model" in binding["deadline_hours"]
+
+
+def test_never_below_old_uses_the_lower_bound(tmp_path):
+    results = write_curves(tmp_path / "sim")
+    payload, _ = plan(tmp_path, "--results", results, "--never-below-old")
+    # compatible's lower bound 0.25 < 0.32 at 0 h, adapted's 0.29 at 0.5 h, naive_merge's 0.31
+    # at 0.5 h (at 0 h naive_merge serves the old system itself: old query, old gallery)
+    met = {(o["model"], o["mode"]) for o in payload["options"] if o["meets_constraints"]}
+    assert met == {("sim", "cold"), ("old", "old")}
+    assert payload["recommended"]["mode"] == "cold"
+    # compatible alone ends with the cold refresh: H = 1 h, where cold and staying on the old
+    # model have the same quality-hours; the tie goes to what serves better after H
+    payload, _ = plan(
+        tmp_path, "--results", results, "--never-below-old", "--modes", "compatible", out="p2"
+    )
+    cold, stay = (o for o in payload["options"] if o["kind"] != "candidate")
+    assert cold["quality_hours"] == stay["quality_hours"] == pytest.approx(OLD_OLD)
+    assert payload["recommended"]["kind"] == "cold refresh"
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("other_old", "curves of different old models"),
+        ("other_gallery", "curves of different galleries"),
+        ("unknown_policy", "unknown policy 'psychic'"),
+        ("unknown_mode", "unknown mode 'warm'"),
+        ("policies_flag", "--policies: unknown policy 'psychic'"),
+        ("negative_price", "option 'price_per_device_hour' = -1.0 must be >= 0"),
+        ("no_simulation", "holds no simulation"),
+        ("no_psi", "the adapted mode needs the psi refresh rate"),
+    ],
+)
+def test_bad_input_is_one_error_line(tmp_path, capsys, case, named):
+    good = write_curves(tmp_path / "a")
+    args = ["--results", good, *HARDWARE, *PSI]
+    if case == "other_old":
+        args[1] += "," + write_curves(tmp_path / "b", old_old=0.33)
+    elif case == "other_gallery":
+        args[1] += "," + write_curves(tmp_path / "b", n_items=9)
+    elif case in ("unknown_policy", "unknown_mode"):
+        bad = {"policy": "psychic"} if case == "unknown_policy" else {"mode": "warm"}
+        args[1] = write_curves(tmp_path / "b", **bad)
+    elif case == "policies_flag":
+        args += ["--policies", "psychic"]
+    elif case == "negative_price":
+        args += ["--price-per-device-hour", "-1"]
+    elif case == "no_simulation":
+        (tmp_path / "empty").mkdir()
+        args[1] = str(tmp_path / "empty")
+    else:
+        args = ["--results", good, *HARDWARE]
+    assert main(["--out", str(tmp_path / "out"), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0]
+    if case in ("other_old", "other_gallery", "unknown_policy", "unknown_mode"):
+        assert str(tmp_path / "b") in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_rate_from_a_real_embed_gallery_run(ray_cluster, tmp_path):
+    """The rate measured on the spot is read from the run's own _summary.json: its steady rate,
+    and a start-up that makes the prediction for the run's own item count its wall time."""
+    from raycompat.planning.rates import measure_embedding_rate
+
+    new = str(make_bundle(tmp_path / "new"))
+    rate = measure_embedding_rate(new, 64, str(tmp_path / "probe"), "cpu", log=lambda m: None)
+    summary = json.loads((tmp_path / "probe" / "_summary.json").read_text())
+    assert summary["items_written"] == 64 and summary["columns"] == ["new"]
+    steady, seconds = summary["steady_items_per_s"], summary["seconds"]
+    if steady:  # more than one output: the rate after the first, the rest is start-up
+        assert rate.items_per_s == steady
+        assert rate.startup_s == max(0.0, seconds - 64 / steady)
+    else:  # everything arrived at once: items over wall time
+        assert (rate.items_per_s, rate.startup_s) == (64 / seconds, 0.0)
+    assert rate.seconds(20_000, 1) == rate.startup_s + 20_000 / rate.items_per_s
+    if rate.startup_s > 0 or not steady:
+        assert rate.seconds(64, 1) == pytest.approx(seconds, rel=1e-12)
+    assert "measured on the spot by embed-gallery" in rate.source
+
+
+def test_psi_rate_measured_on_the_spot(tmp_path):
+    from raycompat.planning.rates import measure_psi_rate
+
+    psi = measure_psi_rate(str(make_bundle(tmp_path / "new")), "cpu", seconds=0.05)
+    assert psi.vectors_per_s > 0 and "psi of" in psi.source and "on cpu" in psi.source
+
+
+def test_end_to_end_on_a_real_simulation(tmp_path):
+    """simulate-backfill on a tiny parquet gallery, then plan-upgrade as a script: plan.md,
+    plan.json and the PNGs; the same folder with other options is refused."""
+    emb = write_parquet(tmp_path / "emb.parquet", adapted=False)
+    sim = tmp_path / "bct"
+    r = run_job(
+        emb, "--modes", "compatible,naive_merge,cold", "--policies", "random,sequential",
+        "--items-per-s-per-gpu", "100", "--grid-step", "25", "--k", "10", "--resamples", "50",
+        "--out", sim, "--no-plots",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "plan"
+    command = [sys.executable, os.path.join(ROOT, "jobs", "plan_upgrade.py"), "--results"]
+    common = [str(sim), "--devices", "4", "--price-per-device-hour", "2.5", "--out", str(out)]
+    done = subprocess.run(command + common, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    payload = json.loads((out / "plan.json").read_text())
+    modes = sorted({(o["policy"], o["mode"]) for o in payload["options"]})
+    assert len(modes) == 4 + 1 + 1 and payload["items"] == 60
+    rate = payload["rates"]["embedding"]["bct"]
+    assert rate["items_per_s_per_device"] == 100 and "read from" in rate["source"]
+    assert payload["recommended"] is not None and "recommendation: " in done.stdout
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["cost_vs_quality.png", "quality_bands.png", "quality_over_hours.png"]
+    assert all((out / p).stat().st_size > 5000 for p in pngs)
+    md = (out / "plan.md").read_text()
+    assert md.startswith("# Upgrade plan") and "### bct / sequential / naive_merge" in md
+    again = subprocess.run(command + common + ["--devices", "8"], capture_output=True, text=True)
+    assert again.returncode == 2 and "--overwrite" in again.stderr

@@ -1,0 +1,204 @@
+"""A shard's guarded-upgrade state without Ray: old vectors kept until finalize, per-item
+rollback records, the model fingerprint of every vector, and state directories of the first
+format."""
+
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from raycompat.index.search import l2_normalize
+from raycompat.serving.durability import LOG_NAME, SNAPSHOT_NAME, write_snapshot
+from raycompat.serving.state import ShardState
+
+DIMS = {"old": 8, "adapted": 12, "new": 12}
+MODELS = {"old": "0ld0ld0ld0ld0ld0", "adapted": "adadadadadadadad", "new": "5e5e5e5e5e5e5e5e"}
+
+
+def _state(path, n=200, fsync=False, **kw):
+    rng = np.random.default_rng(0)
+    st = ShardState(str(path), DIMS, fsync=fsync, default_models=MODELS, **kw)
+    ids = np.arange(n, dtype=np.int64) * 3 + 1
+    old = l2_normalize(rng.standard_normal((n, 8)))
+    st.load_initial("old", ids, old)
+    st.snapshot()
+    return st, ids, old, l2_normalize(rng.standard_normal((n, 12)))
+
+
+def _reps(st, ids):
+    return st.representation_of(ids)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_an_upgraded_item_keeps_its_old_vector_until_finalize(tmp_path, on_disk):
+    st, ids, old, new = _state(tmp_path / "s", kept_on_disk=on_disk)
+    st.upsert(ids[:60], "new", new[:60], model=MODELS["new"])
+    assert st.kept_ids().tolist() == ids[:60].tolist()
+    usage = st.kept_usage()
+    assert usage["items"] == 60 and usage["on_disk"] is on_disk
+    assert (usage["disk_bytes"] if on_disk else usage["memory_bytes"]) >= 60 * 8 * 4
+    assert (usage["memory_bytes"] if on_disk else usage["disk_bytes"]) == 0
+    st.upsert(ids[:10], "new", new[100:110])  # again: the first old vector stays kept
+    st.upsert(ids[20:21], "old", old[199:200])  # back to old by hand: nothing kept for it
+    assert 20 * 3 + 1 not in st.kept_ids().tolist() and len(st.kept_ids()) == 59
+    res = st.rollback(ids[:80])
+    assert sorted(res["rolled_back"]) == sorted(set(ids[:60].tolist()) - {ids[20]})
+    assert _reps(st, ids[:80]) == ["old"] * 80
+    reps, vecs = st.lookup(ids[:60])
+    expected = [old[199] if i == 20 else old[i] for i in range(60)]
+    assert np.array_equal(np.stack(vecs), np.stack(expected))
+    assert st.model_counts() == {MODELS["old"]: 200}
+    assert st.rollback(ids[:80])["rolled_back"] == []  # idempotent
+    st.upsert(ids[:50], "new", new[:50], model=MODELS["new"])
+    st.rollback(ids[40:45])
+    before = (st.items(), st.model_counts(), st.kept_ids().tolist())
+    st.close()
+    if on_disk:  # the memory-mapped file is unlinked: nothing is left behind
+        assert sorted(os.listdir(st.directory)) == sorted(
+            ["LOCK", "WRITE.lock", "SNAPSHOT.lock", LOG_NAME, SNAPSHOT_NAME]
+        )
+    again = ShardState(st.directory, DIMS, fsync=False, kept_on_disk=on_disk)  # log replay
+    assert again.model_counts() == {MODELS["old"]: 155, MODELS["new"]: 45} == before[1]
+    assert again.kept_ids().tolist() == before[2] and np.array_equal(again.items()[1], before[0][1])
+    again.snapshot()
+    again.close()
+    third = ShardState(st.directory, DIMS, fsync=False)  # from the snapshot's arrays
+    assert third.recovery["replayed_records"] == 0 and third.kept_ids().tolist() == before[2]
+    res = third.finalize()
+    assert res["dropped"] == 45 and third.kept_usage()["items"] == 0
+    with np.load(os.path.join(st.directory, SNAPSHOT_NAME)) as z:
+        assert not [k for k in z.files if k.startswith("kept_")]
+        names = json.loads(bytes(z["meta"]).decode())["models"]
+        assert [names[c] for c in z["model_new"]] == [MODELS["new"]] * 45
+    assert third.rollback(ids)["rolled_back"] == []
+    third.close()
+    assert ShardState(st.directory, DIMS, fsync=False).model_counts()[MODELS["new"]] == 45
+
+
+def test_a_state_directory_of_the_first_format_loads_with_default_models(tmp_path):
+    """A snapshot without model arrays and log records of the first format (written before
+    model identity) load; their vectors get the representation's default model."""
+    d = str(tmp_path / "s")
+    rng = np.random.default_rng(1)
+    ids = np.arange(40, dtype=np.int64)
+    parts = {r: (np.zeros(0, np.int64), np.zeros((0, n), np.float32)) for r, n in DIMS.items()}
+    parts["old"] = (ids, l2_normalize(rng.standard_normal((40, 8))))
+    write_snapshot(d, 0, parts, DIMS)
+    new = l2_normalize(rng.standard_normal((5, 12)))
+    payload = ids[:5].astype("<i8").tobytes() + new.astype("<f4").tobytes()
+    head = struct.pack("<4sQIIBI", b"RCUL", 1, 5, 12, 2, zlib.crc32(payload))
+    with open(os.path.join(d, LOG_NAME), "wb") as fh:
+        fh.write(head + payload)
+    st = ShardState(d, DIMS, fsync=False, default_models=MODELS)
+    assert st.recovery["replayed_records"] == 1
+    assert st.model_counts() == {MODELS["old"]: 35, MODELS["new"]: 5}
+    assert st.kept_ids().tolist() == [0, 1, 2, 3, 4]  # upgraded by a first-format record
+    st.upsert(ids[5:7], "new", new[:2], model="f00df00df00df00d")
+    st.close()
+    st = ShardState(d, DIMS, fsync=False, default_models=MODELS)
+    assert st.models_of([0, 5, 7]) == [MODELS["new"], "f00df00df00df00d", MODELS["old"]]
+
+
+def test_failed_rollback_records_leave_exactly_the_acknowledged_rollbacks(tiny_fs):
+    """On a full disk, upserts and rollbacks fail part-way through their record; after a
+    restart every item is in exactly one representation and the rolled-back set is the
+    acknowledged one."""
+    from raycompat.serving.durability import StorageError
+
+    fs = tiny_fs(256 << 10)
+    st, ids, old, new = _state(os.path.join(fs, "s"), n=300, snapshot_every=10**9, fsync=True)
+    rng = np.random.default_rng(2)
+    rep = dict.fromkeys(ids.tolist(), "old")
+    outcomes = {"acked": 0, "failed": 0}
+    tiny_fs.fill(fs, leave=24 << 10, spare=32 << 10)
+    for step in range(120):
+        if step == 70:
+            os.unlink(os.path.join(fs, "spare"))
+        batch = rng.choice(ids, int(rng.integers(1, 40)), replace=False)
+        try:
+            if step % 3:
+                st.upsert(batch, "new", new[(batch - 1) // 3], model=MODELS["new"])
+                rep.update(dict.fromkeys(batch.tolist(), "new"))
+            else:
+                back = st.rollback(batch)["rolled_back"]
+                assert set(back) == {i for i in batch.tolist() if rep[i] == "new"}
+                rep.update(dict.fromkeys(back, "old"))
+        except StorageError as exc:
+            assert "no space left on device at" in str(exc)
+            outcomes["failed"] += 1
+            continue
+        outcomes["acked"] += 1
+    assert outcomes["acked"] > 5 and outcomes["failed"] > 5, outcomes
+    st.close()
+    again = ShardState(st.directory, DIMS, default_models=MODELS)
+    got = dict(zip(ids.tolist(), again.representation_of(ids), strict=True))
+    assert got == rep and sum(again.counts().values()) == ids.size
+    back_to_old = [i for i in ids.tolist() if rep[i] == "old"]
+    _, vecs = again.lookup(back_to_old)
+    assert np.array_equal(np.stack(vecs), old[(np.asarray(back_to_old) - 1) // 3])
+
+
+def test_reshard_moves_models_and_kept_vectors(tmp_path):
+    from raycompat.serving.layout import read_layout
+    from raycompat.serving.placement import split_by_shard
+    from raycompat.serving.reshard import reshard
+
+    root = tmp_path / "state"
+    rng = np.random.default_rng(3)
+    ids = np.arange(90, dtype=np.int64)
+    old = l2_normalize(rng.standard_normal((90, 8)))
+    new = l2_normalize(rng.standard_normal((90, 12)))
+    for s, p in enumerate(split_by_shard(ids, 2)):
+        st = ShardState(str(root / f"shard-{s}"), DIMS, fsync=False, default_models=MODELS)
+        st.load_initial("old", ids[p], old[p])
+        st.snapshot()
+        up = p[p < 60]
+        st.upsert(ids[up], "new", new[up], model=MODELS["new"])
+        st.rollback(ids[up[ids[up] >= 50]])
+        st.close()
+    reshard(str(root), 3, fsync=False)
+    layout = read_layout(str(root))
+    counts, kept = {}, []
+    for s in range(3):
+        st = ShardState(layout.shard_dir(str(root), s), DIMS, fsync=False)
+        for fp, n in st.model_counts().items():
+            counts[fp] = counts.get(fp, 0) + n
+        kept += st.kept_ids().tolist()
+        back = st.rollback(st.kept_ids())["rolled_back"]
+        _, vecs = st.lookup(back)
+        assert np.array_equal(np.stack(vecs).reshape(-1, 8), old[back])
+    assert counts == {MODELS["old"]: 40, MODELS["new"]: 50} and sorted(kept) == list(range(50))
+
+
+def test_rollback_plan_takes_the_kept_ids_from_a_position_latest_first():
+    from raycompat.serving.upgrade import rollback_plan
+
+    order = np.array([50, 10, 40, 20, 30, 60])
+    kept = np.array([10, 20, 30, 40, 50, 99])  # 99: upgraded by hand, not in the order
+    ids, first = rollback_plan(kept, order, to=2)
+    assert ids.tolist() == [30, 20, 40] and first == 2
+    ids, first = rollback_plan(kept, order, to=None)
+    assert ids.tolist() == [30, 20, 40, 10, 50, 99] and first == 0
+    assert rollback_plan(kept, None, None)[0].tolist() == sorted(kept.tolist())
+    assert rollback_plan(np.zeros(0, np.int64), order, 0)[0].size == 0
+
+
+def test_model_identities_and_the_default_router_replicas(tmp_path):
+    from raycompat.serving.app import router_replicas
+    from raycompat.serving.config import serving_config
+    from raycompat.serving.identity import derived_fingerprint
+    from raycompat.serving.plan import build_plan
+
+    cfg = serving_config(gallery="synthetic:50:8:12:0", state_dir=str(tmp_path / "s"))
+    ids = build_plan(cfg).identities
+    old = derived_fingerprint("gallery", "synthetic:50:8:12:0", "old")
+    assert ids.default("old") == old and len(ids.defaults()) == 3
+    assert ids.refusal(old, "old", 8) is None
+    assert "unknown model fingerprint 'x'" in ids.refusal("x", "old", 8)
+    assert "embeds to 8 dims, the vector has 12" in ids.refusal(old, "old", 12)
+    assert "produces 'old' vectors" in ids.refusal(old, "new", 8)
+    assert [router_replicas(cfg, cpus) for cpus in (1, 2, 16)] == [1, 2, 2]
+    assert router_replicas(serving_config(gallery="synthetic:5", router_replicas=3), 1) == 3
