@@ -9,7 +9,13 @@ Three tables:
    is the baseline.
 2. **HTTP, exact index** (``--index flat``): QPS and p50 / p99 latency per concurrency level,
    idle and during a live backfill, and the ratio of HTTP QPS to the baseline at the same
-   batch size.  One query per request; the router and the shards batch concurrent requests.
+   batch size.  A level ``C`` is C concurrent requests of one query each, ``CxQ`` C concurrent
+   requests of Q queries each (batch size C * Q); the router and the shards batch concurrent
+   requests.  Beside it, **what a query costs**: the CPU time per answered query of every
+   process on the HTTP path (client, Serve's proxy, the router replicas, the shard replicas),
+   read from ``/proc/<pid>/stat`` over the level (the replicas' pids from Ray's state API),
+   against the in-process search's CPU time per query at the same batch size, so that the
+   ratio means the same on 2 cores and on 64.
 3. **Approximate indexes** (``--indexes``): per index kind, the time from deploy to ready
    (loading, training), the index memory of all shards, QPS and p99 at ``--approx-concurrency``
    and recall@k of the served results against exact search of the same live gallery
@@ -30,6 +36,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,7 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clusters", type=int, default=2000, help="synthetic gallery clusters")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--k", type=int, default=10)
-    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument(
+        "--concurrency",
+        default="1,4,16,1x16",
+        help="levels: C (C concurrent one-query requests) or CxQ (Q queries per request)",
+    )
+    p.add_argument("--phases", default="idle,backfill", help="idle and/or backfill")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--backfill-rate", type=float, default=2000.0, help="items/s while loaded")
     p.add_argument(
@@ -61,7 +73,143 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=0.0, help="search_batch_wait_ms")
     p.add_argument("--out", default="bench_out/serve_load")
     p.add_argument("--address", default=None)
+    p.add_argument(
+        "--serve-env",
+        default="",
+        help="KEY=VALUE,... set before the local Ray cluster starts (Serve's feature flags, e.g. "
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT=1); not applied with --address",
+    )
     return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- levels
+@dataclass(frozen=True)
+class Level:
+    """``requests`` concurrent requests of ``queries`` queries each (``C`` or ``CxQ``)."""
+
+    requests: int
+    queries: int = 1
+
+    @property
+    def batch(self) -> int:
+        """Queries in flight: the in-process baseline's batch size."""
+        return self.requests * self.queries
+
+    def __str__(self) -> str:
+        return str(self.requests) if self.queries == 1 else f"{self.requests}x{self.queries}"
+
+
+def parse_levels(text: str) -> list[Level]:
+    """``"1,4,16,1x16"`` -> levels; ``ValueError`` naming a bad one."""
+    levels = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        c, _, q = part.partition("x")
+        if not c.isdigit() or (q and not q.isdigit()) or int(c) < 1 or int(q or 1) < 1:
+            raise ValueError(f"--concurrency: bad level {part!r} (expected C or CxQ, C, Q >= 1)")
+        levels.append(Level(int(c), int(q or 1)))
+    return levels
+
+
+# ----------------------------------------------------------------------------- CPU accounting
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: the processes an HTTP query passes through, in the order of the report's columns
+PATH_KINDS = ("client", "proxy", "router", "shards")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 (state) on, or ``None`` once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far; 0 once gone."""
+    f = _stat_fields(pid)
+    return 0.0 if f is None else (int(f[11]) + int(f[12])) / CLK_TCK
+
+
+def with_descendants(pids: set[int]) -> set[int]:
+    """``pids`` and every process below them (e.g. the haproxy that Serve's proxy actor runs)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        f = _stat_fields(int(name)) if name.isdigit() else None
+        if f is not None:
+            children.setdefault(int(f[1]), []).append(int(name))
+    out, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+def app_processes(app_name: str) -> dict[str, set[int]]:
+    """The pids of the app's processes by kind (``proxy``, ``router``, ``shards``, and ``other``:
+    Serve's controller, the backfill controller and the local Ray daemons), from Ray's state API
+    on this session's cluster."""
+    import ray
+    from ray.util.state import list_actors
+
+    kinds: dict[str, set[int]] = {"proxy": set(), "router": set(), "shards": set(), "other": set()}
+    replica = f"ServeReplica:{app_name}:"
+    actors = list_actors(
+        address=ray.get_runtime_context().gcs_address,
+        filters=[("state", "=", "ALIVE")],
+        limit=10_000,
+        raise_on_missing_output=False,
+    )
+    for actor in actors:
+        cls = actor.class_name or ""
+        if cls in ("ProxyActor", "HAProxyManager"):
+            kinds["proxy"].add(actor.pid)
+        elif cls == replica + "router":
+            kinds["router"].add(actor.pid)
+        elif cls.startswith(replica + "shard-"):
+            kinds["shards"].add(actor.pid)
+        elif cls in ("ServeController", replica + "backfill"):
+            kinds["other"].add(actor.pid)
+    out = {kind: with_descendants(pids) for kind, pids in kinds.items()}
+    node = getattr(ray._private.worker, "_global_node", None)  # a cluster this process started
+    for infos in (getattr(node, "all_processes", None) or {}).values():  # raylet, GCS, ...:
+        out["other"] |= {i.process.pid for i in infos if getattr(i, "process", None)}  # not
+    return out  # their descendants: every worker process is one of the raylet's
+
+
+class CpuMeter:
+    """CPU seconds so far of the client (this process) and of each kind of app process."""
+
+    def __init__(self, app_name: str):
+        self.pids = app_processes(app_name)
+
+    def sample(self) -> dict[str, float]:
+        out = {kind: sum(process_cpu_s(p) for p in pids) for kind, pids in self.pids.items()}
+        out["client"] = time.process_time()
+        return out
+
+    def counts(self) -> dict[str, int]:
+        return {kind: len(pids) for kind, pids in self.pids.items()}
+
+
+def background_cores(app_name: str, seconds: float) -> dict[str, float]:
+    """Cores each kind of process uses while no request arrives (its own timers: health checks,
+    metrics, log tailing), over ``seconds``."""
+    meter = CpuMeter(app_name)
+    before, t0 = meter.sample(), time.perf_counter()
+    time.sleep(seconds)
+    after, wall = meter.sample(), time.perf_counter() - t0
+    return {k: (after[k] - before[k]) / wall for k in before}
+
+
+def cpu_ms_per_query(before: dict, after: dict, queries: int) -> dict:
+    """Per kind, ms of CPU per answered query between two samples; ``path``: the HTTP path's
+    kinds together (:data:`PATH_KINDS`)."""
+    per = {k: 1000 * (after[k] - before[k]) / max(queries, 1) for k in before}
+    per["path"] = sum(per[k] for k in PATH_KINDS)
+    return per
 
 
 # ----------------------------------------------------------------------------- data
@@ -87,8 +235,10 @@ def say(msg: str) -> None:
 
 def summarize(lat: list, errors: int, wall: float, queries_per_call: int = 1) -> dict:
     lat = np.asarray(lat)
+    answered = int(queries_per_call * (lat.size - errors))
     return {
-        "qps": queries_per_call * lat.size / wall,
+        "queries": answered,
+        "qps": answered / wall,
         "p50_ms": 1000 * float(np.percentile(lat, 50)) if lat.size else None,
         "p99_ms": 1000 * float(np.percentile(lat, 99)) if lat.size else None,
         "requests": int(lat.size),
@@ -97,15 +247,20 @@ def summarize(lat: list, errors: int, wall: float, queries_per_call: int = 1) ->
 
 
 # ----------------------------------------------------------------------------- in process
-def timed_calls(call, seconds: float) -> tuple[list, float]:
-    lat, t0 = [], time.perf_counter()
+def timed_calls(call, seconds: float, batch: int) -> dict:
+    """``call(i)`` repeatedly for ``seconds``: QPS, latency, and this process's CPU time per
+    query (every thread: the search's own threads included)."""
+    lat, t0, cpu0 = [], time.perf_counter(), time.process_time()
     i = 0
     while time.perf_counter() - t0 < seconds:
         t = time.perf_counter()
         call(i)
         lat.append(time.perf_counter() - t)
         i += 1
-    return lat, time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    out = summarize(lat, 0, time.perf_counter() - t0, batch)
+    out["cpu_ms_per_query"] = 1000 * cpu / max(out["queries"], 1)
+    return out
 
 
 def faiss_baseline(vecs, queries, a, batch: int) -> dict:
@@ -124,8 +279,7 @@ def faiss_baseline(vecs, queries, a, batch: int) -> dict:
         index.search(queries[s : s + batch], a.k)
 
     call(0)
-    lat, wall = timed_calls(call, a.seconds)
-    return summarize(lat, 0, wall, batch)
+    return timed_calls(call, a.seconds, batch)
 
 
 def torch_baseline(vecs, queries, a, batch: int, block: int = 1 << 16) -> dict:
@@ -149,21 +303,28 @@ def torch_baseline(vecs, queries, a, batch: int, block: int = 1 << 16) -> dict:
             best_s, best_i = sc, ix
 
     call(0)
-    lat, wall = timed_calls(call, a.seconds)
-    return summarize(lat, 0, wall, batch)
+    return timed_calls(call, a.seconds, batch)
 
 
-def inprocess_baselines(vecs, queries, a, levels) -> dict:
-    """Per batch size: faiss and torch, and which is the baseline (the faster)."""
+def inprocess_baselines(vecs, queries, a, batches) -> dict:
+    """Per batch size: faiss and torch, and which is the baseline (the faster), with its CPU
+    time per query."""
     out = {}
-    for c in levels:
+    for c in batches:
         f = faiss_baseline(vecs, queries, a, c)
         t = torch_baseline(vecs, queries, a, c)
         best = "faiss" if f["qps"] >= t["qps"] else "torch"
-        out[c] = {"faiss": f, "torch": t, "best": best, "qps": max(f["qps"], t["qps"])}
+        out[c] = {
+            "faiss": f,
+            "torch": t,
+            "best": best,
+            "qps": max(f["qps"], t["qps"]),
+            "cpu_ms_per_query": (f if best == "faiss" else t)["cpu_ms_per_query"],
+        }
         say(
-            f"in-process batch {c:3d}: faiss {f['qps']:8.1f} QPS (p99 {f['p99_ms']:.0f} ms), "
-            f"torch {t['qps']:8.1f} QPS (p99 {t['p99_ms']:.0f} ms) -> baseline {best}"
+            f"in-process batch {c:3d}: faiss {f['qps']:8.1f} QPS (p99 {f['p99_ms']:.0f} ms, "
+            f"{f['cpu_ms_per_query']:.2f} CPU ms/query), torch {t['qps']:8.1f} QPS (p99 "
+            f"{t['p99_ms']:.0f} ms, {t['cpu_ms_per_query']:.2f} CPU ms/query) -> baseline {best}"
         )
     return out
 
@@ -200,16 +361,21 @@ async def _http_run(url: str, bodies: list, c: int, seconds: float) -> tuple[lis
         return lat, errors[0], time.perf_counter() - t0
 
 
-def http_load(url: str, bodies: list, c: int, seconds: float) -> dict:
-    """``c`` concurrent single-query requests for ``seconds``: QPS, latency, the driver's CPU
-    seconds per second, and the mean number of requests per search call of the router."""
+def http_load(url: str, bodies: list, c: int, seconds: float, app_name: str, q: int = 1) -> dict:
+    """``c`` concurrent requests of ``q`` queries for ``seconds``: QPS, latency, the driver's
+    CPU seconds per second, CPU ms per answered query of every kind of process
+    (:func:`cpu_ms_per_query`), and the mean number of requests per search call of the router."""
     import requests
 
     before = router_batches(requests.get(url + "/metrics", timeout=60).text)
-    cpu0 = time.process_time()
+    meter = CpuMeter(app_name)
+    cpu0 = meter.sample()
     lat, errors, wall = asyncio.run(_http_run(url + "/search", bodies, c, seconds))
-    r = summarize(lat, errors, wall)
-    r["client_cpu_s_per_s"] = (time.process_time() - cpu0) / wall
+    cpu1 = meter.sample()
+    r = summarize(lat, errors, wall, q)
+    r["client_cpu_s_per_s"] = (cpu1["client"] - cpu0["client"]) / wall
+    r["cpu_ms_per_query"] = cpu_ms_per_query(cpu0, cpu1, r["queries"])
+    r["processes"] = meter.counts()
     after = router_batches(requests.get(url + "/metrics", timeout=60).text)
     calls = after[1] - before[1]
     r["requests_per_batch"] = (after[0] - before[0]) / calls if calls else None
@@ -228,8 +394,13 @@ def router_batches(metrics: str) -> tuple[float, float]:
     return total["sum"], total["count"]
 
 
-def search_bodies(queries: np.ndarray, k: int) -> list[bytes]:
-    return [json.dumps({"vectors": [q.tolist()], "k": k}).encode() for q in queries[:1024]]
+def search_bodies(queries: np.ndarray, k: int, q: int = 1) -> list[bytes]:
+    """Request bodies of ``q`` consecutive queries each (1024 bodies at most)."""
+    n = min(1024, queries.shape[0] // q)
+    return [
+        json.dumps({"vectors": queries[i * q : (i + 1) * q].tolist(), "k": k}).encode()
+        for i in range(n)
+    ]
 
 
 def recall(client, queries: np.ndarray, k: int) -> dict:
@@ -321,29 +492,36 @@ def exact_http(a, levels, queries, baselines) -> dict:
     from raycompat.serving.app import stop_serving
 
     cfg, url, client, _ = start_index(a, "flat")
-    bodies = search_bodies(queries, a.k)
+    bodies = {lv.queries: search_bodies(queries, a.k, lv.queries) for lv in levels}
     client.search(queries[:3], k=a.k)
-    out = {"idle": {}, "backfill": {}}
+    phases = a.phases.split(",")
+    out = {phase: {} for phase in phases}
     try:
-        for phase in ("idle", "backfill"):
+        out["background_cores"] = background_cores(cfg.app_name, a.seconds)
+        say(
+            "with no request, cores used by: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in out["background_cores"].items())
+        )
+        for phase in phases:
             if phase == "backfill":
                 client.start_backfill(
                     policy="sequential", rate=a.backfill_rate, batch_size=256, restart=True
                 )
-            for c in levels:
+            for lv in levels:
                 p0 = client.status()["backfill"]["position"]
-                r = http_load(url, bodies, c, a.seconds)
+                r = http_load(
+                    url, bodies[lv.queries], lv.requests, a.seconds, cfg.app_name, lv.queries
+                )
                 r["backfill_items_per_s"] = (
                     client.status()["backfill"]["position"] - p0
                 ) / a.seconds
-                r["ratio_to_inprocess"] = r["qps"] / baselines[c]["qps"]
-                out[phase][c] = r
-                say(
-                    f"HTTP flat {phase:8s} c={c:3d}: {r['qps']:7.1f} QPS p50 {r['p50_ms']:.0f} "
-                    f"p99 {r['p99_ms']:.0f} ms, errors {r['errors']}, ratio "
-                    f"{r['ratio_to_inprocess']:.2f}, client CPU {r['client_cpu_s_per_s']:.2f}, "
-                    f"{r['requests_per_batch'] or 0:.1f} requests per search call"
+                base = baselines[lv.batch]
+                r["ratio_to_inprocess"] = r["qps"] / base["qps"]
+                r["cpu_ratio_to_inprocess"] = (
+                    r["cpu_ms_per_query"]["path"] / base["cpu_ms_per_query"]
                 )
+                out[phase][str(lv)] = r
+                say(f"HTTP flat {phase:8s} c={str(lv):5s}: " + level_text(r))
         out["final"] = client.status()["backfill"]
         out["metrics"] = client.metrics()
     finally:
@@ -361,10 +539,10 @@ def approx_row(a, kind: str, queries: np.ndarray) -> dict:
     row = {"kind": kind, "build_s": build_s, **index_memory(client)}
     try:
         client.search(queries[:3], k=a.k)
-        row["idle"] = http_load(url, bodies, a.approx_concurrency, a.seconds)
+        row["idle"] = http_load(url, bodies, a.approx_concurrency, a.seconds, cfg.app_name)
         row["idle"]["recall"] = recall(client, rq, a.k)
         client.start_backfill(policy="sequential", rate=a.backfill_rate, batch_size=256)
-        row["backfill"] = http_load(url, bodies, a.approx_concurrency, a.seconds)
+        row["backfill"] = http_load(url, bodies, a.approx_concurrency, a.seconds, cfg.app_name)
         client.pause_backfill()
         bf = client.status()["backfill"]
         row["backfill"]["recall"] = recall(client, rq, a.k)
@@ -385,6 +563,19 @@ def approx_row(a, kind: str, queries: np.ndarray) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
+def level_text(r: dict) -> str:
+    """One HTTP level in a line: QPS, latency, ratios, CPU ms per query by process kind."""
+    cpu = r["cpu_ms_per_query"]
+    kinds = ", ".join(f"{k} {cpu[k]:.2f}" for k in PATH_KINDS)
+    return (
+        f"{r['qps']:7.1f} QPS p50 {r['p50_ms']:.0f} p99 {r['p99_ms']:.0f} ms, errors "
+        f"{r['errors']}, ratio {r['ratio_to_inprocess']:.2f}, "
+        f"{r['requests_per_batch'] or 0:.1f} requests per search call; CPU ms/query: {kinds}, "
+        f"path {cpu['path']:.2f} ({r['cpu_ratio_to_inprocess']:.2f}x in-process), other "
+        f"{cpu['other']:.2f}"
+    )
+
+
 def interval_text(iv: dict) -> str:
     return f"{iv['value']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}]"
 
@@ -395,37 +586,78 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
         f"shards, k={a.k}",
         "",
         f"Machine: {machine_description(load_at_start)}. Batching: at most {a.batch_size} "
-        f"requests per search call, {a.batch_wait_ms:g} ms wait. One query per request.",
+        f"requests per search call, {a.batch_wait_ms:g} ms wait. Levels: C concurrent requests "
+        "of one query, CxQ of Q queries each. Serve flags: " + (a.serve_env or "none") + ".",
         "",
-        "## In-process baselines (exact, batch size = concurrency, all cores)",
+        "## In-process baselines (exact, batch size = queries in flight, all cores)",
         "",
-        "| batch | faiss QPS | faiss p99 ms | torch QPS | torch p99 ms | baseline |",
-        "|---|---|---|---|---|---|",
+        "| batch | faiss QPS | faiss p99 ms | faiss CPU ms/query | torch QPS | torch p99 ms | "
+        "torch CPU ms/query | baseline |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for c in levels:
-        b = baselines[c]
+    for c, b in sorted(baselines.items()):
+        f, t = b["faiss"], b["torch"]
         lines.append(
-            f"| {c} | {b['faiss']['qps']:.1f} | {b['faiss']['p99_ms']:.0f} | "
-            f"{b['torch']['qps']:.1f} | {b['torch']['p99_ms']:.0f} | {b['best']} |"
+            f"| {c} | {f['qps']:.1f} | {f['p99_ms']:.0f} | {f['cpu_ms_per_query']:.2f} | "
+            f"{t['qps']:.1f} | {t['p99_ms']:.0f} | {t['cpu_ms_per_query']:.2f} | {b['best']} |"
         )
-    lines += [
+    lines += exact_tables(exact, levels)
+    lines += approx_table(a, approx)
+    return "\n".join(lines) + "\n"
+
+
+def exact_tables(exact: dict, levels) -> list[str]:
+    """The exact index's HTTP table, and what a query costs: CPU ms per answered query of every
+    kind of process against the in-process search's at the same batch size."""
+    phases = [p for p in ("idle", "backfill") if p in exact]
+    lines = [
         "",
         "## HTTP, exact index",
         "",
-        "| phase | concurrency | HTTP QPS | p50 / p99 ms | ratio to baseline | errors | "
+        "| phase | level | HTTP QPS | p50 / p99 ms | ratio to baseline | errors | "
         "backfill items/s | client CPU (cores) | requests per search call |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for phase in ("idle", "backfill"):
-        for c in levels:
-            r = exact[phase][c]
+    for phase in phases:
+        for lv in levels:
+            r = exact[phase][str(lv)]
             lines.append(
-                f"| {phase} | {c} | {r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
+                f"| {phase} | {lv} | {r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
                 f"{r['ratio_to_inprocess']:.2f} | {r['errors']} | "
                 f"{r['backfill_items_per_s']:.0f} | {r['client_cpu_s_per_s']:.2f} | "
                 f"{r['requests_per_batch'] or 0:.1f} |"
             )
     lines += [
+        "",
+        "## What a query costs: CPU ms per answered query (exact index)",
+        "",
+        "`other`: Serve's controller, the backfill controller and the Ray daemons (not on the "
+        "query's path). Ratio: the path's CPU per query over the in-process baseline's.",
+        "",
+        "| phase | level | QPS | p50 / p99 ms | client | proxy | router | shards | path | "
+        "in-process | ratio | other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    if "background_cores" in exact:
+        bg = ", ".join(f"{k} {v:.3f}" for k, v in exact["background_cores"].items())
+        lines[-4] += f" With no request, the cores each kind used: {bg}."
+    for phase in phases:
+        for lv in levels:
+            r = exact[phase][str(lv)]
+            cpu = r["cpu_ms_per_query"]
+            base = cpu["path"] / r["cpu_ratio_to_inprocess"]
+            lines.append(
+                f"| {phase} | {lv} | {r['qps']:.1f} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} | "
+                + " | ".join(f"{cpu[k]:.2f}" for k in (*PATH_KINDS, "path"))
+                + f" | {base:.2f} | {r['cpu_ratio_to_inprocess']:.2f} | {cpu['other']:.2f} |"
+            )
+    return lines
+
+
+def approx_table(a, approx: list) -> list[str]:
+    if not approx:
+        return []
+    lines = [
         "",
         f"## Approximate indexes (concurrency {a.approx_concurrency}; recall@{a.k} against exact "
         f"search of the same live gallery, {a.recall_queries} queries, with its 95 % bootstrap "
@@ -444,24 +676,39 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
             f"{interval_text(b['recall'])} | "
             f"{b['items_new']} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def apply_serve_env(text: str) -> dict:
+    """``KEY=VALUE,...`` into this process's environment (which a local cluster started here
+    inherits); ``ValueError`` naming a malformed entry."""
+    env = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--serve-env: expected KEY=VALUE, got {part!r}")
+        env[key] = value
+    os.environ.update(env)
+    return env
 
 
 def main(argv=None):
     a = parse_args(argv)
-    levels = [int(x) for x in a.concurrency.split(",")]
+    levels = parse_levels(a.concurrency)
     from raycompat.cluster import connect
     from raycompat.serving.auth import TOKEN_ENV
 
     os.environ.setdefault(TOKEN_ENV, "bench-token-" + os.urandom(8).hex())
+    apply_serve_env(a.serve_env)
     os.makedirs(a.out, exist_ok=True)
     load_at_start = os.getloadavg()[0]
     say(
-        f"{a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels {levels}, "
-        f"{a.seconds:.0f} s each; {os.cpu_count()} cores, load average {load_at_start:.1f}"
+        f"{a.items} items x {a.dim} dims, {a.shards} shards, k={a.k}, levels "
+        f"{[str(lv) for lv in levels]}, {a.seconds:.0f} s each; {os.cpu_count()} cores, load "
+        f"average {load_at_start:.1f}"
     )
     vecs, queries = vectors_and_queries(a)
-    baselines = inprocess_baselines(vecs, queries, a, levels)
+    baselines = inprocess_baselines(vecs, queries, a, sorted({lv.batch for lv in levels}))
     del vecs
     gc.collect()
     connect(a.address)
@@ -474,6 +721,7 @@ def main(argv=None):
         json.dump(
             {
                 "args": vars(a),
+                "load_at_end": os.getloadavg()[0],
                 "inprocess": baselines,
                 "exact_http": exact,
                 "approximate": approx,

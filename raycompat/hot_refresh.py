@@ -189,11 +189,12 @@ def training_tag_values(opts: HotRefreshOptions) -> dict:
 
 
 #: the new model each served mode needs, trained by the tiny default: BCT's compatible
-#: subspace, DMU's psi, RM's rho + psi_rev (mcl, on a frozen independent new model), and for
-#: RM's naive merge of two systems an independent new model
+#: subspace, DMU's psi, FCT's h and RM's rho + psi_rev (fct and mcl on a frozen independent new
+#: model), and for RM's naive merge of two systems an independent new model
 TINY_METHOD = {
     "compatible": "bct",
     "adapted": "dmu",
+    "fct": "fct",
     "rank_merge": "mcl",
     "naive_merge": "independent",
 }
@@ -206,14 +207,14 @@ def new_model_name(opts: HotRefreshOptions) -> str:
 def tiny_training_plan(mode: str, old_epochs: int, new_epochs: int) -> list:
     """The tiny default's runs for ``mode``, in order: ``(name, method, split, epochs, old model,
     init model)``; old (independent on old_train), then the mode's method (:data:`TINY_METHOD`)
-    against it; mcl (and naive_merge) need an independent new model, trained first. The last
-    run's name is the served new model (:func:`new_model_name`)."""
+    against it; fct, mcl (and naive_merge) need an independent new model, trained first. The
+    last run's name is the served new model (:func:`new_model_name`)."""
     method = TINY_METHOD[mode]
     plan = [("old", "independent", "old_train", old_epochs, None, None)]
-    if method in ("mcl", "independent"):  # mcl starts from a frozen independent new model
+    if method in ("fct", "mcl", "independent"):  # fct, mcl: on a frozen independent new model
         plan.append(("independent", "independent", "new_train", new_epochs, None, None))
     if method != "independent":
-        init = "independent" if method == "mcl" else None
+        init = "independent" if method in ("fct", "mcl") else None
         plan.append((method, method, "new_train", new_epochs, "old", init))
     return plan
 
@@ -376,6 +377,12 @@ def _prepare(opts: HotRefreshOptions, out: str, runs_dir: str, say) -> _Prepared
     data = load_parquet(parquet)
     compat = data.compat_dim
     data = data.with_arrays(compatible_dim=compat) if compat is not None else data
+    if opts.mode == "fct":  # h(old): what the shards store as adapted items
+        from raycompat.serving.gallery_source import open_gallery
+
+        data = data.with_arrays(
+            gallery_fct=open_gallery(parquet, new_model, "fct").data.gallery_fct
+        )
     if (
         opts.mode == "rank_merge"
     ):  # rho(new), rho(q), psi_rev(rho(q)): what the router and controller apply

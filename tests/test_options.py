@@ -34,8 +34,9 @@ def train(module, argv: list[str]):
 def test_no_flags_give_the_jobs_defaults():
     assert quickstart([]) == QuickstartOptions()
     assert (
-        quickstart([]).sizes.train_classes == 240 and quickstart([]).sizes.backbone == "lcnet_050"
+        quickstart([]).sizes.train_classes == 480 and quickstart([]).sizes.backbone == "test_resnet"
     )
+    assert quickstart([]).seeds == 2 and quickstart([]).sizes.old_fraction == 0.07
     assert quickstart([]).output.name == "main" and quickstart([]).verbose is False
     assert train(train_job, []) == train_job.TRAIN_DEFAULTS
     assert train(train_job, []).sizes == ScenarioSizes()  # train's sizes are the library defaults
@@ -130,6 +131,7 @@ def test_flags_round_trip_to_the_same_dataclass():
             gallery_per_class=3,
             distractor_classes=0,
             distractors_per_class=0,
+            old_fraction=0.07,  # the main job's default, not ScenarioSizes'
             resolution=24,
             backbone="resnet10t",
             data_seed=5,

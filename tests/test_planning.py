@@ -139,6 +139,17 @@ def test_hand_arithmetic_on_a_main_job_folder(tmp_path):
     assert "Recommended: bct / random / compatible" in (out / "plan.md").read_text()
 
 
+def test_fct_is_charged_its_gallery_transform_like_adapted(tmp_path):
+    """FCT's h transforms every stored old vector before the fct mode serves, at --psi-per-s:
+    the same 0.5 h of preparation as psi; without a rate the plan is refused."""
+    curves = {("random", "fct"): CURVES[("random", "adapted")]}
+    folder = write_curves(tmp_path / "sim", curves)
+    payload, _ = plan(tmp_path, "--results", folder)
+    fct = option(payload, "sim", "fct")
+    assert fct["prep_hours"] == pytest.approx(0.5) and fct["total_cost"] == pytest.approx(15.0)
+    assert main(["--out", str(tmp_path / "no"), *HARDWARE, "--results", folder]) == 2
+
+
 def test_second_searches_are_priced(tmp_path):
     results = write_curves(tmp_path / "sim")
     payload, _ = plan(
@@ -199,7 +210,7 @@ def test_never_below_old_uses_the_lower_bound(tmp_path):
         ("policies_flag", "--policies: unknown policy 'psychic'"),
         ("negative_price", "option 'price_per_device_hour' = -1.0 must be >= 0"),
         ("no_simulation", "holds no simulation"),
-        ("no_psi", "the adapted mode needs the psi refresh rate"),
+        ("no_psi", "the adapted and fct modes need the gallery transform"),
     ],
 )
 def test_bad_input_is_one_error_line(tmp_path, capsys, case, named):

@@ -19,7 +19,7 @@ from raycompat.reproduce import (
     evaluate_claims,
     run_reproduce,
 )
-from raycompat.reproduce.claims import HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED
+from raycompat.reproduce.claims import HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED, NOT_RUN
 from raycompat.reproduce.job import parse_reproduce_options
 from raycompat.reproduce.plan import DEFAULT_SIZES
 from raycompat.reproduce.report import TABLE_HEADERS
@@ -96,9 +96,9 @@ def test_report_files_tables_and_claims(tiny_run):
     assert any(p.endswith("ract_extended-data.png") for p in on_disk["plots"])
 
     claims = {c["id"]: c for c in on_disk["claims"]}
-    assert len(claims) == 10
+    assert len(claims) == 18  # the five papers' 10 and the field methods' 8
     for c in claims.values():
-        assert c["verdict"] in (HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED)
+        assert c["verdict"] in (HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED, NOT_RUN)
         for check in c["checks"]:
             d = check["difference"]
             if d is not None:  # the verdict follows the interval of the difference
@@ -113,6 +113,7 @@ def test_report_files_tables_and_claims(tiny_run):
     assert claims["bct-variants"]["verdict"] == NOT_MEASURED  # bct-kd / bct-beta not trained
     assert claims["rm-auc-gain"]["verdict"] == NOT_MEASURED  # mcl not trained
     assert claims["dmu-adapted"]["verdict"] != NOT_MEASURED
+    assert claims["fct-beats-bct"]["verdict"] == NOT_RUN  # fct not in --methods
     # the verdicts are a pure function of the stored numbers and per-query samples
     evidence = Evidence.load(str(out / SAMPLES_FILE))
     assert evaluate_claims(on_disk["results"], evidence) == on_disk["claims"]

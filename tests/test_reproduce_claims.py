@@ -13,17 +13,26 @@ from raycompat.reproduce.claims import (
     INCONCLUSIVE,
     NOT_HELD,
     NOT_MEASURED,
+    NOT_RUN,
+    advbct_beats_bct,
     bct_compatible,
     bct_independent_incompatible,
     bct_l2_fails,
     bct_variant_order,
+    bt2_close_and_compatible,
     dmu_adapted_beats_bct,
+    dsimplex_compatible_chain,
     evaluate_claims,
+    fct_beats_bct,
+    fd_criterion,
+    lce_beats_bct,
+    lwf_criterion,
     ndpp_p1,
     ract_lowers_nfr,
     ract_uncertainty_faster,
     ract_vanilla_regresses,
     rm_rank_merge,
+    unibct_beats_bct,
 )
 from raycompat.reproduce.evidence import Evidence
 
@@ -55,25 +64,28 @@ class Fixture:
         self.evidence = Evidence(BootstrapOptions(resamples=400))
         self.results = {"test_sets": [], "backfill": {}}
 
-    def test_set(self, name: str, oo, nstar, methods: dict, unseen: bool = True) -> None:
+    def test_set(
+        self, name: str, oo, nstar, methods: dict, unseen: bool = True, scenario: str = ""
+    ) -> None:
         """``methods[label] = {"m_nn": array, "m_no": array, ...}`` (``m_cross`` defaults to
-        ``m_nadapted`` when given, else ``m_no``)."""
-        ev = self.evidence
-        ev.add_query_set(name, LABELS)
-        ev.put(("pair", name, "m_oo"), {M: Sample.mean(name, oo)}, 0)
-        ev.put(("pair", name, "m_nstar"), {M: Sample.mean(name, nstar)}, 0)
+        ``m_nadapted`` when given, else ``m_no``; ``m_oo`` to ``oo``). ``scenario`` (default
+        ``name``) is also the query set."""
+        ev, scenario = self.evidence, scenario or name
+        ev.add_query_set(scenario, LABELS)
+        ev.put(("pair", name, "m_oo"), {M: Sample.mean(scenario, oo)}, 0)
+        ev.put(("pair", name, "m_nstar"), {M: Sample.mean(scenario, nstar)}, 0)
         entries = {}
         for label, parts in methods.items():
-            parts = dict(parts, m_oo=oo)
+            parts = {"m_oo": oo, **parts}
             parts.setdefault("m_cross", parts.get("m_nadapted", parts.get("m_no")))
             for kind, values in parts.items():
-                ev.put(("pair", name, label, kind), {M: Sample.mean(name, values)}, 0)
+                ev.put(("pair", name, label, kind), {M: Sample.mean(scenario, values)}, 0)
             entries[label] = {"diverged": False}
         self.results["test_sets"].append(
             dict(
                 name=name,
-                scenario=name,
-                query_set=name,
+                scenario=scenario,
+                query_set=scenario,
                 unseen_classes=unseen,
                 metric=M,
                 m_oo={M: float(oo.mean())},
@@ -253,7 +265,10 @@ def test_rm_and_ndpp_claims():
 
 def test_every_claim_reports_not_measured_on_empty_results():
     claims = evaluate_claims({"test_sets": [], "backfill": {}}, Evidence())
-    assert len(claims) == 10 and all(c["verdict"] == NOT_MEASURED for c in claims)
+    assert len(claims) == 18 and all(c["verdict"] == NOT_MEASURED for c in claims[:10])
+    # the field methods' claims say why: nothing was run
+    field = claims[10:]
+    assert all(c["verdict"] == NOT_RUN and "(`--scenarios`)" in c["explanation"] for c in field)
 
 
 def test_claims_from_saved_samples_are_the_same(tmp_path):
@@ -275,3 +290,148 @@ def test_rm_claim_with_an_undefined_gain_is_inconclusive_and_says_why():
     claim = rm_rank_merge(f.results, f.evidence)
     assert claim["verdict"] == INCONCLUSIVE and not claim["checks"]
     assert "M(n*,n*) is not above M(o,o)" in claim["explanation"]
+
+
+# -- the field methods' claims -------------------------------------------------------------
+OUTCOMES = [("win", HELD), ("loss", NOT_HELD), ("tie", INCONCLUSIVE)]
+
+
+@pytest.mark.parametrize("outcome,expected", OUTCOMES)
+@pytest.mark.parametrize(
+    "claim,label,kind",
+    [
+        (lce_beats_bct, "lce", "m_no"),
+        (unibct_beats_bct, "unibct", "m_no"),
+        (advbct_beats_bct, "advbct", "m_no"),
+        (advbct_beats_bct, "advbct", "m_nn"),
+        (fct_beats_bct, "fct", "m_nadapted"),
+    ],
+)
+def test_field_method_beats_bct(claim, label, kind, outcome, expected):
+    """The method's number (cross test, own retrieval, or FCT's transformed gallery) against
+    BCT's, paired; AdvBCT's other check is a clear win, so the outcome decides the claim."""
+    f = Fixture()
+    oo, bct_no, bct_nn = base(), base(3, 0.45), base(4, 0.6)
+    parts = {"m_no": bct_no + 0.15, "m_nn": bct_nn + 0.15, "m_nadapted": bct_no}
+    parts[kind] = shifted({"m_nadapted": bct_no, "m_nn": bct_nn}.get(kind, bct_no), outcome)
+    methods = {"bct": {"m_nn": bct_nn, "m_no": bct_no}, label: parts}
+    f.test_set("open-class", oo, base(5, 0.7), methods)
+    got = claim(f.results, f.evidence)
+    assert got["verdict"] == expected, got["checks"]
+    d = got["checks"][0 if kind != "m_nn" else 1]["difference"]
+    assert abs(d["value"] - {"win": 0.15, "loss": -0.15, "tie": 0.0}[outcome]) < 0.02
+    assert d["queries"] == LABELS.size and got["numbers"][0]["test set"] == "open-class"
+
+
+def test_unibct_claim_counts_only_test_sets_with_unseen_classes():
+    f = Fixture()
+    oo, bct_no = base(), base(3, 0.45)
+    methods = {"bct": {"m_nn": oo, "m_no": bct_no}, "unibct": {"m_nn": oo, "m_no": bct_no - 0.15}}
+    f.test_set("extended-data", oo, base(5, 0.7), methods, unseen=False)
+    f.results["scenarios"] = ["extended-data"]
+    got = unibct_beats_bct(f.results, f.evidence)
+    assert got["verdict"] == NOT_RUN and not got["checks"]
+    assert "open-class / sequential scenario was not run" in got["explanation"]
+
+
+@pytest.mark.parametrize("outcome,expected", OUTCOMES)
+def test_bt2_close_to_new_star_and_compatible(outcome, expected):
+    """close: 0.05 - (M(n*,n*) - M(bt2,bt2)) / M(n*,n*) > 0; compatible: M(bt2,o) > M(o,o)."""
+    f = Fixture()
+    oo, nstar = base(), base(5, 0.7)
+    nn = {
+        "win": nstar - 0.01,
+        "loss": nstar - 0.3,
+        "tie": 0.95 * nstar + shifted(np.zeros_like(nstar), "tie"),
+    }[outcome]
+    f.test_set("ext", oo, nstar, {"bt2": {"m_nn": nn, "m_no": shifted(oo, outcome)}})
+    got = bt2_close_and_compatible(f.results, f.evidence)
+    assert got["verdict"] == expected
+    assert [c["verdict"] for c in got["checks"]] == [expected, expected]
+    close = got["checks"][0]["difference"]["value"]
+    assert close == pytest.approx(0.05 - (nstar.mean() - nn.mean()) / nstar.mean())
+
+
+@pytest.mark.parametrize("outcome,expected", OUTCOMES)
+def test_dsimplex_chain_every_step_and_across_both(outcome, expected):
+    """Each sequential pair of the dsimplex chain against its own phi_i; one step decides."""
+    f = Fixture()
+    phi = {1: base(1, 0.3), 2: base(2, 0.4), 3: base(3, 0.5)}
+    for j, i in ((2, 1), (3, 1), (3, 2)):
+        no = shifted(phi[i], outcome if (j, i) == (3, 2) else "win")
+        methods = {"dsimplex": {"m_oo": phi[i], "m_nn": phi[j], "m_no": no}}
+        f.test_set(f"sequential {j}->{i}", phi[1], phi[j], methods, scenario="sequential")
+        f.results["test_sets"][-1]["pair"] = f"phi_{j} -> phi_{i}"
+    got = dsimplex_compatible_chain(f.results, f.evidence)
+    assert got["verdict"] == expected
+    assert [c["verdict"] for c in got["checks"]] == [HELD, HELD, expected]
+    assert got["checks"][2]["check"] == "sequential 3->2 (phi_3 -> phi_2)"
+
+
+@pytest.mark.parametrize("outcome,expected", OUTCOMES)
+@pytest.mark.parametrize("claim,label", [(lwf_criterion, "lwf"), (fd_criterion, "fd")])
+def test_baselines_compatibility_criterion(claim, label, outcome, expected):
+    f = Fixture()
+    oo = base()
+    f.test_set("ext", oo, base(5, 0.7), {label: {"m_nn": oo, "m_no": shifted(oo, outcome)}})
+    got = claim(f.results, f.evidence)
+    assert got["verdict"] == expected and got["id"] == f"{label}-criterion"
+    assert "no headline claim of its own" in got["claim"]
+
+
+def test_field_claims_not_run_or_not_measured_say_why():
+    """A claim whose method the run did not train is listed, never dropped: not run with the
+    plan's reason, not measured when the model was planned but not trained."""
+    f = Fixture()
+    oo = base()
+    f.test_set("extended-data", oo, base(5, 0.7), {"bct": {"m_nn": oo, "m_no": oo}})
+    f.results.update(
+        scenarios=["extended-data"],
+        skipped={"extended-data": [["lce", "not requested (`--methods`)"]]},
+        not_trained=[{"model": "extended-data/advbct", "reason": "the budget ran out"}],
+    )
+    claims = {c["id"]: c for c in evaluate_claims(f.results, f.evidence)}
+    lce = claims["lce-beats-bct"]
+    assert lce["verdict"] == NOT_RUN and not lce["checks"]
+    assert lce["explanation"] == "lce was not trained (extended-data: not requested (`--methods`))"
+    advbct = claims["advbct-beats-bct"]
+    assert advbct["verdict"] == NOT_MEASURED
+    assert advbct["explanation"] == "extended-data/advbct was not trained: the budget ran out"
+    assert "sequential scenario was not run" in claims["dsimplex-chain"]["explanation"]
+    assert claims["bt2-close-and-compatible"]["verdict"] == NOT_RUN
+
+
+def test_a_model_with_a_nan_module_counts_as_diverged():
+    """FCT's h (or DMU's psi) can diverge while the embedder it rides on is fine: the model is
+    then diverged, not a crash of the evaluation on a NaN gallery."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from raycompat.reproduce.runner import diverged
+
+    embedded = SimpleNamespace(query=np.ones((2, 4)), gallery=np.ones((3, 4)))
+    h = torch.nn.Linear(4, 4)
+    bundle = SimpleNamespace(modules={"fct": h})
+    assert not diverged(embedded, bundle)
+    with torch.no_grad():
+        h.weight[0, 0] = float("nan")
+    assert diverged(embedded, bundle) and not diverged(embedded)
+    embedded.gallery[1, 2] = np.inf
+    assert diverged(embedded)
+
+
+def test_fct_trains_with_its_released_optimizer():
+    """The reproduction trains FCT's h with Adam(W) at 5e-4 (its released configuration); the
+    overrides are training options."""
+    import dataclasses
+
+    from raycompat.reproduce.plan import VARIANTS
+    from raycompat.train import TrainConfig
+
+    overrides = dict(VARIANTS["fct"].training)
+    assert overrides == {"optimizer": "adamw", "lr": 5e-4}
+    assert all(not VARIANTS[label].training for label in VARIANTS if label != "fct")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(overrides) <= fields  # training options, passed as they are

@@ -846,6 +846,88 @@ def test_rank_merge_offline_equals_online(
     assert (hits[2] == "new").all()  # after the backfill every hit is a new item
 
 
+@pytest.fixture(scope="module")
+def fct_bundle(tmp_path_factory):
+    """A new model bundle with FCT's h (16 -> 24, hidden 32) as its ``fct`` module, random
+    weights."""
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ForwardTransformation, ModelBundle
+
+    torch.manual_seed(4)
+    mods = {
+        "embedder": Embedder("test_resnet", 24),
+        "head": ClassifierHead(24, 30, "cosface"),
+        "fct": ForwardTransformation(16, 24, hidden_dim=32),
+    }
+    path = str(tmp_path_factory.mktemp("fct_model") / "fct")
+    ModelBundle(
+        mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="fct")
+    ).eval().save(path)
+    return path
+
+
+def test_fct_offline_equals_online(serve_port, gallery_parquet, fct_bundle, token_file, tmp_path):
+    """fct served: items start as ``adapted`` holding h(phi_o(g)) from the new bundle's fct
+    module (not the parquet's psi column); the live curve equals the simulator's fct curve."""
+    from ray import serve
+
+    from raycompat.backfill.modes import apply_bundle_modules
+    from raycompat.models import ModelBundle
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(fct_bundle))
+    fractions = [0.0, 0.4, 1.0]
+    k = 30
+    sim = simulate_backfill(data, ["sequential"], ["fct"], fractions=fractions, k=k, seed=3)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        num_shards=2,
+        mode="fct",
+        new_model=fct_bundle,
+        fsync=False,
+    )
+    try:
+        st = client.status()
+        assert st["items"] == {"old": 0, "adapted": data.n_items, "new": 0}
+        assert "new_model's fct" in [m["source"] for m in st["fingerprints"].values()]
+        live = live_backfill_curve(
+            client,
+            data,
+            fractions,
+            policy="sequential",
+            seed=3,
+            k=k,
+            batch_size=64,
+            log=lambda m: None,
+        )
+    finally:
+        serve.delete(APP)
+    cmp = compare_curves(live, sim.curve("sequential", "fct"), tol=1e-12)
+    assert cmp["equal"], cmp
+    psi_curve = simulate_backfill(data, ["sequential"], ["adapted"], fractions=[0.0], k=k)
+    assert (
+        live["metrics"][f"mAP@{k}"][0]
+        != psi_curve.curve("sequential", "adapted").metrics[f"mAP@{k}"][0]
+    )  # h, not the stored psi column, is what the adapted items hold
+
+
+def test_fct_needs_a_new_model_with_an_fct_module(gallery_parquet, rank_merge_bundle, tmp_path):
+    from raycompat.config import ConfigError
+    from raycompat.serving.app import build_app
+    from raycompat.serving.config import serving_config
+
+    for new_model, named in ((None, "fct.*new_model"), (rank_merge_bundle, "no fct module")):
+        kw = {"new_model": new_model} if new_model else {}
+        with pytest.raises(ConfigError, match=named):
+            build_app(
+                serving_config(gallery=gallery_parquet, state_dir=str(tmp_path), mode="fct", **kw)
+            )
+
+
 def test_rank_merge_needs_rho_and_psi_rev(gallery_parquet, tmp_path):
     from raycompat.config import ConfigError
     from raycompat.serving.app import build_app
@@ -913,7 +995,7 @@ def test_old_vectors_are_refused_outside_naive_merge(api):
     assert r.status_code == 422 and "naive_merge" in r.text, r.text
 
 
-@pytest.mark.parametrize("mode", ["compatible", "adapted", "rank_merge", "naive_merge"])
+@pytest.mark.parametrize("mode", ["compatible", "adapted", "fct", "rank_merge", "naive_merge"])
 def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
     """Every served mode's default training trains the bundle it then serves, after the models
     that bundle depends on, each config checked the way the trainer checks it."""

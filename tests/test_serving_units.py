@@ -32,6 +32,7 @@ def _simulator_sides(rng, rho, psi_rev, n=40, q=6, d_old=8, d_new=12):
         g_adapted=f32(n, d_new),
         q_new=f32(q, d_new),
         q_old=f32(q, d_old),
+        g_fct=f32(n, d_new),  # FCT's h(phi_o(g))
     )
     n_ = l2_normalize
     sides = {
@@ -39,6 +40,7 @@ def _simulator_sides(rng, rho, psi_rev, n=40, q=6, d_old=8, d_new=12):
         "new-old": (n_(np.ascontiguousarray(e["q_new"][:, :d_old])), n_(e["g_old"])),
         "new-new": (n_(e["q_new"]), n_(e["g_new"])),
         "new-adapted": (n_(e["q_new"]), n_(e["g_adapted"])),
+        "new-fct": (n_(e["q_new"]), n_(e["g_fct"])),
         "rev-old": (n_(psi_rev(rho(e["q_new"]))), n_(e["g_old"])),
         "rho-rho": (n_(rho(e["q_new"])), n_(rho(e["g_new"]))),
     }
@@ -67,7 +69,7 @@ def test_served_scores_equal_the_simulators_canonical_scores(mode):
     )
     stored = {
         "old": l2_normalize(e["g_old"]),
-        "adapted": l2_normalize(e["g_adapted"]),
+        "adapted": l2_normalize(e["g_fct"] if mode == "fct" else e["g_adapted"]),
         "new": stored_new(e["g_new"], rho if mode == "rank_merge" else None),
     }
     spec = mode_spec(mode)
@@ -85,7 +87,13 @@ def test_old_model_queries_score_old_items_only():
     assert list(sides) == ["old"] and np.array_equal(sides["old"], l2_normalize(q))
     cut = query_sides(np.concatenate([q, q], axis=1), "new", 8)
     assert np.array_equal(cut["old"], l2_normalize(q)) and cut["new"].shape == (3, 16)
-    assert [initial_representation(m) for m in SERVED_MODES] == ["old", "adapted", "old", "old"]
+    assert [initial_representation(m) for m in SERVED_MODES] == [
+        "old",
+        "adapted",
+        "adapted",
+        "old",
+        "old",
+    ]
     with pytest.raises(ValueError, match="not served"):
         initial_representation("cold")
 

@@ -118,6 +118,7 @@ def test_a_full_disk_is_the_shards_storage_answer(tiny_fs):
     state.snapshot()
     tiny_fs.fill(fs)
     server = SimpleNamespace(state=state, shard=3)
+    server._write = lambda write: ShardServer._write(server, write)
     vecs = l2_normalize(rng.standard_normal((10, 12))).tolist()
     answer = ShardServer.upsert(server, list(range(10)), "new", vecs)
     assert answer["storage"] is True, answer

@@ -106,15 +106,9 @@ register_mode(
     )
 )
 # FCT's transformation h of the stored old vectors (the bundle's ``fct`` module), a gallery
-# transform as DMU's psi; the live index does not serve it yet
+# transform as DMU's psi (the live index stores h(phi_o(g)) as an ``adapted`` item)
 register_mode(
-    ModeSpec(
-        "fct",
-        "new-fct",
-        "new-new",
-        served=False,
-        arrays=("query_new", "gallery_new", "gallery_fct"),
-    )
+    ModeSpec("fct", "new-fct", "new-new", arrays=("query_new", "gallery_new", "gallery_fct"))
 )
 register_mode(
     ModeSpec(

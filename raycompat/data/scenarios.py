@@ -383,11 +383,18 @@ class ScenarioSizes:
     distractors_per_class: int = nonnegative(
         DEFAULTS["distractors_per_class"], help="gallery distractors per class"
     )
+    old_fraction: float = option(
+        DEFAULTS["old_fraction"],
+        help="the old model's share: of the training classes (extended-class, open-class) or of "
+        "each class's images (extended-data, open-data)",
+    )
     resolution: int = positive(32, help="glyph image side in pixels")
     backbone: str = option("resnet10t", help="any timm model name")
     data_seed: int = nonnegative(0, help="seed of the class split and the renderer")
 
     def __post_init__(self):
+        if not 0.0 < self.old_fraction < 1.0:
+            raise ConfigError(f"--old-fraction must be in (0, 1), got {self.old_fraction}")
         if self.scenario not in SCENARIOS and not self.scenario_file:
             raise ConfigError(
                 f"--scenario {self.scenario!r} is neither an allocation ({', '.join(SCENARIOS)}) "
@@ -430,6 +437,7 @@ class ScenarioSizes:
             gallery_per_class=self.gallery_per_class,
             num_distractor_classes=self.distractor_classes,
             distractors_per_class=self.distractors_per_class,
+            old_fraction=self.old_fraction,
         )
 
 

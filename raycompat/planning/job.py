@@ -65,7 +65,10 @@ class PlanUpgradeOptions:
     )
     rate_items: int = positive(2000, help="items embedded by --rate-model")
     psi_per_s: float | None = option(
-        None, min=1e-12, help="psi refresh rate per device (adapted mode), vectors/s, given"
+        None,
+        min=1e-12,
+        help="gallery transform rate per device, vectors/s, given: psi (adapted mode) or FCT's "
+        "h (fct mode)",
     )
     psi_model: str | None = option(
         None, help="a new-model bundle with psi: measure its refresh rate on the spot"

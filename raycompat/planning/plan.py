@@ -17,6 +17,7 @@ from raycompat.planning.recommend import (
     recommend,
 )
 from raycompat.planning.timeline import (
+    GALLERY_TRANSFORM_MODES,
     Hardware,
     candidate_option,
     cold_refresh_option,
@@ -71,10 +72,10 @@ def candidates(sims, policies=(), modes=(), psi: PsiRate | None = None) -> list[
     ]
     if not keep:
         raise ConfigError("no candidate left: --policies / --modes keep no curve of --results")
-    if psi is None and any(c.mode == "adapted" for _, c in keep):
+    if psi is None and any(c.mode in GALLERY_TRANSFORM_MODES for _, c in keep):
         raise ConfigError(
-            "the adapted mode needs the psi refresh rate: give --psi-per-s or --psi-model, "
-            "or leave it out with --modes"
+            "the adapted and fct modes need the gallery transform's rate (psi, FCT's h): give "
+            "--psi-per-s or --psi-model, or leave them out with --modes"
         )
     return keep
 
@@ -101,7 +102,8 @@ def _notes(sims, hw: Hardware, psi, adapted: bool) -> list[str]:
         )
     if adapted and psi is not None:
         notes.append(
-            f"psi refresh (adapted mode): {psi.vectors_per_s:,.0f} vectors/s per device, "
+            f"gallery transform (psi for adapted, h for fct): {psi.vectors_per_s:,.0f} "
+            "vectors/s per device, "
             f"{psi.source}."
         )
     if not first.has_intervals:
@@ -133,7 +135,7 @@ def make_plan(
     rec = recommend(
         assessed, constraints, metric=sims[0].metric, horizon=horizon, devices=hw.devices
     )
-    notes = _notes(sims, hw, psi, any(c.mode == "adapted" for _, c in chosen))
+    notes = _notes(sims, hw, psi, any(c.mode in GALLERY_TRANSFORM_MODES for _, c in chosen))
     return Plan(
         simulations=tuple(sims),
         hardware=hw,

@@ -48,6 +48,9 @@ MILESTONES = (0.25, 0.5, 0.9, 1.0)
 REFERENCE_POLICIES = ("hinge-benefit",)
 #: the option kinds
 CANDIDATE, COLD, STAY = "candidate", "cold refresh", "stay on old"
+#: modes that first transform every stored old vector (psi for adapted, FCT's h for fct), at
+#: the rate of --psi-per-s, before the new model serves
+GALLERY_TRANSFORM_MODES = ("adapted", "fct")
 
 
 @dataclass(frozen=True)
@@ -207,8 +210,10 @@ def _hours_at(work: float, prep_s: float, rate: EmbeddingRate, hw: Hardware) -> 
 def candidate_option(
     sim: Simulation, curve: Curve, hw: Hardware, rate: EmbeddingRate, psi: PsiRate | None
 ) -> Option:
-    """A hot refresh: ``curve``'s policy and mode for model ``sim`` (psi first when adapted)."""
-    prep_s = psi.seconds(hw.items, hw.devices) if curve.mode == "adapted" else 0.0
+    """A hot refresh: ``curve``'s policy and mode for model ``sim`` (the gallery transform
+    first in a mode that serves transformed old vectors: psi for adapted, FCT's h for fct)."""
+    transform = curve.mode in GALLERY_TRANSFORM_MODES
+    prep_s = psi.seconds(hw.items, hw.devices) if transform else 0.0
     points = []
     if prep_s > 0:  # the old system serves until psi has refreshed every stored vector
         points += [(0.0, sim.old_old, 0.0, True), (prep_s / 3600.0, sim.old_old, 0.0, True)]
@@ -233,7 +238,7 @@ def candidate_option(
         devices_busy=hw.devices + hw.extra_devices(curve.mode),
         price=hw.price,
         rate=rate,
-        psi=psi if curve.mode == "adapted" else None,
+        psi=psi if transform else None,
     )
     milestones = []
     for f in MILESTONES:

@@ -10,6 +10,7 @@ attached), ``claims`` (one function per claim), ``report`` (markdown tables, plo
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from raycompat import console
@@ -33,21 +34,24 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     ``opts.output``. Returns the report dict."""
     from raycompat.cluster import connect
     from raycompat.report import machine_description, write_json
-    from raycompat.reproduce.report import plot_hot_refresh, render_markdown
+    from raycompat.reproduce.report import plot_class_scaling, plot_hot_refresh, render_markdown
     from raycompat.reproduce.runner import Reproduction, options_dict
+    from raycompat.reproduce.spread import seed_spread
 
     started = time.time()
     output = opts.output.resolve(
         "reproduce",
         default_out="reproduce_out",
         config=opts,
-        ignore=("parallel", "train_budget_minutes"),
+        ignore=("parallel", "train_budget_minutes", "seed_spread_from"),
     )
     out = output.local
     load_before = os.getloadavg()[0]
 
     def log(message: str) -> None:
-        print(f"[reproduce {time.time() - started:7.1f}s] {message}", flush=True)
+        # one write per line: two training threads log at once
+        sys.stdout.write(f"[reproduce {time.time() - started:7.1f}s] {message}\n")
+        sys.stdout.flush()
 
     log(f"scale {opts.scale}; scenarios {', '.join(opts.scenarios)}")
     for scenario in opts.scenarios:
@@ -65,7 +69,10 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     # the per-query samples behind every number: the claims can be decided again from disk
     reproduction.evidence.save(os.path.join(out, SAMPLES_FILE))
     claims = evaluate_claims(results, reproduction.evidence)
-    plots = [os.path.relpath(p, out) for p in plot_hot_refresh(results, os.path.join(out, "plots"))]
+    plots_dir = os.path.join(out, "plots")
+    pngs = plot_hot_refresh(results, plots_dir)
+    pngs += plot_class_scaling(results.get("class_scaling"), plots_dir)
+    plots = [os.path.relpath(p, out) for p in pngs]
     timings = dict(results.pop("timings"))
     timings["total_s"] = time.time() - started
     report = dict(
@@ -74,6 +81,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         machine=machine_description(load_before),
         skipped={s: opts.skipped(s) for s in opts.scenarios},
         claims=claims,
+        seed_spread=seed_spread(claims, results["seeds"], opts.seed_spread_from),
         results=results,
         plots=plots,
         timings=timings,

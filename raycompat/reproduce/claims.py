@@ -7,8 +7,10 @@ were measured on the same queries (docs/methods.md, "Uncertainty"). A check is `
 the interval excludes the opposite, ``not held`` when it excludes the claim, ``inconclusive``
 otherwise; a claim over every test set is held when every check is held and not held as soon
 as one is not held (:mod:`raycompat.metrics.verdicts`). ``not measured``: the run did not
-train what the claim needs. Nothing is tuned to make a claim pass: the measurements are the
-claims' own wording made exact, fixed before the run.
+train what the claim needs. The field methods' claims (docs/reproduce.md, "The field methods'
+claims") also say ``not run``, with the reason, when the run never planned their method.
+Nothing is tuned to make a claim pass: the measurements are the claims' own wording made exact,
+fixed before the run.
 
 Every function takes ``(results, evidence)`` and returns::
 
@@ -36,7 +38,19 @@ from raycompat.metrics.verdicts import (
 from raycompat.reproduce.evidence import Evidence
 from raycompat.reproduce.intervals import trapezoid
 
-__all__ = ["CLAIMS", "HELD", "INCONCLUSIVE", "NOT_HELD", "NOT_MEASURED", "evaluate_claims"]
+__all__ = [
+    "CLAIMS",
+    "HELD",
+    "INCONCLUSIVE",
+    "NOT_HELD",
+    "NOT_MEASURED",
+    "NOT_RUN",
+    "evaluate_claims",
+]
+
+#: a field method's claim whose method this run did not train (not planned: ``--methods``,
+#: ``--scenarios`` or the default-scale plan); its explanation says why
+NOT_RUN = "not run"
 
 # "far below": the new* cross test at less than half the old system's score.
 FAR_BELOW = 0.5
@@ -559,6 +573,300 @@ def ndpp_p1(results: dict, evidence: Evidence) -> dict:
     )
 
 
+# -- field methods (docs/reproduce.md, "The field methods' claims") -------------------------
+#: BT^2's "close to the independent model": Delta_down(bt2) = (M(n*,n*) - M(bt2,bt2)) / M(n*,n*)
+#: below 5 %, i.e. the paired check 0.05 - Delta_down(bt2) > 0
+BT2_CLOSE = 0.05
+#: the scenarios whose new training set has classes the old model never saw
+UNSEEN_SCENARIOS = ("open-class", "sequential")
+
+
+def _model_label(model: str) -> str:
+    """The method of a model name ``scenario/label[-genG][@seedS]``."""
+    return model.partition("/")[2].split("@")[0].split("-gen")[0]
+
+
+def _absent(results: dict, labels: tuple, scenarios: tuple | None) -> tuple[str, str]:
+    """``(verdict, reason)`` of a claim with nothing to measure: ``not measured`` when a model it
+    needs was planned but not trained (or not usable), else ``not run`` with why the run did not
+    train it (``results["skipped"]``: the plan's reason per scenario and method)."""
+    ran = results.get("scenarios") or sorted({ts["scenario"] for ts in results["test_sets"]})
+    where = [s for s in ran if scenarios is None or s in scenarios]
+    if not where:
+        which = (
+            "no scenario was run"
+            if scenarios is None
+            else f"the {' / '.join(scenarios)} scenario was not run"
+        )
+        return NOT_RUN, f"{which} (`--scenarios`)"
+    for label in labels:
+        for m in results.get("not_trained") or []:
+            if m["model"].partition("/")[0] in where and _model_label(m["model"]) == label:
+                return NOT_MEASURED, f"{m['model']} was not trained: {m['reason']}"
+    skipped = results.get("skipped") or {}
+    for label in labels:
+        if any(label in ts["methods"] for ts in results["test_sets"] if ts["scenario"] in where):
+            continue
+        models = results.get("models") or {}
+        if any(m.partition("/")[0] in where and _model_label(m) == label for m in models):
+            return NOT_MEASURED, f"{label} was trained but could not be evaluated (diverged)"
+        why = [f"{s}: {dict(skipped.get(s, ())).get(label, 'not trained')}" for s in where]
+        return NOT_RUN, f"{label} was not trained ({'; '.join(why)})"
+    return NOT_RUN, f"{' and '.join(labels)} were not trained together in {', '.join(where)}"
+
+
+def _field_claim(cid, paper, claim, measurement, checks, rows, results, labels, scenarios=None):
+    """:func:`_claim`, or ``not run`` / ``not measured`` with its reason when no check ran."""
+    if checks.items:
+        return _claim(cid, paper, claim, measurement, checks, rows)
+    outcome, reason = _absent(results, labels, scenarios)
+    record = _claim(cid, paper, claim, measurement, checks, rows, outcome=outcome)
+    record["explanation"] = reason
+    return record
+
+
+def _diverged(ts: dict, label: str) -> bool:
+    return bool(ts["methods"][label].get("diverged"))
+
+
+def _versus_bct(results, evidence, label, kinds, unseen_only=False):
+    """Per test set with ``label``, ``bct`` and an old model (and unseen classes if
+    ``unseen_only``), one check per ``(kind of label, kind of bct, name of label's number, name of
+    bct's number)``: M(label) - M(bct) > 0, paired. A diverged ``label`` fails its checks."""
+    checks, rows = Checks(evidence), []
+    for ts in _sets_with(results, label, "bct"):
+        name = ts["name"]
+        if unseen_only and not ts["unseen_classes"]:
+            continue
+        if _diverged(ts, label):
+            checks.add_interval(f"{name}: {label} diverged", None, NOT_HELD)
+            rows.append({"test set": name, "diverged": label})
+            continue
+        row = {"test set": name}
+        for kind, bct_kind, text, bct_text in kinds:
+            a, b = _s(evidence, name, label, kind), _s(evidence, name, "bct", bct_kind)
+            if a is None or b is None:
+                continue
+            c = checks.add(name if len(kinds) == 1 else f"{name}: {text}", _diff, a=a, b=b)
+            row.update({text: _value(evidence, a), bct_text: _value(evidence, b)})
+            row[f"{text} - {bct_text}"] = c["difference"]
+            row[f"verdict {text}" if len(kinds) > 1 else "verdict"] = c["verdict"]
+        rows.append(row)
+    return checks, rows
+
+
+def lce_beats_bct(results: dict, evidence: Evidence) -> dict:
+    checks, rows = _versus_bct(results, evidence, "lce", [("m_no", "m_no", "M(lce,o)", "M(bct,o)")])
+    return _field_claim(
+        "lce-beats-bct",
+        "LCE",
+        "LCE's aligned classifier and boundary loss give a better cross test than BCT",
+        f"per test set, {PRIMARY}, paired: M(lce,o) - M(bct,o) > 0",
+        checks,
+        rows,
+        results,
+        ("lce", "bct"),
+    )
+
+
+def unibct_beats_bct(results: dict, evidence: Evidence) -> dict:
+    kinds = [("m_no", "m_no", "M(unibct,o)", "M(bct,o)")]
+    checks, rows = _versus_bct(results, evidence, "unibct", kinds, unseen_only=True)
+    return _field_claim(
+        "unibct-beats-bct",
+        "UniBCT",
+        "UniBCT's universal prototypes beat BCT on the cross test where the new model learns "
+        "classes the old one never saw",
+        f"per test set whose new training set has classes the old model never saw (open-class; "
+        f"the sequential upgrades against phi_1, which extend the class set), {PRIMARY}, paired: "
+        "M(unibct,o) - M(bct,o) > 0",
+        checks,
+        rows,
+        results,
+        ("unibct", "bct"),
+        UNSEEN_SCENARIOS,
+    )
+
+
+def advbct_beats_bct(results: dict, evidence: Evidence) -> dict:
+    kinds = [
+        ("m_no", "m_no", "M(advbct,o)", "M(bct,o)"),
+        ("m_nn", "m_nn", "M(advbct,advbct)", "M(bct,bct)"),
+    ]
+    checks, rows = _versus_bct(results, evidence, "advbct", kinds)
+    return _field_claim(
+        "advbct-beats-bct",
+        "AdvBCT",
+        "AdvBCT beats BCT on the cross test and on the new model's own retrieval",
+        f"per test set, {PRIMARY}, paired: M(advbct,o) - M(bct,o) > 0 and M(advbct,advbct) - "
+        "M(bct,bct) > 0",
+        checks,
+        rows,
+        results,
+        ("advbct", "bct"),
+    )
+
+
+def fct_beats_bct(results: dict, evidence: Evidence) -> dict:
+    kinds = [("m_nadapted", "m_no", "M(fct,h(o))", "M(bct,o)")]
+    checks, rows = _versus_bct(results, evidence, "fct", kinds)
+    return _field_claim(
+        "fct-beats-bct",
+        "FCT",
+        "FCT's transformed old gallery is searched better by the new model than BCT's old gallery",
+        f"per test set, {PRIMARY}, paired: M(fct, h(o)) - M(bct, o) > 0 (h: FCT's transformation "
+        "of the stored old vectors; the new model is the independent one)",
+        checks,
+        rows,
+        results,
+        ("fct", "bct"),
+    )
+
+
+def _bt2_row(evidence, name, samples, close, compatible, bct_no) -> dict:
+    nn, ns, no, oo = (samples[k] for k in ("nn", "ns", "no", "oo"))
+    row = {
+        "test set": name,
+        "M(n*,n*)": _value(evidence, ns),
+        "M(bt2,bt2)": _value(evidence, nn),
+        f"{BT2_CLOSE} - Delta_down(bt2)": close["difference"],
+        "M(o,o)": _value(evidence, oo),
+        "M(bt2,o)": _value(evidence, no),
+        "M(bt2,o) - M(o,o)": compatible["difference"],
+        "verdicts": [close["verdict"], compatible["verdict"]],
+    }
+    if bct_no is not None:
+        row["M(bct,o) (context)"] = _value(evidence, bct_no)
+    return row
+
+
+def bt2_close_and_compatible(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
+    for ts in _sets_with(results, "bt2"):
+        name = ts["name"]
+        if _diverged(ts, "bt2"):
+            checks.add_interval(f"{name}: bt2 diverged", None, NOT_HELD)
+            continue
+        samples = {
+            "nn": _s(evidence, name, "bt2", "m_nn"),
+            "no": _s(evidence, name, "bt2", "m_no"),
+            "oo": _s(evidence, name, "m_oo"),
+            "ns": _s(evidence, name, "m_nstar"),
+        }
+        if any(v is None for v in samples.values()):
+            continue
+        close = checks.add(
+            f"{name}: M(bt2,bt2) within {BT2_CLOSE:.0%} of M(n*,n*)",
+            lambda nn, ns: BT2_CLOSE - (ns - nn) / ns,
+            nn=samples["nn"],
+            ns=samples["ns"],
+        )
+        compatible = checks.add(
+            f"{name}: M(bt2,o) > M(o,o)", _diff, a=samples["no"], b=samples["oo"]
+        )
+        bct_no = _s(evidence, name, "bct", "m_no") if "bct" in ts["methods"] else None
+        rows.append(_bt2_row(evidence, name, samples, close, compatible, bct_no))
+    return _field_claim(
+        "bt2-close-and-compatible",
+        "BT^2",
+        "BT^2 keeps the new model's own retrieval close to the independent model's while "
+        "meeting the compatibility criterion",
+        f"per test set, {PRIMARY}, paired: (close) {BT2_CLOSE} - Delta_down(bt2) > 0, with "
+        "Delta_down(bt2) = (M(n*,n*) - M(bt2,bt2)) / M(n*,n*) (DMU Eq.7, new* = the independent "
+        "model bt2 was trained beside), i.e. M(bt2,bt2) above 95 % of M(n*,n*); (compatible, "
+        "BT^2's sense: BCT's criterion) M(bt2,o) - M(o,o) > 0",
+        checks,
+        rows,
+        results,
+        ("bt2",),
+    )
+
+
+def dsimplex_compatible_chain(results: dict, evidence: Evidence) -> dict:
+    checks, rows = Checks(evidence), []
+    for ts in results["test_sets"]:
+        if ts["scenario"] != "sequential" or "dsimplex" not in ts["methods"]:
+            continue
+        name = ts["name"]
+        oo = _s(evidence, name, "dsimplex", "m_oo")
+        no = _s(evidence, name, "dsimplex", "m_no")
+        if oo is None or no is None:
+            continue
+        c = checks.add(f"{name} ({ts['pair']})", _diff, a=no, b=oo)
+        row = {
+            "pair": ts["pair"],
+            "M(phi_i,phi_i)": _value(evidence, oo),
+            "M(phi_j,phi_i)": _value(evidence, no),
+            "M(phi_j,phi_i) - M(phi_i,phi_i)": c["difference"],
+            "verdict": c["verdict"],
+        }
+        ind_oo = _s(evidence, name, "independent", "m_oo")
+        ind_no = _s(evidence, name, "independent", "m_no")
+        if ind_oo is not None and ind_no is not None:
+            row["independent chain, same difference (context)"] = evidence.interval(
+                _diff, a=ind_no, b=ind_oo
+            ).to_dict()
+        rows.append(row)
+    return _field_claim(
+        "dsimplex-chain",
+        "d-Simplex (CoReS)",
+        "a fixed d-Simplex classifier keeps every generation compatible with its predecessors "
+        "without any old-model loss",
+        f"sequential scenario, the dsimplex chain (its own phi_1; every generation trained with "
+        f"the same fixed simplex head, loss=cores: no term involves the old model), {PRIMARY}, "
+        "paired: M(phi_j, phi_i) - M(phi_i, phi_i) > 0 for each step (2->1, 3->2) and across "
+        "both (3->1)",
+        checks,
+        rows,
+        results,
+        ("dsimplex",),
+        ("sequential",),
+    )
+
+
+def _baseline_criterion(label: str, paper: str):
+    """The compatibility criterion of a baseline without a headline claim of its own."""
+
+    def claim(results: dict, evidence: Evidence) -> dict:
+        checks, rows = Checks(evidence), []
+        for ts in _sets_with(results, label):
+            name = ts["name"]
+            if _diverged(ts, label):
+                checks.add_interval(f"{name}: {label} diverged", None, NOT_HELD)
+                continue
+            oo, no = _s(evidence, name, "m_oo"), _s(evidence, name, label, "m_no")
+            if oo is None or no is None:
+                continue
+            c = checks.add(name, _diff, a=no, b=oo)
+            rows.append(
+                {
+                    "test set": name,
+                    "M(o,o)": _value(evidence, oo),
+                    f"M({label},o)": _value(evidence, no),
+                    f"M({label},o) - M(o,o)": c["difference"],
+                    "verdict": c["verdict"],
+                }
+            )
+        return _field_claim(
+            f"{label}-criterion",
+            f"{paper} (baseline)",
+            f"{paper} as a compatibility baseline (no headline claim of its own): BCT's "
+            "criterion M(n,o) > M(o,o)",
+            f"per test set, {PRIMARY}: M({label},o) - M(o,o) > 0 (paired)",
+            checks,
+            rows,
+            results,
+            (label,),
+        )
+
+    claim.__name__ = f"{label}_criterion"
+    return claim
+
+
+lwf_criterion = _baseline_criterion("lwf", "LwF")
+fd_criterion = _baseline_criterion("fd", "FD")
+
+
 CLAIMS: tuple[Callable[[dict, Evidence], dict], ...] = (
     bct_independent_incompatible,
     bct_compatible,
@@ -570,6 +878,14 @@ CLAIMS: tuple[Callable[[dict, Evidence], dict], ...] = (
     dmu_adapted_beats_bct,
     rm_rank_merge,
     ndpp_p1,
+    lce_beats_bct,
+    unibct_beats_bct,
+    advbct_beats_bct,
+    bt2_close_and_compatible,
+    dsimplex_compatible_chain,
+    fct_beats_bct,
+    lwf_criterion,
+    fd_criterion,
 )
 
 

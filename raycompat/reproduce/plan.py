@@ -51,6 +51,8 @@ class Variant:
     # the scenarios it fits (None: every one); dsimplex needs an old model with its own simplex
     # head, which only its sequential chain trains
     scenarios: tuple | None = None
+    # training options that replace the scale's for this variant, as ((name, value), ...)
+    training: tuple = ()
 
     def method_options(self, scale: ScaleOptions) -> dict:
         opts = dict(self.options)
@@ -87,15 +89,28 @@ VARIANTS: dict[str, Variant] = {
         Variant("advbct", "advbct"),
         Variant("bt2", "bt2", paragon_option="independent_model", sequential=False),
         Variant("dsimplex", "dsimplex", head="dsimplex", scenarios=("sequential",)),
-        Variant("fct", "fct", init_from_paragon=True, sequential=False, cross="fct"),
+        # FCT's released configuration trains h with Adam at 5e-4: h's MSE on raw features
+        # diverges under the scale's SGD at 0.1 (the run of 2026-11-26)
+        Variant(
+            "fct",
+            "fct",
+            init_from_paragon=True,
+            sequential=False,
+            cross="fct",
+            training=(("optimizer", "adamw"), ("lr", 5e-4)),
+        ),
     )
 }
 
 #: The methods trained per scenario at ``--scale default`` when ``--methods`` is not given: every
-#: method on extended-data, and on the other scenarios what the headline claims need there (a
-#: Ray Train run costs ~15 s of start-up on a quiet 2-core machine, far more under load, so the
-#: full 49-run matrix does not fit the laptop budget). ``--methods all`` (and ``--scale cluster``)
-#: trains every method everywhere.
+#: method of the five papers on extended-data, and on the other scenarios what the headline claims
+#: need there (a Ray Train run costs ~15 s of start-up on a quiet 2-core machine, far more under
+#: load, so the full matrix does not fit the laptop budget). The field methods are trained once,
+#: where their claim is decided: lwf, fd, lce, advbct, bt2 and fct on extended-data, unibct on
+#: open-class (classes the old model never saw), dsimplex as a sequential chain. Estimate on a
+#: quiet 2-core machine (docs/reproduce.md, "Which methods the default run trains"): about 400 s
+#: more than the 1,025 s of the run of 2026-11-25, within the 30-minute budget.
+#: ``--methods all`` (and ``--scale cluster``) trains every method everywhere.
 DEFAULT_SCALE_METHODS = {
     "extended-data": (
         "independent",
@@ -108,11 +123,20 @@ DEFAULT_SCALE_METHODS = {
         "p2s",
         "ndpp",
         "odpp",
+        "lwf",
+        "fd",
+        "lce",
+        "advbct",
+        "bt2",
+        "fct",
     ),
-    "open-class": ("independent", "l2", "bct", "bct-kd", "bct-beta", "dmu"),
+    "open-class": ("independent", "l2", "bct", "bct-kd", "bct-beta", "dmu", "unibct"),
     "architecture": ("independent", "bct", "dmu"),
-    "sequential": ("independent", "bct", "dmu"),
+    "sequential": ("independent", "bct", "dmu", "dsimplex"),
 }
+#: The field's methods (docs/methods.md, Field methods; issue 31): each has one claim of its own
+#: (or, lwf and fd, the compatibility criterion as baselines)
+FIELD_METHODS = ("lwf", "fd", "lce", "unibct", "advbct", "bt2", "dsimplex", "fct")
 SEQUENTIAL_DEFAULT = DEFAULT_SCALE_METHODS["sequential"]
 
 
@@ -240,6 +264,18 @@ class ReproduceOptions:
         help="train every model this many times, with seeds --seed, --seed+1, ...; tables show "
         "the mean and spread across seeds and the intervals resample seeds and queries",
     )
+    seed_spread_from: str | None = option(
+        None,
+        help="the report.json of an earlier run with --seeds N (N > 1): beside every check of "
+        "this report, the seed-to-seed spread of its difference in that run; none: only a "
+        "--seeds N run of its own shows one",
+    )
+    class_scaling: tuple | None = option(
+        None,
+        help="training class counts, e.g. 100,200,400: extended-data trained with bct and the "
+        "independent model at each count (the same held-out queries and gallery), and a report "
+        "section with M(bct,o) - M(o,o) and its interval against the count; none: no such run",
+    )
     bootstrap: BootstrapOptions = option(
         BootstrapOptions(), help="the bootstrap intervals over queries (and seeds)"
     )
@@ -316,6 +352,15 @@ class ReproduceOptions:
                     "its old model must be trained with the same simplex head; only its "
                     "sequential chain trains one (docs/methods.md, Field methods)"
                 )
+            elif self.methods is not None and label not in self.methods:
+                why = "not requested (`--methods`)"
+            elif label not in self.requested(scenario) and label in FIELD_METHODS:
+                where = [s for s, m in DEFAULT_SCALE_METHODS.items() if label in m]
+                why = (
+                    f"the default-scale plan trains this field method only where its claim is "
+                    f"decided ({', '.join(where)}), to keep the default run within its 30-minute "
+                    "budget on 2 cores; `--methods all` trains it here"
+                )
             elif label not in self.requested(scenario):
                 why = (
                     "not in this scenario's default-scale plan (DEFAULT_SCALE_METHODS); "
@@ -341,8 +386,13 @@ class ReproduceOptions:
             )
         check_backbone(self.sizes.backbone, "--backbone")
         check_backbone(t.arch_backbone, "--arch-backbone")
+        if self.seed_spread_from is not None:
+            from raycompat.reproduce.spread import load_seed_spread
+
+            load_seed_spread(self.seed_spread_from)  # refused now, not after the training
         return dataclasses.replace(
             self,
+            class_scaling=self._class_counts(),
             scenarios=_names(self.scenarios, SCENARIOS, "--scenarios"),
             methods=None
             if self.methods is None
@@ -351,6 +401,27 @@ class ReproduceOptions:
             if self.sequential_methods is None
             else _names(self.sequential_methods, tuple(VARIANTS), "--sequential-methods"),
         )
+
+    def _class_counts(self) -> tuple | None:
+        """``--class-scaling`` as distinct increasing ints >= 2 (built-in glyphs only)."""
+        if self.class_scaling is None:
+            return None
+        flag = "--class-scaling"
+        raw = self.class_scaling
+        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        try:
+            counts = [int(str(v).strip()) for v in items if str(v).strip()]
+        except ValueError:
+            raise ConfigError(f"{flag}: {raw!r} must be comma-separated integers") from None
+        if len(counts) < 2 or min(counts) < 2 or len(set(counts)) != len(counts):
+            raise ConfigError(
+                f"{flag}: {raw!r} must name at least two distinct class counts, each >= 2"
+            )
+        if self.data.user:
+            raise ConfigError(
+                f"{flag} needs the built-in glyphs: your images fix their own training classes"
+            )
+        return tuple(sorted(counts))
 
 
 def _names(value, allowed: tuple, flag: str) -> tuple:

@@ -1,5 +1,7 @@
 """The reproduction report: tables shaped like the papers' (one row per method and test set),
-the claims table, hot-refresh plots for the RACT and RM claims; markdown + JSON + PNG."""
+the claims table (with what each verdict's interval holds and the seed-to-seed spread of every
+check), hot-refresh plots for the RACT and RM claims, and the class-scaling section; markdown +
+JSON + PNG."""
 
 from __future__ import annotations
 
@@ -128,18 +130,61 @@ def check_text(check: dict) -> str:
     return f"{check['check']}: {interval_text(d)}, n = {d['queries']} queries -> {check['verdict']}"
 
 
-def claims_table(claims: list[dict]) -> str:
-    return markdown_table(
-        ["paper", "claim", "verdict", "difference [95% interval], queries -> verdict, per check"],
-        [
+MEASURED_VERDICTS = ("held", "not held", "inconclusive")
+
+
+def seed_note(seeds: int) -> str:
+    """What a verdict's interval holds: the query sampling only (one seed), or the training too."""
+    if seeds > 1:
+        return f"{seeds} seeds: the interval holds query sampling and training variation"
+    return "1 seed: the interval holds query sampling only"
+
+
+def spread_text(check: dict, spread: dict | None, claim_id: str) -> str:
+    """One check's seed-to-seed spread (``spread``: :func:`.spread.seed_spread`): the standard
+    deviation of its difference across seeds and the per-seed values, flagged when this run's
+    difference lies within ``FRAGILE_SDS`` of them from 0 (the verdict may flip with the seed)."""
+    from raycompat.reproduce.spread import FRAGILE_SDS
+
+    if spread is None:
+        return "not measured"
+    got = spread["checks"].get(claim_id, {}).get(check["check"])
+    if got is None:
+        return "not in the spread run"
+    seeds = ", ".join(fmt(v) for v in got["per_seed"])
+    text = f"sd {fmt(got['sd'])} (per seed {seeds})"
+    d = check.get("difference") or {}
+    if d.get("value") is not None and abs(d["value"]) < FRAGILE_SDS * got["sd"]:
+        text += f"; within {FRAGILE_SDS:g} sd of 0: may flip with the seed"
+    return text
+
+
+def claims_table(claims: list[dict], seeds: int = 1, spread: dict | None = None) -> str:
+    """The claims with their verdicts (each with what its interval holds: :func:`seed_note`),
+    every check, and every check's seed-to-seed spread (:func:`spread_text`)."""
+    rows = []
+    for c in claims:
+        checks = c.get("checks", [])
+        note = f"<br>({seed_note(seeds)})" if c["verdict"] in MEASURED_VERDICTS else ""
+        rows.append(
             [
                 c["paper"],
                 c["claim"],
-                f"**{c['verdict']}**",
-                "<br>".join(check_text(x) for x in c.get("checks", [])) or c["explanation"],
+                f"**{c['verdict']}**{note}",
+                "<br>".join(check_text(x) for x in checks) or c["explanation"],
+                "<br>".join(spread_text(x, spread, c["id"]) for x in checks if x.get("difference"))
+                or "",
             ]
-            for c in claims
+        )
+    return markdown_table(
+        [
+            "paper",
+            "claim",
+            "verdict",
+            "difference [95% interval], queries -> verdict, per check",
+            "seed-to-seed spread, per check",
         ],
+        rows,
     )
 
 
@@ -331,12 +376,37 @@ def _uncertainty_line(report: dict) -> str:
         + (f" and of the {len(seeds)} training seeds {seeds}" if len(seeds) > 1 else "")
         + f"; comparisons are paired (the same draws on both sides). Test sets: {shown or 'none'}. "
         "A check is held when its interval excludes the opposite, not held when it excludes the "
-        "claim, inconclusive otherwise; a claim needs every check held."
+        "claim, inconclusive otherwise; a claim needs every check held. "
+        + _spread_line(len(seeds), report.get("seed_spread"))
     )
 
 
-def _claims_lines(claims: list[dict]) -> list[str]:
-    lines = ["## Claims", "", claims_table(claims), ""]
+def _spread_line(seeds: int, spread: dict | None) -> str:
+    """Where the seed-to-seed spread beside every check comes from (issue 28, point 5)."""
+    if seeds > 1:
+        return (
+            f"Training variation: {seed_note(seeds)}; the spread column gives each check's "
+            "per-seed differences and their standard deviation in this run."
+        )
+    head = f"Training variation: {seed_note(1)}, not the training variation."
+    if spread is None:
+        return (
+            f"{head} No seed-to-seed spread was measured for this report: a run with "
+            "`--seeds 2` measures it, and `--seed-spread-from <that run>/report.json` shows it "
+            "here beside every check."
+        )
+    return (
+        f"{head} The seed-to-seed spread beside every check comes from `{spread['source']}` "
+        f"(seeds {', '.join(map(str, spread['seeds']))}): the standard deviation of the check's "
+        "difference across those seeds; a check whose difference here lies within 2 sd of 0 "
+        "may change its verdict with the training seed."
+    )
+
+
+def _claims_lines(report: dict) -> list[str]:
+    claims = report["claims"]
+    seeds = len(report["results"].get("seeds") or [1])
+    lines = ["## Claims", "", claims_table(claims, seeds, report.get("seed_spread")), ""]
     for c in claims:
         lines += [
             f"### {c['paper']}: {c['claim']} -- {c['verdict']}",
@@ -435,8 +505,107 @@ def _models_lines(report: dict) -> list[str]:
 
 
 def render_markdown(report: dict) -> str:
-    lines = _intro_lines(report) + _claims_lines(report["claims"]) + _tables_lines(report)
-    if report["plots"]:
+    lines = _intro_lines(report) + _claims_lines(report) + _tables_lines(report)
+    lines += scaling_lines(report["results"].get("class_scaling"), report["plots"])
+    hot_refresh = [p for p in report["plots"] if os.path.basename(p) != SCALING_PLOT]
+    if hot_refresh:
         lines += ["## Hot refresh (RACT and RM claims)", ""]
-        lines += [f"![{os.path.basename(p)}]({p})\n" for p in report["plots"]]
+        lines += [f"![{os.path.basename(p)}]({p})\n" for p in hot_refresh]
     return "\n".join(lines + _models_lines(report)) + "\n"
+
+
+# -- the class-scaling run ---------------------------------------------------------------------
+SCALING_PLOT = "class_scaling.png"
+SCALING_HEADERS = [
+    "training classes",
+    "old / new training images",
+    "M(o,o)",
+    "M(bct,o)",
+    "M(bct,o) - M(o,o)",
+    "verdict",
+    "M(bct,bct)",
+    "M(n*,n*)",
+    "M(n*,o)",
+]
+
+
+def scaling_table(scaling: dict) -> str:
+    """One row per class count: every number with its interval, the difference and its
+    verdict; a count without numbers says why."""
+    rows = []
+    for r in scaling["rows"]:
+        head = [r["classes"], f"{r['old_train_images']} / {r['new_train_images']}"]
+        if not r["measured"]:
+            rows.append(head + [f"not measured: {r['reason']}"] + [None] * 6)
+            continue
+        numbers = [interval_text(r[k]) for k in ("m_oo", "m_bct_o", "difference")]
+        rest = [interval_text(r[k]) for k in ("m_bct_bct", "m_nstar", "m_nstar_o")]
+        rows.append(head + numbers + [f"**{r['verdict']}**"] + rest)
+    return markdown_table(SCALING_HEADERS, rows)
+
+
+def scaling_lines(scaling: dict | None, plots: list[str]) -> list[str]:
+    """The report's class-scaling section (none without ``--class-scaling``)."""
+    if not scaling:
+        return []
+    lines = [
+        "## Class scaling: BCT's criterion against the number of training classes",
+        "",
+        f"{scaling['scenario']}: at each count an old model (30 % of each class's images), "
+        "`bct` and the independent model (new*), trained at the scale's epochs and sizes; "
+        f"every count is measured on the same queries and gallery (query set "
+        f"`{scaling['query_set']}`, {scaling['metric']}), so the differences between counts are "
+        'paired too. Training classes are nested (docs/reproduce.md, "The class-scaling run").',
+        "",
+        scaling_table(scaling),
+        "",
+        f"What the run shows: {scaling['summary']}",
+        "",
+    ]
+    lines += [f"![{SCALING_PLOT}]({p})\n" for p in plots if os.path.basename(p) == SCALING_PLOT]
+    return lines
+
+
+def _errorbar(ax, rows: list[dict], key: str, **style) -> None:
+    x = [r["classes"] for r in rows]
+    y = [r[key]["value"] for r in rows]
+    err = [[v - r[key]["low"] for v, r in zip(y, rows, strict=True)]]
+    err.append([r[key]["high"] - v for v, r in zip(y, rows, strict=True)])
+    ax.errorbar(x, y, yerr=err, capsize=3, marker="o", **style)
+
+
+def plot_class_scaling(scaling: dict | None, out_dir: str) -> list[str]:
+    """``class_scaling.png``: M(bct,o) - M(o,o) with its interval against the number of
+    training classes (left), and the four retrieval numbers behind it (right)."""
+    rows = [r for r in (scaling or {}).get("rows", []) if r["measured"]]
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    _errorbar(axes[0], rows, "difference", color="tab:blue", label="M(bct,o) - M(o,o)")
+    axes[0].axhline(0.0, color="gray", linestyle=":")
+    axes[0].set(ylabel="difference (mAP@100)", title="BCT's criterion: held where above 0")
+    for key, label in (
+        ("m_oo", "M(o,o)"),
+        ("m_bct_o", "M(bct,o)"),
+        ("m_bct_bct", "M(bct,bct)"),
+        ("m_nstar", "M(n*,n*)"),
+    ):
+        _errorbar(axes[1], rows, key, label=label)
+    axes[1].set(ylabel="mAP@100", title="the numbers behind it")
+    counts = [r["classes"] for r in rows]
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_xlabel("training classes (extended-data)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    paths: list[str] = []
+    _save(fig, os.path.join(out_dir, SCALING_PLOT), True, paths)
+    return paths

@@ -39,11 +39,22 @@ from raycompat.metrics.bootstrap import Sample
 from raycompat.reproduce.evidence import Evidence
 from raycompat.reproduce.intervals import attach_intervals, merge_seeds
 from raycompat.reproduce.plan import VARIANTS, ReproduceOptions, Variant
+from raycompat.reproduce.scaling import (
+    QUERY_SET,
+    SCENARIO,
+    scaling_results,
+    scaling_scenario,
+    test_set_name,
+)
 
 CURVE_METRICS = ("mAP@100", "top1", "NFR@1")
 #: cross tests through a gallery transform of the stored old vectors (``m_nadapted``): DMU's psi,
 #: FCT's h
 ADAPTED_CROSS = ("adapted", "fct")
+#: the key of the ``--class-scaling`` run in a seed's plan, and its training priority (after
+#: every model of the scenarios; the largest count first)
+CLASS_SCALING = "class-scaling"
+SCALING_PRIORITY = 100.0
 #: Training order across scenarios (after the old models and the paragons): what the most
 #: claims need first, so that a run cut short by ``--train-budget-minutes`` still covers them;
 #: the architecture scenario's methods (a larger backbone, the slowest runs) come last.
@@ -293,7 +304,8 @@ class Reproduction:
                 init_model=paragon.path if variant.init_from_paragon else None,
                 head=variant.head,
                 embed_dim=embed_dim,
-            ),
+            )
+            | dict(variant.training),
             deps,
             priority=0.0
             if variant.label == "independent"
@@ -606,6 +618,102 @@ class Reproduction:
                 if samples is not None:
                     put(("pair", name, label, kind), samples, self.seed_index)
 
+    # -- the class-scaling run -----------------------------------------------------------------
+    def plan_class_scaling(self) -> list[dict]:
+        """extended-data at every ``--class-scaling`` count (:mod:`.scaling`): an old model,
+        new* and bct, planned like the extended-data scenario's (the scale's own count reuses
+        them), trained after every model of the scenarios, the largest count first."""
+        counts = self.opts.class_scaling
+        largest_first = sorted(counts, reverse=True)
+        return [
+            self._plan_scaling_point(classes, SCALING_PRIORITY + largest_first.index(classes))
+            for classes in counts
+        ]
+
+    def _plan_scaling_point(self, classes: int, priority: float) -> dict:
+        s, t = self.opts.sizes, self.opts.training
+        scenario = scaling_scenario(s, classes)
+        name = test_set_name(classes)
+        common = dict(backbone=s.backbone, split="new_train", epochs=t.new_epochs)
+        old = self.train(
+            name,
+            "old",
+            self.values(
+                scenario,
+                backbone=s.backbone,
+                method="independent",
+                split="old_train",
+                epochs=t.old_epochs,
+            ),
+            priority=priority,
+        )
+        trained = {}
+        for label in ("independent", "bct"):
+            v, needs_old = VARIANTS[label], label != "independent"
+            values = self.values(
+                scenario,
+                method=v.method,
+                method_options=v.method_options(t),
+                old_model=old.path if needs_old else None,
+                **common,
+            )
+            deps = (old,) if needs_old else ()
+            trained[label] = self.train(name, label, values, deps, priority=priority)
+        return dict(classes=classes, scenario=scenario, old=old, trained=trained)
+
+    def evaluate_class_scaling(self, points: list[dict]) -> None:
+        """Every count's old, new* and bct on the extended-data queries and gallery: per-query
+        samples to the evidence (test set :func:`.scaling.test_set_name`); no hot refresh."""
+        from raycompat.models import ModelBundle
+
+        for point in points:
+            scenario, old, trained = point["scenario"], point["old"], point["trained"]
+            if not all(ModelStore.done(m) for m in (old, *trained.values())):
+                continue
+            (q_labels, _), (g_labels, _) = scenario_eval_items(scenario)
+            self.evidence.add_query_set(QUERY_SET, q_labels)
+            news = {
+                label: (VARIANTS[label], ModelBundle.load(m.path), self.embed(m, scenario))
+                for label, m in trained.items()
+            }
+            measure_test_set(
+                name=test_set_name(point["classes"]),
+                scenario=SCENARIO,
+                pair="new -> old",
+                unseen_classes=False,
+                old=self.embed(old, scenario),
+                paragon=news["independent"][2],
+                news=news,
+                query_labels=q_labels,
+                gallery_labels=g_labels,
+                evidence=self.evidence,
+                seed_index=self.seed_index,
+                query_set=QUERY_SET,
+            )
+
+    def scaling_points(self, planned: list[dict]) -> list[dict]:
+        """Per count its training sizes and, when a model of any seed was not trained, why."""
+        points = []
+        for i, point in enumerate(planned[0][CLASS_SCALING]):
+            models = [
+                m
+                for seed in planned
+                for p in (seed[CLASS_SCALING][i],)
+                for m in (p["old"], *p["trained"].values())
+            ]
+            missing = [m for m in models if not ModelStore.done(m)]
+            points.append(
+                dict(
+                    classes=point["classes"],
+                    old_train_images=len(point["scenario"]["old_train"]),
+                    new_train_images=len(point["scenario"]["new_train"]),
+                    missing=f"{missing[0].key}: {missing[0].skipped or 'not trained'}"
+                    if missing
+                    else None,
+                )
+            )
+        return points
+
     # -- everything ------------------------------------------------------------------------
     def seeds(self) -> list[int]:
         return [self.opts.seed + i for i in range(self.opts.seeds)]
@@ -616,16 +724,15 @@ class Reproduction:
         planned = []
         for i, seed in enumerate(self.seeds()):
             self.seed, self.seed_index = seed, i
-            planned.append(
-                {
-                    name: (
-                        self.plan_sequential()
-                        if name == "sequential"
-                        else self.plan_pair_scenario(name)
-                    )
-                    for name in self.opts.scenarios
-                }
-            )
+            plans = {
+                name: self.plan_sequential()
+                if name == "sequential"
+                else self.plan_pair_scenario(name)
+                for name in self.opts.scenarios
+            }
+            if self.opts.class_scaling:
+                plans[CLASS_SCALING] = self.plan_class_scaling()
+            planned.append(plans)
         return planned
 
     def run(self) -> dict:
@@ -649,10 +756,16 @@ class Reproduction:
             for name, t in self.models.items()
             if not ModelStore.done(t)
         ]
+        scaling = None
+        if self.opts.class_scaling:
+            scaling = scaling_results(self.scaling_points(planned), self.evidence)
         return dict(
+            scenarios=list(self.opts.scenarios),
+            skipped={s: self.opts.skipped(s) for s in self.opts.scenarios},
             test_sets=test_sets,
             sequential=sequential,
             backfill=backfill,
+            class_scaling=scaling,
             models=self.model_rows(),
             not_trained=not_trained,
             seeds=self.seeds(),
@@ -666,7 +779,9 @@ class Reproduction:
         tag = f" (seed {self.seed})" if self.opts.seeds > 1 else ""
         for name, plan in planned.items():
             t = time.time()
-            if name == "sequential":
+            if name == CLASS_SCALING:
+                self.evaluate_class_scaling(plan)
+            elif name == "sequential":
                 seq_sets, sequential = self.evaluate_sequential(plan)
                 test_sets += seq_sets
             else:
@@ -728,9 +843,15 @@ def _metrics(d: dict) -> dict:
     return {k: float(v) for k, v in d.items() if not k.startswith("num_")}
 
 
-def diverged(embedded: EmbeddedSet) -> bool:
-    """A model whose training diverged (NaN loss) embeds to NaN: it cannot be searched."""
-    return not (np.isfinite(embedded.query).all() and np.isfinite(embedded.gallery).all())
+def diverged(embedded: EmbeddedSet, bundle=None) -> bool:
+    """A model whose training diverged (NaN loss) embeds to NaN, or has a module with a
+    non-finite weight (FCT's ``h``, DMU's ``psi``): it cannot be searched."""
+    if not (np.isfinite(embedded.query).all() and np.isfinite(embedded.gallery).all()):
+        return True
+    if bundle is None:
+        return False
+    tensors = (t for m in bundle.modules.values() for t in m.state_dict().values())
+    return not all(bool(t.isfinite().all()) for t in tensors if t.is_floating_point())
 
 
 def diverged_entry(variant: Variant) -> dict:
@@ -800,7 +921,7 @@ def measure_test_set(
     m_nstar = pair_metrics(paragon.query, paragon.gallery, "m_nstar")
     methods = {}
     for label, (variant, bundle, new) in news.items():
-        if diverged(new):
+        if diverged(new, bundle):
             methods[label] = diverged_entry(variant)
             continue
         if variant.cross == "rank_merge":
@@ -871,7 +992,7 @@ def hot_refresh(
 
     out = {}
     for label, (variant, bundle, new) in news.items():
-        if diverged(new):
+        if diverged(new, bundle):
             continue
         data = GalleryEmbeddings(
             gallery_labels=np.asarray(gallery_labels),

@@ -125,12 +125,13 @@ class BackfillController(UpgradeCommands):
         """The gallery source (ids, initial and new vectors; what the policies order)."""
         if self._gallery is None:
             from raycompat.serving.gallery_source import open_gallery
+            from raycompat.serving.scoring import adapted_transform
 
             mode = self.cfg.mode
             self._gallery = open_gallery(
                 self.cfg.gallery,
                 self.cfg.new_model,
-                need_adapted=mode == "adapted",
+                adapted=adapted_transform(mode),
                 need_rank_merge=mode == "rank_merge",
             )
         return self._gallery

@@ -72,14 +72,16 @@ class ParquetGallery(GallerySource):
     """Gallery rows of an embeddings parquet (columns item_id, label, split, old, new[, adapted]),
     read by :func:`raycompat.backfill.gallery.load_parquet`.
 
-    ``adapted`` vectors come from the column or, when a new model bundle with a ``psi``
-    module is given, from psi(old) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
+    ``adapted`` (:func:`raycompat.serving.scoring.adapted_transform`) says what an ``adapted``
+    item holds: ``"psi"``: the column or, when a new model bundle with a ``psi`` module is
+    given, psi(old); ``"fct"``: FCT's h(old) from the new bundle's ``fct`` module, never the
+    column (psi's) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
 
     def __init__(
         self,
         path: str,
         new_model: str | None = None,
-        need_adapted: bool = False,
+        adapted: str | None = None,
         need_rank_merge: bool = False,
     ):
         from raycompat.backfill.gallery import BackfillInputError, load_parquet
@@ -95,7 +97,9 @@ class ParquetGallery(GallerySource):
 
                 rank_merge_maps(new_model)  # names a missing model or module
                 data = apply_bundle_modules(data, ModelBundle.load(new_model))
-            if need_adapted and data.gallery_adapted is None:
+            if adapted == "fct":
+                data = _fct_as_adapted(data, new_model)
+            elif adapted == "psi" and data.gallery_adapted is None:
                 if not new_model:
                     raise ConfigError(
                         f"mode 'adapted' needs an 'adapted' column in {path} or a new model "
@@ -141,6 +145,35 @@ class ParquetGallery(GallerySource):
         return stored_new(
             self.data.gallery_new[rows_of(self._sorted, self._rows, ids)], self.new_map
         )
+
+
+def _fct_as_adapted(data, new_model: str | None):
+    """``data`` whose ``gallery_adapted`` (and ``gallery_fct``) is FCT's h(old), by the new
+    bundle's ``fct`` module applied as the simulator applies it; ``ConfigError`` naming the
+    missing model or module, or h's wrong output dimension."""
+    from types import SimpleNamespace
+
+    from raycompat.backfill.modes import apply_bundle_modules
+    from raycompat.models import ModelBundle
+
+    if not new_model:
+        raise ConfigError(
+            "mode 'fct' needs the option new_model: a bundle with an 'fct' module (FCT's h, "
+            "trained with --method fct)"
+        )
+    module = ModelBundle.load(new_model).modules.get("fct")
+    if module is None:
+        raise ConfigError(
+            f"mode 'fct': the new model {new_model} has no fct module (train it with --method fct)"
+        )
+    only_h = SimpleNamespace(modules={"fct": module})  # not psi, rho: only h is needed
+    h = apply_bundle_modules(data.with_arrays(gallery_fct=None), only_h).gallery_fct
+    if h.shape[1] != data.gallery_new.shape[1]:
+        raise ConfigError(
+            f"mode 'fct': the fct module of {new_model} maps to {h.shape[1]} dims, the "
+            f"gallery's new vectors have {data.gallery_new.shape[1]}"
+        )
+    return data.with_arrays(gallery_adapted=h, gallery_fct=h)
 
 
 class PipelineOutput(GallerySource):
@@ -303,15 +336,16 @@ _SYNTHETIC_FORM = "synthetic:N[:D_old[:D_new[:seed[:clusters]]]]"
 def open_gallery(
     spec: str,
     new_model: str | None = None,
-    need_adapted: bool = False,
+    adapted: str | None = None,
     need_rank_merge: bool = False,
 ) -> GallerySource:
     """``synthetic:N[:D_old[:D_new[:seed[:clusters]]]]`` or an embeddings parquet (a file, a
-    folder or a URI)."""
+    folder or a URI); ``adapted``: what an ``adapted`` item holds (:class:`ParquetGallery`; a
+    synthetic gallery draws its own ``adapted`` stream)."""
     if spec.startswith("synthetic:"):
         return _synthetic(spec)
     return ParquetGallery(  # a missing file or folder is named by the reader
-        spec, new_model=new_model, need_adapted=need_adapted, need_rank_merge=need_rank_merge
+        spec, new_model=new_model, adapted=adapted, need_rank_merge=need_rank_merge
     )
 
 

@@ -6,7 +6,8 @@ produced it.  For a model bundle it is the bundle's fingerprint
 (:func:`raycompat.pipeline.bundles.bundle_fingerprint`: SHA-256 of its manifest and weights,
 the value a new bundle's manifest records as its ``predecessor``).  Vectors that come from the
 gallery without a bundle get a fingerprint of where they come from (the gallery and its column),
-and the ``adapted`` vectors computed by the new bundle's psi one derived from that bundle's.
+and the ``adapted`` vectors computed by the new bundle's psi (FCT's h in the ``fct`` mode) one
+derived from that bundle's.
 The index knows one model per representation (:class:`ModelIdentities`, derived once into the
 serving plan); an upsert may name one of them, and is refused when it names another or a
 vector of another dimension.
@@ -108,8 +109,12 @@ def model_identities(cfg, dims: dict[str, int]) -> ModelIdentities:
         models.append(KnownModel(fp, rep, int(dims[rep]), source, path))
     if cfg.new_model and (cfg.mode != "adapted" or not _has_column(cfg.gallery, "adapted")):
         new_fp = models[1].fingerprint
+        transform = "fct" if cfg.mode == "fct" else "psi"  # fct: h, never the psi column
         adapted = KnownModel(
-            derived_fingerprint("psi", new_fp), "adapted", int(dims["adapted"]), "new_model's psi"
+            derived_fingerprint(transform, new_fp),
+            "adapted",
+            int(dims["adapted"]),
+            f"new_model's {transform}",
         )
     else:
         fp, source = from_gallery("adapted")

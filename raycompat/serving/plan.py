@@ -106,7 +106,8 @@ class ServingPlan:
 
     @property
     def initial_representation(self) -> str:
-        """What every item holds before the backfill: ``adapted`` in that mode, else ``old``."""
+        """What every item holds before the backfill: ``adapted`` in the adapted and fct modes,
+        else ``old``."""
         from raycompat.serving.scoring import initial_representation
 
         return initial_representation(self.config.mode)
@@ -137,11 +138,9 @@ def build_plan(cfg: ServingConfig) -> ServingPlan:
     """Open the gallery (and, in the ``rank_merge`` mode, the new bundle's rho and psi_rev) and
     derive the plan; ``ConfigError`` when the gallery, the bundles and the options disagree."""
     from raycompat.serving.gallery_source import open_gallery
-    from raycompat.serving.scoring import initial_representation
+    from raycompat.serving.scoring import adapted_transform
 
-    src = open_gallery(
-        cfg.gallery, cfg.new_model, need_adapted=initial_representation(cfg.mode) == "adapted"
-    )
+    src = open_gallery(cfg.gallery, cfg.new_model, adapted=adapted_transform(cfg.mode))
     query_dims = QueryDims(old=int(src.old_dim), new=int(src.new_dim))
     new_dim = _rank_merge_dim(cfg, query_dims) if cfg.mode == "rank_merge" else query_dims.new
     dims = RepDims(old=query_dims.old, adapted=query_dims.new, new=new_dim)

@@ -5,7 +5,8 @@ A query embedded by the new model ``q = phi_n(x)`` scores
 
 * an item stored as ``old`` with ``s(phi_n(q)[:D_c], phi_o(g))`` -- the compatible subspace
   (first ``D_c = compatible_dim`` dims, normalised after the cut; side ``new-old``),
-* an item stored as ``adapted`` with ``s(phi_n(q), psi(phi_o(g)))`` (side ``new-adapted``),
+* an item stored as ``adapted`` with ``s(phi_n(q), psi(phi_o(g)))`` (side ``new-adapted``);
+  in the ``fct`` mode it holds FCT's ``h(phi_o(g))`` instead (side ``new-fct``),
 * an item stored as ``new`` with ``s(phi_n(q), phi_n(g))`` (side ``new-new``).
 
 In the ``rank_merge`` mode (RM, docs/methods.md, "Query strategies") a ``new`` item holds
@@ -26,7 +27,8 @@ carries (``old_vectors``) or the router computes from the image, and a ``new`` i
 ``s(phi_n(q), phi_n(g))``.
 
 So the ``compatible``, ``rank_merge`` and ``naive_merge`` modes are "items start as old", the
-``adapted`` mode "items start as adapted"; the backfill moves them to ``new``.  A query embedded
+``adapted`` and ``fct`` modes "items start as adapted" (psi's or h's output:
+:func:`adapted_transform`); the backfill moves them to ``new``.  A query embedded
 by the *old* model (``model="old"``: clients not upgraded yet, and the old-old reference of NFR)
 scores old items only, with ``s(phi_o(q), phi_o(g))``.
 
@@ -42,15 +44,30 @@ from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
 
-__all__ = ["initial_representation", "query_sides", "rank_merge_maps", "stored_new"]
+__all__ = [
+    "adapted_transform",
+    "initial_representation",
+    "query_sides",
+    "rank_merge_maps",
+    "stored_new",
+]
+
+#: the new bundle's module whose output an ``adapted`` item holds, per mode that stores one
+ADAPTED_TRANSFORMS = {"adapted": "psi", "fct": "fct"}
 
 
 def initial_representation(mode: str) -> str:
-    """What an item holds before the backfill: ``adapted`` in the adapted mode, else ``old``
-    (``ValueError`` for a mode the live index does not serve)."""
+    """What an item holds before the backfill: ``adapted`` in the adapted and fct modes, else
+    ``old`` (``ValueError`` for a mode the live index does not serve)."""
     if mode not in SERVED_MODES:
         raise ValueError(f"mode {mode!r} is not served; allowed: {', '.join(SERVED_MODES)}")
-    return "adapted" if mode == "adapted" else "old"
+    return "adapted" if mode in ADAPTED_TRANSFORMS else "old"
+
+
+def adapted_transform(mode: str) -> str | None:
+    """The transform of the old vectors an ``adapted`` item holds in ``mode``: ``psi`` (DMU),
+    ``fct`` (FCT's h), or ``None`` where items start as ``old``."""
+    return ADAPTED_TRANSFORMS.get(mode)
 
 
 def rank_merge_maps(new_model: str | None) -> tuple[object, object]:

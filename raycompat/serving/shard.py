@@ -77,11 +77,11 @@ class ShardServer:
         """First start of the shard: its items from the gallery, in their initial
         representation (called by one replica, under the shard's write lock)."""
         from raycompat.serving.gallery_source import open_gallery
+        from raycompat.serving.scoring import adapted_transform
 
+        cfg = self.plan.config
         rep0 = self.plan.initial_representation
-        src = open_gallery(
-            self.plan.config.gallery, self.plan.config.new_model, need_adapted=rep0 == "adapted"
-        )
+        src = open_gallery(cfg.gallery, cfg.new_model, adapted=adapted_transform(cfg.mode))
         ids, vecs = src.initial_vectors(rep0, self.shard, self.n_shards)
         return rep0, ids, vecs
 
