@@ -30,7 +30,7 @@ def unit(a):
 
 
 def synthetic(seed=0, n=240, n_q=24, d_old=6, d_new=8, n_labels=8):
-    """Every array of every mode (adapted, rho, psi_rev), with a dimension change."""
+    """Every array of every mode (adapted, fct, rho, psi_rev), with a dimension change."""
     rng = np.random.default_rng(seed)
     mu = unit(rng.standard_normal((n_labels, d_new)))
     gl, ql = rng.integers(0, n_labels, n), rng.integers(0, n_labels, n_q)
@@ -45,6 +45,7 @@ def synthetic(seed=0, n=240, n_q=24, d_old=6, d_new=8, n_labels=8):
         gallery_new=gn,
         gallery_old=unit(mu[gl, :d_old] + 0.8 * rng.standard_normal((n, d_old))),
         gallery_adapted=unit(gn + 0.5 * rng.standard_normal((n, d_new))),
+        gallery_fct=unit(gn + 0.6 * rng.standard_normal((n, d_new))),
         gallery_rho=unit(gn[:, :5] + 0.2 * rng.standard_normal((n, 5))),
         query_rho=unit(qn[:, :5] + 0.2 * rng.standard_normal((n_q, 5))),
         query_rev=unit(qo + 0.3 * rng.standard_normal((n_q, d_old))),
@@ -161,7 +162,9 @@ def test_registries_derive_the_name_lists():
     )
     assert mode_spec("rank_merge", "sq_l2_raw").old_side == "rev-old:l2raw"
     data, _ = synthetic(0)
-    assert available_modes(data) == tuple(m for m in MODES if m != "fct")  # no h(phi_o(g))
+    assert available_modes(data) == MODES
+    data.gallery_fct = None  # no h(phi_o(g)): every mode but fct
+    assert available_modes(data) == tuple(m for m in MODES if m != "fct")
     assert "fct" in available_modes(data.with_arrays(gallery_fct=data.gallery_new))
     assert available_modes(data.with_arrays(gallery_adapted=None, query_rev=None)) == (
         "compatible",
