@@ -107,9 +107,9 @@ VARIANTS: dict[str, Variant] = {
 #: need there (a Ray Train run costs ~15 s of start-up on a quiet 2-core machine, far more under
 #: load, so the full matrix does not fit the laptop budget). The field methods are trained once,
 #: where their claim is decided: lwf, fd, lce, advbct, bt2 and fct on extended-data, unibct on
-#: open-class (classes the old model never saw), dsimplex as a sequential chain. Estimate on a
-#: quiet 2-core machine (docs/reproduce.md, "Which methods the default run trains"): about 400 s
-#: more than the 1,025 s of the run of 2026-11-25, within the 30-minute budget.
+#: open-class (classes the old model never saw), dsimplex as a sequential chain. Measured on
+#: 2026-11-26 (docs/reproduce.md, "The field methods' claims"): 1,508 s of training on a quiet
+#: 2-core machine, about 35 minutes in all, over the 30-minute budget (not trimmed yet).
 #: ``--methods all`` (and ``--scale cluster``) trains every method everywhere.
 DEFAULT_SCALE_METHODS = {
     "extended-data": (
