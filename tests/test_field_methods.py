@@ -161,6 +161,24 @@ def test_fd_new_indicator_uses_the_new_heads_prediction():
     assert float(got) == pytest.approx(_fd_direct(emb, old, BATCH_LABELS, correct, 1.0, 5.0))
 
 
+def test_fd_normalized_features_compare_unit_vectors():
+    module = build("fd", {"alpha": 1.0, "beta": 5.0, "indicator": "new", "features": "normalized"})
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, old = features(module, batch)
+    correct = []
+    for i, y in enumerate(BATCH_LABELS):
+        scores = [cos(emb[i], w) for w in module.head.weight]
+        correct.append(scores.index(max(scores)) == y)
+    unit_new = emb[:, :D_OLD] / emb[:, :D_OLD].norm(dim=1, keepdim=True)
+    unit_old = old / old.norm(dim=1, keepdim=True)
+    # summed over the dims, not averaged: 2 - 2 cos per sample
+    expected = D_OLD * _fd_direct(unit_new, unit_old, BATCH_LABELS, correct, 1.0, 5.0)
+    got = module.method.compat_loss(module, batch, emb)["fd"]
+    assert float(got) == pytest.approx(expected)
+    raw = module.method.options.__class__(indicator="new")
+    assert raw.features == "raw"  # the released code's form stays the default
+
+
 # -- lce -----------------------------------------------------------------------------------------
 def _old_space(module, train):
     with torch.no_grad():
@@ -444,8 +462,14 @@ def test_bt2_loss_matches_direct_computation():
     train = make_batch(TRAIN_LABELS, seed=7)
     with torch.no_grad():
         old_train = method.old.embedder(train.x_old)
-    pseudo = torch.stack([old_train[train.labels == c].mean(dim=0) for c in NEW_CLASSES])
-    assert torch.allclose(method.pseudo_classifier, pseudo, atol=1e-6)  # raw means, every class
+    unit = old_train / old_train.norm(dim=1, keepdim=True)
+    pseudo = torch.stack([unit[train.labels == c].mean(dim=0) for c in NEW_CLASSES])
+    # means of the normalised old features, every class (the released code's ResNet normalises)
+    assert torch.allclose(method.pseudo_classifier, pseudo, atol=1e-6)
+    raw = build("bt2", {"extra_dim": 3, "pseudo_features": "raw"}).method
+    raw.on_epoch_start(0, None)
+    raw_means = torch.stack([old_train[train.labels == c].mean(dim=0) for c in NEW_CLASSES])
+    assert torch.allclose(raw.pseudo_classifier, raw_means, atol=1e-6)
     batch = make_batch(BATCH_LABELS, seed=3)
     terms = module(batch)
     with torch.no_grad():

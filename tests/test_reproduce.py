@@ -21,7 +21,12 @@ from raycompat.reproduce import (
 )
 from raycompat.reproduce.claims import HELD, INCONCLUSIVE, NOT_HELD, NOT_MEASURED, NOT_RUN
 from raycompat.reproduce.job import parse_reproduce_options
-from raycompat.reproduce.plan import DEFAULT_SIZES
+from raycompat.reproduce.plan import (
+    DEFAULT_LEFT_OUT,
+    DEFAULT_SIZES,
+    FIELD_METHODS,
+    FIELD_PLAN,
+)
 from raycompat.reproduce.report import TABLE_HEADERS
 
 TINY_SIZES = dataclasses.replace(
@@ -243,6 +248,34 @@ def test_methods_all_plans_the_field_methods_where_they_fit(tmp_path):
         assert gen.values["head"] == "dsimplex" and gen.values["embed_dim"] == 15
     assert not any(name.startswith(("sequential/bt2", "sequential/fct")) for name in models)
     assert "paragon (new*) of its generation" in dict(opts.skipped("sequential"))["fct"]
+
+
+def test_default_plan_says_which_field_methods_it_leaves_out_and_why():
+    default = parse_reproduce_options([])
+    scenarios = default.scenarios
+    trained = {v.label for s in scenarios for v in default.method_plan(s)}
+    assert DEFAULT_LEFT_OUT and not set(DEFAULT_LEFT_OUT) & trained
+    assert set(FIELD_METHODS) - set(DEFAULT_LEFT_OUT) <= trained
+    decided = {m: s for s, methods in FIELD_PLAN.items() for m in methods}
+    for label in DEFAULT_LEFT_OUT:
+        why = dict(default.skipped(decided[label]))[label]
+        assert "30-minute budget" in why and f"`--methods {label},...`" in why
+        assert "`--methods field`" in why
+        asked = parse_reproduce_options(["--methods", f"independent,{label}"])
+        assert any(label in [v.label for v in asked.method_plan(s)] for s in scenarios)
+    # --methods field: each field method where its claim is decided, beside bct; no architecture
+    field = parse_reproduce_options(["--methods", "field"])
+    assert field.scenarios == ("extended-data", "open-class", "sequential")
+    plans = {s: [v.label for v in field.method_plan(s)] for s in field.scenarios}
+    assert plans == {
+        "extended-data": ["independent", "bct", "lwf", "fd", "lce", "advbct", "bt2", "fct"],
+        "open-class": ["independent", "bct", "unibct"],
+        "sequential": ["independent", "dsimplex"],
+    }
+    assert set(FIELD_METHODS) <= {m for p in plans.values() for m in p}
+    assert "`--methods field` plan" in dict(field.skipped("extended-data"))["dmu"]
+    with pytest.raises(ConfigError, match="--methods field trains in"):
+        parse_reproduce_options(["--methods", "field", "--scenarios", "architecture"])
 
 
 def test_merged_seeds_average_every_number():

@@ -12,8 +12,12 @@ layer) and ``raycompat.models.basis.BasisTransform`` gives ``v`` (``D_n``), the 
 
 - ``w_n`` is the run's head (``--head``) on ``v``; the released code's plain linear head on ``v``
   is ``--head softmax``;
-- ``P``: the pseudo-classifier, the class means of the raw ``phi_o(x)`` over the new training set
-  (every class; computed once, frozen; the old head is not used), as the released code;
+- ``P``: the pseudo-classifier, the class means of ``phi_o^(x)`` over the new training set (every
+  class; computed once, frozen; the old head is not used). The released code averages its old
+  model's output features, which its ResNet normalises (``norm_feature=True``), so its rows are
+  means of unit vectors; option ``pseudo_features=raw`` averages the raw ``phi_o(x)`` instead. Our
+  embedders' raw features are unnormalised (norm ~190 for the reproduction's old model), which
+  made ``b^ P^T`` logits of that size and collapsed the training (docs/methods.md, Field methods);
 - ``phi'_n``: a separately trained independent new model (``independent_model``, a bundle of
   ``D_n`` dims), frozen. Without one ``lambda_1 = 0``: a deviation from the paper's two-stage
   training, warned about when the run is configured.
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycompat.config import ConfigError, nonnegative, parse_options, positive
+from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
 from raycompat.methods.prototypes import class_prototypes
 from raycompat.models import BasisEmbedder, BasisTransform, ModelBundle
@@ -71,6 +75,7 @@ class BT2(CompatMethod):
         lambda_3: float = nonnegative(5.0)  # old model, cosine on b
         extra_dim: int = positive(32)  # A
         scale: float = positive(2.0)  # C
+        pseudo_features: str = choices("normalized", "raw", default="normalized")  # P's rows
         independent_model: str | None = None
 
     @classmethod
@@ -133,14 +138,21 @@ class BT2(CompatMethod):
         return BasisEmbedder(embedder, self.basis)
 
     def on_epoch_start(self, epoch, model):
-        """``P``: per class of the new training set, the mean raw ``phi_o(x)``; once."""
+        """``P``: per class of the new training set, the mean ``phi_o^(x)`` (or raw ``phi_o(x)``,
+        ``pseudo_features=raw``); once."""
         if self._ready:
             return
         old = self.old.embedder
+        unit = self.options.pseudo_features == "normalized"
+
+        def features(batch):
+            f = old(batch.x_old)
+            return F.normalize(f, dim=1) if unit else f
+
         means, _ = class_prototypes(
             self.context,
             len(self.context.new_classes),
-            {"old": (lambda batch: old(batch.x_old), self.old.embed_dim)},
+            {"old": (features, self.old.embed_dim)},
             modules=(old,),
         )
         self.pseudo_classifier.copy_(means["old"])

@@ -3,8 +3,8 @@ Model Updates", CVPR 2021; the OpenCompatible ``fd`` baseline; docs/methods.md, 
 
 A per-sample weighted feature distillation on the raw (unnormalised) features:
 
-``d_i = (1/D_o) * ||phi_n(x_i)[:D_o] - phi_o(x_i)||^2``, ``w_i = alpha + beta * 1_i``,
-``L_fd = mean_i w_i * d_i``, alpha = 1, beta = 5.
+``d_i = (1/D_o) * ||phi_n(x_i)[:D_o] - phi_o(x_i)||^2`` (``features=raw``),
+``w_i = alpha + beta * 1_i``, ``L_fd = mean_i w_i * d_i``, alpha = 1, beta = 5.
 
 The indicator ``1_i`` (option ``indicator``):
 
@@ -12,6 +12,14 @@ The indicator ``1_i`` (option ``indicator``):
   correctly, ``argmax w_o(phi_o(x_i)) == y_i`` (0 for a class the old head does not know); needs
   the old head, so an imported (head-less) old model is refused with a pointer to ``new``;
 - ``new`` (the released code): the new model's own prediction, ``argmax w_n(phi_n(x_i)) == y_i``.
+
+Option ``features``: ``raw`` (default, the released code) as above; ``normalized``:
+``d_i = ||phi_n^(x_i)[:D_o] - phi_o^(x_i)||^2 = 2 - 2 cos`` (summed, not averaged, over the dims:
+the mean over D_o of a unit vector's squares is too small to align anything). Raw distillation
+ties the new features to the old model's feature norm, which our cosine heads leave free (about
+190 for the reproduction's old model): the term is then ~160 times the classification loss,
+diverges under SGD at 0.1 and under AdamW neither aligns nor learns the classes; the reproduction
+trains ``features=normalized`` (docs/methods.md, Field methods).
 
 Predictions are the margin-free logits of the heads (``inference_logits``); the indicator carries
 no gradient. Dimension change: ``phi_n(x)[:D_o]`` is compared (BCT's compatible subspace).
@@ -22,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from raycompat.config import ConfigError, choices, nonnegative, parse_options
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
@@ -32,8 +41,8 @@ from raycompat.methods.lwf import check_old_head
 class FD(CompatMethod):
     name = "fd"
     description = (
-        "focal distillation (PCT): per-sample weighted MSE of raw features, weight alpha + beta "
-        "where the old (or new) model is right"
+        "focal distillation (PCT): per-sample weighted MSE of raw (or normalised) features, "
+        "weight alpha + beta where the old (or new) model is right"
     )
 
     @dataclass
@@ -42,6 +51,7 @@ class FD(CompatMethod):
         alpha: float = nonnegative(1.0)
         beta: float = nonnegative(5.0)
         indicator: str = choices("old", "new", default="old")
+        features: str = choices("raw", "normalized", default="raw")
 
     @classmethod
     def check_config(cls, cfg, old_manifest):
@@ -72,6 +82,10 @@ class FD(CompatMethod):
 
     def compat_loss(self, model, batch: TrainBatch, emb):
         old = self.old_features(batch.x_old)
-        distance = (self.compatible_part(emb) - old).pow(2).mean(dim=1)
+        new = self.compatible_part(emb)
+        if self.options.features == "normalized":  # ||a^ - b^||^2 = 2 - 2 cos(a, b)
+            distance = (F.normalize(new, dim=1) - F.normalize(old, dim=1)).pow(2).sum(dim=1)
+        else:
+            distance = (new - old).pow(2).mean(dim=1)
         weight = self.options.alpha + self.options.beta * self.congruent(model, batch, emb, old)
         return {"fd": (weight * distance).mean()}
