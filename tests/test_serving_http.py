@@ -1310,7 +1310,8 @@ def _check_against_acknowledged(app, n_shards, pool_ids, model, log) -> dict:
         for i, rep, v in zip(ids.tolist(), reps, vecs, strict=True):
             allowed = [model[i]] + maybe.get(i, [])
             match = [a for a in allowed if a[0] == rep and np.allclose(a[1], v, atol=1e-6)]
-            assert match, f"item {i}: served {rep}, acknowledged {model[i][0]}"
+            seen = [(kind, r) for kind, items in log for j, r, _ in items if j == i]
+            assert match, f"item {i}: served {rep}, acknowledged {model[i][0]}; this round {seen}"
             model[i] = match[0]
     return counts
 
@@ -1376,6 +1377,63 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
         assert totals["acked"] > 20 and totals["failed"] > 0
     finally:
         serve.delete("fault")
+
+
+def test_an_upsert_resent_after_its_replica_died_is_not_called_unapplied(
+    serve_port, gallery_parquet, token_file, tiny_fs
+):
+    """A replica logs and applies an upsert, then dies before it answers (held in the snapshot
+    that follows, here by a shared lock the test takes).  The router sends the part again; the
+    restarted replica finds the disk full.  The answer must not say that nothing was applied --
+    the first send was -- but that the outcome is unknown."""
+    import fcntl
+    import signal
+
+    from ray import serve
+
+    from raycompat.serving.placement import shard_of
+
+    fs = tiny_fs(4 << 20)
+    state = os.path.join(fs, "state")
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="resent",
+                       prefix="/resent", num_shards=2, snapshot_every=1)  # fmt: skip
+    try:
+        ids = load_parquet(gallery_parquet).gallery_ids
+        mine = ids[shard_of(ids, 2) == 0][:3]
+        shard_dir = os.path.join(state, "shard-0")
+        pid = next(s["pid"] for s in client.status()["shards"] if s["shard"] == 0)
+        vecs = np.eye(24, dtype=np.float32)[:3]
+        body = {"items": [{"id": int(i), "representation": "adapted", "vector": v.tolist()}
+                          for i, v in zip(mine, vecs, strict=True)]}  # fmt: skip
+        answer = {}
+
+        def post_upsert():
+            answer["r"] = post(client, "/admin/upsert", body, token=TOKEN)
+
+        held = os.open(os.path.join(shard_dir, "SNAPSHOT.lock"), os.O_RDWR)
+        fcntl.flock(held, fcntl.LOCK_SH)  # the replica's snapshot after the upsert waits here
+        th = threading.Thread(target=post_upsert)
+        th.start()
+        t0 = time.time()
+        while not [f for f in os.listdir(shard_dir) if f.startswith("upserts.log.rotated-")]:
+            assert time.time() - t0 < 60, "the upsert was never logged"  # logged, rotated, held
+            time.sleep(0.05)
+        tiny_fs.fill(fs)
+        os.kill(pid, signal.SIGKILL)
+        fcntl.flock(held, fcntl.LOCK_UN)
+        os.close(held)
+        th.join(timeout=120)
+        r = answer["r"]
+        assert r.status_code == 503, r.text
+        assert "nothing of shard" not in r.json()["error"], r.json()["error"]
+        assert "outcome of its 3 item(s) is unknown" in r.json()["error"], r.json()["error"]
+        os.unlink(os.path.join(fs, "filler"))
+        _wait_restarted(client, 0, pid)
+        reps, got = _shard_handle("resent", 0).lookup.remote(mine).result()
+        assert list(reps) == ["adapted"] * 3  # the first send had landed
+        np.testing.assert_allclose(got, vecs, atol=1e-6)
+    finally:
+        serve.delete("resent")
 
 
 def _wait_restarted(client, shard: int, old_pid: int, timeout: float = 120.0) -> None:

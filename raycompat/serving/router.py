@@ -262,13 +262,21 @@ class Router:
         """``handle.method(*args, **kw)``, waited for at most ``shard_timeout_s``; a call
         whose replica died is sent again (Serve then routes it to a live replica of the same
         deployment): every shard method is idempotent (docs/architecture.md, "Replicas")."""
+        return (await self.call_counting_sends(handle, method, *args, **kw))[0]
+
+    async def call_counting_sends(self, handle, method: str, *args, **kw) -> tuple[Any, int]:
+        """:meth:`call`, and how many times the call was sent: more than once means a replica
+        died with an earlier send, which may have taken effect before it died."""
         from ray.exceptions import RayActorError
 
         deadline = time.monotonic() + self.cfg.shard_timeout_s
+        sends = 0
         while True:
             response = getattr(handle, method).remote(*args, **kw)
+            sends += 1
             try:
-                return await asyncio.wait_for(response, timeout=deadline - time.monotonic())
+                timeout = deadline - time.monotonic()
+                return await asyncio.wait_for(response, timeout=timeout), sends
             except RayActorError:
                 if time.monotonic() + 0.05 >= deadline:
                     raise
@@ -471,22 +479,37 @@ class Router:
         """One shard's part of an upsert.  A failure says which ids of the request were
         already applied (they stay: an upsert is idempotent, so retrying it is safe; the body's
         ``applied_ids`` lists all of them) and that this shard applied nothing -- or, when the
-        shard died mid-call, that its part's outcome is unknown."""
+        shard died mid-call, that its part's outcome is unknown.  A disk refusal after a resend
+        is unknown too: the replica that died may have logged the first send."""
         done = f"; ids applied before it: {sorted(applied)[:20]}" if applied else ""
         extra = {"applied_ids": sorted(applied)}
+        unknown = (
+            f"the outcome of its {len(ids)} item(s) is unknown; "
+            f"retry the upsert (it is idempotent){done}"
+        )
         try:
-            res = await self.call(self.shards[shard], "upsert", ids, rep, vecs, model)
+            res, sends = await self.call_counting_sends(
+                self.shards[shard], "upsert", ids, rep, vecs, model
+            )
         except Exception as exc:
             raise ApiError(
                 503,
-                f"shard {shard} unavailable ({type(exc).__name__}): the outcome of its "
-                f"{len(ids)} item(s) is unknown; retry the upsert (it is idempotent){done}",
+                f"shard {shard} unavailable ({type(exc).__name__}): {unknown}",
                 "body.items",
                 headers={"Retry-After": "1"},
                 extra=extra,
             ) from None
         if "error" not in res:
             return res
+        if res.get("storage") and sends > 1:  # the replica that died may have logged it first
+            raise ApiError(
+                503,
+                f"{res['error']}, after a replica of shard {shard} died during an earlier "
+                f"try of this part: {unknown}",
+                "body.items",
+                headers={"Retry-After": "5"},
+                extra=extra,
+            )
         if res.get("storage"):
             raise ApiError(
                 503,
