@@ -29,6 +29,7 @@ cluster has GPUs and score on CUDA there.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import time
@@ -41,6 +42,7 @@ import numpy as np
 from raycompat.backfill.dataset import ParquetGallery
 from raycompat.backfill.embeddings_parquet import BackfillInputError, RowGroup
 from raycompat.backfill.gallery import GalleryEmbeddings
+from raycompat.backfill.reference_cache import with_reference
 from raycompat.console import format_eta
 
 __all__ = ["DistributedOptions", "DatasetRun", "simulate_backfill_dataset", "TASK_BLOCK_BYTES"]
@@ -118,6 +120,15 @@ def _gather_task(ctx: _Context, group: RowGroup, local: np.ndarray):
     t0 = time.perf_counter()
     ids, cols = ctx.dataset.read_block(group, ctx.columns)
     return ({c: v[local] for c, v in cols.items()}, ids[local]), _task_info(t0, group)
+
+
+def _digest_task(ctx: _Context, group: RowGroup):
+    """The digest of one row group's old gallery vectors (the reference cache's key)."""
+    from raycompat.backfill.reference_cache import array_digest
+
+    t0 = time.perf_counter()
+    _, cols = ctx.dataset.read_block(group, ["old"])
+    return array_digest([np.asarray(cols["old"], np.float32)]), _task_info(t0, group)
 
 
 def _policy_task(ctx: _Context, group: RowGroup, scorer):
@@ -365,6 +376,7 @@ def simulate_backfill_dataset(
     bootstrap=None,
     query_log=None,
     policy_options=None,
+    reference_cache=None,
 ):
     """:func:`raycompat.backfill.simulate_backfill` on a streamed parquet dataset, on Ray: the
     same curves, value for value (arguments as there; ``modules``: the new bundle's psi / rho
@@ -405,16 +417,43 @@ def simulate_backfill_dataset(
     )
     orders, policy_seconds = _dataset_orders(run, ctx, ctx_ref, plan, inputs, pairs_items, say)
     want_oo = reference_correct is None and small.query_old is not None
-    curves, static = sim._curve_specs(plan, orders, dataset.n_items, want_oo)
-    summaries = _summaries(run, ctx_ref, curves, builder, pairs_items, rank_merge_distance)
-    res = _ranks(run, ctx_ref, summaries, curves, block_bytes, debug)
-    stats = {"policy_seconds": policy_seconds, "distributed": _run_stats(run), "t_start": t_all}
+    use_cache = reference_cache is not None and want_oo
+    key = _reference_key(run, ctx_ref, small, plan.k) if use_cache else None
+    n_pairs = sim.n_positive_pairs(dataset.query_labels, dataset.gallery_labels)
+    cached = reference_cache.lookup(key, n_pairs) if use_cache else None
+    curves, static, derived = sim._curve_specs(
+        plan, orders, dataset.n_items, want_oo, cached is not None
+    )
+    scored = [c for c in curves if c.key not in derived]
+    summaries = _summaries(run, ctx_ref, scored, builder, pairs_items, rank_merge_distance)
+    res = _ranks(run, ctx_ref, summaries, scored, block_bytes, debug)
+    stats = {"policy_seconds": policy_seconds, "t_start": t_all}
+    if use_cache:
+        info = {"n_items": dataset.n_items, "n_queries": dataset.n_queries, "k": plan.k}
+        derived_specs = [c for c in curves if c.key in derived]
+        static = with_reference(reference_cache, key, cached, res, static, derived_specs, info)
+        stats["reference_cache"] = reference_cache.report(key)
+    stats["distributed"] = _run_stats(run)
     ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders, dataset.gallery_costs)
     result = ranked.result(dataset.n_queries, reference_correct, references, cost, stats)
     result.config["engine"] = "ray"
     if bootstrap is not None:
         result.add_intervals(bootstrap)
     return result
+
+
+def _reference_key(run: DatasetRun, ctx_ref, small, k: int) -> str:
+    """The reference cache key (:func:`~raycompat.backfill.reference_cache.reference_key`):
+    the old column of every row group digested by a task, in the dataset's order."""
+    from raycompat.backfill.reference_cache import reference_key
+
+    ds = run.dataset
+    jobs = [(g, ()) for g in ds.groups if g.gallery_rows]
+    digests = [""] * len(jobs)
+    for i, digest in run.map("reference key", _digest_task, ctx_ref, jobs):
+        digests[i] = digest
+    combined = hashlib.sha256(" ".join(digests).encode()).hexdigest()
+    return reference_key(combined, ds.gallery_labels, small.query_old, ds.query_labels, k)
 
 
 def _read_positives(run: DatasetRun, ctx: _Context):

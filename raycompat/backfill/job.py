@@ -157,6 +157,11 @@ class BackfillJobOptions:
     overwrite: bool = option(
         False, help="write into a report folder that holds another run's report"
     )
+    reference_cache: str = option(
+        "auto",
+        help="folder of old-old references, reused by any later run on the same old vectors, "
+        "queries, labels and k (auto: reference_cache beside the report folder; none: off)",
+    )
     plots: bool = option(True, help="write the PNG plots (--no-plots skips them)")
     quiet: bool = option(False, help="no progress messages")
 
@@ -478,6 +483,7 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
         bootstrap=opts.bootstrap,
         query_log=log,
         policy_options=opts.policy_options,
+        reference_cache=_reference_cache(opts, output, say),
     )
     if distributed:
         from raycompat.backfill.distributed import simulate_backfill_dataset
@@ -494,6 +500,22 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     if opts.canary:
         written["canary"] = _canary_curves(opts, result, data, new_bundle, output, distributed)
     return _published(written, output)
+
+
+def _reference_cache(opts: BackfillJobOptions, output, say):
+    """The :class:`ReferenceCache` of ``--reference-cache``, or None (``none``, or ``auto``
+    with a report going to a URI)."""
+    from raycompat.backfill.reference_cache import ReferenceCache
+
+    where = opts.reference_cache
+    if where == "none":
+        return None
+    if where == "auto":
+        if output.remote:
+            say("no reference cache for a report at a URI (give --reference-cache <folder>)")
+            return None
+        where = os.path.join(os.path.dirname(os.path.abspath(output.local)), "reference_cache")
+    return ReferenceCache(where, say)
 
 
 def _canary_curves(opts, result, data, new_bundle, output, distributed: bool) -> str:

@@ -69,6 +69,12 @@ from raycompat.backfill.policies import (
 from raycompat.backfill.query_log import LogSearches, QueryLog, memory_log_searches
 from raycompat.backfill.rank_metrics import METRIC_NAMES, metrics_from_ranks
 from raycompat.backfill.rank_plan import CurveSpec
+from raycompat.backfill.reference_cache import (
+    ReferenceCache,
+    array_digest,
+    reference_key,
+    with_reference,
+)
 from raycompat.metrics import auc, auc_gain, regression_stats
 from raycompat.metrics.bootstrap import Bootstrap, BootstrapOptions, Sample
 from raycompat.metrics.curves import auc_gain_note
@@ -386,9 +392,11 @@ def _build_orders(plan: _Plan, inputs: PolicyInputs, say: Callable[[str], None])
     return orders, seconds
 
 
-def _curve_specs(plan: _Plan, orders, n: int, want_old_old: bool):
+def _curve_specs(plan: _Plan, orders, n: int, want_old_old: bool, old_old_cached: bool = False):
     """The engine's curves: one per policy x hot mode (states at every grid point from the
-    order), one per cold mode, and the static references; returns ``(curves, references)``."""
+    order), one per cold mode, and the static references; returns ``(curves, references,
+    derived)``.  ``old_old_cached``: the old-old ranks come from the reference cache, so the
+    cold curve (old-old, then new-new) is ``derived`` from the references, not scored."""
     counts, ccounts = backfill_counts(plan.grid, n), cold_counts(plan.grid, n)
     curves: list[CurveSpec] = []
     for m in plan.modes:
@@ -398,14 +406,20 @@ def _curve_specs(plan: _Plan, orders, n: int, want_old_old: bool):
             continue
         for p in plan.policies:
             curves.append(CurveSpec((p, m), spec.old_side, spec.new_side, counts, orders[(p, m)]))
-    used = {s for c in curves for s in c.sides()}
+    derived = {
+        c.key
+        for c in curves
+        if old_old_cached and c.key[0] == COLD_POLICY and c.sides() == ["old-old", "new-new"]
+    }
+    used = {s for c in curves if c.key not in derived for s in c.sides()}
+    used |= {"new-new"} if derived else set()
     static = {}
     for name, side in (("old-old", "old-old"), ("new-new", "new-new"), ("new-old", "new-old")):
-        if (name == "old-old" and want_old_old) or side in used:
+        if (name == "old-old" and want_old_old and not old_old_cached) or side in used:
             static[name] = side
     for name, side in static.items():
         curves.append(CurveSpec(("reference", name), side, None, np.array([0])))
-    return curves, static
+    return curves, static, derived
 
 
 def _rank(
@@ -675,6 +689,7 @@ def simulate_backfill(
     bootstrap: BootstrapOptions | None = None,
     query_log: QueryLog | None = None,
     policy_options: PolicyOptions | None = None,
+    reference_cache: ReferenceCache | None = None,
 ) -> SimulationResult:
     """Exact backfill curves for every policy x mode (see the module docstring).
 
@@ -702,6 +717,8 @@ def simulate_backfill(
         query_log: a :class:`~raycompat.backfill.query_log.QueryLog` (``demand``,
             ``upgrade-on-read``, the weighted metrics); ``policy_options``: their options.
             The items' costs (``cost-aware``, the time axis) are ``data.item_costs``.
+        reference_cache: a :class:`~raycompat.backfill.reference_cache.ReferenceCache`: the
+            old-old reference is loaded from it when these inputs' is there, else stored.
     """
     t_all = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -723,14 +740,37 @@ def simulate_backfill(
     plan = _check_inputs(data, policies, modes, k, fractions, grid_step, reference_correct, inputs)
     orders, policy_seconds = _build_orders(plan, inputs, say)
     want_oo = reference_correct is None and data.query_old is not None
-    curves, static = _curve_specs(plan, orders, data.n_items, want_oo)
-    res = _rank(data, builder, curves, device=device, block_bytes=block_bytes, debug=debug, say=say)
+    use_cache = reference_cache is not None and want_oo
+    key = memory_reference_key(data, plan.k) if use_cache else None
+    n_pairs = n_positive_pairs(data.query_labels, data.gallery_labels) if use_cache else 0
+    cached = reference_cache.lookup(key, n_pairs) if use_cache else None
+    curves, static, derived = _curve_specs(plan, orders, data.n_items, want_oo, cached is not None)
+    scored = [c for c in curves if c.key not in derived]
+    res = _rank(data, builder, scored, device=device, block_bytes=block_bytes, debug=debug, say=say)
     stats = {"policy_seconds": policy_seconds, "t_start": t_all}
+    if use_cache:
+        info = {"n_items": data.n_items, "n_queries": data.n_queries, "k": plan.k}
+        derived_specs = [c for c in curves if c.key in derived]
+        static = with_reference(reference_cache, key, cached, res, static, derived_specs, info)
+        stats["reference_cache"] = reference_cache.report(key)
     ranked = RankedCurves(plan, curves, static, res, inputs, orders, data.item_costs)
     result = ranked.result(data.n_queries, reference_correct, references, cost, stats)
     if bootstrap is not None:
         result.add_intervals(bootstrap)
     return result
+
+
+def memory_reference_key(data: GalleryEmbeddings, k: int) -> str:
+    """The reference cache key of in-memory embeddings (:func:`reference_key`)."""
+    digest = array_digest([np.asarray(data.gallery_old, np.float32)])
+    return reference_key(digest, data.gallery_labels, data.query_old, data.query_labels, k)
+
+
+def n_positive_pairs(query_labels, gallery_labels) -> int:
+    """How many (query, gallery item) pairs share a label: the ranks' second dimension."""
+    from raycompat.backfill.rank_metrics import positive_pairs
+
+    return int(positive_pairs(query_labels, gallery_labels)[0].size)
 
 
 def _log_reads(log: QueryLog | None, data, builder, options: PolicyOptions, distance: str):
