@@ -173,13 +173,16 @@ def _pass_task(ctx: _Context, group: RowGroup, plan, seg_rows: np.ndarray):
     dev = _device()
     if dev.type != "cpu":
         plan = plan.for_blocks(dev)
-    builder = SideBuilder(ctx.block(group))
+    block = ctx.block(group)
+    read_s = time.perf_counter() - t0
+    vector_bytes = sum(v.nbytes for v in (block.gallery_old, block.gallery_new) if v is not None)
+    builder = SideBuilder(block)
     rows = {x: builder.side(x).gallery for x in plan.used}
     counts = block_pass_rows(plan, rows, group.g0, [s for s in seg_rows])
-    del builder, rows
+    del builder, rows, block
     release_memory()  # the row group's arrays go back to the OS before the next task
     info = _task_info(t0, group)
-    info["device"] = str(dev)
+    info.update(device=str(dev), read_s=read_s, vector_bytes=vector_bytes)
     return counts, info
 
 
@@ -621,6 +624,11 @@ def _rank_blocks(run: DatasetRun, ctx_ref, plan, say):
     return total.ranks()
 
 
+def _per_read_second(score_tasks: list[dict]) -> float | None:
+    secs = sum(t.get("read_s", 0.0) for t in score_tasks)
+    return sum(t.get("vector_bytes", 0) for t in score_tasks) / secs if secs else None
+
+
 def _run_stats(run: DatasetRun) -> dict[str, Any]:
     """Tasks, nodes, peak memory per worker and of the driver, bytes read, per step."""
     workers: dict[str, int] = {}
@@ -645,6 +653,9 @@ def _run_stats(run: DatasetRun) -> dict[str, Any]:
         "items_per_s": run.steps.get("score", {}).get("items", 0) / secs if secs else None,
         "task_seconds": {
             "score_total": float(sum(t["seconds"] for t in score)),
+            "score_read": float(sum(t.get("read_s", 0.0) for t in score)),
         },
+        #: float32 old and new vectors the score tasks read per second of reading (one core)
+        "read_float32_bytes_per_task_s": _per_read_second(score),
         "gpus_per_task": run.gpus_per_task,
     }
