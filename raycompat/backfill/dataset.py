@@ -80,6 +80,8 @@ class ParquetGallery:
     label_note: str | None = None
     #: every gallery item's backfill cost (``cost_column``), or None (1 for every item)
     gallery_costs: np.ndarray | None = None
+    #: a candidate's view (:meth:`candidate_view`): the column read as ``new``; None: no view
+    new_column: str | None = None
 
     @property
     def n_items(self) -> int:
@@ -118,7 +120,28 @@ class ParquetGallery:
 
     @property
     def vector_columns(self) -> list[str]:
+        """The vector columns, by their role (a candidate's view: ``old`` and ``new`` only)."""
+        if self.new_column is not None:
+            return ["old", "new"]
         return self.reader.vector_columns
+
+    def candidate_view(self, column: str) -> ParquetGallery:
+        """The dataset as a single-candidate simulation of the new vectors of ``column`` sees
+        it: ``column`` read as ``new``, no ``adapted`` (docs/simulator.md, "Several
+        candidates"); a missing column, or one holding another dimension than ``old``'s
+        kind of vectors, is named."""
+        if column not in self.columns:
+            raise BackfillInputError(
+                f"candidate column {column!r} is not in {self.source}; found {self.columns}"
+            )
+        view = replace(self, new_column=column, queries={})
+        view.queries = view._read_queries()
+        return view
+
+    def _physical(self, columns: list[str]) -> list[str]:
+        if self.new_column is None:
+            return list(columns)
+        return [self.new_column if c == "new" else c for c in columns]
 
     @property
     def uncertainty_columns(self) -> list[str]:
@@ -198,11 +221,14 @@ class ParquetGallery:
         plain list columns: the queries fix the dimension)."""
         columns = self.vector_columns
         parts = [
-            self.reader.read_group(g, columns, side=QUERY).values
+            self.reader.read_group(g, self._physical(columns), side=QUERY).values
             for g in self.groups
             if g.gallery_rows != g.rows
         ]
-        return {c: np.concatenate([p[c] for p in parts]) for c in columns}
+        return {c: np.concatenate([p[p_c] for p in parts]) for c, p_c in self._named(columns)}
+
+    def _named(self, columns: list[str]) -> list[tuple[str, str]]:
+        return list(zip(columns, self._physical(columns), strict=True))
 
     # ------------------------------------------------------------------ blocks
     def read_block(
@@ -211,8 +237,8 @@ class ParquetGallery:
         """``(item ids, {column: values})`` of the gallery rows of one row group: vector
         columns as float32 ``[n, D]``, uncertainty columns as float64 ``[n]``."""
         columns = self.vector_columns if columns is None else list(columns)
-        rows = self.reader.read_group(group, columns)
-        return rows.ids, rows.values
+        rows = self.reader.read_group(group, self._physical(columns))
+        return rows.ids, {c: rows.values[p] for c, p in self._named(columns)}
 
     def block_embeddings(
         self, group: RowGroup, queries: dict[str, np.ndarray], columns: list[str] | None = None

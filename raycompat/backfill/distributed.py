@@ -598,8 +598,9 @@ def _summaries(run, ctx_ref, curves, builder, items: np.ndarray, distance: str):
     return out
 
 
-def _rank_blocks(run: DatasetRun, ctx_ref, plan, say):
-    """Every row group's block pass, added up as the tasks finish; then the ranks."""
+def _rank_blocks(run: DatasetRun, ctx_ref, plan, say, task=None):
+    """Every row group's block pass (``task``, default :func:`_pass_task`), added up as the
+    tasks finish; then the ranks."""
     import ray
 
     from raycompat.backfill.assembly import CountsSum
@@ -619,7 +620,7 @@ def _rank_blocks(run: DatasetRun, ctx_ref, plan, say):
         f"scoring {len(plan.used)} side(s): {', '.join(plan.used)} "
         f"({ds.n_items:,} items x {ds.n_queries:,} queries, {len(jobs)} blocks)"
     )
-    for _, counts in run.map("score", _pass_task, ctx_ref, jobs):
+    for _, counts in run.map("score", task or _pass_task, ctx_ref, jobs):
         total.add(counts)
     return total.ranks()
 

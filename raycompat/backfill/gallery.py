@@ -37,6 +37,7 @@ from raycompat.backfill.embeddings_parquet import (
 __all__ = [
     "BackfillInputError",
     "GalleryEmbeddings",
+    "load_candidates",
     "load_item_costs",
     "load_parquet",
     "SPLITS",
@@ -307,6 +308,32 @@ def load_parquet(
         extra=extra,
         item_costs=gallery.values.get(cost_column) if cost_column else None,
     )
+
+
+def load_candidates(data: GalleryEmbeddings, path: str, columns: dict[str, str]) -> dict:
+    """``{name: GalleryEmbeddings}``: ``data`` (from :func:`load_parquet` of ``path``) once per
+    candidate, its ``new`` vectors from that candidate's column and no ``adapted`` vectors
+    (docs/simulator.md, "Several candidates"); a missing column is named."""
+    reader = EmbeddingsParquet.open(path)
+    missing = [c for c in columns.values() if c not in reader.columns]
+    if missing:
+        raise BackfillInputError(
+            f"candidate column(s) {missing} not in {reader.source}; found {reader.columns}"
+        )
+    wanted = sorted(set(columns.values()) - {"new"})
+    sides = _collect_sides(reader, wanted) if wanted else {}
+    out = {}
+    for name, col in columns.items():
+        if col == "new":
+            out[name] = replace(data, gallery_adapted=None)
+            continue
+        g, q = sides[GALLERY], sides[QUERY]
+        if not (np.array_equal(g.ids, data.gallery_ids) and np.array_equal(q.ids, data.query_ids)):
+            raise BackfillInputError(f"{reader.source} changed while it was being read")
+        out[name] = replace(
+            data, gallery_new=g.values[col], query_new=q.values[col], gallery_adapted=None
+        )
+    return out
 
 
 def load_item_costs(path: str, cost_column: str, gallery_ids: np.ndarray) -> np.ndarray:

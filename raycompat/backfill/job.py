@@ -69,6 +69,12 @@ class BackfillJobOptions:
         "policies; psi, fct, rho, psi_rev modules give the adapted, fct and "
         "rank_merge modes",
     )
+    candidates: str | None = option(
+        None,
+        help="several candidate models in one pass: comma-separated name=column (or column) of "
+        "the dataset's new-vector columns; each candidate's report goes to <out>/<name>, the "
+        "comparison to <out>/candidates.md (docs/simulator.md, 'Several candidates')",
+    )
     old_model: str | None = option(
         None, help="old model bundle (checked against the 'old' column's dimension)"
     )
@@ -453,6 +459,8 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     output = _output(opts)
     if not opts.embeddings:
         opts = dataclasses.replace(opts, embeddings=_embed_first(opts, output, say))
+    if opts.candidates:
+        return run_candidates(opts, output, say)
     # validate names before the (possibly long) loading
     req_policies = parse_policies(opts.policies) if opts.policies else None
     req_modes = parse_modes(opts.modes) if opts.modes else None
@@ -500,6 +508,84 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     if opts.canary:
         written["canary"] = _canary_curves(opts, result, data, new_bundle, output, distributed)
     return _published(written, output)
+
+
+def parse_candidates(text: str) -> dict[str, str]:
+    """``--candidates``: ``name=column`` or ``column`` items -> ``{name: column}``."""
+    from raycompat.backfill.candidates import check_candidates
+
+    out: dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",")):
+        name, _, column = item.partition("=")
+        name, column = name.strip(), (column or name).strip()
+        if not column or name in out:
+            raise ConfigError(f"--candidates: {item!r} is empty or repeats a name")
+        out[name] = column
+    check_candidates(out, "--candidates")
+    return out
+
+
+_NOT_WITH_CANDIDATES = ("new_model", "old_model", "query_log", "canary", "cost_column")
+
+
+def run_candidates(opts: BackfillJobOptions, output, say) -> dict[str, object]:
+    """Several candidates of one embeddings dataset in one pass: each one's reports in
+    ``<out>/<name>``, their comparison in ``candidates.md`` / ``candidates.json``."""
+    from raycompat.backfill.report import write_candidates_summary, write_reports
+
+    given = [f"--{f.replace('_', '-')}" for f in _NOT_WITH_CANDIDATES if getattr(opts, f)]
+    if given or opts.workload.zipf_exponent is not None:
+        raise ConfigError(
+            "--candidates takes new-vector columns of --embeddings only, not "
+            f"{given or ['a workload']}"
+        )
+    columns = parse_candidates(opts.candidates)
+    common = dict(
+        grid_step=opts.grid_step,
+        k=opts.k,
+        seed=opts.seed,
+        cost=_cost_model(opts, None, say),
+        references=_references(opts.newstar_metrics),
+        learned_sample_fraction=opts.learned_sample,
+        rank_merge_distance=opts.rank_merge_distance,
+        progress=say,
+        bootstrap=opts.bootstrap,
+        policy_options=opts.policy_options,
+        reference_cache=_reference_cache(opts, output, say),
+    )
+    say(f"candidates: {', '.join(f'{n} ({c})' for n, c in columns.items())}")
+    first = next(iter(columns.values()))
+
+    def names(probe):  # as a single run of the first candidate: what its inputs allow
+        policies = parse_policies(opts.policies) if opts.policies else None
+        policies = policies or _default_policies(probe, None, opts, None)
+        return policies, parse_modes(opts.modes) if opts.modes else available_modes(probe)
+
+    if _use_ray(opts, say):
+        from raycompat.backfill.dataset import ParquetGallery
+        from raycompat.backfill.distributed_candidates import simulate_candidates_dataset
+
+        ds = ParquetGallery.open(opts.embeddings)
+        policies, modes = names(ds.candidate_view(first).probe())
+        results = simulate_candidates_dataset(ds, columns, policies, modes, **common)
+    else:
+        from raycompat.backfill.candidates import simulate_candidates
+        from raycompat.backfill.gallery import load_candidates
+
+        say(f"loading {opts.embeddings}")
+        datas = load_candidates(load_parquet(opts.embeddings), opts.embeddings, columns)
+        policies, modes = names(next(iter(datas.values())))
+        device = None if opts.device == "auto" else opts.device
+        results = simulate_candidates(datas, policies, modes, device=device, **common)
+    name = os.path.basename(opts.embeddings.rstrip("/"))
+    written = {
+        n: write_reports(r, output.path(n), plots=opts.plots, title=f"Candidate {n}: {name}")
+        for n, r in results.items()
+    }
+    summary = write_candidates_summary(results, columns, written, output.local)
+    where = output.publish()
+    return {"json": summary["json"], "markdown": summary["markdown"], "plots": [],
+            "candidates": written, "destination": where}  # fmt: skip
 
 
 def _reference_cache(opts: BackfillJobOptions, output, say):

@@ -637,3 +637,54 @@ def write_reports(
 def load_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def write_candidates_summary(results: dict, columns: dict, written: dict, out_dir: str) -> dict:
+    """``candidates.json`` and ``candidates.md``: every candidate's column, report, static
+    references and the AUC of every curve with its interval, side by side."""
+    names = list(results)
+    first = results[names[0]]
+    payload = {"candidates": {}}
+    for n, r in results.items():
+        payload["candidates"][n] = {
+            "column": columns[n],
+            "report": written[n]["json"],
+            "references": r.references,
+            "reference_intervals": r.reference_intervals,
+            "auc": [
+                {
+                    "policy": c.policy,
+                    "mode": c.mode,
+                    "metric": m,
+                    "auc": c.summary.get(m, {}).get("auc"),
+                    "auc_interval": c.summary.get(m, {}).get("auc_interval"),
+                }
+                for c in r.curves
+                for m in r.metric_names
+            ],  # fmt: skip
+        }
+    jpath = write_json(os.path.join(out_dir, "candidates.json"), payload)
+    lines = [f"# Candidates: {', '.join(names)}", ""]
+    for m in (first.metric_names[0], "NFR@1"):
+        lines += [f"## AUC of {m} along the backfill", ""]
+        rows = []
+        for c in first.curves:
+            row = [c.policy, c.mode]
+            for n in names:
+                s = results[n].curve(c.policy, c.mode).summary.get(m, {})
+                row.append(_auc_text(s.get("auc"), s.get("auc_interval")))
+            rows.append(row)
+        lines += [markdown_table(["policy", "mode", *names], rows), ""]
+    lines += ["Reports: " + ", ".join(f"[{n}]({n}/curves.md)" for n in names), ""]
+    mpath = os.path.join(out_dir, "candidates.md")
+    with open(mpath, "w") as fh:
+        fh.write("\n".join(lines))
+    return {"json": jpath, "markdown": mpath}
+
+
+def _auc_text(auc, interval) -> str:
+    if auc is None:
+        return "n/a"
+    if not interval:
+        return f"{auc:.4f}"
+    return f"{auc:.4f} [{interval[0]:.4f}, {interval[1]:.4f}]"
