@@ -276,6 +276,10 @@ def test_default_plan_says_which_field_methods_it_leaves_out_and_why():
     assert "`--methods field` plan" in dict(field.skipped("extended-data"))["dmu"]
     with pytest.raises(ConfigError, match="--methods field trains in"):
         parse_reproduce_options(["--methods", "field", "--scenarios", "architecture"])
+    with pytest.raises(ConfigError, match="'field' .* stands alone"):
+        parse_reproduce_options(["--methods", "field,bct"])
+    with pytest.raises(ConfigError, match="'nope' is not allowed; .* or 'all' or 'field'"):
+        parse_reproduce_options(["--methods", "nope"])
 
 
 def test_merged_seeds_average_every_number():

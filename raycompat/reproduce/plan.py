@@ -402,9 +402,17 @@ class ReproduceOptions:
             from raycompat.reproduce.spread import load_seed_spread
 
             load_seed_spread(self.seed_spread_from)  # refused now, not after the training
-        field = self.methods is not None and _names(
-            self.methods, ("field",) + tuple(VARIANTS), "--methods"
-        ) == ("field",)
+        given = (
+            ()
+            if self.methods is None
+            else _names(self.methods, ("field",) + tuple(VARIANTS), "--methods", ("all", "field"))
+        )
+        if "field" in given and given != ("field",):
+            raise ConfigError(
+                "--methods: 'field' (the field methods' plan) stands alone; give it by itself, "
+                "or name the methods to train"
+            )
+        field = given == ("field",)
         scenarios = _names(self.scenarios, SCENARIOS, "--scenarios")
         if field:
             scenarios = tuple(s for s in scenarios if s in FIELD_PLAN)
@@ -448,7 +456,7 @@ class ReproduceOptions:
         return tuple(sorted(counts))
 
 
-def _names(value, allowed: tuple, flag: str) -> tuple:
+def _names(value, allowed: tuple, flag: str, words: tuple = ("all",)) -> tuple:
     if isinstance(value, (list, tuple)):
         names = list(value)
     else:
@@ -459,6 +467,6 @@ def _names(value, allowed: tuple, flag: str) -> tuple:
     if bad or not names:
         raise ConfigError(
             f"{flag}: {bad[0] if bad else 'empty'!r} is not allowed; allowed values: "
-            f"{list(allowed)} or 'all'"
+            f"{[a for a in allowed if a not in words]} or {' or '.join(map(repr, words))}"
         )
     return tuple(dict.fromkeys(names))
