@@ -462,7 +462,7 @@ def _names(value, allowed: tuple, flag: str, words: tuple = ("all",)) -> tuple:
     else:
         names = [n.strip() for n in str(value).split(",") if n.strip()]
     if names == ["all"]:
-        return tuple(allowed)
+        return tuple(a for a in allowed if a not in words)
     bad = [n for n in names if n not in allowed]
     if bad or not names:
         raise ConfigError(
