@@ -1,4 +1,4 @@
-"""The old-old reference, computed once and reused (docs/backfill.md, "The reference cache").
+"""The old-old reference, computed once and reused (docs/simulator.md, "The reference cache").
 
 Every simulation of an upgrade of one old gallery scores the same old-old search: old queries
 against old gallery vectors.  Its ranks (and so its mAP, top-1 and the per-query top-1
