@@ -248,6 +248,8 @@ def test_engine_paths_ties_band_and_tiles(seed, monkeypatch):
     monkeypatch.setattr(side_pass_mod, "SURVIVOR_TILE", int(rng.choice([1, 2, 4, 8])))
     # survivors located in per-query tables (a few thresholds) or by float64 keys (many)
     monkeypatch.setattr(thresholds_mod, "TABLE_MAX", int(rng.choice([0, 2, 32])))
+    # the fused survivor kernel (compiled C) or the torch filter and count
+    monkeypatch.setenv("RAYCOMPAT_FUSED_KERNEL", "1" if seed % 2 else "0")
     workers = int(rng.choice([1, 2, 3]))  # threads of a pass (per-worker histograms)
     ranking0 = np.lexsort((np.broadcast_to(np.arange(n), s_old.shape), -s_old), axis=-1)
     ref = gl[ranking0[:, 0]] == ql
@@ -297,6 +299,7 @@ def test_block_passes_one_at_a_time_add_up_to_compute_ranks(seed, monkeypatch):
         CurveSpec("new", "n", None, np.array([0])),
     ]
     monkeypatch.setattr(thresholds_mod, "TABLE_MAX", int(rng.choice([0, 32])))
+    monkeypatch.setenv("RAYCOMPAT_FUSED_KERNEL", "1" if seed % 2 else "0")
     cuts = np.unique(np.concatenate([[0, n], rng.integers(1, n, int(rng.integers(1, 6)))]))
     for band, debug in ((1.0, False), (1e9, False), (1.0, True)):
         kw = dict(

@@ -49,7 +49,7 @@ def write_shards(root, cols=None, plain_lists=False) -> str:
     for s, part in enumerate((slice(0, half), slice(half, None))):
         table = {}
         for k, v in cols.items():
-            if k not in ("old", "new", "adapted"):
+            if np.ndim(v) == 1:
                 table[k] = pa.array(v[part])
             elif plain_lists:
                 table[k] = pa.array(list(v[part]), type=pa.list_(pa.float64()))
@@ -326,3 +326,55 @@ def test_pipeline_output_names_a_nan_vector(tmp_path):
         f"[{cols['item_id'][row]}]: column 'new' of {root}/part-0.parquet "
         f"(row group {row // ROW_GROUP})"
     )
+
+
+def test_a_nan_in_a_candidate_column_is_named_by_the_block_read(tmp_path):
+    """A block's vectors are checked once, by the reader: a NaN in another candidate's column
+    names that column, the file and the row group (nothing downstream scans them again)."""
+    cols = _columns(6)
+    row = int(np.flatnonzero(cols["split"] != "query")[-2])  # part-1
+    cols["new_b"] = cols["new"] + 0.5
+    cols["new_b"][row, 1] = np.nan
+    root = write_shards(tmp_path / "emb", cols)
+    ds = ParquetGallery.open(root).candidate_view("new_b")
+    where = f"part-1.parquet (row group {_group_of(row)})"
+    group = next(g for g in ds.groups if g.name.endswith(where))
+    with pytest.raises(BackfillInputError) as err:
+        ds.block_embeddings(group, ds.query_arrays(), ["old", "new"])
+    assert str(err.value) == (
+        f"NaN or inf embeddings in gallery_new_b for 1 item(s), item ids "
+        f"[{cols['item_id'][row]}]: column 'new_b' of {root}/part-1.parquet "
+        f"(row group {_group_of(row)})"
+    )
+    other = next(g for g in ds.groups if g.gallery_rows and g is not group)
+    block = ds.block_embeddings(other, ds.query_arrays(), ["old", "new"])
+    assert np.isfinite(block.gallery_new).all()
+
+
+def _group_of(row: int) -> int:
+    return (row - (N + NQ) // 2) // ROW_GROUP
+
+
+def test_vector_columns_are_written_plain_and_read_back_bit_for_bit(tmp_path):
+    """Every writer of embeddings parquet (the pipeline, the simulator's gallery files) stores
+    vector columns uncompressed, without a dictionary; the other columns keep snappy."""
+    rng = np.random.default_rng(8)
+    data = GalleryEmbeddings(
+        gallery_labels=rng.integers(0, 3, 30),
+        query_labels=rng.integers(0, 3, 4),
+        gallery_old=rng.standard_normal((30, D_OLD)).astype(np.float32),
+        gallery_new=rng.standard_normal((30, D_NEW)).astype(np.float32),
+        query_old=rng.standard_normal((4, D_OLD)).astype(np.float32),
+        query_new=rng.standard_normal((4, D_NEW)).astype(np.float32),
+    )
+    path = write_gallery_parquet(str(tmp_path / "g.parquet"), data)
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    chunks = {meta.column(i).path_in_schema.split(".")[0]: meta.column(i) for i in range(5)}
+    for name in ("old", "new"):
+        assert chunks[name].compression == "UNCOMPRESSED", name
+        assert "RLE_DICTIONARY" not in chunks[name].encodings, name
+        assert not chunks[name].is_stats_set, name
+    assert chunks["label"].compression == "SNAPPY"
+    back = load_parquet(path)
+    assert back.gallery_new.tobytes() == data.gallery_new.tobytes()
+    assert back.query_old.tobytes() == data.query_old.tobytes()

@@ -50,7 +50,13 @@ class BlockCounts:
 
 
 def block_pass(
-    plan: RankPlan, sides: Mapping[str, Side], g0: int = 0, g1: int | None = None, *, progress=None
+    plan: RankPlan,
+    sides: Mapping[str, Side],
+    g0: int = 0,
+    g1: int | None = None,
+    *,
+    progress=None,
+    fused: bool | None = None,
 ) -> BlockCounts:
     """Score gallery rows ``g0:g1`` against every query for each pass side, histogram the
     scores against the positives' thresholds per segment, and resolve the near-ties exactly
@@ -61,7 +67,7 @@ def block_pass(
     if not 0 <= g0 < g1 <= plan.n_items:
         raise ValueError(f"gallery block {g0}:{g1} is not inside 0:{plan.n_items}")
     rows = {x: sides[x].gallery[g0:g1] for x in plan.used}
-    return block_pass_rows(plan, rows, g0, plan.segs.rows(g0, g1), progress=progress)
+    return block_pass_rows(plan, rows, g0, plan.segs.rows(g0, g1), progress=progress, fused=fused)
 
 
 def block_pass_rows(
@@ -71,10 +77,13 @@ def block_pass_rows(
     seg_rows: Sequence[np.ndarray],
     *,
     progress=None,
+    fused: bool | None = None,
 ) -> BlockCounts:
     """:func:`block_pass` given only the block: ``gallery_rows[x]`` holds gallery rows
     ``g0:g0+n`` of pass side ``x`` (float32 ``[n, D]``), ``seg_rows[si]`` their segment in
-    segmentation ``si``.  What a remote task runs (with :meth:`RankPlan.for_blocks`)."""
+    segmentation ``si``.  What a remote task runs (with :meth:`RankPlan.for_blocks`).
+    ``fused``: the CPU filter and count through the fused kernel (``None``: where it
+    compiles; :class:`raycompat.backfill.side_pass.SidePass`)."""
     n = len(seg_rows[0]) if seg_rows else next(iter(gallery_rows.values())).shape[0]
     g1 = int(g0) + n
     if not 0 <= g0 < g1 <= plan.n_items:
@@ -88,17 +97,19 @@ def block_pass_rows(
                 f"{plan.queries[xname].shape[1]}], got {rows.dtype} {rows.shape}"
             )
         report = None if progress is None else (lambda frac, _x=xname: progress(_x, frac))
-        out[xname] = _side_block_pass(plan, xname, rows, int(g0), seg_rows, report)
+        out[xname] = _side_block_pass(plan, xname, rows, int(g0), seg_rows, report, fused)
     return BlockCounts(g0=int(g0), g1=g1, sides=out)
 
 
 def _side_block_pass(
-    plan: RankPlan, xname: str, rows: np.ndarray, g0: int, seg_rows, progress
+    plan: RankPlan, xname: str, rows: np.ndarray, g0: int, seg_rows, progress, fused=None
 ) -> SideCounts:
     """:func:`block_pass_rows` for one side: the blockwise float32 pass, then the exact ties."""
     t0 = time.perf_counter()
     seg_ids = plan.seg_ids(xname)
-    sp = SidePass(plan.merged[xname], seg_ids, plan.segs, seg_rows, plan.workers, plan.device, g0)
+    sp = SidePass(
+        plan.merged[xname], seg_ids, plan.segs, seg_rows, plan.workers, plan.device, g0, fused
+    )
     sp.progress = progress
     queries = plan.queries[xname]
     with fp32_matmul(), torch.no_grad():
@@ -118,6 +129,7 @@ def _side_block_pass(
         "dim": int(queries.shape[1]),
         "thresholds_per_query": plan.merged[xname].tmax,
         "workers": sp.workers,
+        "fused": sp.kernel is not None,
         **sp.stats(),
     }
     # a block's bucket counts are at most its rows: int32 halves what a task sends back

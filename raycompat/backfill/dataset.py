@@ -244,9 +244,11 @@ class ParquetGallery:
         self, group: RowGroup, queries: dict[str, np.ndarray], columns: list[str] | None = None
     ) -> GalleryEmbeddings:
         """The gallery rows of one row group with the (query-sized) ``queries`` arrays, as a
-        :class:`GalleryEmbeddings` (labels are not needed by a block pass: all 0)."""
+        :class:`GalleryEmbeddings` (labels are not needed by a block pass: all 0).  The reader
+        has checked the vectors for NaN/inf; they are not scanned twice."""
         ids, cols = self.read_block(group, columns)
         n = ids.size
+        checked = tuple(f"gallery_{c}" for c in ("old", "new", "adapted") if c in cols)
         try:
             return GalleryEmbeddings(
                 gallery_labels=np.zeros(n, dtype=np.int64),
@@ -260,6 +262,7 @@ class ParquetGallery:
                 source=group.name,
                 extra=_stored_uncertainty(cols),
                 item_costs=cols.get(self.cost_column) if self.cost_column else None,
+                checked_finite=checked,
                 **queries,
             )
         except BackfillInputError as exc:

@@ -365,6 +365,7 @@ class EmbeddingsParquet:
             table, kind = table.take(keep), kind[keep]
         ids = table.column("item_id").to_numpy().astype(np.int64)
         values: dict[str, np.ndarray] = {}
+        vectors = []
         for c in columns:
             if c == self.cost_column:
                 values[c] = cost_values(table, c, ids, kind, where)
@@ -372,7 +373,8 @@ class EmbeddingsParquet:
                 values[c] = table.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
             else:
                 values[c] = self._vectors(table, c, ids, where)
-        _check_finite(values, ids, kind, where)
+                vectors.append(c)
+        _check_finite({c: values[c] for c in vectors}, ids, kind, where)
         return Rows(ids, kind, values)
 
     def _vectors(self, table, column: str, ids: np.ndarray, where: str) -> np.ndarray:
@@ -711,9 +713,11 @@ def vector_values(table, name: str, ids: np.ndarray, where: str) -> np.ndarray:
 
 
 def _check_finite(values: dict, ids: np.ndarray, kind: np.ndarray, where: str) -> None:
-    """No NaN/inf vector (gallery rows first, then queries; a query's ``adapted`` value is a
-    placeholder nobody reads): the error names the array, the ids, the column and ``where``."""
-    bad = {c: nonfinite_rows(v) for c, v in values.items() if c in VECTOR_COLUMNS}
+    """No NaN/inf in any vector column read (gallery rows first, then queries; a query's
+    ``adapted`` value is a placeholder nobody reads): the error names the array, the ids, the
+    column and ``where``.  The one check of a block's vectors
+    (:meth:`raycompat.backfill.dataset.ParquetGallery.block_embeddings` does not repeat it)."""
+    bad = {c: nonfinite_rows(v) for c, v in values.items()}
     for side in (GALLERY, QUERY):
         for c, rows in bad.items():
             hit = rows & (kind == side)

@@ -14,7 +14,7 @@ the offending item ids), duplicate ids, unknown split values.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 
 import numpy as np
 
@@ -83,8 +83,11 @@ class GalleryEmbeddings:
     extra: dict[str, object] = field(default_factory=dict)
     item_costs: np.ndarray | None = None
     gallery_fct: np.ndarray | None = None
+    #: arrays whose values the caller has already checked for NaN/inf (a parquet block's
+    #: vectors, checked by the reader); not kept: a copy (``dataclasses.replace``) checks all
+    checked_finite: InitVar[tuple[str, ...]] = ()
 
-    def __post_init__(self):
+    def __post_init__(self, checked_finite: tuple[str, ...] = ()):
         self.gallery_labels = np.asarray(self.gallery_labels)
         self.query_labels = np.asarray(self.query_labels)
         if self.gallery_ids is None:
@@ -114,7 +117,7 @@ class GalleryEmbeddings:
                 setattr(self, name, a)
         if self.item_costs is not None:
             self.item_costs = np.asarray(self.item_costs, dtype=np.float64)
-        self.validate()
+        self.validate(checked_finite)
 
     def costs(self) -> np.ndarray:
         """Every item's backfill cost: ``item_costs``, or 1 for every item."""
@@ -153,11 +156,12 @@ class GalleryEmbeddings:
         return None
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> None:
-        """Raise :class:`BackfillInputError` naming the first problem found."""
+    def validate(self, checked_finite: tuple[str, ...] = ()) -> None:
+        """Raise :class:`BackfillInputError` naming the first problem found (arrays named in
+        ``checked_finite`` are not scanned for NaN/inf again)."""
         self._check_shapes()
         self._check_dims()
-        self._check_values()
+        self._check_values(checked_finite)
 
     def _check_shapes(self) -> None:
         """Labels, ids and every array have one row per item (or query)."""
@@ -218,8 +222,8 @@ class GalleryEmbeddings:
                     f"compatible_dim={self.compatible_dim} must be in [1, D_new={nd}]"
                 )
 
-    def _check_values(self) -> None:
-        """No NaN or inf embedding; no duplicate item id."""
+    def _check_values(self, checked_finite: tuple[str, ...] = ()) -> None:
+        """No NaN or inf embedding (but in ``checked_finite``); no duplicate item id."""
         for name in (
             "gallery_old",
             "gallery_new",
@@ -232,7 +236,7 @@ class GalleryEmbeddings:
             "query_rev",
         ):
             a = getattr(self, name)
-            if a is None:
+            if a is None or name in checked_finite:
                 continue
             bad = nonfinite_rows(a)
             if bad.any():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from raycompat.backfill.blocks import nonzero_2d, release_memory, rows_at_least
+from raycompat.backfill.fused_kernel import BandBuffer, count_block, fused_enabled, load_kernel
 from raycompat.backfill.rank_plan import Segmentations
 from raycompat.backfill.thresholds import MergedThresholds
 
@@ -106,6 +107,7 @@ class SidePass:
         workers: int,
         device: torch.device,
         g0: int = 0,
+        fused: bool | None = None,
     ):
         self.mx = mx
         self.n_segs = segs.sizes
@@ -134,6 +136,7 @@ class SidePass:
         self.progress = None
         self._lock = threading.Lock()
         self._done = 0
+        self._set_kernel(fused)
         self._w = [
             {
                 "survivors": 0,
@@ -147,6 +150,29 @@ class SidePass:
             }
             for _ in range(self.workers)
         ]
+
+    def _set_kernel(self, fused: bool | None) -> None:
+        """The fused filter-and-count kernel on CPU (:mod:`raycompat.backfill.fused_kernel`):
+        ``fused=None`` uses it where it compiles (unless ``RAYCOMPAT_FUSED_KERNEL=0``),
+        ``False`` keeps the torch filter and count, ``True`` requires it."""
+        self.kernel = None
+        if self.device.type != "cpu" or fused is False or (fused is None and not fused_enabled()):
+            return
+        self.kernel = load_kernel()
+        if self.kernel is None and fused:
+            raise RuntimeError("the fused survivor kernel could not be compiled (see the log)")
+        if self.kernel is None:
+            return
+        mx = self.mx
+        self.tables = {
+            "lo_min": mx.lo_min,
+            "off": mx.off,
+            "lo": mx.lo_edges,
+            "hi": mx.hi_edges,
+            "width": mx.width,
+        }
+        self.bases = np.array(list(self.base.values()), dtype=np.int64)
+        self.buffers = [BandBuffer() for _ in range(self.workers)]
 
     def begin(self) -> None:
         """Start the stage clocks (a worker's matrix-product time runs until its block arrives)."""
@@ -167,6 +193,12 @@ class SidePass:
         if w["blocks"] % 4 == 3:
             release_memory()
         w["blocks"] += 1
+        if self.kernel is not None:
+            self._fused_block(slot, q0, g0, g1, S)
+            w["seconds_count"] += time.perf_counter() - tb
+            self._report(q1 - q0, g1 - g0)
+            w["t_end"] = time.perf_counter()
+            return
         found = _survivors(S, self.lo_min[q0:q1], use_tiles)
         tc = time.perf_counter()
         w["seconds_filter"] += tc - tb
@@ -179,11 +211,26 @@ class SidePass:
             w["survivors"] += int(r.numel())
             self._count(slot, r + q0, col, g0, g1, vals)  # rows of the block, not global
         w["seconds_count"] += time.perf_counter() - tc
+        self._report(q1 - q0, g1 - g0)
+        w["t_end"] = time.perf_counter()
+
+    def _report(self, rows: int, cols: int) -> None:
         if self.progress is not None:
             with self._lock:
-                self._done += (q1 - q0) * (g1 - g0)
+                self._done += rows * cols
                 self.progress(self._done / self.total)
-        w["t_end"] = time.perf_counter()
+
+    def _fused_block(self, slot: int, q0: int, g0: int, g1: int, S: torch.Tensor) -> None:
+        """:meth:`block` through the fused kernel: filter, locate and count in one pass."""
+        seg_cols = [self.seg_t[si][g0:g1] for si in self.base]
+        acc, buf, kernel = self.acc[slot], self.buffers[slot], self.kernel
+        survivors, band = count_block(kernel, S, q0, self.tables, seg_cols, self.bases, acc, buf)
+        w = self._w[slot]
+        w["survivors"] += survivors
+        if band is not None:
+            col, vals, b_hi, b_lo = band
+            w["band_entries"] += int(col.size)
+            self.band.append((col + (g0 + self.offset), vals, b_hi, b_lo))
 
     def _count(
         self, slot: int, qg: torch.Tensor, col: torch.Tensor, g0: int, g1: int, vals: torch.Tensor

@@ -132,6 +132,8 @@ class MergedThresholds:
         np.add.at(off, self.sorted_q + 1, 1)
         self.off = np.cumsum(off)
         lo, hi = self._edges(v[order], d[order])
+        # float32 edges in merged order (what the fused kernel searches per query)
+        self.lo_edges, self.hi_edges = np.ascontiguousarray(lo), np.ascontiguousarray(hi)
         self.lo_min = np.full(n_queries, np.inf, dtype=np.float32)
         has = self.off[1:] > self.off[:-1]
         self.lo_min[has] = lo[self.off[:-1][has]]

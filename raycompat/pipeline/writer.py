@@ -24,6 +24,7 @@ import numpy as np
 # NODE_PREFIX: internal batch columns ``__node_new``, ``__node_old``, ``__node_adapt``, the Ray
 # node id that ran an embedding stage on each row; recorded per shard, never stored as data.
 from raycompat.pipeline.stages import NODE_PREFIX
+from raycompat.vector_parquet import write_options
 
 SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 META_KEY = b"raycompat.chunk"
@@ -179,7 +180,8 @@ class ShardStore:
         }
         schema = self.schema.with_metadata({META_KEY: json.dumps(info).encode()})
         table = pa.Table.from_arrays(arrays, schema=schema)
-        self.out.write(shard_name(chunk), lambda fh: pq.write_table(table, fh))
+        options = write_options(table.schema)
+        self.out.write(shard_name(chunk), lambda fh: pq.write_table(table, fh, **options))
         return info
 
 

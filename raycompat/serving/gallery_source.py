@@ -22,6 +22,7 @@ import numpy as np
 from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
 from raycompat.serving.placement import _mix, shard_of
+from raycompat.vector_parquet import write_options
 
 __all__ = [
     "GallerySource",
@@ -392,5 +393,6 @@ def write_gallery_parquet(path: str, data, items: dict | None = None) -> str:
     for name, values in (items or {}).items():
         cols[name] = pa.array(np.asarray(values))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(pa.table(cols), path)
+    table = pa.table(cols)
+    pq.write_table(table, path, **write_options(table.schema))
     return path
