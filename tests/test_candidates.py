@@ -103,8 +103,14 @@ def test_on_ray_each_candidate_equals_its_own_run_with_one_read(tmp_path, ray_cl
     root = _with_candidate_column(write_dataset(tmp_path / "a", stored_uncertainty=False))
     ds = ParquetGallery.open(root)
     columns = {"bct": "new", "ract": "new_b"}
-    multi = simulate_candidates_dataset(ds, columns, POLICIES, MODES, k=10, debug=True)
+    said: list[str] = []
+    multi = simulate_candidates_dataset(
+        ds, columns, POLICIES, MODES, k=10, debug=True, progress=said.append
+    )
     blocks = len([g for g in ds.groups if g.gallery_rows])
+    # the positives' rows are read once for both candidates, as the score step reads once
+    reads = [m for m in said if m.startswith("reading the ")]
+    assert len(reads) == 1 and reads[0].endswith("(once for 2 candidates)"), said
     for name, col in columns.items():
         res = multi[name]
         assert res.stats["distributed"]["steps"]["score"]["tasks"] == blocks  # one read each

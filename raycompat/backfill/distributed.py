@@ -285,21 +285,33 @@ def _jobs_by_group(dataset: ParquetGallery, items: np.ndarray) -> list[tuple[Row
 def _gather(run: DatasetRun, ctx: _Context, ctx_ref, items: np.ndarray, step: str):
     """The rows of ``items`` (sorted gallery indices) with the queries, as GalleryEmbeddings
     (the modules applied to these rows only, as the block passes apply them to theirs)."""
-    from raycompat.backfill.modes import apply_bundle_modules
+    ids, cols = gather_columns(run, ctx_ref, items, ctx.columns, step)
+    return rows_as_embeddings(run.dataset, ctx, items, ids, cols)
 
-    ds = run.dataset
-    jobs = _jobs_by_group(ds, items)
+
+def gather_columns(run: DatasetRun, ctx_ref, items: np.ndarray, columns, step: str):
+    """``(ids, {column: values})`` of the gallery rows ``items`` (sorted gallery indices): one
+    task per row group holding some, reading ``columns`` of the context's dataset."""
+    jobs = _jobs_by_group(run.dataset, items)
     parts: list = [None] * len(jobs)
     for i, res in run.map(step, _gather_task, ctx_ref, jobs):
         parts[i] = res
-    cols = {c: np.concatenate([p[0][c] for p in parts]) for c in ctx.columns}
+    cols = {c: np.concatenate([p[0][c] for p in parts]) for c in columns}
+    return np.concatenate([p[1] for p in parts]), cols
+
+
+def rows_as_embeddings(ds, ctx: _Context, items: np.ndarray, ids: np.ndarray, cols: dict):
+    """Gathered rows ``items`` of ``ds`` (``cols`` by logical column name) with the context's
+    queries, as GalleryEmbeddings; the context's modules applied to these rows."""
+    from raycompat.backfill.modes import apply_bundle_modules
+
     names = {"old": "gallery_old", "new": "gallery_new", "adapted": "gallery_adapted"}
     cost = ds.cost_column
     stored = {c[len("unc_") :]: v for c, v in cols.items() if c.startswith("unc_") and c != cost}
     data = GalleryEmbeddings(
         gallery_labels=ds.gallery_labels[items],
         query_labels=ds.query_labels,
-        gallery_ids=np.concatenate([p[1] for p in parts]),
+        gallery_ids=ids,
         query_ids=ds.query_ids,
         compatible_dim=ds.compatible_dim,
         source=ds.source,
@@ -459,15 +471,20 @@ def _reference_key(run: DatasetRun, ctx_ref, small, k: int) -> str:
     return reference_key(combined, ds.gallery_labels, small.query_old, ds.query_labels, k)
 
 
-def _read_positives(run: DatasetRun, ctx: _Context):
+def _read_positives(run: DatasetRun, ctx: _Context, gathered=None):
     """``(items, rows, context ref)``: the sorted gallery indices of the positives of the
     queries, their rows with the queries (the modules add the queries' rho / psi_rev): what
-    the plan needs of the gallery; the context the tasks share then carries those queries."""
+    the plan needs of the gallery; the context the tasks share then carries those queries.
+    ``gathered``: ``(items, ids, columns)`` already read (several candidates share one read)."""
     import ray
 
-    items = _positive_items(run.dataset)
-    run.say(f"reading the {items.size:,} gallery items that are positives of a query")
-    small = _gather(run, ctx, ray.put(ctx), items, "positives")
+    if gathered is None:
+        items = _positive_items(run.dataset)
+        run.say(f"reading the {items.size:,} gallery items that are positives of a query")
+        small = _gather(run, ctx, ray.put(ctx), items, "positives")
+    else:
+        items, ids, cols = gathered
+        small = rows_as_embeddings(run.dataset, ctx, items, ids, cols)
     ctx.queries = {
         n: getattr(small, n)
         for n in ("query_old", "query_new", "query_rho", "query_rev")

@@ -58,6 +58,7 @@ class _CandidatesContext:
                     gallery_ids=ids,
                     query_ids=self.dataset.query_ids,
                     source=group.name,
+                    checked_finite=("gallery_old", "gallery_new"),  # by the reader, once
                     **self.queries[name],
                 )
             )
@@ -113,13 +114,14 @@ def simulate_candidates_dataset(
     names = check_candidates(columns)
     views = {n: dataset.candidate_view(columns[n]) for n in names}
     run = dist.DatasetRun(dataset, options or dist.DistributedOptions(), say)
+    positives = _read_positives_once(run, dataset, views, columns, names)
     planned, summaries, key, cached = [], {}, None, None
     for n in names:
         run.dataset = views[n]
         cp, sums, key_n, cached_n = _plan_candidate(
             run, n, views[n], policies, modes, fractions, grid_step, k, seed,
             learned_sample_fraction, rank_merge_distance, policy_options, reference_cache,
-            cached, key, say,
+            cached, key, say, positives[n],
         )  # fmt: skip
         key, cached = key or key_n, cached if cached is not None else cached_n
         planned.append(cp)
@@ -152,9 +154,29 @@ class _Sizes:
     item_costs: np.ndarray | None
 
 
+def _read_positives_once(run, dataset, views: dict, columns: Mapping[str, str], names) -> dict:
+    """Per candidate, ``(items, ids, columns)`` of the positives' rows as its view names them
+    (``new``: its column): ``old``, every candidate's column and the item columns, read in one
+    pass over the row groups for all candidates."""
+    import ray
+
+    first = views[names[0]]
+    items = dist._positive_items(first)
+    physical = ["old", *dict.fromkeys(columns[n] for n in names), *first.item_columns]
+    ctx = dist._Context(dataset.without_items(), {}, physical, None)
+    run.say(
+        f"reading the {items.size:,} gallery items that are positives of a query "
+        f"(once for {len(names)} candidates)"
+    )
+    run.dataset = dataset
+    ids, cols = dist.gather_columns(run, ray.put(ctx), items, physical, "positives")
+    shared = {c: v for c, v in cols.items() if c == "old" or c in first.item_columns}
+    return {n: (items, ids, {**shared, "new": cols[columns[n]]}) for n in names}
+
+
 def _plan_candidate(
     run, name, view, policies, modes, fractions, grid_step, k, seed, learned_sample_fraction,
-    rank_merge_distance, policy_options, cache, cached, key, say,
+    rank_merge_distance, policy_options, cache, cached, key, say, positives,
 ):  # fmt: skip
     """One candidate as a single distributed run plans it: its positives, orders, curves and
     side summaries (keyed by the engine's side names)."""
@@ -164,7 +186,7 @@ def _plan_candidate(
 
     columns = view.vector_columns + view.item_columns
     ctx = dist._Context(view.without_items(), view.query_arrays(), columns, None)
-    items, small, ctx_ref = dist._read_positives(run, ctx)
+    items, small, ctx_ref = dist._read_positives(run, ctx, positives)
     builder = SideBuilder(small)
     inputs = PolicyInputs(
         n_items=view.n_items,
