@@ -3,8 +3,8 @@ dictionary, no statistics (docs/architecture.md, "Formats": "Embeddings parquet"
 
 Embeddings barely compress (snappy saves about 1 % of float32 vectors) and never repeat, so
 compressing them and trying a dictionary only costs time: a reader decodes plain pages 5-10 %
-faster on one thread (``bench/vector_pages.py``; docs/benchmarks.md, "Reading row groups").  Every other column keeps
-pyarrow's defaults (snappy, dictionary, statistics).
+faster on one thread (``bench/vector_pages.py``; docs/benchmarks.md, "Reading row groups").
+Every other column keeps pyarrow's defaults (snappy, dictionary, statistics).
 """
 
 from __future__ import annotations
