@@ -33,6 +33,7 @@ LAYERS = {
     "cluster": 0,
     "distributed": 0,
     "outputs": 0,
+    "vector_parquet": 0,
     "data": 1,
     "models": 1,
     "index": 1,
