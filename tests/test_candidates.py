@@ -152,3 +152,68 @@ def test_the_job_writes_each_candidates_report_and_the_comparison(tmp_path):
     assert ract["rows"] == one["rows"] and ract["references"] == one["references"]
     r = run_job(*flags, "--candidates", "bct=new", "--new-model", tmp_path, "--out", out / "x")
     assert r.returncode == 2 and "--candidates takes new-vector columns" in r.stderr
+
+
+def test_candidates_with_equal_orders_share_one_array_and_one_segmentation():
+    from raycompat.backfill.candidates import CandidatePlan, share_equal_orders
+    from raycompat.backfill.rank_plan import CurveSpec, _segmentations
+
+    rng = np.random.default_rng(0)
+    shared, other = rng.permutation(50), rng.permutation(50)
+
+    def plan(name, order):
+        curve = CurveSpec(
+            ("random", "compatible"), "old-old", "new-new", np.array([0, 25, 50]), order
+        )
+        return CandidatePlan(
+            name, None, None, {("random", "compatible"): order}, {}, [curve], {}, set()
+        )
+
+    planned = [plan("a", shared), plan("b", shared.copy()), plan("c", other)]
+    share_equal_orders(planned)
+    orders = [cp.orders[("random", "compatible")] for cp in planned]
+    assert orders[1] is orders[0] and planned[1].curves[0].order is orders[0]
+    assert orders[2] is other  # a different order keeps its own array
+    segs = _segmentations([c for cp in planned for c in cp.curves], 50)
+    assert segs.of_curve == [0, 0, 1]
+
+
+def test_a_block_normalized_once_gives_the_same_sides_bit_for_bit():
+    from raycompat.backfill.modes import SideBuilder, normalize_columns, scores_raw
+
+    a = labelled_embeddings()
+    cols = {"old": a.gallery_old.copy(), "new": a.gallery_new.copy()}
+    normalize_columns(cols, "test block")
+    pre = dataclasses.replace(a, gallery_old=cols["old"], gallery_new=cols["new"])
+    fast = SideBuilder(pre, normalized=("gallery_old", "gallery_new"))
+    for side in ("old-old", "new-old", "new-new"):
+        assert np.array_equal(fast.side(side).gallery, SideBuilder(a).side(side).gallery), side
+        assert np.array_equal(fast.side(side).queries, SideBuilder(a).side(side).queries), side
+    assert scores_raw(["new-old", "rev-old:raw"]) and not scores_raw(["new-old", "old-old"])
+    zero = {"old": np.zeros((2, 3), dtype=np.float32)}
+    with pytest.raises(BackfillInputError, match="column 'old' of shard-7"):
+        normalize_columns(zero, "shard-7")
+
+
+def test_the_running_sum_keeps_no_view_of_a_blocks_result():
+    """A block's result read from the object store is a view of it; the sum copies what it
+    keeps, so that the result's memory is freed when the block has been added."""
+    from raycompat.backfill.assembly import CountsSum
+    from raycompat.backfill.block_pass import block_pass
+    from raycompat.backfill.candidates import _plan_candidate
+    from raycompat.backfill.rank_plan import plan_ranks
+
+    a = labelled_embeddings()
+    cp, builder = _plan_candidate(
+        "a", a, ["random"], ["compatible"], None, 5.0, 10, 0, 0.02, "sq_l2", None, None, True,
+        False, lambda m: None,
+    )  # fmt: skip
+    sides = {s: builder.side(s) for c in cp.curves for s in c.sides()}
+    plan = plan_ranks(sides, cp.curves, a.query_labels, a.gallery_labels, device="cpu")
+    block = block_pass(plan, sides)
+    buffer = np.concatenate([[0], block.sides["old-old"].tie_items])
+    block.sides["old-old"].tie_items = buffer[1:]  # a view, as an object-store read gives
+    total = CountsSum(plan)
+    total.add(block)
+    kept = total.ties["old-old"][0][0]
+    assert kept.base is None and np.array_equal(kept, buffer[1:])

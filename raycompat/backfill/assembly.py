@@ -102,7 +102,9 @@ class CountsSum:
                     acc[si] += h
                 else:
                     acc[si] = h.astype(np.int64)  # a copy: the sum of many blocks
-            self.ties[xname].append((part.tie_items, part.tie_thresholds))
+            # copies: a task's result read from Ray's object store is a view of it, and a kept
+            # view would pin the whole result (its histograms too) for the rest of the run
+            self.ties[xname].append((np.array(part.tie_items), np.array(part.tie_thresholds)))
             self.stats[xname].append(part.stats)
 
     @property

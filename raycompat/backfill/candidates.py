@@ -89,6 +89,26 @@ class CandidatePlan:
         return replace(res, curves=curves, stats=stats, debug=dict(res.debug))
 
 
+def share_equal_orders(planned: Sequence[CandidatePlan]) -> None:
+    """Let candidates whose policy orders are equal share one array (a random or sequential
+    order does not depend on the vectors): the engine then builds one segmentation for all of
+    them (:func:`raycompat.backfill.rank_plan.plan_ranks` keys them by array), and the driver
+    keeps one copy of the order instead of one per candidate."""
+    seen: list[np.ndarray] = []
+    for cp in planned:
+        swap: dict[int, np.ndarray] = {}
+        for key, order in cp.orders.items():
+            if not isinstance(order, np.ndarray):
+                continue
+            equal = (o for o in seen if o.shape == order.shape and np.array_equal(o, order))
+            same = next(equal, None)
+            if same is None:
+                seen.append(order)
+            elif same is not order:
+                cp.orders[key], swap[id(order)] = same, same
+        cp.curves[:] = [replace(c, order=swap.get(id(c.order), c.order)) for c in cp.curves]
+
+
 def _owner(side: str) -> str | None:
     return side.rsplit("@", 1)[1] if "@" in side else None
 
@@ -146,6 +166,7 @@ def simulate_candidates(
             if c.key not in cp.derived:
                 for s in c.sides():
                     sides.setdefault(candidate_side(n, s), builder.side(s))
+    share_equal_orders(planned)
     curves = [c for cp in planned for c in cp.engine_curves()]
     say(f"scoring {len(sides)} side(s) for {len(names)} candidate(s): {', '.join(sides)}")
     from raycompat.backfill.assembly import compute_ranks

@@ -29,6 +29,7 @@ cluster has GPUs and score on CUDA there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import resource
@@ -213,10 +214,12 @@ class DatasetRun:
 
     def map(self, step: str, fn, ctx_ref, jobs: Sequence[tuple[RowGroup, tuple]]):
         """Yield ``(job index, result)`` of ``fn(ctx, group, *args)`` for every job, as tasks
-        finish (any order), with one progress line per tenth of the work."""
+        finish (any order), with one progress line per tenth of the work.  ``args`` may be a
+        function that makes them, called when the task is submitted (block-sized arguments
+        then exist only for the tasks in flight)."""
         import ray
 
-        remote = ray.remote(fn).options(
+        remote = ray.remote(_then_release(fn)).options(
             num_cpus=1,
             num_gpus=self.gpus_per_task,
             scheduling_strategy="SPREAD",
@@ -230,6 +233,7 @@ class DatasetRun:
         while nxt < len(jobs) or pending:
             while nxt < len(jobs) and len(pending) < self.max_in_flight:
                 group, args = jobs[nxt]
+                args = args() if callable(args) else args
                 pending[remote.remote(ctx_ref, group, *args)] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -255,6 +259,23 @@ class DatasetRun:
             f"[{step}] {done}/{total} blocks, {items:,} items, {rate:,.0f} items/s | "
             f"{elapsed:.1f}s elapsed{tail}"
         )
+
+
+def _then_release(fn):
+    """``fn``, then the worker's freed memory back to the OS (:func:`release_memory`): the
+    next task, of any step, starts from the worker's baseline, not from this row group's
+    buffers."""
+
+    @functools.wraps(fn)
+    def task(*args):
+        from raycompat.backfill.blocks import release_memory
+
+        try:
+            return fn(*args)
+        finally:
+            release_memory()
+
+    return task
 
 
 def _get(ref):
@@ -626,13 +647,8 @@ def _rank_blocks(run: DatasetRun, ctx_ref, plan, say, task=None):
     light = plan.for_blocks("cpu", workers=1)
     plan_ref = ray.put(light)
     total = CountsSum(plan)
-    jobs = []
-    for g in ds.groups:
-        if not g.gallery_rows:
-            continue
-        segs = np.stack(plan.segs.rows(g.g0, g.g1))
-        dtype = np.int16 if segs.max(initial=0) < np.iinfo(np.int16).max else np.int32
-        jobs.append((g, (plan_ref, segs.astype(dtype))))
+    groups = [g for g in ds.groups if g.gallery_rows]
+    jobs = [(g, functools.partial(_pass_args, plan, plan_ref, g)) for g in groups]
     say(
         f"scoring {len(plan.used)} side(s): {', '.join(plan.used)} "
         f"({ds.n_items:,} items x {ds.n_queries:,} queries, {len(jobs)} blocks)"
@@ -640,6 +656,14 @@ def _rank_blocks(run: DatasetRun, ctx_ref, plan, say, task=None):
     for _, counts in run.map("score", task or _pass_task, ctx_ref, jobs):
         total.add(counts)
     return total.ranks()
+
+
+def _pass_args(plan, plan_ref, group: RowGroup) -> tuple:
+    """A block pass task's arguments: the plan, and its rows' segment in each segmentation
+    (int16 where the segments fit)."""
+    segs = np.stack(plan.segs.rows(group.g0, group.g1))
+    dtype = np.int16 if segs.max(initial=0) < np.iinfo(np.int16).max else np.int32
+    return plan_ref, segs.astype(dtype)
 
 
 def _per_read_second(score_tasks: list[dict]) -> float | None:

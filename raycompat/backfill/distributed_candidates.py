@@ -24,10 +24,11 @@ from raycompat.backfill.candidates import (
     _results,
     candidate_side,
     check_candidates,
+    share_equal_orders,
 )
 from raycompat.backfill.dataset import ParquetGallery
 from raycompat.backfill.embeddings_parquet import RowGroup
-from raycompat.backfill.gallery import GalleryEmbeddings
+from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
 
 __all__ = ["simulate_candidates_dataset"]
 
@@ -41,28 +42,49 @@ class _CandidatesContext:
     queries: dict[str, dict[str, np.ndarray]]  # candidate -> query_old, query_new
     first: str
 
-    def builders(self, group: RowGroup) -> dict:
-        """One :class:`SideBuilder` per candidate over the row group, read once."""
-        from raycompat.backfill.modes import SideBuilder
+    def builders(self, group: RowGroup, sides: Sequence[str]) -> dict:
+        """One :class:`SideBuilder` per candidate over the row group, read once.  Each vector
+        column is L2-normalized once for all the builders, right after its read (its raw copy
+        is freed before the next column is read), unless one of ``sides`` (the pass sides)
+        scores raw vectors."""
+        from raycompat.backfill.modes import SideBuilder, scores_raw
 
-        ids, cols = self.dataset.read_block(group, ["old", *dict.fromkeys(self.columns.values())])
+        physical = ["old", *dict.fromkeys(self.columns.values())]
+        if scores_raw(sides):
+            ids, cols = self.dataset.read_block(group, physical)
+            normalized: tuple[str, ...] = ()
+        else:
+            ids, cols = self._read_normalized(group, physical)
+            normalized = ("gallery_old", "gallery_new")
         n = ids.size
         out = {}
         for name, col in self.columns.items():
-            out[name] = SideBuilder(
-                GalleryEmbeddings(
-                    gallery_labels=np.zeros(n, dtype=np.int64),
-                    gallery_old=cols["old"],
-                    gallery_new=cols[col],
-                    query_labels=self.dataset.query_labels,
-                    gallery_ids=ids,
-                    query_ids=self.dataset.query_ids,
-                    source=group.name,
-                    checked_finite=("gallery_old", "gallery_new"),  # by the reader, once
-                    **self.queries[name],
-                )
+            data = GalleryEmbeddings(
+                gallery_labels=np.zeros(n, dtype=np.int64),
+                gallery_old=cols["old"],
+                gallery_new=cols[col],
+                query_labels=self.dataset.query_labels,
+                gallery_ids=ids,
+                query_ids=self.dataset.query_ids,
+                source=group.name,
+                checked_finite=("gallery_old", "gallery_new"),  # by the reader, once
+                **self.queries[name],
             )
+            out[name] = SideBuilder(data, normalized=normalized)
         return out
+
+    def _read_normalized(self, group: RowGroup, columns: list[str]):
+        """``(ids, {column: L2-normalized vectors})``: one column read at a time."""
+        from raycompat.backfill.modes import normalize_columns
+
+        ids, cols = None, {}
+        for c in columns:
+            got_ids, got = self.dataset.read_block(group, [c])
+            if ids is not None and not np.array_equal(got_ids, ids):
+                raise BackfillInputError(f"{group.name} changed while it was being read")
+            normalize_columns(got, group.name)
+            ids, cols[c] = got_ids, got[c]
+        return ids, cols
 
 
 def _candidates_pass_task(ctx: _CandidatesContext, group: RowGroup, plan, seg_rows: np.ndarray):
@@ -71,7 +93,7 @@ def _candidates_pass_task(ctx: _CandidatesContext, group: RowGroup, plan, seg_ro
     from raycompat.backfill.blocks import release_memory
 
     t0 = time.perf_counter()
-    builders = ctx.builders(group)
+    builders = ctx.builders(group, [_plain(x) for x in plan.used])
     read_s = time.perf_counter() - t0
     rows = {x: builders[_owner(x) or ctx.first].side(_plain(x)).gallery for x in plan.used}
     counts = block_pass_rows(plan, rows, group.g0, [s for s in seg_rows])
@@ -127,6 +149,7 @@ def simulate_candidates_dataset(
         planned.append(cp)
         summaries.update(sums)
     run.dataset = dataset
+    share_equal_orders(planned)
     queries = {
         n: {"query_old": views[n].queries["old"], "query_new": views[n].queries["new"]}
         for n in names

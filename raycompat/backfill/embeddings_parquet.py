@@ -347,12 +347,15 @@ class EmbeddingsParquet:
 
     @contextlib.contextmanager
     def _parquet_file(self, f: str):
-        """``pyarrow.parquet.ParquetFile`` of ``f``, open for the block."""
+        """``pyarrow.parquet.ParquetFile`` of ``f``, open for the block.  A local file is read
+        page by page (no ``pre_buffer``): the whole column chunks are not buffered beside the
+        decoded arrays, which halves a row group read's peak memory at the same speed
+        (docs/benchmarks.md, "Memory of the score step")."""
         import pyarrow.parquet as pq
 
         try:
             fh = self.filesystem.open_input_file(f)
-            pf = pq.ParquetFile(fh)
+            pf = pq.ParquetFile(fh, pre_buffer=self.filesystem.type_name != "local")
         except Exception as exc:  # pyarrow raises several types for unreadable files
             raise _read_error(f"parquet {f}", exc) from exc
         with fh:

@@ -90,16 +90,20 @@ def segments(order: np.ndarray | None, counts: np.ndarray, n_items: int) -> np.n
         or (counts > n_items).any()
     ):
         raise ValueError("counts must be non-decreasing integers in [0, N]")
-    pos = np.arange(n_items, dtype=np.int64)
-    seg_by_pos = np.searchsorted(counts, pos, side="right").astype(np.int32)
+    # position p is in segment #{counts <= p}: runs of lengths counts[j] - counts[j-1]
+    # (no position-sized int64 temporaries: 10M items need 40 MB here, not 200)
+    runs = np.diff(np.concatenate([[0], counts, [n_items]]))
+    seg_by_pos = np.repeat(np.arange(len(counts) + 1, dtype=np.int32), runs)
     if order is None:
         return seg_by_pos
-    order = np.asarray(order, dtype=np.int64)
-    if (
-        order.shape != (n_items,)
-        or (n_items and (order.min() < 0 or order.max() >= n_items))
-        or (np.bincount(order, minlength=n_items) != 1).any()
-    ):
+    order = np.asarray(order)
+    if order.dtype.kind not in "iu":
+        raise ValueError(f"order must be a permutation of the {n_items} item indices")
+    if order.shape != (n_items,) or (n_items and (order.min() < 0 or order.max() >= n_items)):
+        raise ValueError(f"order must be a permutation of the {n_items} item indices")
+    seen = np.zeros(n_items, dtype=bool)
+    seen[order] = True
+    if not seen.all():  # n_items indices in range that hit every item: each exactly once
         raise ValueError(f"order must be a permutation of the {n_items} item indices")
     seg = np.empty(n_items, dtype=np.int32)
     seg[order] = seg_by_pos

@@ -40,6 +40,7 @@ Every mode is one registered :class:`ModeSpec` (:func:`register_mode`): ``MODES`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -189,13 +190,31 @@ def _augment(a: np.ndarray, query: bool) -> np.ndarray:
     return np.concatenate([a, extra.astype(np.float32)], axis=1)
 
 
-class SideBuilder:
-    """Builds (and caches) the named score sides of a :class:`GalleryEmbeddings`."""
+def scores_raw(sides: Sequence[str]) -> bool:
+    """Whether any of the score ``sides`` scores raw (un-normalized) vectors (``name:raw``)."""
+    return any(s.partition(":")[2] for s in sides)
 
-    def __init__(self, data: GalleryEmbeddings):
+
+def normalize_columns(columns: dict[str, np.ndarray], where: str) -> None:
+    """Replace every vector of ``columns`` by its :func:`l2_normalize` output, one column at a
+    time, so that a raw column is freed before the next is normalized; a zero-norm row names
+    the column and ``where``."""
+    for c in list(columns):
+        columns[c] = _normalized(columns[c], f"column {c!r} of {where}", False)
+
+
+class SideBuilder:
+    """Builds (and caches) the named score sides of a :class:`GalleryEmbeddings`.
+
+    ``normalized``: attributes of ``data`` that already hold the output of
+    :func:`raycompat.index.search.l2_normalize` (a block task normalizes a row group's columns
+    once, for every candidate's builder, and keeps no raw copy); the others are normalized here
+    unless ``data.normalized``."""
+
+    def __init__(self, data: GalleryEmbeddings, normalized: Sequence[str] = ()):
         self.data = data
         self._cache: dict[str, object] = {}
-        self._norm: dict[str, np.ndarray] = {}
+        self._norm: dict[str, np.ndarray] = {a: getattr(data, a) for a in normalized}
 
     def _n(self, attr: str, why: str) -> np.ndarray:
         if attr not in self._norm:
