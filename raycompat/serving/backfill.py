@@ -37,6 +37,7 @@ import numpy as np
 from raycompat.serving.durability import CorruptStateError, atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.serving.plan import ServingPlan
+from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
 from raycompat.storage import StorageError
 
@@ -52,7 +53,7 @@ class BackfillController(UpgradeCommands):
     canary gate, rollback, finalize and the stale listing: :class:`UpgradeCommands`."""
 
     def __init__(self, shards: list, plan: ServingPlan):
-        self.shards = list(shards)
+        self.shards = [ThreadHandle(h) for h in shards]  # called from the walking thread
         self.plan = plan
         self.cfg = plan.config
         self.dir = backfill_dir(self.cfg.state_dir)

@@ -140,7 +140,10 @@ class UpgradeCommands:
         if self._router is None:
             from ray import serve
 
-            self._router = serve.get_deployment_handle("router", app_name=self.cfg.app_name)
+            from raycompat.serving.thread_handles import ThreadHandle
+
+            router = serve.get_deployment_handle("router", app_name=self.cfg.app_name)
+            self._router = ThreadHandle(router)
         return self._router
 
     def _search_canary(self, vectors, model: str, old_vectors=None) -> np.ndarray:
