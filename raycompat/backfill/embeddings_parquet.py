@@ -349,7 +349,7 @@ class EmbeddingsParquet:
     def _parquet_file(self, f: str):
         """``pyarrow.parquet.ParquetFile`` of ``f``, open for the block.  A local file is read
         page by page (no ``pre_buffer``): the whole column chunks are not buffered beside the
-        decoded arrays, which halves a row group read's peak memory at the same speed
+        decoded arrays, which lowers a row group read's peak memory at the same speed
         (docs/benchmarks.md, "Memory of the score step")."""
         import pyarrow.parquet as pq
 
