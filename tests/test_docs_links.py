@@ -15,9 +15,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import locations
+
 from raycompat.cli import JOBS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(locations.REPO)
 README_MAX_LINES = 250
 
 FENCE = re.compile(r"^\s*(```|~~~)")

@@ -38,6 +38,7 @@ LAYERS = {
     "models": 1,
     "index": 1,
     "metrics": 1,
+    "stores": 1,
     "methods": 2,
     "evaluation": 2,
     "pipeline": 2,

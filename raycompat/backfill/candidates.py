@@ -7,7 +7,7 @@ every candidate's curves as :func:`~raycompat.backfill.simulator.simulate_backfi
 runs the engine once over all of them: a score side is named per candidate (``new-old@bct``),
 except ``old-old``, which every candidate shares, so the old-old reference is scored once.  The
 engine is exact whatever other curves share its pass, so each candidate's result equals its
-single-candidate run, number for number (``tests/test_candidates.py``).
+single-candidate run, number for number (``tests/backfill/test_candidates.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Make ``gate_embeddings.npz``: a glyph gallery embedded by three trained models, for the canary
-gate test (tests/test_serving_upgrade.py).
+gate test (tests/serving/test_serving_upgrade.py).
 
 An old model (independent, 32 epochs on half of the images of 24 glyph classes), a BCT model
 trained against it and an independent new model (16 epochs on all the images, another seed),

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import locations
 import numpy as np
 import pytest
 import requests
@@ -1063,7 +1064,7 @@ def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, a
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = locations.REPO
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = tmp_path / "out"
     extra = ["--out", str(out)] if job == "hot_refresh.py" else ["--state-dir", str(out)]

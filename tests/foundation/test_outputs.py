@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 
+import locations
 import pytest
 
 from raycompat.outputs import resolve_job_output
 from raycompat.storage import StorageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 
 
 def test_default_out_is_a_local_folder(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ tags behind the token)."""
 import os
 import time
 
+import locations
 import numpy as np
 import pytest
 import requests
@@ -289,7 +290,7 @@ def test_an_upsert_that_fails_on_a_later_shard_lists_exactly_the_ids_applied(
 
 
 # ----------------------------------------------------------------------------- the canary gate
-GATE_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gate_embeddings.npz")
+GATE_DATA = os.path.join(locations.TEST_DATA, "gate_embeddings.npz")
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,12 @@ import sys
 import tempfile
 import time
 
+import locations
 import pytest
 import yaml
 from multinode import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 VENV_BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(VENV_BIN, "ray")
 
@@ -143,7 +144,7 @@ def _config(sshd, gcs_port: int, dashboard_port: int) -> dict:
 
 
 def test_ray_up_submit_down(sshd, tmp_path):
-    from test_backfill_job import write_parquet
+    from simulator_inputs import write_parquet
 
     gcs_port, dashboard_port = free_port(), free_port()
     cfg_path = tmp_path / "onprem.yaml"

@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 
+import locations
 import pytest
 
 from raycompat.config import ConfigError
 from raycompat.data import build_scenario
 from raycompat.train import TrainConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 
 
 @pytest.fixture(scope="module")

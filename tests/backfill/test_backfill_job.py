@@ -4,94 +4,10 @@ bad input."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "jobs", "simulate_backfill.py")
-
-
-def vec_col(a: np.ndarray) -> pa.Array:
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1])
-
-
-def write_parquet(
-    path,
-    *,
-    n_gallery=60,
-    n_query=8,
-    d_old=8,
-    d_new=12,
-    drop=None,
-    nan_ids=(),
-    no_gallery=False,
-    bad_new_dim=False,
-    adapted=True,
-    seed=0,
-):
-    rng = np.random.default_rng(seed)
-    n = n_gallery + n_query
-    labels = np.concatenate([rng.integers(0, 5, n_gallery), rng.integers(0, 5, n_query)])
-    split = ["gallery"] * (n_gallery - 10) + ["distractor"] * 10 + ["query"] * n_query
-    if no_gallery:
-        split = ["query"] * n
-    old = rng.standard_normal((n, d_old)).astype(np.float32) + labels[:, None] * 0.5
-    new = rng.standard_normal((n, d_new)).astype(np.float32) + labels[:, None] * 0.8
-    ids = np.arange(1000, 1000 + n, dtype=np.int64)
-    for i in nan_ids:
-        new[list(ids).index(i), 2] = np.nan
-    cols = {
-        "item_id": pa.array(ids),
-        "label": pa.array(labels),
-        "split": pa.array(split),
-        "old": vec_col(old),
-        "new": vec_col(new),
-    }
-    if bad_new_dim:
-        cols["new"] = pa.array(
-            [list(map(float, r[: d_new - (i == 3)])) for i, r in enumerate(new)],
-            type=pa.list_(pa.float32()),
-        )
-    if adapted:
-        cols["adapted"] = vec_col(new + 0.1 * rng.standard_normal(new.shape).astype(np.float32))
-    if drop:
-        cols.pop(drop)
-    pq.write_table(pa.table(cols), path)
-    return path
-
-
-def run_job(*args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run(
-        [sys.executable, JOB, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-
-
-def make_bundle(path, d_new=12, d_old=8):
-    import torch
-
-    from raycompat.models import ClassifierHead, Embedder, ModelBundle, ProjectionMLP
-
-    torch.manual_seed(0)
-    modules = {
-        "embedder": Embedder("test_resnet", d_new, in_chans=1),
-        "head": ClassifierHead(d_new, 5, kind="cosface"),
-        "psi": ProjectionMLP(d_old, d_new, hidden_dim=16, num_blocks=1, role="psi"),
-    }
-    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": 16}).save(str(path))
-    return path
+from simulator_inputs import make_bundle, run_job, write_parquet
 
 
 def test_good_run_writes_every_report(tmp_path):

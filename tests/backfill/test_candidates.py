@@ -11,8 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from serving_helpers import labelled_embeddings
-from test_backfill_distributed import assert_same, write_dataset
-from test_backfill_job import vec_col
+from simulator_inputs import assert_same, vec_col, write_dataset
 
 from raycompat.backfill import BackfillInputError, load_parquet, simulate_backfill
 from raycompat.backfill.candidates import simulate_candidates
@@ -125,7 +124,7 @@ def test_on_ray_each_candidate_equals_its_own_run_with_one_read(tmp_path, ray_cl
 
 
 def test_the_job_writes_each_candidates_report_and_the_comparison(tmp_path):
-    from test_backfill_job import run_job, write_parquet
+    from simulator_inputs import run_job, write_parquet
 
     emb = str(write_parquet(tmp_path / "emb.parquet", adapted=False))
     table = pq.read_table(emb)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 
+import locations
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = locations.REPO
 CONFIGS = ["cluster.yaml", os.path.join("deploy", "cluster-onprem.yaml")]
 
 

@@ -3,15 +3,15 @@ of a job exits 2 with ``error:`` on stderr (no Ray started, no traceback)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
+import locations
 import pytest
 
 from raycompat.cli import JOBS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 ALL_JOBS = (
     "quickstart",
     "reproduce",

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import locations
 import pytest
 
 from raycompat.config import ConfigError
@@ -21,7 +22,7 @@ from raycompat.storage import StorageError
 from raycompat.train import TrainConfig
 from raycompat.train.export import check_bundle_target, scenario_fingerprint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 
 
 # -- model bundles ------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_same_relative_flags_from_another_folder_are_refused(tmp_path, monkeypat
     """Two folders with their own emb.parquet and the same relative flags naming one report
     folder (``--out ../results``): the second run's inputs are other files, so it is refused
     and the first run's curves.json is kept."""
-    from test_backfill_job import write_parquet
+    from simulator_inputs import write_parquet
 
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
@@ -283,7 +284,7 @@ def test_same_relative_flags_from_another_folder_are_refused(tmp_path, monkeypat
 
 def test_identical_run_with_absolute_paths_resumes(tmp_path, monkeypatch, capsys):
     """The run given absolute paths instead of relative ones is the same run: accepted."""
-    from test_backfill_job import write_parquet
+    from simulator_inputs import write_parquet
 
     write_parquet(tmp_path / "emb.parquet")
     relative = ["--embeddings", "emb.parquet", "--out", "out"]

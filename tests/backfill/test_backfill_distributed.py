@@ -14,65 +14,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_backfill_job import vec_col as vec
+from simulator_inputs import assert_same, write_dataset
+from simulator_inputs import vec_col as vec
 
 from raycompat.backfill import BackfillInputError, load_parquet, simulate_backfill
 from raycompat.backfill.dataset import ParquetGallery
 from raycompat.backfill.distributed import DistributedOptions, simulate_backfill_dataset
 from raycompat.backfill.modes import apply_bundle_modules
 from raycompat.backfill.policies import POLICIES, UncertaintyHead
-
-
-def write_dataset(
-    root,
-    *,
-    n=360,
-    nq=24,
-    d_old=8,
-    d_new=12,
-    shards=3,
-    row_group=23,
-    adapted=True,
-    stored_uncertainty=True,
-    seed=0,
-):
-    """Shards with small row groups; queries spread over the shards; coarse values (many
-    exact score ties) and a few duplicated vectors."""
-    rng = np.random.default_rng(seed)
-    total = n + nq
-    labels = rng.integers(0, 9, total)
-    split = np.array(["gallery"] * (n - 40) + ["distractor"] * 40 + ["query"] * nq)
-    rng.shuffle(split)
-    old = np.round(rng.standard_normal((total, d_old)) + 0.4 * labels[:, None], 0)
-    new = np.round(rng.standard_normal((total, d_new)) + 0.6 * labels[:, None], 0)
-    old[0] = old[1] = old[2] + 0.0  # identical rows: exact ties on every side
-    new[0] = new[1]
-    old[np.abs(old).sum(axis=1) == 0, 0] = 1.0
-    new[np.abs(new).sum(axis=1) == 0, 0] = 1.0
-    cols = {
-        "item_id": np.arange(total, dtype=np.int64) + 5000,
-        "label": labels,
-        "split": split,
-        "old": old,
-        "new": new,
-    }
-    if adapted:
-        cols["adapted"] = np.round(new * 0.8 + rng.standard_normal(new.shape), 0) + 0.5
-    if stored_uncertainty:
-        for kind in ("least_confidence", "margin", "entropy"):
-            cols[f"unc_{kind}"] = np.round(rng.random(total), 1)  # ties in the order too
-    os.makedirs(root, exist_ok=True)
-    bounds = np.linspace(0, total, shards + 1).astype(int)
-    for s in range(shards):
-        part = slice(bounds[s], bounds[s + 1])
-        table = {
-            k: vec(v[part]) if k in ("old", "new", "adapted") else pa.array(v[part])
-            for k, v in cols.items()
-        }
-        pq.write_table(
-            pa.table(table), os.path.join(root, f"part-{s}.parquet"), row_group_size=row_group
-        )
-    return str(root)
 
 
 def modules(d_old=8, d_new=12):
@@ -91,17 +40,6 @@ def modules(d_old=8, d_new=12):
 def head(d_new=12, classes=9):
     rng = np.random.default_rng(3)
     return UncertaintyHead(weight=rng.standard_normal((classes, d_new)), kind="softmax")
-
-
-def assert_same(mem, dist):
-    assert [(c.policy, c.mode) for c in mem.curves] == [(c.policy, c.mode) for c in dist.curves]
-    for a, b in zip(mem.curves, dist.curves, strict=True):
-        assert np.array_equal(a.counts, b.counts)
-        for m in a.metrics:
-            assert np.array_equal(a.metrics[m], b.metrics[m], equal_nan=True), (a.label, m)
-    assert mem.references == dist.references
-    for key, order in mem.orders.items():
-        assert np.array_equal(order, dist.orders[key]), key
 
 
 def test_many_small_blocks_give_the_in_memory_curves(tmp_path, ray_cluster):

@@ -10,13 +10,14 @@ import sys
 import threading
 import time
 
+import locations
 import pytest
 
 from raycompat.config import ConfigError
 from raycompat.data import build_scenario
 from raycompat.train import TrainConfig, fit
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 
 
 @pytest.fixture(scope="module")

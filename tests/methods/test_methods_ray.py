@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import locations
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.pipeline.bundles import bundle_fingerprint, check_predecessor
 from raycompat.train import TrainConfig, fit
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 DIM = 16
 
 

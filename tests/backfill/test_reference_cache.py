@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 from serving_helpers import labelled_embeddings
-from test_backfill_distributed import assert_same, write_dataset
+from simulator_inputs import assert_same, write_dataset
 
 from raycompat.backfill import load_parquet, simulate_backfill
 from raycompat.backfill.dataset import ParquetGallery
@@ -138,7 +138,7 @@ def test_the_distributed_engine_reuses_its_reference(tmp_path, ray_cluster):
 def test_the_job_keeps_the_cache_beside_its_reports(tmp_path):
     """Two simulate-backfill runs into sibling folders: the second reuses the first's
     reference from ``reference_cache`` beside them; ``--reference-cache none`` stores nothing."""
-    from test_backfill_job import run_job, write_parquet
+    from simulator_inputs import run_job, write_parquet
 
     emb = write_parquet(tmp_path / "emb.parquet", adapted=False)
     flags = ["--embeddings", emb, "--items-per-s-per-gpu", 100, "--k", 10, "--no-plots"]

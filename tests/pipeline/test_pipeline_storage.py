@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import locations
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -32,7 +33,7 @@ from raycompat.pipeline.job import main
 from raycompat.pipeline.location import open_output, resolve_output
 from raycompat.pipeline.writer import META_KEY, ShardStore, output_schema, shard_name
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from raycompat.backfill.policies import (
 from raycompat.serving.gallery_source import GallerySource, ParquetGallery, write_gallery_parquet
 from raycompat.serving.orders import policy_order_ids
 
-#: the policies that need no query log (tests/test_backfill_cost_demand.py has the others)
+#: the policies that need no query log (tests/backfill/test_backfill_cost_demand.py has the others)
 LOGLESS = tuple(p for p in POLICIES if not policy_class(p).needs_query_log)
 
 

@@ -15,11 +15,12 @@ import glob
 import json
 import os
 
+import locations
 import pyarrow.parquet as pq
 import pytest
 from multinode import LocalMultiNodeCluster
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 TINY = [
     "--backbone",
     "test_resnet",
@@ -106,7 +107,7 @@ def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, tmp
     """`ray job submit -- python jobs/simulate_backfill.py DATASET --engine ray`: the row groups
     are scored on both nodes, and the curves equal the in-memory simulator's."""
     import numpy as np
-    from test_backfill_distributed import write_dataset
+    from simulator_inputs import write_dataset
 
     from raycompat.backfill import load_parquet, simulate_backfill
 

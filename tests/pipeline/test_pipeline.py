@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import locations
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -40,7 +41,7 @@ from raycompat.pipeline import (
 from raycompat.pipeline.ids import ForwardBatches, parse_ids_option
 from raycompat.pipeline.stages import POSITION_COLUMN, EmbedStage
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = locations.REPO
 OLD_DIM, NEW_DIM = 16, 24
 
 

@@ -9,12 +9,13 @@ import os
 import subprocess
 import sys
 
+import locations
 import pytest
-from test_backfill_job import make_bundle, run_job, write_parquet
+from simulator_inputs import make_bundle, run_job, write_parquet
 
 from raycompat.planning.job import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = locations.REPO
 OLD_OLD = 0.32
 #: the hand-made curves: (policy, mode) -> mAP@10 and NFR@1 at t = 0, 0.5, 1 (bands +-0.05)
 CURVES = {

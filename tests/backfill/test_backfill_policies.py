@@ -54,7 +54,7 @@ def test_every_policy_is_a_seeded_permutation():
     head = UncertaintyHead(weight=mu.astype(np.float64), kind="cosface", scale=10.0)
     n = data.n_items
     logless = [p for p in POLICIES if not policy_class(p).needs_query_log]  # the others: with
-    a = simulate_backfill(  # a query log, tests/test_backfill_cost_demand.py
+    a = simulate_backfill(  # a query log, tests/backfill/test_backfill_cost_demand.py
         data, logless, ["compatible", "naive_merge"], head=head, seed=3, grid_step=25
     )
     b = simulate_backfill(

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_backfill_job import vec_col
+from simulator_inputs import vec_col
 
 from raycompat.backfill.dataset import ParquetGallery, vector_bytes
 from raycompat.backfill.embeddings_parquet import BackfillInputError, EmbeddingsParquet
