@@ -1,0 +1,46 @@
+"""Vector database stores of a gallery mid-upgrade: LanceDB and Milvus behind one interface,
+opened from a URI (docs/stores.md)."""
+
+from raycompat.stores.base import (
+    Capabilities,
+    ColumnMap,
+    Filter,
+    GalleryBlock,
+    ModelCounts,
+    RollbackMark,
+    StoreInfo,
+    VectorStore,
+    create_store,
+    list_backends,
+    open_store,
+    register_backend,
+)
+from raycompat.stores.errors import (
+    MissingBackendError,
+    StoreError,
+    StoreExistsError,
+    StoreNotFoundError,
+    StoreURIError,
+)
+from raycompat.stores.search import SearchResult
+
+__all__ = [
+    "Capabilities",
+    "ColumnMap",
+    "Filter",
+    "GalleryBlock",
+    "MissingBackendError",
+    "ModelCounts",
+    "RollbackMark",
+    "SearchResult",
+    "StoreError",
+    "StoreExistsError",
+    "StoreInfo",
+    "StoreNotFoundError",
+    "StoreURIError",
+    "VectorStore",
+    "create_store",
+    "list_backends",
+    "open_store",
+    "register_backend",
+]
