@@ -22,7 +22,6 @@ from raycompat.data import GlyphRenderer, Scenario, catalog_for, images_to_tenso
 from raycompat.index.canonical_ranking import iter_canonical_ranking
 from raycompat.index.search import l2_normalize
 from raycompat.metrics import (
-    compatibility_report,
     evaluate_ranking,
     map_full,
     num_relevant_from_labels,
@@ -354,9 +353,12 @@ def _compatibility_verdict(boot, names: dict, paragon, metrics: dict, per_query:
     pairs = dict(oo=(old, old), no=(new, old), nn=(new, new), ns=(nstar, nstar))
     value = {key: metrics[pair][PRIMARY_METRIC] for key, pair in pairs.items()}
     paired = {key: per_query[pair][PRIMARY_METRIC] for key, pair in pairs.items()}
-    report = compatibility_report(value["oo"], value["no"], value["nn"], value["ns"])
     diff = boot.interval(lambda a, b: a - b, a=paired["no"], b=paired["oo"])
     held = verdict(diff)
+    intervals = {name: boot.interval(stat, **paired) for name, stat in VERDICT_STATISTICS.items()}
+    # Each number is its interval's estimate: the mean over the training seeds of the seed's
+    # value. For a ratio (the update gain) that is not the ratio of the means.
+    report = {name: iv.estimate for name, iv in intervals.items()}
     return dict(
         model=new,
         metric=PRIMARY_METRIC,
@@ -364,10 +366,7 @@ def _compatibility_verdict(boot, names: dict, paragon, metrics: dict, per_query:
         compatible=held == HELD,
         verdict=held,
         difference=diff.to_dict(),
-        intervals={
-            name: boot.interval(stat, **paired).to_dict()
-            for name, stat in VERDICT_STATISTICS.items()
-        },
+        intervals={name: iv.to_dict() for name, iv in intervals.items()},
         m_old_old=value["oo"],
         m_new_old=value["no"],
         m_new_new=value["nn"],

@@ -61,8 +61,18 @@ __all__ = [
 
 #: the file in a report folder that says which job wrote it, with which options
 STAMP = "job.json"
-#: options that say where a job writes, where it runs or what it prints: never compared
-NEUTRAL_OPTIONS = ("out", "storage", "name", "overwrite", "address", "verbose", "quiet")
+#: options that say where a job writes, where and how many at a time it runs or what it prints:
+#: never compared
+NEUTRAL_OPTIONS = (
+    "out",
+    "storage",
+    "name",
+    "overwrite",
+    "address",
+    "parallel",
+    "verbose",
+    "quiet",
+)
 #: options (at any depth) whose value names a file or folder: recorded resolved
 PATH_OPTIONS = (
     "embeddings",

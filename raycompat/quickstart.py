@@ -90,6 +90,11 @@ class QuickstartOptions:
     batch_size: int = positive(128, help="global batch size")
     lr: float = positive(0.1, help="peak learning rate")
     workers: int = positive(1, help="DDP workers per training run (Ray Train)")
+    parallel: int = positive(
+        1,
+        help="Ray Train runs at a time (a BCT model starts once its old model is trained); "
+        "the numbers do not depend on it",
+    )
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
     seeds: int = positive(
@@ -109,8 +114,9 @@ class QuickstartOptions:
     verbose: bool = option(False, help="keep Ray's own INFO lines and print every table")
 
 
-#: options that say where things go or what is printed, not what is trained
-LOCATION_OPTIONS = ("out", "storage", "name", "overwrite", "address", "verbose")
+#: options that say where things go, how many runs at a time or what is printed, not what is
+#: trained
+LOCATION_OPTIONS = ("out", "storage", "name", "overwrite", "address", "parallel", "verbose")
 #: the training seeds: in each run's name instead of its tag, so ``--seeds 3`` reuses the runs
 #: of ``--seeds 2``
 SEED_OPTIONS = ("seed", "seeds")
@@ -191,30 +197,61 @@ def _train_models(
     opts: QuickstartOptions, scenario, runs_dir: str, out: str, timings: dict
 ) -> list[dict]:
     """For every training seed: old (independent on old_train), then bct and independent on
-    new_train; one line each. Returns one ``{name: info}`` per seed."""
-    per_seed = []
-    for i, seed in enumerate(training_seeds(opts)):
+    new_train, up to ``--parallel`` Ray Train runs at a time (threads of the driver), each BCT
+    run once its seed's old model is exported; one line each. Returns one ``{name: info}`` per
+    seed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seeds = training_seeds(opts)
+    per_seed: list[dict[str, dict]] = [{} for _ in seeds]
+    futures: dict[tuple, object] = {}
+
+    def train_one(i: int, step: tuple) -> None:
+        name, method, split, epochs, predecessor = step
+        old_model = None
+        if predecessor:
+            futures[(i, predecessor)].result()  # a failed old model fails its BCT model too
+            old_model = per_seed[i][predecessor]["path"]
+        seed = seeds[i]
         models_dir = models_folder(out, i, seed)
-        train_info: dict[str, dict] = {}
-        for name, method, split, epochs, predecessor in _training_plan(opts):
-            old_model = train_info[predecessor]["path"] if predecessor else None
-            run, wall = _train(
-                opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir, seed
-            )
-            timings[f"train_{name}_s"] = timings.get(f"train_{name}_s", 0.0) + wall
-            train_info[name] = dict(
-                method=method,
-                split=split,
-                epochs=epochs,
-                seed=seed,
-                path=run.bundle_path,
-                run_path=run.run_path,
-                wall_s=wall,
-                history=run.history,
-            )
-            _trained_line(opts, name, seed, train_info[name], run.history, wall)
-        per_seed.append(train_info)
+        run, wall = _train(
+            opts, scenario, name, method, split, epochs, old_model, runs_dir, models_dir, seed
+        )
+        info = dict(
+            method=method,
+            split=split,
+            epochs=epochs,
+            seed=seed,
+            path=run.bundle_path,
+            run_path=run.run_path,
+            wall_s=wall,
+            history=run.history,
+        )
+        per_seed[i][name] = info
+        _trained_line(opts, name, seed, info, run.history, wall)
+
+    with ThreadPoolExecutor(max_workers=opts.parallel) as pool:
+        for i, step in _training_order(opts, len(seeds)):
+            futures[(i, step[0])] = pool.submit(train_one, i, step)
+        for future in futures.values():
+            future.result()
+    for train_info in per_seed:  # the plan's order, whatever order the runs finished in
+        train_info_sorted = {step[0]: train_info[step[0]] for step in _training_plan(opts)}
+        train_info.clear()
+        train_info.update(train_info_sorted)
+        for name, info in train_info.items():
+            timings[f"train_{name}_s"] = timings.get(f"train_{name}_s", 0.0) + info["wall_s"]
     return per_seed
+
+
+def _training_order(opts: QuickstartOptions, n_seeds: int) -> list[tuple[int, tuple]]:
+    """``(seed index, plan step)`` in submission order: seed by seed in the plan's order with
+    one run at a time (the console's order), else every model without a predecessor first, so
+    that a run waiting for its old model never holds a slot another run could use."""
+    steps = [(i, step) for i in range(n_seeds) for step in _training_plan(opts)]
+    if opts.parallel == 1:
+        return steps
+    return sorted(steps, key=lambda item: item[1][4] is not None)
 
 
 def _training_plan(opts: QuickstartOptions) -> list[tuple]:

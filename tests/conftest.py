@@ -1,13 +1,27 @@
-"""One real local Ray cluster shared by the whole test session."""
+"""What the whole test session shares: one real local Ray cluster, one Ray Serve instance, the
+tiny main job's models and reports (trained once per run of the suite, and cached on disk under
+the pytest cache keyed by their configuration and the package's source), and the small
+galleries and files several directories use.
+
+Only a test that asks for ``ray_cluster`` (or a fixture built on it) may start Ray: any other
+test that calls ``ray.init`` fails with its name, as Ray's own unit tests forbid it
+(``disallow_ray_init``), so that pure functions stay testable without a cluster.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 
 import pytest
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+# Ray Train starts an actor per run that watches for the preemption of cloud spot nodes: on
+# this machine it only costs a Python process (~2 CPU-seconds) per training run
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # as raycompat.cluster.connect does: Serve's proxy answers its own errors as JSON
 os.environ.setdefault(
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "raycompat.serving.proxy.proxy_middlewares"
@@ -26,6 +40,117 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_where_asked(request, monkeypatch):
+    """A test that does not ask for ``ray_cluster`` must not start Ray (in this process)."""
+    import ray
+
+    if "ray_cluster" in request.fixturenames:
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"{request.node.nodeid} starts Ray without asking for it: add the ray_cluster "
+            "fixture (one shared cluster), or test the pure function without Ray"
+        )
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+# ----------------------------------------------------------------------------- disk cache
+def source_digest() -> str:
+    """SHA-256 of every ``.py`` file of the package and of ``pyproject.toml``: what a cached
+    model or report was made by (a changed line retrains)."""
+    from locations import REPO
+
+    digest = hashlib.sha256()
+    root = os.path.join(REPO, "raycompat")
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as fh:
+                digest.update(fh.read())
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        digest.update(fh.read())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def disk_cache(request, tmp_path_factory):
+    """``folder(kind, config) -> (path, complete)``: a folder kept between runs of the suite
+    under the pytest cache (``.pytest_cache/d/raycompat``), keyed by ``config`` and the package's
+    source. ``complete`` says that an earlier run finished it (:func:`mark_complete`); an
+    unfinished folder is emptied. Without the cache plugin (``-p no:cacheprovider``), a folder
+    of this session."""
+    cache = getattr(request.config, "cache", None)
+    root = (
+        str(cache.mkdir("raycompat"))
+        if cache is not None
+        else str(tmp_path_factory.mktemp("raycompat-cache"))
+    )
+    source = source_digest()
+
+    def folder(kind: str, config: dict) -> tuple[str, bool]:
+        blob = json.dumps({"config": config, "source": source}, sort_keys=True)
+        path = os.path.join(root, f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}")
+        if os.path.isfile(os.path.join(path, COMPLETE)):
+            return path, True
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        return path, False
+
+    return folder
+
+
+#: the file that marks a cached folder finished
+COMPLETE = ".complete"
+
+
+def mark_complete(path: str) -> None:
+    with open(os.path.join(path, COMPLETE), "w") as fh:
+        fh.write("done\n")
+
+
+# ----------------------------------------------------------------------------- the main job
+#: the smallest main job: a few glyph classes, one epoch per model, two training seeds; its
+#: models (``<out>/models``, ``<out>/models/seed1``) are the suite's shared tiny trained models
+TINY_MAIN_JOB = [
+    "--seeds", "2",
+    "--old-fraction", "0.5",
+    "--train-classes", "8",
+    "--images-per-class", "4",
+    "--eval-classes", "4",
+    "--queries-per-class", "1",
+    "--gallery-per-class", "2",
+    "--distractor-classes", "2",
+    "--distractors-per-class", "1",
+    "--backbone", "test_resnet",
+    "--embed-dim", "8",
+    "--old-epochs", "1",
+    "--new-epochs", "1",
+    "--batch-size", "8",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def main_job(ray_cluster, disk_cache):
+    """``(out, storage, report)`` of the tiny main job (:data:`TINY_MAIN_JOB`), run through its
+    command line with up to four Ray Train runs at a time: old, BCT and independent models for
+    two seeds, the Ray Data pipeline, the evaluation and the backfill curves."""
+    from raycompat.quickstart import main
+
+    path, complete = disk_cache("main-job", {"flags": TINY_MAIN_JOB})
+    out, storage = os.path.join(path, "out"), os.path.join(path, "storage")
+    if not complete:
+        flags = [*TINY_MAIN_JOB, "--parallel", "4", "--out", out, "--storage", storage]
+        assert main(flags) == 0
+        mark_complete(path)
+    with open(os.path.join(out, "report.json")) as fh:
+        return out, storage, json.load(fh)
 
 
 @pytest.fixture

@@ -1,4 +1,10 @@
-"""What the Serve tests share: the admin token, a labelled gallery, and deploying an app."""
+"""What the Serve tests share: the admin token, a labelled gallery, deploying an app (and taking
+it down), resetting a shared app between tests, the test sizes, and a tmpfs that outlives one
+test."""
+
+import os
+import subprocess
+import time
 
 import numpy as np
 
@@ -6,6 +12,15 @@ from raycompat.backfill import GalleryEmbeddings
 
 TOKEN = "test-admin-token-0123456789"
 APP = "raycompat-test"
+
+#: ``RAYCOMPAT_TEST_SCALE=full`` runs the Serve tests at the sizes they had before they were cut
+#: for a 15-minute suite (more fault-injection rounds, more fuzz examples); the default is small.
+FULL_SCALE = os.environ.get("RAYCOMPAT_TEST_SCALE", "").strip().lower() == "full"
+
+
+def scaled(small, full):
+    """``full`` under ``RAYCOMPAT_TEST_SCALE=full``, else ``small`` (the default run)."""
+    return full if FULL_SCALE else small
 
 
 def labelled_embeddings(n_items=600, n_queries=60, classes=30, d_old=16, d_new=24, seed=0):
@@ -41,6 +56,14 @@ def labelled_embeddings(n_items=600, n_queries=60, classes=30, d_old=16, d_new=2
     )
 
 
+def cpu_index():
+    """The exact index on the CPU, named: ``device="auto"`` (the default) imports torch in every
+    shard replica only to find no GPU, about half of a replica's start-up CPU on this machine."""
+    from raycompat.index.ann import index_options
+
+    return index_options(device="cpu")
+
+
 def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw):
 
     from raycompat.serving.app import build_app
@@ -49,6 +72,7 @@ def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw)
     from raycompat.serving.deploy import run_application
 
     kw.setdefault("router_replicas", 1)  # the default (0: two where there are CPUs) costs more
+    kw.setdefault("index", cpu_index())
     cfg = serving_config(
         gallery=gallery,
         state_dir=str(state_dir),
@@ -62,3 +86,57 @@ def deploy(port, state_dir, gallery, token_file=None, app=APP, prefix="/", **kw)
     client = ServingClient(f"http://127.0.0.1:{port}{prefix.rstrip('/')}", token=TOKEN)
     client.wait_ready()
     return cfg, client
+
+
+def undeploy(app: str, wait: bool = False) -> None:
+    """Delete an application.  Without ``wait`` it returns at once and Serve stops the replicas
+    in the background (each waits out its 2 s graceful-shutdown loop): for an app whose name
+    and state directory no later deploy reuses.  ``wait``: before its state directory is
+    deployed again or changed (the replicas hold its locks until they stop)."""
+    from ray import serve
+
+    serve.delete(app, _blocking=wait)
+
+
+def reset_backfill(client, timeout: float = 120.0) -> dict:
+    """Return a shared app to its deployed state between tests: any backfill paused, every
+    upgraded item rolled back to the vector it was deployed with (the live index's rollback
+    restores each kept vector exactly), no ``new`` item left.  Returns ``/status``."""
+    t0 = time.time()
+    while True:
+        st = client.status()
+        state = st["backfill"]["state"]
+        if state == "running":
+            client.pause_backfill()  # a batch in flight may still land: looked at again below
+        elif state != "rolling_back":
+            if not st["kept"]["items"]:
+                assert st["items"]["new"] == 0, f"new items without old vectors: {st['items']}"
+                return st
+            client.rollback_backfill(to=None)
+        assert time.time() - t0 < timeout, f"no reset within {timeout} s: {st['backfill']}"
+        time.sleep(0.1)
+
+
+def mount_tmpfs(path: str, size_bytes: int) -> bool:
+    """Mount a tmpfs of ``size_bytes`` at ``path`` (created); False where mounting is not
+    permitted.  For a fixture wider than one test (tests use conftest's ``tiny_fs``)."""
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={int(size_bytes)}", "tmpfs", path],
+        capture_output=True,
+    )
+    return r.returncode == 0
+
+
+def umount(path: str) -> None:
+    subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def fill(path: str, name: str = "filler") -> None:
+    """Fill the filesystem of ``path`` (writing the file ``name``): a full disk."""
+    try:
+        with open(os.path.join(path, name), "wb", buffering=0) as fh:
+            while True:
+                fh.write(b"\0" * 4096)
+    except OSError:  # the disk is full: what was wanted
+        pass

@@ -67,6 +67,26 @@ def write_parquet(
 
 
 def run_job(*args, timeout=240):
+    """The simulate-backfill job's command line in this process (its ``main``, as
+    ``jobs/simulate_backfill.py`` calls it): a ``CompletedProcess``-like result with its exit
+    code, stdout and stderr. Ray, if the run needs it, is the session's (``ray_cluster``)."""
+    import contextlib
+    import io
+    import types
+
+    from raycompat.backfill.job import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's own errors (exit 2) and --help (exit 0)
+            code = exc.code if isinstance(exc.code, int) else 2
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def run_job_program(*args, timeout=240):
+    """``python jobs/simulate_backfill.py ARGS`` as a child process."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
         [sys.executable, JOB, *map(str, args)],

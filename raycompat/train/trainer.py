@@ -67,6 +67,11 @@ def fit(cfg: TrainConfig, export_to: str | None = None, overwrite: bool = False)
     # read by the driver when it starts the controller actor (Ray propagates it there)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", CONTROLLER_POLL_INTERVAL_S)
     storage = open_storage(cfg.storage_path)  # StorageError now, not after the first epoch
+    finished = finished_run(cfg, storage)
+    if finished is not None:
+        if export_to:
+            finished.bundle_path = _export(finished.bundle_path, export_to)
+        return finished
     logging_config, worker_env = console_settings()
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.use_gpu:
@@ -101,6 +106,36 @@ def fit(cfg: TrainConfig, export_to: str | None = None, overwrite: bool = False)
     run_path = str(result.path) if storage.local else _as_uri(storage, str(result.path))
     return TrainRun(
         bundle_path=bundle_path, checkpoint_path=checkpoint_path, run_path=run_path, history=history
+    )
+
+
+def finished_run(cfg: TrainConfig, storage) -> TrainRun | None:
+    """The run ``cfg.run_name`` when it has already trained every epoch of this configuration
+    (docs/training.md, "Resume"): its last checkpoint ``epoch_<epochs>`` holds the history of
+    every epoch and a bundle trained with the same model options. Re-running it would only
+    restore that checkpoint, at the cost of starting Ray Train's controller and workers (tens
+    of seconds), so :func:`fit` returns it as it is. Local storage only; elsewhere Ray Train
+    restores the run."""
+    from raycompat.train.export import bundle_differences
+
+    if not storage.on_disk or not cfg.run_name:
+        return None
+    run = storage.child(cfg.run_name)
+    checkpoint = run.child(f"epoch_{cfg.epochs:04d}")
+    try:
+        history = json.loads(checkpoint.read_bytes(HISTORY))
+    except (OSError, ValueError):
+        return None
+    manifest = checkpoint.read_json(BUNDLE_DIR, "manifest.json")
+    if not isinstance(history, list) or len(history) != cfg.epochs or manifest is None:
+        return None
+    if bundle_differences(manifest, cfg.to_dict()):
+        return None
+    return TrainRun(
+        bundle_path=checkpoint.join(BUNDLE_DIR),
+        checkpoint_path=checkpoint.uri,
+        run_path=run.uri,
+        history=history,
     )
 
 

@@ -1,5 +1,6 @@
-"""jobs/simulate_backfill.py on tiny parquet files, run as a subprocess: a good run and each
-bad input."""
+"""The simulate-backfill job on tiny parquet files: a good run as a program
+(``python jobs/simulate_backfill.py``), and every other run and bad input through its command
+line in this process."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import json
 
 import numpy as np
 import pytest
-from simulator_inputs import make_bundle, run_job, write_parquet
+from simulator_inputs import make_bundle, run_job, run_job_program, write_parquet
 
 
+@pytest.mark.subprocess
 def test_good_run_writes_every_report(tmp_path):
     emb = write_parquet(tmp_path / "emb.parquet")
     model = make_bundle(tmp_path / "new_model")
     out = tmp_path / "out"
-    r = run_job(
+    r = run_job_program(
         "--embeddings",
         emb,
         "--new-model",
@@ -213,8 +215,10 @@ def test_bad_flag_exits_2_before_reading_anything(tmp_path, args, named):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.subprocess
 def test_missing_embeddings_is_an_error(tmp_path):
-    r = run_job("--out", tmp_path / "out", timeout=60)
+    """As a program: the folder a failed run made is removed when the process exits."""
+    r = run_job_program("--out", tmp_path / "out", timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert "error: give --embeddings, or --old-model and --new-model" in r.stderr
     assert not (tmp_path / "out").exists()  # a failed run leaves no empty folder

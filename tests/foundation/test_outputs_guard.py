@@ -297,20 +297,17 @@ def test_identical_run_with_absolute_paths_resumes(tmp_path, monkeypatch, capsys
     assert stamp["config"]["embeddings"] == str(tmp_path / "emb.parquet")
 
 
-def test_quickstart_refuses_a_foreign_folder_before_starting_ray(tmp_path):
+def test_quickstart_refuses_a_foreign_folder_before_starting_ray(tmp_path, capsys):
+    """In this process, which may not start Ray (tests/conftest.py): exit 2 naming the files,
+    nothing touched."""
+    from raycompat.quickstart import main
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "thesis.tex").write_text("x")
-    proc = subprocess.run(
-        [sys.executable, os.path.join("jobs", "quickstart.py"), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"error: {out} holds files (thesis.tex)" in proc.stderr
-    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
+    assert main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {out} holds files (thesis.tex)" in err and "Traceback" not in err
     assert os.listdir(out) == ["thesis.tex"]
 
 

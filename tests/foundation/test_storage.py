@@ -129,50 +129,6 @@ def test_a_full_disk_is_the_shards_storage_answer(tiny_fs):
     state.close()
 
 
-def test_training_writes_to_a_uri_storage(ray_cluster, tmp_path):
-    """Checkpoints and the exported bundle under a file:// URI (pyarrow's filesystem path,
-    as for s3:// or gs://); the bundle loads back from its URI."""
-    from raycompat.data import build_scenario
-    from raycompat.models import ModelBundle
-    from raycompat.train import TrainConfig, fit
-
-    scenario = build_scenario(
-        "extended-class",
-        num_train_classes=8,
-        images_per_class=8,
-        num_eval_classes=4,
-        queries_per_class=1,
-        gallery_per_class=2,
-        num_distractor_classes=0,
-        seed=11,
-    )
-    store = f"file://{tmp_path}/store"
-    cfg = TrainConfig.from_dict(
-        dict(
-            method="independent",
-            backbone="test_resnet",
-            embed_dim=8,
-            head="cosface",
-            epochs=1,
-            batch_size=16,
-            lr=0.05,
-            scenario=scenario.to_dict(),
-            split="new_train",
-            num_workers=1,
-            threads_per_worker=1,
-            storage_path=store,
-            run_name="uri-run",
-            log_every=1000,
-        )
-    )
-    run = fit(cfg, export_to=f"{store}/models/uri-run")
-    assert run.bundle_path == f"{store}/models/uri-run"
-    assert run.checkpoint_path.startswith(f"{store}/uri-run/")
-    assert (tmp_path / "store" / "models" / "uri-run" / "manifest.json").is_file()
-    assert ModelBundle.load(run.bundle_path).manifest["method"] == "independent"
-    assert [h["epoch"] for h in run.history] == [1]
-
-
 def test_training_refuses_unwritable_storage_before_starting(ray_cluster):
     from raycompat.data import build_scenario
     from raycompat.train import TrainConfig, fit

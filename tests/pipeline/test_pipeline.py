@@ -552,6 +552,8 @@ def _job(out, bundles, items, extra=()):
     return cmd, env
 
 
+@pytest.mark.subprocess
+@pytest.mark.timeout(300)  # two runs of the job with their own embedded Ray
 def test_kill_and_resume_is_exactly_once(ray_cluster, bundles, scenario, tmp_path):
     """SIGKILL the job (its own embedded Ray) once a shard exists, rerun, check every id once."""
     out = tmp_path / "killed"
@@ -600,25 +602,26 @@ def scenario_items(scenario) -> int:
     return sum(len(scenario.splits[k]) for k in ("query", "gallery", "distractors"))
 
 
-def test_job_refuses_other_settings_and_runs_without_models(tmp_path, bundles):
+@pytest.mark.subprocess
+def test_job_refuses_other_settings_and_runs_without_models(ray_cluster, capsys, tmp_path, bundles):
+    """The embed-gallery job's command line in this process (the session's Ray; the kill test
+    above runs it as a program): a run prints its rate and stage times, a second run into the
+    same folder with other settings is refused naming them, and no model at all is refused
+    before anything is written."""
+    from raycompat.pipeline.job import main
+
     out = tmp_path / "o"
-    cmd, env = _job(out, bundles, 40)
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert "items/s" in first.stdout and "Per-stage times" in first.stdout
-    cmd2 = [c if c != "old,new" else "old" for c in cmd]
-    second = subprocess.run(cmd2, env=env, capture_output=True, text=True, timeout=600)
-    assert (
-        second.returncode == 2
-        and "different settings" in second.stderr
-        and "columns" in second.stderr
-    )
-    no_models = [
-        sys.executable,
-        os.path.join(REPO, "jobs", "embed_gallery.py"),
-        "--out",
-        str(tmp_path / "n"),
-    ]
-    third = subprocess.run(no_models, env=env, capture_output=True, text=True, timeout=600)
+    cmd, _ = _job(out, bundles, 40)
+    args = cmd[2:]  # after the interpreter and jobs/embed_gallery.py
+    assert main(args) == 0
+    first = capsys.readouterr()
+    assert "items/s" in first.out and "Per-stage times" in first.out
+    other = [c if c != "old,new" else "old" for c in args]
+    assert main(other) == 2
+    second = capsys.readouterr()
+    assert "different settings" in second.err and "columns" in second.err
+    # as a program: the folder a failed first run made is removed when the process exits
+    no_models = [sys.executable, cmd[1], "--out", str(tmp_path / "n")]
+    third = subprocess.run(no_models, capture_output=True, text=True, timeout=120)
     assert third.returncode == 2 and "--random-init" in third.stderr
-    assert not (tmp_path / "n").exists()  # a failed first run leaves no empty folder
+    assert not (tmp_path / "n").exists()

@@ -60,7 +60,7 @@ def tiny_run(ray_cluster, tmp_path_factory):
         sequential_methods=("dmu",),
         sizes=TINY_SIZES,
         training=TINY,
-        parallel=2,
+        parallel=4,  # 1-worker runs, 4 logical CPUs in the test cluster
     ).validated()
     return opts, out, run_reproduce(opts)
 

@@ -1,7 +1,16 @@
 """The live index through real HTTP on Ray Serve: bad input and auth, offline == online against
-the simulator, durability under a replica kill, and a schemathesis fuzz of the OpenAPI schema."""
+the simulator, durability under a replica kill, and a schemathesis fuzz of the OpenAPI schema.
+
+Deploying an app costs seconds (a new process per replica), so the tests share apps where they
+can: ``api`` (small limits) for the input and auth tests, ``live`` (compatible mode) for the tests
+that backfill and kill replicas -- each of them starts with :func:`reset_backfill`, which rolls
+every upgraded item back to its deployed vector -- and ``rank_merge_app`` for both rank_merge
+policies.  The tests that need an app of their own (another mode or gallery, a state directory on
+a tiny tmpfs, a deploy that must fail) deploy it and delete it without waiting for its replicas
+to stop.  ``RAYCOMPAT_TEST_SCALE=full`` restores the earlier sizes (serving_helpers.scaled)."""
 
 import base64
+import contextlib
 import io
 import os
 import threading
@@ -11,7 +20,15 @@ import locations
 import numpy as np
 import pytest
 import requests
-from serving_helpers import APP, TOKEN, deploy, labelled_embeddings
+from serving_helpers import (
+    TOKEN,
+    cpu_index,
+    deploy,
+    labelled_embeddings,
+    reset_backfill,
+    scaled,
+    undeploy,
+)
 
 from raycompat.backfill import GalleryEmbeddings, load_parquet, simulate_backfill
 from raycompat.serving.gallery_source import write_gallery_parquet
@@ -20,8 +37,6 @@ from raycompat.serving.gallery_source import write_gallery_parquet
 @pytest.fixture(scope="module")
 def api(serve_port, gallery_parquet, token_file, tmp_path_factory):
     """A 2-shard app with small limits for the input tests (and the fuzz test)."""
-    from ray import serve
-
     cfg, client = deploy(
         serve_port,
         tmp_path_factory.mktemp("api_state"),
@@ -38,7 +53,7 @@ def api(serve_port, gallery_parquet, token_file, tmp_path_factory):
         fsync=False,
     )
     yield client
-    serve.delete("api")
+    undeploy("api")
 
 
 def post(client, path, body=None, raw=None, token=None):
@@ -57,6 +72,7 @@ def png_b64(size=8):
     return base64.b64encode(buf.getvalue()).decode()
 
 
+@pytest.mark.serve
 def test_search_status_metrics_and_openapi(api, gallery_parquet):
     data = load_parquet(gallery_parquet)
     ids, scores, reps = api.search(data.query_new[:3], k=5)
@@ -119,6 +135,7 @@ BAD_SEARCH = [
 ]
 
 
+@pytest.mark.serve
 @pytest.mark.parametrize("raw,needle", BAD_SEARCH)
 def test_bad_search_input_is_a_4xx_naming_the_problem(api, raw, needle):
     r = post(api, "/search", raw=raw)
@@ -129,6 +146,7 @@ def test_bad_search_input_is_a_4xx_naming_the_problem(api, raw, needle):
     ), body
 
 
+@pytest.mark.serve
 def test_image_input_errors(api):
     # no new model configured: image search is refused with a 400 naming the reason
     r = post(api, "/search", {"images": [png_b64()], "k": 3})
@@ -138,6 +156,7 @@ def test_image_input_errors(api):
     assert r.status_code == 422 and "body.images" in r.json()["error"]
 
 
+@pytest.mark.serve
 def test_admin_auth_and_upsert_errors(api):
     vec = [0.5] * 24
     item = {"id": 3, "representation": "new", "vector": vec}
@@ -181,6 +200,7 @@ def test_admin_auth_and_upsert_errors(api):
     assert api.status()["items"] == {"old": 600, "adapted": 0, "new": 0}
 
 
+@pytest.mark.serve
 def test_admin_token_and_body_size_are_checked_before_the_body_is_read(api):
     # without the token: 401 at once, whatever the body (not a 400/422 from parsing it)
     r = post(api, "/admin/upsert", raw=b"{not json" * 1000)
@@ -216,94 +236,7 @@ def test_admin_token_and_body_size_are_checked_before_the_body_is_read(api):
     assert requests.get(api.base + "/openapi.json").status_code == 200
 
 
-def test_a_heavy_image_request_does_not_stall_healthz(serve_port, gallery_parquet, tmp_path):
-    """Images are decoded off the router's event loop: /healthz answers within 1 s while a
-    search with 32 images of 4096x4096 pixels is being decoded; a request over the pixel
-    budget is refused from the images' headers."""
-    from PIL import Image
-    from ray import serve
-
-    buf = io.BytesIO()
-    Image.fromarray(np.full((4096, 4096), 77, np.uint8)).save(buf, format="PNG")
-    image = base64.b64encode(buf.getvalue()).decode()
-    _, client = deploy(
-        serve_port, tmp_path / "state", gallery_parquet, app="heavy", prefix="/heavy",
-        num_shards=1, max_queries=64, max_request_pixels=40 * 4096 * 4096, fsync=False,
-    )  # fmt: skip
-    try:
-        over = post(client, "/search", {"images": [image] * 41, "k": 3})
-        assert over.status_code == 400 and "budget of 671,088,640" in over.json()["error"]
-        heavy: dict = {}
-
-        def search():
-            heavy["response"] = post(client, "/search", {"images": [image] * 32, "k": 3})
-
-        worker = threading.Thread(target=search)
-        worker.start()
-        time.sleep(0.5)  # the router is decoding
-        t0 = time.perf_counter()
-        health = requests.get(client.base + "/healthz", timeout=30)
-        waited = time.perf_counter() - t0
-        still_decoding = worker.is_alive()
-        worker.join()
-        assert health.status_code == 200 and still_decoding
-        assert waited < 1.0, f"/healthz took {waited:.2f} s behind a heavy request"
-        # decoded, then refused: this index has no model to embed images with
-        assert heavy["response"].status_code == 400
-        assert "new model" in heavy["response"].json()["error"]
-    finally:
-        serve.delete("heavy")
-
-
-def test_backfill_keeps_a_low_rate_and_resume_clears_until(
-    serve_port, gallery_parquet, tmp_path, monkeypatch
-):
-    """A rate below batch_size items/s is kept (batches shrink to one second's worth, never a
-    burst of batch_size); ``"until": null`` on resume clears an earlier until.  The admin token
-    comes from the environment and reaches no actor: the router gets its hash; /status shows
-    process ids, actor names and paths to the admin only."""
-    import ray
-    from ray import serve
-    from ray.util.state import list_actors
-
-    from raycompat.serving.auth import TOKEN_ENV
-
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    _, client = deploy(
-        serve_port, tmp_path / "state", gallery_parquet, None, app="rate",
-        prefix="/rate", num_shards=1, fsync=False,
-    )  # fmt: skip
-    try:
-        actors = list_actors(
-            address=ray.get_runtime_context().gcs_address,
-            filters=[("state", "=", "ALIVE")],
-            detail=True,
-            limit=10000,
-        )
-        assert actors and not any(TOKEN in str(a) for a in actors)
-        public = requests.get(client.base + "/status", timeout=30).json()
-        assert not {"pid", "actor_id", "actor_name"} & set(public["shards"][0])
-        assert public["backfill"].get("pid") is None  # the response model's null
-        assert public["backfill"].get("actor_name") is None
-        admin = client.status()
-        assert "pid" in admin["shards"][0] and "actor_name" in admin["shards"][0]
-        t0 = time.perf_counter()
-        client.start_backfill(policy="sequential", rate=4.0, batch_size=64, until=20)
-        time.sleep(1.5)
-        moved = client.status()["backfill"]["position"]
-        # an upper bound (a slow machine only moves fewer): 4 items/s from t0, one batch ahead
-        assert moved <= 4.0 * (time.perf_counter() - t0) + 4, moved
-        client.pause_backfill()
-        client.resume_backfill(rate=1e6)  # absent until: kept
-        assert client.wait_backfill(20)["position"] == 20
-        assert client.status()["backfill"]["until"] == 20
-        client.resume_backfill(clear_until=True)  # "until": null: cleared, runs to the end
-        bf = client.wait_backfill(600)
-        assert bf["state"] == "done" and bf["until"] is None
-    finally:
-        serve.delete("rate")
-
-
+@pytest.mark.serve
 def test_binds_loopback_only(api):
     from raycompat.serving.config import serving_config
 
@@ -311,210 +244,18 @@ def test_binds_loopback_only(api):
     assert api.base.startswith("http://127.0.0.1:")
 
 
-# ----------------------------------------------------------------------------- offline == online
-@pytest.mark.parametrize(
-    "mode,policy",
-    [("compatible", "random"), ("adapted", "sequential"), ("compatible", "hinge-benefit")],
-)
-def test_offline_equals_online(serve_port, gallery_parquet, token_file, tmp_path, mode, policy):
-    from ray import serve
-
-    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
-
-    data = load_parquet(gallery_parquet)
-    fractions = [0.0, 0.2, 0.5, 0.85, 1.0]
-    k = data.n_items  # the full ranking: revisited mAP is compared too
-    sim = simulate_backfill(data, [policy], [mode], fractions=fractions, k=k, seed=7)
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        num_shards=3,
-        mode=mode,
-        max_k=k,
-        fsync=False,
-    )
-    try:
-        live = live_backfill_curve(
-            client, data, fractions, policy=policy, seed=7, k=k, batch_size=37, log=lambda m: None
-        )
-    finally:
-        serve.delete(APP)
-    curve = sim.curve(policy, mode)
-    assert live["counts"] == [0, 120, 300, 510, 600] == curve.counts.tolist()
-    cmp = compare_curves(live, curve, tol=1e-12)
-    assert set(cmp["max_abs_diff"]) == {f"mAP@{k}", "mAP", "top1", "NFR@1"}
-    assert cmp["equal"], cmp
-    m = np.asarray(live["metrics"][f"mAP@{k}"])
-    assert m[-1] != m[0]  # the backfill changed the ranking (the comparison is not vacuous)
-
-
-# ----------------------------------------------------------------------------- durability
-def _replica_actor(client, deployment: str):
-    """The Serve replica actor of a deployment, by the name the replica reports in /status."""
-    import ray
-
-    st = client.status()
-    if deployment == "backfill":
-        name = st["backfill"]["actor_name"]
-    else:
-        name = next(s["actor_name"] for s in st["shards"] if f"shard-{s['shard']}" == deployment)
-    return ray.get_actor(name, namespace="serve"), name
-
-
-def test_kill_shard_replica_during_live_backfill_under_query_load(
-    serve_port, gallery_parquet, token_file, tmp_path
-):
-    import ray
-    from ray import serve
-
-    data = load_parquet(gallery_parquet)
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        num_shards=2,
-        snapshot_every=150,
-    )
-    outcomes = []  # (time, status code or exception name)
-    dup_or_missing = []
-    stop = threading.Event()
-
-    def load():
-        sess = requests.Session()
-        q = data.query_new[:4].tolist()
-        while not stop.is_set():
-            t = time.time()
-            try:
-                r = sess.post(client.base + "/search", json={"vectors": q, "k": 600}, timeout=60)
-                outcomes.append((t, r.status_code, time.time() - t))
-                if r.status_code == 200:
-                    for row in r.json()["results"]:
-                        ids = [h["id"] for h in row]
-                        if len(ids) != 600 or len(set(ids)) != 600:
-                            dup_or_missing.append(len(set(ids)))
-            except requests.RequestException as exc:
-                outcomes.append((t, type(exc).__name__, time.time() - t))
-
-    threads = [threading.Thread(target=load) for _ in range(2)]
-    try:
-        client.start_backfill(policy="random", seed=1, rate=150.0, batch_size=10)
-        for th in threads:
-            th.start()
-        while client.status()["backfill"]["position"] < 150:
-            time.sleep(0.05)
-        # an admin upsert acknowledged just before the crash: item moved back to 'old'
-        done_ids = set(
-            np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))[:100].tolist()
-        )
-        victim = sorted(done_ids)[0]
-        special = np.linspace(-1, 1, 16).tolist()
-        assert (
-            client.upsert([{"id": int(victim), "representation": "old", "vector": special}])[
-                "applied"
-            ]
-            == 1
-        )
-        before = client.status()["shards"]
-        actor, name = _replica_actor(client, "shard-0")
-        t_kill = time.time()
-        ray.kill(actor, no_restart=True)
-        # wait for the backfill to finish through the outage (the controller retries the dead shard)
-        t0 = time.time()
-        while True:
-            try:
-                bf = client.status()["backfill"]
-                if bf["state"] == "done":
-                    break
-                assert bf["state"] != "error", bf
-            except Exception:
-                pass
-            assert time.time() - t0 < 240, "backfill did not finish after the replica kill"
-            time.sleep(0.2)
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        for th in threads:
-            if th.is_alive() or th.ident:
-                th.join(timeout=60)
-    try:
-        st = client.status()
-        shard0 = next(s for s in st["shards"] if s["shard"] == 0)
-        assert shard0["pid"] != next(s for s in before if s["shard"] == 0)["pid"]  # a new replica
-        assert shard0["recovery"]["snapshot"] is True
-        # every item present, in the right representation: all new except the victim (old)
-        assert st["items"] == {"old": 1, "adapted": 0, "new": 599}, st["items"]
-        ids, scores, reps = client.search(np.asarray([special]), k=1, model="old")
-        assert ids[0, 0] == victim and reps[0, 0] == "old" and scores[0, 0] > 0.9999
-        handle = serve.get_deployment_handle("shard-0", app_name=APP)
-        h1 = serve.get_deployment_handle("shard-1", app_name=APP)
-        all_ids = np.concatenate([handle.items.remote().result()[0], h1.items.remote().result()[0]])
-        assert sorted(all_ids.tolist()) == sorted(data.gallery_ids.tolist())
-        # new vectors are the pipeline's (parquet) vectors: each item is its own top-1
-        from raycompat.index.search import l2_normalize
-
-        sample = np.asarray(sorted(set(data.gallery_ids.tolist()) - {victim})[:40])
-        rows = np.searchsorted(data.gallery_ids, sample)
-        ids, scores, reps = client.search(l2_normalize(data.gallery_new[rows]), k=1)
-        assert (ids[:, 0] == sample).all() and (reps[:, 0] == "new").all()
-    finally:
-        serve.delete(APP)
-    failed = [o for o in outcomes if o[1] != 200]
-    during = [o for o in outcomes if o[0] >= t_kill]
-    before_lat = [o[2] for o in outcomes if o[0] < t_kill]
-    print(
-        f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed "
-        f"({len(during)} sent after the kill); "
-        f"codes {sorted({str(o[1]) for o in failed})}; "
-        f"failure window {max((o[0] for o in failed), default=t_kill) - t_kill:.2f} s; "
-        f"latency before the kill median {np.median(before_lat):.3f} s, after the kill median "
-        f"{np.median([o[2] for o in during]):.3f} s max {max(o[2] for o in during):.3f} s; "
-        f"controller upsert retries {st['backfill'].get('upsert_retries')}; "
-        f"shard-0 recovery {shard0['recovery']}"
-    )
-    assert not dup_or_missing, dup_or_missing[:5]
-    assert all(
-        o[1] == 503 or isinstance(o[1], str) for o in failed
-    )  # outage answers 503, never 500
-    assert outcomes and outcomes[-1][1] == 200
-
-
-def test_backfill_controller_crash_resumes_from_checkpoint(
-    serve_port, gallery_parquet, token_file, tmp_path
-):
-    import ray
-    from ray import serve
-
-    _, client = deploy(
-        serve_port, tmp_path / "state", gallery_parquet, token_file, num_shards=2, fsync=False
-    )
-    try:
-        client.start_backfill(policy="sequential", rate=200.0, batch_size=10)
-        while client.status()["backfill"]["position"] < 100:
-            time.sleep(0.05)
-        actor, _ = _replica_actor(client, "backfill")
-        ray.kill(actor, no_restart=True)
-        t0 = time.time()
-        while True:
-            try:
-                bf = client.status()["backfill"]
-                if bf.get("resumed_from_checkpoint") and bf["state"] == "done":
-                    break
-            except Exception:
-                pass
-            assert time.time() - t0 < 180, "the controller did not resume"
-            time.sleep(0.2)
-        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": 600}
-    finally:
-        serve.delete(APP)
+@pytest.mark.serve
+def test_old_vectors_are_refused_outside_naive_merge(api):
+    r = post(api, "/search", {"vectors": [[0.1] * 24], "old_vectors": [[0.1] * 16], "k": 3})
+    assert r.status_code == 422 and "naive_merge" in r.text, r.text
 
 
 # ----------------------------------------------------------------------------- fuzz
+@pytest.mark.serve
 def test_fuzz_openapi_no_5xx(api):
     """Positive and negative cases generated from /openapi.json for every operation (admin calls
-    with the token, so validation is reached); no response may be a 5xx."""
+    with the token, so validation is reached); no response may be a 5xx.  12 examples per
+    operation by default, 30 at full scale (more of hypothesis' space of each operation)."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -529,7 +270,7 @@ def test_fuzz_openapi_no_5xx(api):
         )
 
         @settings(
-            max_examples=30,
+            max_examples=scaled(12, 30),
             deadline=None,
             derandomize=True,
             database=None,
@@ -551,369 +292,7 @@ def test_fuzz_openapi_no_5xx(api):
     assert not server_errors, server_errors[:5]
 
 
-# ----------------------------------------------------------------------------- vector sources
-def _random_bundle(path, d_new=24, d_old=16, resolution=16):
-    import torch
-
-    from raycompat.models import ClassifierHead, Embedder, ModelBundle
-
-    torch.manual_seed(0)
-    modules = {
-        "embedder": Embedder("test_resnet", d_new, in_chans=1),
-        "head": ClassifierHead(d_new, 5, kind="cosface"),
-    }
-    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(
-        str(path)
-    )
-    return str(path)
-
-
-def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(
-    serve_port, token_file, tmp_path
-):
-    """New vectors from the embedder actor pool (glyphs rendered + embedded by Ray actors holding
-    the new model) and from a pipeline parquet output; image queries embedded by the router."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from ray import serve
-
-    from raycompat.data import GlyphRenderer, default_catalog
-    from raycompat.index.search import l2_normalize
-    from raycompat.serving.embedder_pool import ModelEmbedder
-
-    bundle = _random_bundle(tmp_path / "new_model")
-    n, rng = 80, np.random.default_rng(3)
-    classes, instances = np.arange(n) % 40, np.arange(n) // 40  # distinct glyph items
-    emb = ModelEmbedder(bundle)
-    new = emb.embed_glyphs(classes, instances)
-    data = GalleryEmbeddings(
-        gallery_labels=classes,
-        gallery_old=rng.standard_normal((n, 16)).astype(np.float32),
-        gallery_new=new,
-        query_labels=classes[:4],
-        query_new=new[:4],
-        query_old=rng.standard_normal((4, 16)).astype(np.float32),
-        gallery_ids=np.arange(n) + 100,
-        query_ids=np.arange(4) + 10_000,
-        compatible_dim=16,
-    )
-    gallery = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
-    items = str(tmp_path / "items.parquet")
-    pq.write_table(
-        pa.table({"item_id": np.arange(n) + 100, "label": classes, "instance": instances}), items
-    )
-    flipped = -new  # the "pipeline" wrote other vectors: we can tell them apart
-    out = str(tmp_path / "pipeline.parquet")
-    pq.write_table(
-        pa.table(
-            {
-                "item_id": np.arange(n) + 100,
-                "new": pa.FixedSizeListArray.from_arrays(pa.array(flipped.reshape(-1)), 24),
-            }
-        ),
-        out,
-    )
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery,
-        token_file,
-        num_shards=2,
-        new_model=bundle,
-        items=items,
-        pipeline_output=out,
-        fsync=False,
-    )
-    try:
-        client.start_backfill(policy="random", seed=0, batch_size=16, until=40, source="embedder")
-        client.wait_backfill(40, timeout=240)
-        order = np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))
-        first = order[:40] - 100
-        ids, scores, reps = client.search(l2_normalize(new[first]), k=1)
-        assert (
-            (ids[:, 0] == first + 100).all()
-            and (reps[:, 0] == "new").all()
-            and (scores[:, 0] > 0.999).all()
-        )
-        # image queries: the router decodes the PNG and embeds it with the new model
-        renderer = GlyphRenderer(default_catalog(), resolution=16, seed=0)
-        imgs = renderer.render_batch(classes[first[:4]], instances[first[:4]])
-        from PIL import Image
-
-        b64 = []
-        for im in imgs:
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="PNG")
-            b64.append(base64.b64encode(buf.getvalue()).decode())
-        res = client.search_images(b64, k=1)
-        assert [r[0]["id"] for r in res["results"]] == (first[:4] + 100).tolist()
-        # a restarted backfill from the pipeline's output replaces every vector
-        client.start_backfill(policy="sequential", batch_size=32, source="pipeline", restart=True)
-        client.wait_backfill(n, timeout=240)
-        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": n}
-        ids, scores, _ = client.search(l2_normalize(flipped[:10]), k=1)
-        assert (ids[:, 0] == np.arange(10) + 100).all() and (scores[:, 0] > 0.999).all()
-    finally:
-        serve.delete(APP)
-
-
-# ----------------------------------------------------------------------------- the hot_refresh job
-def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path):
-    """`run_hot_refresh` (what `python jobs/hot_refresh.py` runs) on a glyph scenario embedded
-    by random-init models -- weak embeddings full of near-ties -- writing to `--storage`: the
-    curve measured through HTTP equals the simulator's exactly at every fraction."""
-    import dataclasses
-    import json
-
-    from raycompat.hot_refresh import TINY_SIZES, HotRefreshOptions, run_hot_refresh
-    from raycompat.pipeline.bundles import make_random_bundles
-
-    models = tmp_path / "models"
-    make_random_bundles(
-        str(models),
-        backbone="test_resnet",
-        old_dim=24,
-        new_dim=24,
-        num_classes=8,
-        psi_hidden=32,
-        resolution=32,
-    )
-    store = tmp_path / "store"
-    opts = HotRefreshOptions(
-        models=str(models),
-        new_name="new",
-        storage=str(store),
-        name="tiny",
-        port=serve_port,
-        policy="sequential",
-        k=20,
-        num_shards=2,
-        batch_size=23,
-        fractions="0,0.3,0.6,1",
-        sizes=dataclasses.replace(
-            TINY_SIZES,
-            eval_classes=12,
-            queries_per_class=2,
-            gallery_per_class=5,
-            distractor_classes=4,
-            distractors_per_class=3,
-        ),
-    )
-    report = run_hot_refresh(opts, log=lambda m: None)
-    out = store / "hot_refresh" / "tiny"
-    assert report["out"] == str(out)
-    assert json.loads((out / "report.json").read_text())["comparison"]["equal"] is True
-    assert "-> **equal**" in (out / "report.md").read_text()
-    cmp = report["comparison"]
-    assert cmp["equal"], cmp
-    assert report["live"]["counts"] == report["simulator"]["counts"] == [0, 22, 43, 72]
-    m = report["live"]["metrics"]["mAP@20"]
-    assert m[0] != m[-1]  # the backfill changed the ranking
-    assert report["final_status"]["items"]["new"] == 72
-    band = report["simulator"]["bands"]["mAP@20"]  # the simulated curve's bootstrap band
-    sim = report["simulator"]["metrics"]["mAP@20"]
-    assert all(lo <= v <= hi for lo, v, hi in zip(band["low"], sim, band["high"], strict=True))
-    # the live curve's band, from the live searches' per-query values: inside it, and (the
-    # same per-query values, the same draws) the simulator's band
-    for metric in ("mAP@20", "top1", "NFR@1"):
-        live_band, values = report["live"]["bands"][metric], report["live"]["metrics"][metric]
-        lows, highs = live_band["low"], live_band["high"]
-        # a point whose resamples are undefined past 1 % (NFR with few old-old successes) has
-        # no interval: its bounds are NaN (None in report.json), and only then
-        resamples = opts.bootstrap.resamples
-        for lo, v, hi, dropped in zip(lows, values, highs, live_band["dropped"], strict=True):
-            refused = dropped > 0.01 * resamples
-            assert refused == (lo is None or lo != lo), (metric, lo, dropped)
-            assert refused or lo <= v <= hi, (metric, lo, v, hi)
-        sim_band = report["simulator"]["bands"][metric]
-        for side in ("low", "high"):
-            assert live_band[side] == pytest.approx(sim_band[side], abs=1e-9, nan_ok=True), (
-                metric,
-                side,
-            )
-    markdown = (out / "report.md").read_text()
-    row = next(ln for ln in markdown.splitlines() if ln.startswith("| 30% |"))
-    assert row.count("[") >= 5  # recall, mAP@20 and top1 live and simulated, with intervals
-    assert "![live vs simulator](live_vs_simulator.png)" in markdown
-    assert (out / "live_vs_simulator.png").read_bytes()[:4] == b"\x89PNG"
-    # the exact index: the served results are the exact top-k at every fraction
-    assert report["live"]["recall"] == [1.0, 1.0, 1.0, 1.0]
-    assert report["live"]["bands"]["recall@20"] == {
-        "low": [1.0] * 4,
-        "high": [1.0] * 4,
-        "dropped": [0] * 4,
-    }
-
-
-def test_hot_refresh_with_an_approximate_index_reports_recall_and_the_difference(
-    serve_port, tmp_path
-):
-    """An IVF index with one list probed of four and no extra candidates: the report gives
-    recall@k of the served results against exact search at every fraction and the live curve
-    beside the exact simulated one, without asserting them equal."""
-    from raycompat.backfill import simulate_backfill
-    from raycompat.hot_refresh import HotRefreshOptions, run_hot_refresh
-    from raycompat.index.ann import index_options
-
-    data = labelled_embeddings(n_items=400, n_queries=40, classes=20)
-    parquet = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
-    opts = HotRefreshOptions(
-        embeddings=parquet,
-        out=str(tmp_path / "out"),
-        port=serve_port,
-        policy="random",
-        k=5,
-        num_shards=2,
-        fractions="0,0.5,1",
-        index=index_options(kind="ivf_flat", nlist=4, nprobe=1, rerank=1, train_min=40),
-    )
-    report = run_hot_refresh(opts, log=lambda m: None)
-    recall = report["live"]["recall"]
-    print(f"\nAPPROXIMATE hot refresh: recall@5 {recall}, mAP@5 live {report['live']['metrics']}")
-    assert len(recall) == 3 and all(0.0 < r <= 1.0 for r in recall) and min(recall) < 1.0
-    band = report["live"]["bands"]["recall@5"]
-    assert all(lo <= r <= hi for lo, r, hi in zip(band["low"], recall, band["high"], strict=True))
-    sim = simulate_backfill(data, ["random"], ["compatible"], fractions=[0, 0.5, 1], k=5)
-    assert report["simulator"]["metrics"]["mAP@5"] == pytest.approx(
-        sim.curve("random", "compatible").metrics["mAP@5"]
-    )
-    markdown = (tmp_path / "out" / "report.md").read_text()
-    assert "an approximate index, `ivf_flat`" in markdown and "Recall@5 of the served" in markdown
-
-
-@pytest.fixture(scope="module")
-def rank_merge_bundle(tmp_path_factory):
-    """A new model bundle with RM's rho (24 -> 20) and psi_rev (20 -> 16) modules, random
-    weights."""
-    import torch
-
-    from raycompat.models import ClassifierHead, Embedder, ModelBundle, ProjectionMLP
-
-    torch.manual_seed(3)
-    mods = {
-        "embedder": Embedder("test_resnet", 24),
-        "head": ClassifierHead(24, 30, "cosface"),
-        "rho": ProjectionMLP(24, 20, hidden_dim=32, num_blocks=1, role="rho"),
-        "psi_rev": ProjectionMLP(20, 16, hidden_dim=32, num_blocks=1, role="psi_rev"),
-    }
-    path = str(tmp_path_factory.mktemp("rm_model") / "mcl")
-    ModelBundle(
-        mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="mcl")
-    ).eval().save(path)
-    return path
-
-
-@pytest.mark.parametrize("policy", ["random", "hinge-benefit"])
-def test_rank_merge_offline_equals_online(
-    serve_port, gallery_parquet, rank_merge_bundle, token_file, tmp_path, policy
-):
-    """rank_merge served: the router maps each query through rho and psi_rev, new items hold
-    rho(phi_n(g)); the live curve equals the simulator's rank_merge curve exactly."""
-    from ray import serve
-
-    from raycompat.backfill.modes import apply_bundle_modules
-    from raycompat.models import ModelBundle
-    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
-
-    data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(rank_merge_bundle))
-    fractions = [0.0, 0.3, 0.6, 1.0]
-    k = 50
-    sim = simulate_backfill(data, [policy], ["rank_merge"], fractions=fractions, k=k, seed=5)
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        num_shards=2,
-        mode="rank_merge",
-        new_model=rank_merge_bundle,
-        fsync=False,
-    )
-    try:
-        st = client.status()
-        assert st["dims"]["new"] == 20 and st["dims"]["old"] == 16
-        live = live_backfill_curve(
-            client, data, fractions, policy=policy, seed=5, k=k, batch_size=41, log=lambda m: None
-        )
-        hits = client.search(data.query_new[:3], k=5)
-        assert client.status()["items"]["new"] == data.n_items
-    finally:
-        serve.delete(APP)
-    curve = sim.curve(policy, "rank_merge")
-    cmp = compare_curves(live, curve, tol=1e-12)
-    assert cmp["equal"], cmp
-    m = np.asarray(live["metrics"][f"mAP@{k}"])
-    assert m[-1] != m[0]
-    assert (hits[2] == "new").all()  # after the backfill every hit is a new item
-
-
-@pytest.fixture(scope="module")
-def fct_bundle(tmp_path_factory):
-    """A new model bundle with FCT's h (16 -> 24, hidden 32) as its ``fct`` module, random
-    weights."""
-    import torch
-
-    from raycompat.models import ClassifierHead, Embedder, ForwardTransformation, ModelBundle
-
-    torch.manual_seed(4)
-    mods = {
-        "embedder": Embedder("test_resnet", 24),
-        "head": ClassifierHead(24, 30, "cosface"),
-        "fct": ForwardTransformation(16, 24, hidden_dim=32),
-    }
-    path = str(tmp_path_factory.mktemp("fct_model") / "fct")
-    ModelBundle(
-        mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="fct")
-    ).eval().save(path)
-    return path
-
-
-def test_fct_offline_equals_online(serve_port, gallery_parquet, fct_bundle, token_file, tmp_path):
-    """fct served: items start as ``adapted`` holding h(phi_o(g)) from the new bundle's fct
-    module (not the parquet's psi column); the live curve equals the simulator's fct curve."""
-    from ray import serve
-
-    from raycompat.backfill.modes import apply_bundle_modules
-    from raycompat.models import ModelBundle
-    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
-
-    data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(fct_bundle))
-    fractions = [0.0, 0.4, 1.0]
-    k = 30
-    sim = simulate_backfill(data, ["sequential"], ["fct"], fractions=fractions, k=k, seed=3)
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        num_shards=2,
-        mode="fct",
-        new_model=fct_bundle,
-        fsync=False,
-    )
-    try:
-        st = client.status()
-        assert st["items"] == {"old": 0, "adapted": data.n_items, "new": 0}
-        assert "new_model's fct" in [m["source"] for m in st["fingerprints"].values()]
-        live = live_backfill_curve(
-            client,
-            data,
-            fractions,
-            policy="sequential",
-            seed=3,
-            k=k,
-            batch_size=64,
-            log=lambda m: None,
-        )
-    finally:
-        serve.delete(APP)
-    cmp = compare_curves(live, sim.curve("sequential", "fct"), tol=1e-12)
-    assert cmp["equal"], cmp
-    psi_curve = simulate_backfill(data, ["sequential"], ["adapted"], fractions=[0.0], k=k)
-    assert (
-        live["metrics"][f"mAP@{k}"][0]
-        != psi_curve.curve("sequential", "adapted").metrics[f"mAP@{k}"][0]
-    )  # h, not the stored psi column, is what the adapted items hold
+# ----------------------------------------------------------------------------- without Serve
 
 
 def test_fct_needs_a_new_model_with_an_fct_module(gallery_parquet, rank_merge_bundle, tmp_path):
@@ -938,62 +317,6 @@ def test_rank_merge_needs_rho_and_psi_rev(gallery_parquet, tmp_path):
         build_app(
             serving_config(gallery=gallery_parquet, state_dir=str(tmp_path), mode="rank_merge")
         )
-
-
-def test_naive_merge_offline_equals_online_and_needs_old_vectors(
-    serve_port, gallery_parquet, token_file, tmp_path
-):
-    """naive_merge served: each request carries the old model's query embeddings too; old-state
-    items are scored old-old, new-state items new-new, merged. Live == simulator; a request
-    without old_vectors (or with the wrong count) is a 422 naming the field."""
-    from ray import serve
-
-    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
-
-    data = load_parquet(gallery_parquet)
-    fractions = [0.0, 0.25, 0.5, 1.0]
-    k = 40
-    sim = simulate_backfill(data, ["sequential"], ["naive_merge"], fractions=fractions, k=k, seed=2)
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        num_shards=2,
-        mode="naive_merge",
-        fsync=False,
-    )
-    try:
-        base = client.base
-        q = data.query_new[:2].tolist()
-        r = requests.post(base + "/search", json={"vectors": q, "k": 3}, timeout=30)
-        assert r.status_code == 422 and "old_vectors" in r.text, r.text
-        r = requests.post(
-            base + "/search",
-            json={"vectors": q, "old_vectors": data.query_old[:1].tolist(), "k": 3},
-            timeout=30,
-        )
-        assert r.status_code == 422 and "1 rows" in r.text, r.text
-        live = live_backfill_curve(
-            client,
-            data,
-            fractions,
-            policy="sequential",
-            seed=2,
-            k=k,
-            batch_size=50,
-            log=lambda m: None,
-        )
-    finally:
-        serve.delete(APP)
-    cmp = compare_curves(live, sim.curve("sequential", "naive_merge"), tol=1e-12)
-    assert cmp["equal"], cmp
-    assert live["metrics"][f"mAP@{k}"][0] != live["metrics"][f"mAP@{k}"][-1]
-
-
-def test_old_vectors_are_refused_outside_naive_merge(api):
-    r = post(api, "/search", {"vectors": [[0.1] * 24], "old_vectors": [[0.1] * 16], "k": 3})
-    assert r.status_code == 422 and "naive_merge" in r.text, r.text
 
 
 @pytest.mark.parametrize("mode", ["compatible", "adapted", "fct", "rank_merge", "naive_merge"])
@@ -1082,6 +405,365 @@ def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, a
     assert not out.exists()
 
 
+# ----------------------------------------------------------------------------- vector sources
+def _random_bundle(path, d_new=24, d_old=16, resolution=16):
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ModelBundle
+
+    torch.manual_seed(0)
+    modules = {
+        "embedder": Embedder("test_resnet", d_new, in_chans=1),
+        "head": ClassifierHead(d_new, 5, kind="cosface"),
+    }
+    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(
+        str(path)
+    )
+    return str(path)
+
+
+@pytest.mark.serve
+def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(
+    serve_port, token_file, tmp_path
+):
+    """New vectors from the embedder actor pool (glyphs rendered + embedded by Ray actors holding
+    the new model) and from a pipeline parquet output; image queries embedded by the router."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycompat.data import GlyphRenderer, default_catalog
+    from raycompat.index.search import l2_normalize
+    from raycompat.serving.embedder_pool import ModelEmbedder
+
+    bundle = _random_bundle(tmp_path / "new_model")
+    n, rng = 80, np.random.default_rng(3)
+    classes, instances = np.arange(n) % 40, np.arange(n) // 40  # distinct glyph items
+    emb = ModelEmbedder(bundle)
+    new = emb.embed_glyphs(classes, instances)
+    data = GalleryEmbeddings(
+        gallery_labels=classes,
+        gallery_old=rng.standard_normal((n, 16)).astype(np.float32),
+        gallery_new=new,
+        query_labels=classes[:4],
+        query_new=new[:4],
+        query_old=rng.standard_normal((4, 16)).astype(np.float32),
+        gallery_ids=np.arange(n) + 100,
+        query_ids=np.arange(4) + 10_000,
+        compatible_dim=16,
+    )
+    gallery = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
+    items = str(tmp_path / "items.parquet")
+    pq.write_table(
+        pa.table({"item_id": np.arange(n) + 100, "label": classes, "instance": instances}), items
+    )
+    flipped = -new  # the "pipeline" wrote other vectors: we can tell them apart
+    out = str(tmp_path / "pipeline.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "item_id": np.arange(n) + 100,
+                "new": pa.FixedSizeListArray.from_arrays(pa.array(flipped.reshape(-1)), 24),
+            }
+        ),
+        out,
+    )
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery,
+        token_file,
+        app="sources",
+        prefix="/sources",
+        num_shards=1,  # where the vectors come from is the same for every shard
+        new_model=bundle,
+        items=items,
+        pipeline_output=out,
+        fsync=False,
+    )
+    try:
+        client.start_backfill(policy="random", seed=0, batch_size=16, until=40, source="embedder")
+        client.wait_backfill(40, timeout=240)
+        order = np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))
+        first = order[:40] - 100
+        ids, scores, reps = client.search(l2_normalize(new[first]), k=1)
+        assert (
+            (ids[:, 0] == first + 100).all()
+            and (reps[:, 0] == "new").all()
+            and (scores[:, 0] > 0.999).all()
+        )
+        # image queries: the router decodes the PNG and embeds it with the new model
+        renderer = GlyphRenderer(default_catalog(), resolution=16, seed=0)
+        imgs = renderer.render_batch(classes[first[:4]], instances[first[:4]])
+        from PIL import Image
+
+        b64 = []
+        for im in imgs:
+            buf = io.BytesIO()
+            Image.fromarray(im).save(buf, format="PNG")
+            b64.append(base64.b64encode(buf.getvalue()).decode())
+        res = client.search_images(b64, k=1)
+        assert [r[0]["id"] for r in res["results"]] == (first[:4] + 100).tolist()
+        # a restarted backfill from the pipeline's output replaces every vector
+        client.start_backfill(policy="sequential", batch_size=32, source="pipeline", restart=True)
+        client.wait_backfill(n, timeout=240)
+        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": n}
+        ids, scores, _ = client.search(l2_normalize(flipped[:10]), k=1)
+        assert (ids[:, 0] == np.arange(10) + 100).all() and (scores[:, 0] > 0.999).all()
+    finally:
+        undeploy("sources")
+
+
+# ----------------------------------------------------------------------------- the hot_refresh job
+@pytest.mark.serve
+def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path):
+    """`run_hot_refresh` (what `python jobs/hot_refresh.py` runs) on a glyph scenario embedded
+    by random-init models -- weak embeddings full of near-ties -- writing to `--storage`: the
+    curve measured through HTTP equals the simulator's exactly at every fraction."""
+    import dataclasses
+    import json
+
+    from raycompat.hot_refresh import TINY_SIZES, HotRefreshOptions, run_hot_refresh
+    from raycompat.pipeline.bundles import make_random_bundles
+
+    models = tmp_path / "models"
+    make_random_bundles(
+        str(models),
+        backbone="test_resnet",
+        old_dim=24,
+        new_dim=24,
+        num_classes=8,
+        psi_hidden=32,
+        resolution=32,
+    )
+    store = tmp_path / "store"
+    opts = HotRefreshOptions(
+        models=str(models),
+        new_name="new",
+        storage=str(store),
+        name="tiny",
+        port=serve_port,
+        policy="sequential",
+        k=20,
+        num_shards=2,
+        index=cpu_index(),
+        batch_size=23,
+        fractions="0,0.3,0.6,1",
+        sizes=dataclasses.replace(
+            TINY_SIZES,
+            eval_classes=12,
+            queries_per_class=2,
+            gallery_per_class=5,
+            distractor_classes=4,
+            distractors_per_class=3,
+        ),
+    )
+    report = run_hot_refresh(opts, log=lambda m: None)
+    out = store / "hot_refresh" / "tiny"
+    assert report["out"] == str(out)
+    assert json.loads((out / "report.json").read_text())["comparison"]["equal"] is True
+    assert "-> **equal**" in (out / "report.md").read_text()
+    cmp = report["comparison"]
+    assert cmp["equal"], cmp
+    assert report["live"]["counts"] == report["simulator"]["counts"] == [0, 22, 43, 72]
+    m = report["live"]["metrics"]["mAP@20"]
+    assert m[0] != m[-1]  # the backfill changed the ranking
+    assert report["final_status"]["items"]["new"] == 72
+    band = report["simulator"]["bands"]["mAP@20"]  # the simulated curve's bootstrap band
+    sim = report["simulator"]["metrics"]["mAP@20"]
+    assert all(lo <= v <= hi for lo, v, hi in zip(band["low"], sim, band["high"], strict=True))
+    # the live curve's band, from the live searches' per-query values: inside it, and (the
+    # same per-query values, the same draws) the simulator's band
+    for metric in ("mAP@20", "top1", "NFR@1"):
+        live_band, values = report["live"]["bands"][metric], report["live"]["metrics"][metric]
+        lows, highs = live_band["low"], live_band["high"]
+        # a point whose resamples are undefined past 1 % (NFR with few old-old successes) has
+        # no interval: its bounds are NaN (None in report.json), and only then
+        resamples = opts.bootstrap.resamples
+        for lo, v, hi, dropped in zip(lows, values, highs, live_band["dropped"], strict=True):
+            refused = dropped > 0.01 * resamples
+            assert refused == (lo is None or lo != lo), (metric, lo, dropped)
+            assert refused or lo <= v <= hi, (metric, lo, v, hi)
+        sim_band = report["simulator"]["bands"][metric]
+        for side in ("low", "high"):
+            assert live_band[side] == pytest.approx(sim_band[side], abs=1e-9, nan_ok=True), (
+                metric,
+                side,
+            )
+    markdown = (out / "report.md").read_text()
+    row = next(ln for ln in markdown.splitlines() if ln.startswith("| 30% |"))
+    assert row.count("[") >= 5  # recall, mAP@20 and top1 live and simulated, with intervals
+    assert "![live vs simulator](live_vs_simulator.png)" in markdown
+    assert (out / "live_vs_simulator.png").read_bytes()[:4] == b"\x89PNG"
+    # the exact index: the served results are the exact top-k at every fraction
+    assert report["live"]["recall"] == [1.0, 1.0, 1.0, 1.0]
+    assert report["live"]["bands"]["recall@20"] == {
+        "low": [1.0] * 4,
+        "high": [1.0] * 4,
+        "dropped": [0] * 4,
+    }
+
+
+@pytest.mark.serve
+def test_hot_refresh_with_an_approximate_index_reports_recall_and_the_difference(
+    serve_port, tmp_path
+):
+    """An IVF index with one list probed of four and no extra candidates: the report gives
+    recall@k of the served results against exact search at every fraction and the live curve
+    beside the exact simulated one, without asserting them equal."""
+    from raycompat.backfill import simulate_backfill
+    from raycompat.hot_refresh import HotRefreshOptions, run_hot_refresh
+    from raycompat.index.ann import index_options
+
+    data = labelled_embeddings(n_items=400, n_queries=40, classes=20)
+    parquet = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
+    opts = HotRefreshOptions(
+        embeddings=parquet,
+        out=str(tmp_path / "out"),
+        port=serve_port,
+        policy="random",
+        k=5,
+        num_shards=1,  # the approximate index is per shard: one shows it
+        fractions="0,0.5,1",
+        index=index_options(
+            kind="ivf_flat", nlist=4, nprobe=1, rerank=1, train_min=40, device="cpu"
+        ),
+    )
+    report = run_hot_refresh(opts, log=lambda m: None)
+    recall = report["live"]["recall"]
+    print(f"\nAPPROXIMATE hot refresh: recall@5 {recall}, mAP@5 live {report['live']['metrics']}")
+    assert len(recall) == 3 and all(0.0 < r <= 1.0 for r in recall) and min(recall) < 1.0
+    band = report["live"]["bands"]["recall@5"]
+    assert all(lo <= r <= hi for lo, r, hi in zip(band["low"], recall, band["high"], strict=True))
+    sim = simulate_backfill(data, ["random"], ["compatible"], fractions=[0, 0.5, 1], k=5)
+    assert report["simulator"]["metrics"]["mAP@5"] == pytest.approx(
+        sim.curve("random", "compatible").metrics["mAP@5"]
+    )
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "an approximate index, `ivf_flat`" in markdown and "Recall@5 of the served" in markdown
+
+
+@pytest.fixture(scope="module")
+def fct_bundle(tmp_path_factory):
+    """A new model bundle with FCT's h (16 -> 24, hidden 32) as its ``fct`` module, random
+    weights."""
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ForwardTransformation, ModelBundle
+
+    torch.manual_seed(4)
+    mods = {
+        "embedder": Embedder("test_resnet", 24),
+        "head": ClassifierHead(24, 30, "cosface"),
+        "fct": ForwardTransformation(16, 24, hidden_dim=32),
+    }
+    path = str(tmp_path_factory.mktemp("fct_model") / "fct")
+    ModelBundle(
+        mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="fct")
+    ).eval().save(path)
+    return path
+
+
+@pytest.mark.serve
+def test_fct_offline_equals_online(serve_port, gallery_parquet, fct_bundle, token_file, tmp_path):
+    """fct served: items start as ``adapted`` holding h(phi_o(g)) from the new bundle's fct
+    module (not the parquet's psi column); the live curve equals the simulator's fct curve."""
+    from raycompat.backfill.modes import apply_bundle_modules
+    from raycompat.models import ModelBundle
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(fct_bundle))
+    fractions = [0.0, 0.4, 1.0]
+    k = 30
+    sim = simulate_backfill(data, ["sequential"], ["fct"], fractions=fractions, k=k, seed=3)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        app="fct",
+        prefix="/fct",
+        num_shards=2,
+        mode="fct",
+        new_model=fct_bundle,
+        fsync=False,
+    )
+    try:
+        st = client.status()
+        assert st["items"] == {"old": 0, "adapted": data.n_items, "new": 0}
+        assert "new_model's fct" in [m["source"] for m in st["fingerprints"].values()]
+        live = live_backfill_curve(
+            client,
+            data,
+            fractions,
+            policy="sequential",
+            seed=3,
+            k=k,
+            batch_size=64,
+            log=lambda m: None,
+        )
+    finally:
+        undeploy("fct")
+    cmp = compare_curves(live, sim.curve("sequential", "fct"), tol=1e-12)
+    assert cmp["equal"], cmp
+    psi_curve = simulate_backfill(data, ["sequential"], ["adapted"], fractions=[0.0], k=k)
+    assert (
+        live["metrics"][f"mAP@{k}"][0]
+        != psi_curve.curve("sequential", "adapted").metrics[f"mAP@{k}"][0]
+    )  # h, not the stored psi column, is what the adapted items hold
+
+
+@pytest.mark.serve
+def test_naive_merge_offline_equals_online_and_needs_old_vectors(
+    serve_port, gallery_parquet, token_file, tmp_path
+):
+    """naive_merge served: each request carries the old model's query embeddings too; old-state
+    items are scored old-old, new-state items new-new, merged. Live == simulator; a request
+    without old_vectors (or with the wrong count) is a 422 naming the field."""
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    data = load_parquet(gallery_parquet)
+    fractions = [0.0, 0.25, 0.5, 1.0]
+    k = 40
+    sim = simulate_backfill(data, ["sequential"], ["naive_merge"], fractions=fractions, k=k, seed=2)
+    _, client = deploy(
+        serve_port,
+        tmp_path / "state",
+        gallery_parquet,
+        token_file,
+        app="naive-merge",
+        prefix="/naive-merge",
+        num_shards=2,
+        mode="naive_merge",
+        fsync=False,
+    )
+    try:
+        base = client.base
+        q = data.query_new[:2].tolist()
+        r = requests.post(base + "/search", json={"vectors": q, "k": 3}, timeout=30)
+        assert r.status_code == 422 and "old_vectors" in r.text, r.text
+        r = requests.post(
+            base + "/search",
+            json={"vectors": q, "old_vectors": data.query_old[:1].tolist(), "k": 3},
+            timeout=30,
+        )
+        assert r.status_code == 422 and "1 rows" in r.text, r.text
+        live = live_backfill_curve(
+            client,
+            data,
+            fractions,
+            policy="sequential",
+            seed=2,
+            k=k,
+            batch_size=50,
+            log=lambda m: None,
+        )
+    finally:
+        undeploy("naive-merge")
+    cmp = compare_curves(live, sim.curve("sequential", "naive_merge"), tol=1e-12)
+    assert cmp["equal"], cmp
+    assert live["metrics"][f"mAP@{k}"][0] != live["metrics"][f"mAP@{k}"][-1]
+
+
 # ----------------------------------------------------------------------------- state layout
 def _all_items(n_shards: int, app: str) -> dict[int, tuple[int, int]]:
     """``{item id: (shard, representation code)}`` over every shard of ``app``."""
@@ -1096,15 +778,15 @@ def _all_items(n_shards: int, app: str) -> dict[int, tuple[int, int]]:
     return out
 
 
+@pytest.mark.serve
 def test_state_layout_is_checked_and_reshard_moves_items_exactly_once(
     serve_port, gallery_parquet, token_file, tmp_path, capsys
 ):
-    """A 2-shard state restarted with 3 shards is refused (naming the layout and the reshard
+    """A 1-shard state restarted with 2 shards is refused (naming the layout and the reshard
     command); reshard-index refuses while the index runs, then moves every item exactly once:
-    the 3-shard index serves the same items, representations and results, and the backfill
-    resumes where it stopped."""
-    from ray import serve
-
+    the 2-shard index serves the same items, representations and results, and the backfill
+    resumes where it stopped.  (From 2 shards to 3, without Serve:
+    test_serving_upgrade_state.py::test_reshard_moves_models_and_kept_vectors.)"""
     from raycompat.config import ConfigError
     from raycompat.serving.placement import shard_of
     from raycompat.serving.reshard import main as reshard_main
@@ -1113,26 +795,28 @@ def test_state_layout_is_checked_and_reshard_moves_items_exactly_once(
     data = load_parquet(gallery_parquet)
     q = data.query_new[:5]
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
-                       num_shards=2, fsync=False)  # fmt: skip
+                       num_shards=1, fsync=False)  # fmt: skip
     try:
         client.start_backfill(policy="random", seed=3, batch_size=50, until=250)
         client.wait_backfill(250)
-        before = _all_items(2, "lay")
+        before = _all_items(1, "lay")
         ids_before, scores_before, _ = client.search(q, k=40)
-        assert reshard_main(["--state-dir", str(state), "--num-shards", "3"]) == 2
+        assert reshard_main(["--state-dir", str(state), "--num-shards", "2"]) == 2
         assert "in use by another process" in capsys.readouterr().err  # the index runs
     finally:
-        serve.delete("lay")
-    with pytest.raises(ConfigError, match="num_shards: stored 2, requested 3.*reshard-index"):
-        deploy(serve_port, state, gallery_parquet, token_file, app="lay", num_shards=3)
-    assert reshard_main(["--state-dir", str(state), "--num-shards", "3"]) == 0
-    assert "moved from 2 to 3 shards" in capsys.readouterr().out
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
-                       num_shards=3, fsync=False)  # fmt: skip
+        undeploy("lay", wait=True)  # its replicas hold the shard directories until they stop
+    with pytest.raises(ConfigError, match="num_shards: stored 1, requested 2.*reshard-index"):
+        deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
+               num_shards=2)  # fmt: skip
+    assert reshard_main(["--state-dir", str(state), "--num-shards", "2"]) == 0
+    assert "moved from 1 to 2 shards" in capsys.readouterr().out
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay2",
+                       prefix="/lay2", num_shards=2, fsync=False)  # fmt: skip
     try:
-        after = _all_items(3, "lay")
+        after = _all_items(2, "lay2")
         assert {i: c for i, (_, c) in after.items()} == {i: c for i, (_, c) in before.items()}
-        assert all(s == shard_of([i], 3)[0] for i, (s, _) in after.items())
+        assert all(s == shard_of([i], 2)[0] for i, (s, _) in after.items())
+        assert {s for s, _ in after.values()} == {0, 1}
         ids_after, scores_after, _ = client.search(q, k=40)
         assert np.array_equal(ids_after, ids_before) and np.array_equal(scores_after, scores_before)
         assert client.status()["items"] == {"old": 350, "adapted": 0, "new": 250}
@@ -1140,17 +824,16 @@ def test_state_layout_is_checked_and_reshard_moves_items_exactly_once(
         assert client.wait_backfill(600)["state"] == "done"
         assert client.status()["items"] == {"old": 0, "adapted": 0, "new": 600}
     finally:
-        serve.delete("lay")
+        undeploy("lay2")
 
 
+@pytest.mark.serve
 def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
     serve_port, gallery_parquet, token_file, tmp_path
 ):
     """A flipped byte in the middle of a shard's log: the records after it are kept, and
     /status and /metrics report the damage; a corrupt snapshot stops the deploy with an error
     naming the file."""
-    from ray import serve
-
     from raycompat.serving.deploy import DeployError
     from raycompat.serving.durability import LOG_NAME, SNAPSHOT_NAME, UpsertLog
 
@@ -1165,7 +848,7 @@ def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
             for i in ids[r * 5 : r * 5 + 5]
         ]
         client.upsert(items)
-    serve.delete("cor")
+    undeploy("cor", wait=True)
     shard = state / "shard-0"
     log = str(shard / LOG_NAME)
     offsets = [rec.offset for rec in UpsertLog(log).replay()]
@@ -1174,8 +857,8 @@ def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
         b = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([b[0] ^ 0x01]))
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="cor", prefix="/cor",
-                       num_shards=1, fsync=False)  # fmt: skip
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="cor2",
+                       prefix="/cor2", num_shards=1, fsync=False)  # fmt: skip
     try:
         rec = client.status()["shards"][0]["recovery"]
         assert rec["replayed_records"] == 5 and rec["corrupt_records"][0]["lost_seqs"] == [3]
@@ -1184,16 +867,19 @@ def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
         metrics = requests.get(client.base + "/metrics", timeout=30).text
         assert 'raycompat_serving_log_corrupt_records{shard="0"} 1.0' in metrics
     finally:
-        serve.delete("cor")
+        undeploy("cor2", wait=True)
     snap = shard / SNAPSHOT_NAME
     data = bytearray(snap.read_bytes())
     data[len(data) // 2] ^= 0xFF
     snap.write_bytes(bytes(data))
-    with pytest.raises(
-        DeployError, match=f"shard-0: CorruptStateError: snapshot {snap} is corrupt"
-    ):
-        deploy(serve_port, state, gallery_parquet, token_file, app="cor", num_shards=1)
-    serve.delete("cor")
+    try:
+        with pytest.raises(
+            DeployError, match=f"shard-0: CorruptStateError: snapshot {snap} is corrupt"
+        ):
+            deploy(serve_port, state, gallery_parquet, token_file, app="cor3",
+                   prefix="/cor3", num_shards=1)  # fmt: skip
+    finally:
+        undeploy("cor3")
 
 
 # ----------------------------------------------------------------------------- faults on disk
@@ -1207,6 +893,7 @@ def _shard_handle(app: str, shard: int):
     return serve.get_deployment_handle(f"shard-{shard}", app_name=app)
 
 
+@pytest.mark.serve
 def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfill(
     serve_port, gallery_parquet, token_file, tiny_fs
 ):
@@ -1214,8 +901,6 @@ def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfil
     state ``error`` with "no space left on device at <path>" (in /status and /metrics), an
     upsert is refused with that message and nothing of it applied, no temporary file is left,
     and once there is space again ``resume`` finishes the backfill."""
-    from ray import serve
-
     from raycompat.serving.placement import shard_of
 
     fs = tiny_fs(2 << 20)
@@ -1257,7 +942,7 @@ def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfil
         reps, _ = _shard_handle("full", 0).lookup.remote(victims).result()
         assert set(reps) == {"new"}  # the refused upsert never landed
     finally:
-        serve.delete("full")
+        undeploy("full")
 
 
 def _upsert_stream(client, pool, rng, stop, log):
@@ -1317,16 +1002,20 @@ def _check_against_acknowledged(app, n_shards, pool_ids, model, log) -> dict:
     return counts
 
 
+ROUNDS = scaled(6, 20)
+
+
+@pytest.mark.serve
+@pytest.mark.timeout(scaled(120, 480))  # at full scale: 20 rounds of a kill and a restart
 def test_fault_injection_the_served_set_equals_the_acknowledged_set(
     serve_port, gallery_parquet, token_file, tiny_fs
 ):
-    """20 rounds of admin upserts during a live backfill on a tiny tmpfs, each ending with a
+    """Rounds of admin upserts during a live backfill on a tiny tmpfs, each ending with a
     SIGKILL of a shard replica at a random point (every other round on a full disk).  After
     every restart the items and representations equal exactly what was acknowledged, and the
-    backfill keeps every checkpointed item upgraded."""
+    backfill keeps every checkpointed item upgraded.  6 rounds by default (3 on a full disk);
+    20 at full scale, more kills at more points of the log and the snapshot."""
     import signal
-
-    from ray import serve
 
     from raycompat.index.search import l2_normalize
     from raycompat.serving.placement import shard_of
@@ -1347,7 +1036,7 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
         old = l2_normalize(data.gallery_old[rows])
         model = {int(i): ("old", v) for i, v in zip(pool_ids, old, strict=True)}
         totals = {"acked": 0, "failed": 0, "unknown": 0, "restarts": 0}
-        for rnd in range(20):
+        for rnd in range(ROUNDS):
             full = rnd % 2 == 1
             if full:
                 tiny_fs.fill(fs, leave=int(rng.integers(0, 16 << 10)))
@@ -1374,12 +1063,13 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
         client.resume_backfill(rate=1e6)
         assert client.wait_backfill(500)["position"] == 500
         _check_backfilled(order[:500])
-        print(f"\nFAULT INJECTION: 20 rounds, {totals}")
+        print(f"\nFAULT INJECTION: {ROUNDS} rounds, {totals}")
         assert totals["acked"] > 20 and totals["failed"] > 0
     finally:
-        serve.delete("fault")
+        undeploy("fault")
 
 
+@pytest.mark.serve
 def test_an_upsert_resent_after_its_replica_died_is_not_called_unapplied(
     serve_port, gallery_parquet, token_file, tiny_fs
 ):
@@ -1390,17 +1080,15 @@ def test_an_upsert_resent_after_its_replica_died_is_not_called_unapplied(
     import fcntl
     import signal
 
-    from ray import serve
-
     from raycompat.serving.placement import shard_of
 
     fs = tiny_fs(4 << 20)
     state = os.path.join(fs, "state")
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app="resent",
-                       prefix="/resent", num_shards=2, snapshot_every=1)  # fmt: skip
+                       prefix="/resent", num_shards=1, snapshot_every=1)  # fmt: skip
     try:
         ids = load_parquet(gallery_parquet).gallery_ids
-        mine = ids[shard_of(ids, 2) == 0][:3]
+        mine = ids[shard_of(ids, 1) == 0][:3]
         shard_dir = os.path.join(state, "shard-0")
         pid = next(s["pid"] for s in client.status()["shards"] if s["shard"] == 0)
         vecs = np.eye(24, dtype=np.float32)[:3]
@@ -1434,7 +1122,7 @@ def test_an_upsert_resent_after_its_replica_died_is_not_called_unapplied(
         assert list(reps) == ["adapted"] * 3  # the first send had landed
         np.testing.assert_allclose(got, vecs, atol=1e-6)
     finally:
-        serve.delete("resent")
+        undeploy("resent")
 
 
 def _wait_restarted(client, shard: int, old_pid: int, timeout: float = 120.0) -> None:
@@ -1460,28 +1148,414 @@ def _check_backfilled(ids: np.ndarray) -> None:
         assert set(reps) <= {"new"}, f"a checkpointed backfill item is not new on shard {s}"
 
 
+# ----------------------------------------------------------------------------- the shared live app
+LIVE = "live"
+
+
+@pytest.fixture(scope="module")
+def live_gallery(tmp_path_factory):
+    """``(parquet, data)``: 300 labelled items and 40 queries for the ``live`` app.  What its
+    tests check (offline == online over the full ranking, kills under query load, rates) does
+    not depend on the gallery's size; 300 items keep the full-ranking answers small."""
+    data = labelled_embeddings(n_items=300, n_queries=40, classes=20)
+    path = write_gallery_parquet(str(tmp_path_factory.mktemp("live") / "embeddings.parquet"), data)
+    return path, load_parquet(path)
+
+
+@pytest.fixture(scope="module")
+def live(serve_port, live_gallery, tmp_path_factory):
+    """``(client, state dir, data)``: one compatible-mode app of 2 shards for the tests that
+    backfill and kill replicas (each starts with :func:`reset_backfill`).  The admin token comes
+    from the environment where the app is deployed (no token file); the image budget fits 40
+    images of 4096x4096; a snapshot every 150 upserted items."""
+    from raycompat.serving.auth import TOKEN_ENV
+
+    path, data = live_gallery
+    state = tmp_path_factory.mktemp("live_state")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TOKEN_ENV, TOKEN)
+        _, client = deploy(serve_port, state, path, None, app=LIVE, prefix="/live",
+                           num_shards=2, snapshot_every=150, fsync=False,
+                           max_request_pixels=40 * 4096 * 4096)  # fmt: skip
+    yield client, str(state), data
+    undeploy(LIVE)
+
+
+@pytest.mark.serve
+def test_a_heavy_image_request_does_not_stall_healthz(live):
+    """Images are decoded off the router's event loop: /healthz answers while a search with 32
+    images of 4096x4096 pixels is being decoded, in a small part of the time that decoding
+    takes (no wall-clock bound: the heavy request is the yardstick); a request over the pixel
+    budget is refused from the images' headers."""
+    from PIL import Image
+
+    client, _, _ = live
+    buf = io.BytesIO()
+    Image.fromarray(np.full((4096, 4096), 77, np.uint8)).save(buf, format="PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    over = post(client, "/search", {"images": [image] * 41, "k": 3})
+    assert over.status_code == 400 and "budget of 671,088,640" in over.json()["error"]
+    heavy: dict = {}
+
+    def search():
+        heavy["response"] = post(client, "/search", {"images": [image] * 32, "k": 3})
+        heavy["done"] = time.perf_counter()
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    time.sleep(0.5)  # the router is decoding
+    t0 = time.perf_counter()
+    health = requests.get(client.base + "/healthz", timeout=30)
+    t1 = time.perf_counter()
+    still_decoding = worker.is_alive()
+    worker.join()
+    assert health.status_code == 200 and still_decoding
+    # behind the decoding, /healthz would answer about when the heavy request does
+    assert t1 - t0 < 0.5 * (heavy["done"] - t0), (t1 - t0, heavy["done"] - t0)
+    # decoded, then refused: this index has no model to embed images with
+    assert heavy["response"].status_code == 400
+    assert "new model" in heavy["response"].json()["error"]
+
+
+@pytest.mark.serve
+def test_backfill_keeps_a_low_rate_and_resume_clears_until(live):
+    """A rate below batch_size items/s is kept (batches shrink to one second's worth, never a
+    burst of batch_size); ``"until": null`` on resume clears an earlier until.  The admin token
+    comes from the environment and reaches no actor: the router gets its hash; /status shows
+    process ids, actor names and paths to the admin only."""
+    import ray
+    from ray.util.state import list_actors
+
+    client, _, data = live
+    reset_backfill(client)
+    actors = list_actors(
+        address=ray.get_runtime_context().gcs_address,
+        filters=[("state", "=", "ALIVE")],
+        detail=True,
+        limit=10000,
+    )
+    assert actors and not any(TOKEN in str(a) for a in actors)
+    public = requests.get(client.base + "/status", timeout=30).json()
+    assert not {"pid", "actor_id", "actor_name"} & set(public["shards"][0])
+    assert public["backfill"].get("pid") is None  # the response model's null
+    assert public["backfill"].get("actor_name") is None
+    admin = client.status()
+    assert "pid" in admin["shards"][0] and "actor_name" in admin["shards"][0]
+    t0 = time.perf_counter()
+    client.start_backfill(policy="sequential", rate=4.0, batch_size=64, until=20, restart=True)
+    time.sleep(1.5)
+    moved = client.status()["backfill"]["position"]
+    # an upper bound (a slow machine only moves fewer): 4 items/s from t0, one batch ahead
+    assert moved <= 4.0 * (time.perf_counter() - t0) + 4, moved
+    client.pause_backfill()
+    client.resume_backfill(rate=1e6)  # absent until: kept
+    assert client.wait_backfill(20)["position"] == 20
+    assert client.status()["backfill"]["until"] == 20
+    client.resume_backfill(clear_until=True)  # "until": null: cleared, runs to the end
+    bf = client.wait_backfill(data.n_items)
+    assert bf["state"] == "done" and bf["until"] is None
+
+
+# ----------------------------------------------------------------------------- offline == online
+@pytest.mark.serve
+@pytest.mark.parametrize(
+    "mode,policy",
+    [("compatible", "random"), ("compatible", "hinge-benefit"), ("adapted", "sequential")],
+)
+@pytest.mark.serve
+def test_offline_equals_online(
+    request, serve_port, live_gallery, token_file, tmp_path, mode, policy
+):
+    """The live curve over the full ranking (revisited mAP too) equals the simulator's at every
+    fraction.  The compatible mode on the shared ``live`` app (rolled back between policies),
+    the adapted mode on an app of its own."""
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    path, data = live_gallery
+    fractions = [0.0, 0.2, 0.5, 0.85, 1.0]
+    k = data.n_items  # the full ranking: revisited mAP is compared too
+    sim = simulate_backfill(data, [policy], [mode], fractions=fractions, k=k, seed=7)
+    if mode == "compatible":
+        client = request.getfixturevalue("live")[0]
+        reset_backfill(client)
+    else:
+        _, client = deploy(serve_port, tmp_path / "state", path, token_file, app=mode,
+                           prefix=f"/{mode}", num_shards=2, mode=mode, fsync=False)  # fmt: skip
+    try:
+        live = live_backfill_curve(
+            client, data, fractions, policy=policy, seed=7, k=k, batch_size=37, log=lambda m: None
+        )
+    finally:
+        if mode != "compatible":
+            undeploy(mode)
+    curve = sim.curve(policy, mode)
+    assert live["counts"] == [0, 60, 150, 255, 300] == curve.counts.tolist()
+    cmp = compare_curves(live, curve, tol=1e-12)
+    assert set(cmp["max_abs_diff"]) == {f"mAP@{k}", "mAP", "top1", "NFR@1"}
+    assert cmp["equal"], cmp
+    m = np.asarray(live["metrics"][f"mAP@{k}"])
+    assert m[-1] != m[0]  # the backfill changed the ranking (the comparison is not vacuous)
+
+
+# ----------------------------------------------------------------------------- durability
+def _replica_actor(client, deployment: str):
+    """The Serve replica actor of a deployment, by the name the replica reports in /status."""
+    import ray
+
+    st = client.status()
+    if deployment == "backfill":
+        name = st["backfill"]["actor_name"]
+    else:
+        name = next(s["actor_name"] for s in st["shards"] if f"shard-{s['shard']}" == deployment)
+    return ray.get_actor(name, namespace="serve"), name
+
+
+@pytest.mark.serve
+def test_kill_shard_replica_during_live_backfill_under_query_load(live):
+    """A shard replica killed during a live backfill under query load: failures are 503s, no
+    answer misses or repeats an item, the replacement recovers from snapshot + log, and every
+    item ends in the right representation (an admin upsert acknowledged just before the kill
+    included)."""
+    import ray
+
+    from raycompat.index.search import l2_normalize
+    from raycompat.serving.placement import shard_of
+
+    client, state, data = live
+    reset_backfill(client)
+    n = data.n_items
+    outcomes = []  # (time, status code or exception name)
+    dup_or_missing = []
+    stop = threading.Event()
+
+    def load():
+        sess = requests.Session()
+        q = data.query_new[:4].tolist()
+        while not stop.is_set():
+            t = time.time()
+            try:
+                r = sess.post(client.base + "/search", json={"vectors": q, "k": n}, timeout=60)
+                outcomes.append((t, r.status_code, time.time() - t))
+                if r.status_code == 200:
+                    for row in r.json()["results"]:
+                        ids = [h["id"] for h in row]
+                        if len(ids) != n or len(set(ids)) != n:
+                            dup_or_missing.append(len(set(ids)))
+            except requests.RequestException as exc:
+                outcomes.append((t, type(exc).__name__, time.time() - t))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    try:
+        client.start_backfill(policy="random", seed=1, rate=150.0, batch_size=10, restart=True)
+        for th in threads:
+            th.start()
+        while client.status()["backfill"]["position"] < n // 4:
+            time.sleep(0.05)
+        # an admin upsert acknowledged just before the crash: item moved back to 'old'
+        done_ids = set(np.load(os.path.join(state, "backfill", "order.npy"))[: n // 6].tolist())
+        victim = sorted(done_ids)[0]
+        special = np.linspace(-1, 1, 16).tolist()
+        assert (
+            client.upsert([{"id": int(victim), "representation": "old", "vector": special}])[
+                "applied"
+            ]
+            == 1
+        )
+        before = client.status()["shards"]
+        actor, name = _replica_actor(client, "shard-0")
+        t_kill = time.time()
+        ray.kill(actor, no_restart=True)
+        # wait for the backfill to finish through the outage (the controller retries the dead shard)
+        t0 = time.time()
+        while True:
+            try:
+                bf = client.status()["backfill"]
+                if bf["state"] == "done":
+                    break
+                assert bf["state"] != "error", bf
+            except Exception:
+                pass
+            assert time.time() - t0 < 240, "backfill did not finish after the replica kill"
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for th in threads:
+            if th.is_alive() or th.ident:
+                th.join(timeout=60)
+    st = client.status()
+    shard0 = next(s for s in st["shards"] if s["shard"] == 0)
+    assert shard0["pid"] != next(s for s in before if s["shard"] == 0)["pid"]  # a new replica
+    assert shard0["recovery"]["snapshot"] is True
+    # every item present, in the right representation: all new except the victim (old)
+    assert st["items"] == {"old": 1, "adapted": 0, "new": n - 1}, st["items"]
+    ids, scores, reps = client.search(np.asarray([special]), k=1, model="old")
+    assert ids[0, 0] == victim and reps[0, 0] == "old" and scores[0, 0] > 0.9999
+    all_ids = np.concatenate([_shard_handle(LIVE, s).items.remote().result()[0] for s in (0, 1)])
+    assert sorted(all_ids.tolist()) == sorted(data.gallery_ids.tolist())
+    # new vectors are the pipeline's (parquet) vectors: each item is its own top-1
+    sample = np.asarray(sorted(set(data.gallery_ids.tolist()) - {victim})[:40])
+    rows = np.searchsorted(data.gallery_ids, sample)
+    ids, scores, reps = client.search(l2_normalize(data.gallery_new[rows]), k=1)
+    assert (ids[:, 0] == sample).all() and (reps[:, 0] == "new").all()
+    # the shared app again as deployed: the victim's own old vector back (what the shards
+    # loaded), then the rollback of every upgraded item
+    row = int(np.searchsorted(data.gallery_ids, victim))
+    first = {"id": int(victim), "representation": "old", "vector": data.gallery_old[row].tolist()}
+    assert client.upsert([first])["applied"] == 1
+    reps, vecs = _shard_handle(LIVE, int(shard_of([victim], 2)[0])).lookup.remote([victim]).result()
+    assert reps == ["old"] and np.array_equal(vecs[0], l2_normalize(data.gallery_old[row][None])[0])
+    failed = [o for o in outcomes if o[1] != 200]
+    during = [o for o in outcomes if o[0] >= t_kill]
+    before_lat = [o[2] for o in outcomes if o[0] < t_kill]
+    print(
+        f"\nOUTAGE: {len(outcomes)} queries, {len(failed)} failed "
+        f"({len(during)} sent after the kill); "
+        f"codes {sorted({str(o[1]) for o in failed})}; "
+        f"failure window {max((o[0] for o in failed), default=t_kill) - t_kill:.2f} s; "
+        f"latency before the kill median {np.median(before_lat):.3f} s, after the kill median "
+        f"{np.median([o[2] for o in during]):.3f} s max {max(o[2] for o in during):.3f} s; "
+        f"controller upsert retries {st['backfill'].get('upsert_retries')}; "
+        f"shard-0 recovery {shard0['recovery']}"
+    )
+    assert not dup_or_missing, dup_or_missing[:5]
+    assert all(
+        o[1] == 503 or isinstance(o[1], str) for o in failed
+    )  # outage answers 503, never 500
+    assert outcomes and outcomes[-1][1] == 200
+
+
+@pytest.mark.serve
+def test_backfill_controller_crash_resumes_from_checkpoint(live):
+    import ray
+
+    client, _, data = live
+    reset_backfill(client)
+    client.start_backfill(policy="sequential", rate=200.0, batch_size=10, restart=True)
+    while client.status()["backfill"]["position"] < 100:
+        time.sleep(0.05)
+    actor, _ = _replica_actor(client, "backfill")
+    ray.kill(actor, no_restart=True)
+    t0 = time.time()
+    while True:
+        try:
+            bf = client.status()["backfill"]
+            if bf.get("resumed_from_checkpoint") and bf["state"] == "done":
+                break
+        except Exception:
+            pass
+        assert time.time() - t0 < 180, "the controller did not resume"
+        time.sleep(0.2)
+    assert client.status()["items"] == {"old": 0, "adapted": 0, "new": data.n_items}
+
+
+# ----------------------------------------------------------------------------- rank_merge
+
+
+@pytest.fixture(scope="module")
+def rank_merge_bundle(tmp_path_factory):
+    """A new model bundle with RM's rho (24 -> 20) and psi_rev (20 -> 16) modules, random
+    weights."""
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ModelBundle, ProjectionMLP
+
+    torch.manual_seed(3)
+    mods = {
+        "embedder": Embedder("test_resnet", 24),
+        "head": ClassifierHead(24, 30, "cosface"),
+        "rho": ProjectionMLP(24, 20, hidden_dim=32, num_blocks=1, role="rho"),
+        "psi_rev": ProjectionMLP(20, 16, hidden_dim=32, num_blocks=1, role="psi_rev"),
+    }
+    path = str(tmp_path_factory.mktemp("rm_model") / "mcl")
+    ModelBundle(
+        mods, dict(in_chans=1, resolution=32, classes=list(range(30)), method="mcl")
+    ).eval().save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rank_merge_app(serve_port, gallery_parquet, rank_merge_bundle, token_file, tmp_path_factory):
+    """The rank_merge app of both policies' tests (each starts with :func:`reset_backfill`)."""
+    _, client = deploy(serve_port, tmp_path_factory.mktemp("rank_merge_state"), gallery_parquet,
+                       token_file, app="rank-merge", prefix="/rank-merge", num_shards=2,
+                       mode="rank_merge", new_model=rank_merge_bundle, fsync=False)  # fmt: skip
+    yield client
+    undeploy("rank-merge")
+
+
+@pytest.mark.serve
+@pytest.mark.parametrize("policy", ["random", "hinge-benefit"])
+def test_rank_merge_offline_equals_online(
+    rank_merge_app, gallery_parquet, rank_merge_bundle, policy
+):
+    """rank_merge served: the router maps each query through rho and psi_rev, new items hold
+    rho(phi_n(g)); the live curve equals the simulator's rank_merge curve exactly."""
+    from raycompat.backfill.modes import apply_bundle_modules
+    from raycompat.models import ModelBundle
+    from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+
+    data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(rank_merge_bundle))
+    fractions = [0.0, 0.3, 0.6, 1.0]
+    k = 50
+    sim = simulate_backfill(data, [policy], ["rank_merge"], fractions=fractions, k=k, seed=5)
+    client = rank_merge_app
+    st = reset_backfill(client)
+    assert st["dims"]["new"] == 20 and st["dims"]["old"] == 16
+    live = live_backfill_curve(
+        client, data, fractions, policy=policy, seed=5, k=k, batch_size=41, log=lambda m: None
+    )
+    hits = client.search(data.query_new[:3], k=5)
+    assert client.status()["items"]["new"] == data.n_items
+    curve = sim.curve(policy, "rank_merge")
+    cmp = compare_curves(live, curve, tol=1e-12)
+    assert cmp["equal"], cmp
+    m = np.asarray(live["metrics"][f"mAP@{k}"])
+    assert m[-1] != m[0]
+    assert (hits[2] == "new").all()  # after the backfill every hit is a new item
+
+
 # ----------------------------------------------------------------------------- Serve's proxy
+JOB_FLAGS = ["--gallery", "synthetic:300:8:12:0", "--num-shards", "1", "--router-replicas", "1",
+             "--shard-timeout-s", "2", "--index-device", "cpu", "--app-name", "job",
+             "--route-prefix", "/job"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def job_index(serve_port, token_file, tmp_path_factory):
+    """``(flags, exit status, stdout)`` of `serve-index` deploying on the running Serve: 1 shard,
+    1 router and the router's shard timeout at 2 s, for the two tests below (the second stops
+    it with ``--stop``)."""
+    from raycompat.serving.job import main
+
+    flags = [*JOB_FLAGS, "--token-file", token_file,
+             "--state-dir", str(tmp_path_factory.mktemp("job") / "state")]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*flags, "--port", str(serve_port), "--wait-s", "120"])
+    yield flags, code, out.getvalue()
+    undeploy("job")  # where a test stopped before `--stop`
+
+
+@pytest.mark.serve
 def test_serve_index_refuses_another_port_when_serve_runs_and_deploys_on_its_own(
-    serve_port, token_file, tmp_path, capsys
+    job_index, serve_port, capsys
 ):
     """With Serve already running, `serve-index` on another port exits 2 naming the running
-    address; on the running address it deploys, answers and stops."""
+    address; on the running address it deploys and answers (and stops with ``--stop``:
+    test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after)."""
     from raycompat.serving.app import free_port
     from raycompat.serving.job import main
 
-    state = str(tmp_path / "state")
-    base = ["--gallery", "synthetic:300:8:12:0", "--token-file", token_file, "--num-shards", "1",
-            "--state-dir", state, "--app-name", "job", "--route-prefix", "/job"]  # fmt: skip
+    flags, code, out = job_index
     other = free_port()
-    assert main([*base, "--port", str(other)]) == 2
+    assert main([*flags, "--port", str(other)]) == 2
     err = capsys.readouterr().err
     assert f"Serve is already running on this cluster with HTTP at 127.0.0.1:{serve_port}" in err
     assert f"--port {serve_port}" in err and "Traceback" not in err
-    assert main([*base, "--port", str(serve_port), "--wait-s", "120"]) == 0
-    assert f"serving at http://127.0.0.1:{serve_port}/job" in capsys.readouterr().out
+    assert code == 0 and f"serving at http://127.0.0.1:{serve_port}/job" in out, out
     st = requests.get(f"http://127.0.0.1:{serve_port}/job/status", timeout=30).json()
     assert st["items"]["old"] == 300
-    assert main(["--stop", "--app-name", "job"]) == 0
 
 
 def _replica_of(app: str, deployment: str):
@@ -1508,30 +1582,30 @@ def _post_search(base, q, out, stop=None, timeout=120):
             return
 
 
-def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(
-    serve_port, token_file, tmp_path
-):
-    """A router killed with a request in flight, shards that stop answering, and an app deleted
-    under load: every answer is JSON, every failure a 503 with Retry-After (never a plain-text
-    500), and no request hangs."""
+@pytest.mark.serve
+def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(job_index, serve_port):
+    """A router killed with a request in flight, shards that stop answering, and an app stopped
+    (`serve-index --stop`) under load: every answer is JSON, every failure a 503 with
+    Retry-After (never a plain-text 500), and no request hangs."""
     import signal
 
     import ray
-    from ray import serve
 
-    _, client = deploy(serve_port, tmp_path / "state", "synthetic:300:8:12:0", token_file,
-                       app="px", prefix="/px", num_shards=1, shard_timeout_s=2.0)  # fmt: skip
+    from raycompat.serving.client import ServingClient
+    from raycompat.serving.job import main
+
+    client = ServingClient(f"http://127.0.0.1:{serve_port}/job", token=TOKEN)
     q = np.random.default_rng(0).standard_normal((2, 12)).tolist()
     out: list = []
     try:
-        _, shard_pid = _replica_of("px", "shard-0")
+        _, shard_pid = _replica_of("job", "shard-0")
         os.kill(shard_pid, signal.SIGSTOP)  # the shard hangs: requests wait in the router
         try:
             _post_search(client.base, q, out)  # the router's shard timeout: 503
             th = threading.Thread(target=_post_search, args=(client.base, q, out))
             th.start()
             time.sleep(0.5)
-            router, _ = _replica_of("px", "router")
+            router, _ = _replica_of("job", "router")
             ray.kill(router, no_restart=True)  # with that request in flight
             th.join(timeout=150)
         finally:
@@ -1544,15 +1618,15 @@ def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(
         for th in threads:
             th.start()
         time.sleep(0.5)
-        shard, _ = _replica_of("px", "shard-0")
+        shard, _ = _replica_of("job", "shard-0")
         ray.kill(shard, no_restart=True)
-        serve.delete("px")
+        assert main(["--stop", "--app-name", "job"]) == 0
         stop.set()
         for th in threads:
             th.join(timeout=150)
         assert not any(th.is_alive() for th in threads)
     finally:
-        serve.delete("px")
+        undeploy("job")
     codes = sorted({o[0] for o in out})
     print(f"\nPROXY: {len(out)} requests, codes {codes}, slowest {max(o[3] for o in out):.1f} s")
     assert all(o[1] for o in out), "a plain-text answer"

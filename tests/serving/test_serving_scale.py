@@ -1,6 +1,11 @@
 """The live index at scale through real HTTP on Ray Serve: batched searches equal unbatched ones,
-two replicas per shard lose no query and no acknowledged upsert when one is killed, approximate
-indexes report their recall against exact search, autoscaling configs reach Serve."""
+two replicas per shard lose no query and no acknowledged upsert when one is killed, autoscaling
+configs reach Serve.
+
+One app for the three tests, in file order: 2 shards whose two replicas each come from
+``shard_autoscaling`` (``initial_replicas``), an autoscaled router, searches batched up to 16
+requests with a 50 ms wait, 300 items.  (How autoscaling configs are checked, without Serve:
+test_serving_units.py.)"""
 
 import threading
 import time
@@ -8,11 +13,36 @@ import time
 import numpy as np
 import pytest
 import requests
-from serving_helpers import deploy, labelled_embeddings
+from serving_helpers import deploy, labelled_embeddings, reset_backfill, undeploy
 
-from raycompat.config import ConfigError
+from raycompat.serving.gallery_source import write_gallery_parquet
 
-DATA = labelled_embeddings()
+DATA = labelled_embeddings(n_items=300, n_queries=40, classes=20)
+APP = "scaled"
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture(scope="module")
+def scaled_app(serve_port, token_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scaled")
+    gallery = write_gallery_parquet(str(root / "embeddings.parquet"), DATA)
+    _, client = deploy(
+        serve_port,
+        root / "state",
+        gallery,
+        token_file,
+        app=APP,
+        prefix="/scaled",
+        num_shards=2,
+        shard_autoscaling={"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2},
+        router_autoscaling='{"min_replicas": 1, "max_replicas": 2}',
+        search_batch_size=16,
+        search_batch_wait_ms=50.0,
+        snapshot_every=150,
+    )
+    yield client
+    undeploy(APP)
 
 
 def _search(base, body):
@@ -32,120 +62,69 @@ def _histogram(metrics: str, name: str, labels: str) -> dict[str, float]:
     return out
 
 
-def test_concurrent_searches_are_batched_and_equal_searches_alone(
-    serve_port, gallery_parquet, token_file, tmp_path
-):
+def test_autoscaling_configs_reach_serve(scaled_app):
+    """Serve runs the router, the shards and the controller; each shard has the two replicas
+    of ``initial_replicas``; a search is answered."""
+    from ray import serve
+
+    deployments = serve.status().applications[APP].deployments
+    assert set(deployments) >= {"router", "shard-0", "shard-1", "backfill"}
+    st = scaled_app.status()
+    assert [len(s["replicas"]) for s in st["shards"]] == [2, 2]  # initial_replicas
+    assert _search(scaled_app.base, {"vectors": DATA.query_new[:2].tolist(), "k": 5})
+
+
+def test_concurrent_searches_are_batched_and_equal_searches_alone(scaled_app):
     """24 requests at once (k 10 or 37, new- or old-model queries, one or three queries each)
     are answered in batches of several requests; every answer, canonical scores included, is
-    bit-identical to the same request sent alone afterwards (a batch of one)."""
-    from ray import serve
-
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        app="batching",
-        prefix="/batching",
-        num_shards=2,
-        search_batch_size=16,
-        search_batch_wait_ms=50.0,
-        fsync=False,
+    bit-identical to the same request sent alone afterwards (a batch of one, maybe on the
+    shard's other replica)."""
+    client = scaled_app
+    client.upsert(  # a few items in the new representation: both sides are searched
+        [
+            {"id": int(i), "representation": "new", "vector": DATA.gallery_new[j].tolist()}
+            for j, i in enumerate(DATA.gallery_ids[:40])
+        ]
     )
-    try:
-        client.upsert(  # a few items in the new representation: both sides are searched
-            [
-                {"id": int(i), "representation": "new", "vector": DATA.gallery_new[j].tolist()}
-                for j, i in enumerate(DATA.gallery_ids[:40])
-            ]
-        )
-        bodies = []
-        for j in range(24):
-            model = "old" if j % 4 == 3 else "new"
-            q = DATA.query_old if model == "old" else DATA.query_new
-            rows = q[j : j + (3 if j % 2 else 1)]
-            bodies.append({"vectors": rows.tolist(), "k": 37 if j % 3 else 10, "model": model})
-        together = [None] * len(bodies)
-        barrier = threading.Barrier(len(bodies))
+    bodies = []
+    for j in range(24):
+        model = "old" if j % 4 == 3 else "new"
+        q = DATA.query_old if model == "old" else DATA.query_new
+        rows = q[j : j + (3 if j % 2 else 1)]
+        bodies.append({"vectors": rows.tolist(), "k": 37 if j % 3 else 10, "model": model})
+    name = "raycompat_serving_search_batch_requests"
+    router0 = _histogram(client.metrics(), name, 'stage="router"')  # the app's earlier searches
+    together = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
 
-        def send(j):
-            barrier.wait()
-            together[j] = _search(client.base, bodies[j])
+    def send(j):
+        barrier.wait()
+        together[j] = _search(client.base, bodies[j])
 
-        threads = [threading.Thread(target=send, args=(j,)) for j in range(len(bodies))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        alone = [_search(client.base, b) for b in bodies]
-        assert together == alone
-        router = _histogram(
-            client.metrics(), "raycompat_serving_search_batch_requests", 'stage="router"'
-        )
-        shard = _histogram(
-            client.metrics(), "raycompat_serving_search_batch_requests", 'stage="shard"'
-        )
-        assert router["+Inf"] >= len(bodies) // 16 + 1 and router["1"] < router["+Inf"]
-        assert router["+Inf"] < 2 * len(bodies)  # fewer search calls than requests
-        assert shard["+Inf"] > 0
-    finally:
-        serve.delete("batching")
+    threads = [threading.Thread(target=send, args=(j,)) for j in range(len(bodies))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    metrics = client.metrics()
+    alone = [_search(client.base, b) for b in bodies]
+    assert together == alone
+    after = _histogram(metrics, name, 'stage="router"')
+    router = {le: count - router0.get(le, 0.0) for le, count in after.items()}
+    shard = _histogram(metrics, name, 'stage="shard"')
+    assert router["+Inf"] >= len(bodies) // 16 + 1 and router["1"] < router["+Inf"]
+    assert router["+Inf"] < 2 * len(bodies)  # fewer search calls than requests
+    assert shard["+Inf"] > 0
 
 
-def test_autoscaling_configs_are_checked_and_reach_serve(serve_port, gallery_parquet, tmp_path):
-    from ray import serve
-
-    from raycompat.serving.config import serving_config
-
-    with pytest.raises(ConfigError, match="shard_autoscaling.*unknown key 'max_replica'"):
-        serving_config(gallery=gallery_parquet, shard_autoscaling='{"max_replica": 2}')
-    with pytest.raises(ConfigError, match="router_autoscaling.*max_replicas"):
-        serving_config(
-            gallery=gallery_parquet, router_autoscaling={"min_replicas": 3, "max_replicas": 2}
-        )
-    with pytest.raises(ConfigError, match="must be a JSON object"):
-        serving_config(gallery=gallery_parquet, shard_autoscaling="[1, 2]")
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        app="autoscaled",
-        prefix="/autoscaled",
-        num_shards=1,
-        shard_autoscaling={"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2},
-        router_autoscaling='{"min_replicas": 1, "max_replicas": 2}',
-        fsync=False,
-    )
-    try:
-        deployments = serve.status().applications["autoscaled"].deployments
-        assert set(deployments) >= {"router", "shard-0", "backfill"}
-        st = client.status()
-        assert len(st["shards"][0]["replicas"]) == 2  # initial_replicas
-        assert _search(client.base, {"vectors": DATA.query_new[:2].tolist(), "k": 5})
-    finally:
-        serve.delete("autoscaled")
-
-
-def test_two_replicas_per_shard_lose_nothing_when_one_is_killed(
-    serve_port, gallery_parquet, token_file, tmp_path
-):
+def test_two_replicas_per_shard_lose_nothing_when_one_is_killed(scaled_app):
     """R=2: a replica of shard 0 is killed during a live backfill under query load and admin
     upserts.  No query fails, every acknowledged upsert is served afterwards, every item is
     served exactly once throughout, and the backfill finishes."""
     import ray
-    from ray import serve
 
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery_parquet,
-        token_file,
-        app="replicas",
-        prefix="/replicas",
-        num_shards=2,
-        shard_replicas=2,
-        snapshot_every=150,
-    )
+    client = scaled_app
+    reset_backfill(client)
     n = DATA.gallery_ids.size
     outcomes, wrong = [], []
     stop = threading.Event()
@@ -193,7 +172,9 @@ def test_two_replicas_per_shard_lose_nothing_when_one_is_killed(
     threads = [threading.Thread(target=queries) for _ in range(2)]
     threads.append(threading.Thread(target=upserts))
     try:
-        client.start_backfill(policy="sequential", rate=100.0, batch_size=10, until=n - 60)
+        client.start_backfill(
+            policy="sequential", rate=50.0, batch_size=10, until=n - 60, restart=True
+        )
         for th in threads:
             th.start()
         while client.status()["backfill"]["position"] < 120:
@@ -210,23 +191,20 @@ def test_two_replicas_per_shard_lose_nothing_when_one_is_killed(
         stop.set()
         for th in threads:
             th.join(timeout=60)
-    try:
-        t0 = time.time()
-        while True:  # Serve replaces the killed replica
-            st = client.status()
-            pids = {r["pid"] for r in st["shards"][0]["replicas"]}
-            if victim["pid"] not in pids and len(pids) == 2:
-                break
-            assert time.time() - t0 < 120, f"no replacement replica: {pids}"
-            time.sleep(0.5)
-        assert st["items"]["new"] == n - 60
-        from raycompat.index.search import l2_normalize
+    t0 = time.time()
+    while True:  # Serve replaces the killed replica
+        st = client.status()
+        pids = {r["pid"] for r in st["shards"][0]["replicas"]}
+        if victim["pid"] not in pids and len(pids) == 2:
+            break
+        assert time.time() - t0 < 120, f"no replacement replica: {pids}"
+        time.sleep(0.5)
+    assert st["items"]["new"] == n - 60
+    from raycompat.index.search import l2_normalize
 
-        for i, vec in acked.items():
-            ids, scores, reps = client.search(l2_normalize(np.asarray([vec])), k=1, model="old")
-            assert ids[0, 0] == i and reps[0, 0] == "old" and scores[0, 0] > 0.9999
-    finally:
-        serve.delete("replicas")
+    for i, vec in acked.items():
+        ids, scores, reps = client.search(l2_normalize(np.asarray([vec])), k=1, model="old")
+        assert ids[0, 0] == i and reps[0, 0] == "old" and scores[0, 0] > 0.9999
     failed = [o for o in outcomes if o[1] != 200]
     after = [o for o in outcomes if o[0] >= t_kill]
     print(

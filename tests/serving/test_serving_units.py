@@ -379,6 +379,27 @@ def test_serving_config_names_unknown_or_bad_options(tmp_path):
     assert cfg.upsert_retry_s == 300.0
 
 
+def test_autoscaling_configs_are_checked_and_become_serve_options():
+    """The JSON of ``shard_autoscaling`` / ``router_autoscaling`` is checked key by key and
+    replaces ``num_replicas`` in the deployment options (reaching Serve: test_serving_scale.py)."""
+    from raycompat.serving.app import replica_options
+    from raycompat.serving.config import serving_config
+
+    with pytest.raises(ConfigError, match="shard_autoscaling.*unknown key 'max_replica'"):
+        serving_config(gallery="synthetic:10", shard_autoscaling='{"max_replica": 2}')
+    with pytest.raises(ConfigError, match="router_autoscaling.*max_replicas"):
+        serving_config(
+            gallery="synthetic:10", router_autoscaling={"min_replicas": 3, "max_replicas": 2}
+        )
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        serving_config(gallery="synthetic:10", shard_autoscaling="[1, 2]")
+    cfg = serving_config(gallery="synthetic:10", shard_autoscaling={"max_replicas": 3})
+    assert replica_options(cfg.shard_replicas, cfg.shard_autoscaling) == {
+        "autoscaling_config": {"max_replicas": 3}
+    }
+    assert replica_options(2, None) == {"num_replicas": 2}
+
+
 def test_synthetic_gallery_vectors_are_what_the_shards_load():
     from raycompat.serving.gallery_source import SyntheticGallery
 

@@ -1,7 +1,11 @@
 """The guarded live upgrade through real HTTP on Ray Serve: the canary gate, rollback under a
 shard kill, finalize, model identity, and the probe's findings (router replicas, storage
 errors in /status, bodies of pause/snapshot, a multi-shard upsert's partial outcome, replica
-tags behind the token)."""
+tags behind the token).
+
+Two apps: ``gate`` for both models of the canary gate (the second model's vectors come from a
+pipeline output, after a rollback), and ``up`` for the other tests, in file order (the last of
+them fills shard 1's disk)."""
 
 import os
 import time
@@ -10,7 +14,15 @@ import locations
 import numpy as np
 import pytest
 import requests
-from serving_helpers import TOKEN, deploy
+from serving_helpers import (
+    TOKEN,
+    deploy,
+    fill,
+    mount_tmpfs,
+    reset_backfill,
+    umount,
+    undeploy,
+)
 
 from raycompat.backfill import load_parquet
 from raycompat.index.search import l2_normalize
@@ -19,16 +31,26 @@ from raycompat.serving.client import ServingHTTPError
 APP = "upgrade"
 
 
+pytestmark = pytest.mark.serve
+
+
 @pytest.fixture(scope="module")
 def up(serve_port, gallery_parquet, token_file, tmp_path_factory):
-    """A 2-shard index with the default router replicas (two on the 4-CPU test cluster)."""
-    from ray import serve
-
+    """``(client, state dir, data, tmpfs)``: a 2-shard index with the default router replicas
+    (two on the 4-CPU test cluster), shard 1's directory on a 1 MiB tmpfs (``None`` where
+    mounting is not permitted) that test_an_upsert_that_fails_on_a_later_shard_... fills."""
     state = tmp_path_factory.mktemp("upgrade_state")
+    fs = str(tmp_path_factory.mktemp("upgrade_fs"))
+    mounted = mount_tmpfs(fs, 1 << 20)
+    if mounted:
+        os.makedirs(os.path.join(fs, "shard-1"))
+        os.symlink(os.path.join(fs, "shard-1"), state / "shard-1")
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app=APP,
                        prefix="/upgrade", num_shards=2, fsync=False, router_replicas=0)  # fmt: skip
-    yield client, str(state), load_parquet(gallery_parquet)
-    serve.delete(APP)
+    yield client, str(state), load_parquet(gallery_parquet), fs if mounted else None
+    undeploy(APP)
+    if mounted:
+        umount(fs)
 
 
 def call(client, method, path, body=None, token=TOKEN, **kw):
@@ -71,8 +93,140 @@ def _wait(check, timeout=180, what=""):
     return value
 
 
+# ----------------------------------------------------------------------------- the canary gate
+GATE_DATA = os.path.join(locations.TEST_DATA, "gate_embeddings.npz")
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory):
+    """``({"bct": parquet, "independent": parquet}, arrays)``: a glyph gallery embedded by a
+    trained old model and two trained new models, BCT against it and an independent one
+    (tests/data/make_gate_embeddings.py made the arrays)."""
+    from raycompat.backfill import GalleryEmbeddings
+    from raycompat.serving.gallery_source import write_gallery_parquet
+
+    with np.load(GATE_DATA) as z:
+        arrays = {k: z[k] for k in z.files}
+    root = tmp_path_factory.mktemp("gate")
+    out = {}
+    for new in ("bct", "independent"):
+        data = GalleryEmbeddings(
+            gallery_labels=arrays["g_lab"],
+            gallery_old=arrays["old_g"],
+            gallery_new=arrays[f"{new}_g"],
+            query_labels=arrays["q_lab"],
+            query_old=arrays["old_q"],
+            query_new=arrays[f"{new}_q"],
+            compatible_dim=arrays["old_g"].shape[1],
+        )
+        out[new] = write_gallery_parquet(str(root / f"{new}.parquet"), data)
+    return out, arrays
+
+
+def _gated_backfill(client, arrays, new, source):
+    """Register the canary (``new``'s queries, by class, with the old model's), start a random
+    backfill of vectors from ``source`` with the default canary and guards; returns once it
+    stopped."""
+    res = client.register_canary(
+        arrays[f"{new}_q"], classes=arrays["q_lab"].tolist(), old_vectors=arrays["old_q"]
+    )
+    assert res["queries"] == arrays["q_lab"].size and res["old_vectors"], res
+    client.start_backfill(policy="random", seed=0, source=source, restart=True)
+    _wait(lambda: client.status()["backfill"]["state"] in ("paused", "done"), what="a stop")
+
+
+def _log_lines(pid: int, needle: str) -> list[str]:
+    """Lines of the Ray worker logs of process ``pid`` that contain ``needle``."""
+    import glob
+
+    import ray
+
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    lines = []
+    for path in glob.glob(os.path.join(logs, f"worker-*-{pid}.*")):
+        with open(path, errors="replace") as fh:
+            lines += [line for line in fh if needle in line]
+    return lines
+
+
+def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
+    serve_port, token_file, tmp_path, gate
+):
+    """One app serves the glyph gallery with the independent model's new vectors; the canary
+    pauses that backfill early (a resume needs ``override``).  Rolled back to its deployed
+    state, the app backfills BCT's vectors (a pipeline output, ``source="pipeline"``) to the
+    end, no guard tripped, and its canary history equals the simulator's offline canary curve
+    of the BCT gallery."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycompat.backfill.job import BackfillJobOptions, run
+
+    parquets, arrays = gate
+    n = arrays["g_lab"].size
+    item_ids = load_parquet(parquets["bct"]).gallery_ids
+    assert np.array_equal(item_ids, load_parquet(parquets["independent"]).gallery_ids)
+    bct_new = str(tmp_path / "bct_new.parquet")
+    vectors = np.ascontiguousarray(arrays["bct_g"], np.float32)
+    flat = pa.array(vectors.reshape(-1))
+    pq.write_table(
+        pa.table({"item_id": item_ids,
+                  "new": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])}),
+        bct_new,
+    )  # fmt: skip
+    state = tmp_path / "state"
+    _, client = deploy(serve_port, state, parquets["independent"], token_file, app="gate",
+                       prefix="/gate", num_shards=2, fsync=False,
+                       pipeline_output=bct_new)  # fmt: skip
+    try:
+        _gated_backfill(client, arrays, "independent", source="gallery")
+        bf = client.status()["backfill"]
+        paused, point = bf["paused_by"], bf["canary"]["last"]
+        assert bf["state"] == "paused" and paused and bf["position"] < 0.1 * n, bf
+        assert paused["guard"] == point["guard"] and paused["reason"] == point["reason"]
+        print(f"\nGATE independent: paused at {bf['position']} of {n} items upgraded by "
+              f"{paused['guard']}: mAP@10 {point['map']:.4f} "
+              f"(t=0 {point['reference_map']:.4f}, difference [{point['delta_low']:.4f}, "
+              f"{point['delta_high']:.4f}]), NFR@1 {point['nfr']:.4f} "
+              f"[{point['nfr_low']:.4f}, {point['nfr_high']:.4f}]")  # fmt: skip
+        metrics = client.metrics()
+        assert f'raycompat_serving_backfill_paused_by{{guard="{paused["guard"]}"}} 1.0' in metrics
+        assert 'raycompat_serving_canary_nfr{bound="low"}' in metrics
+        assert _log_lines(bf["pid"], "backfill paused by the canary guard")
+        r = call(client, "POST", "/admin/backfill/resume", {})
+        assert r.status_code == 409 and "override" in r.json()["error"], r.text
+        assert call(client, "POST", "/admin/backfill/resume", {"override": True}).status_code == 200
+        assert client.wait_backfill(n)["state"] == "done"
+        bf = client.status()["backfill"]
+        assert bf["override"] and not bf["paused_by"] and bf["canary"]["last"]["position"] == n
+        assert _log_lines(bf["pid"], "resumed at position")
+        reset_backfill(client)  # every item back to its deployed (old) vector
+        _gated_backfill(client, arrays, "bct", source="pipeline")
+        bf = client.status()["backfill"]
+        history = bf["canary"]["history"]
+        assert bf["state"] == "done" and not bf["paused_by"], bf
+        assert not [p for p in history if p["guard"]] and history[-1]["position"] == n
+        worst = min(history, key=lambda p: p["delta_high"])
+        print(f"GATE bct: done, {len(history)} canary points, no guard tripped; the lowest "
+              f"mAP difference [{worst['delta_low']:.4f}, {worst['delta_high']:.4f}] at "
+              f"{worst['position']}, the highest NFR@1 "
+              f"{max(p['nfr'] for p in history):.4f}")  # fmt: skip
+    finally:
+        undeploy("gate")
+    opts = BackfillJobOptions(embeddings=parquets["bct"], policies="random", modes="compatible",
+                              canary=str(state / "canary" / "canary.parquet"),
+                              out=str(tmp_path / "sim"), plots=False, quiet=True)  # fmt: skip
+    paths = run(opts)
+    import json
+
+    (curve,) = json.loads(open(paths["canary"]).read())["curves"]
+    assert curve["policy"] == "random" and curve["reference"] == "old-old"
+    assert curve["points"] == [{k: p[k] for k in curve["points"][0]} for p in history]
+
+
+# ----------------------------------------------------------------------------- the upgrade app
 def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
-    client, state, data = up
+    client, state, data, _ = up
     fp = _fingerprints(client.status())
     client.start_backfill(policy="random", seed=1, batch_size=25, until=300)
     client.wait_backfill(300)
@@ -182,7 +336,7 @@ def _stale(client, model: str, limit: int = 37) -> list[int]:
 
 
 def test_bodies_of_pause_snapshot_and_canary_and_status_hides_replica_tags(up):
-    client, _, _ = up
+    client, _, _, _ = up
     headers = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
     for path in ("/admin/backfill/pause", "/admin/snapshot", "/admin/backfill/finalize"):
         for raw in (b"garbage", b"[]", b'{"x": 1}', b"null"):
@@ -222,7 +376,7 @@ def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up)
     import ray
     from ray.util.state import list_actors
 
-    client, _, _ = up
+    client, _, _, _ = up
     gcs = ray.get_runtime_context().gcs_address
     routers = [
         a
@@ -243,9 +397,7 @@ def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up)
     assert victim.pid not in answered
 
 
-def test_an_upsert_that_fails_on_a_later_shard_lists_exactly_the_ids_applied(
-    serve_port, gallery_parquet, token_file, tmp_path, tiny_fs
-):
+def test_an_upsert_that_fails_on_a_later_shard_lists_exactly_the_ids_applied(up):
     """Shard 1's directory on a full disk: an upsert over both shards applies shard 0's part,
     answers 503 with ``applied_ids`` (exactly shard 0's ids) and shard 1's log error in
     /status; retried whole once there is space, it applies everything."""
@@ -253,155 +405,32 @@ def test_an_upsert_that_fails_on_a_later_shard_lists_exactly_the_ids_applied(
 
     from raycompat.serving.placement import shard_of
 
-    fs = tiny_fs(1 << 20)
-    state = tmp_path / "state"
-    state.mkdir()
-    os.makedirs(os.path.join(fs, "shard-1"))
-    os.symlink(os.path.join(fs, "shard-1"), state / "shard-1")
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="partial",
-                       prefix="/partial", num_shards=2)  # fmt: skip
-    try:
-        ids = load_parquet(gallery_parquet).gallery_ids[:12]
-        on = shard_of(ids, 2)
-        rng = np.random.default_rng(0)
-        vecs = rng.standard_normal((12, 24)).round(3)
-        items = [
-            {"id": int(i), "representation": "new", "vector": v.tolist()}
-            for i, v in zip(ids, vecs, strict=True)
-        ]
-        tiny_fs.fill(os.path.join(fs))
-        r = call(client, "POST", "/admin/upsert", {"items": items})
-        assert r.status_code == 503 and "nothing of shard 1's part" in r.json()["error"], r.text
-        assert r.json()["applied_ids"] == sorted(ids[on == 0].tolist())
-        log_error = client.status()["shards"][1]["storage"]["log_error"]
-        assert "no space left on device at" in log_error and "shard-1" in log_error
-        for s in (0, 1):
-            h = serve.get_deployment_handle(f"shard-{s}", app_name="partial")
-            reps, got = h.lookup.remote(ids[on == s]).result()
-            assert reps == (["new"] if s == 0 else ["old"]) * int((on == s).sum())
-            if s == 0:
-                want = l2_normalize(vecs[on == 0].astype(np.float32))
-                assert np.allclose(np.stack(got), want, atol=1e-6)
-        os.unlink(os.path.join(fs, "filler"))
-        assert client.upsert(items)["applied"] == 12
-        assert client.status()["items"]["new"] == 12
-    finally:
-        serve.delete("partial")
-
-
-# ----------------------------------------------------------------------------- the canary gate
-GATE_DATA = os.path.join(locations.TEST_DATA, "gate_embeddings.npz")
-
-
-@pytest.fixture(scope="module")
-def gate(tmp_path_factory):
-    """``({"bct": parquet, "independent": parquet}, arrays)``: a glyph gallery embedded by a
-    trained old model and two trained new models, BCT against it and an independent one
-    (tests/data/make_gate_embeddings.py made the arrays)."""
-    from raycompat.backfill import GalleryEmbeddings
-    from raycompat.serving.gallery_source import write_gallery_parquet
-
-    with np.load(GATE_DATA) as z:
-        arrays = {k: z[k] for k in z.files}
-    root = tmp_path_factory.mktemp("gate")
-    out = {}
-    for new in ("bct", "independent"):
-        data = GalleryEmbeddings(
-            gallery_labels=arrays["g_lab"],
-            gallery_old=arrays["old_g"],
-            gallery_new=arrays[f"{new}_g"],
-            query_labels=arrays["q_lab"],
-            query_old=arrays["old_q"],
-            query_new=arrays[f"{new}_q"],
-            compatible_dim=arrays["old_g"].shape[1],
-        )
-        out[new] = write_gallery_parquet(str(root / f"{new}.parquet"), data)
-    return out, arrays
-
-
-def _gated_backfill(serve_port, token_file, state, parquet, arrays, new, app):
-    """Serve ``parquet``, register the canary (the queries of both models, by class), start a
-    random backfill with the default canary and guards; returns the client once it stopped."""
-    _, client = deploy(serve_port, state, parquet, token_file, app=app, prefix=f"/{app}",
-                       num_shards=2, fsync=False)  # fmt: skip
-    res = client.register_canary(
-        arrays[f"{new}_q"], classes=arrays["q_lab"].tolist(), old_vectors=arrays["old_q"]
-    )
-    assert res["queries"] == arrays["q_lab"].size and res["old_vectors"], res
-    client.start_backfill(policy="random", seed=0)
-    _wait(lambda: client.status()["backfill"]["state"] in ("paused", "done"), what="a stop")
-    return client
-
-
-def _log_lines(pid: int, needle: str) -> list[str]:
-    """Lines of the Ray worker logs of process ``pid`` that contain ``needle``."""
-    import glob
-
-    import ray
-
-    logs = ray._private.worker._global_node.get_logs_dir_path()
-    lines = []
-    for path in glob.glob(os.path.join(logs, f"worker-*-{pid}.*")):
-        with open(path, errors="replace") as fh:
-            lines += [line for line in fh if needle in line]
-    return lines
-
-
-def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
-    serve_port, token_file, tmp_path, gate
-):
-    from ray import serve
-
-    from raycompat.backfill.job import BackfillJobOptions, run
-
-    parquets, arrays = gate
-    n = arrays["g_lab"].size
-    client = _gated_backfill(serve_port, token_file, tmp_path / "indep", parquets["independent"],
-                             arrays, "independent", "gate-indep")  # fmt: skip
-    try:
-        bf = client.status()["backfill"]
-        paused, point = bf["paused_by"], bf["canary"]["last"]
-        assert bf["state"] == "paused" and paused and bf["position"] < 0.1 * n, bf
-        assert paused["guard"] == point["guard"] and paused["reason"] == point["reason"]
-        print(f"\nGATE independent: paused at {bf['position']} of {n} items upgraded by "
-              f"{paused['guard']}: mAP@10 {point['map']:.4f} "
-              f"(t=0 {point['reference_map']:.4f}, difference [{point['delta_low']:.4f}, "
-              f"{point['delta_high']:.4f}]), NFR@1 {point['nfr']:.4f} "
-              f"[{point['nfr_low']:.4f}, {point['nfr_high']:.4f}]")  # fmt: skip
-        metrics = client.metrics()
-        assert f'raycompat_serving_backfill_paused_by{{guard="{paused["guard"]}"}} 1.0' in metrics
-        assert 'raycompat_serving_canary_nfr{bound="low"}' in metrics
-        assert _log_lines(bf["pid"], "backfill paused by the canary guard")
-        r = call(client, "POST", "/admin/backfill/resume", {})
-        assert r.status_code == 409 and "override" in r.json()["error"], r.text
-        assert call(client, "POST", "/admin/backfill/resume", {"override": True}).status_code == 200
-        assert client.wait_backfill(n)["state"] == "done"
-        bf = client.status()["backfill"]
-        assert bf["override"] and not bf["paused_by"] and bf["canary"]["last"]["position"] == n
-        assert _log_lines(bf["pid"], "resumed at position")
-    finally:
-        serve.delete("gate-indep")
-    state = tmp_path / "bct"
-    client = _gated_backfill(serve_port, token_file, state, parquets["bct"], arrays, "bct",
-                             "gate-bct")  # fmt: skip
-    try:
-        bf = client.status()["backfill"]
-        history = bf["canary"]["history"]
-        assert bf["state"] == "done" and not bf["paused_by"], bf
-        assert not [p for p in history if p["guard"]] and history[-1]["position"] == n
-        worst = min(history, key=lambda p: p["delta_high"])
-        print(f"GATE bct: done, {len(history)} canary points, no guard tripped; the lowest "
-              f"mAP difference [{worst['delta_low']:.4f}, {worst['delta_high']:.4f}] at "
-              f"{worst['position']}, the highest NFR@1 "
-              f"{max(p['nfr'] for p in history):.4f}")  # fmt: skip
-    finally:
-        serve.delete("gate-bct")
-    opts = BackfillJobOptions(embeddings=parquets["bct"], policies="random", modes="compatible",
-                              canary=str(state / "canary" / "canary.parquet"),
-                              out=str(tmp_path / "sim"), plots=False, quiet=True)  # fmt: skip
-    paths = run(opts)
-    import json
-
-    (curve,) = json.loads(open(paths["canary"]).read())["curves"]
-    assert curve["policy"] == "random" and curve["reference"] == "old-old"
-    assert curve["points"] == [{k: p[k] for k in curve["points"][0]} for p in history]
+    client, _, _, fs = up
+    if fs is None:
+        pytest.skip("cannot mount a tmpfs here")
+    old = np.asarray(sorted(i for i, c in _items(APP).items() if c == 0))  # 6 old items a shard
+    ids = np.concatenate([old[shard_of(old, 2) == s][:6] for s in (0, 1)])
+    on = shard_of(ids, 2)
+    rng = np.random.default_rng(0)
+    vecs = rng.standard_normal((12, 24)).round(3)
+    items = [
+        {"id": int(i), "representation": "new", "vector": v.tolist()}
+        for i, v in zip(ids, vecs, strict=True)
+    ]
+    new_before = client.status()["items"]["new"]
+    fill(fs)
+    r = call(client, "POST", "/admin/upsert", {"items": items})
+    assert r.status_code == 503 and "nothing of shard 1's part" in r.json()["error"], r.text
+    assert r.json()["applied_ids"] == sorted(ids[on == 0].tolist())
+    log_error = client.status()["shards"][1]["storage"]["log_error"]
+    assert "no space left on device at" in log_error and "shard-1" in log_error
+    for s in (0, 1):
+        h = serve.get_deployment_handle(f"shard-{s}", app_name=APP)
+        reps, got = h.lookup.remote(ids[on == s]).result()
+        assert reps == (["new"] if s == 0 else ["old"]) * int((on == s).sum())
+        if s == 0:
+            want = l2_normalize(vecs[on == 0].astype(np.float32))
+            assert np.allclose(np.stack(got), want, atol=1e-6)
+    os.unlink(os.path.join(fs, "filler"))
+    assert client.upsert(items)["applied"] == 12
+    assert client.status()["items"]["new"] == new_before + 12
