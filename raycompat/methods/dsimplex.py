@@ -10,6 +10,9 @@ unnormalised feature, ``D = K - 1``. Every generation trains with that head (the
 ``independent --head dsimplex``), so the features of every generation stay where the same
 vertices put them.
 
+The cross-entropy runs over all ``K`` vertices, those kept for classes still to come included
+(the head appends them to its training logits), as the released code's ``Linear(K-1, K)``.
+
 - ``loss=cores`` (default): ``L = CE(W phi_n(x), y)``; no term involves the old model, whose
   simplex (head kind and ``K``) is only checked;
 - ``loss=hoc``: ``L = lambda CE(W phi_n(x), y) + (1 - lambda) L_hoc``, lambda = 0.1, with

@@ -104,7 +104,10 @@ class ClassifierHead(nn.Module):
     margin-free cosine logits used for uncertainty (RACT Eq.9-11) and DMU's discriminativeness.
     A ``dsimplex`` head has ``K = embed_dim + 1`` simplex vertices; row ``r`` is the fixed
     vertex ``K - 1 - vertices[r]`` (written from the bottom, as CoReS does), a buffer, not a
-    parameter; its logits are ``W e`` on the unnormalised embedding.
+    parameter. Its training logits are ``W e`` over all ``K`` vertices on the unnormalised
+    embedding: the head's rows first (so a class's target is its row), then the vertices kept
+    for classes still to come, which the softmax counts as negatives (CoReS's ``Linear(K-1, K)``;
+    docs/methods.md, "d-Simplex"). Its inference logits cover its own rows only.
     """
 
     def __init__(
@@ -133,8 +136,12 @@ class ClassifierHead(nn.Module):
         )
         if kind == "dsimplex":
             self.vertices = self._check_vertices(embed_dim, num_classes, vertices)
-            rows = simplex_vertices(embed_dim + 1)[[embed_dim - y for y in self.vertices]]
-            self.register_buffer("weight", rows)
+            every = simplex_vertices(embed_dim + 1)
+            self.register_buffer("weight", every[[embed_dim - y for y in self.vertices]])
+            taken = set(self.vertices)
+            future = [embed_dim - y for y in range(embed_dim + 1) if y not in taken]
+            # derived from the vertices, so not saved: bundles keep their state dicts
+            self.register_buffer("future_weight", every[future], persistent=False)
             self.bias = None
             self.spec["vertices"] = list(self.vertices)
             return
@@ -170,9 +177,13 @@ class ClassifierHead(nn.Module):
         labels: torch.Tensor | None = None,
         weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Training logits. ``weight`` overrides the rows (e.g. BCT-sys synthesised classes)."""
+        """Training logits. ``weight`` overrides the rows (e.g. BCT-sys synthesised classes);
+        a ``dsimplex`` head's logits over its own rows are followed by those of its free
+        vertices (the softmax runs over all ``K``; a class's target is still its row)."""
         if self.kind == "dsimplex":
-            return F.linear(emb, self.weight if weight is None else weight)
+            if weight is None:
+                weight = torch.cat([self.weight, self.future_weight])
+            return F.linear(emb, weight)
         if self.kind == "softmax":
             w = self.weight if weight is None else weight
             bias = self.bias

@@ -589,17 +589,40 @@ def _dsimplex(options):
     return build("dsimplex", dict({"classes": D_OLD + 1}, **options), D_OLD, "dsimplex")
 
 
-def test_dsimplex_cores_is_cross_entropy_on_the_fixed_unnormalised_head():
+def spec_simplex(k: int) -> torch.Tensor:
+    """The fixed head of CoReS as FIELD_METHODS writes it: ``I_(K-1)`` with a row of
+    ``(1 - sqrt(K)) / (K - 1)`` appended, the column mean subtracted, rows normalised."""
+    rows = torch.cat([torch.eye(k - 1), torch.full((1, k - 1), (1 - math.sqrt(k)) / (k - 1))])
+    rows = rows - rows.mean(dim=0, keepdim=True)
+    return rows / rows.norm(dim=1, keepdim=True)
+
+
+def test_dsimplex_cores_is_cross_entropy_over_every_vertex():
+    """CoReS's CE runs over all K vertices of ``Linear(K-1, K)``, the vertices kept for classes
+    still to come included (negatives): class y on row K-1-y. Here 5 classes of K = 7, so a
+    softmax over the 5 rows of this generation's classes alone gives another loss."""
     module = _dsimplex({})
+    k = D_OLD + 1
+    assert module.head.num_classes == len(set(BATCH_LABELS)) < k
     batch = make_batch(BATCH_LABELS, seed=3)
     terms = module(batch)
     emb = module.embedder(batch.x_new)
-    rows = module.head.weight
-    want = -sum(
-        log_softmax([float(emb[i] @ w) for w in rows])[y] for i, y in enumerate(BATCH_LABELS)
-    )
+    every = spec_simplex(k)
+    want = sum(
+        -log_softmax([float(emb[i] @ w) for w in every])[k - 1 - y]
+        for i, y in enumerate(BATCH_LABELS)
+    ) / len(BATCH_LABELS)
     assert set(terms) == {"cls", "loss"}
-    assert float(terms["loss"]) == pytest.approx(want / len(BATCH_LABELS), rel=1e-5)
+    assert float(terms["loss"]) == pytest.approx(want, rel=1e-5)
+    # the softmax over this generation's rows only (what the head computed before) differs
+    own = sum(
+        -log_softmax([float(emb[i] @ every[k - 1 - c]) for c in range(5)])[y]
+        for i, y in enumerate(BATCH_LABELS)
+    ) / len(BATCH_LABELS)
+    assert abs(own - want) > 1e-3
+    # a bundle keeps only the rows: the free vertices are derived, not saved
+    assert "future_weight" not in module.head.state_dict()
+    assert torch.allclose(module.head.weight, every[[k - 1 - c for c in range(5)]], atol=1e-6)
 
 
 def test_dsimplex_hoc_zeroes_same_class_terms_like_the_released_code():
