@@ -1,87 +1,30 @@
-"""The fused survivor kernel: filter and count a CPU score block in one pass (compiled C).
+"""The fused survivor kernel: filter and count a CPU score block in one pass (numba).
 
 A score block's survivors (scores at or above their query's lowest threshold edge) are
 located among the query's merged thresholds and counted into the histograms in the same
 pass that finds them, with one read of each score; the near-ties come out for the exact
-resolution after the pass (docs/simulator.md, "The fused survivor kernel").  The C source
-(``kernels/survivor_count.c``) is compiled once per machine with the system C compiler into
-``$RAYCOMPAT_CACHE/kernels`` (default ``~/.cache/raycompat/kernels``); without a compiler
-the passes keep their torch filter and count, with one warning.
+resolution after the pass (docs/simulator.md, "The fused survivor kernel"). The loop is
+compiled by numba (its own LLVM, no system compiler) on first use, with its argument types
+checked, cached on disk (numba's ``cache=True``, next to this file or in
+``NUMBA_CACHE_DIR``) and run without the GIL, so the block pass's worker threads count in
+parallel. ``RAYCOMPAT_FUSED_KERNEL=0`` keeps the torch filter and count instead.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["SOURCE", "fused_enabled", "load_kernel", "BandBuffer", "count_block"]
+__all__ = ["fused_enabled", "load_kernel", "BandBuffer", "count_block"]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "survivor_count.c"
-_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99", "-fno-strict-aliasing"]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
-
-_i64p = ctypes.POINTER(ctypes.c_int64)
-_argtypes = [
-    ctypes.c_void_p,  # S
-    ctypes.c_int64,  # R
-    ctypes.c_int64,  # B
-    ctypes.c_int64,  # ld
-    ctypes.c_int64,  # q0
-    ctypes.c_void_p,  # lo_min
-    ctypes.c_void_p,  # off
-    ctypes.c_void_p,  # lo
-    ctypes.c_void_p,  # hi
-    ctypes.c_int64,  # n_seg
-    ctypes.c_void_p,  # seg (int64 const * const *)
-    ctypes.c_void_p,  # base
-    ctypes.c_int64,  # width
-    ctypes.c_void_p,  # acc (or NULL)
-    ctypes.c_int64,  # band_cap
-    ctypes.c_void_p,  # band_col
-    ctypes.c_void_p,  # band_val
-    ctypes.c_void_p,  # band_hi
-    ctypes.c_void_p,  # band_lo
-    _i64p,  # n_band
-]
-
-
-def _cache_dir() -> Path:
-    root = Path(os.environ.get("RAYCOMPAT_CACHE", Path.home() / ".cache" / "raycompat"))
-    return root / "kernels"
-
-
-def _compile(target: Path) -> None:
-    """Compile the source into ``target`` (atomically: a half-written library is never seen)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        run = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
-        )
-        if run.returncode != 0:
-            raise OSError(f"{cc} failed on {SOURCE}: {run.stderr.strip()[:500]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def fused_enabled() -> bool:
@@ -90,29 +33,78 @@ def fused_enabled() -> bool:
     return os.environ.get("RAYCOMPAT_FUSED_KERNEL", "1") != "0"
 
 
+def _count_below(edges, first, n, v, strict):
+    """How many of the sorted ``edges[first:first + n]`` are below ``v`` (``< v`` if
+    ``strict``, else ``<= v``): a binary search."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        e = edges[first + mid]
+        if (e < v) if strict else (e <= v):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _survivor_count(
+    S, q0, lo_min, off, lo, hi, seg, base, width, acc, count, band_col, band_val, band_hi, band_lo
+):
+    """Every score ``S[r, j]`` at or above query ``q0 + r``'s lowest edge is located among the
+    query's thresholds (``hi`` edges, strictly below), added to one histogram bucket per
+    segmentation ``s`` (``acc[seg[s, j] * width + base[s] + first + q + b]`` when ``count``),
+    and kept as a near-tie when the next threshold's band (``lo`` edge) holds it -- the
+    decisions of ``MergedThresholds.locate`` (docs/simulator.md). Returns ``(survivors,
+    near-ties)``; near-ties past the buffers' length are counted, not stored."""
+    n_rows, n_cols = S.shape
+    cap = band_col.shape[0]
+    survivors = 0
+    n_band = 0
+    for r in range(n_rows):
+        q = q0 + r
+        first = off[q]
+        cnt = off[q + 1] - first
+        if cnt == 0:  # no thresholds: nothing survives
+            continue
+        t = lo_min[q]
+        bucket0 = first + q
+        for j in range(n_cols):
+            v = S[r, j]
+            if v < t:
+                continue
+            survivors += 1
+            b = _count_below(hi, first, cnt, v, True)
+            if count:
+                for s in range(seg.shape[0]):
+                    acc[seg[s, j] * width + base[s] + bucket0 + b] += 1
+            if b < cnt and lo[first + b] <= v:  # the next threshold's band holds v
+                if n_band < cap:
+                    band_col[n_band] = j
+                    band_val[n_band] = v
+                    band_hi[n_band] = first + b
+                    band_lo[n_band] = first + _count_below(lo, first, cnt, v, False)
+                n_band += 1
+    return survivors, n_band
+
+
 def load_kernel():
-    """The compiled ``survivor_count`` function, or ``None`` (with one warning) where no C
-    compiler is available.  Compiled once per machine, keyed by the source, the flags and
-    the platform."""
+    """The compiled kernel (numba ``njit``: ``cache=True, nogil=True``, compiled at its first
+    call for the argument types given), or ``None`` (with one warning) where numba cannot be
+    imported."""
+    global _count_below
     with _lock:
-        if "fn" in _loaded:
-            return _loaded["fn"]
-        fn = None
-        try:
-            key = hashlib.sha256(
-                SOURCE.read_bytes() + " ".join(_FLAGS).encode() + platform.machine().encode()
-            ).hexdigest()[:16]
-            target = _cache_dir() / f"survivor_count-{key}.so"
-            if not target.exists():
-                _compile(target)
-            fn = ctypes.CDLL(str(target)).survivor_count
-            fn.restype = ctypes.c_int64
-            fn.argtypes = _argtypes
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("fused survivor kernel unavailable (%s); using the torch filter", exc)
-            fn = None
-        _loaded["fn"] = fn
-        return fn
+        if "fn" not in _loaded:
+            try:
+                import numba
+            except ImportError as exc:  # pragma: no cover - numba is a dependency
+                log.warning("fused survivor kernel unavailable (%s); using the torch filter", exc)
+                _loaded["fn"] = None
+            else:
+                # the kernel calls the compiled search: numba reads the module's global
+                search = getattr(_count_below, "py_func", _count_below)
+                _count_below = numba.njit(cache=True, nogil=True, inline="always")(search)
+                _loaded["fn"] = numba.njit(cache=True, nogil=True)(_survivor_count)
+        return _loaded["fn"]
 
 
 class BandBuffer:
@@ -129,10 +121,6 @@ class BandBuffer:
         self.lo = np.empty(self.cap, dtype=np.int64)
 
 
-def _ptr(a) -> int:
-    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
-
-
 def count_block(
     fn,
     S: torch.Tensor,
@@ -145,29 +133,29 @@ def count_block(
 ) -> tuple[int, tuple[np.ndarray, ...] | None]:
     """Count the survivors of CPU float32 block ``S`` (rows: queries ``q0:``) into ``acc``:
     ``(survivors, band)`` with ``band = (block column, score, b_hi, b_lo)`` of the near-ties
-    (``None`` when there are none).  ``tables``: the thresholds' ``lo_min``, ``off``, ``lo``,
+    (``None`` when there are none). ``tables``: the thresholds' ``lo_min``, ``off``, ``lo``,
     ``hi`` arrays; ``seg_cols``: per counted segmentation, the segment of each block column
-    (contiguous int64); ``bases``: their offsets in ``acc``."""
+    (int64); ``bases``: their offsets in ``acc``."""
     if S.dtype != torch.float32 or S.device.type != "cpu" or S.stride(1) != 1:
         raise ValueError("the fused kernel takes a CPU float32 block with unit column stride")
-    R, B = S.shape
-    seg_ptrs = np.array([c.data_ptr() for c in seg_cols], dtype=np.uint64)
-    n_band = ctypes.c_int64(0)
+    scores = S.numpy()
+    n_cols = scores.shape[1]
+    seg = np.empty((len(seg_cols), n_cols), dtype=np.int64)
+    for s, col in enumerate(seg_cols):
+        seg[s] = col.numpy()
+    args = (tables["lo_min"], tables["off"], tables["lo"], tables["hi"], seg, bases)
+    width, counts = int(tables["width"]), acc.numpy()
 
-    def call(acc_ptr: int | None) -> int:
-        return fn(
-            S.data_ptr(), R, B, S.stride(0), int(q0),
-            _ptr(tables["lo_min"]), _ptr(tables["off"]), _ptr(tables["lo"]), _ptr(tables["hi"]),
-            len(seg_cols), seg_ptrs.ctypes.data, bases.ctypes.data, int(tables["width"]),
-            acc_ptr, buf.cap, buf.col.ctypes.data, buf.val.ctypes.data, buf.hi.ctypes.data,
-            buf.lo.ctypes.data, ctypes.byref(n_band),
-        )  # fmt: skip
+    def call(count: bool) -> tuple[int, int]:
+        return fn(scores, int(q0), *args, width, counts, count, *buf_arrays())
 
-    survivors = call(acc.data_ptr())
-    n = int(n_band.value)
+    def buf_arrays():
+        return buf.col, buf.val, buf.hi, buf.lo
+
+    survivors, n = call(True)
     if n > buf.cap:  # rerun for the near-ties only, into buffers that hold them all
         buf.resize(max(n, 2 * buf.cap))
-        call(None)
+        call(False)
     if n == 0:
         return int(survivors), None
     return int(survivors), tuple(a[:n].copy() for a in (buf.col, buf.val, buf.hi, buf.lo))

@@ -153,14 +153,14 @@ class SidePass:
 
     def _set_kernel(self, fused: bool | None) -> None:
         """The fused filter-and-count kernel on CPU (:mod:`raycompat.backfill.fused_kernel`):
-        ``fused=None`` uses it where it compiles (unless ``RAYCOMPAT_FUSED_KERNEL=0``),
+        ``fused=None`` uses it where numba imports (unless ``RAYCOMPAT_FUSED_KERNEL=0``),
         ``False`` keeps the torch filter and count, ``True`` requires it."""
         self.kernel = None
         if self.device.type != "cpu" or fused is False or (fused is None and not fused_enabled()):
             return
         self.kernel = load_kernel()
         if self.kernel is None and fused:
-            raise RuntimeError("the fused survivor kernel could not be compiled (see the log)")
+            raise RuntimeError("the fused survivor kernel is unavailable: numba did not import")
         if self.kernel is None:
             return
         mx = self.mx
