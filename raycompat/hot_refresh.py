@@ -724,7 +724,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
     comparing them; returns the report (``report["out"]``: where it was written)."""
     from raycompat.cluster import connect
     from raycompat.outputs import resolve_job_output
-    from raycompat.report import write_json
+    from raycompat.report import with_version, write_json
     from raycompat.serving.live_eval import compare_curves
 
     t0 = time.time()
@@ -774,7 +774,7 @@ def run_hot_refresh(opts: HotRefreshOptions, log=None) -> dict:
         "image_queries": served["image_check"],
         "seconds": time.time() - t0,
     }
-    write_json(os.path.join(out, "report.json"), report)
+    write_json(os.path.join(out, "report.json"), with_version(report))
     plot_live_vs_simulator(live, sim_curve, os.path.join(out, PLOT_NAME))
     with open(os.path.join(out, "report.md"), "w") as fh:
         table = _curve_table(live, sim_curve, fractions)

@@ -461,7 +461,7 @@ def _report(
     timings: dict,
 ) -> dict:
     """The report dict, written to ``out`` as report.json and report.md."""
-    from raycompat.report import write_json
+    from raycompat.report import with_version, write_json
 
     report = dict(
         job="quickstart",
@@ -484,7 +484,7 @@ def _report(
         },
         timings=timings,
     )
-    write_json(os.path.join(out, "report.json"), report)
+    write_json(os.path.join(out, "report.json"), with_version(report))
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report, scenario.allocation_table()))
     return report

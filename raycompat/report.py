@@ -23,6 +23,14 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def with_version(report: dict) -> dict:
+    """``report`` with ``raycompat_version`` (the package's ``__version__``) first: every
+    report a job writes records the code that made it."""
+    import raycompat
+
+    return {"raycompat_version": raycompat.__version__, **report}
+
+
 def write_json(path: str, obj: Any) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"

@@ -32,7 +32,7 @@ import os
 import numpy as np
 
 from raycompat.backfill.grid import backfill_counts
-from raycompat.report import markdown_table, write_json
+from raycompat.report import markdown_table, with_version, write_json
 
 __all__ = [
     "auc_difference",
@@ -621,7 +621,7 @@ def write_reports(
         payload["weighted_summary"] = weighted
     if extra:
         payload["extra"] = extra
-    jpath = write_json(os.path.join(out_dir, "curves.json"), payload)
+    jpath = write_json(os.path.join(out_dir, "curves.json"), with_version(payload))
     mpath = os.path.join(out_dir, "curves.md")
     tmp = mpath + ".tmp"
     with open(tmp, "w") as f:
@@ -663,7 +663,7 @@ def write_candidates_summary(results: dict, columns: dict, written: dict, out_di
                 for m in r.metric_names
             ],  # fmt: skip
         }
-    jpath = write_json(os.path.join(out_dir, "candidates.json"), payload)
+    jpath = write_json(os.path.join(out_dir, "candidates.json"), with_version(payload))
     lines = [f"# Candidates: {', '.join(names)}", ""]
     for m in (first.metric_names[0], "NFR@1"):
         lines += [f"## AUC of {m} along the backfill", ""]

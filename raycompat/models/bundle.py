@@ -78,7 +78,7 @@ def _versions() -> dict[str, str]:
     import raycompat
 
     return {
-        "raycompat": getattr(raycompat, "__version__", "0"),
+        "raycompat": raycompat.__version__,
         "torch": torch.__version__,
         "timm": timm.__version__,
     }

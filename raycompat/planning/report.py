@@ -10,7 +10,7 @@ import os
 from raycompat.planning.plan import Plan
 from raycompat.planning.recommend import CONSTRAINT_FLAGS, Assessment
 from raycompat.planning.timeline import CANDIDATE, COLD, STAY
-from raycompat.report import markdown_table, write_json
+from raycompat.report import markdown_table, with_version, write_json
 
 __all__ = ["plan_dict", "plan_markdown", "write_plan"]
 
@@ -271,7 +271,7 @@ def write_plan(plan: Plan, out_dir: str, *, plots: bool = True, command: str | N
         from raycompat.planning.plots import plot_plan
 
         pngs = plot_plan(plan, out_dir)
-    jpath = write_json(os.path.join(out_dir, "plan.json"), plan_dict(plan, command))
+    jpath = write_json(os.path.join(out_dir, "plan.json"), with_version(plan_dict(plan, command)))
     mpath = os.path.join(out_dir, "plan.md")
     with open(mpath + ".tmp", "w") as f:
         f.write(plan_markdown(plan, pngs, command))

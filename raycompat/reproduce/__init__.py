@@ -33,7 +33,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     """Train, evaluate, decide the claims; write ``report.md``, ``report.json`` and PNGs to
     ``opts.output``. Returns the report dict."""
     from raycompat.cluster import connect
-    from raycompat.report import machine_description, write_json
+    from raycompat.report import machine_description, with_version, write_json
     from raycompat.reproduce.report import plot_class_scaling, plot_hot_refresh, render_markdown
     from raycompat.reproduce.runner import Reproduction, options_dict
     from raycompat.reproduce.spread import seed_spread
@@ -86,7 +86,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         plots=plots,
         timings=timings,
     )
-    write_json(os.path.join(out, "report.json"), report)
+    write_json(os.path.join(out, "report.json"), with_version(report))
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report))
     where = output.publish()

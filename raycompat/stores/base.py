@@ -46,7 +46,15 @@ VectorField = Literal["old", "new"]
 
 #: The logical column names that reads, filters and :class:`ColumnMap` use.
 LOGICAL_COLUMNS = (
-    "id", "label", "old", "new", "image_uri", "old_model", "new_model", "upgraded", "position",
+    "id",
+    "label",
+    "old",
+    "new",
+    "image_uri",
+    "old_model",
+    "new_model",
+    "upgraded",
+    "position",
 )
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MARK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
@@ -82,8 +90,9 @@ class ColumnMap:
         names = [(f.name, getattr(self, f.name)) for f in fields(self)]
         for logical, name in names:
             if name is not None and (not isinstance(name, str) or not _IDENT.match(name)):
-                raise StoreError(f"ColumnMap.{logical}: column name {name!r} must match "
-                                 "[A-Za-z_][A-Za-z0-9_]*")
+                raise StoreError(
+                    f"ColumnMap.{logical}: column name {name!r} must match [A-Za-z_][A-Za-z0-9_]*"
+                )
         used = [name for _, name in names if name is not None]
         if len(set(used)) != len(used):
             raise StoreError(f"ColumnMap: column names must differ, got {used}")
@@ -243,32 +252,42 @@ def _as_blocks(items: GalleryBlock | Iterable[GalleryBlock]) -> Iterator[Gallery
 
 
 def _check_block(
-    block: GalleryBlock, layout: Layout | None, columns: ColumnMap, where: str,
-    new_model: str | None, new_dim: int | None,
+    block: GalleryBlock,
+    layout: Layout | None,
+    columns: ColumnMap,
+    where: str,
+    new_model: str | None,
+    new_dim: int | None,
 ) -> tuple[CheckedBlock, Layout]:
     ids = checks.check_ids(block.ids, columns.id, where)
     n = len(ids)
     old = checks.check_vectors(block.old, layout and layout.old_dim, n, columns.old, where)
     labels, kind = checks.check_labels(
-        block.labels, n, layout and layout.label_type, columns.label, where)
+        block.labels, n, layout and layout.label_type, columns.label, where
+    )
     new = None
     if block.new is not None:
         if new_model is None:
-            raise StoreError(f"column {columns.new_model!r} of {where}: new vectors were given "
-                             "without new_model (the new model's fingerprint)")
+            raise StoreError(
+                f"column {columns.new_model!r} of {where}: new vectors were given "
+                "without new_model (the new model's fingerprint)"
+            )
         want = layout.new_dim if layout else new_dim
         new = checks.check_vectors(block.new, want, n, columns.new, where)
     if layout is None:
         dim = new.shape[1] if new is not None else new_dim
         if dim is None or dim < 1:
-            raise StoreError(f"column {columns.new!r} of {where}: give new_dim (the new model's "
-                             "dimension) when the first block has no new vectors")
+            raise StoreError(
+                f"column {columns.new!r} of {where}: give new_dim (the new model's "
+                "dimension) when the first block has no new vectors"
+            )
         layout = Layout(old.shape[1], int(dim), kind)
     uris = _check_uris(block, n, columns, where)
     repeated = layout.seen_ids.intersection(ids.tolist())
     if repeated:
-        raise checks.column_error(columns.id, where,
-                                  f"ids repeat across blocks: {sorted(repeated)[:5]}")
+        raise checks.column_error(
+            columns.id, where, f"ids repeat across blocks: {sorted(repeated)[:5]}"
+        )
     layout.seen_ids.update(ids.tolist())
     positions = np.full(n, -1, dtype=np.int64)
     if new is not None:
@@ -286,8 +305,11 @@ def _check_uris(block: GalleryBlock, n: int, columns: ColumnMap, where: str) -> 
 
 
 def checked_gallery(
-    items: GalleryBlock | Iterable[GalleryBlock], columns: ColumnMap, where: str,
-    new_model: str | None, new_dim: int | None,
+    items: GalleryBlock | Iterable[GalleryBlock],
+    columns: ColumnMap,
+    where: str,
+    new_model: str | None,
+    new_dim: int | None,
 ) -> tuple[Layout, Iterator[CheckedBlock]]:
     """The gallery's layout (from its first block, checked now) and all its checked blocks
     (the others checked as they are consumed): what a backend's ``create`` writes."""
@@ -314,8 +336,9 @@ def state_json(state: object, where: str) -> str:
     except (TypeError, ValueError) as exc:
         raise StoreError(f"state record of {where}: not JSON serialisable: {exc}") from exc
     if len(text) > MAX_STATE_CHARS:
-        raise StoreError(f"state record of {where}: {len(text)} characters of JSON, more than "
-                         f"{MAX_STATE_CHARS}")
+        raise StoreError(
+            f"state record of {where}: {len(text)} characters of JSON, more than {MAX_STATE_CHARS}"
+        )
     return text
 
 
@@ -340,8 +363,15 @@ class VectorStore(ABC):
     @classmethod
     @abstractmethod
     def create(
-        cls, uri: StoreURI, items: GalleryBlock | Iterable[GalleryBlock], *, columns: ColumnMap,
-        old_model: str, new_model: str | None, new_dim: int | None, overwrite: bool,
+        cls,
+        uri: StoreURI,
+        items: GalleryBlock | Iterable[GalleryBlock],
+        *,
+        columns: ColumnMap,
+        old_model: str,
+        new_model: str | None,
+        new_dim: int | None,
+        overwrite: bool,
     ) -> VectorStore:
         """Write a gallery into a new table or collection (docs/stores.md#create)."""
 
@@ -384,10 +414,17 @@ class VectorStore(ABC):
         final = self.finalized
         dropped = final and self.capabilities.drop_field
         return StoreInfo(
-            uri=self.uri.raw, backend=self.backend, rows=self.count(),
-            upgraded=self.count_upgraded(), old_dim=None if dropped else self._layout.old_dim,
-            new_dim=self._layout.new_dim, label_type=self._layout.label_type, metric="ip",
-            finalized=final, indexes=self._indexes(), capabilities=self.capabilities,
+            uri=self.uri.raw,
+            backend=self.backend,
+            rows=self.count(),
+            upgraded=self.count_upgraded(),
+            old_dim=None if dropped else self._layout.old_dim,
+            new_dim=self._layout.new_dim,
+            label_type=self._layout.label_type,
+            metric="ip",
+            finalized=final,
+            indexes=self._indexes(),
+            capabilities=self.capabilities,
         )
 
     @abstractmethod
@@ -404,7 +441,9 @@ class VectorStore(ABC):
 
     @abstractmethod
     def read_blocks(
-        self, columns: Iterable[str] = ("id", "label", "old"), block_rows: int = 4096,
+        self,
+        columns: Iterable[str] = ("id", "label", "old"),
+        block_rows: int = 4096,
         filter: Filter | str | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         """Blocks of at most ``block_rows`` items in ascending id order, as dicts of numpy
@@ -417,7 +456,10 @@ class VectorStore(ABC):
 
     # -- writing -------------------------------------------------------------------------
     def write_new(
-        self, ids: np.ndarray, vectors: np.ndarray, fingerprint: str,
+        self,
+        ids: np.ndarray,
+        vectors: np.ndarray,
+        fingerprint: str,
         positions: np.ndarray | None,
     ) -> int:
         """Upgrade one batch atomically: new vectors, their model fingerprint, the upgraded
@@ -438,7 +480,10 @@ class VectorStore(ABC):
 
     @abstractmethod
     def _write_new(
-        self, ids: np.ndarray, vectors: np.ndarray, fingerprint: str,
+        self,
+        ids: np.ndarray,
+        vectors: np.ndarray,
+        fingerprint: str,
         positions: np.ndarray | None,
     ) -> None: ...
 
@@ -449,8 +494,13 @@ class VectorStore(ABC):
 
     # -- search --------------------------------------------------------------------------
     def search(
-        self, field: VectorField, queries: np.ndarray, k: int, *,
-        filter: Filter | str | None = None, exact: bool = True,
+        self,
+        field: VectorField,
+        queries: np.ndarray,
+        k: int,
+        *,
+        filter: Filter | str | None = None,
+        exact: bool = True,
     ) -> SearchResult:
         """Top-``k`` items by inner product of ``queries`` [nq, d] with ``field``, under
         ``filter``; exact (brute force) by default, else through the store's approximate
@@ -460,15 +510,21 @@ class VectorStore(ABC):
         flt = self._filter(filter)
         if field == "new":
             if flt.upgraded is False:
-                raise StoreError(f"column {self.columns.new!r} of {self.where}: the new vectors "
-                                 "of items not upgraded are not in use; filter upgraded=False "
-                                 "contradicts a search of the new field")
+                raise StoreError(
+                    f"column {self.columns.new!r} of {self.where}: the new vectors "
+                    "of items not upgraded are not in use; filter upgraded=False "
+                    "contradicts a search of the new field"
+                )
             flt = flt.and_upgraded(True)
         fetch = self._fetch(field, queries, flt, exact)
         return resolve_topk(fetch, len(queries), self._k(k), self.max_search_limit, self.where)
 
     def search_compatible(
-        self, new_queries: np.ndarray, old_queries: np.ndarray, k: int, *,
+        self,
+        new_queries: np.ndarray,
+        old_queries: np.ndarray,
+        k: int,
+        *,
         filter: Filter | str | None = None,
     ) -> SearchResult:
         """Exact top-``k`` of a half-upgraded gallery: upgraded items scored by
@@ -515,8 +571,10 @@ class VectorStore(ABC):
             raise StoreError(f"{self.where}: vector field must be 'old' or 'new', got {field!r}")
         column = self.columns.physical(field)
         if field == "old" and self.finalized:
-            raise StoreError(f"column {column!r} of {self.where}: the store is finalized, the "
-                             "old vectors are no longer in use")
+            raise StoreError(
+                f"column {column!r} of {self.where}: the store is finalized, the "
+                "old vectors are no longer in use"
+            )
         return column
 
     def _read_columns(self, columns: Iterable[str]) -> list[str]:
@@ -526,8 +584,10 @@ class VectorStore(ABC):
         for name in wanted:
             column = self.columns.physical(name)
             if name == "old" and self.finalized:
-                raise StoreError(f"column {column!r} of {self.where}: the store is finalized, "
-                                 "the old vectors are no longer in use")
+                raise StoreError(
+                    f"column {column!r} of {self.where}: the store is finalized, "
+                    "the old vectors are no longer in use"
+                )
         return wanted
 
     def _filter(self, flt: Filter | str | None) -> Filter:
@@ -540,9 +600,13 @@ class VectorStore(ABC):
         if flt.labels is not None:
             if not len(flt.labels):
                 raise StoreError(f"column {self.columns.label!r} of {self.where}: empty labels")
-            labels, _ = checks.check_labels(np.asarray(flt.labels), len(flt.labels),
-                                            self._layout.label_type, self.columns.label,
-                                            self.where + " (filter)")
+            labels, _ = checks.check_labels(
+                np.asarray(flt.labels),
+                len(flt.labels),
+                self._layout.label_type,
+                self.columns.label,
+                self.where + " (filter)",
+            )
             flt = Filter(flt.upgraded, tuple(labels.tolist()), flt.ids, flt.raw)
         if flt.ids is not None:
             if not len(flt.ids):
@@ -555,8 +619,9 @@ class VectorStore(ABC):
     def mark(self, name: str) -> RollbackMark:
         """Record a rollback point named ``name`` (docs/stores.md#rollback)."""
         if not isinstance(name, str) or not _MARK_NAME.match(name):
-            raise StoreError(f"{self.where}: mark name {name!r} must be letters, digits, "
-                             "'_', '.', '-'")
+            raise StoreError(
+                f"{self.where}: mark name {name!r} must be letters, digits, '_', '.', '-'"
+            )
         if self._get_record(MARK_PREFIX + name) is not None:
             raise StoreError(f"{self.where}: rollback mark {name!r} exists already")
         mark = RollbackMark(name, self._max_position() + 1, self._snapshot(name))
@@ -569,7 +634,7 @@ class VectorStore(ABC):
         out = {}
         for key, text in self._records(MARK_PREFIX).items():
             record = json.loads(text)
-            name = key[len(MARK_PREFIX):]
+            name = key[len(MARK_PREFIX) :]
             out[name] = RollbackMark(name, int(record["position"]), record["version"])
         return out
 
@@ -577,8 +642,9 @@ class VectorStore(ABC):
         """Return to the rollback mark ``name`` (docs/stores.md#rollback)."""
         mark = self.marks().get(name)
         if mark is None:
-            raise StoreError(f"{self.where}: no rollback mark {name!r} (marks: "
-                             f"{sorted(self.marks())})")
+            raise StoreError(
+                f"{self.where}: no rollback mark {name!r} (marks: {sorted(self.marks())})"
+            )
         self._rollback_to_mark(mark)
 
     @abstractmethod
@@ -588,11 +654,15 @@ class VectorStore(ABC):
 
     def _check_position_arg(self, position: int) -> str:
         if self.columns.position is None:
-            raise StoreError(f"{self.where}: rollback to a position needs a position column "
-                             "(ColumnMap.position is None)")
+            raise StoreError(
+                f"{self.where}: rollback to a position needs a position column "
+                "(ColumnMap.position is None)"
+            )
         if not isinstance(position, int | np.integer) or position < 0:
-            raise StoreError(f"column {self.columns.position!r} of {self.where}: position must "
-                             f"be an integer >= 0, got {position!r}")
+            raise StoreError(
+                f"column {self.columns.position!r} of {self.where}: position must "
+                f"be an integer >= 0, got {position!r}"
+            )
         return self.columns.position
 
     def finalize(self, *, force: bool = False) -> None:
@@ -602,8 +672,10 @@ class VectorStore(ABC):
             return
         rows, upgraded = self.count(), self.count_upgraded()
         if upgraded != rows and not force:
-            raise StoreError(f"{self.where}: finalize needs every item upgraded, {upgraded} of "
-                             f"{rows} are (force=True finalizes anyway)")
+            raise StoreError(
+                f"{self.where}: finalize needs every item upgraded, {upgraded} of "
+                f"{rows} are (force=True finalizes anyway)"
+            )
         self._put_record(FINALIZED_KEY, json.dumps({"rows": rows, "upgraded": upgraded}))
         self._finalize()
 
@@ -684,9 +756,10 @@ def backend_class(scheme: str) -> type[VectorStore]:
     """The store class of ``scheme``, importing it on first use."""
     entry = _REGISTRY.get(scheme)
     if entry is None:
-        raise StoreURIError(f"no store backend for scheme {scheme!r} (known: "
-                            f"{', '.join(list_backends())}); expected "
-                            + " or ".join(EXPECTED_FORMS.values()))
+        raise StoreURIError(
+            f"no store backend for scheme {scheme!r} (known: "
+            f"{', '.join(list_backends())}); expected " + " or ".join(EXPECTED_FORMS.values())
+        )
     if isinstance(entry, type):
         return entry
     module_name, _, class_name = entry.target.partition(":")
@@ -706,8 +779,13 @@ def open_store(uri: str, columns: ColumnMap | None = None) -> VectorStore:
 
 
 def create_store(
-    uri: str, items: GalleryBlock | Iterable[GalleryBlock], *, old_model: str,
-    columns: ColumnMap | None = None, new_model: str | None = None, new_dim: int | None = None,
+    uri: str,
+    items: GalleryBlock | Iterable[GalleryBlock],
+    *,
+    old_model: str,
+    columns: ColumnMap | None = None,
+    new_model: str | None = None,
+    new_dim: int | None = None,
     overwrite: bool = False,
 ) -> VectorStore:
     """Write a gallery into a new store at ``uri`` and open it; an existing non-empty table
@@ -718,5 +796,12 @@ def create_store(
     checks.check_fingerprint(old_model, columns.old_model, f"{parsed.scheme} {parsed.name!r}")
     if new_model is not None:
         checks.check_fingerprint(new_model, columns.new_model, f"{parsed.scheme} {parsed.name!r}")
-    return cls.create(parsed, items, columns=columns, old_model=old_model, new_model=new_model,
-                      new_dim=new_dim, overwrite=overwrite)
+    return cls.create(
+        parsed,
+        items,
+        columns=columns,
+        old_model=old_model,
+        new_model=new_model,
+        new_dim=new_dim,
+        overwrite=overwrite,
+    )

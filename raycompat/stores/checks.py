@@ -56,8 +56,9 @@ def check_vectors(vectors: object, dim: int | None, n: int, column: str, where: 
     if arr.ndim != 2 or arr.shape[0] != n:
         raise _err(column, where, f"expected vectors of shape ({n}, d), got shape {arr.shape}")
     if dim is not None and arr.shape[1] != dim:
-        raise _err(column, where, f"expected dimension {dim}, got vectors of dimension "
-                   f"{arr.shape[1]}")
+        raise _err(
+            column, where, f"expected dimension {dim}, got vectors of dimension {arr.shape[1]}"
+        )
     if arr.shape[1] < 1 or arr.dtype.kind not in "fiu":
         raise _err(column, where, f"expected numeric vectors, got dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -119,6 +120,10 @@ def check_positions(positions: object, n: int, column: str, where: str) -> np.nd
 def check_fingerprint(fingerprint: object, column: str, where: str) -> str:
     """A model fingerprint: a non-empty string of at most MAX_NAME_CHARS characters."""
     if not isinstance(fingerprint, str) or not fingerprint or len(fingerprint) > MAX_NAME_CHARS:
-        raise _err(column, where, f"model fingerprint must be a non-empty string of at most "
-                   f"{MAX_NAME_CHARS} characters, got {fingerprint!r}")
+        raise _err(
+            column,
+            where,
+            f"model fingerprint must be a non-empty string of at most "
+            f"{MAX_NAME_CHARS} characters, got {fingerprint!r}",
+        )
     return fingerprint

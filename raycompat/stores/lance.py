@@ -44,11 +44,17 @@ __all__ = ["LanceStore", "STATE_SUFFIX"]
 
 #: The state table of table ``t`` is ``t + STATE_SUFFIX``.
 STATE_SUFFIX = "__raycompat_state"
-_STATE_SCHEMA = pa.schema([pa.field("key", pa.string(), False),
-                           pa.field("value", pa.string(), False)])
+_STATE_SCHEMA = pa.schema(
+    [pa.field("key", pa.string(), False), pa.field("value", pa.string(), False)]
+)
 _CAPABILITIES = Capabilities(
-    drop_field=True, null_vectors=True, snapshots=True, hybrid_search_raw_scores=False,
-    concurrent_writers=True, partial_update=True, exact_with_ann_index=True,
+    drop_field=True,
+    null_vectors=True,
+    snapshots=True,
+    hybrid_search_raw_scores=False,
+    concurrent_writers=True,
+    partial_update=True,
+    exact_with_ann_index=True,
 )
 
 
@@ -75,8 +81,9 @@ def _sql_list(values: Iterable) -> str:
 
 
 def _fsl(vectors: np.ndarray) -> pa.FixedSizeListArray:
-    return pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()),
-                                             vectors.shape[1])
+    return pa.FixedSizeListArray.from_arrays(
+        pa.array(vectors.ravel(), pa.float32()), vectors.shape[1]
+    )
 
 
 def _vectors(column: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
@@ -111,13 +118,17 @@ def _schema(cols: ColumnMap, layout: Layout) -> pa.Schema:
     return pa.schema(out)
 
 
-def _record_batch(block: CheckedBlock, cols: ColumnMap, schema: pa.Schema, old_model: str,
-                  new_model: str | None) -> pa.RecordBatch:
+def _record_batch(
+    block: CheckedBlock, cols: ColumnMap, schema: pa.Schema, old_model: str, new_model: str | None
+) -> pa.RecordBatch:
     n, up = len(block.ids), block.new is not None
     data = {
-        cols.id: block.ids, cols.label: block.labels, cols.old: _fsl(block.old),
+        cols.id: block.ids,
+        cols.label: block.labels,
+        cols.old: _fsl(block.old),
         cols.new: _fsl(block.new) if up else pa.nulls(n, schema.field(cols.new).type),
-        cols.old_model: [old_model] * n, cols.new_model: [new_model if up else None] * n,
+        cols.old_model: [old_model] * n,
+        cols.new_model: [new_model if up else None] * n,
     }
     if cols.image_uri:
         data[cols.image_uri] = block.image_uris
@@ -129,24 +140,38 @@ def _record_batch(block: CheckedBlock, cols: ColumnMap, schema: pa.Schema, old_m
 
 
 _EXPECTED_TYPES = {
-    "id": "int64", "old_model": "string", "new_model": "string", "image_uri": "string",
-    "upgraded": "bool", "position": "int64",
+    "id": "int64",
+    "old_model": "string",
+    "new_model": "string",
+    "image_uri": "string",
+    "upgraded": "bool",
+    "position": "int64",
 }
 
 
-def _layout_from_schema(schema: pa.Schema, cols: ColumnMap, where: str,
-                        finalized: bool) -> Layout:
+def _layout_from_schema(schema: pa.Schema, cols: ColumnMap, where: str, finalized: bool) -> Layout:
     """The layout of an existing table; a StoreError names the first column that is missing
     or of the wrong type."""
     names = set(schema.names)
-    for logical in ("id", "label", "old", "new", "image_uri", "old_model", "new_model",
-                    "upgraded", "position"):
+    for logical in (
+        "id",
+        "label",
+        "old",
+        "new",
+        "image_uri",
+        "old_model",
+        "new_model",
+        "upgraded",
+        "position",
+    ):
         name = getattr(cols, logical)
         if name is None or (logical == "old" and finalized and name not in names):
             continue
         if name not in names:
-            raise StoreError(f"column {name!r} ({logical}) missing from {where}; its columns: "
-                             f"{', '.join(schema.names)}")
+            raise StoreError(
+                f"column {name!r} ({logical}) missing from {where}; its columns: "
+                f"{', '.join(schema.names)}"
+            )
         kind = schema.field(name).type
         want = _EXPECTED_TYPES.get(logical)
         if want and str(kind) != want:
@@ -154,11 +179,13 @@ def _layout_from_schema(schema: pa.Schema, cols: ColumnMap, where: str,
         if logical in ("old", "new") and not (
             pa.types.is_fixed_size_list(kind) and kind.value_type == pa.float32()
         ):
-            raise StoreError(f"column {name!r} of {where} has type {kind}, expected "
-                             "fixed_size_list<float32>[d]")
+            raise StoreError(
+                f"column {name!r} of {where} has type {kind}, expected fixed_size_list<float32>[d]"
+            )
         if logical == "label" and str(kind) not in ("int64", "string"):
-            raise StoreError(f"column {name!r} of {where} has type {kind}, expected int64 or "
-                             "string")
+            raise StoreError(
+                f"column {name!r} of {where} has type {kind}, expected int64 or string"
+            )
     old_dim = schema.field(cols.old).type.list_size if cols.old in names else 0
     label = "int64" if str(schema.field(cols.label).type) == "int64" else "string"
     return Layout(old_dim, schema.field(cols.new).type.list_size, label)
@@ -191,16 +218,25 @@ class LanceStore(VectorStore):
 
     @classmethod
     def create(
-        cls, uri: StoreURI, items: GalleryBlock | Iterable[GalleryBlock], *, columns: ColumnMap,
-        old_model: str, new_model: str | None, new_dim: int | None, overwrite: bool,
+        cls,
+        uri: StoreURI,
+        items: GalleryBlock | Iterable[GalleryBlock],
+        *,
+        columns: ColumnMap,
+        old_model: str,
+        new_model: str | None,
+        new_dim: int | None,
+        overwrite: bool,
     ) -> LanceStore:
         """Write the gallery as one commit (docs/stores.md#create)."""
         db, where = _connect(uri), cls._where(uri)
         layout, blocks = checked_gallery(items, columns, where, new_model, new_dim)
         existing = _open_table(db, uri.name)
         if existing is not None and existing.count_rows() and not overwrite:
-            raise StoreExistsError(f"{where} exists and holds {existing.count_rows()} rows; "
-                                   "pass overwrite=True to replace it")
+            raise StoreExistsError(
+                f"{where} exists and holds {existing.count_rows()} rows; "
+                "pass overwrite=True to replace it"
+            )
         for name in (uri.name, uri.name + STATE_SUFFIX):
             if _open_table(db, name) is not None:
                 db.drop_table(name)
@@ -263,8 +299,9 @@ class LanceStore(VectorStore):
             parts.append(f"({flt.raw})")
         return " AND ".join(parts) or None
 
-    def _scan(self, columns: list[str], flt: Filter | str | None = None, table=None,
-              row_ids: bool = False) -> pa.Table:
+    def _scan(
+        self, columns: list[str], flt: Filter | str | None = None, table=None, row_ids: bool = False
+    ) -> pa.Table:
         query = (table or self._table).search().select(columns).with_row_id(row_ids)
         expr = self._expr(self._filter(flt))
         if expr:
@@ -279,7 +316,9 @@ class LanceStore(VectorStore):
         return np.sort(ids.astype(np.int64))
 
     def read_blocks(
-        self, columns: Iterable[str] = ("id", "label", "old"), block_rows: int = 4096,
+        self,
+        columns: Iterable[str] = ("id", "label", "old"),
+        block_rows: int = 4096,
         filter: Filter | str | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         """Blocks in ascending id order, all from the version current at the call
@@ -301,11 +340,12 @@ class LanceStore(VectorStore):
             names.add(cols.upgraded or cols.position)
         return sorted(names)
 
-    def _iter_blocks(self, snapshot, wanted: list[str], row_ids: np.ndarray,
-                     block_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    def _iter_blocks(
+        self, snapshot, wanted: list[str], row_ids: np.ndarray, block_rows: int
+    ) -> Iterator[dict[str, np.ndarray]]:
         physical = self._physical_for(wanted)
         for start in range(0, len(row_ids), block_rows):
-            chunk = row_ids[start:start + block_rows].tolist()
+            chunk = row_ids[start : start + block_rows].tolist()
             table = snapshot.take_row_ids(chunk).select(physical).to_arrow()
             table = table.sort_by(self.columns.id)
             yield self._block_dict(table, wanted)
@@ -343,16 +383,23 @@ class LanceStore(VectorStore):
         cols = self.columns
         table = self._scan(sorted({cols.old_model, cols.new_model, cols.upgraded or cols.position}))
         up = self._upgraded_mask(table)
-        old = dict(zip(*np.unique(_strings(table[cols.old_model]), return_counts=True),
-                       strict=True))
-        new = dict(zip(*np.unique(_strings(table[cols.new_model])[up], return_counts=True),
-                       strict=True))
-        return ModelCounts(len(table), int(up.sum()), {str(k): int(v) for k, v in old.items()},
-                           {str(k): int(v) for k, v in new.items()})
+        old = dict(
+            zip(*np.unique(_strings(table[cols.old_model]), return_counts=True), strict=True)
+        )
+        new = dict(
+            zip(*np.unique(_strings(table[cols.new_model])[up], return_counts=True), strict=True)
+        )
+        return ModelCounts(
+            len(table),
+            int(up.sum()),
+            {str(k): int(v) for k, v in old.items()},
+            {str(k): int(v) for k, v in new.items()},
+        )
 
     # -- writing -------------------------------------------------------------------------
-    def _write_new(self, ids: np.ndarray, vectors: np.ndarray, fingerprint: str,
-                   positions: np.ndarray | None) -> None:
+    def _write_new(
+        self, ids: np.ndarray, vectors: np.ndarray, fingerprint: str, positions: np.ndarray | None
+    ) -> None:
         """One ``merge_insert`` (when matched, update) of the whole batch: one commit."""
         cols, n = self.columns, len(ids)
         self._check_known(ids)
@@ -365,8 +412,10 @@ class LanceStore(VectorStore):
         batch = pa.table([data[name] for name in schema.names], schema=schema)
         result = self._table.merge_insert(cols.id).when_matched_update_all().execute(batch)
         if result.num_updated_rows != n:
-            raise StoreError(f"{self.where}: write_new updated {result.num_updated_rows} of "
-                             f"{n} rows (a concurrent delete?)")
+            raise StoreError(
+                f"{self.where}: write_new updated {result.num_updated_rows} of "
+                f"{n} rows (a concurrent delete?)"
+            )
 
     def _check_known(self, ids: np.ndarray) -> None:
         """Refuse ids not in the table before writing; the table's ids are read once (the
@@ -375,8 +424,10 @@ class LanceStore(VectorStore):
             self._known = self.read_ids()
         missing = ids[~np.isin(ids, self._known)]
         if len(missing):
-            raise StoreError(f"column {self.columns.id!r} of {self.where}: {len(missing)} ids "
-                             f"are not in the table, e.g. {missing[:5].tolist()}")
+            raise StoreError(
+                f"column {self.columns.id!r} of {self.where}: {len(missing)} ids "
+                f"are not in the table, e.g. {missing[:5].tolist()}"
+            )
 
     def build_index(self, field: str, kind: str = "ivf") -> None:
         column = self._vector_column(field)
@@ -387,13 +438,15 @@ class LanceStore(VectorStore):
         if kind == "flat":
             return
         if kind == "ivf":
-            config = lancedb.index.IvfFlat(distance_type="dot",
-                                           num_partitions=max(1, int(np.sqrt(rows) / 2)))
+            config = lancedb.index.IvfFlat(
+                distance_type="dot", num_partitions=max(1, int(np.sqrt(rows) / 2))
+            )
         elif kind == "hnsw":
             config = lancedb.index.IvfHnswSq(distance_type="dot", num_partitions=1)
         else:
-            raise StoreError(f"{self.where}: index kind must be 'ivf', 'hnsw' or 'flat', got "
-                             f"{kind!r}")
+            raise StoreError(
+                f"{self.where}: index kind must be 'ivf', 'hnsw' or 'flat', got {kind!r}"
+            )
         self._table.create_index(column, config=config, replace=True)
 
     def _indexes(self) -> dict[str, str | None]:
@@ -406,15 +459,22 @@ class LanceStore(VectorStore):
         column, id_col, expr = self.columns.physical(field), self.columns.id, self._expr(flt)
 
         def fetch(rows: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
-            query = (self._table.search(queries[rows], vector_column_name=column)
-                     .distance_type("dot").select([id_col, "_distance"]).limit(limit))
+            query = (
+                self._table.search(queries[rows], vector_column_name=column)
+                .distance_type("dot")
+                .select([id_col, "_distance"])
+                .limit(limit)
+            )
             if expr:
                 query = query.where(expr, prefilter=True)
             if exact:
                 query = query.bypass_vector_index()
             table = query.to_arrow()
-            which = (table["query_index"].to_numpy() if "query_index" in table.column_names
-                     else np.zeros(table.num_rows, dtype=np.int64))
+            which = (
+                table["query_index"].to_numpy()
+                if "query_index" in table.column_names
+                else np.zeros(table.num_rows, dtype=np.int64)
+            )
             ids = table[id_col].to_numpy()
             # LanceDB's "dot" distance is 1 - inner product.
             scores = (1.0 - table["_distance"].to_numpy().astype(np.float64)).astype(np.float32)
@@ -427,8 +487,10 @@ class LanceStore(VectorStore):
         """One ``update`` commit: items at ``position`` or later get a null new vector."""
         col = self._check_position_arg(position)
         if self.columns.old not in self._table.schema.names:
-            raise StoreError(f"column {self.columns.old!r} of {self.where} was dropped at "
-                             "finalize; rollback(name) to a mark taken before finalize")
+            raise StoreError(
+                f"column {self.columns.old!r} of {self.where} was dropped at "
+                "finalize; rollback(name) to a mark taken before finalize"
+            )
         values = {self.columns.new: "NULL", self.columns.new_model: "NULL", col: "-1"}
         if self.columns.upgraded:
             values[self.columns.upgraded] = "false"
@@ -447,8 +509,9 @@ class LanceStore(VectorStore):
         try:
             self._table.tags.create(name, version)
         except RuntimeError as exc:
-            raise StoreError(f"{self.where}: cannot tag version {version} as {name!r}: {exc}") \
-                from exc
+            raise StoreError(
+                f"{self.where}: cannot tag version {version} as {name!r}: {exc}"
+            ) from exc
         return version
 
     def _rollback_to_mark(self, mark: RollbackMark) -> None:
@@ -480,8 +543,13 @@ class LanceStore(VectorStore):
     def _put_record(self, key: str, text: str) -> None:
         """One ``merge_insert`` upsert on the key: one commit."""
         row = pa.table({"key": [key], "value": [text]}, schema=_STATE_SCHEMA)
-        (self._state().merge_insert("key").when_matched_update_all()
-         .when_not_matched_insert_all().execute(row))
+        (
+            self._state()
+            .merge_insert("key")
+            .when_matched_update_all()
+            .when_not_matched_insert_all()
+            .execute(row)
+        )
 
     def _records(self, prefix: str) -> dict[str, str]:
         table = self._state(create=False)

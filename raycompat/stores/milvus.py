@@ -82,8 +82,13 @@ logging.getLogger("pymilvus.client.iterator.query_iterator").addFilter(_NoMvccWa
 
 def _capabilities(lite: bool) -> Capabilities:
     return Capabilities(
-        drop_field=False, null_vectors=False, snapshots=False, hybrid_search_raw_scores=True,
-        concurrent_writers=not lite, partial_update=False, exact_with_ann_index=False,
+        drop_field=False,
+        null_vectors=False,
+        snapshots=False,
+        hybrid_search_raw_scores=True,
+        concurrent_writers=not lite,
+        partial_update=False,
+        exact_with_ann_index=False,
     )
 
 
@@ -100,8 +105,10 @@ def _connect(uri: StoreURI) -> MilvusClient:
     try:
         client = MilvusClient(uri=path)
     except MilvusException as exc:
-        raise StoreError(f"Milvus Lite file {uri.target!r} cannot be opened (another process "
-                         f"holds it? one process at a time): {exc}") from exc
+        raise StoreError(
+            f"Milvus Lite file {uri.target!r} cannot be opened (another process "
+            f"holds it? one process at a time): {exc}"
+        ) from exc
     _LITE_USERS[path] = _LITE_USERS.get(path, 0) + 1
     return client
 
@@ -127,8 +134,15 @@ def _expr_list(values: Iterable) -> str:
     return "[" + ", ".join(_quote(v) if isinstance(v, str) else str(int(v)) for v in values) + "]"
 
 
-def _create_index(client: MilvusClient, name: str, column: str, kind: str, metric: str,
-                  params: dict, timeout_s: float = 600.0) -> None:
+def _create_index(
+    client: MilvusClient,
+    name: str,
+    column: str,
+    kind: str,
+    metric: str,
+    params: dict,
+    timeout_s: float = 600.0,
+) -> None:
     """Create an index and wait for it, polling every 20 ms (pymilvus's own wait sleeps
     0.5 s per index, even for FLAT)."""
     index = client.prepare_index_params()
@@ -137,8 +151,9 @@ def _create_index(client: MilvusClient, name: str, column: str, kind: str, metri
     deadline = time.monotonic() + timeout_s
     while (client.describe_index(name, index_name=column) or {}).get("state") != "Finished":
         if time.monotonic() > deadline:
-            raise StoreError(f"Milvus collection {name!r}: index on {column!r} not built in "
-                             f"{timeout_s:.0f} s")
+            raise StoreError(
+                f"Milvus collection {name!r}: index on {column!r} not built in {timeout_s:.0f} s"
+            )
         time.sleep(0.02)
 
 
@@ -175,10 +190,15 @@ def _create_state(client: MilvusClient, name: str) -> None:
 
 
 _FIELD_TYPES = {
-    "id": (DataType.INT64,), "label": (DataType.INT64, DataType.VARCHAR),
-    "old": (DataType.FLOAT_VECTOR,), "new": (DataType.FLOAT_VECTOR,),
-    "image_uri": (DataType.VARCHAR,), "old_model": (DataType.VARCHAR,),
-    "new_model": (DataType.VARCHAR,), "upgraded": (DataType.BOOL,), "position": (DataType.INT64,),
+    "id": (DataType.INT64,),
+    "label": (DataType.INT64, DataType.VARCHAR),
+    "old": (DataType.FLOAT_VECTOR,),
+    "new": (DataType.FLOAT_VECTOR,),
+    "image_uri": (DataType.VARCHAR,),
+    "old_model": (DataType.VARCHAR,),
+    "new_model": (DataType.VARCHAR,),
+    "upgraded": (DataType.BOOL,),
+    "position": (DataType.INT64,),
 }
 
 
@@ -191,26 +211,36 @@ def _layout_from_fields(fields: list[dict], cols: ColumnMap, where: str) -> Layo
         if name is None:
             continue
         if name not in by_name:
-            raise StoreError(f"field {name!r} ({logical}) missing from {where}; its fields: "
-                             f"{', '.join(by_name)}")
+            raise StoreError(
+                f"field {name!r} ({logical}) missing from {where}; its fields: {', '.join(by_name)}"
+            )
         if by_name[name]["type"] not in types:
-            raise StoreError(f"field {name!r} of {where} has type {by_name[name]['type']!r}, "
-                             f"expected {' or '.join(t.name for t in types)}")
+            raise StoreError(
+                f"field {name!r} of {where} has type {by_name[name]['type']!r}, "
+                f"expected {' or '.join(t.name for t in types)}"
+            )
     label = "int64" if by_name[cols.label]["type"] == DataType.INT64 else "string"
-    return Layout(int(by_name[cols.old]["params"]["dim"]),
-                  int(by_name[cols.new]["params"]["dim"]), label)
+    return Layout(
+        int(by_name[cols.old]["params"]["dim"]), int(by_name[cols.new]["params"]["dim"]), label
+    )
 
 
-def _block_rows(block: CheckedBlock, cols: ColumnMap, layout: Layout, old_model: str,
-                new_model: str | None) -> list[dict]:
+def _block_rows(
+    block: CheckedBlock, cols: ColumnMap, layout: Layout, old_model: str, new_model: str | None
+) -> list[dict]:
     up = block.new is not None
     new = block.new if up else np.zeros((len(block.ids), layout.new_dim), np.float32)
     rows = []
     for i, item in enumerate(block.ids.tolist()):
-        row = {cols.id: item, cols.label: block.labels[i].item() if layout.label_type ==
-               "int64" else block.labels[i], cols.old: block.old[i], cols.new: new[i],
-               cols.old_model: old_model, cols.new_model: new_model if up else "",
-               cols.position: int(block.positions[i])}
+        row = {
+            cols.id: item,
+            cols.label: block.labels[i].item() if layout.label_type == "int64" else block.labels[i],
+            cols.old: block.old[i],
+            cols.new: new[i],
+            cols.old_model: old_model,
+            cols.new_model: new_model if up else "",
+            cols.position: int(block.positions[i]),
+        }
         if cols.image_uri:
             row[cols.image_uri] = block.image_uris[i]
         if cols.upgraded:
@@ -229,8 +259,9 @@ class MilvusStore(VectorStore):
     backend = "milvus"
     max_search_limit = 16_384
 
-    def __init__(self, uri: StoreURI, columns: ColumnMap, layout: Layout,
-                 client: MilvusClient) -> None:
+    def __init__(
+        self, uri: StoreURI, columns: ColumnMap, layout: Layout, client: MilvusClient
+    ) -> None:
         super().__init__(uri, columns, layout)
         self._client = client
         self._state_name = uri.name + STATE_SUFFIX
@@ -252,13 +283,22 @@ class MilvusStore(VectorStore):
     @staticmethod
     def _need_position(columns: ColumnMap, where: str) -> None:
         if columns.position is None:
-            raise StoreError(f"{where}: a Milvus store needs a position column (rollback "
-                             "without snapshots turns items back by position)")
+            raise StoreError(
+                f"{where}: a Milvus store needs a position column (rollback "
+                "without snapshots turns items back by position)"
+            )
 
     @classmethod
     def create(
-        cls, uri: StoreURI, items: GalleryBlock | Iterable[GalleryBlock], *, columns: ColumnMap,
-        old_model: str, new_model: str | None, new_dim: int | None, overwrite: bool,
+        cls,
+        uri: StoreURI,
+        items: GalleryBlock | Iterable[GalleryBlock],
+        *,
+        columns: ColumnMap,
+        old_model: str,
+        new_model: str | None,
+        new_dim: int | None,
+        overwrite: bool,
     ) -> MilvusStore:
         """Create the collections, then insert the gallery in calls of bounded size; a load
         marker in the state record tells an unfinished load apart (docs/stores.md#create)."""
@@ -276,7 +316,7 @@ class MilvusStore(VectorStore):
             for block in blocks:
                 rows = _block_rows(block, columns, layout, old_model, new_model)
                 for start in range(0, len(rows), per_call):
-                    client.insert(uri.name, rows[start:start + per_call])
+                    client.insert(uri.name, rows[start : start + per_call])
             store._put_record(LOAD_KEY, '{"complete": true}')
         except BaseException:
             _disconnect(uri, client)
@@ -289,8 +329,9 @@ class MilvusStore(VectorStore):
             client.load_collection(uri.name)
             rows = client.query(uri.name, filter="", output_fields=["count(*)"])[0]["count(*)"]
             if rows and not overwrite:
-                raise StoreExistsError(f"{where} exists and holds {rows} rows; pass "
-                                       "overwrite=True to replace it")
+                raise StoreExistsError(
+                    f"{where} exists and holds {rows} rows; pass overwrite=True to replace it"
+                )
         for name in (uri.name, uri.name + STATE_SUFFIX):
             if client.has_collection(name):
                 client.drop_collection(name)
@@ -309,9 +350,11 @@ class MilvusStore(VectorStore):
             client.load_collection(uri.name)
             store = cls(uri, columns, layout, client)
             if not json.loads(store._get_record(LOAD_KEY) or "{}").get("complete"):
-                raise StoreError(f"{where} has no finished raycompat load record (its load "
-                                 "was cut short, or create_store did not write it); create it "
-                                 "again with overwrite=True")
+                raise StoreError(
+                    f"{where} has no finished raycompat load record (its load "
+                    "was cut short, or create_store did not write it); create it "
+                    "again with overwrite=True"
+                )
         except BaseException:
             _disconnect(uri, client)
             raise
@@ -350,8 +393,9 @@ class MilvusStore(VectorStore):
         if self.uri.is_local_file:
             yield from self._client.query(self.uri.name, filter=expr, output_fields=fields)
             return
-        it = self._client.query_iterator(self.uri.name, batch_size=_READ_BATCH, filter=expr,
-                                         output_fields=fields)
+        it = self._client.query_iterator(
+            self.uri.name, batch_size=_READ_BATCH, filter=expr, output_fields=fields
+        )
         try:
             while batch := it.next():
                 yield from batch
@@ -359,8 +403,9 @@ class MilvusStore(VectorStore):
             it.close()
 
     def count(self, filter: Filter | str | None = None) -> int:
-        rows = self._client.query(self.uri.name, filter=self._expr(self._filter(filter)),
-                                  output_fields=["count(*)"])
+        rows = self._client.query(
+            self.uri.name, filter=self._expr(self._filter(filter)), output_fields=["count(*)"]
+        )
         return int(rows[0]["count(*)"])
 
     def read_ids(self, filter: Filter | str | None = None) -> np.ndarray:
@@ -368,7 +413,9 @@ class MilvusStore(VectorStore):
         return np.sort(np.asarray(ids, dtype=np.int64))
 
     def read_blocks(
-        self, columns: Iterable[str] = ("id", "label", "old"), block_rows: int = 4096,
+        self,
+        columns: Iterable[str] = ("id", "label", "old"),
+        block_rows: int = 4096,
         filter: Filter | str | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         """Blocks in ascending id order; without snapshots, a write between two blocks shows
@@ -378,26 +425,30 @@ class MilvusStore(VectorStore):
             raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
         ids = self.read_ids(filter)
         cols = self.columns
-        physical = sorted({cols.id, cols.upgraded or cols.position}
-                          | {cols.physical(name) for name in wanted})
+        physical = sorted(
+            {cols.id, cols.upgraded or cols.position} | {cols.physical(name) for name in wanted}
+        )
         return self._iter_blocks(ids, wanted, physical, block_rows)
 
-    def _iter_blocks(self, ids: np.ndarray, wanted: list[str], physical: list[str],
-                     block_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    def _iter_blocks(
+        self, ids: np.ndarray, wanted: list[str], physical: list[str], block_rows: int
+    ) -> Iterator[dict[str, np.ndarray]]:
         for start in range(0, len(ids), block_rows):
-            rows = self._get_rows(ids[start:start + block_rows], physical, strict=False)
+            rows = self._get_rows(ids[start : start + block_rows], physical, strict=False)
             yield self._block_dict(rows, wanted)
 
     def _get_rows(self, ids: np.ndarray, fields: list[str], strict: bool = True) -> list[dict]:
         """The rows of ``ids`` in ascending id order; ``strict``: refuse unknown ids."""
         rows = []
         for start in range(0, len(ids), _READ_BATCH):
-            chunk = ids[start:start + _READ_BATCH].tolist()
+            chunk = ids[start : start + _READ_BATCH].tolist()
             rows += self._client.get(self.uri.name, ids=chunk, output_fields=fields)
         if strict and len(rows) != len(ids):
             missing = np.setdiff1d(ids, [row[self.columns.id] for row in rows])
-            raise StoreError(f"column {self.columns.id!r} of {self.where}: {len(missing)} ids "
-                             f"are not in the collection, e.g. {missing[:5].tolist()}")
+            raise StoreError(
+                f"column {self.columns.id!r} of {self.where}: {len(missing)} ids "
+                f"are not in the collection, e.g. {missing[:5].tolist()}"
+            )
         return sorted(rows, key=lambda row: row[self.columns.id])
 
     def _upgraded_of(self, rows: list[dict]) -> np.ndarray:
@@ -413,8 +464,9 @@ class MilvusStore(VectorStore):
             if name in ("old", "new"):
                 dim = self._layout.old_dim if name == "old" else self._layout.new_dim
                 out[name] = np.asarray(values, dtype=np.float32).reshape(len(rows), dim)
-            elif name in ("id", "position") or (name == "label" and
-                                                self._layout.label_type == "int64"):
+            elif name in ("id", "position") or (
+                name == "label" and self._layout.label_type == "int64"
+            ):
                 out[name] = np.asarray(values, dtype=np.int64)
             elif name == "upgraded":
                 out[name] = np.asarray(values, dtype=bool)
@@ -442,18 +494,33 @@ class MilvusStore(VectorStore):
     # -- writing -------------------------------------------------------------------------
     def _all_fields(self) -> list[str]:
         cols = self.columns
-        return [name for name in (cols.id, cols.label, cols.old, cols.new, cols.image_uri,
-                                  cols.old_model, cols.new_model, cols.upgraded, cols.position)
-                if name]
+        return [
+            name
+            for name in (
+                cols.id,
+                cols.label,
+                cols.old,
+                cols.new,
+                cols.image_uri,
+                cols.old_model,
+                cols.new_model,
+                cols.upgraded,
+                cols.position,
+            )
+            if name
+        ]
 
     def _check_batch(self, n: int, what: str) -> None:
         per_call = max(1, MAX_UPSERT_BYTES // _row_bytes(self._layout))
         if n > per_call:
-            raise StoreError(f"{self.where}: {what} of {n} rows is more than one atomic upsert "
-                             f"holds here ({per_call} rows); write smaller batches")
+            raise StoreError(
+                f"{self.where}: {what} of {n} rows is more than one atomic upsert "
+                f"holds here ({per_call} rows); write smaller batches"
+            )
 
-    def _write_new(self, ids: np.ndarray, vectors: np.ndarray, fingerprint: str,
-                   positions: np.ndarray | None) -> None:
+    def _write_new(
+        self, ids: np.ndarray, vectors: np.ndarray, fingerprint: str, positions: np.ndarray | None
+    ) -> None:
         """Read the batch's whole rows, change the new-model fields, upsert the whole rows
         in one call (atomic)."""
         cols = self.columns
@@ -471,10 +538,13 @@ class MilvusStore(VectorStore):
     def build_index(self, field: str, kind: str = "ivf") -> None:
         column = self._vector_column(field)
         if kind not in _INDEX_TYPES:
-            raise StoreError(f"{self.where}: index kind must be one of {sorted(_INDEX_TYPES)}, "
-                             f"got {kind!r}")
-        params = {"ivf": {"nlist": max(1, int(np.sqrt(max(1, self.count()))))},
-                  "hnsw": {"M": 16, "efConstruction": 200}}.get(kind, {})
+            raise StoreError(
+                f"{self.where}: index kind must be one of {sorted(_INDEX_TYPES)}, got {kind!r}"
+            )
+        params = {
+            "ivf": {"nlist": max(1, int(np.sqrt(max(1, self.count()))))},
+            "hnsw": {"M": 16, "efConstruction": 200},
+        }.get(kind, {})
         self._index_cache = None
         self._client.release_collection(self.uri.name)
         try:
@@ -499,9 +569,11 @@ class MilvusStore(VectorStore):
     def _index_kind(self, field: str, exact: bool) -> str | None:
         kind = self._indexes()[field]
         if exact and kind != "FLAT":
-            raise StoreError(f"field {self.columns.physical(field)!r} of {self.where} has a "
-                             f"{kind} index: exact search needs FLAT; search with exact=False "
-                             f"or build_index({field!r}, 'flat')")
+            raise StoreError(
+                f"field {self.columns.physical(field)!r} of {self.where} has a "
+                f"{kind} index: exact search needs FLAT; search with exact=False "
+                f"or build_index({field!r}, 'flat')"
+            )
         return kind
 
     @staticmethod
@@ -511,9 +583,13 @@ class MilvusStore(VectorStore):
 
     def _hits(self, result: list) -> list[tuple[np.ndarray, np.ndarray]]:
         id_col = self.columns.id
-        return [(np.asarray([hit[id_col] for hit in hits], dtype=np.int64),
-                 np.asarray([hit["distance"] for hit in hits], dtype=np.float32))
-                for hits in result]
+        return [
+            (
+                np.asarray([hit[id_col] for hit in hits], dtype=np.int64),
+                np.asarray([hit["distance"] for hit in hits], dtype=np.float32),
+            )
+            for hits in result
+        ]
 
     def _fetch(self, field: str, queries: np.ndarray, flt: Filter, exact: bool) -> Fetch:
         column, expr = self.columns.physical(field), self._expr(flt)
@@ -521,9 +597,14 @@ class MilvusStore(VectorStore):
 
         def fetch(rows: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
             result = self._client.search(
-                self.uri.name, data=queries[rows], anns_field=column, filter=expr, limit=limit,
+                self.uri.name,
+                data=queries[rows],
+                anns_field=column,
+                filter=expr,
+                limit=limit,
                 output_fields=[self.columns.id],
-                search_params=self._params(kind, limit))
+                search_params=self._params(kind, limit),
+            )
             return self._hits(result)
 
         return fetch
@@ -531,17 +612,30 @@ class MilvusStore(VectorStore):
     def _compatible_fetch(self, new_q: np.ndarray, old_q: np.ndarray, flt: Filter) -> Fetch:
         """One ``hybrid_search``: a filtered request per field, merged by raw score
         (``WeightedRanker(1, 1, norm_score=False)``)."""
-        plan = [(new_q, "new", self._expr(flt.and_upgraded(True))),
-                (old_q, "old", self._expr(flt.and_upgraded(False)))]
+        plan = [
+            (new_q, "new", self._expr(flt.and_upgraded(True))),
+            (old_q, "old", self._expr(flt.and_upgraded(False))),
+        ]
         kinds = [self._index_kind(field, True) for _, field, _ in plan]
 
         def fetch(rows: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
-            requests = [AnnSearchRequest(data=q[rows], anns_field=self.columns.physical(field),
-                                         param=self._params(kind, limit), limit=limit, expr=expr)
-                        for (q, field, expr), kind in zip(plan, kinds, strict=True)]
+            requests = [
+                AnnSearchRequest(
+                    data=q[rows],
+                    anns_field=self.columns.physical(field),
+                    param=self._params(kind, limit),
+                    limit=limit,
+                    expr=expr,
+                )
+                for (q, field, expr), kind in zip(plan, kinds, strict=True)
+            ]
             result = self._client.hybrid_search(
-                self.uri.name, requests, WeightedRanker(1.0, 1.0, norm_score=False),
-                limit=limit, output_fields=[self.columns.id])
+                self.uri.name,
+                requests,
+                WeightedRanker(1.0, 1.0, norm_score=False),
+                limit=limit,
+                output_fields=[self.columns.id],
+            )
             return self._hits(result)
 
         return fetch
@@ -556,7 +650,7 @@ class MilvusStore(VectorStore):
         ids = self.read_ids(f"{col} >= {int(position)}")
         per_call = max(1, MAX_UPSERT_BYTES // _row_bytes(self._layout))
         for start in range(0, len(ids), per_call):
-            rows = self._get_rows(ids[start:start + per_call], self._all_fields())
+            rows = self._get_rows(ids[start : start + per_call], self._all_fields())
             for row in rows:
                 row[cols.position] = -1
                 row[cols.new_model] = ""
@@ -602,6 +696,7 @@ class MilvusStore(VectorStore):
         self._client.delete(self._state(), ids=[key])
 
     def _records(self, prefix: str) -> dict[str, str]:
-        rows = self._client.query(self._state(), filter=f"key like {_quote(prefix + '%')}",
-                                  output_fields=["key", "value"])
+        rows = self._client.query(
+            self._state(), filter=f"key like {_quote(prefix + '%')}", output_fields=["key", "value"]
+        )
         return {row["key"]: row["value"] for row in rows}

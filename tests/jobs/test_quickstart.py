@@ -25,6 +25,9 @@ def test_report_files_and_schema(main_job):
     out, _, report = main_job
     on_disk = json.loads(_read(out, "report.json"))
     assert on_disk["evaluations"] == report["evaluations"]
+    import raycompat
+
+    assert on_disk["raycompat_version"] == raycompat.__version__  # the code that made it
     pairs = {(e["model"], e["query"], e["gallery"]) for e in on_disk["evaluations"]}
     assert pairs == {
         ("old", "old", "old"),

@@ -113,3 +113,19 @@ def test_backbone_layers_unused_by_features_are_frozen():
     assert frozen == ["backbone.conv_head.weight", "backbone.conv_head.bias"]
     model(torch.randn(2, 1, 32, 32)).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_every_bundle_records_the_installed_version(tmp_path):
+    """``raycompat.__version__`` is the installed distribution's version (its metadata), and a
+    saved bundle's manifest records it: it reads back from disk."""
+    from importlib.metadata import version
+
+    import raycompat
+
+    assert raycompat.__version__ == version("raycompat") and raycompat.__version__ != "0"
+    path = ModelBundle({"embedder": Embedder("test_resnet", 8, in_chans=1)}, {}).save(
+        str(tmp_path / "bundle")
+    )
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert manifest["versions"]["raycompat"] == raycompat.__version__
+    assert ModelBundle.load(path).manifest["versions"]["raycompat"] == raycompat.__version__
