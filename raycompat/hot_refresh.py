@@ -426,7 +426,7 @@ def live_samples(searches: dict, data, k: int, n_fractions: int) -> dict:
     (:func:`raycompat.serving.live_eval.live_metrics`'s definitions); empty unless there is one
     search per fraction."""
     from raycompat.backfill.rank_metrics import METRIC_NAMES, positive_pairs
-    from raycompat.backfill.simulator import QUERIES
+    from raycompat.backfill.results import QUERIES
     from raycompat.metrics import average_precision_at_k, correct_at_k
     from raycompat.metrics.bootstrap import Sample
 
@@ -462,7 +462,7 @@ def recall_name(k: int) -> str:
 
 def recall_sample(live: dict):
     """The per-query recall@k of the served results against exact search, ``[1, Q, J]``."""
-    from raycompat.backfill.simulator import QUERIES
+    from raycompat.backfill.results import QUERIES
     from raycompat.metrics.bootstrap import Sample
 
     return Sample.mean(QUERIES, np.asarray(live["recall_per_query"], np.float64))
@@ -472,7 +472,7 @@ def live_bands(samples: dict, data, options: BootstrapOptions) -> dict:
     """``{metric: {"low": [J], "high": [J], "dropped": [J]}}``: the live curve's bootstrap band
     (``dropped``: resamples with an undefined value; past 1 % of them a point has no interval and
     its bounds are NaN)."""
-    from raycompat.backfill.simulator import QUERIES
+    from raycompat.backfill.results import QUERIES
     from raycompat.metrics.bootstrap import Bootstrap
 
     boot = Bootstrap(options)

@@ -64,8 +64,9 @@ _EXPORTS = {
     "policy_order": "policies",
     "QueryLog": "query_log",
     "read_query_log": "query_log",
-    "Curve": "simulator",
-    "SimulationResult": "simulator",
+    "BackfillCurve": "results",
+    "SimulationResult": "results",
+    "SimulationSpec": "run_plan",
     "backfill_curve_rows": "simulator",
     "simulate_backfill": "simulator",
 }
@@ -80,8 +81,8 @@ def __getattr__(name):
 
 __all__ = [
     "BackfillInputError",
+    "BackfillCurve",
     "CostModel",
-    "Curve",
     "DistributedOptions",
     "GalleryEmbeddings",
     "MODES",
@@ -93,6 +94,7 @@ __all__ = [
     "SERVED_MODES",
     "SideBuilder",
     "SimulationResult",
+    "SimulationSpec",
     "UncertaintyHead",
     "apply_bundle_modules",
     "available_modes",

@@ -18,11 +18,29 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from raycompat.backfill.assembly import EngineResult
+from raycompat.backfill.assembly import EngineResult, compute_ranks
+from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
 from raycompat.backfill.gallery import BackfillInputError, GalleryEmbeddings
 from raycompat.backfill.rank_plan import CurveSpec
+from raycompat.backfill.run_plan import (
+    Engine,
+    PlannedRun,
+    SimulationSpec,
+    finish_run,
+    plan_run,
+)
 
-__all__ = ["simulate_candidates", "candidate_side", "check_candidates", "CandidatePlan"]
+__all__ = [
+    "CandidatePlan",
+    "candidate_results",
+    "candidate_side",
+    "check_candidates",
+    "plain_side",
+    "plan_candidates",
+    "share_equal_orders",
+    "side_owner",
+    "simulate_candidates",
+]
 
 SHARED_SIDES = ("old-old",)
 
@@ -60,24 +78,26 @@ def check_same_old(candidates: Mapping[str, GalleryEmbeddings]) -> None:
 
 @dataclass
 class CandidatePlan:
-    """One candidate's curves, planned as the single-candidate simulator plans them."""
+    """One candidate's run, planned as the single-candidate simulator plans it
+    (:func:`~raycompat.backfill.run_plan.plan_run`)."""
 
     name: str
-    plan: object  # simulator._Plan
-    inputs: object  # PolicyInputs
-    orders: dict
-    policy_seconds: dict
-    curves: list[CurveSpec]
-    static: dict
-    derived: set
+    run: PlannedRun
+
+    @property
+    def orders(self) -> dict:
+        return self.run.orders
+
+    @property
+    def curves(self) -> list[CurveSpec]:
+        return self.run.curves
 
     def engine_curves(self) -> list[CurveSpec]:
         """Its scored curves, keyed ``(name, key)`` on its own sides."""
         side = lambda s: None if s is None else candidate_side(self.name, s)  # noqa: E731
         return [
             replace(c, key=(self.name, c.key), old_side=side(c.old_side), new_side=side(c.new_side))
-            for c in self.curves
-            if c.key not in self.derived
+            for c in self.run.scored_curves()
         ]
 
     def own(self, res: EngineResult) -> EngineResult:
@@ -85,7 +105,9 @@ class CandidatePlan:
         curves = [replace(c, key=c.key[1]) for c in res.curves if c.key[0] == self.name]
         stats = dict(res.stats)
         sides = res.stats.get("sides", {})
-        stats["sides"] = {_plain(s): v for s, v in sides.items() if _owner(s) in (self.name, None)}
+        stats["sides"] = {
+            plain_side(s): v for s, v in sides.items() if side_owner(s) in (self.name, None)
+        }
         return replace(res, curves=curves, stats=stats, debug=dict(res.debug))
 
 
@@ -106,14 +128,16 @@ def share_equal_orders(planned: Sequence[CandidatePlan]) -> None:
                 seen.append(order)
             elif same is not order:
                 cp.orders[key], swap[id(order)] = same, same
-        cp.curves[:] = [replace(c, order=swap.get(id(c.order), c.order)) for c in cp.curves]
+        cp.run.curves[:] = [replace(c, order=swap.get(id(c.order), c.order)) for c in cp.curves]
 
 
-def _owner(side: str) -> str | None:
+def side_owner(side: str) -> str | None:
+    """The candidate an engine side name belongs to (``None``: a shared side)."""
     return side.rsplit("@", 1)[1] if "@" in side else None
 
 
-def _plain(side: str) -> str:
+def plain_side(side: str) -> str:
+    """An engine side name without its candidate (``new-old@bct`` -> ``new-old``)."""
     return side.rsplit("@", 1)[0]
 
 
@@ -122,120 +146,75 @@ def simulate_candidates(
     policies: Sequence[str] | str = ("random", "sequential"),
     modes: Sequence[str] | str = ("compatible",),
     *,
-    fractions: Sequence[float] | None = None,
-    grid_step: float = 5.0,
-    k: int = 100,
-    seed: int = 0,
-    cost=None,
-    references=None,
-    learned_sample_fraction: float = 0.02,
-    rank_merge_distance: str = "sq_l2",
+    heads: Mapping[str, object] | None = None,
     device=None,
     block_bytes: int | None = None,
     progress: Callable[[str], None] | None = None,
     debug: bool = False,
-    bootstrap=None,
-    policy_options=None,
-    reference_cache=None,
+    **spec,
 ) -> dict:
     """``{name: SimulationResult}``: :func:`~raycompat.backfill.simulator.simulate_backfill`
-    of every candidate (arguments as there), with one engine pass for all of them."""
-    from raycompat.backfill import simulator as sim
-    from raycompat.backfill.blocks import ENGINE_BLOCK_BYTES
+    of every candidate (``spec`` as there; ``heads``: each candidate's classifier, for the
+    uncertainty policies), with one engine pass for all of them."""
+    from raycompat.backfill.simulator import MemoryEngine
 
-    t_all = time.perf_counter()
+    t_start = time.perf_counter()
     say = progress or (lambda msg: None)
     names = check_candidates(candidates)
     check_same_old(candidates)
-    first = candidates[names[0]]
-    want_oo = first.query_old is not None
-    use_cache = reference_cache is not None and want_oo
-    key = sim.memory_reference_key(first, k) if use_cache else None
-    n_pairs = sim.n_positive_pairs(first.query_labels, first.gallery_labels) if use_cache else 0
-    cached = reference_cache.lookup(key, n_pairs) if use_cache else None
-    planned, sides = [], {}
-    for n in names:
-        say(f"candidate {n}: planning")
-        cp, builder = _plan_candidate(
-            n, candidates[n], policies, modes, fractions, grid_step, k, seed,
-            learned_sample_fraction, rank_merge_distance, device, policy_options, want_oo,
-            cached is not None, say,
-        )  # fmt: skip
-        planned.append(cp)
-        for c in cp.curves:
-            if c.key not in cp.derived:
-                for s in c.sides():
-                    sides.setdefault(candidate_side(n, s), builder.side(s))
+    base = SimulationSpec(policies=policies, modes=modes, **spec)
+    block_bytes = block_bytes or ENGINE_BLOCK_BYTES
+    engines = {n: MemoryEngine(candidates[n], device, block_bytes, debug, say) for n in names}
+    planned = plan_candidates(base, engines, heads, say)
     share_equal_orders(planned)
-    curves = [c for cp in planned for c in cp.engine_curves()]
+    sides = {
+        candidate_side(cp.name, s): engines[cp.name].builder.side(s)
+        for cp in planned
+        for c in cp.run.scored_curves()
+        for s in c.sides()
+    }
     say(f"scoring {len(sides)} side(s) for {len(names)} candidate(s): {', '.join(sides)}")
-    from raycompat.backfill.assembly import compute_ranks
-
+    first = candidates[names[0]]
     res = compute_ranks(
         sides,
-        curves,
+        [c for cp in planned for c in cp.engine_curves()],
         first.query_labels,
         first.gallery_labels,
         device=device,
-        block_bytes=block_bytes or ENGINE_BLOCK_BYTES,
+        block_bytes=block_bytes,
         debug=debug,
     )
-    return _results(
-        planned, res, candidates, cached, key, reference_cache, references, cost, bootstrap, t_all
-    )
+    return candidate_results(planned, res, engines, t_start)
 
 
-def _plan_candidate(
-    name, data, policies, modes, fractions, grid_step, k, seed, learned_sample_fraction,
-    rank_merge_distance, device, policy_options, want_oo, old_old_cached, say,
-):  # fmt: skip
-    """One candidate's plan, orders and curves (as :func:`simulate_backfill` makes them)."""
-    from raycompat.backfill import simulator as sim
-    from raycompat.backfill.modes import SideBuilder
-    from raycompat.backfill.policies import PolicyInputs, PolicyOptions
-
-    builder = SideBuilder(data)
-    inputs = PolicyInputs(
-        n_items=data.n_items,
-        data=data,
-        head=None,
-        seed=seed,
-        learned_sample_fraction=learned_sample_fraction,
-        rank_merge_distance=rank_merge_distance,
-        device=device,
-        sides=builder,
-        options=policy_options or PolicyOptions(),
-        reads=None,
-    )
-    plan = sim._check_inputs(data, policies, modes, k, fractions, grid_step, None, inputs)
-    orders, seconds = sim._build_orders(plan, inputs, lambda msg: say(f"candidate {name}: {msg}"))
-    curves, static, derived = sim._curve_specs(plan, orders, data.n_items, want_oo, old_old_cached)
-    cp = CandidatePlan(name, plan, inputs, orders, seconds, curves, static, derived)
-    return cp, builder
+def plan_candidates(
+    base: SimulationSpec, engines: Mapping[str, Engine], heads, say
+) -> list[CandidatePlan]:
+    """Every candidate planned as a single run (its head, if given), the first candidate's
+    reference lookup shared by all (they share the old gallery)."""
+    if base.head is not None:
+        raise BackfillInputError("candidates have a head each: give 'heads', not 'head'")
+    planned: list[CandidatePlan] = []
+    lookup = None
+    for name, engine in engines.items():
+        say(f"candidate {name}: planning")
+        spec = replace(base, head=(heads or {}).get(name))
+        tagged = lambda msg, n=name: say(f"candidate {n}: {msg}")  # noqa: E731
+        run = plan_run(spec, engine, tagged, lookup)
+        lookup = run.lookup
+        planned.append(CandidatePlan(name, run))
+    return planned
 
 
-def _results(planned, res, candidates, cached, key, cache, references, cost, bootstrap, t_all):
-    """Each candidate's :class:`SimulationResult` from its part of the engine's result."""
-    from raycompat.backfill import simulator as sim
-    from raycompat.backfill.reference_cache import with_reference
-
+def candidate_results(planned: Sequence[CandidatePlan], res, engines, t_start: float) -> dict:
+    """Each candidate's :class:`SimulationResult` from its part of the engine's result; the
+    old-old reference is stored in the cache once (by the first candidate)."""
+    names = [cp.name for cp in planned]
     out = {}
     for i, cp in enumerate(planned):
-        data = candidates[cp.name]
-        own = cp.own(res)
-        stats = {"policy_seconds": cp.policy_seconds, "t_start": t_all}
-        static = cp.static
-        if cache is not None and key is not None and (cached is not None or i == 0):
-            info = {"n_items": data.n_items, "n_queries": data.n_queries, "k": cp.plan.k}
-            derived = [c for c in cp.curves if c.key in cp.derived]
-            static = with_reference(cache, key, cached, own, static, derived, info)
-        if cache is not None and key is not None:
-            stats["reference_cache"] = cache.report(key)
-        stats["candidates"] = [p.name for p in planned]
-        ranked = sim.RankedCurves(cp.plan, cp.curves, static, own, cp.inputs, cp.orders,
-                                  data.item_costs)  # fmt: skip
-        result = ranked.result(data.n_queries, None, references, cost, stats)
-        if bootstrap is not None:
-            result.add_intervals(bootstrap)
-        out[cp.name] = result
+        stats = {"policy_seconds": cp.run.policy_seconds, "t_start": t_start}
+        extra = {"candidates": names}
+        out[cp.name] = finish_run(
+            cp.run, cp.own(res), engines[cp.name], stats, store=i == 0, extra_stats=extra
+        )
     return out

@@ -43,10 +43,16 @@ import numpy as np
 from raycompat.backfill.dataset import ParquetGallery
 from raycompat.backfill.embeddings_parquet import BackfillInputError, RowGroup
 from raycompat.backfill.gallery import GalleryEmbeddings
-from raycompat.backfill.reference_cache import with_reference
 from raycompat.console import format_eta
 
-__all__ = ["DistributedOptions", "DatasetRun", "simulate_backfill_dataset", "TASK_BLOCK_BYTES"]
+__all__ = [
+    "DatasetEngine",
+    "DatasetRun",
+    "DistributedOptions",
+    "TASK_BLOCK_BYTES",
+    "run_stats",
+    "simulate_backfill_dataset",
+]
 
 #: score block budget of a block task: one task per core, so a block small enough to stay in
 #: that core's cache while it is filtered (10 % faster than the in-process engine's 16 MiB on
@@ -79,7 +85,7 @@ class _Modules:
 
 
 @dataclass
-class _Context:
+class TaskContext:
     """What every task of a run shares (one object-store copy): the dataset without its
     per-item arrays, the queries' arrays, the columns to read, the modules."""
 
@@ -96,7 +102,7 @@ class _Context:
         return apply_bundle_modules(data, self.modules) if self.modules else data
 
 
-def _task_info(t0: float, group: RowGroup) -> dict[str, Any]:
+def task_info(t0: float, group: RowGroup) -> dict[str, Any]:
     import ray
 
     return {
@@ -116,32 +122,32 @@ def _device():
 
 
 # ----------------------------------------------------------------------------- tasks
-def _gather_task(ctx: _Context, group: RowGroup, local: np.ndarray):
+def _gather_task(ctx: TaskContext, group: RowGroup, local: np.ndarray):
     """Some rows of one row group (``local``: indices among its gallery rows), as stored."""
     t0 = time.perf_counter()
     ids, cols = ctx.dataset.read_block(group, ctx.columns)
-    return ({c: v[local] for c, v in cols.items()}, ids[local]), _task_info(t0, group)
+    return ({c: v[local] for c, v in cols.items()}, ids[local]), task_info(t0, group)
 
 
-def _digest_task(ctx: _Context, group: RowGroup):
+def _digest_task(ctx: TaskContext, group: RowGroup):
     """The digest of one row group's old gallery vectors (the reference cache's key)."""
     from raycompat.backfill.reference_cache import array_digest
 
     t0 = time.perf_counter()
     _, cols = ctx.dataset.read_block(group, ["old"])
-    return array_digest([np.asarray(cols["old"], np.float32)]), _task_info(t0, group)
+    return array_digest([np.asarray(cols["old"], np.float32)]), task_info(t0, group)
 
 
-def _policy_task(ctx: _Context, group: RowGroup, scorer):
+def _policy_task(ctx: TaskContext, group: RowGroup, scorer):
     """One policy score per gallery row of one row group (float64)."""
     t0 = time.perf_counter()
     scores = np.asarray(scorer.scores(ctx.block(group), group.g0), dtype=np.float64)
     if scores.shape != (group.gallery_rows,):
         raise ValueError(f"a block scorer returned {scores.shape} for {group.gallery_rows} rows")
-    return scores, _task_info(t0, group)
+    return scores, task_info(t0, group)
 
 
-def _norm_task(ctx: _Context, group: RowGroup, sides: list[str], rank_merge_distance: str):
+def _norm_task(ctx: TaskContext, group: RowGroup, sides: list[str], rank_merge_distance: str):
     """An upper bound of the gallery row norms of each side (for sides that are not
     normalised)."""
     from raycompat.backfill.modes import SideBuilder
@@ -150,10 +156,10 @@ def _norm_task(ctx: _Context, group: RowGroup, sides: list[str], rank_merge_dist
     t0 = time.perf_counter()
     builder = SideBuilder(ctx.block(group))
     out = {s: _max_row_norm(builder.side(s).gallery) for s in sides}
-    return out, _task_info(t0, group)
+    return out, task_info(t0, group)
 
 
-def _log_topk_task(ctx: _Context, group: RowGroup, side: str, queries: np.ndarray, k: int):
+def _log_topk_task(ctx: TaskContext, group: RowGroup, side: str, queries: np.ndarray, k: int):
     """The canonical top-k of the query log's queries among one row group's gallery rows on
     score side ``side`` (a mode's t=0 side)."""
     from raycompat.backfill.modes import SideBuilder
@@ -161,10 +167,10 @@ def _log_topk_task(ctx: _Context, group: RowGroup, side: str, queries: np.ndarra
 
     t0 = time.perf_counter()
     gallery = SideBuilder(ctx.block(group)).side(side).gallery
-    return block_topk(queries, gallery, group.g0, k), _task_info(t0, group)
+    return block_topk(queries, gallery, group.g0, k), task_info(t0, group)
 
 
-def _pass_task(ctx: _Context, group: RowGroup, plan, seg_rows: np.ndarray):
+def _pass_task(ctx: TaskContext, group: RowGroup, plan, seg_rows: np.ndarray):
     """The engine's block pass over one row group (on CUDA when the task has a GPU)."""
     from raycompat.backfill.block_pass import block_pass_rows
     from raycompat.backfill.blocks import release_memory
@@ -182,7 +188,7 @@ def _pass_task(ctx: _Context, group: RowGroup, plan, seg_rows: np.ndarray):
     counts = block_pass_rows(plan, rows, group.g0, [s for s in seg_rows])
     del builder, rows, block
     release_memory()  # the row group's arrays go back to the OS before the next task
-    info = _task_info(t0, group)
+    info = task_info(t0, group)
     info.update(device=str(dev), read_s=read_s, vector_bytes=vector_bytes)
     return counts, info
 
@@ -303,7 +309,7 @@ def _jobs_by_group(dataset: ParquetGallery, items: np.ndarray) -> list[tuple[Row
     return jobs
 
 
-def _gather(run: DatasetRun, ctx: _Context, ctx_ref, items: np.ndarray, step: str):
+def _gather(run: DatasetRun, ctx: TaskContext, ctx_ref, items: np.ndarray, step: str):
     """The rows of ``items`` (sorted gallery indices) with the queries, as GalleryEmbeddings
     (the modules applied to these rows only, as the block passes apply them to theirs)."""
     ids, cols = gather_columns(run, ctx_ref, items, ctx.columns, step)
@@ -321,7 +327,7 @@ def gather_columns(run: DatasetRun, ctx_ref, items: np.ndarray, columns, step: s
     return np.concatenate([p[1] for p in parts]), cols
 
 
-def rows_as_embeddings(ds, ctx: _Context, items: np.ndarray, ids: np.ndarray, cols: dict):
+def rows_as_embeddings(ds, ctx: TaskContext, items: np.ndarray, ids: np.ndarray, cols: dict):
     """Gathered rows ``items`` of ``ds`` (``cols`` by logical column name) with the context's
     queries, as GalleryEmbeddings; the context's modules applied to these rows."""
     from raycompat.backfill.modes import apply_bundle_modules
@@ -388,93 +394,97 @@ def _sorted_by_ray_data(run: DatasetRun, ctx_ref, jobs, step: str) -> np.ndarray
     return order
 
 
-# ----------------------------------------------------------------------------- main entry
+# ----------------------------------------------------------------------------- the engine
+class DatasetEngine:
+    """The Ray engine (:class:`~raycompat.backfill.run_plan.Engine`) over a parquet dataset: the
+    plan sees the queries' positives, read by tasks; orders, log searches and ranks run as tasks
+    over the row groups. ``modules``: the new bundle's psi / rho / psi_rev, applied to each
+    block; ``positives``: ``(items, ids, columns)`` already read (several candidates share one
+    read)."""
+
+    device = None
+    #: the hinge-benefit blocks as in memory by default: the same float64 sums
+    policy_block_bytes = None
+
+    def __init__(
+        self,
+        run: DatasetRun,
+        dataset: ParquetGallery,
+        modules: dict | None = None,
+        block_bytes: int = TASK_BLOCK_BYTES,
+        debug: bool = False,
+        positives=None,
+        distance: str = "sq_l2",
+    ):
+        from raycompat.backfill.modes import SideBuilder
+
+        self.run, self.dataset, self.block_bytes, self.debug = run, dataset, block_bytes, debug
+        self.distance = distance  # rank merge's distance (its sides' norm bounds)
+        mods = _Modules(dict(modules)) if modules else None
+        columns = dataset.vector_columns + dataset.item_columns
+        self.ctx = TaskContext(dataset.without_items(), dataset.query_arrays(), columns, mods)
+        run.dataset = dataset
+        self.items, self.data, self.ctx_ref = _read_positives(run, self.ctx, positives)
+        self.builder = SideBuilder(self.data)
+        self.n_items, self.n_queries = dataset.n_items, dataset.n_queries
+        self.query_labels, self.gallery_labels = dataset.query_labels, dataset.gallery_labels
+        self.item_costs = dataset.gallery_costs
+
+    @property
+    def _run(self) -> DatasetRun:
+        """The runner, on this engine's dataset (candidates' engines share one runner)."""
+        self.run.dataset = self.dataset
+        return self.run
+
+    def log_searches(self, log, k: int, distance: str):
+        return _log_searches(self._run, self.ctx_ref, self.data, log, k, distance)
+
+    def orders(self, plan, inputs, say):
+        return _dataset_orders(self._run, self.ctx, self.ctx_ref, plan, inputs, self.items, say)
+
+    def reference_key(self, k: int) -> str:
+        return _reference_key(self._run, self.ctx_ref, self.data, k)
+
+    def summaries(self, curves) -> dict:
+        """Per pass side of ``curves``: the queries, the positives' rows, a bound of the norms."""
+        return _summaries(self._run, self.ctx_ref, curves, self.builder, self.items, self.distance)
+
+    def rank(self, curves):
+        """The ranks of every curve: planned on the driver, counted by the block tasks."""
+        summaries = self.summaries(curves)
+        return rank_curves(self._run, self.ctx_ref, summaries, curves, self.block_bytes, self.debug)
+
+    def stats(self) -> dict:
+        return {"distributed": run_stats(self.run)}
+
+
 def simulate_backfill_dataset(
     dataset: ParquetGallery,
     policies: Sequence[str] | str = ("random", "sequential"),
     modes: Sequence[str] | str = ("compatible",),
     *,
-    fractions: Sequence[float] | None = None,
-    grid_step: float = 5.0,
-    k: int = 100,
-    seed: int = 0,
-    head=None,
-    cost=None,
-    references=None,
-    reference_correct: np.ndarray | None = None,
-    learned_sample_fraction: float = 0.02,
-    rank_merge_distance: str = "sq_l2",
     modules: dict | None = None,
     block_bytes: int = TASK_BLOCK_BYTES,
     progress: Callable[[str], None] | None = None,
     debug: bool = False,
     options: DistributedOptions | None = None,
-    bootstrap=None,
-    query_log=None,
-    policy_options=None,
-    reference_cache=None,
+    **spec,
 ):
     """:func:`raycompat.backfill.simulate_backfill` on a streamed parquet dataset, on Ray: the
-    same curves, value for value (arguments as there; ``modules``: the new bundle's psi / rho
-    / psi_rev modules, applied to each block; ``block_bytes``: the engine's score blocks; the
-    items' costs come from the dataset's cost column, ``ParquetGallery.open(cost_column=)``)."""
-    from raycompat.backfill import simulator as sim
-    from raycompat.backfill.modes import SideBuilder
-    from raycompat.backfill.policies import PolicyInputs, PolicyOptions
+    same curves, value for value (``spec`` as there: the fields of
+    :class:`~raycompat.backfill.run_plan.SimulationSpec`; ``modules``: the new bundle's psi /
+    rho / psi_rev, applied to each block; ``block_bytes``: the engine's score blocks; the items'
+    costs come from the dataset's cost column, ``ParquetGallery.open(cost_column=)``)."""
+    from raycompat.backfill.run_plan import SimulationSpec, simulate
 
-    t_all = time.perf_counter()
     say = progress or (lambda msg: None)
+    spec = SimulationSpec(policies=policies, modes=modes, **spec)
     run = DatasetRun(dataset, options or DistributedOptions(), say)
-    mods = _Modules(dict(modules)) if modules else None
-    columns = dataset.vector_columns + dataset.item_columns
-    ctx = _Context(dataset.without_items(), dataset.query_arrays(), columns, mods)
-    pairs_items, small, ctx_ref = _read_positives(run, ctx)
-    builder = SideBuilder(small)
-    policy_options = policy_options or PolicyOptions()
-    reads = None
-    if query_log is not None:
-        reads = _log_searches(
-            run, ctx_ref, small, query_log, policy_options.demand_k, rank_merge_distance
-        )
-    inputs = PolicyInputs(
-        n_items=dataset.n_items,
-        data=small,
-        head=head,
-        seed=seed,
-        learned_sample_fraction=learned_sample_fraction,
-        rank_merge_distance=rank_merge_distance,
-        block_bytes=None,  # the hinge-benefit blocks as in memory: the same float64 sums
-        sides=builder,
-        options=policy_options,
-        reads=reads,
+    engine = DatasetEngine(
+        run, dataset, modules, block_bytes, debug, None, spec.rank_merge_distance
     )
-    plan = sim._check_inputs(
-        small, policies, modes, k, fractions, grid_step, reference_correct, inputs
-    )
-    orders, policy_seconds = _dataset_orders(run, ctx, ctx_ref, plan, inputs, pairs_items, say)
-    want_oo = reference_correct is None and small.query_old is not None
-    use_cache = reference_cache is not None and want_oo
-    key = _reference_key(run, ctx_ref, small, plan.k) if use_cache else None
-    n_pairs = sim.n_positive_pairs(dataset.query_labels, dataset.gallery_labels)
-    cached = reference_cache.lookup(key, n_pairs) if use_cache else None
-    curves, static, derived = sim._curve_specs(
-        plan, orders, dataset.n_items, want_oo, cached is not None
-    )
-    scored = [c for c in curves if c.key not in derived]
-    summaries = _summaries(run, ctx_ref, scored, builder, pairs_items, rank_merge_distance)
-    res = _ranks(run, ctx_ref, summaries, scored, block_bytes, debug)
-    stats = {"policy_seconds": policy_seconds, "t_start": t_all}
-    if use_cache:
-        info = {"n_items": dataset.n_items, "n_queries": dataset.n_queries, "k": plan.k}
-        derived_specs = [c for c in curves if c.key in derived]
-        static = with_reference(reference_cache, key, cached, res, static, derived_specs, info)
-        stats["reference_cache"] = reference_cache.report(key)
-    stats["distributed"] = _run_stats(run)
-    ranked = sim.RankedCurves(plan, curves, static, res, inputs, orders, dataset.gallery_costs)
-    result = ranked.result(dataset.n_queries, reference_correct, references, cost, stats)
+    result = simulate(spec, engine, say)
     result.config["engine"] = "ray"
-    if bootstrap is not None:
-        result.add_intervals(bootstrap)
     return result
 
 
@@ -492,7 +502,7 @@ def _reference_key(run: DatasetRun, ctx_ref, small, k: int) -> str:
     return reference_key(combined, ds.gallery_labels, small.query_old, ds.query_labels, k)
 
 
-def _read_positives(run: DatasetRun, ctx: _Context, gathered=None):
+def _read_positives(run: DatasetRun, ctx: TaskContext, gathered=None):
     """``(items, rows, context ref)``: the sorted gallery indices of the positives of the
     queries, their rows with the queries (the modules add the queries' rho / psi_rev): what
     the plan needs of the gallery; the context the tasks share then carries those queries.
@@ -500,7 +510,7 @@ def _read_positives(run: DatasetRun, ctx: _Context, gathered=None):
     import ray
 
     if gathered is None:
-        items = _positive_items(run.dataset)
+        items = positive_items(run.dataset)
         run.say(f"reading the {items.size:,} gallery items that are positives of a query")
         small = _gather(run, ctx, ray.put(ctx), items, "positives")
     else:
@@ -535,8 +545,11 @@ def _log_searches(run: DatasetRun, ctx_ref, small, log, k: int, distance: str):
     return holder["reads"]
 
 
-def _ranks(run: DatasetRun, ctx_ref, summaries, curves, block_bytes: int, debug: bool):
-    """The ranks of every curve: planned on the driver, counted by the block tasks."""
+def rank_curves(
+    run: DatasetRun, ctx_ref, summaries, curves, block_bytes: int, debug: bool, task=None
+):
+    """The ranks of every curve: planned on the driver (the side ``summaries``), counted by one
+    block task per row group (``task``, default the single-run pass)."""
     from raycompat.backfill.rank_plan import plan_ranks
 
     ds = run.dataset
@@ -550,10 +563,10 @@ def _ranks(run: DatasetRun, ctx_ref, summaries, curves, block_bytes: int, debug:
         debug=debug,
         workers=1,
     )
-    return _rank_blocks(run, ctx_ref, rplan, run.say)
+    return rank_blocks(run, ctx_ref, rplan, run.say, task=task)
 
 
-def _positive_items(dataset: ParquetGallery) -> np.ndarray:
+def positive_items(dataset: ParquetGallery) -> np.ndarray:
     """The sorted gallery indices of every item that is a positive of some query."""
     from raycompat.backfill.rank_metrics import positive_pairs
 
@@ -636,7 +649,7 @@ def _summaries(run, ctx_ref, curves, builder, items: np.ndarray, distance: str):
     return out
 
 
-def _rank_blocks(run: DatasetRun, ctx_ref, plan, say, task=None):
+def rank_blocks(run: DatasetRun, ctx_ref, plan, say, task=None):
     """Every row group's block pass (``task``, default :func:`_pass_task`), added up as the
     tasks finish; then the ranks."""
     import ray
@@ -671,7 +684,7 @@ def _per_read_second(score_tasks: list[dict]) -> float | None:
     return sum(t.get("vector_bytes", 0) for t in score_tasks) / secs if secs else None
 
 
-def _run_stats(run: DatasetRun) -> dict[str, Any]:
+def run_stats(run: DatasetRun) -> dict[str, Any]:
     """Tasks, nodes, peak memory per worker and of the driver, bytes read, per step."""
     workers: dict[str, int] = {}
     nodes: dict[str, int] = {}

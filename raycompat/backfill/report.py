@@ -87,7 +87,7 @@ def _full_range(result) -> bool:
 def curve_bootstrap(result):
     """The :class:`~raycompat.metrics.bootstrap.Bootstrap` behind ``result``'s bands (its query
     labels registered), or None when the simulation had no ``bootstrap``."""
-    from raycompat.backfill.simulator import QUERIES
+    from raycompat.backfill.results import QUERIES
     from raycompat.metrics.bootstrap import Bootstrap
 
     if result.bootstrap is None or result.query_labels is None:
@@ -365,7 +365,7 @@ def weighted_summary(result) -> list[dict]:
     """Per curve and weighted metric (query log): t=0, t=50 %, t=100 %, AUC with intervals,
     and with a bootstrap the paired AUC difference to ``random`` in the same mode over the
     log's queries (for NFR, random's minus the policy's) and its verdict."""
-    from raycompat.backfill.simulator import LOG_QUERIES
+    from raycompat.backfill.results import LOG_QUERIES
     from raycompat.metrics.bootstrap import Bootstrap
     from raycompat.metrics.verdicts import verdict
 

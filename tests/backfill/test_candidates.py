@@ -156,6 +156,7 @@ def test_the_job_writes_each_candidates_report_and_the_comparison(tmp_path):
 def test_candidates_with_equal_orders_share_one_array_and_one_segmentation():
     from raycompat.backfill.candidates import CandidatePlan, share_equal_orders
     from raycompat.backfill.rank_plan import CurveSpec, _segmentations
+    from raycompat.backfill.run_plan import PlannedRun, ReferenceLookup, SimulationSpec
 
     rng = np.random.default_rng(0)
     shared, other = rng.permutation(50), rng.permutation(50)
@@ -164,9 +165,10 @@ def test_candidates_with_equal_orders_share_one_array_and_one_segmentation():
         curve = CurveSpec(
             ("random", "compatible"), "old-old", "new-new", np.array([0, 25, 50]), order
         )
-        return CandidatePlan(
-            name, None, None, {("random", "compatible"): order}, {}, [curve], {}, set()
-        )
+        orders = {("random", "compatible"): order}
+        lookup = ReferenceLookup(None, False)
+        run = PlannedRun(SimulationSpec(), None, None, orders, {}, [curve], {}, set(), lookup)
+        return CandidatePlan(name, run)
 
     planned = [plan("a", shared), plan("b", shared.copy()), plan("c", other)]
     share_equal_orders(planned)
@@ -199,16 +201,16 @@ def test_the_running_sum_keeps_no_view_of_a_blocks_result():
     keeps, so that the result's memory is freed when the block has been added."""
     from raycompat.backfill.assembly import CountsSum
     from raycompat.backfill.block_pass import block_pass
-    from raycompat.backfill.candidates import _plan_candidate
     from raycompat.backfill.rank_plan import plan_ranks
+    from raycompat.backfill.run_plan import SimulationSpec, plan_run
+    from raycompat.backfill.simulator import MemoryEngine
 
     a = labelled_embeddings()
-    cp, builder = _plan_candidate(
-        "a", a, ["random"], ["compatible"], None, 5.0, 10, 0, 0.02, "sq_l2", None, None, True,
-        False, lambda m: None,
-    )  # fmt: skip
-    sides = {s: builder.side(s) for c in cp.curves for s in c.sides()}
-    plan = plan_ranks(sides, cp.curves, a.query_labels, a.gallery_labels, device="cpu")
+    engine = MemoryEngine(a)
+    spec = SimulationSpec(policies=["random"], modes=["compatible"], k=10)
+    run = plan_run(spec, engine, lambda m: None)
+    sides = {s: engine.builder.side(s) for c in run.curves for s in c.sides()}
+    plan = plan_ranks(sides, run.curves, a.query_labels, a.gallery_labels, device="cpu")
     block = block_pass(plan, sides)
     buffer = np.concatenate([[0], block.sides["old-old"].tie_items])
     block.sides["old-old"].tie_items = buffer[1:]  # a view, as an object-store read gives
