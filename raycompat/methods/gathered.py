@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raycompat.distributed import all_gather_with_grad, all_reduce_sum, rank, world_size
+from raycompat.torch_distributed import all_gather_with_grad, all_reduce_sum, rank, world_size
 
 # Stands in for -inf in masked log-sum-exps: exp() of it is exactly 0, and unlike -inf it
 # never turns an empty row's gradient into NaN.

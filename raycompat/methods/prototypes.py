@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycompat.distributed import all_reduce_sum, is_distributed, rank, world_size
+from raycompat.torch_distributed import all_reduce_sum, is_distributed, rank, world_size
 
 Features = Callable[["TrainBatch"], torch.Tensor]  # noqa: F821  (a TrainBatch -> [B, D])
 

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from raycompat.config import ConfigError, choices, nonnegative, positive
-from raycompat.distributed import all_reduce_sum, rank, world_size
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
 from raycompat.methods.prototypes import item_features, normalised_old_features, prototype_logits
+from raycompat.torch_distributed import all_reduce_sum, rank, world_size
 
 
 def refined_prototype(

@@ -85,7 +85,7 @@ class Curve:
 
 @dataclass(frozen=True)
 class Simulation:
-    """One candidate new model: its hot-refresh curves, the old-old and new-new references,
+    """One candidate new model: its backfill curves, the old-old and new-new references,
     and the embedding rate its simulation recorded (``cost_model``, or None)."""
 
     model: str

@@ -34,7 +34,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     ``opts.output``. Returns the report dict."""
     from raycompat.cluster import connect
     from raycompat.report import machine_description, with_version, write_json
-    from raycompat.reproduce.report import plot_class_scaling, plot_hot_refresh, render_markdown
+    from raycompat.reproduce.report import plot_backfill_curves, plot_class_scaling, render_markdown
     from raycompat.reproduce.runner import Reproduction, options_dict
     from raycompat.reproduce.spread import seed_spread
 
@@ -70,7 +70,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     reproduction.evidence.save(os.path.join(out, SAMPLES_FILE))
     claims = evaluate_claims(results, reproduction.evidence)
     plots_dir = os.path.join(out, "plots")
-    pngs = plot_hot_refresh(results, plots_dir)
+    pngs = plot_backfill_curves(results, plots_dir)
     pngs += plot_class_scaling(results.get("class_scaling"), plots_dir)
     plots = [os.path.relpath(p, out) for p in pngs]
     timings = dict(results.pop("timings"))

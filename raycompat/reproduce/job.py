@@ -18,7 +18,7 @@ from raycompat.reproduce.plan import ReproduceOptions
 __all__ = ["build_parser", "main", "parse_reproduce_options"]
 
 #: options that are not flags: ``scenario`` (the job picks its own, ``--scenarios``) and the
-#: hot-refresh policies of the report
+#: backfill-curve policies of the report
 NOT_FLAGS = ("scenario", "backfill_policies")
 
 

@@ -293,7 +293,7 @@ class ReproduceOptions:
         help="start no training after this many minutes; the report lists what was not trained "
         "and its claims say 'not measured'; none: no limit",
     )
-    backfill_policies: tuple = option(BACKFILL_POLICIES, help="policies of the hot-refresh curves")
+    backfill_policies: tuple = option(BACKFILL_POLICIES, help="policies of the backfill curves")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
 
     @classmethod

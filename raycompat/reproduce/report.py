@@ -1,6 +1,6 @@
 """The reproduction report: tables shaped like the papers' (one row per method and test set),
 the claims table (with what each verdict's interval holds and the seed-to-seed spread of every
-check), hot-refresh plots for the RACT and RM claims, and the class-scaling section; markdown +
+check), backfill-curve plots for the RACT and RM claims, and the class-scaling section; markdown +
 JSON + PNG."""
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def _rm_figure(results: dict, scenario: str, models: dict):
     return fig, drawn
 
 
-def plot_hot_refresh(results: dict, out_dir: str) -> list[str]:
+def plot_backfill_curves(results: dict, out_dir: str) -> list[str]:
     """PNGs behind the RACT and RM claims, one pair per scenario with a backfill:
     ``ract_<scenario>.png`` (NFR@1 of contrastive / ract / bct under random order, and ract's
     mAP@100 under each order) and ``rm_<scenario>.png`` (mAP@100 of rank merge, naive merge,
@@ -507,10 +507,10 @@ def _models_lines(report: dict) -> list[str]:
 def render_markdown(report: dict) -> str:
     lines = _intro_lines(report) + _claims_lines(report) + _tables_lines(report)
     lines += scaling_lines(report["results"].get("class_scaling"), report["plots"])
-    hot_refresh = [p for p in report["plots"] if os.path.basename(p) != SCALING_PLOT]
-    if hot_refresh:
-        lines += ["## Hot refresh (RACT and RM claims)", ""]
-        lines += [f"![{os.path.basename(p)}]({p})\n" for p in hot_refresh]
+    curves = [p for p in report["plots"] if os.path.basename(p) != SCALING_PLOT]
+    if curves:
+        lines += ["## Backfill curves (RACT and RM claims)", ""]
+        lines += [f"![{os.path.basename(p)}]({p})\n" for p in curves]
     return "\n".join(lines + _models_lines(report)) + "\n"
 
 

@@ -1,6 +1,6 @@
 """Run the reproduction: train every planned model (resumable), embed, evaluate every
-(new, old) pair, and simulate the hot refresh. Produces plain JSON-able results that
-``claims`` and ``report`` read; nothing here decides a claim.
+(new, old) pair, and simulate the backfill of a hot refresh. Produces plain JSON-able results
+that ``claims`` and ``report`` read; nothing here decides a claim.
 
 Results layout::
 
@@ -454,9 +454,9 @@ class Reproduction:
             query_set=query_set,
         )
         self.timings[f"{name}_evaluate_s"] = time.time() - t
-        self.log(f"  {name}: hot-refresh curves of {len(news)} models")
+        self.log(f"  {name}: backfill curves of {len(news)} models")
         t = time.time()
-        backfill = hot_refresh(
+        backfill = backfill_curves(
             old_emb,
             news,
             q_labels,
@@ -663,7 +663,7 @@ class Reproduction:
 
     def evaluate_class_scaling(self, points: list[dict]) -> None:
         """Every count's old, new* and bct on the extended-data queries and gallery: per-query
-        samples to the evidence (test set :func:`.scaling.test_set_name`); no hot refresh."""
+        samples to the evidence (test set :func:`.scaling.test_set_name`); no backfill curves."""
         from raycompat.models import ModelBundle
 
         for point in points:
@@ -774,7 +774,7 @@ class Reproduction:
         )
 
     def evaluate_seed(self, planned: dict) -> tuple[list, dict, dict | None]:
-        """Test sets, hot-refresh curves and sequential pairs of the seed being evaluated."""
+        """Test sets, backfill curves and sequential pairs of the seed being evaluated."""
         test_sets, backfill, sequential = [], {}, None
         tag = f" (seed {self.seed})" if self.opts.seeds > 1 else ""
         for name, plan in planned.items():
@@ -962,7 +962,7 @@ def measure_test_set(
     )
 
 
-def hot_refresh(
+def backfill_curves(
     old: EmbeddedSet,
     news: dict,
     query_labels,
@@ -975,14 +975,15 @@ def hot_refresh(
     query_set: str = "queries",
     seed_index: int = 0,
 ) -> dict:
-    """Hot-refresh curves per method (``raycompat.backfill.simulate_backfill``): the query mode
-    each method is built for (``compatible``; DMU ``adapted`` and ``compatible``; RM
-    ``rank_merge``, with ``naive_merge`` and ``cold`` as the RM paper's baselines), random
-    order for all, and the uncertainty orders (RACT Eq.9-11) for bct / contrastive / ract.
-    Returns ``{label: [curve, ...]}`` with ``curve = {policy, mode, fractions, <metric>: [...],
-    summary: {metric: {auc, auc_gain, auc_gain_note, regression}}}``. With ``evidence``, every
-    curve's and reference's per-query samples go to it (keys ``("curve", scenario, label,
-    policy, mode)`` and ``("ref", scenario, label, reference)``, query set ``query_set``)."""
+    """Backfill curves (a hot refresh, simulated) per method
+    (``raycompat.backfill.simulate_backfill``): the query mode each method is built for
+    (``compatible``; DMU ``adapted`` and ``compatible``; RM ``rank_merge``, with ``naive_merge``
+    and ``cold`` as the RM paper's baselines), random order for all, and the uncertainty orders
+    (RACT Eq.9-11) for bct / contrastive / ract. Returns ``{label: [curve, ...]}`` with ``curve
+    = {policy, mode, fractions, <metric>: [...], summary: {metric: {auc, auc_gain,
+    auc_gain_note, regression}}}``. With ``evidence``, every curve's and reference's per-query
+    samples go to it (keys ``("curve", scenario, label, policy, mode)`` and ``("ref", scenario,
+    label, reference)``, query set ``query_set``)."""
     from raycompat.backfill import (
         GalleryEmbeddings,
         UncertaintyHead,

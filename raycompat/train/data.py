@@ -19,8 +19,8 @@ from torch.utils.data import Dataset
 from raycompat.config import ConfigError
 from raycompat.data import GlyphRenderer, Scenario, catalog_for
 from raycompat.data.datasets import images_to_tensor
-from raycompat.distributed import shard_indices
 from raycompat.methods.base import TrainBatch
+from raycompat.torch_distributed import shard_indices
 
 
 class TrainingSet(Dataset):

@@ -112,7 +112,7 @@ def test_hot_refresh_curves_in_report(main_job):
     """report.json `curves`: every policy x mode x fraction x metric; the ends of each hot curve
     equal the first seed's static cross evaluations (t=0: new query vs old gallery, t=1: new vs
     new); the cold curve is old-old until its switch."""
-    from raycompat.quickstart import HOT_REFRESH_MODES, HOT_REFRESH_POLICIES
+    from raycompat.quickstart import CURVE_MODES, CURVE_POLICIES
 
     out, _, report = main_job
     curves = report["curves"]
@@ -121,7 +121,7 @@ def test_hot_refresh_curves_in_report(main_job):
     grid = sorted({row["fraction"] for row in curves})
     assert len(grid) == 21 and grid[0] == 0.0 and grid[-1] == 1.0
     bct = {(r["policy"], r["mode"]) for r in curves if r["model"] == "bct"}
-    assert bct == {(p, m) for p in HOT_REFRESH_POLICIES for m in HOT_REFRESH_MODES}
+    assert bct == {(p, m) for p in CURVE_POLICIES for m in CURVE_MODES}
     static = {  # the first seed's models are the ones the backfill simulation uses
         (e["model"], e["query"], e["gallery"], e["metric"]): e["per_seed"][0]
         for e in report["evaluations"]
@@ -156,7 +156,7 @@ def test_hot_refresh_curves_in_report(main_job):
     ]
     assert cold_nfr and all(v == 0.0 for v in cold_nfr)  # old-old until the switch
     markdown = _read(out, "report.md")
-    assert "## Hot refresh" in markdown
+    assert "## Backfill curves" in markdown
     for model, plots in report["backfill_plots"].items():
         assert plots, model
         for plot in plots:

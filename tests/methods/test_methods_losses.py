@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from raycompat.config import ConfigError
-from raycompat.distributed import shard_indices
 from raycompat.methods import (
     MethodContext,
     TrainBatch,
@@ -27,6 +26,7 @@ from raycompat.methods.ndpp import ndpp_prototypes, neighbour_repulsion
 from raycompat.methods.odpp import optimise_perturbation, perturbation_objective, random_pairs
 from raycompat.methods.prototypes import prototype_logits
 from raycompat.models import ClassifierHead, ModelBundle, margin_logits
+from raycompat.torch_distributed import shard_indices
 
 # The checks read losses that carry a graph with float(); that is intended here.
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
