@@ -132,11 +132,15 @@ def umount(path: str) -> None:
     subprocess.run(["umount", "-l", path], capture_output=True)
 
 
-def fill(path: str, name: str = "filler") -> None:
-    """Fill the filesystem of ``path`` (writing the file ``name``): a full disk."""
+def fill(path: str, name: str = "filler", leave: int = 0) -> None:
+    """Leave ``leave`` bytes free on the filesystem of ``path`` (writing the file ``name``;
+    0: a full disk), as conftest's ``tiny_fs.fill`` does for one test's tmpfs."""
+    vfs = os.statvfs(path)
+    size = max(0, vfs.f_bavail * vfs.f_frsize - leave)
     try:
         with open(os.path.join(path, name), "wb", buffering=0) as fh:
-            while True:
+            fh.write(b"\0" * size)
+            while not leave:
                 fh.write(b"\0" * 4096)
     except OSError:  # the disk is full: what was wanted
         pass

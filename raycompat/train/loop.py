@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from raycompat import console, distributed
+from raycompat import console, torch_distributed
 from raycompat.config import ConfigError
 from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
@@ -257,7 +257,7 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     _seed_and_threads(cfg, context.get_local_world_size())
     device = ray.train.torch.get_device()
     # where every rank runs (Ray node ids, in rank order): recorded in each epoch's metrics
-    worker_nodes = distributed.all_gather_strings(ray.get_runtime_context().get_node_id())
+    worker_nodes = torch_distributed.all_gather_strings(ray.get_runtime_context().get_node_id())
     _write_pid(cfg, rank)
     method_cls = method_class(cfg.method)
     old = ModelBundle.load(cfg.old_model, device).freeze() if cfg.old_model else None
@@ -401,7 +401,7 @@ def epoch_metrics(state: WorkerState, epoch: int, start_epoch: int, totals: Epoc
     summed = torch.tensor(
         [totals.sums[k] for k in keys] + [totals.step_time, totals.wall], dtype=torch.float64
     )
-    distributed.all_reduce_sum(summed)
+    torch_distributed.all_reduce_sum(summed)
     metrics = {f"loss/{k}": float(summed[i]) / (steps * world) for i, k in enumerate(keys)}
     metrics.update(
         {

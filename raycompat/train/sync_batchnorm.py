@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from raycompat import distributed
+from raycompat import torch_distributed
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormAct", "synchronize_batchnorm"]
 
@@ -83,7 +83,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or distributed.world_size() == 1:
+        if not self.training or torch_distributed.world_size() == 1:
             return super().forward(x)  # plain BatchNorm (F.batch_norm)
         self._check_input_dim(x)
         if x.shape[1] != self.num_features:

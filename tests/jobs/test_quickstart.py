@@ -16,6 +16,9 @@ from conftest import TINY_MAIN_JOB
 
 from raycompat.quickstart import main
 
+# the first test of this file trains the shared models (several Ray Train runs)
+pytestmark = pytest.mark.timeout(600)
+
 #: the tiny main job's queries per class (TINY_MAIN_JOB)
 QUERIES_PER_CLASS = 1
 EMBED_DIM = 8

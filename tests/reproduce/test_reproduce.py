@@ -29,6 +29,9 @@ from raycompat.reproduce.plan import (
 )
 from raycompat.reproduce.report import TABLE_HEADERS
 
+# the first test of this file trains the shared models (several Ray Train runs)
+pytestmark = pytest.mark.timeout(600)
+
 TINY_SIZES = dataclasses.replace(
     DEFAULT_SIZES,
     train_classes=16,

@@ -15,6 +15,7 @@ import io
 import os
 import threading
 import time
+import types
 
 import locations
 import numpy as np
@@ -24,36 +25,47 @@ from serving_helpers import (
     TOKEN,
     cpu_index,
     deploy,
+    fill,
     labelled_embeddings,
+    mount_tmpfs,
     reset_backfill,
     scaled,
+    umount,
     undeploy,
 )
 
-from raycompat.backfill import GalleryEmbeddings, load_parquet, simulate_backfill
+from raycompat.backfill import load_parquet, simulate_backfill
 from raycompat.serving.gallery_source import write_gallery_parquet
 
 
 @pytest.fixture(scope="module")
-def api(serve_port, gallery_parquet, token_file, tmp_path_factory):
-    """A 2-shard app with small limits for the input tests (and the fuzz test)."""
-    cfg, client = deploy(
-        serve_port,
-        tmp_path_factory.mktemp("api_state"),
-        gallery_parquet,
-        token_file,
-        app="api",
-        prefix="/api",
-        num_shards=2,
-        max_k=50,
-        max_queries=4,
-        max_image_bytes=4096,
-        max_upsert_items=8,
-        max_body_bytes=64 << 10,
-        fsync=False,
-    )
-    yield client
-    undeploy("api")
+def api_index(serve_port, gallery_parquet, token_file, tmp_path_factory):
+    """``(flags, exit status, stdout)`` of `serve-index` deploying on the running Serve the
+    index of the input, auth and fuzz tests: 2 shards with small limits, 1 router, the router's
+    shard timeout at 3 s (the proxy test at the end of this file freezes a shard, then stops
+    the index with ``--stop``)."""
+    from raycompat.serving.job import main
+
+    flags = ["--gallery", gallery_parquet, "--token-file", token_file,
+             "--state-dir", str(tmp_path_factory.mktemp("api_state")), "--app-name", "api",
+             "--route-prefix", "/api", "--num-shards", "2", "--router-replicas", "1",
+             "--max-k", "50", "--max-queries", "4", "--max-image-bytes", "4096",
+             "--max-upsert-items", "8", "--max-body-bytes", str(64 << 10), "--no-fsync",
+             "--shard-timeout-s", "3", "--index-device", "cpu"]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*flags, "--port", str(serve_port), "--wait-s", "120"])
+    yield flags, code, out.getvalue()
+    undeploy("api")  # where the proxy test did not stop it
+
+
+@pytest.fixture(scope="module")
+def api(api_index, serve_port):
+    from raycompat.serving.client import ServingClient
+
+    _, code, out = api_index
+    assert code == 0, out
+    return ServingClient(f"http://127.0.0.1:{serve_port}/api", token=TOKEN)
 
 
 def post(client, path, body=None, raw=None, token=None):
@@ -405,114 +417,6 @@ def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, a
     assert not out.exists()
 
 
-# ----------------------------------------------------------------------------- vector sources
-def _random_bundle(path, d_new=24, d_old=16, resolution=16):
-    import torch
-
-    from raycompat.models import ClassifierHead, Embedder, ModelBundle
-
-    torch.manual_seed(0)
-    modules = {
-        "embedder": Embedder("test_resnet", d_new, in_chans=1),
-        "head": ClassifierHead(d_new, 5, kind="cosface"),
-    }
-    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(
-        str(path)
-    )
-    return str(path)
-
-
-@pytest.mark.serve
-def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(
-    serve_port, token_file, tmp_path
-):
-    """New vectors from the embedder actor pool (glyphs rendered + embedded by Ray actors holding
-    the new model) and from a pipeline parquet output; image queries embedded by the router."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from raycompat.data import GlyphRenderer, default_catalog
-    from raycompat.index.search import l2_normalize
-    from raycompat.serving.embedder_pool import ModelEmbedder
-
-    bundle = _random_bundle(tmp_path / "new_model")
-    n, rng = 80, np.random.default_rng(3)
-    classes, instances = np.arange(n) % 40, np.arange(n) // 40  # distinct glyph items
-    emb = ModelEmbedder(bundle)
-    new = emb.embed_glyphs(classes, instances)
-    data = GalleryEmbeddings(
-        gallery_labels=classes,
-        gallery_old=rng.standard_normal((n, 16)).astype(np.float32),
-        gallery_new=new,
-        query_labels=classes[:4],
-        query_new=new[:4],
-        query_old=rng.standard_normal((4, 16)).astype(np.float32),
-        gallery_ids=np.arange(n) + 100,
-        query_ids=np.arange(4) + 10_000,
-        compatible_dim=16,
-    )
-    gallery = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
-    items = str(tmp_path / "items.parquet")
-    pq.write_table(
-        pa.table({"item_id": np.arange(n) + 100, "label": classes, "instance": instances}), items
-    )
-    flipped = -new  # the "pipeline" wrote other vectors: we can tell them apart
-    out = str(tmp_path / "pipeline.parquet")
-    pq.write_table(
-        pa.table(
-            {
-                "item_id": np.arange(n) + 100,
-                "new": pa.FixedSizeListArray.from_arrays(pa.array(flipped.reshape(-1)), 24),
-            }
-        ),
-        out,
-    )
-    _, client = deploy(
-        serve_port,
-        tmp_path / "state",
-        gallery,
-        token_file,
-        app="sources",
-        prefix="/sources",
-        num_shards=1,  # where the vectors come from is the same for every shard
-        new_model=bundle,
-        items=items,
-        pipeline_output=out,
-        fsync=False,
-    )
-    try:
-        client.start_backfill(policy="random", seed=0, batch_size=16, until=40, source="embedder")
-        client.wait_backfill(40, timeout=240)
-        order = np.load(os.path.join(str(tmp_path / "state"), "backfill", "order.npy"))
-        first = order[:40] - 100
-        ids, scores, reps = client.search(l2_normalize(new[first]), k=1)
-        assert (
-            (ids[:, 0] == first + 100).all()
-            and (reps[:, 0] == "new").all()
-            and (scores[:, 0] > 0.999).all()
-        )
-        # image queries: the router decodes the PNG and embeds it with the new model
-        renderer = GlyphRenderer(default_catalog(), resolution=16, seed=0)
-        imgs = renderer.render_batch(classes[first[:4]], instances[first[:4]])
-        from PIL import Image
-
-        b64 = []
-        for im in imgs:
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="PNG")
-            b64.append(base64.b64encode(buf.getvalue()).decode())
-        res = client.search_images(b64, k=1)
-        assert [r[0]["id"] for r in res["results"]] == (first[:4] + 100).tolist()
-        # a restarted backfill from the pipeline's output replaces every vector
-        client.start_backfill(policy="sequential", batch_size=32, source="pipeline", restart=True)
-        client.wait_backfill(n, timeout=240)
-        assert client.status()["items"] == {"old": 0, "adapted": 0, "new": n}
-        ids, scores, _ = client.search(l2_normalize(flipped[:10]), k=1)
-        assert (ids[:, 0] == np.arange(10) + 100).all() and (scores[:, 0] > 0.999).all()
-    finally:
-        undeploy("sources")
-
-
 # ----------------------------------------------------------------------------- the hot_refresh job
 @pytest.mark.serve
 def test_hot_refresh_job_live_equals_simulator_with_storage(serve_port, tmp_path):
@@ -682,7 +586,7 @@ def test_fct_offline_equals_online(serve_port, gallery_parquet, fct_bundle, toke
         token_file,
         app="fct",
         prefix="/fct",
-        num_shards=2,
+        num_shards=1,  # an fct shard loads the new bundle (its fct module), seconds of CPU
         mode="fct",
         new_model=fct_bundle,
         fsync=False,
@@ -883,6 +787,9 @@ def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
 
 
 # ----------------------------------------------------------------------------- faults on disk
+DISK = "disk"
+
+
 def _state_files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
 
@@ -893,9 +800,25 @@ def _shard_handle(app: str, shard: int):
     return serve.get_deployment_handle(f"shard-{shard}", app_name=app)
 
 
+@pytest.fixture(scope="module")
+def disk_app(serve_port, gallery_parquet, token_file, tmp_path_factory):
+    """``(client, tmpfs, state dir)``: a 2-shard app whose state directory is on a 4 MiB tmpfs,
+    fsync on and a snapshot every 300 upserted items, for the full-disk test and the
+    fault-injection test (each starts with :func:`reset_backfill` and frees the disk)."""
+    fs = str(tmp_path_factory.mktemp("disk") / "fs")
+    if not mount_tmpfs(fs, 4 << 20):
+        pytest.skip("cannot mount a tmpfs here")
+    state = os.path.join(fs, "state")
+    _, client = deploy(serve_port, state, gallery_parquet, token_file, app=DISK, prefix="/disk",
+                       num_shards=2, snapshot_every=300)  # fmt: skip
+    yield client, fs, state
+    undeploy(DISK)
+    umount(fs)
+
+
 @pytest.mark.serve
 def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfill(
-    serve_port, gallery_parquet, token_file, tiny_fs
+    disk_app, gallery_parquet
 ):
     """The state directory on a tiny tmpfs that fills up mid-backfill: the controller reports
     state ``error`` with "no space left on device at <path>" (in /status and /metrics), an
@@ -903,16 +826,14 @@ def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfil
     and once there is space again ``resume`` finishes the backfill."""
     from raycompat.serving.placement import shard_of
 
-    fs = tiny_fs(2 << 20)
-    state = os.path.join(fs, "state")
+    client, fs, state = disk_app
     data = load_parquet(gallery_parquet)
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="full", prefix="/full",
-                       num_shards=2, snapshot_every=10**6)  # fmt: skip
+    reset_backfill(client)
     try:
-        client.start_backfill(policy="sequential", rate=400.0, batch_size=20)
+        client.start_backfill(policy="sequential", rate=400.0, batch_size=20, restart=True)
         while client.status()["backfill"]["position"] < 60:
             time.sleep(0.05)
-        tiny_fs.fill(fs)
+        fill(fs)
         t0 = time.time()
         while (bf := client.status()["backfill"])["state"] != "error":
             assert bf["state"] == "running" and time.time() - t0 < 60, bf
@@ -923,7 +844,7 @@ def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfil
         tail = data.gallery_ids[-200:]  # last in the sequential order: still old
         victims = tail[shard_of(tail, 2) == 0][:60]  # one shard; a record of several pages
         items = [{"id": int(i), "representation": "adapted", "vector": [1.0] * 24} for i in victims]
-        tiny_fs.fill(fs, name="filler2")  # what the failed batch's rollback freed
+        fill(fs, name="filler2")  # what the failed batch's rollback freed
         r = post(client, "/admin/upsert", {"items": items}, token=TOKEN)
         assert r.status_code == 503 and "Retry-After" in r.headers, r.text
         assert "no space left on device at" in r.json()["error"]
@@ -939,10 +860,12 @@ def test_a_full_disk_lands_in_status_and_metrics_and_resume_restarts_the_backfil
         st = client.status()
         assert st["items"] == {"old": 0, "adapted": 0, "new": 600}
         assert [s["storage"]["log_error"] for s in st["shards"]] == [None, None]  # appends work
-        reps, _ = _shard_handle("full", 0).lookup.remote(victims).result()
+        reps, _ = _shard_handle(DISK, 0).lookup.remote(victims).result()
         assert set(reps) == {"new"}  # the refused upsert never landed
     finally:
-        undeploy("full")
+        for name in ("filler", "filler2"):
+            if os.path.exists(os.path.join(fs, name)):
+                os.unlink(os.path.join(fs, name))
 
 
 def _upsert_stream(client, pool, rng, stop, log):
@@ -1007,9 +930,7 @@ ROUNDS = scaled(6, 20)
 
 @pytest.mark.serve
 @pytest.mark.timeout(scaled(120, 480))  # at full scale: 20 rounds of a kill and a restart
-def test_fault_injection_the_served_set_equals_the_acknowledged_set(
-    serve_port, gallery_parquet, token_file, tiny_fs
-):
+def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, gallery_parquet):
     """Rounds of admin upserts during a live backfill on a tiny tmpfs, each ending with a
     SIGKILL of a shard replica at a random point (every other round on a full disk).  After
     every restart the items and representations equal exactly what was acknowledged, and the
@@ -1020,14 +941,14 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
     from raycompat.index.search import l2_normalize
     from raycompat.serving.placement import shard_of
 
-    fs = tiny_fs(4 << 20)
-    state = os.path.join(fs, "state")
+    client, fs, state = disk_app
     data = load_parquet(gallery_parquet)
     rng = np.random.default_rng(18)
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="fault",
-                       prefix="/fault", num_shards=2, snapshot_every=300)  # fmt: skip
+    reset_backfill(client)
     try:
-        client.start_backfill(policy="random", seed=2, rate=40.0, batch_size=5, until=500)
+        client.start_backfill(
+            policy="random", seed=2, rate=40.0, batch_size=5, until=500, restart=True
+        )
         order = np.load(os.path.join(state, "backfill", "order.npy"))
         pool_ids = np.sort(order[500:])  # only admin upserts touch these
         where = shard_of(pool_ids, 2)
@@ -1039,7 +960,7 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
         for rnd in range(ROUNDS):
             full = rnd % 2 == 1
             if full:
-                tiny_fs.fill(fs, leave=int(rng.integers(0, 16 << 10)))
+                fill(fs, leave=int(rng.integers(0, 16 << 10)))
             log, stop = [], threading.Event()
             th = threading.Thread(target=_upsert_stream, args=(client, pool, rng, stop, log))
             th.start()
@@ -1054,7 +975,7 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
                 os.unlink(os.path.join(fs, "filler"))
             _wait_restarted(client, victim, pid)
             totals["restarts"] += 1
-            for k, v in _check_against_acknowledged("fault", 2, pool_ids, model, log).items():
+            for k, v in _check_against_acknowledged(DISK, 2, pool_ids, model, log).items():
                 totals[k] += v
             bf = client.status()["backfill"]
             if bf["state"] == "error":
@@ -1066,7 +987,8 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(
         print(f"\nFAULT INJECTION: {ROUNDS} rounds, {totals}")
         assert totals["acked"] > 20 and totals["failed"] > 0
     finally:
-        undeploy("fault")
+        if os.path.exists(os.path.join(fs, "filler")):
+            os.unlink(os.path.join(fs, "filler"))
 
 
 @pytest.mark.serve
@@ -1144,7 +1066,7 @@ def _check_backfilled(ids: np.ndarray) -> None:
 
     where = shard_of(ids, 2)
     for s in range(2):
-        reps, _ = _shard_handle("fault", s).lookup.remote(ids[where == s]).result()
+        reps, _ = _shard_handle(DISK, s).lookup.remote(ids[where == s]).result()
         assert set(reps) <= {"new"}, f"a checkpointed backfill item is not new on shard {s}"
 
 
@@ -1162,22 +1084,67 @@ def live_gallery(tmp_path_factory):
     return path, load_parquet(path)
 
 
+def _random_bundle(path, d_new=24, d_old=16, resolution=16):
+    import torch
+
+    from raycompat.models import ClassifierHead, Embedder, ModelBundle
+
+    torch.manual_seed(0)
+    modules = {
+        "embedder": Embedder("test_resnet", d_new, in_chans=1),
+        "head": ClassifierHead(d_new, 5, kind="cosface"),
+    }
+    ModelBundle(modules, {"compatible_dim": d_old, "in_chans": 1, "resolution": resolution}).save(
+        str(path)
+    )
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def live(serve_port, live_gallery, tmp_path_factory):
-    """``(client, state dir, data)``: one compatible-mode app of 2 shards for the tests that
-    backfill and kill replicas (each starts with :func:`reset_backfill`).  The admin token comes
-    from the environment where the app is deployed (no token file); the image budget fits 40
-    images of 4096x4096; a snapshot every 150 upserted items."""
+    """One compatible-mode app of 2 shards for the tests that backfill and kill replicas (each
+    starts with :func:`reset_backfill`).  The admin token comes from the environment where the
+    app is deployed (no token file); the image budget fits 40 images of 4096x4096; a snapshot
+    every 150 upserted items.  Its other sources of new vectors: a new model (random weights)
+    that the embedder pool and the router's image queries use, the glyph (class, instance) of
+    every item for the pool to render (``items``), and a pipeline output holding the negated
+    model embeddings of those glyphs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from raycompat.serving.auth import TOKEN_ENV
+    from raycompat.serving.embedder_pool import ModelEmbedder
 
     path, data = live_gallery
-    state = tmp_path_factory.mktemp("live_state")
+    root = tmp_path_factory.mktemp("live_app")
+    bundle = _random_bundle(root / "new_model")
+    n = data.n_items
+    classes, instances = np.arange(n) % 40, np.arange(n) // 40  # distinct glyph items
+    new = ModelEmbedder(bundle).embed_glyphs(classes, instances)  # what the pool computes
+    items = str(root / "items.parquet")
+    pq.write_table(
+        pa.table({"item_id": data.gallery_ids, "label": classes, "instance": instances}), items
+    )
+    flipped = -new  # the "pipeline" wrote other vectors: we can tell them apart
+    pipeline = str(root / "pipeline.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "item_id": data.gallery_ids,
+                "new": pa.FixedSizeListArray.from_arrays(pa.array(flipped.reshape(-1)), 24),
+            }
+        ),
+        pipeline,
+    )
+    state = root / "state"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_ENV, TOKEN)
         _, client = deploy(serve_port, state, path, None, app=LIVE, prefix="/live",
                            num_shards=2, snapshot_every=150, fsync=False,
-                           max_request_pixels=40 * 4096 * 4096)  # fmt: skip
-    yield client, str(state), data
+                           max_request_pixels=40 * 4096 * 4096, new_model=bundle, items=items,
+                           pipeline_output=pipeline)  # fmt: skip
+    glyphs = types.SimpleNamespace(classes=classes, instances=instances, new=new, flipped=flipped)
+    yield types.SimpleNamespace(client=client, state=str(state), data=data, glyphs=glyphs)
     undeploy(LIVE)
 
 
@@ -1186,10 +1153,11 @@ def test_a_heavy_image_request_does_not_stall_healthz(live):
     """Images are decoded off the router's event loop: /healthz answers while a search with 32
     images of 4096x4096 pixels is being decoded, in a small part of the time that decoding
     takes (no wall-clock bound: the heavy request is the yardstick); a request over the pixel
-    budget is refused from the images' headers."""
+    budget is refused from the images' headers.  (Without a new model the decoded images are
+    refused: test_image_input_errors.)"""
     from PIL import Image
 
-    client, _, _ = live
+    client = live.client
     buf = io.BytesIO()
     Image.fromarray(np.full((4096, 4096), 77, np.uint8)).save(buf, format="PNG")
     image = base64.b64encode(buf.getvalue()).decode()
@@ -1212,9 +1180,9 @@ def test_a_heavy_image_request_does_not_stall_healthz(live):
     assert health.status_code == 200 and still_decoding
     # behind the decoding, /healthz would answer about when the heavy request does
     assert t1 - t0 < 0.5 * (heavy["done"] - t0), (t1 - t0, heavy["done"] - t0)
-    # decoded, then refused: this index has no model to embed images with
-    assert heavy["response"].status_code == 400
-    assert "new model" in heavy["response"].json()["error"]
+    # decoded, then embedded by the new model and searched
+    assert heavy["response"].status_code == 200, heavy["response"].text
+    assert len(heavy["response"].json()["results"]) == 32
 
 
 @pytest.mark.serve
@@ -1226,7 +1194,7 @@ def test_backfill_keeps_a_low_rate_and_resume_clears_until(live):
     import ray
     from ray.util.state import list_actors
 
-    client, _, data = live
+    client, data = live.client, live.data
     reset_backfill(client)
     actors = list_actors(
         address=ray.get_runtime_context().gcs_address,
@@ -1256,6 +1224,48 @@ def test_backfill_keeps_a_low_rate_and_resume_clears_until(live):
     assert bf["state"] == "done" and bf["until"] is None
 
 
+@pytest.mark.serve
+def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(live):
+    """New vectors from the embedder actor pool (glyphs rendered + embedded by Ray actors holding
+    the new model) and from a pipeline parquet output; image queries embedded by the router."""
+    from PIL import Image
+
+    from raycompat.data import GlyphRenderer, default_catalog
+    from raycompat.index.search import l2_normalize
+
+    client, data, g = live.client, live.data, live.glyphs
+    n = data.n_items
+    reset_backfill(client)
+    client.start_backfill(
+        policy="random", seed=0, batch_size=16, until=40, source="embedder", restart=True
+    )
+    client.wait_backfill(40, timeout=240)
+    order = np.load(os.path.join(live.state, "backfill", "order.npy"))
+    first = np.searchsorted(data.gallery_ids, order[:40])  # rows of the first 40 items
+    ids, scores, reps = client.search(l2_normalize(g.new[first]), k=1)
+    assert (
+        (ids[:, 0] == order[:40]).all()
+        and (reps[:, 0] == "new").all()
+        and (scores[:, 0] > 0.999).all()
+    )
+    # image queries: the router decodes the PNG and embeds it with the new model
+    renderer = GlyphRenderer(default_catalog(), resolution=16, seed=0)
+    imgs = renderer.render_batch(g.classes[first[:4]], g.instances[first[:4]])
+    b64 = []
+    for im in imgs:
+        buf = io.BytesIO()
+        Image.fromarray(im).save(buf, format="PNG")
+        b64.append(base64.b64encode(buf.getvalue()).decode())
+    res = client.search_images(b64, k=1)
+    assert [r[0]["id"] for r in res["results"]] == order[:4].tolist()
+    # a restarted backfill from the pipeline's output replaces every vector
+    client.start_backfill(policy="sequential", batch_size=32, source="pipeline", restart=True)
+    client.wait_backfill(n, timeout=240)
+    assert client.status()["items"] == {"old": 0, "adapted": 0, "new": n}
+    ids, scores, _ = client.search(l2_normalize(g.flipped[:10]), k=1)
+    assert (ids[:, 0] == data.gallery_ids[:10]).all() and (scores[:, 0] > 0.999).all()
+
+
 # ----------------------------------------------------------------------------- offline == online
 @pytest.mark.serve
 @pytest.mark.parametrize(
@@ -1276,7 +1286,7 @@ def test_offline_equals_online(
     k = data.n_items  # the full ranking: revisited mAP is compared too
     sim = simulate_backfill(data, [policy], [mode], fractions=fractions, k=k, seed=7)
     if mode == "compatible":
-        client = request.getfixturevalue("live")[0]
+        client = request.getfixturevalue("live").client
         reset_backfill(client)
     else:
         _, client = deploy(serve_port, tmp_path / "state", path, token_file, app=mode,
@@ -1321,7 +1331,7 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(live):
     from raycompat.index.search import l2_normalize
     from raycompat.serving.placement import shard_of
 
-    client, state, data = live
+    client, state, data = live.client, live.state, live.data
     reset_backfill(client)
     n = data.n_items
     outcomes = []  # (time, status code or exception name)
@@ -1429,7 +1439,7 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(live):
 def test_backfill_controller_crash_resumes_from_checkpoint(live):
     import ray
 
-    client, _, data = live
+    client, data = live.client, live.data
     reset_backfill(client)
     client.start_backfill(policy="sequential", rate=200.0, batch_size=10, restart=True)
     while client.status()["backfill"]["position"] < 100:
@@ -1516,46 +1526,26 @@ def test_rank_merge_offline_equals_online(
 
 
 # ----------------------------------------------------------------------------- Serve's proxy
-JOB_FLAGS = ["--gallery", "synthetic:300:8:12:0", "--num-shards", "1", "--router-replicas", "1",
-             "--shard-timeout-s", "2", "--index-device", "cpu", "--app-name", "job",
-             "--route-prefix", "/job"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def job_index(serve_port, token_file, tmp_path_factory):
-    """``(flags, exit status, stdout)`` of `serve-index` deploying on the running Serve: 1 shard,
-    1 router and the router's shard timeout at 2 s, for the two tests below (the second stops
-    it with ``--stop``)."""
-    from raycompat.serving.job import main
-
-    flags = [*JOB_FLAGS, "--token-file", token_file,
-             "--state-dir", str(tmp_path_factory.mktemp("job") / "state")]  # fmt: skip
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main([*flags, "--port", str(serve_port), "--wait-s", "120"])
-    yield flags, code, out.getvalue()
-    undeploy("job")  # where a test stopped before `--stop`
-
-
 @pytest.mark.serve
 def test_serve_index_refuses_another_port_when_serve_runs_and_deploys_on_its_own(
-    job_index, serve_port, capsys
+    api_index, serve_port, capsys
 ):
     """With Serve already running, `serve-index` on another port exits 2 naming the running
-    address; on the running address it deploys and answers (and stops with ``--stop``:
+    address; on the running address it deploys and answers (the ``api`` index of the tests
+    above; it stops with ``--stop``:
     test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after)."""
     from raycompat.serving.app import free_port
     from raycompat.serving.job import main
 
-    flags, code, out = job_index
+    flags, code, out = api_index
     other = free_port()
     assert main([*flags, "--port", str(other)]) == 2
     err = capsys.readouterr().err
     assert f"Serve is already running on this cluster with HTTP at 127.0.0.1:{serve_port}" in err
     assert f"--port {serve_port}" in err and "Traceback" not in err
-    assert code == 0 and f"serving at http://127.0.0.1:{serve_port}/job" in out, out
-    st = requests.get(f"http://127.0.0.1:{serve_port}/job/status", timeout=30).json()
-    assert st["items"]["old"] == 300
+    assert code == 0 and f"serving at http://127.0.0.1:{serve_port}/api" in out, out
+    st = requests.get(f"http://127.0.0.1:{serve_port}/api/status", timeout=30).json()
+    assert sum(st["items"].values()) == 600
 
 
 def _replica_of(app: str, deployment: str):
@@ -1583,7 +1573,7 @@ def _post_search(base, q, out, stop=None, timeout=120):
 
 
 @pytest.mark.serve
-def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(job_index, serve_port):
+def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(api_index, serve_port):
     """A router killed with a request in flight, shards that stop answering, and an app stopped
     (`serve-index --stop`) under load: every answer is JSON, every failure a 503 with
     Retry-After (never a plain-text 500), and no request hangs."""
@@ -1594,18 +1584,18 @@ def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(job_
     from raycompat.serving.client import ServingClient
     from raycompat.serving.job import main
 
-    client = ServingClient(f"http://127.0.0.1:{serve_port}/job", token=TOKEN)
-    q = np.random.default_rng(0).standard_normal((2, 12)).tolist()
+    client = ServingClient(f"http://127.0.0.1:{serve_port}/api", token=TOKEN)
+    q = np.random.default_rng(0).standard_normal((2, 24)).tolist()
     out: list = []
     try:
-        _, shard_pid = _replica_of("job", "shard-0")
+        _, shard_pid = _replica_of("api", "shard-0")
         os.kill(shard_pid, signal.SIGSTOP)  # the shard hangs: requests wait in the router
         try:
             _post_search(client.base, q, out)  # the router's shard timeout: 503
             th = threading.Thread(target=_post_search, args=(client.base, q, out))
             th.start()
             time.sleep(0.5)
-            router, _ = _replica_of("job", "router")
+            router, _ = _replica_of("api", "router")
             ray.kill(router, no_restart=True)  # with that request in flight
             th.join(timeout=150)
         finally:
@@ -1618,15 +1608,15 @@ def test_requests_in_flight_when_replicas_die_get_json_503_with_retry_after(job_
         for th in threads:
             th.start()
         time.sleep(0.5)
-        shard, _ = _replica_of("job", "shard-0")
+        shard, _ = _replica_of("api", "shard-0")
         ray.kill(shard, no_restart=True)
-        assert main(["--stop", "--app-name", "job"]) == 0
+        assert main(["--stop", "--app-name", "api"]) == 0
         stop.set()
         for th in threads:
             th.join(timeout=150)
         assert not any(th.is_alive() for th in threads)
     finally:
-        undeploy("job")
+        undeploy("api")
     codes = sorted({o[0] for o in out})
     print(f"\nPROXY: {len(out)} requests, codes {codes}, slowest {max(o[3] for o in out):.1f} s")
     assert all(o[1] for o in out), "a plain-text answer"
