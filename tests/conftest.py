@@ -22,6 +22,9 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 # Ray Train starts an actor per run that watches for the preemption of cloud spot nodes: on
 # this machine it only costs a Python process (~2 CPU-seconds) per training run
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Ray Train's controller looks at its workers every 2 s by default: a tiny run that ends in a
+# second would wait for the next look (Ray passes the driver's environment to its processes)
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # as raycompat.cluster.connect does: Serve's proxy answers its own errors as JSON
 os.environ.setdefault(
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "raycompat.serving.proxy.proxy_middlewares"

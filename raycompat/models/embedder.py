@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +46,10 @@ class Embedder(nn.Module):
         pretrained_path: str | None = None,
     ):
         super().__init__()
+        # imported here: timm pulls in torchvision and torch._dynamo (seconds of CPU in every
+        # Ray worker, Serve replica and job process that only reads vectors or manifests)
+        import timm
+
         if backbone not in timm.list_models():
             close = timm.list_models(f"*{backbone.split('_')[0]}*")[:10]
             raise ValueError(f"unknown timm backbone {backbone!r}; similar names: {close}")

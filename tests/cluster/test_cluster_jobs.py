@@ -20,6 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 from multinode import LocalMultiNodeCluster
 
+# a head and a worker node on this machine (`ray start`), jobs through `ray job submit`
+pytestmark = [pytest.mark.cluster2, pytest.mark.subprocess]
+
 REPO = locations.REPO
 TINY = [
     "--backbone",

@@ -25,6 +25,9 @@ import pytest
 import yaml
 from multinode import free_port
 
+# a head and a worker node on this machine (`ray start`), jobs through `ray job submit`
+pytestmark = [pytest.mark.cluster2, pytest.mark.subprocess]
+
 REPO = locations.REPO
 VENV_BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(VENV_BIN, "ray")
@@ -143,6 +146,7 @@ def _config(sshd, gcs_port: int, dashboard_port: int) -> dict:
     return cfg
 
 
+@pytest.mark.subprocess
 def test_ray_up_submit_down(sshd, tmp_path):
     from simulator_inputs import write_parquet
 

@@ -213,6 +213,7 @@ def test_uri_destination_holding_another_report_is_refused(tmp_path, monkeypatch
     assert resolve(uri, {"epochs": 2}).remote
 
 
+@pytest.mark.subprocess
 def test_failed_run_leaves_no_empty_folder(tmp_path):
     """The folder a job created is removed at exit when the job wrote nothing into it."""
     script = (
@@ -352,6 +353,7 @@ def test_predecessor_not_recorded_is_a_warning(two_pairs, tmp_path):
     assert warning is not None and "records no predecessor fingerprint" in warning
 
 
+@pytest.mark.subprocess
 def test_embed_gallery_refuses_unrelated_models(two_pairs, tmp_path):
     (old_a, new_a), (old_b, _) = two_pairs
     cmd = [sys.executable, os.path.join("jobs", "embed_gallery.py"), "--out", str(tmp_path / "g")]
@@ -368,6 +370,7 @@ def test_embed_gallery_refuses_unrelated_models(two_pairs, tmp_path):
     assert not (tmp_path / "g").exists()
 
 
+@pytest.mark.subprocess
 def test_failed_first_gallery_run_leaves_no_folder(tmp_path):
     """embed-gallery's output folder, empty when the job opened it, is removed at exit when
     the run wrote no shard (only its manifest); a folder with a shard stays."""

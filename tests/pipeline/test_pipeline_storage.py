@@ -110,6 +110,7 @@ def test_missing_parents_of_out_are_created(tmp_path, monkeypatch):
     assert (tmp_path / "bucket" / "a" / "b" / "g").is_dir()
 
 
+@pytest.mark.subprocess
 def test_unwritable_storage_is_reported_at_start(tmp_path):
     """The real script: exit status 2, one line naming the location, no traceback, and nothing
     started (no models made, no Ray)."""
@@ -179,6 +180,7 @@ def test_bad_output_locations(tmp_path, capsys, argv, message):
         (["--new-resources", "{gpu"], "--new-resources is not JSON"),
     ],
 )
+@pytest.mark.subprocess
 def test_bad_flag_exits_2_before_anything_starts(tmp_path, args, named):
     """The real script: exit status 2, `error:` naming the flag on stderr, nothing on stdout,
     no models made, no Ray."""

@@ -269,6 +269,7 @@ def test_psi_rate_measured_on_the_spot(tmp_path):
     assert psi.vectors_per_s > 0 and "psi of" in psi.source and "on cpu" in psi.source
 
 
+@pytest.mark.subprocess
 def test_end_to_end_on_a_real_simulation(tmp_path):
     """simulate-backfill on a tiny parquet gallery, then plan-upgrade as a script: plan.md,
     plan.json and the PNGs; the same folder with other options is refused."""

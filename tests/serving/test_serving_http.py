@@ -393,6 +393,7 @@ def test_hot_refresh_tiny_training_plan_ends_with_the_served_model(mode):
         ),
     ],
 )
+@pytest.mark.subprocess
 def test_hot_refresh_and_serve_index_bad_flags_exit_2_on_stderr(tmp_path, job, args, named):
     """A misspelt flag or a bad value stops the job before Ray starts: exit status 2, one
     `error:` line naming it on stderr, nothing on stdout, nothing written."""

@@ -122,6 +122,7 @@ for step in range(100000):
 """
 
 
+@pytest.mark.subprocess
 def test_a_writer_killed_mid_stream_loses_no_acknowledged_upsert(tmp_path):
     """Two writer processes (items 0-59 and 60-119) append to one shard, rotating its log,
     while this process searches; one writer is killed with SIGKILL.  Every search saw every

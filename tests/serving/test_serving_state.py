@@ -242,6 +242,7 @@ def test_a_corrupt_snapshot_is_named(tmp_path):
         ShardState(st.directory, DIMS)
 
 
+@pytest.mark.subprocess
 def test_reshard_cannot_take_a_shard_directory_a_replica_holds(tmp_path):
     import subprocess
     import sys

@@ -171,6 +171,7 @@ def test_init_model_must_match_the_new_model(scenario, old_bundle):
     )
 
 
+@pytest.mark.subprocess
 def test_train_job_rejects_a_bad_method_option_before_ray_starts(tmp_path):
     proc = subprocess.run(
         [
