@@ -6,15 +6,15 @@ better).  In one process it measures:
 
 1. the machine's float32 matrix-multiply rate (torch, 2048^3, best of 3);
 2. one exact top-k search of the full gallery (k=100) with the blockwise torch code the
-   curve engine uses (``raycompat.backfill.blocks.exact_topk``), and with in-process faiss
+   curve engine uses (``raycompat.index.blocks.exact_topk``), and with in-process faiss
    ``IndexFlatIP`` for reference;
 3. the whole 21-point and 101-point curves (one policy x one mode) with mAP@100, full mAP,
-   top-1 and NFR@1 at every point (``raycompat.backfill.simulate_backfill``);
+   top-1 and NFR@1 at every point (``raycompat.simulator.memory_engine.simulate_backfill``);
 
 and prints  curve time / search time, against the faster of the two exact searches (goals:
 <= 2.5 for 21 points, <= 5 for 101 points), the filter and count's thread-seconds against the
 matrix products' (goal: at most half), the 21-point curve with the fused survivor kernel and
-with the torch filter and count side by side (``raycompat.backfill.fused_kernel``),
+with the torch filter and count side by side (``raycompat.simulator.fused_kernel``),
 the search's GFLOP/s as a fraction of the matmul rate (goal: >= 0.7), the peak RSS of the
 process and the extra RSS while each curve runs (it must not grow with the grid).
 
@@ -41,12 +41,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from raycompat.backfill import GalleryEmbeddings, simulate_backfill  # noqa: E402
-from raycompat.backfill.assembly import compute_ranks  # noqa: E402
-from raycompat.backfill.blocks import exact_topk, fp32_matmul, resolve_device  # noqa: E402
-from raycompat.backfill.rank_metrics import metrics_from_ranks  # noqa: E402
-from raycompat.backfill.rank_plan import CurveSpec  # noqa: E402
-from raycompat.backfill.score_sides import Side  # noqa: E402
+from raycompat.embeddings.gallery import GalleryEmbeddings
+from raycompat.index.blocks import exact_topk, fp32_matmul, resolve_device  # noqa: E402
+from raycompat.metrics.rank_metrics import metrics_from_ranks  # noqa: E402
+from raycompat.simulator.assembly import compute_ranks  # noqa: E402
+from raycompat.simulator.memory_engine import simulate_backfill
+from raycompat.simulator.rank_plan import CurveSpec  # noqa: E402
+from raycompat.upgrade.score_sides import Side  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data
@@ -172,7 +173,7 @@ def cached_runs(data, opts, dev, bb, t_search) -> dict:
     (a first run), then again reusing it (a later run on the same old gallery)."""
     import tempfile
 
-    from raycompat.backfill.reference_cache import ReferenceCache
+    from raycompat.simulator.reference_cache import ReferenceCache
 
     out = {}
     with tempfile.TemporaryDirectory() as folder:

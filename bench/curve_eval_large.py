@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from curve_eval import matmul_rate, timed  # noqa: E402
 
-from raycompat.backfill.reference_cache import ReferenceCache  # noqa: E402
-from raycompat.vector_parquet import write_options  # noqa: E402
+from raycompat.embeddings.vector_parquet import write_options  # noqa: E402
+from raycompat.simulator.reference_cache import ReferenceCache  # noqa: E402
 
 W = 46  # width of the table's first column
 
@@ -358,8 +358,8 @@ def run_distributed(o, cache=None):
     :class:`ReferenceCache` it stores its old-old reference in, or reuses it from."""
     import ray
 
-    from raycompat.backfill.dataset import ParquetGallery
-    from raycompat.backfill.distributed import DistributedOptions, simulate_backfill_dataset
+    from raycompat.embeddings.dataset import ParquetGallery
+    from raycompat.simulator.ray_engine import DistributedOptions, simulate_backfill_dataset
 
     ray.init(address="local", num_cpus=o.cpus, logging_level="warning")
     with PssSampler() as mem:
@@ -406,9 +406,9 @@ def run_candidates(o, cache, base: dict, one_wall: float) -> dict:
     as a ratio to the faster search, reading included."""
     import ray
 
-    from raycompat.backfill.dataset import ParquetGallery
-    from raycompat.backfill.distributed import DistributedOptions
-    from raycompat.backfill.distributed_candidates import simulate_candidates_dataset
+    from raycompat.embeddings.dataset import ParquetGallery
+    from raycompat.simulator.ray_candidates import simulate_candidates_dataset
+    from raycompat.simulator.ray_engine import DistributedOptions
 
     ray.init(address="local", num_cpus=o.cpus, logging_level="warning")
     with PssSampler() as mem:
@@ -459,7 +459,8 @@ def _differences(a, b) -> list[str]:
 
 def run_in_memory(o, dist) -> dict:
     """load_parquet + simulate_backfill on the same shards; every value equal to ``dist``'s."""
-    from raycompat.backfill import load_parquet, simulate_backfill
+    from raycompat.embeddings.gallery import load_parquet
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     with PssSampler() as mem:
         t_load, data = timed(load_parquet, o.parquet)

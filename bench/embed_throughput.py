@@ -35,9 +35,10 @@ def plain_loop(
     """images/s of render -> preprocess -> old -> new -> psi (-> uncertainty) in this process."""
     import torch
 
-    from raycompat.backfill.policies import UncertaintyHead, uncertainty_scores
     from raycompat.models import ModelBundle
+    from raycompat.models.uncertainty_head import UncertaintyHead
     from raycompat.pipeline.stages import preprocess
+    from raycompat.upgrade.policies import uncertainty_scores
 
     torch.set_num_threads(threads)
     old, new = ModelBundle.load(old_path).eval(), ModelBundle.load(new_path).eval()

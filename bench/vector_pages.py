@@ -1,6 +1,6 @@
 """How fast pyarrow reads embedding columns written two ways: as pyarrow writes them by default
 (snappy, dictionary tried, statistics) and as raycompat writes them (plain float32 pages:
-``raycompat.vector_parquet.write_options``), on one thread and on pyarrow's thread pool.
+``raycompat.embeddings.vector_parquet.write_options``), on one thread and on pyarrow's thread pool.
 
 Prints MiB/s of float32 read back to ``[n, D]`` arrays for each file and the ratio plain /
 default (the baseline: pyarrow's default writer, read the same way in the same process).
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from raycompat.vector_parquet import write_options  # noqa: E402
+from raycompat.embeddings.vector_parquet import write_options  # noqa: E402
 
 
 def make_table(rows: int, dim: int, seed: int):

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from raycompat.backfill.job import main  # noqa: E402
+from raycompat.simulator.job import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,7 @@ JOBS: dict[str, str] = {
     "train-ract": "raycompat.train.ract_job",
     "import-model": "raycompat.import_model",
     "embed-gallery": "raycompat.pipeline.job",
-    "simulate-backfill": "raycompat.backfill.job",
+    "simulate-backfill": "raycompat.simulator.job",
     "plan-upgrade": "raycompat.planning.job",
     "hot-refresh": "raycompat.hot_refresh",
     "serve-index": "raycompat.serving.job",

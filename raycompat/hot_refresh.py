@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raycompat.backfill.policies import POLICIES
 from raycompat.config import (
     ConfigError,
     add_options,
@@ -54,6 +53,7 @@ from raycompat.data.source import DataSourceOptions
 from raycompat.index.ann import IndexOptions
 from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.serving.scoring import SERVED_MODES
+from raycompat.upgrade.policies import POLICIES
 
 __all__ = ["HotRefreshOptions", "TINY_SIZES", "run_hot_refresh", "build_parser", "main"]
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_fractions(text: str) -> np.ndarray:
-    from raycompat.backfill.grid import check_grid
+    from raycompat.upgrade.grid import check_grid
 
     try:
         return check_grid([float(x) for x in text.split(",") if x.strip()])
@@ -267,7 +267,7 @@ def _embedded_gallery(opts: HotRefreshOptions, scenario, bundles: dict, new_name
     """The scenario's queries and gallery embedded by both models, the gallery in a seeded
     ingestion order (as the main job): ``(GalleryEmbeddings, stored order, gallery labels,
     gallery instances)``."""
-    from raycompat.backfill.gallery import GalleryEmbeddings
+    from raycompat.embeddings.gallery import GalleryEmbeddings
     from raycompat.evaluation import embed_scenario, scenario_eval_items
 
     resolution = int(bundles[new_name].manifest.get("resolution") or opts.sizes.resolution)
@@ -340,7 +340,7 @@ def build_embeddings(opts: HotRefreshOptions, out: str, runs_dir: str, log):
     paths, bundles = _load_bundles(models_dir, new_name)
     data, stored, g_labels, g_inst = _embedded_gallery(opts, scenario, bundles, new_name, log)
     if opts.mode == "adapted":
-        from raycompat.backfill.modes import apply_bundle_modules
+        from raycompat.upgrade.modes import apply_bundle_modules
 
         data = apply_bundle_modules(data, bundles[new_name])
         if data.gallery_adapted is None:
@@ -370,8 +370,8 @@ class _Prepared:
 
 def _prepare(opts: HotRefreshOptions, out: str, runs_dir: str, say) -> _Prepared:
     """The embeddings (given, embedded or trained and embedded), with the mode's modules applied."""
-    from raycompat.backfill import load_parquet
-    from raycompat.backfill.policies import UncertaintyHead
+    from raycompat.embeddings.gallery import load_parquet
+    from raycompat.models.uncertainty_head import UncertaintyHead
 
     parquet, items, new_model, old_model = build_embeddings(opts, out, runs_dir, say)
     data = load_parquet(parquet)
@@ -386,9 +386,9 @@ def _prepare(opts: HotRefreshOptions, out: str, runs_dir: str, say) -> _Prepared
     if (
         opts.mode == "rank_merge"
     ):  # rho(new), rho(q), psi_rev(rho(q)): what the router and controller apply
-        from raycompat.backfill.modes import apply_bundle_modules
         from raycompat.models import ModelBundle
         from raycompat.serving.scoring import rank_merge_maps
+        from raycompat.upgrade.modes import apply_bundle_modules
 
         rank_merge_maps(new_model)  # names a missing model or module
         data = apply_bundle_modules(data, ModelBundle.load(new_model))
@@ -425,10 +425,10 @@ def live_samples(searches: dict, data, k: int, n_fractions: int) -> dict:
     ids: AP@k and top-1 over the queries with a positive, NFR@1 over the old-old successes
     (:func:`raycompat.serving.live_eval.live_metrics`'s definitions); empty unless there is one
     search per fraction."""
-    from raycompat.backfill.rank_metrics import METRIC_NAMES, positive_pairs
-    from raycompat.backfill.results import QUERIES
     from raycompat.metrics import average_precision_at_k, correct_at_k
     from raycompat.metrics.bootstrap import Sample
+    from raycompat.metrics.rank_metrics import METRIC_NAMES, positive_pairs
+    from raycompat.simulator.results import QUERIES
 
     if len(searches["new"]) != n_fractions:
         return {}
@@ -462,8 +462,8 @@ def recall_name(k: int) -> str:
 
 def recall_sample(live: dict):
     """The per-query recall@k of the served results against exact search, ``[1, Q, J]``."""
-    from raycompat.backfill.results import QUERIES
     from raycompat.metrics.bootstrap import Sample
+    from raycompat.simulator.results import QUERIES
 
     return Sample.mean(QUERIES, np.asarray(live["recall_per_query"], np.float64))
 
@@ -472,8 +472,8 @@ def live_bands(samples: dict, data, options: BootstrapOptions) -> dict:
     """``{metric: {"low": [J], "high": [J], "dropped": [J]}}``: the live curve's bootstrap band
     (``dropped``: resamples with an undefined value; past 1 % of them a point has no interval and
     its bounds are NaN)."""
-    from raycompat.backfill.results import QUERIES
     from raycompat.metrics.bootstrap import Bootstrap
+    from raycompat.simulator.results import QUERIES
 
     boot = Bootstrap(options)
     boot.add_query_set(QUERIES, data.query_labels)
@@ -700,7 +700,7 @@ def _serving_port(opts) -> int:
 
 def _simulator_curve(opts: HotRefreshOptions, prep: _Prepared, fractions, say):
     """The simulator's curve of ``opts.policy`` in ``opts.mode`` on the prepared gallery."""
-    from raycompat.backfill import simulate_backfill
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     say(
         f"simulator: policy {opts.policy}, mode {opts.mode}, seed {opts.seed}, "
@@ -792,7 +792,7 @@ def near_ties(data, k: int, mode: str, gap: float = 1e-6) -> dict:
     """Queries whose top-(k+1) scores of the mode's old side (all-old state, t=0) and new side
     (all-new state, t=1) contain two values closer than ``gap``: where float32 rounding alone
     could order items differently (canonical scores decide them, on both sides)."""
-    from raycompat.backfill.modes import SideBuilder
+    from raycompat.upgrade.modes import SideBuilder
 
     out = {"gap": gap}
     _, old_side, new_side = SideBuilder(data).mode_sides(mode)

@@ -616,10 +616,11 @@ def simulate_backfill_curves(
     Writes ``<out_dir>/<model>/curves.{json,md}`` and PNGs; returns ``{"rows", "summary",
     "reports"}`` where rows are ``{model, policy, mode, fraction, metric, value, ...}``.
     With ``bootstrap``, rows carry their band (``low``/``high``), curves and PNGs their bands,
-    summaries their intervals and verdicts (:func:`raycompat.backfill.report.curve_intervals`;
+    summaries their intervals and verdicts (:func:`raycompat.simulator.report.curve_intervals`;
     the independent model's new-new per-query terms are new*-new*'s, resampled with the rest).
     """
-    from raycompat.backfill import CostModel, UncertaintyHead, measure_items_per_s
+    from raycompat.models.uncertainty_head import UncertaintyHead
+    from raycompat.upgrade.cost import CostModel, measure_items_per_s
 
     say = log or (lambda message: None)
     cost = CostModel(
@@ -659,7 +660,7 @@ def simulate_backfill_curves(
 
 def _stored_gallery(embedded: dict, name: str, query_labels, gallery_labels, stored):
     """The old model and model ``name``'s embeddings, the gallery in its ``stored`` order."""
-    from raycompat.backfill import GalleryEmbeddings
+    from raycompat.embeddings.gallery import GalleryEmbeddings
 
     old, new = embedded["old"], embedded[name]
     return GalleryEmbeddings(
@@ -677,7 +678,7 @@ def _stored_gallery(embedded: dict, name: str, query_labels, gallery_labels, sto
 
 def _simulate_model(data, policies, modes, head, cost, paragon: dict, seed: int, bootstrap):
     """One model's backfill curves, new*-new* (``paragon``) as the AUC gains' reference."""
-    from raycompat.backfill import simulate_backfill
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     return simulate_backfill(
         data,
@@ -693,7 +694,7 @@ def _simulate_model(data, policies, modes, head, cost, paragon: dict, seed: int,
 
 def _model_reports(result, name: str, out_dir: str, newstar) -> dict:
     """One model's curves.{json,md} and PNGs (``files``), and its curve and summary rows."""
-    from raycompat.backfill.report import curve_intervals, curve_rows, summary_rows, write_reports
+    from raycompat.simulator.report import curve_intervals, curve_rows, summary_rows, write_reports
 
     intervals = curve_intervals(result, newstar)
     files = write_reports(

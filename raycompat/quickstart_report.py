@@ -267,8 +267,8 @@ def _vs_random(s: dict):
 
 
 def _backfill_table(report: dict) -> str:
-    from raycompat.backfill.report import auc_gain_notes
     from raycompat.report import markdown_table
+    from raycompat.simulator.report import auc_gain_notes
 
     points = {
         (r["model"], r["policy"], r["mode"], r["metric"], round(r["fraction"], 9)): r

@@ -51,7 +51,7 @@ class StorageError(ConfigError):
     A ``ConfigError``: a job stops on it with one ``error: ...`` line and exit status 2
     (:mod:`raycompat.console`). The live index catches it where it writes its state directory
     (a full disk, an unwritable file) and answers 503 with the message
-    (:mod:`raycompat.serving.shard`, :mod:`raycompat.serving.backfill`)."""
+    (:mod:`raycompat.serving.shard`, :mod:`raycompat.serving.backfill_controller`)."""
 
 
 def is_uri(location: str) -> bool:

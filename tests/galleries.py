@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from raycompat.backfill import GalleryEmbeddings
+from raycompat.embeddings.gallery import GalleryEmbeddings
 
 
 def unit(a):

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from raycompat.backfill import GalleryEmbeddings
+from raycompat.embeddings.gallery import GalleryEmbeddings
 
 TOKEN = "test-admin-token-0123456789"
 APP = "raycompat-test"

@@ -74,7 +74,7 @@ def run_job(*args, timeout=240):
     import io
     import types
 
-    from raycompat.backfill.job import main
+    from raycompat.simulator.job import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

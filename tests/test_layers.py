@@ -33,16 +33,17 @@ LAYERS = {
     "cluster": 0,
     "torch_distributed": 0,
     "outputs": 0,
-    "vector_parquet": 0,
     "data": 1,
     "models": 1,
     "index": 1,
     "metrics": 1,
     "stores": 1,
+    "embeddings": 1,
     "methods": 2,
     "evaluation": 2,
     "pipeline": 2,
-    "backfill": 2,
+    "upgrade": 2,
+    "simulator": 2,
     "planning": 2,
     "train": 3,
     "serving": 3,
@@ -54,6 +55,11 @@ LAYERS = {
     "scenario_job": 4,
     "import_model": 4,
 }
+
+#: Packages of one layer that must not import each other's modules, with the reason: what an
+#: upgrade is (policies, modes, canary) is shared by the live index and the stores, which
+#: never run the simulation engine.
+NEVER_IMPORTS = {("upgrade", "simulator"): "the upgrade concepts never run the simulation engine"}
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -166,6 +172,19 @@ def upward_imports(root: Path, layers: dict[str, int], names=LAYER_NAMES) -> lis
     return problems
 
 
+def forbidden_imports(root: Path, rules=NEVER_IMPORTS) -> list[str]:
+    """A message for each import that ``rules`` (``(importer, imported) -> reason``) forbid."""
+    modules = module_files(root)
+    problems = []
+    for module, imports in import_graph(root).items():
+        for line, target in imports:
+            reason = rules.get((_top_level(module), _top_level(target)))
+            if reason:
+                where = modules[module].relative_to(root.parent)
+                problems.append(f"{where}:{line}: {module} imports {target}: {reason}")
+    return problems
+
+
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components, iteratively (no recursion limit)."""
     index, low, on_stack, stack, components, counter = {}, {}, set(), [], [], [0]
@@ -254,6 +273,24 @@ def test_every_top_level_module_has_a_layer():
 def test_no_import_from_a_lower_layer_to_a_higher_one():
     problems = upward_imports(PACKAGE_ROOT, LAYERS)
     assert not problems, "upward imports:\n" + "\n".join(problems)
+
+
+def test_the_upgrade_concepts_never_import_the_simulator():
+    assert forbidden_imports(PACKAGE_ROOT) == []
+
+
+def test_a_forbidden_import_is_named(tmp_path):
+    pkg = tmp_path / "pkg"
+    for name, body in {"__init__": "", "upgrade/__init__": "", "simulator/__init__": "",
+                       "upgrade/modes": "from pkg.simulator import engine\n",
+                       "simulator/engine": "from pkg.upgrade import modes\n"}.items():  # fmt: skip
+        path = pkg / f"{name}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body)
+    assert forbidden_imports(pkg) == [
+        "pkg/upgrade/modes.py:1: pkg.upgrade.modes imports pkg.simulator.engine: "
+        "the upgrade concepts never run the simulation engine"
+    ]
 
 
 def test_no_import_cycles():

@@ -23,7 +23,7 @@ from raycompat.data.readers import CorruptImageError, load_image
 SPLIT_NAMES = ("query", "gallery", "distractor")
 
 
-class GallerySource:
+class ItemSource:
     """Base: ``load(ids)`` -> columns ``item_id, label, split, image, error``."""
 
     kind = "abstract"

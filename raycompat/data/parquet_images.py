@@ -13,7 +13,7 @@ import numpy as np
 
 from raycompat.config import ConfigError
 from raycompat.data.item_source import (
-    GallerySource,
+    ItemSource,
     check_split,
     decode_item_image,
     image_columns,
@@ -21,7 +21,7 @@ from raycompat.data.item_source import (
 from raycompat.data.readers import CorruptImageError
 
 
-class ParquetRowGroupSource(GallerySource):
+class ParquetRowGroupSource(ItemSource):
     """Shared by the parquet sources: the file list, an index from sorted item id to
     (file, row group, row), and a description keyed by the files. Only the columns named by a
     subclass are read up front; the rest is read per row group when a batch needs it."""

@@ -4,7 +4,7 @@ simulator and the live index.
 A float32 inner product depends on the order of its summation: faiss, a BLAS matrix product
 on CPU and one on a GPU can return scores that differ in the last bits, and two items whose
 scores are that close (near-ties, and equal vectors) can then swap places.  So that the
-simulator (:mod:`raycompat.backfill.block_pass`) and the served index
+simulator (:mod:`raycompat.simulator.block_pass`) and the served index
 (:mod:`raycompat.serving.state`) rank every item identically, both rank by the *canonical
 score*
 

@@ -5,9 +5,9 @@ The library call is :func:`embed_gallery`; :mod:`raycompat.pipeline.job` is its 
 (``raycompat embed-gallery``, ``jobs/embed_gallery.py``).
 """
 
-from raycompat.data.item_source import GallerySource
+from raycompat.data.item_source import ItemSource
 from raycompat.data.parquet_images import ParquetImageSource
-from raycompat.pipeline.bundles import bundle_fingerprint, make_random_bundles
+from raycompat.pipeline.bundles import make_random_bundles
 from raycompat.pipeline.ids import IdPlan
 from raycompat.pipeline.job import EmbedGalleryOptions, GalleryRun, embed_gallery, main
 from raycompat.pipeline.options import ExecutionOptions, PipelineOptions, StageOptions
@@ -27,12 +27,11 @@ __all__ = [
     "ExecutionOptions",
     "StageOptions",
     "IdPlan",
-    "GallerySource",
+    "ItemSource",
     "GlyphGallerySource",
     "OldFeatureSource",
     "RecordSource",
     "ParquetImageSource",
     "EXTRA_INSTANCE_BASE",
-    "bundle_fingerprint",
     "make_random_bundles",
 ]

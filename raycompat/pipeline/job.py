@@ -9,7 +9,7 @@
 
 Only the stages the requested columns need are built. Output (``raycompat.pipeline.writer``):
 ``<out>/part-<chunk>.parquet`` shards, ``<out>/_manifest.json``, ``<out>/_summary.json``;
-``raycompat.backfill.gallery.load_parquet(<out>)`` reads the folder directly. ``<out>`` is a
+``raycompat.embeddings.gallery.load_parquet(<out>)`` reads the folder directly. ``<out>`` is a
 local folder or a URI (``raycompat.pipeline.location``); the job's ``--storage S`` puts it at
 ``S/embeddings/<--name>``. See docs/architecture.md (Data flow, Jobs).
 """
@@ -61,8 +61,9 @@ class GalleryRun:
     summary: dict
 
     def load(self, **kw):
-        """The output as ``raycompat.backfill.GalleryEmbeddings`` (needs old and new columns)."""
-        from raycompat.backfill.gallery import load_parquet
+        """The output as :class:`~raycompat.embeddings.gallery.GalleryEmbeddings` (needs old and
+        new columns)."""
+        from raycompat.embeddings.gallery import load_parquet
 
         return load_parquet(self.path, **kw)
 
@@ -145,7 +146,7 @@ def resolve_models(
 ) -> StagePlan:
     """Which stages run and the output dims. ``stored_old_dim``: the source already holds old
     features (``OldFeatureSource``) of that dimension, so no image stage and no old model."""
-    from raycompat.pipeline.bundles import embedder_info
+    from raycompat.models.fingerprint import embedder_info
 
     if stored_old_dim is not None:
         old_model = None
@@ -743,7 +744,7 @@ def run_job(opts: EmbedGalleryOptions) -> GalleryRun:
     """The job: every check that needs no cluster first (output location, options, models,
     source), then Ray and :func:`embed_gallery`."""
     from raycompat.cluster import connect
-    from raycompat.pipeline.bundles import check_predecessor, embedder_info
+    from raycompat.models.fingerprint import check_predecessor, embedder_info
     from raycompat.pipeline.location import resolve_output
     from raycompat.pipeline.writer import remove_at_exit_if_unwritten
 

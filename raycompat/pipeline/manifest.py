@@ -30,7 +30,7 @@ def content_manifest(
 ) -> dict:
     """``models``: ``{"old": path_or_None, "new": ...}``; paths are recorded but only the
     fingerprints must match on resume (a bundle may move)."""
-    from raycompat.pipeline.bundles import bundle_fingerprint
+    from raycompat.models.fingerprint import bundle_fingerprint
 
     return {
         "format_version": FORMAT_VERSION,

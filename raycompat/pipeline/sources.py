@@ -27,7 +27,7 @@ produced again on any worker:
   ids as the readers number them.
 * :class:`~raycompat.data.parquet_images.ParquetImageSource` -- parquet files with encoded
   image bytes, read lazily by row group; it lives in the data layer (``raycompat.data``), as
-  does the base :class:`~raycompat.data.item_source.GallerySource`.
+  does the base :class:`~raycompat.data.item_source.ItemSource`.
 * :class:`ScenarioItemSource` -- a scenario of your images; :class:`OldFeatureSource` -- the
   old features of an earlier run, no images.
 
@@ -46,7 +46,7 @@ import numpy as np
 from raycompat.config import ConfigError
 from raycompat.data.item_source import (
     SPLIT_NAMES,
-    GallerySource,
+    ItemSource,
     check_split,
     decode_item_image,
     image_columns,
@@ -61,7 +61,7 @@ _RENDERERS: dict = {}
 _SCENARIO_SPLITS = (("query", "query"), ("gallery", "gallery"), ("distractors", "distractor"))
 
 
-class GlyphGallerySource(GallerySource):
+class GlyphGallerySource(ItemSource):
     """The built-in glyph gallery of ``scenario`` plus ``extra_distractors`` generated
     distractors (id layout in the module docstring)."""
 
@@ -189,7 +189,7 @@ class GlyphGallerySource(GallerySource):
         }
 
 
-class ScenarioItemSource(GallerySource):
+class ScenarioItemSource(ItemSource):
     """The query, gallery and distractor items of a scenario of your images
     (``raycompat scenario``), with the id layout of :class:`GlyphGallerySource` (queries,
     then gallery, then distractors, each in the scenario's order); labels, splits and class
@@ -254,7 +254,7 @@ class ScenarioItemSource(GallerySource):
         )
 
 
-class RecordSource(GallerySource):
+class RecordSource(ItemSource):
     """Images listed by a reader (``read_image_folder`` / ``read_gldv2_csv``): decoded from
     files, resized (shorter side) and centre-cropped to ``resolution``."""
 

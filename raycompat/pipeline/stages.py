@@ -152,7 +152,7 @@ class OldFeatureStage:
     """Gallery-side operations on old features (docs/methods.md, "Gallery-side operations"), no
     image and no backbone pass: ``adapted = psi(old)`` (DMU forward adaptation) and the
     uncertainty of ``old`` under the new head ``w_n`` (RACT Eq.9-11, via
-    ``raycompat.backfill.policies.uncertainty_scores``), in the fixed sub-batches ``batches``."""
+    ``raycompat.upgrade.policies.uncertainty_scores``), in the fixed sub-batches ``batches``."""
 
     def __init__(
         self,
@@ -164,8 +164,8 @@ class OldFeatureStage:
         threads: int = 1,
         use_gpu: bool = False,
     ):
-        from raycompat.backfill.policies import UncertaintyHead
         from raycompat.models import ModelBundle
+        from raycompat.models.uncertainty_head import UncertaintyHead
 
         _set_threads(threads)
         self.device = _device(use_gpu)
@@ -186,7 +186,7 @@ class OldFeatureStage:
                     self.psi(torch.from_numpy(old).to(self.device)).float().cpu().numpy()
                 )
         if self.head is not None:
-            from raycompat.backfill.policies import uncertainty_scores
+            from raycompat.upgrade.policies import uncertainty_scores
 
             for kind, column in UNCERTAINTY_COLUMNS.items():
                 out[column] = uncertainty_scores(old, self.head, kind)

@@ -21,10 +21,11 @@ import re
 
 import numpy as np
 
+from raycompat.embeddings.vector_parquet import write_options
+
 # NODE_PREFIX: internal batch columns ``__node_new``, ``__node_old``, ``__node_adapt``, the Ray
 # node id that ran an embedding stage on each row; recorded per shard, never stored as data.
 from raycompat.pipeline.stages import NODE_PREFIX
-from raycompat.vector_parquet import write_options
 
 SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 META_KEY = b"raycompat.chunk"

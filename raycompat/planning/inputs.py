@@ -142,8 +142,8 @@ def _work(raw: dict, n_items: int, path: str) -> np.ndarray:
 
 def _curve(raw: dict, metric: str, n_items: int, path: str) -> Curve:
     """One ``curves[]`` entry of ``curves.json``."""
-    from raycompat.backfill.modes import MODES
-    from raycompat.backfill.policies import POLICIES
+    from raycompat.upgrade.modes import MODES
+    from raycompat.upgrade.policies import POLICIES
 
     policy, mode = raw.get("policy"), raw.get("mode")
     if mode not in MODES:

@@ -139,7 +139,7 @@ def _resolved(opts: PlanUpgradeOptions) -> PlanUpgradeOptions:
 
 
 def _names(parse, text: str | None, flag: str) -> tuple[str, ...]:
-    from raycompat.backfill.gallery import BackfillInputError
+    from raycompat.embeddings.gallery import BackfillInputError
 
     if not text:
         return ()
@@ -173,14 +173,14 @@ def _psi_rate(opts: PlanUpgradeOptions):
 def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     """Read the curves, build and assess every option, write the plan; returns the written
     paths and the plan (``"plan"``). Inputs are checked before the output folder is made."""
-    from raycompat.backfill.modes import parse_modes
-    from raycompat.backfill.policies import parse_policies
     from raycompat.planning.inputs import load_results
     from raycompat.planning.plan import candidates, make_plan, model_rates
     from raycompat.planning.rates import SearchLoad, measure_embedding_rate
     from raycompat.planning.recommend import Constraints
     from raycompat.planning.report import write_plan
     from raycompat.planning.timeline import Hardware
+    from raycompat.upgrade.modes import parse_modes
+    from raycompat.upgrade.policies import parse_policies
 
     say = log or (lambda message: None)
     _check(opts)

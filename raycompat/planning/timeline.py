@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from raycompat.backfill.modes import mode_spec
 from raycompat.planning.inputs import Curve, Estimate, Simulation
 from raycompat.planning.rates import EmbeddingRate, PsiRate, SearchLoad
+from raycompat.upgrade.modes import mode_spec
 
 __all__ = [
     "MILESTONES",

@@ -975,8 +975,8 @@ def backfill_curves(
     query_set: str = "queries",
     seed_index: int = 0,
 ) -> dict:
-    """Backfill curves (a hot refresh, simulated) per method
-    (``raycompat.backfill.simulate_backfill``): the query mode each method is built for
+    """Backfill curves (a hot refresh, simulated) per method (``simulate_backfill``):
+    the query mode each method is built for
     (``compatible``; DMU ``adapted`` and ``compatible``; RM ``rank_merge``, with ``naive_merge``
     and ``cold`` as the RM paper's baselines), random order for all, and the uncertainty orders
     (RACT Eq.9-11) for bct / contrastive / ract. Returns ``{label: [curve, ...]}`` with ``curve
@@ -984,12 +984,10 @@ def backfill_curves(
     auc_gain_note, regression}}}``. With ``evidence``, every curve's and reference's per-query
     samples go to it (keys ``("curve", scenario, label, policy, mode)`` and ``("ref", scenario,
     label, reference)``, query set ``query_set``)."""
-    from raycompat.backfill import (
-        GalleryEmbeddings,
-        UncertaintyHead,
-        apply_bundle_modules,
-        simulate_backfill,
-    )
+    from raycompat.embeddings.gallery import GalleryEmbeddings
+    from raycompat.models.uncertainty_head import UncertaintyHead
+    from raycompat.simulator.memory_engine import simulate_backfill
+    from raycompat.upgrade.modes import apply_bundle_modules
 
     out = {}
     for label, (variant, bundle, new) in news.items():

@@ -77,7 +77,7 @@ def _bind_shards(plan: ServingPlan) -> list:
 def _bind_controller(plan: ServingPlan, shards: list):
     from ray import serve
 
-    from raycompat.serving.backfill import BackfillController
+    from raycompat.serving.backfill_controller import BackfillController
 
     ctl_cls = serve.deployment(
         BackfillController,

@@ -1,10 +1,10 @@
 """The canary gate of the backfill controller: the registered canary, its reference answers and
 the history of its points, kept in ``<state_dir>/canary/`` (docs/live-index.md, "Upgrading a
-live gallery safely"; the numbers: :mod:`raycompat.backfill.canary`).
+live gallery safely"; the numbers: :mod:`raycompat.upgrade.canary`).
 
 Files (each written atomically):
 
-* ``canary.parquet`` -- the canary set (:class:`raycompat.backfill.canary.CanarySet`), what
+* ``canary.parquet`` -- the canary set (:class:`raycompat.upgrade.canary.CanarySet`), what
   ``simulate-backfill --canary`` reads too;
 * ``reference.npz`` -- the reference answers (per query AP@k and top-1 correctness, and their
   kind); measured once, at the first point of a backfill on a gallery that holds no new item
@@ -22,7 +22,8 @@ import os
 
 import numpy as np
 
-from raycompat.backfill.canary import (
+from raycompat.serving.durability import atomic_write
+from raycompat.upgrade.canary import (
     CanaryOptions,
     CanaryReference,
     CanarySet,
@@ -31,7 +32,6 @@ from raycompat.backfill.canary import (
     canary_terms,
     stores_old_vectors,
 )
-from raycompat.serving.durability import atomic_write
 
 __all__ = ["CanaryGate", "CANARY_DIR", "CANARY_FILE"]
 

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raycompat.backfill.canary import CanaryOptions
-from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError, choices, nonnegative, option, parse_options, positive
 from raycompat.index.ann import IndexOptions
+from raycompat.upgrade.canary import CanaryOptions
+from raycompat.upgrade.modes import SERVED_MODES
 
 __all__ = ["ServingConfig", "serving_config"]
 

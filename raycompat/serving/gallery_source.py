@@ -1,6 +1,6 @@
 """Where a served gallery's vectors come from: an embeddings parquet or a seeded synthetic
 gallery (benchmarks).  Parquet (a file, a folder or a URI) is read by the simulator's one reader
-of that schema (:mod:`raycompat.backfill.embeddings_parquet`; docs/architecture.md, "Formats"),
+of that schema (:mod:`raycompat.embeddings.format`; docs/architecture.md, "Formats"),
 so the live index refuses bad input with the simulator's messages.
 
 A source answers three questions: the dimension of each representation, the initial
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raycompat.config import ConfigError
+from raycompat.embeddings.vector_parquet import write_options
 from raycompat.index.search import l2_normalize
 from raycompat.serving.placement import _mix, shard_of
-from raycompat.vector_parquet import write_options
 
 __all__ = [
     "GallerySource",
-    "ParquetGallery",
+    "ParquetGallerySource",
     "PipelineOutput",
     "SyntheticGallery",
     "open_gallery",
@@ -69,14 +69,14 @@ class GallerySource:
         raise NotImplementedError
 
 
-class ParquetGallery(GallerySource):
+class ParquetGallerySource(GallerySource):
     """Gallery rows of an embeddings parquet (columns item_id, label, split, old, new[, adapted]),
-    read by :func:`raycompat.backfill.gallery.load_parquet`.
+    read by :func:`raycompat.embeddings.gallery.load_parquet`.
 
     ``adapted`` (:func:`raycompat.serving.scoring.adapted_transform`) says what an ``adapted``
     item holds: ``"psi"``: the column or, when a new model bundle with a ``psi`` module is
     given, psi(old); ``"fct"``: FCT's h(old) from the new bundle's ``fct`` module, never the
-    column (psi's) (:func:`raycompat.backfill.modes.apply_bundle_modules`)."""
+    column (psi's) (:func:`raycompat.upgrade.modes.apply_bundle_modules`)."""
 
     def __init__(
         self,
@@ -85,16 +85,16 @@ class ParquetGallery(GallerySource):
         adapted: str | None = None,
         need_rank_merge: bool = False,
     ):
-        from raycompat.backfill.gallery import BackfillInputError, load_parquet
+        from raycompat.embeddings.gallery import BackfillInputError, load_parquet
 
         try:
             data = load_parquet(path)
             if (
                 need_rank_merge
             ):  # rho / psi_rev arrays: the hinge-benefit policy ranks with the mode's sides
-                from raycompat.backfill.modes import apply_bundle_modules
                 from raycompat.models import ModelBundle
                 from raycompat.serving.scoring import rank_merge_maps
+                from raycompat.upgrade.modes import apply_bundle_modules
 
                 rank_merge_maps(new_model)  # names a missing model or module
                 data = apply_bundle_modules(data, ModelBundle.load(new_model))
@@ -106,8 +106,8 @@ class ParquetGallery(GallerySource):
                         f"mode 'adapted' needs an 'adapted' column in {path} or a new model "
                         "with a psi module"
                     )
-                from raycompat.backfill.modes import apply_bundle_modules
                 from raycompat.models import ModelBundle
+                from raycompat.upgrade.modes import apply_bundle_modules
 
                 data = apply_bundle_modules(data, ModelBundle.load(new_model))
                 if data.gallery_adapted is None:
@@ -154,8 +154,8 @@ def _fct_as_adapted(data, new_model: str | None):
     missing model or module, or h's wrong output dimension."""
     from types import SimpleNamespace
 
-    from raycompat.backfill.modes import apply_bundle_modules
     from raycompat.models import ModelBundle
+    from raycompat.upgrade.modes import apply_bundle_modules
 
     if not new_model:
         raise ConfigError(
@@ -182,7 +182,7 @@ class PipelineOutput(GallerySource):
     of every row, by the simulator's reader of the schema: a file, a folder or a URI)."""
 
     def __init__(self, path: str, column: str = "new"):
-        from raycompat.backfill.embeddings_parquet import BackfillInputError, EmbeddingsParquet
+        from raycompat.embeddings.format import BackfillInputError, EmbeddingsParquet
 
         try:
             reader = EmbeddingsParquet.open(path, required=("item_id", column))
@@ -309,9 +309,9 @@ def gallery_classes(src: GallerySource) -> tuple[np.ndarray, np.ndarray | None]:
     ids = src.gallery_ids()
     if isinstance(src, SyntheticGallery):
         return ids, (src.cluster_of(ids).astype(str) if src.clusters else None)
-    if not isinstance(src, ParquetGallery):
+    if not isinstance(src, ParquetGallerySource):
         return ids, None
-    from raycompat.backfill.embeddings_parquet import (
+    from raycompat.embeddings.format import (
         GALLERY,
         EmbeddingsParquet,
         split_kinds,
@@ -341,11 +341,11 @@ def open_gallery(
     need_rank_merge: bool = False,
 ) -> GallerySource:
     """``synthetic:N[:D_old[:D_new[:seed[:clusters]]]]`` or an embeddings parquet (a file, a
-    folder or a URI); ``adapted``: what an ``adapted`` item holds (:class:`ParquetGallery`; a
+    folder or a URI); ``adapted``: what an ``adapted`` item holds (:class:`ParquetGallerySource`; a
     synthetic gallery draws its own ``adapted`` stream)."""
     if spec.startswith("synthetic:"):
         return _synthetic(spec)
-    return ParquetGallery(  # a missing file or folder is named by the reader
+    return ParquetGallerySource(  # a missing file or folder is named by the reader
         spec, new_model=new_model, adapted=adapted, need_rank_merge=need_rank_merge
     )
 
@@ -367,7 +367,7 @@ def _synthetic(spec: str) -> SyntheticGallery:
 
 
 def write_gallery_parquet(path: str, data, items: dict | None = None) -> str:
-    """Write a :class:`~raycompat.backfill.gallery.GalleryEmbeddings` in the simulator's parquet
+    """Write a :class:`~raycompat.embeddings.gallery.GalleryEmbeddings` in the simulator's parquet
     schema: query rows first, then gallery rows (``adapted`` when present).  ``items``:
     optional extra columns, one value per written row in that order (e.g. ``instance``)."""
     import pyarrow as pa

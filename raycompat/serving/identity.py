@@ -3,7 +3,7 @@ live gallery safely").
 
 Every vector a shard stores records a *fingerprint*: 16 hex digits naming the model that
 produced it.  For a model bundle it is the bundle's fingerprint
-(:func:`raycompat.pipeline.bundles.bundle_fingerprint`: SHA-256 of its manifest and weights,
+(:func:`raycompat.models.fingerprint.bundle_fingerprint`: SHA-256 of its manifest and weights,
 the value a new bundle's manifest records as its ``predecessor``).  Vectors that come from the
 gallery without a bundle get a fingerprint of where they come from (the gallery and its column),
 and the ``adapted`` vectors computed by the new bundle's psi (FCT's h in the ``fct`` mode) one
@@ -126,7 +126,7 @@ def _bundle_fingerprint(path: str) -> str:
     """The bundle's fingerprint; a folder without a manifest (not a saved bundle) gets one of
     its path."""
     from raycompat.config import ConfigError
-    from raycompat.pipeline.bundles import bundle_fingerprint
+    from raycompat.models.fingerprint import bundle_fingerprint
 
     try:
         return bundle_fingerprint(path)
@@ -138,6 +138,6 @@ def _has_column(gallery: str, column: str) -> bool:
     """Whether an embeddings parquet has ``column`` (a synthetic gallery has every column)."""
     if gallery.startswith("synthetic:"):
         return True
-    from raycompat.backfill.embeddings_parquet import EmbeddingsParquet
+    from raycompat.embeddings.format import EmbeddingsParquet
 
     return column in EmbeddingsParquet.open(gallery).columns

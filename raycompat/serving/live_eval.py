@@ -2,7 +2,7 @@
 while the backfill controller upgrades it, at the simulator's grid points.
 
 At each fraction ``t`` the controller is resumed until ``n(t) = floor(t N + 1/2)`` items of
-the policy's order are upgraded (:func:`raycompat.backfill.grid.backfill_counts`, the
+the policy's order are upgraded (:func:`raycompat.upgrade.grid.backfill_counts`, the
 simulator's rounding), then the labelled queries are searched through ``POST /search`` and
 scored with the same metric functions the simulator uses (docs/methods.md, "Metrics"):
 ``mAP@k`` (:func:`raycompat.metrics.mean_average_precision_at_k`), ``top1``, ``NFR@1``
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from raycompat.backfill.grid import backfill_counts
-from raycompat.backfill.rank_metrics import METRIC_NAMES, full_ap_from_ranks, positive_pairs
 from raycompat.metrics import correct_at_k, mean_average_precision_at_k, negative_flip_rate
+from raycompat.metrics.rank_metrics import METRIC_NAMES, full_ap_from_ranks, positive_pairs
 from raycompat.metrics.recall import recall_at_k
+from raycompat.upgrade.grid import backfill_counts
 
 __all__ = ["live_metrics", "live_backfill_curve", "old_old_reference", "compare_curves"]
 
@@ -97,7 +97,7 @@ def live_backfill_curve(
     """Run a live backfill from t = 0 and measure at every fraction (see the module docstring).
 
     ``client``: a :class:`raycompat.serving.client.ServingClient` (with the admin token);
-    ``data``: the gallery's :class:`raycompat.backfill.gallery.GalleryEmbeddings` (labels,
+    ``data``: the gallery's :class:`raycompat.embeddings.gallery.GalleryEmbeddings` (labels,
     ids, query vectors).  Returns ``{"fractions", "counts", "metrics": {name: [..]}, ...}``.
     """
     fractions = np.asarray(fractions, np.float64)

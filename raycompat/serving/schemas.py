@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from raycompat.backfill.policies import POLICIES
+from raycompat.upgrade.policies import POLICIES
 
 __all__ = ["Limits", "ApiModels", "build_models", "ErrorResponse", "Problem"]
 

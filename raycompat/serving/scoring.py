@@ -1,5 +1,5 @@
 """Query vectors per stored representation: the live counterpart of the simulator's score
-sides (:mod:`raycompat.backfill.modes`, docs/methods.md, "Query strategies").
+sides (:mod:`raycompat.upgrade.modes`, docs/methods.md, "Query strategies").
 
 A query embedded by the new model ``q = phi_n(x)`` scores
 
@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError
 from raycompat.index.search import l2_normalize
+from raycompat.upgrade.modes import SERVED_MODES
 
 __all__ = [
     "adapted_transform",

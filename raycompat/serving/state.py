@@ -17,7 +17,7 @@ applied.
 Scores are inner products of normalised vectors (cosines, docs/methods.md, "Notation"); the
 router sends one query array per representation (:mod:`raycompat.serving.scoring`), so an
 old-state item is scored with the old-state side and a new-state item with the new-state
-side, as in the simulator (:mod:`raycompat.backfill.modes`).  Results are ordered by
+side, as in the simulator (:mod:`raycompat.upgrade.modes`).  Results are ordered by
 descending *canonical* score (:mod:`raycompat.index.canonical`), ties by ascending item id --
 the simulator's ranking rule (docs/indexes.md for the index kinds and their re-ranking).
 """

@@ -1,7 +1,8 @@
 """The backfill controller's guarded upgrade: the canary gate, rollback, finalize and the stale
 listing (docs/live-index.md, "Upgrading a live gallery safely").
 
-:class:`UpgradeCommands` is a part of :class:`raycompat.serving.backfill.BackfillController`
+:class:`UpgradeCommands` is a part of
+:class:`raycompat.serving.backfill_controller.BackfillController`
 (it uses the controller's lock, checkpoint ``ck``, shard handles and order):
 
 * **canary** -- registered once (:meth:`~UpgradeCommands.register_canary`, stored by
@@ -28,11 +29,11 @@ import time
 
 import numpy as np
 
-from raycompat.backfill.canary import CanarySet
 from raycompat.serving.canary_gate import CanaryGate
 from raycompat.serving.durability import atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.storage import StorageError
+from raycompat.upgrade.canary import CanarySet
 
 __all__ = ["UpgradeCommands", "rollback_plan"]
 

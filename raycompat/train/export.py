@@ -51,7 +51,7 @@ def _model_fields(train_config: dict) -> dict:
 
 
 def _old_model_fingerprint(old_model: str) -> str:
-    from raycompat.pipeline.bundles import bundle_fingerprint
+    from raycompat.models.fingerprint import bundle_fingerprint
 
     return bundle_fingerprint(old_model if is_uri(old_model) else os.path.expanduser(old_model))
 

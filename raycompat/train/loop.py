@@ -86,7 +86,7 @@ def make_bundle(
     fingerprint (``predecessor.fingerprint``: sha256 of the old bundle's manifest and weights,
     checked when the two models are used together) and the scenario's (``data.fingerprint``),
     and the training config less the scenario."""
-    from raycompat.pipeline.bundles import bundle_fingerprint
+    from raycompat.models.fingerprint import bundle_fingerprint
     from raycompat.train.export import scenario_fingerprint
 
     embedder = module.method.deployed_embedder(module.embedder)

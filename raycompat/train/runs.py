@@ -25,7 +25,7 @@ def default_run_name(prefix: str, cfg) -> str:
     bundles where they exist, so the same configuration (against the same predecessor) gets the
     same name and resumes from its last checkpoint."""
     from raycompat.config import ConfigError
-    from raycompat.pipeline.bundles import bundle_fingerprint
+    from raycompat.models.fingerprint import bundle_fingerprint
     from raycompat.train.export import RUN_ONLY_FIELDS
 
     values = {k: v for k, v in cfg.to_dict().items() if k not in RUN_ONLY_FIELDS}

@@ -112,7 +112,8 @@ def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, tmp
     import numpy as np
     from simulator_inputs import write_dataset
 
-    from raycompat.backfill import load_parquet, simulate_backfill
+    from raycompat.embeddings.gallery import load_parquet
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     store = tmp_path / "store"
     dataset = write_dataset(store / "embeddings", shards=4, row_group=15)

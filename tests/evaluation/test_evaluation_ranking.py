@@ -51,7 +51,8 @@ def test_float32_tie_is_ranked_by_the_canonical_score():
 def test_static_evaluation_equals_the_simulator_on_ties():
     """Old-old mAP@100 of the static evaluation is the simulator's old-old reference, value
     for value, on a gallery full of exact float32 ties."""
-    from raycompat.backfill import GalleryEmbeddings, simulate_backfill
+    from raycompat.embeddings.gallery import GalleryEmbeddings
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     query, gallery, q_labels, g_labels = _tied_in_float32()
     rng = np.random.default_rng(0)

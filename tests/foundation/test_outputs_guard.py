@@ -16,8 +16,9 @@ import pytest
 
 from raycompat.config import ConfigError
 from raycompat.data import build_scenario
+from raycompat.models.fingerprint import bundle_fingerprint, check_predecessor
 from raycompat.outputs import STAMP, OutputOptions, config_record, resolve_job_output
-from raycompat.pipeline.bundles import bundle_fingerprint, check_predecessor, make_random_bundles
+from raycompat.pipeline.bundles import make_random_bundles
 from raycompat.storage import StorageError
 from raycompat.train import TrainConfig
 from raycompat.train.export import check_bundle_target, scenario_fingerprint
@@ -250,7 +251,7 @@ def test_cleanup_if_empty(tmp_path):
 def simulate_in(folder, monkeypatch, capsys, *flags) -> tuple[int, str]:
     """simulate-backfill (in memory, no Ray) run from working directory ``folder`` with the
     same small settings; returns ``(exit status, stderr)``."""
-    from raycompat.backfill.job import main
+    from raycompat.simulator.job import main
 
     monkeypatch.chdir(folder)
     capsys.readouterr()

@@ -213,7 +213,7 @@ def test_hot_refresh_intervals(main_job):
 def test_gallery_embedded_by_the_pipeline(main_job):
     """The main job's embeddings are the Ray Data pipeline's parquet output, which the
     simulator's loader reads as it is."""
-    from raycompat.backfill.gallery import load_parquet
+    from raycompat.embeddings.gallery import load_parquet
 
     out, _, report = main_job
     paths = report["embeddings"]

@@ -189,7 +189,7 @@ def test_your_images_end_to_end_through_the_jobs(ray_cluster, capsys, photos, tm
     assert code == 0, err
     report = str(tmp_path / "report")
     code, _, err = run_job(
-        capsys, "raycompat.backfill.job", "--embeddings", emb, "--policies", "random",
+        capsys, "raycompat.simulator.job", "--embeddings", emb, "--policies", "random",
         "--modes", "compatible", "--out", report,
     )  # fmt: skip
     assert code == 0, err
@@ -201,7 +201,7 @@ def test_your_images_end_to_end_through_the_jobs(ray_cluster, capsys, photos, tm
 
 def test_query_and_gallery_folders_with_different_classes(ray_cluster, capsys, tmp_path):
     """Each folder numbers its own classes; matched by class name the metrics are right."""
-    from raycompat.backfill.gallery import load_parquet
+    from raycompat.embeddings.gallery import load_parquet
     from raycompat.evaluation import evaluate_pair
 
     queries = write_folder(tmp_path / "queries", [1, 2, 3], 2)
@@ -237,7 +237,7 @@ def test_mixed_dimension_shards_name_the_file_and_column(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raycompat.backfill.gallery import BackfillInputError, load_parquet
+    from raycompat.embeddings.gallery import BackfillInputError, load_parquet
 
     for name, dim in (("a", 64), ("b", 128)):
         vec = pa.array([[0.1] * dim] * 2, type=pa.list_(pa.float32(), dim))
@@ -352,7 +352,7 @@ def test_class_names_that_cannot_be_matched_are_refused(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raycompat.backfill.gallery import BackfillInputError, load_parquet
+    from raycompat.embeddings.gallery import BackfillInputError, load_parquet
 
     vec = pa.array([[0.1, 0.2]] * 2, type=pa.list_(pa.float32(), 2))
 

@@ -705,8 +705,10 @@ def test_fct_transformation_shapes_and_mse_on_frozen_models():
 
 
 def test_fct_query_mode_scores_old_items_through_h():
-    from raycompat.backfill import GalleryEmbeddings, apply_bundle_modules, simulate_backfill
+    from raycompat.embeddings.gallery import GalleryEmbeddings
     from raycompat.models import ForwardTransformation
+    from raycompat.simulator.memory_engine import simulate_backfill
+    from raycompat.upgrade.modes import apply_bundle_modules
 
     g = torch.Generator().manual_seed(5)
     gallery_labels = torch.arange(12) % 4

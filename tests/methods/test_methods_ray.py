@@ -14,7 +14,7 @@ import torch
 
 from raycompat.data import Scenario, build_scenario
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
-from raycompat.pipeline.bundles import bundle_fingerprint, check_predecessor
+from raycompat.models.fingerprint import bundle_fingerprint, check_predecessor
 from raycompat.train import TrainConfig, fit
 
 REPO = locations.REPO

@@ -112,7 +112,8 @@ def test_seeds_add_their_variation():
 
 
 def test_simulator_bands_contain_the_curves():
-    from raycompat.backfill import GalleryEmbeddings, simulate_backfill
+    from raycompat.embeddings.gallery import GalleryEmbeddings
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     rng = np.random.default_rng(0)
     q_labels, g_labels = rng.integers(0, 40, 120), rng.integers(0, 80, 800)

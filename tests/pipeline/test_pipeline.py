@@ -21,12 +21,12 @@ import pytest
 import torch
 from PIL import Image
 
-from raycompat.backfill.gallery import load_parquet
-from raycompat.backfill.policies import UncertaintyHead, uncertainty_scores
 from raycompat.config import ConfigError
 from raycompat.data import CorruptImageError, GlyphRenderer, build_scenario, default_catalog
+from raycompat.embeddings.gallery import load_parquet
 from raycompat.evaluation import embed_glyphs
 from raycompat.models import ModelBundle
+from raycompat.models.uncertainty_head import UncertaintyHead
 from raycompat.pipeline import (
     EXTRA_INSTANCE_BASE,
     GlyphGallerySource,
@@ -40,6 +40,7 @@ from raycompat.pipeline import (
 )
 from raycompat.pipeline.ids import ForwardBatches, parse_ids_option
 from raycompat.pipeline.stages import POSITION_COLUMN, EmbedStage
+from raycompat.upgrade.policies import uncertainty_scores
 
 REPO = locations.REPO
 OLD_DIM, NEW_DIM = 16, 24

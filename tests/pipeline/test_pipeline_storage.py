@@ -21,8 +21,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from raycompat.backfill.gallery import load_parquet
 from raycompat.data import build_scenario, default_catalog
+from raycompat.embeddings.gallery import load_parquet
 from raycompat.pipeline import (
     GlyphGallerySource,
     PipelineOptions,

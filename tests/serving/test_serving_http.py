@@ -34,8 +34,9 @@ from serving_helpers import (
     undeploy,
 )
 
-from raycompat.backfill import load_parquet, simulate_backfill
+from raycompat.embeddings.gallery import load_parquet
 from raycompat.serving.gallery_source import write_gallery_parquet
+from raycompat.simulator.memory_engine import simulate_backfill
 
 
 @pytest.fixture(scope="module")
@@ -515,9 +516,9 @@ def test_hot_refresh_with_an_approximate_index_reports_recall_and_the_difference
     """An IVF index with one list probed of four and no extra candidates: the report gives
     recall@k of the served results against exact search at every fraction and the live curve
     beside the exact simulated one, without asserting them equal."""
-    from raycompat.backfill import simulate_backfill
     from raycompat.hot_refresh import HotRefreshOptions, run_hot_refresh
     from raycompat.index.ann import index_options
+    from raycompat.simulator.memory_engine import simulate_backfill
 
     data = labelled_embeddings(n_items=400, n_queries=40, classes=20)
     parquet = write_gallery_parquet(str(tmp_path / "emb.parquet"), data)
@@ -572,9 +573,9 @@ def fct_bundle(tmp_path_factory):
 def test_fct_offline_equals_online(serve_port, gallery_parquet, fct_bundle, token_file, tmp_path):
     """fct served: items start as ``adapted`` holding h(phi_o(g)) from the new bundle's fct
     module (not the parquet's psi column); the live curve equals the simulator's fct curve."""
-    from raycompat.backfill.modes import apply_bundle_modules
     from raycompat.models import ModelBundle
     from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+    from raycompat.upgrade.modes import apply_bundle_modules
 
     data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(fct_bundle))
     fractions = [0.0, 0.4, 1.0]
@@ -1502,9 +1503,9 @@ def test_rank_merge_offline_equals_online(
 ):
     """rank_merge served: the router maps each query through rho and psi_rev, new items hold
     rho(phi_n(g)); the live curve equals the simulator's rank_merge curve exactly."""
-    from raycompat.backfill.modes import apply_bundle_modules
     from raycompat.models import ModelBundle
     from raycompat.serving.live_eval import compare_curves, live_backfill_curve
+    from raycompat.upgrade.modes import apply_bundle_modules
 
     data = apply_bundle_modules(load_parquet(gallery_parquet), ModelBundle.load(rank_merge_bundle))
     fractions = [0.0, 0.3, 0.6, 1.0]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from raycompat.backfill.modes import SERVED_MODES
 from raycompat.config import ConfigError
 from raycompat.index.canonical import pair_scores
 from raycompat.index.search import l2_normalize
+from raycompat.upgrade.modes import SERVED_MODES
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -51,8 +51,8 @@ def _simulator_sides(rng, rho, psi_rev, n=40, q=6, d_old=8, d_new=12):
 def test_served_scores_equal_the_simulators_canonical_scores(mode):
     """Per served mode, the router's query side for each stored representation and the shards'
     stored vectors give the canonical scores of the simulator's sides for that mode, bit for bit."""
-    from raycompat.backfill.modes import mode_spec
     from raycompat.serving.scoring import initial_representation, query_sides, stored_new
+    from raycompat.upgrade.modes import mode_spec
 
     rng = np.random.default_rng(len(mode))
     w_rho = rng.standard_normal((12, 10)).astype(np.float32)

@@ -24,7 +24,7 @@ from serving_helpers import (
     undeploy,
 )
 
-from raycompat.backfill import load_parquet
+from raycompat.embeddings.gallery import load_parquet
 from raycompat.index.search import l2_normalize
 from raycompat.serving.client import ServingHTTPError
 
@@ -102,7 +102,7 @@ def gate(tmp_path_factory):
     """``({"bct": parquet, "independent": parquet}, arrays)``: a glyph gallery embedded by a
     trained old model and two trained new models, BCT against it and an independent one
     (tests/data/make_gate_embeddings.py made the arrays)."""
-    from raycompat.backfill import GalleryEmbeddings
+    from raycompat.embeddings.gallery import GalleryEmbeddings
     from raycompat.serving.gallery_source import write_gallery_parquet
 
     with np.load(GATE_DATA) as z:
@@ -160,7 +160,7 @@ def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raycompat.backfill.job import BackfillJobOptions, run
+    from raycompat.simulator.job import BackfillJobOptions, run
 
     parquets, arrays = gate
     n = arrays["g_lab"].size
