@@ -250,6 +250,14 @@ class UpgradeCommands:
             if refused:
                 return refused
             ids, first = rollback_plan(kept, self.order, to)
+            finalized = self.ck.get("finalized")
+            if finalized and ids.size == 0:  # nothing can move: say why
+                return {
+                    "error": f"the upgrade was finalized at position {finalized['position']} "
+                    f"({finalized['dropped']} old vector(s) dropped): no item keeps an old "
+                    "vector to return to",
+                    "status": 409,
+                }
             self.rollback_order = ids
             rb = {"state": "running", "to": to, "done": 0, "total": int(ids.size), "first": first}
             rb.update(rolled_back=0, batch_size=int(batch_size), rate=rate, started=time.time())
@@ -273,6 +281,19 @@ class UpgradeCommands:
         return {
             "error": f"cannot {what} while the backfill is {state}: pause it first"
             + (" (a rollback is in progress)" if self.ck.get("rollback") else ""),
+            "status": 409,
+        }
+
+    def _unfinished_rollback_409(self) -> dict | None:
+        """(lock held) A finalize would drop the old vectors a paused rollback still has to
+        return: refused until the rollback ends (docs/live-index.md, "Upgrading a live gallery safely")."""
+        rb = self.ck.get("rollback") or {}
+        if rb.get("state") not in ("running", "paused") or int(rb["done"]) >= int(rb["total"]):
+            return None
+        return {
+            "error": f"cannot finalize while a rollback is unfinished ({rb['state']} after "
+            f"{rb['done']} of {rb['total']} item(s)): resume it to finish the rollback, "
+            "then finalize",
             "status": 409,
         }
 
@@ -350,7 +371,7 @@ class UpgradeCommands:
     def finalize(self) -> dict:
         """Every shard drops its kept old vectors (memory, then disk through a snapshot)."""
         with self.lock:
-            refused = self._idle_or_409("finalize")
+            refused = self._idle_or_409("finalize") or self._unfinished_rollback_409()
             if refused:
                 return refused
         results = []
@@ -366,8 +387,7 @@ class UpgradeCommands:
             pos = int(self.ck.get("position") or 0)
             dropped = [int(r["dropped"]) for r in results]
             self.ck["finalized"] = {"position": pos, "dropped": sum(dropped), "at": time.time()}
-            if (self.ck.get("rollback") or {}).get("state") != "running":
-                self.ck["rollback"] = None
+            self.ck["rollback"] = None  # a rollback that ended (an unfinished one refuses)
             self._try_save("finalized")
             logger.warning("finalized at position %d: %d old vector(s) dropped", pos, sum(dropped))
             return {"dropped": sum(dropped), "per_shard": dropped, "position": pos}

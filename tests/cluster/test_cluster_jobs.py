@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 from multinode import LocalMultiNodeCluster
 
-# a head and a worker node on this machine (`ray start`), jobs through `ray job submit`
-pytestmark = [pytest.mark.cluster2, pytest.mark.subprocess]
+# a head and a worker node on this machine (`ray start`), jobs through `ray job submit`: a
+# job starts its own driver, Ray Train or Ray Data on both nodes (300 s, not the default 120)
+pytestmark = [pytest.mark.cluster2, pytest.mark.subprocess, pytest.mark.timeout(300)]
 
 REPO = locations.REPO
 TINY = [

@@ -25,8 +25,9 @@ import pytest
 import yaml
 from multinode import free_port
 
-# a head and a worker node on this machine (`ray start`), jobs through `ray job submit`
-pytestmark = [pytest.mark.cluster2, pytest.mark.subprocess]
+# a head and a worker node on this machine (`ray start`), jobs through `ray job submit`: a
+# job starts its own driver, Ray Train or Ray Data on both nodes (300 s, not the default 120)
+pytestmark = [pytest.mark.cluster2, pytest.mark.subprocess, pytest.mark.timeout(300)]
 
 REPO = locations.REPO
 VENV_BIN = os.path.dirname(sys.executable)

@@ -262,6 +262,15 @@ def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
           f"{len(back)} back in 'old', {st['items']['new']} new")  # fmt: skip
     _old_vectors_are_back(data, sorted(back)[:20])
 
+    # finalize would drop the old vectors the paused rollback has still to return
+    r = call(client, "POST", "/admin/backfill/finalize", {})
+    assert r.status_code == 409, r.text
+    assert (
+        "rollback is unfinished" in r.json()["error"]
+        and f"{rb['done']} of 200" in r.json()["error"]
+    )
+    assert client.status()["kept"]["items"] == 300 - rb["done"]  # nothing dropped
+
     bf = client.resume_backfill()  # the rollback goes on, then the backfill waits at 100
     assert bf["state"] == "rolling_back"
     _wait(lambda: client.status()["backfill"]["rollback"]["state"] == "done", what="the end")
@@ -284,10 +293,11 @@ def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
     for s in (0, 1):
         with np.load(os.path.join(state, f"shard-{s}", "snapshot.npz")) as z:
             assert not [k for k in z.files if k.startswith("kept_")]
-    r = call(client, "POST", "/admin/backfill/rollback", {})  # nothing kept: nothing moves
-    assert r.status_code == 200
-    _wait(lambda: client.status()["backfill"]["state"] == "paused", what="the empty rollback")
-    assert client.status()["items"]["new"] == 100
+    r = call(client, "POST", "/admin/backfill/rollback", {})  # nothing kept: nothing can move
+    assert r.status_code == 409 and "finalized at position 100" in r.json()["error"], r.text
+    assert "100 old vector(s) dropped" in r.json()["error"]
+    st = client.status()
+    assert st["backfill"]["state"] == "paused" and st["items"]["new"] == 100
 
 
 def _refused_upserts(client, fp: dict, item: int) -> None:
