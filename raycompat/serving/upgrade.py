@@ -286,7 +286,8 @@ class UpgradeCommands:
 
     def _unfinished_rollback_409(self) -> dict | None:
         """(lock held) A finalize would drop the old vectors a paused rollback still has to
-        return: refused until the rollback ends (docs/live-index.md, "Upgrading a live gallery safely")."""
+        return: refused until the rollback ends (docs/live-index.md, "Upgrading a live gallery
+        safely")."""
         rb = self.ck.get("rollback") or {}
         if rb.get("state") not in ("running", "paused") or int(rb["done"]) >= int(rb["total"]):
             return None
