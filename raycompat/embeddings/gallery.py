@@ -45,6 +45,20 @@ __all__ = [
 ]
 
 
+#: The embedding arrays of a :class:`GalleryEmbeddings` (each optional but the old and new ones).
+VECTOR_FIELDS = (
+    "gallery_old",
+    "gallery_new",
+    "gallery_adapted",
+    "gallery_rho",
+    "gallery_fct",
+    "query_old",
+    "query_new",
+    "query_rho",
+    "query_rev",
+)
+
+
 @dataclass
 class GalleryEmbeddings:
     """Gallery- and query-side embeddings of one upgrade, as float32 arrays.
@@ -96,17 +110,7 @@ class GalleryEmbeddings:
             self.query_ids = np.arange(self.query_labels.shape[0], dtype=np.int64)
         self.gallery_ids = np.asarray(self.gallery_ids)
         self.query_ids = np.asarray(self.query_ids)
-        for name in (
-            "gallery_old",
-            "gallery_new",
-            "gallery_adapted",
-            "gallery_rho",
-            "gallery_fct",
-            "query_old",
-            "query_new",
-            "query_rho",
-            "query_rev",
-        ):
+        for name in VECTOR_FIELDS:
             a = getattr(self, name)
             if a is not None:
                 a = np.asarray(a)
@@ -224,17 +228,7 @@ class GalleryEmbeddings:
 
     def _check_values(self, checked_finite: tuple[str, ...] = ()) -> None:
         """No NaN or inf embedding (but in ``checked_finite``); no duplicate item id."""
-        for name in (
-            "gallery_old",
-            "gallery_new",
-            "gallery_adapted",
-            "gallery_rho",
-            "gallery_fct",
-            "query_old",
-            "query_new",
-            "query_rho",
-            "query_rev",
-        ):
+        for name in VECTOR_FIELDS:
             a = getattr(self, name)
             if a is None or name in checked_finite:
                 continue

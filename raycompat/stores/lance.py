@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 from raycompat.stores.base import (
     FINALIZED_KEY,
+    LOGICAL_COLUMNS,
     Capabilities,
     CheckedBlock,
     ColumnMap,
@@ -153,17 +154,7 @@ def _layout_from_schema(schema: pa.Schema, cols: ColumnMap, where: str, finalize
     """The layout of an existing table; a StoreError names the first column that is missing
     or of the wrong type."""
     names = set(schema.names)
-    for logical in (
-        "id",
-        "label",
-        "old",
-        "new",
-        "image_uri",
-        "old_model",
-        "new_model",
-        "upgraded",
-        "position",
-    ):
+    for logical in LOGICAL_COLUMNS:
         name = getattr(cols, logical)
         if name is None or (logical == "old" and finalized and name not in names):
             continue
