@@ -91,7 +91,11 @@ class QuickstartOptions:
     )
     batch_size: int = positive(128, help="global batch size")
     lr: float = positive(0.1, help="peak learning rate")
-    workers: int = positive(1, help="DDP workers per training run (Ray Train)")
+    workers: int = nonnegative(
+        1,
+        help="DDP workers per training run (Ray Train; 0: Ray Train's local mode, the loop "
+        "in this process, one run at a time)",
+    )
     parallel: int = positive(
         1,
         help="Ray Train runs at a time (a BCT model starts once its old model is trained); "
@@ -271,7 +275,8 @@ def _trained_line(opts, name: str, seed: int, info: dict, history: list, wall: f
     console.phase(
         f"trained {which}",
         f"{info['method']} on {info['split']}, {len(history)} epochs, "
-        f"{opts.workers} worker(s): final loss {last.get('loss/loss', float('nan')):.4f}, "
+        f"{opts.workers or 'local mode, 1'} worker(s): "
+        f"final loss {last.get('loss/loss', float('nan')):.4f}, "
         f"{last.get('images_per_s', float('nan')):.0f} images/s",
         wall,
     )

@@ -119,8 +119,9 @@ def mark_complete(path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the main job
-#: the smallest main job: a few glyph classes, one epoch per model, two training seeds; its
-#: models (``<out>/models``, ``<out>/models/seed1``) are the suite's shared tiny trained models
+#: the smallest main job: a few glyph classes, one epoch per model, two training seeds, its
+#: training in Ray Train's local mode (in the test's process); its models (``<out>/models``,
+#: ``<out>/models/seed1``) are the suite's shared tiny trained models
 TINY_MAIN_JOB = [
     "--seeds", "2",
     "--old-fraction", "0.5",
@@ -136,6 +137,7 @@ TINY_MAIN_JOB = [
     "--old-epochs", "1",
     "--new-epochs", "1",
     "--batch-size", "8",
+    "--workers", "0",  # Ray Train's local mode: Ray Train's DDP runs are tests/train's
 ]  # fmt: skip
 
 

@@ -2,26 +2,32 @@
 bundles on disk, and imported models (a timm checkpoint or a TorchScript file the user already
 has)."""
 
-from raycompat.models.basis import BasisEmbedder, BasisTransform
-from raycompat.models.bundle import ModelBundle, build_module
-from raycompat.models.embedder import Embedder, GeM
-from raycompat.models.heads import ClassifierHead, margin_logits
-from raycompat.models.imported import TimmFeatures, TorchScriptEmbedder
-from raycompat.models.psi import FeatureMap, ForwardTransformation, ProjectionMLP, PsiMLP
+import importlib
 
-__all__ = [
-    "ModelBundle",
-    "build_module",
-    "Embedder",
-    "GeM",
-    "ClassifierHead",
-    "margin_logits",
-    "ProjectionMLP",
-    "PsiMLP",
-    "ForwardTransformation",
-    "BasisEmbedder",
-    "BasisTransform",
-    "FeatureMap",
-    "TimmFeatures",
-    "TorchScriptEmbedder",
-]
+_EXPORTS = {
+    "BasisEmbedder": "basis",
+    "BasisTransform": "basis",
+    "ModelBundle": "bundle",
+    "build_module": "bundle",
+    "Embedder": "embedder",
+    "GeM": "embedder",
+    "ClassifierHead": "heads",
+    "margin_logits": "heads",
+    "TimmFeatures": "imported",
+    "TorchScriptEmbedder": "imported",
+    "FeatureMap": "psi",
+    "ForwardTransformation": "psi",
+    "ProjectionMLP": "psi",
+    "PsiMLP": "psi",
+}
+
+
+def __getattr__(name):
+    """Lazy exports: a process that only reads a model's plain parts (the uncertainty head's
+    arrays, a bundle's fingerprint) does not import torch (seconds per process)."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -62,7 +62,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         opts.address,
         num_cpus=None
         if opts.address
-        else max(os.cpu_count() or 1, opts.parallel * opts.training.workers),
+        else max(os.cpu_count() or 1, opts.parallel * max(1, opts.training.workers)),
     )
     reproduction = Reproduction(opts, out, output.runs, log)
     results = reproduction.run()

@@ -166,7 +166,11 @@ class ScaleOptions:
     batch_size: int = positive(64, help="global batch size")
     lr: float = positive(0.1, help="peak learning rate")
     psi_hidden: int = positive(256, help="DMU psi / RM psi_rev hidden width (papers: 1024)")
-    workers: int = positive(1, help="DDP workers per training run")
+    workers: int = nonnegative(
+        1,
+        help="DDP workers per training run (0: "
+        "Ray Train's local mode, the loop in this process, one run at a time)",
+    )
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
 
 
@@ -308,7 +312,7 @@ class ReproduceOptions:
         """Torch threads per training worker: the cores shared by the concurrent runs."""
         import os
 
-        return max(1, (os.cpu_count() or 1) // (self.parallel * self.training.workers))
+        return max(1, (os.cpu_count() or 1) // (self.parallel * max(1, self.training.workers)))
 
     def method_plan(self, scenario: str) -> list[Variant]:
         """The variants trained in ``scenario`` (``independent`` first), in report order."""
@@ -392,7 +396,7 @@ class ReproduceOptions:
                 f"--train-budget-minutes must be >= 0, got {self.train_budget_minutes}"
             )
         t = self.training
-        if t.batch_size % t.workers:
+        if t.workers and t.batch_size % t.workers:
             raise ConfigError(
                 f"--batch-size {t.batch_size} must be divisible by --workers {t.workers}"
             )

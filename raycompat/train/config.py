@@ -58,7 +58,7 @@ class TrainConfig:
     warmup_epochs: int = nonnegative(1)
     seed: int = 0
     # execution
-    num_workers: int = positive(1)
+    num_workers: int = nonnegative(1)  # 0: Ray Train's local mode (the driver's process)
     use_gpu: bool = False
     gpus_per_worker: float = positive(1.0)
     cpus_per_worker: float = positive(1.0)
@@ -122,7 +122,7 @@ class TrainConfig:
                         f"this run has {key}={getattr(self, key)!r}: they must match"
                     )
         cls.check_config(self, old)
-        if self.batch_size % self.num_workers:
+        if self.num_workers and self.batch_size % self.num_workers:
             raise ConfigError(
                 f"batch_size {self.batch_size} must be divisible by num_workers {self.num_workers}"
             )

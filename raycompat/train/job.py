@@ -90,7 +90,11 @@ class TrainOptions:
     lr: float = positive(0.1, help="peak learning rate")
     optimizer: str = choices("sgd", "adamw", default="sgd", help="optimizer")
     seed: int = nonnegative(0, help="seed of the initialisation and the batch order")
-    workers: int = positive(1, help="DDP workers (Ray Train)")
+    workers: int = nonnegative(
+        1,
+        help="DDP workers (Ray Train; 0: "
+        "Ray Train's local mode, the loop in this process, one run at a time)",
+    )
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU with gloo; >0: NCCL)")
     cpus_per_worker: float = positive(1.0, help="CPUs per worker")
     max_failures: int = option(2, help="worker-failure restarts (FailureConfig; -1: unlimited)")

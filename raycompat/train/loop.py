@@ -4,7 +4,8 @@ Per worker: build the data shard, the new model and the method; wrap them in DDP
 (gloo on CPU, NCCL on GPU, chosen by Ray Train; BatchNorm synchronized over the workers);
 resume from the latest checkpoint if Ray Train restarted us; then per epoch: the method's
 distributed pass, the steps, and a checkpoint with metrics. The loop knows nothing about
-any particular method.
+any particular method. With ``num_workers=0`` (Ray Train's local mode) it runs once in the
+driver's process and writes its checkpoints to the run folder itself.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from raycompat.config import ConfigError
 from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.models.heads import continued_vertices
+from raycompat.storage import local_copy, open_storage
 from raycompat.train.config import TrainConfig
 from raycompat.train.data import EpochPassLoader, build_training_set
 from raycompat.train.sync_batchnorm import synchronize_batchnorm
@@ -257,7 +260,8 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     _seed_and_threads(cfg, context.get_local_world_size())
     device = ray.train.torch.get_device()
     # where every rank runs (Ray node ids, in rank order): recorded in each epoch's metrics
-    worker_nodes = torch_distributed.all_gather_strings(ray.get_runtime_context().get_node_id())
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    worker_nodes = torch_distributed.all_gather_strings(node)
     _write_pid(cfg, rank)
     method_cls = method_class(cfg.method)
     old = ModelBundle.load(cfg.old_model, device).freeze() if cfg.old_model else None
@@ -327,21 +331,19 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
 
 def resume(state: WorkerState) -> tuple[int, list[dict]]:
     """``(first epoch to run, metrics history)``: from Ray Train's latest checkpoint when Ray
-    restarted this run (module and optimizer state restored), else ``(0, [])``."""
+    restarted this run, or in local mode from the newest checkpoint the loop wrote under the
+    run folder (module and optimizer state restored); else ``(0, [])``."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return 0, []
-    with checkpoint.as_directory() as ckpt_dir:
-        saved = torch.load(
-            os.path.join(ckpt_dir, TRAIN_STATE), map_location=state.device, weights_only=True
-        )
-        state.module.load_state_dict(saved["module"])
-        state.optimizer.load_state_dict(saved["optimizer"])
-        start_epoch = int(saved["epoch"]) + 1
-        with open(os.path.join(ckpt_dir, HISTORY)) as f:
-            history = json.load(f)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            start_epoch, history = _load_checkpoint(state, ckpt_dir)
+    else:
+        latest = latest_local_checkpoint(state.cfg) if is_local_mode(state.cfg) else None
+        if latest is None:
+            return 0, []
+        start_epoch, history = _load_checkpoint(state, local_copy(latest))
     if state.rank == 0:
         print(
             f"[raycompat] resumed {state.cfg.run_name} "
@@ -349,6 +351,57 @@ def resume(state: WorkerState) -> tuple[int, list[dict]]:
             flush=True,
         )
     return start_epoch, history
+
+
+def _load_checkpoint(state: WorkerState, ckpt_dir: str) -> tuple[int, list[dict]]:
+    saved = torch.load(
+        os.path.join(ckpt_dir, TRAIN_STATE), map_location=state.device, weights_only=True
+    )
+    state.module.load_state_dict(saved["module"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    with open(os.path.join(ckpt_dir, HISTORY)) as f:
+        history = json.load(f)
+    return int(saved["epoch"]) + 1, history
+
+
+# ----------------------------------------------------------------------------- local mode
+def is_local_mode(cfg: TrainConfig) -> bool:
+    """``num_workers=0``: Ray Train's local mode, the loop in the driver's process
+    (docs/training.md, "Local mode")."""
+    return cfg.num_workers == 0
+
+
+def checkpoint_name(epoch: int) -> str:
+    """The folder of the checkpoint after ``epoch`` (0-based) finished: ``epoch_0001``..."""
+    return f"epoch_{epoch + 1:04d}"
+
+
+def _run_location(cfg: TrainConfig):
+    return open_storage(cfg.storage_path, check=False).child(cfg.run_name)
+
+
+def _local_checkpoints(run) -> list[str]:
+    return [n for n in run.listdir() if re.fullmatch(r"epoch_\d{4}", n)]
+
+
+def latest_local_checkpoint(cfg: TrainConfig) -> str | None:
+    """The newest ``epoch_NNNN`` folder of the run that holds a train state, or ``None``."""
+    run = _run_location(cfg)
+    for name in reversed(_local_checkpoints(run)):
+        if run.is_file(name, TRAIN_STATE) and run.is_file(name, HISTORY):
+            return run.join(name)
+    return None
+
+
+def save_local_checkpoint(cfg: TrainConfig, ckpt_dir: str, epoch: int) -> None:
+    """Local mode: Ray Train keeps no checkpoint there, so the loop copies each one to
+    ``<storage>/<run_name>/epoch_NNNN`` itself (where Ray Train would put it) and keeps the
+    newest ``checkpoints_to_keep``."""
+    run = _run_location(cfg)
+    run.make_dirs("--storage")
+    run.upload_dir(ckpt_dir, checkpoint_name(epoch))
+    for name in _local_checkpoints(run)[: -cfg.checkpoints_to_keep]:
+        run.filesystem.delete_dir(run.fs_path(name))
 
 
 def run_epoch(state: WorkerState, epoch: int) -> EpochTotals:
@@ -445,10 +498,12 @@ def report_epoch(state: WorkerState, epoch: int, metrics: dict, history: list[di
             make_bundle(
                 cfg, state.module, state.old, state.new_classes, state.compatible_dim, epoch
             ).save(os.path.join(tmp, BUNDLE_DIR))
+            if is_local_mode(cfg):
+                save_local_checkpoint(cfg, tmp, epoch)
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                checkpoint_dir_name=f"epoch_{epoch + 1:04d}",
+                checkpoint_dir_name=checkpoint_name(epoch),
             )
         else:
             ray.train.report(metrics, checkpoint=None)

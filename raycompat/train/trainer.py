@@ -1,25 +1,31 @@
 """Driver side: run the training loop on a Ray cluster with ``TorchTrainer`` and export the model.
 
 The run directory is ``<storage_path>/<run_name>``; Ray Train restores its state from there,
-so re-running an identical configuration resumes it instead of starting over. The storage is a
-local folder or any pyarrow URI (:mod:`raycompat.storage`); it is checked for writing before
-any worker starts, and the export location is checked too: another model there is not
-replaced unless ``overwrite`` (:func:`raycompat.train.export.check_bundle_target`).
+so re-running an identical configuration resumes it instead of starting over. With
+``num_workers=0`` the run uses Ray Train's local mode: the loop runs in this process (no
+controller or worker processes to start, which is most of a tiny run's time), one run at a
+time, and writes its checkpoints to the same run folder (docs/training.md, "Local mode").
+
+The storage is a local folder or any pyarrow URI (:mod:`raycompat.storage`); it is checked
+for writing before any worker starts, and the export location is checked too: another model
+there is not replaced unless ``overwrite`` (:func:`raycompat.train.export.check_bundle_target`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 
 from raycompat import console
 from raycompat.models import ModelBundle
-from raycompat.storage import is_uri, open_storage
+from raycompat.storage import is_uri, local_copy, open_storage
 from raycompat.train.config import TrainConfig
 from raycompat.train.export import check_bundle_target
-from raycompat.train.loop import BUNDLE_DIR, HISTORY, train_loop_per_worker
+from raycompat.train.loop import BUNDLE_DIR, HISTORY, is_local_mode, train_loop_per_worker
 
 
 @dataclass
@@ -57,10 +63,8 @@ def console_settings():
 def fit(cfg: TrainConfig, export_to: str | None = None, overwrite: bool = False) -> TrainRun:
     """Train with ``cfg.num_workers`` DDP workers; copy the final bundle to ``export_to``.
     A different model already at ``export_to`` is refused before training (``ConfigError``)
-    unless ``overwrite``; a bundle trained with the same model options is exported again."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
+    unless ``overwrite``; a bundle trained with the same model options is exported again.
+    ``num_workers=0``: Ray Train's local mode, in this process."""
     cfg.validate()
     if export_to:
         check_bundle_target(export_to, cfg.to_dict(), overwrite)
@@ -72,25 +76,9 @@ def fit(cfg: TrainConfig, export_to: str | None = None, overwrite: bool = False)
         if export_to:
             finished.bundle_path = _export(finished.bundle_path, export_to)
         return finished
-    logging_config, worker_env = console_settings()
-    resources = {"CPU": cfg.cpus_per_worker}
-    if cfg.use_gpu:
-        resources["GPU"] = cfg.gpus_per_worker
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=cfg.to_dict(),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources
-        ),
-        run_config=ray.train.RunConfig(
-            name=cfg.run_name,
-            storage_path=storage.uri,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep),
-            logging_config=logging_config,
-            worker_runtime_env={"env_vars": worker_env},
-        ),
-    )
+    trainer = _trainer(cfg, storage)
+    if is_local_mode(cfg):
+        return _fit_local(cfg, trainer, storage, export_to)
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training run {cfg.run_name} finished without a checkpoint")
@@ -109,16 +97,85 @@ def fit(cfg: TrainConfig, export_to: str | None = None, overwrite: bool = False)
     )
 
 
-def finished_run(cfg: TrainConfig, storage) -> TrainRun | None:
+def _trainer(cfg: TrainConfig, storage):
+    """The ``TorchTrainer`` of ``cfg``: its workers, storage, failures, checkpoints, logs."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    logging_config, worker_env = console_settings()
+    resources = {"CPU": cfg.cpus_per_worker}
+    if cfg.use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    scaling = (
+        ray.train.ScalingConfig(num_workers=0)
+        if is_local_mode(cfg)
+        else ray.train.ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources
+        )
+    )
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=cfg.to_dict(),
+        scaling_config=scaling,
+        run_config=ray.train.RunConfig(
+            name=cfg.run_name,
+            storage_path=storage.uri,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep),
+            logging_config=logging_config,
+            worker_runtime_env={"env_vars": worker_env},
+        ),
+    )
+
+
+#: Ray Train's local mode keeps one training context per process: local runs take turns
+_LOCAL_RUN = threading.Lock()
+
+
+def _fit_local(cfg: TrainConfig, trainer, storage, export_to: str | None) -> TrainRun:
+    """Run the loop in this process (local mode, one run at a time), leaving this process's
+    torch threads and random states as they were; the run is then read back from the
+    checkpoints the loop wrote (:func:`finished_run`)."""
+    with _LOCAL_RUN, _process_state_kept():
+        trainer.fit()
+    run = finished_run(cfg, storage, anywhere=True)
+    if run is None:
+        raise RuntimeError(f"training run {cfg.run_name} finished without a checkpoint")
+    if export_to:
+        run.bundle_path = _export(local_copy(run.bundle_path), export_to)
+    return run
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Torch's intra-op threads and the torch and numpy random states, restored on exit (the
+    loop sets them for its run)."""
+    import numpy as np
+    import torch
+
+    threads, torch_rng, numpy_rng = (
+        torch.get_num_threads(),
+        torch.get_rng_state(),
+        np.random.get_state(),
+    )
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(torch_rng)
+        np.random.set_state(numpy_rng)
+
+
+def finished_run(cfg: TrainConfig, storage, anywhere: bool = False) -> TrainRun | None:
     """The run ``cfg.run_name`` when it has already trained every epoch of this configuration
     (docs/training.md, "Resume"): its last checkpoint ``epoch_<epochs>`` holds the history of
     every epoch and a bundle trained with the same model options. Re-running it would only
     restore that checkpoint, at the cost of starting Ray Train's controller and workers (tens
-    of seconds), so :func:`fit` returns it as it is. Local storage only; elsewhere Ray Train
-    restores the run."""
+    of seconds), so :func:`fit` returns it as it is. Local storage only (elsewhere Ray Train
+    restores the run), unless ``anywhere`` (a local-mode run, read back after it finished)."""
     from raycompat.train.export import bundle_differences
 
-    if not storage.on_disk or not cfg.run_name:
+    if not (storage.on_disk or anywhere) or not cfg.run_name:
         return None
     run = storage.child(cfg.run_name)
     checkpoint = run.child(f"epoch_{cfg.epochs:04d}")

@@ -14,6 +14,7 @@ from raycompat.data import GlyphRenderer, default_catalog
 
 CLASSES = 10
 TRAIN_FLAGS = [
+    "--workers", "0",  # Ray Train's local mode (tests/train tests DDP)
     "--backbone", "lcnet_050", "--resolution", "16", "--embed-dim", "32", "--epochs", "1",
     "--batch-size", "8", "--lr", "0.05",
 ]  # fmt: skip

@@ -212,18 +212,37 @@ def test_missing_models_and_bad_columns_are_named(scenario, tmp_path, bundles):
 
 
 # ----------------------------------------------------------------------------- on the Ray cluster
-def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
+def batching_options(render: int, preprocess: int) -> PipelineOptions:
+    """Chunks of 12 ids, model stages in sub-batches of 8 (a 4-id tail per chunk), and the
+    given batch sizes of the task stages (which shape the blocks the model stages receive)."""
+    opts = small_options()
+    opts.chunk_size = 12
+    opts.stages["render"].batch_size = render
+    opts.stages["preprocess"].batch_size = preprocess
+    return opts
+
+
+@pytest.fixture(scope="module")
+def full_run(ray_cluster, bundles, scenario, tmp_path_factory):
+    """``(source, run)``: every column and the uncertainty scores, chunks of 12 ids and model
+    sub-batches of 8 (:func:`batching_options`); shared by the schema test and the batching
+    test (its aligned run)."""
     src = GlyphGallerySource(scenario, extra_distractors=30, resolution=16, data_seed=2)
     run = embed_gallery(
-        str(tmp_path / "g"),
+        str(tmp_path_factory.mktemp("full") / "g"),
         src,
         old_model=bundles[0],
         new_model=bundles[1],
         columns=("old", "new", "adapted"),
         uncertainty=True,
-        options=small_options(),
+        options=batching_options(8, 8),
         log=quiet,
     )
+    return src, run
+
+
+def test_schema_values_and_loader(full_run, bundles, scenario, tmp_path):
+    src, run = full_run
     schema = pq.read_schema(os.path.join(run.path, "part-000000.parquet"))
     assert [(f.name, str(f.type)) for f in schema] == [
         ("item_id", "int64"),
@@ -265,7 +284,7 @@ def test_schema_values_and_loader(ray_cluster, bundles, scenario, tmp_path):
         new_model=bundles[1],
         columns=("old", "new", "adapted"),
         uncertainty=True,
-        options=small_options(),
+        options=batching_options(8, 8),
         log=quiet,
     )
     assert again.summary["items_planned"] == 0 and again.summary["items_resumed"] == n
@@ -337,37 +356,23 @@ def test_new_column_only_for_given_ids(ray_cluster, bundles, scenario, tmp_path)
         )
 
 
-def batching_options(render: int, preprocess: int) -> PipelineOptions:
-    """Chunks of 12 ids, model stages in sub-batches of 8 (a 4-id tail per chunk), and the
-    given batch sizes of the task stages (which shape the blocks the model stages receive)."""
-    opts = small_options()
-    opts.chunk_size = 12
-    opts.stages["render"].batch_size = render
-    opts.stages["preprocess"].batch_size = preprocess
-    return opts
-
-
-def test_output_is_bit_identical_whatever_ray_data_batching(
-    ray_cluster, bundles, scenario, tmp_path
-):
+def test_output_is_bit_identical_whatever_ray_data_batching(full_run, bundles, tmp_path):
     """What the pipeline writes does not depend on how Ray Data forms blocks and batches
     (issue 27, point 8). Render and preprocess batches of 9 ids hand the model stages blocks
     of 9 and 12 rows, so Ray Data's batches of 8 leave 1-row and 4-row remainders that cross
     the model's sub-batches; the output must equal, bit for bit, that of blocks aligned to
     them (batches of 1 to 3 rows round differently from 8 in this model)."""
-    src = GlyphGallerySource(scenario, extra_distractors=30, resolution=16, data_seed=2)
-    kwargs = dict(
+    src, aligned_run = full_run  # render and preprocess batches of 8
+    aligned = aligned_run.table()
+    ragged = embed_gallery(
+        str(tmp_path / "ragged"),
+        src,
         old_model=bundles[0],
         new_model=bundles[1],
         columns=("old", "new", "adapted"),
         uncertainty=True,
+        options=batching_options(9, 9),
         log=quiet,
-    )
-    aligned = embed_gallery(
-        str(tmp_path / "aligned"), src, options=batching_options(8, 8), **kwargs
-    ).table()
-    ragged = embed_gallery(
-        str(tmp_path / "ragged"), src, options=batching_options(9, 9), **kwargs
     ).table()
     assert ragged.column("item_id").to_pylist() == list(range(src.num_ids()))
     assert ragged.column_names == aligned.column_names

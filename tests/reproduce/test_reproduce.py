@@ -50,6 +50,7 @@ TINY = ScaleOptions(
     batch_size=32,
     psi_hidden=64,
     arch_backbone="test_efficientnet",
+    workers=0,  # Ray Train's local mode: no worker processes to start for a tiny run
 )
 
 
@@ -63,7 +64,6 @@ def tiny_run(ray_cluster, tmp_path_factory):
         sequential_methods=("dmu",),
         sizes=TINY_SIZES,
         training=TINY,
-        parallel=4,  # 1-worker runs, 4 logical CPUs in the test cluster
     ).validated()
     return opts, out, run_reproduce(opts)
 

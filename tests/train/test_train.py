@@ -91,14 +91,14 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     scenario = build_scenario(
         "extended-data",
         num_train_classes=12,
-        images_per_class=64,
+        images_per_class=32,
         num_eval_classes=4,
         queries_per_class=1,
         gallery_per_class=2,
         num_distractor_classes=0,
         seed=5,
     )
-    cfg = tiny_config(scenario, tmp_path, epochs=10, run_name="kill", max_failures=2)
+    cfg = tiny_config(scenario, tmp_path, epochs=6, run_name="kill", max_failures=2)
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(run=fit(cfg)), daemon=True)
     thread.start()
@@ -117,7 +117,7 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     assert "run" in outcome, "fit() raised instead of recovering"
     run = outcome["run"]
     assert int((tmp_path / "diag" / "pid_rank0.txt").read_text()) != pid, "worker not restarted"
-    assert [h["epoch"] for h in run.history] == list(range(1, 11))
+    assert [h["epoch"] for h in run.history] == list(range(1, 7))
     starts = [h["start_epoch"] for h in run.history]
     # The first attempt started from scratch; the epochs after the kill ran in an attempt that
     # resumed from a registered checkpoint (epoch 2 or later), never from scratch again.
@@ -209,7 +209,8 @@ def test_default_run_name_is_a_hash_of_the_configuration(tmp_path):
 def test_rerun_of_an_identical_configuration_resumes(ray_cluster, capsys, tmp_path):
     """train-old twice with the same options: one run folder, and the second run trains no
     epoch again (its checkpoints are the first run's, untouched) and exports the same model;
-    a third run on another storage trains again and gives that model bit for bit."""
+    a third run on another storage, in Ray Train's local mode (``--workers 0``, the loop in
+    this process), trains again and gives that model bit for bit."""
     import json
 
     from raycompat.train import old_job
@@ -232,7 +233,36 @@ def test_rerun_of_an_identical_configuration_resumes(ray_cluster, capsys, tmp_pa
     assert (out / "manifest.json").read_text() == first
     # trained again from nothing (another storage): the same model, bit for bit
     fresh = [*TINY_JOB, "--storage", str(tmp_path / "fresh"), "--out", str(tmp_path / "again")]
+    fresh += ["--workers", "0"]
     assert old_job.main(fresh) == 0
     capsys.readouterr()
     for part in sorted(p.name for p in out.iterdir() if p.suffix == ".pt"):
         assert (tmp_path / "again" / part).read_bytes() == (out / part).read_bytes(), part
+
+
+def test_local_mode_resumes_from_its_own_checkpoints_and_keeps_the_newest(
+    ray_cluster, tiny_scenario, tmp_path
+):
+    """``num_workers=0`` (Ray Train's local mode) runs in this process: it writes a checkpoint
+    per epoch under ``<storage>/<run_name>`` (Ray Train keeps none there), keeps the newest
+    ``checkpoints_to_keep``, resumes a longer run of the same name from the newest, and leaves
+    this process's torch threads and random state as they were."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    cfg = tiny_config(tiny_scenario, tmp_path, num_workers=0, epochs=2, threads_per_worker=2)
+    first = fit(cfg)
+    assert torch.get_num_threads() == 1 and torch.equal(torch.rand(3), expected)
+    assert [h["start_epoch"] for h in first.history] == [0, 0]
+    assert first.checkpoint_path == str(tmp_path / "runs" / "tiny" / "epoch_0002")
+    pid = int((tmp_path / "diag" / "pid_rank0.txt").read_text())
+    assert pid == os.getpid()
+    longer = fit(tiny_config(tiny_scenario, tmp_path, num_workers=0, epochs=3))
+    assert [h["start_epoch"] for h in longer.history] == [0, 0, 2]
+    assert longer.history[:2] == first.history
+    folders = sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir())
+    assert folders == ["epoch_0002", "epoch_0003"]  # checkpoints_to_keep=2
+    assert longer.load().manifest["train_config"]["num_workers"] == 0
