@@ -47,20 +47,27 @@ def _count_below(edges, first, n, v, strict):
     return lo
 
 
+#: scores tested per step: one 64-bit mask, bit ``k`` set when score ``c + k`` survives
+CHUNK = 64
+
+
 def _survivor_count(
-    S, q0, lo_min, off, lo, hi, seg, base, width, acc, count, band_col, band_val, band_hi, band_lo
-):
-    """Every score ``S[r, j]`` at or above query ``q0 + r``'s lowest edge is located among the
-    query's thresholds (``hi`` edges, strictly below), added to one histogram bucket per
-    segmentation ``s`` (``acc[seg[s, j] * width + base[s] + first + q + b]`` when ``count``),
-    and kept as a near-tie when the next threshold's band (``lo`` edge) holds it -- the
-    decisions of ``MergedThresholds.locate`` (docs/simulator.md). Returns ``(survivors,
+    S, n_cols, q0, lo_min, off, lo, hi, seg, base, width, acc, count,
+    band_col, band_val, band_hi, band_lo,
+):  # fmt: skip
+    """Every score ``S[r, j]`` (``j < n_cols``) at or above query ``q0 + r``'s lowest edge is
+    located among the query's thresholds (``hi`` edges, strictly below), added to one
+    histogram bucket per segmentation ``s`` (``acc[seg[s, j] * width + base[s] + first + q +
+    b]`` when ``count``), and kept as a near-tie when the next threshold's band (``lo`` edge)
+    holds it -- the decisions of ``MergedThresholds.locate`` (docs/simulator.md). The filter
+    tests :data:`CHUNK` scores at a time into a bit mask (a loop of constant length, which LLVM
+    turns into vector compares) and visits only the set bits. Returns ``(survivors,
     near-ties)``; near-ties past the buffers' length are counted, not stored."""
-    n_rows, n_cols = S.shape
     cap = band_col.shape[0]
     survivors = 0
     n_band = 0
-    for r in range(n_rows):
+    full = n_cols - n_cols % CHUNK
+    for r in range(S.shape[0]):
         q = q0 + r
         first = off[q]
         cnt = off[q + 1] - first
@@ -68,41 +75,70 @@ def _survivor_count(
             continue
         t = lo_min[q]
         bucket0 = first + q
-        for j in range(n_cols):
-            v = S[r, j]
-            if v < t:
-                continue
-            survivors += 1
-            b = _count_below(hi, first, cnt, v, True)
-            if count:
-                for s in range(seg.shape[0]):
-                    acc[seg[s, j] * width + base[s] + bucket0 + b] += 1
-            if b < cnt and lo[first + b] <= v:  # the next threshold's band holds v
-                if n_band < cap:
-                    band_col[n_band] = j
-                    band_val[n_band] = v
-                    band_hi[n_band] = first + b
-                    band_lo[n_band] = first + _count_below(lo, first, cnt, v, False)
-                n_band += 1
+        row = S[r]
+        for c in range(0, n_cols, CHUNK):
+            mask = np.uint64(0)
+            if c < full:
+                for k in range(CHUNK):
+                    mask |= np.uint64(row[c + k] >= t) << np.uint64(k)
+            else:
+                for k in range(n_cols - c):
+                    mask |= np.uint64(row[c + k] >= t) << np.uint64(k)
+            while mask:
+                j = c + _trailing_zeros(mask)
+                mask &= mask - np.uint64(1)
+                v = row[j]
+                survivors += 1
+                b = (
+                    _count_below(hi, first, cnt, v, True)
+                    if cnt > 16
+                    else _count_less(hi, first, cnt, v)
+                )
+                if count:
+                    for s in range(seg.shape[0]):
+                        acc[seg[s, j] * width + base[s] + bucket0 + b] += 1
+                if b < cnt and lo[first + b] <= v:  # the next threshold's band holds v
+                    if n_band < cap:
+                        band_col[n_band] = j
+                        band_val[n_band] = v
+                        band_hi[n_band] = first + b
+                        band_lo[n_band] = first + _count_below(lo, first, cnt, v, False)
+                    n_band += 1
     return survivors, n_band
+
+
+def _count_less(edges, first, n, v):
+    """How many of ``edges[first:first + n]`` are below ``v``: the count of
+    :func:`_count_below` (``strict``) without its branches, for a query's few thresholds."""
+    b = 0
+    for i in range(n):
+        b += edges[first + i] < v
+    return b
+
+
+def _trailing_zeros(x):  # replaced by numba's intrinsic when the kernel is compiled
+    return (int(x) & -int(x)).bit_length() - 1
 
 
 def load_kernel():
     """The compiled kernel (numba ``njit``: ``cache=True, nogil=True``, compiled at its first
     call for the argument types given), or ``None`` (with one warning) where numba cannot be
     imported."""
-    global _count_below
+    global _count_below, _count_less, _trailing_zeros
     with _lock:
         if "fn" not in _loaded:
             try:
                 import numba
+                from numba.cpython.unsafe.numbers import trailing_zeros
             except ImportError as exc:  # pragma: no cover - numba is a dependency
                 log.warning("fused survivor kernel unavailable (%s); using the torch filter", exc)
                 _loaded["fn"] = None
             else:
-                # the kernel calls the compiled search: numba reads the module's global
-                search = getattr(_count_below, "py_func", _count_below)
-                _count_below = numba.njit(cache=True, nogil=True, inline="always")(search)
+                # the kernel calls compiled helpers: numba reads the module's globals
+                inline = numba.njit(cache=True, nogil=True, inline="always")
+                _count_below = inline(getattr(_count_below, "py_func", _count_below))
+                _count_less = inline(getattr(_count_less, "py_func", _count_less))
+                _trailing_zeros = trailing_zeros
                 _loaded["fn"] = numba.njit(cache=True, nogil=True)(_survivor_count)
         return _loaded["fn"]
 
@@ -139,7 +175,14 @@ def count_block(
     if S.dtype != torch.float32 or S.device.type != "cpu" or S.stride(1) != 1:
         raise ValueError("the fused kernel takes a CPU float32 block with unit column stride")
     scores = S.numpy()
-    n_cols = scores.shape[1]
+    n_rows, n_cols = scores.shape
+    ld = scores.strides[0] // scores.itemsize if n_rows > 1 else n_cols
+    if ld != n_cols:
+        # rows of a wider buffer: seen as rows of ld scores (of which the kernel reads the
+        # first n_cols), so that the compiled loop knows the scores of a row are contiguous
+        scores = np.lib.stride_tricks.as_strided(
+            scores, shape=(n_rows, ld), strides=(ld * scores.itemsize, scores.itemsize)
+        )
     seg = np.empty((len(seg_cols), n_cols), dtype=np.int64)
     for s, col in enumerate(seg_cols):
         seg[s] = col.numpy()
@@ -147,7 +190,7 @@ def count_block(
     width, counts = int(tables["width"]), acc.numpy()
 
     def call(count: bool) -> tuple[int, int]:
-        return fn(scores, int(q0), *args, width, counts, count, *buf_arrays())
+        return fn(scores, n_cols, int(q0), *args, width, counts, count, *buf_arrays())
 
     def buf_arrays():
         return buf.col, buf.val, buf.hi, buf.lo

@@ -559,12 +559,15 @@ def _job(out, bundles, items, extra=()):
 
 
 @pytest.mark.subprocess
-@pytest.mark.timeout(300)  # two runs of the job with their own embedded Ray
+@pytest.mark.timeout(300)  # two runs of the job as programs
 def test_kill_and_resume_is_exactly_once(ray_cluster, bundles, scenario, tmp_path):
-    """SIGKILL the job (its own embedded Ray) once a shard exists, rerun, check every id once."""
+    """SIGKILL the job's driver (a program joined to the session's cluster with --address, as
+    a submitted job's driver is; its tasks and actors die with it) once a shard exists, rerun,
+    check every id once."""
     out = tmp_path / "killed"
-    items = 2400
-    cmd, env = _job(out, bundles, items)
+    items = 1600
+    address = ray_cluster.get_runtime_context().gcs_address
+    cmd, env = _job(out, bundles, items, extra=("--address", address))
     log = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
