@@ -724,11 +724,11 @@ class VectorStore(ABC):
 class _Lazy:
     target: str
     package: str
-    extra: str
+    extra: str  # the pip extra that installs ``package`` ("": raycompat's own dependency)
 
 
 _REGISTRY: dict[str, type[VectorStore] | _Lazy] = {
-    "lance": _Lazy("raycompat.stores.lance:LanceStore", "lancedb", "lance"),
+    "lance": _Lazy("raycompat.stores.lance:LanceStore", "lancedb", ""),  # a core dependency
     "milvus": _Lazy("raycompat.stores.milvus:MilvusStore", "pymilvus", "milvus"),
 }
 

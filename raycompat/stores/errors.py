@@ -36,9 +36,11 @@ class MissingBackendError(StoreError, ImportError):
     Also an ``ImportError``, so ``except ImportError`` handlers see it."""
 
     def __init__(self, scheme: str, package: str, extra: str) -> None:
+        # an empty extra: the package is one of raycompat's own dependencies
+        how = f"pip install raycompat[{extra}]" if extra else f"pip install {package}"
         super().__init__(
             f"the {scheme}:// store needs the Python package {package!r}, which is not "
-            f"installed: pip install raycompat[{extra}]"
+            f"installed: {how}" + ("" if extra else " (a dependency of raycompat: reinstall it)")
         )
         self.scheme = scheme
         self.package = package

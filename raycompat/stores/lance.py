@@ -16,10 +16,10 @@ import numpy as np
 try:
     import lancedb
     import lancedb.index
-except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
+except ModuleNotFoundError as exc:  # a broken install: lancedb is a core dependency
     from raycompat.stores.errors import MissingBackendError
 
-    raise MissingBackendError("lance", "lancedb", "lance") from exc
+    raise MissingBackendError("lance", "lancedb", "") from exc
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -421,6 +421,10 @@ class LanceStore(VectorStore):
             )
 
     def build_index(self, field: str, kind: str = "ivf") -> None:
+        if kind not in ("ivf", "hnsw", "flat"):  # before anything is dropped
+            raise StoreError(
+                f"{self.where}: index kind must be 'ivf', 'hnsw' or 'flat', got {kind!r}"
+            )
         column = self._vector_column(field)
         for index in self._table.list_indices():
             if list(index.columns) == [column]:
@@ -432,12 +436,8 @@ class LanceStore(VectorStore):
             config = lancedb.index.IvfFlat(
                 distance_type="dot", num_partitions=max(1, int(np.sqrt(rows) / 2))
             )
-        elif kind == "hnsw":
-            config = lancedb.index.IvfHnswSq(distance_type="dot", num_partitions=1)
         else:
-            raise StoreError(
-                f"{self.where}: index kind must be 'ivf', 'hnsw' or 'flat', got {kind!r}"
-            )
+            config = lancedb.index.IvfHnswSq(distance_type="dot", num_partitions=1)
         self._table.create_index(column, config=config, replace=True)
 
     def _indexes(self) -> dict[str, str | None]:

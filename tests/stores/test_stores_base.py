@@ -145,6 +145,14 @@ def test_missing_extra_says_what_to_install(monkeypatch):
     assert isinstance(info.value, ImportError) and isinstance(info.value, StoreError)
 
 
+def test_missing_lancedb_names_the_package_not_an_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lancedb", None)
+    monkeypatch.delitem(sys.modules, "raycompat.stores.lance", raising=False)
+    with pytest.raises(MissingBackendError, match=r"pip install lancedb \(a dependency") as info:
+        open_store("lance:///tmp/raycompat-none/gallery")
+    assert "raycompat[" not in str(info.value)
+
+
 def test_missing_milvus_lite_says_what_to_install(monkeypatch, tmp_path):
     pytest.importorskip("pymilvus")
     monkeypatch.setitem(sys.modules, "milvus_lite", None)

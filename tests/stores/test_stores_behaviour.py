@@ -303,6 +303,14 @@ def test_approximate_index_is_used_when_asked(store, gal, backend):
     np.testing.assert_array_equal(store.search("old", queries, 10).ids, want.ids)
 
 
+def test_an_unknown_index_kind_is_refused_and_keeps_the_index(store, gal):
+    store.build_index("old", "ivf")
+    before = store.describe().indexes["old"]
+    with pytest.raises(StoreError, match="index kind must be.*'ivfpq'"):
+        store.build_index("old", "ivfpq")
+    assert store.describe().indexes["old"] == before
+
+
 # -- rollback ------------------------------------------------------------------------------
 def test_rollback_to_a_mark(store, gal):
     upgrade(store, gal, gal.order[:40], "new-m1", 0)
