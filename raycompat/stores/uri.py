@@ -17,6 +17,8 @@ EXPECTED_FORMS = {
 }
 
 _LANCE_TABLE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+#: a scheme followed by a single slash (``s3:/bucket``): a mistyped object-store URI
+_HALF_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)")
 _MILVUS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.-]+:\d{1,5}$")
 
@@ -60,7 +62,13 @@ def parse_store_uri(uri: str) -> StoreURI:
     scheme, rest = uri.split("://", 1)
     if scheme == "lance":
         target, name = _split(uri, scheme, rest)
-        if target.rstrip("/").endswith(":") or not _LANCE_TABLE.match(name):
+        if target.rstrip("/").endswith(":"):  # lance://s3://bucket: the bucket, then no table
+            raise _fail(
+                uri, scheme, f"the database {target}/{name} is named, but no table after it"
+            )
+        if _HALF_URI.match(target):  # s3:/bucket/db would be a local folder named 's3:'
+            raise _fail(uri, scheme, f"{target!r} looks like a URI with one '/' after its scheme")
+        if not _LANCE_TABLE.match(name):
             raise _fail(uri, scheme, f"table name {name!r} is not letters, digits, '_', '-', '.'")
         return StoreURI(uri, scheme, target, name)
     if scheme == "milvus":
