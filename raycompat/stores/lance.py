@@ -228,9 +228,6 @@ class LanceStore(VectorStore):
                 f"{where} exists and holds {existing.count_rows()} rows; "
                 "pass overwrite=True to replace it"
             )
-        for name in (uri.name, uri.name + STATE_SUFFIX):
-            if _open_table(db, name) is not None:
-                db.drop_table(name)
         schema = _schema(columns, layout)
         failed: list[BaseException] = []
 
@@ -245,11 +242,21 @@ class LanceStore(VectorStore):
         reader = pa.RecordBatchReader.from_batches(schema, batches())
         try:
             # The vectors are checked already: "null" only lets the new column's nulls through.
-            table = db.create_table(uri.name, reader, schema=schema, on_bad_vectors="null")
+            # An existing table is replaced by one commit of a new version at the end, so a
+            # gallery that fails its checks part-way leaves the old table as it was.
+            table = db.create_table(
+                uri.name,
+                reader,
+                schema=schema,
+                on_bad_vectors="null",
+                mode="create" if existing is None else "overwrite",
+            )
         except Exception:
             if failed:
                 raise failed[0] from None
             raise
+        if _open_table(db, uri.name + STATE_SUFFIX) is not None:  # the old table's records
+            db.drop_table(uri.name + STATE_SUFFIX)
         return cls(uri, columns, layout, db, table)
 
     @classmethod

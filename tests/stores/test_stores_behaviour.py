@@ -109,6 +109,30 @@ def test_create_refuses_an_existing_non_empty_store(backend, tmp_path, gal):
         assert s.read_state() == {}
 
 
+def test_a_failed_overwrite_keeps_the_old_lance_table(tmp_path, gal):
+    """LanceDB replaces a table with one commit at the end: a gallery that fails its checks
+    part-way through an overwrite leaves the old table and its records as they were (Milvus
+    drops the old collection first: docs/stores.md, "Create")."""
+    uri = uri_of("lance", tmp_path)
+    with create_store(uri, gal.blocks(), old_model="m0", new_dim=24) as s:
+        s.write_state({"note": "kept"})
+        before = read_all(s)
+
+    def blocks():
+        yield gal.blocks()[0]
+        yield GalleryBlock(gal.ids[:3], gal.labels[:3], gal.old[:3, :5])  # wrong dimension
+
+    with pytest.raises(StoreError, match="column 'old'.*dimension 16"):
+        create_store(uri, blocks(), old_model="m1", new_dim=24, overwrite=True)
+    with open_store(uri) as s:
+        assert s.counts_by_model().old == {"m0": len(gal.ids)}
+        assert s.read_state() == {"note": "kept"}
+        after = read_all(s)
+    assert after.keys() == before.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key])
+
+
 def test_open_names_a_missing_table_or_collection(backend, tmp_path, gal):
     create_store(uri_of(backend, tmp_path), gal.blocks(), old_model="m0", new_dim=24).close()
     with pytest.raises(StoreNotFoundError, match="'nothing_here'"):
