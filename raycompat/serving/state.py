@@ -593,19 +593,24 @@ class ShardState:
     def rollback(self, ids) -> dict:
         """Return every item of ``ids`` that kept an old vector to it, in one logged record
         (atomic per item, durable before it is acknowledged); ``{"rolled_back": ids moved
-        back, "seq"}``.  Ids without a kept vector are left as they are (a rollback is
-        idempotent); unknown ids raise :class:`UnknownItemError`."""
+        back, "not_new": the other ids, without a kept vector and not in the new
+        representation, "seq"}``.  Ids without a kept vector are left as they are (a rollback is
+        idempotent: ``not_new`` names those a replica that died before answering may have
+        moved already); unknown ids raise :class:`UnknownItemError`."""
         ids = np.unique(np.asarray(ids, np.int64))
         missing = self.unknown(ids)
         if missing:
             raise UnknownItemError(missing)
         self.catch_up()
         with self.lock:
-            todo = np.asarray([i for i in ids.tolist() if i in self.mem.kept], np.int64)
+            kept = np.asarray([i in self.mem.kept for i in ids.tolist()], bool)
+            new = np.asarray([self.rep_of.get(i) == NEW for i in ids[~kept].tolist()], bool)
+        not_new = ids[~kept][~new].tolist()
+        todo = ids[kept]
         if not todo.size:
-            return {"rolled_back": [], "seq": self.seq}
+            return {"rolled_back": [], "not_new": not_new, "seq": self.seq}
         res = self._logged(OP_ROLLBACK, todo, np.zeros((todo.size, 0), np.float32))
-        return {"rolled_back": res["moved"].tolist(), "seq": res["seq"]}
+        return {"rolled_back": res["moved"].tolist(), "not_new": not_new, "seq": res["seq"]}
 
     def finalize(self) -> dict:
         """Drop every kept old vector (a logged record), then write a snapshot so that the disk

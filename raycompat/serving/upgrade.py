@@ -342,10 +342,13 @@ class UpgradeCommands:
 
     def _rollback_on_shards(self, ids: np.ndarray) -> int:
         """Roll ``ids`` back on their shards, retrying a shard that is down (as a backfill
-        batch); returns the items the shards moved back."""
+        batch); returns the items moved back.  A retried shard's replica may have died after
+        logging its part: the retry counts the items it finds out of ``new`` without a kept
+        vector as moved too (an item of the part already old before the rollback would be
+        counted as well)."""
         parts = split_by_shard(ids, len(self.shards))
         pending = [s for s, p in enumerate(parts) if p.size]
-        deadline, moved = time.time() + self.cfg.upsert_retry_s, 0
+        deadline, moved, retried = time.time() + self.cfg.upsert_retry_s, 0, set()
         while pending:
             calls = {s: self.shards[s].rollback.remote(ids[parts[s]]) for s in pending}
             failed = []
@@ -360,7 +363,10 @@ class UpgradeCommands:
                 if "error" in res:
                     raise RuntimeError(f"shard {s} refused a rollback: {res['error']}")
                 moved += len(res["rolled_back"])
+                if s in retried:
+                    moved += len(res.get("not_new", ()))
             pending = failed
+            retried.update(failed)
             if pending:
                 self.upsert_retries += 1
                 if time.time() > deadline:

@@ -46,12 +46,14 @@ def test_an_upgraded_item_keeps_its_old_vector_until_finalize(tmp_path, on_disk)
     assert 20 * 3 + 1 not in st.kept_ids().tolist() and len(st.kept_ids()) == 59
     res = st.rollback(ids[:80])
     assert sorted(res["rolled_back"]) == sorted(set(ids[:60].tolist()) - {ids[20]})
+    assert res["not_new"] == [ids[20]] + ids[60:80].tolist()  # nothing kept, not new
     assert _reps(st, ids[:80]) == ["old"] * 80
     reps, vecs = st.lookup(ids[:60])
     expected = [old[199] if i == 20 else old[i] for i in range(60)]
     assert np.array_equal(np.stack(vecs), np.stack(expected))
     assert st.model_counts() == {MODELS["old"]: 200}
-    assert st.rollback(ids[:80])["rolled_back"] == []  # idempotent
+    again = st.rollback(ids[:80])  # idempotent; a retry counts not_new (the controller)
+    assert again["rolled_back"] == [] and again["not_new"] == ids[:80].tolist()
     st.upsert(ids[:50], "new", new[:50], model=MODELS["new"])
     st.rollback(ids[40:45])
     before = (st.items(), st.model_counts(), st.kept_ids().tolist())
