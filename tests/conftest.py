@@ -10,6 +10,7 @@ test that calls ``ray.init`` fails with its name, as Ray's own unit tests forbid
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -97,16 +98,32 @@ def disk_cache(request, tmp_path_factory):
     )
     source = source_digest()
 
+    held: list = []
+
     def folder(kind: str, config: dict) -> tuple[str, bool]:
         blob = json.dumps({"config": config, "source": source}, sort_keys=True)
         path = os.path.join(root, f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}")
+        # one process builds a folder at a time (pytest-xdist workers): the lock is held until
+        # the folder is complete (mark_complete) or this session ends
+        lock = open(path + ".lock", "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.isfile(os.path.join(path, COMPLETE)):
+            lock.close()
             return path, True
+        _BUILDING[path] = lock
+        held.append(path)
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         return path, False
 
-    return folder
+    yield folder
+    for path in held:
+        if path in _BUILDING:
+            _BUILDING.pop(path).close()
+
+
+#: folders this process is building, with their locks (released by mark_complete)
+_BUILDING: dict = {}
 
 
 #: the file that marks a cached folder finished
@@ -116,6 +133,8 @@ COMPLETE = ".complete"
 def mark_complete(path: str) -> None:
     with open(os.path.join(path, COMPLETE), "w") as fh:
         fh.write("done\n")
+    if path in _BUILDING:
+        _BUILDING.pop(path).close()
 
 
 # ----------------------------------------------------------------------------- the main job

@@ -164,27 +164,47 @@ def test_uri_paths_read_the_same_dataset(tmp_path, ray_cluster):
     assert_same(a, b)
 
 
-def _ray_workers() -> list[int]:
-    """Pids of Ray worker processes (titled ``ray::...``)."""
+def _ray_workers(raylet: int) -> list[int]:
+    """Pids of the worker processes of this session's raylet (titled ``ray::...``; another
+    cluster on the machine, e.g. another pytest-xdist worker's, has its own raylet)."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read(5) == b"ray::":
-                        out.append(int(pid))
-            except OSError:
+                    is_worker = f.read(5) == b"ray::"
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
+            if is_worker and parent == raylet:
+                out.append(int(pid))
     return out
 
 
-def _kill_first_block_worker(stop: threading.Event, killed: list) -> None:
-    """SIGKILL the first worker process seen running a block pass (Ray titles it
-    ``ray::_pass_task`` while it runs one)."""
+def _raylet_pid() -> int:
+    """This session's raylet: the parent of its worker processes (Ray's state API)."""
+    import ray
+    from ray.util.state import list_workers
+
+    address = ray.get_runtime_context().gcs_address
+    workers = list_workers(address=address, filters=[("worker_type", "=", "WORKER")], limit=100)
+    for w in workers:
+        try:
+            with open(f"/proc/{w.pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no live worker process among {workers}")
+
+
+def _kill_first_block_worker(stop: threading.Event, killed: list, raylet: int) -> None:
+    """SIGKILL the first worker process of ``raylet`` seen running a block pass (Ray titles
+    it ``ray::_pass_task`` while it runs one)."""
     workers, refreshed = [], 0.0
     while not stop.is_set():
         if time.monotonic() - refreshed > 0.2:
-            workers, refreshed = _ray_workers(), time.monotonic()
+            workers, refreshed = _ray_workers(raylet), time.monotonic()
         for pid in workers:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -220,7 +240,9 @@ def test_a_killed_block_worker_is_retried_and_the_curve_stays_exact(tmp_path, ra
     kw = dict(k=20, grid_step=10.0)
     mem = simulate_backfill(load_parquet(root), ["random"], ["compatible", "naive_merge"], **kw)
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_first_block_worker, args=(stop, killed), daemon=True)
+    killer = threading.Thread(
+        target=_kill_first_block_worker, args=(stop, killed, _raylet_pid()), daemon=True
+    )
     killer.start()
     ds = ParquetGallery.open(root)
     try:
