@@ -10,13 +10,15 @@ Every method, job and service declares its options as a dataclass.
   ``options_from_args`` turns the parsed flags back into the dataclass through
   ``parse_options``, so the command line gets exactly the checks a dict gets.
 - Field helpers: ``option`` (help text, flag name), ``choices``, ``positive``,
-  ``nonnegative``.
+  ``nonnegative``, ``fraction``. A float option is always a finite number (``inf`` and
+  ``nan`` are refused).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -39,9 +41,12 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"option {name!r} must be a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             raise ConfigError(f"option {name!r} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"option {name!r} must be a finite number, got {value!r}")
+        return number
     if annotation in (int, "int"):
         try:
             if isinstance(value, float) and not value.is_integer():
@@ -116,10 +121,22 @@ def parse_options(
         low = field.metadata.get("min")
         if low is not None and value is not None and value < low:
             raise ConfigError(f"{prefix}option {name!r} = {value!r} must be >= {low}")
+        high = field.metadata.get("max")
+        if high is not None and value is not None and value > high:
+            raise ConfigError(
+                f"{prefix}option {name!r} = {value!r} must be <= {high}"
+                + (_fraction_hint(value) if field.metadata.get("fraction") else "")
+            )
         parsed[name] = value
     if base is not None:
         return dataclasses.replace(base, **parsed)
     return cls(**parsed)
+
+
+def _fraction_hint(value: float) -> str:
+    """For a percent typed where a fraction is meant: ``30`` -> ``: a fraction, 0.3 for 30 %``."""
+    example = value if value <= 100 else 30.0
+    return f": a fraction, {example / 100:g} for {example:g} %"
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -139,8 +156,8 @@ def option(
     **metadata: Any,
 ) -> Any:
     """A dataclass field with its ``--help`` text and, optionally, its own flag name
-    (``flag="--pretrained"``) or a default ``factory``; other metadata (``choices``, ``min``)
-    is checked by ``parse_options``."""
+    (``flag="--pretrained"``) or a default ``factory``; other metadata (``choices``, ``min``,
+    ``max``) is checked by ``parse_options``."""
     meta = dict(metadata, help=help)
     if flag:
         meta["flag"] = flag
@@ -158,6 +175,14 @@ def positive(default: Any, help: str = "") -> Any:
 def nonnegative(default: Any, help: str = "") -> Any:
     """A numeric option that must be >= 0."""
     return dataclasses.field(default=default, metadata={"min": 0, "help": help})
+
+
+def fraction(default: Any = None, help: str = "") -> Any:
+    """A numeric option in [0, 1]; a value above 1 (a percent typed for a fraction) is refused
+    with the fraction it may have meant."""
+    return dataclasses.field(
+        default=default, metadata={"min": 0, "max": 1, "fraction": True, "help": help}
+    )
 
 
 def describe_options(cls: type) -> list[str]:

@@ -22,6 +22,7 @@ from raycompat.config import (
     ConfigError,
     add_options,
     choices,
+    fraction,
     make_parser,
     nonnegative,
     option,
@@ -82,7 +83,9 @@ class PlanUpgradeOptions:
     never_below_old: bool = option(
         False, help="constraint: the lower bound of mAP@k never below old-old's value"
     )
-    max_nfr: float | None = option(None, min=0, help="constraint: NFR@1 at most this (fraction)")
+    max_nfr: float | None = fraction(
+        None, help="constraint: NFR@1 at most this (a fraction: 0.05 for 5 percent)"
+    )
     deadline_hours: float | None = option(
         None, min=1e-12, help="constraint: every item re-embedded within this many hours"
     )

@@ -132,9 +132,7 @@ def make_plan(
     horizon = horizon_hours(options)
     old_value = sims[0].old_old.value
     assessed = assess(options, constraints, old_value, horizon)
-    rec = recommend(
-        assessed, constraints, metric=sims[0].metric, horizon=horizon, devices=hw.devices
-    )
+    rec = recommend(assessed, constraints, metric=sims[0].metric, horizon=horizon, hardware=hw)
     notes = _notes(sims, hw, psi, any(c.mode in GALLERY_TRANSFORM_MODES for _, c in chosen))
     return Plan(
         simulations=tuple(sims),

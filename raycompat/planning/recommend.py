@@ -10,20 +10,22 @@
 The recommendation is the deployable option that meets every constraint with the most
 quality-hours (ties: the better quality after the horizon, the cheaper, the earlier). When
 none meets them, the constraints that bind are those whose removal alone would admit an option,
-each with what would relax it: the devices that would meet the deadline, the deadline that
-would, the budget that would, the ``--max-nfr`` that would (or, when no single one does, every
-constraint the nearest option breaks).
+each with what would relax it as flags and values to type, rounded up so that typing them admits
+the option: the devices that would meet the deadline (with the budget they need), the deadline
+that would, the budget that would, the ``--max-nfr`` that would. When no single one admits an
+upgrade, every constraint the nearest upgrade breaks, with the values that together admit it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 
 import numpy as np
 
 from raycompat.planning.inputs import Estimate
-from raycompat.planning.timeline import Option
+from raycompat.planning.timeline import Hardware, Option, end_and_cost_on
 
 __all__ = [
     "CONSTRAINT_FLAGS",
@@ -81,10 +83,13 @@ class Assessment:
 
 @dataclass(frozen=True)
 class Binding:
-    """A constraint that binds, and what would relax it."""
+    """A constraint that binds, and what would relax it: the flags and values to type.
+    ``together``: the constraints it binds with when no one of them alone admits an upgrade
+    (each of them carries the same advice); empty when it binds alone."""
 
     constraint: str
     advice: str
+    together: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,38 +187,101 @@ def _chosen_reason(best: Assessment, ranked: list[Assessment], metric: str, hori
     )
 
 
-def _deadline_advice(admitted: list[Assessment], deadline: float, devices: int):
+def _typed(x: float, *, sig: int | None = None, places: int | None = None) -> str:
+    """``x`` written as a limit to type back: rounded up to ``sig`` significant digits or
+    ``places`` decimal places, in plain notation, so that the value typed is never below ``x``
+    and a constraint ``value <= limit`` admits it (0.0243902 -> 0.02440 -> ``0.0244``)."""
+    d = Decimal(repr(float(x)))  # the shortest text that reads back as x
+    if d <= 0:
+        return "0"
+    step = Decimal(1).scaleb(-places if places is not None else d.adjusted() - sig + 1)
+    up = (d / step).to_integral_value(rounding=ROUND_CEILING) * step
+    return format(up.normalize(), "f")
+
+
+def _limit_fix(name: str, o: Option) -> tuple[str, str | None]:
+    """The flag and value that would stop ``o`` breaking constraint ``name`` (value None: the
+    flag left out)."""
+    if name == "max_nfr":
+        return "--max-nfr", _typed(float(o.timeline.nfr.max()), sig=4)
+    if name == "deadline_hours":
+        return "--deadline-hours", _typed(o.end_hours, sig=4)
+    if name == "budget":
+        return "--budget", _typed(o.total_cost, places=2)
+    return CONSTRAINT_FLAGS[name], None
+
+
+def _devices_for(o: Option, deadline: float, hw: Hardware) -> int | None:
+    """The fewest devices on which ``o`` ends by ``deadline`` (None: none does, its start-up
+    alone takes that long)."""
+    startup = o.rate.startup_s
+    spare = deadline * 3600.0 - startup
+    if spare <= 0:
+        return None
+    work = (o.end_hours * 3600.0 - startup) * hw.devices  # device-seconds of psi + embedding
+    n = max(1, math.ceil(work / spare))
+    while end_and_cost_on(o, hw, n)[0] > deadline:  # the estimate checked by the plan's own
+        n += 1  # arithmetic, so that typing --devices n admits the option
+    while n > 1 and end_and_cost_on(o, hw, n - 1)[0] <= deadline:
+        n -= 1
+    return n
+
+
+def _devices_fix(o: Option, c: Constraints, hw: Hardware):
+    """``(devices, end_hours, fix)``: the fewest devices on which ``o`` meets the deadline, when
+    it ends then, and the flags to type: ``--devices`` and, where the cost on that many breaks
+    the budget, the ``--budget`` it needs there (None when no device count meets it)."""
+    n = _devices_for(o, c.deadline_hours, hw)
+    if n is None:
+        return None
+    end, cost = end_and_cost_on(o, hw, n)
+    fix = [("--devices", str(n))]
+    if c.budget is not None and cost > c.budget:
+        fix.append(("--budget", _typed(cost, places=2)))
+    return n, end, fix
+
+
+def _said(fix: list[tuple[str, str | None]]) -> str:
+    """``[('--devices', '10'), ('--never-below-old', None)]`` -> ``--devices 10 and without
+    --never-below-old``."""
+    given = " ".join(f"{flag} {value}" for flag, value in fix if value is not None)
+    left_out = " ".join(f"without {flag}" for flag, value in fix if value is None)
+    return " and ".join(part for part in (given, left_out) if part)
+
+
+def _deadline_advice(admitted: list[Assessment], c: Constraints, hw: Hardware) -> str:
     upgrading = [a for a in admitted if a.option.end_hours is not None]
     if not upgrading:
-        return "only staying on the old model meets the other constraints, and it never upgrades"
+        return (
+            "without --deadline-hours only staying on the old model is admitted, and it never "
+            "upgrades"
+        )
     best = _ranked(upgrading)[0].option
     fastest = min(_ranked(upgrading), key=lambda a: a.option.end_hours).option
-    startup = best.rate.startup_s
-    work = (best.end_hours * 3600.0 - startup) * devices  # device-seconds of psi + re-embedding
-    spare = deadline * 3600.0 - startup
+    on = _devices_fix(best, c, hw)
     more = (
-        f"{best.label} would meet it on {math.ceil(work / spare - 1e-9)} devices (it ends at "
-        f"{best.end_hours:.3g} h on {devices}; about the same device-hours)"
-        if spare > 0
-        else f"no device count meets it: {best.label}'s start-up alone takes {startup:.0f} s"
+        f"no device count meets it: {best.label}'s start-up alone takes {best.rate.startup_s:.0f} s"
+        if on is None
+        else f"{best.label} would meet it with {_said(on[2])} (it ends at {on[1]:.4g} h on "
+        f"{on[0]} devices, {best.end_hours:.4g} h on {hw.devices}; about the same device-hours)"
     )
-    return f"{more}; or a deadline of {fastest.end_hours:.3g} h would admit {fastest.label}"
+    deadline = _said([_limit_fix("deadline_hours", fastest)])
+    return f"{more}; or {deadline} would admit {fastest.label}"
 
 
-def _advice(name: str, admitted: list[Assessment], c: Constraints, devices: int):
+def _advice(name: str, admitted: list[Assessment], c: Constraints, hw: Hardware) -> str:
     """What would relax constraint ``name``, for the options it alone keeps out."""
     if name == "deadline_hours":
-        return _deadline_advice(admitted, c.deadline_hours, devices)
+        return _deadline_advice(admitted, c, hw)
     if name == "budget":
         cheapest = min(admitted, key=lambda a: a.option.total_cost).option
         return (
-            f"a budget of {cheapest.total_cost:,.2f} would admit {cheapest.label}; more devices "
+            f"{_said([_limit_fix(name, cheapest)])} would admit {cheapest.label}; more devices "
             "do not lower it (the same device-hours), a lower price per device-hour would"
         )
     if name == "max_nfr":
         best = min(admitted, key=lambda a: float(a.option.timeline.nfr.max())).option
-        worst = float(best.timeline.nfr.max())
-        return f"--max-nfr {worst:.4g} would admit {best.label}"
+        return f"{_said([_limit_fix(name, best)])} would admit {best.label}"
     closest = _ranked(admitted)[0]
     return (
         f"{closest.option.label} meets the others, but {closest.violations[name]}; without "
@@ -221,22 +289,39 @@ def _advice(name: str, admitted: list[Assessment], c: Constraints, devices: int)
     )
 
 
-def _binding(assessed: list[Assessment], c: Constraints, devices: int):
-    """The constraints whose removal alone admits an option, each with its advice; when there
-    is none, every constraint the nearest option breaks."""
+def _together(nearest: Assessment, c: Constraints, hw: Hardware) -> str:
+    """The changes that together admit ``nearest``: a limit for every constraint it breaks
+    and, for a deadline, the devices (with the budget they need) as the other way."""
+    o = nearest.option
+    broken = [n for n in CONSTRAINT_FLAGS if n in nearest.violations]
+    ways = [[_limit_fix(n, o) for n in broken]]
+    on = _devices_fix(o, c, hw) if "deadline_hours" in broken else None
+    if on is not None:
+        kept = [_limit_fix(n, o) for n in broken if n not in ("deadline_hours", "budget")]
+        ways.append(kept + on[2])
+    said = f"{o.label} would be admitted with {_said(ways[0])}"
+    if on is not None:
+        said += f"; or with {_said(ways[1])} (it ends at {on[1]:.4g} h on {on[0]} devices)"
+    return said
+
+
+def _binding(assessed: list[Assessment], c: Constraints, hw: Hardware) -> tuple[Binding, ...]:
+    """The constraints whose removal alone admits an option, each with its advice. When none
+    of them admits an upgrade (only dropping the deadline does, for staying on the old model),
+    every constraint the nearest upgrade breaks, with the changes that together admit it."""
     pool = [a for a in assessed if a.option.deployable]
     out = []
     for name in c.active():
         admitted = [a for a in pool if set(a.violations) <= {name}]
         if admitted:
-            out.append(Binding(name, _advice(name, admitted, c, devices)))
-    if out:
+            out.append(Binding(name, _advice(name, admitted, c, hw)))
+    upgrades = [a for a in pool if a.option.end_hours is not None]
+    if not upgrades or any(set(a.violations) <= {b.constraint} for a in upgrades for b in out):
         return tuple(out)
-    nearest = min(_ranked(pool), key=lambda a: len(a.violations))
-    return tuple(
-        Binding(n, f"{nearest.option.label} breaks it together with the others: {why}")
-        for n, why in nearest.violations.items()
-    )
+    nearest = min(_ranked(upgrades), key=lambda a: len(a.violations))
+    broken = tuple(n for n in CONSTRAINT_FLAGS if n in nearest.violations)
+    advice = _together(nearest, c, hw)
+    return tuple(Binding(n, advice, together=broken) for n in broken)
 
 
 def recommend(
@@ -245,19 +330,18 @@ def recommend(
     *,
     metric: str,
     horizon: float,
-    devices: int,
+    hardware: Hardware,
 ) -> Recommendation:
     """The option to take and why, or the binding constraints and what would relax them."""
     eligible = _ranked([a for a in assessed if a.recommendable])
     if eligible:
         return Recommendation(eligible[0], _chosen_reason(eligible[0], eligible, metric, horizon))
-    binding = _binding(assessed, constraints, devices)
+    binding = _binding(assessed, constraints, hardware)
     flags = " and ".join(CONSTRAINT_FLAGS[b.constraint] for b in binding)
-    return Recommendation(
-        None,
-        f"No option meets every constraint; {flags} "
-        f"{'binds' if len(binding) == 1 else 'bind'}: "
-        + "; ".join(f"{CONSTRAINT_FLAGS[b.constraint]}: {b.advice}" for b in binding)
-        + ".",
-        binding,
-    )
+    if binding[0].together:
+        why = f"{flags} bind together: {binding[0].advice}"
+    else:
+        why = f"{flags} {'binds' if len(binding) == 1 else 'bind'}: " + "; ".join(
+            f"{CONSTRAINT_FLAGS[b.constraint]}: {b.advice}" for b in binding
+        )
+    return Recommendation(None, f"No option meets every constraint; {why}.", binding)

@@ -38,6 +38,7 @@ __all__ = [
     "Timeline",
     "candidate_option",
     "cold_refresh_option",
+    "end_and_cost_on",
     "stay_on_old_option",
 ]
 
@@ -205,6 +206,16 @@ class Option:
 
 def _hours_at(work: float, prep_s: float, rate: EmbeddingRate, hw: Hardware) -> float:
     return (prep_s + rate.seconds(work * hw.items, hw.devices)) / 3600.0
+
+
+def end_and_cost_on(option: Option, hw: Hardware, devices: int) -> tuple[float, float]:
+    """``(end_hours, total_cost)`` of an option that re-embeds (a candidate or a cold refresh)
+    on ``devices`` devices instead of ``hw.devices``, by the same arithmetic as a plan made with
+    that many: what ``--devices`` advice is checked against."""
+    on = replace(hw, devices=devices)
+    prep_s = option.psi.seconds(on.items, devices) if option.psi is not None else 0.0
+    end = _hours_at(1.0, prep_s, option.rate, on)
+    return end, end * (devices + on.extra_devices(option.mode)) * option.price
 
 
 def candidate_option(

@@ -22,7 +22,8 @@ from raycompat.stores.errors import (
     StoreNotFoundError,
     StoreURIError,
 )
-from raycompat.stores.search import SearchResult
+from raycompat.stores.mode_search import STORE_MODES, StoreQueries, search
+from raycompat.stores.topk import SearchResult
 
 __all__ = [
     "Capabilities",
@@ -32,15 +33,18 @@ __all__ = [
     "MissingBackendError",
     "ModelCounts",
     "RollbackMark",
+    "STORE_MODES",
     "SearchResult",
     "StoreError",
     "StoreExistsError",
     "StoreInfo",
     "StoreNotFoundError",
+    "StoreQueries",
     "StoreURIError",
     "VectorStore",
     "create_store",
     "list_backends",
     "open_store",
     "register_backend",
+    "search",
 ]

@@ -21,7 +21,7 @@ import numpy as np
 
 from raycompat.stores import checks
 from raycompat.stores.errors import MissingBackendError, StoreError, StoreURIError
-from raycompat.stores.search import Fetch, SearchResult, merge_topk, resolve_topk
+from raycompat.stores.topk import Fetch, SearchResult, merge_topk, resolve_topk
 from raycompat.stores.uri import EXPECTED_FORMS, StoreURI, parse_store_uri
 
 __all__ = [

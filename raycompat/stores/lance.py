@@ -38,7 +38,7 @@ from raycompat.stores.base import (
     checked_gallery,
 )
 from raycompat.stores.errors import StoreError, StoreExistsError, StoreNotFoundError
-from raycompat.stores.search import Fetch
+from raycompat.stores.topk import Fetch
 from raycompat.stores.uri import StoreURI
 
 __all__ = ["LanceStore", "STATE_SUFFIX"]

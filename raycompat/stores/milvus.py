@@ -51,7 +51,7 @@ from raycompat.stores.errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
-from raycompat.stores.search import Fetch
+from raycompat.stores.topk import Fetch
 from raycompat.stores.uri import StoreURI
 
 __all__ = ["MilvusStore", "STATE_SUFFIX"]

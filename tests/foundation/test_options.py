@@ -221,6 +221,8 @@ def test_abbreviated_or_foreign_flag_is_refused(capsys, module, argv):
             r"option 'head' = 'foo' is not allowed; allowed values: \['softmax', 'cosface'",
         ),
         (["--lr", "fast"], r"option 'lr' must be a number, got 'fast'"),
+        (["--lr", "inf"], r"option 'lr' must be a finite number, got 'inf'"),
+        (["--lr", "nan"], r"option 'lr' must be a finite number, got 'nan'"),
         (["--distractor-classes", "-1"], r"option 'distractor_classes' = -1 must be >= 0"),
         (["--scenario", "open"], r"--scenario 'open' is neither an allocation"),
     ],

@@ -625,6 +625,45 @@ def test_dsimplex_cores_is_cross_entropy_over_every_vertex():
     assert torch.allclose(module.head.weight, every[[k - 1 - c for c in range(5)]], atol=1e-6)
 
 
+def test_dsimplex_cross_entropy_of_six_classes_on_eight_vertices_in_cores_and_hoc(tmp_path):
+    """6 classes of K = 8: the CE (CoReS's loss and HOC's ``lambda * CE`` term) is the softmax of
+    ``Linear(K-1, K)`` over the specification's 8 vertices, class y on row K-1-y, the two free
+    vertices as negatives; a saved and reloaded head gives the same training logits."""
+    k, classes, labels = 8, list(range(6)), [0, 5, 1, 3, 3, 4, 2, 5, 1, 0]
+    torch.manual_seed(1)
+    old = ModelBundle(
+        {
+            "embedder": TinyEmbedder(IN_DIM, k - 1),
+            "head": ClassifierHead(k - 1, 3, kind="dsimplex"),
+        },
+        {"classes": [0, 1, 2]},
+    ).freeze()
+    batch = make_batch(labels, seed=5)
+
+    def module(options):
+        ctx = MethodContext(old, classes, [0, 1, 2], k - 1, torch.device("cpu"))
+        torch.manual_seed(2)
+        head = ClassifierHead(k - 1, len(classes), kind="dsimplex")
+        method = build_method("dsimplex", dict(options, classes=k), ctx)
+        return TrainingModule(TinyEmbedder(IN_DIM, k - 1), head, method)
+
+    cores = module({})
+    emb = cores.embedder(batch.x_new).double()
+    logits = emb @ spec_simplex(k).double().t()  # all K rows
+    want = float(F.cross_entropy(logits, k - 1 - batch.labels))
+    assert float(cores(batch)["loss"]) == pytest.approx(want, abs=1e-6)
+    own = float(F.cross_entropy(logits[:, [k - 1 - c for c in classes]], batch.labels))
+    assert abs(own - want) > 0.1  # the softmax over the 6 known rows only
+    hoc = module({"loss": "hoc", "hoc_lambda": 0.25})
+    terms = hoc(batch)
+    assert float(terms["cls"]) == pytest.approx(want, abs=1e-6)
+    total = 0.25 * want + 0.75 * float(terms["hoc"])
+    assert float(terms["loss"]) == pytest.approx(total, abs=1e-6)
+    saved = ModelBundle({"head": cores.head}, {"classes": classes}).save(str(tmp_path / "gen"))
+    loaded = ModelBundle.load(saved)
+    assert torch.equal(loaded.head(emb.float()), cores.head(emb.float()))
+
+
 def test_dsimplex_hoc_zeroes_same_class_terms_like_the_released_code():
     module = _dsimplex({"loss": "hoc", "mu": 3.0, "hoc_lambda": 0.25})
     batch = make_batch(BATCH_LABELS, seed=3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -169,8 +170,8 @@ def test_a_deadline_nothing_meets_gives_the_binding_constraint(tmp_path):
     (binding,) = payload["binding"]
     assert binding["constraint"] == "deadline_hours"
     # 2 device-hours of work in 0.5 h: 4 devices; the fastest options end at 1 h
-    assert "sim / random / compatible would meet it on 4 devices" in binding["advice"]
-    assert "a deadline of 1 h would admit" in binding["advice"]
+    assert "sim / random / compatible would meet it with --devices 4 (" in binding["advice"]
+    assert "--deadline-hours 1 would admit" in binding["advice"]
     assert "--deadline-hours binds" in (out / "plan.md").read_text()
 
 
@@ -181,6 +182,132 @@ def test_two_constraints_bind_each_with_its_advice(tmp_path):
     assert payload["recommended"] is None and set(binding) == {"max_nfr", "deadline_hours"}
     assert binding["max_nfr"] == "--max-nfr 0.2 would admit sim / random / compatible"
     assert "only staying on the old model" in binding["deadline_hours"]
+
+
+#: a larger plan, whose numbers do not print exactly: 200M items at 2,000 items/s on each of 8
+#: devices end at 12,500 s = 3.4722 h and cost 3.4722 h x 8 x 2.5 = 69.444; psi at 4,000
+#: vectors/s per device adds 1.736 h to the adapted mode
+LARGE = [
+    "--items", "200000000", "--devices", "8", "--device-kind", "gpu", "--items-per-s", "2000",
+    "--price-per-device-hour", "2.5", "--psi-per-s", "4000", "--no-plots", "--quiet",
+]  # fmt: skip
+
+
+def typed_advice(advice):
+    """Each way a piece of advice offers (its text split at '; or '), as what a user types: the
+    flags given with their values, and the flags it says to leave out ('without --flag')."""
+    ways = []
+    for way in advice.split("; or "):
+        given = re.findall(r"(--[a-z][a-z-]*) (\d[\d.]*)(?![\d.])", way)
+        left_out = re.findall(r"without (--[a-z][a-z-]*)", way)
+        if given or left_out:
+            ways.append((given, left_out))
+    return ways
+
+
+def retyped(args, given, left_out):
+    """``args`` with the ``left_out`` flags (and their values) removed and ``given`` set."""
+    out, rest = [], list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg in left_out:  # a flag with a value takes it along; --never-below-old has none
+            if rest and not rest[0].startswith("--"):
+                rest.pop(0)
+            continue
+        out.append(arg)
+    for flag, value in given:  # given later on the command line: the later value counts
+        out += [flag, value]
+    return out
+
+
+@pytest.mark.parametrize(
+    "case, constraints, expected",
+    [
+        # 100,000 device-seconds in 3 h: 9.26 -> 10 devices; or a deadline of 3.4722 -> 3.473 h
+        ("deadline", ["--deadline-hours", "3"], ["--devices 10 (", "--deadline-hours 3.473 "]),
+        # every upgrade costs 69.444 -> 69.45; only dropping the deadline admits staying put
+        (
+            "budget",
+            ["--deadline-hours", "4", "--budget", "60"],
+            ["--budget 69.45 would", "without --deadline-hours only staying"],
+        ),
+        # naive_merge peaks at 1 / 41 = 0.0243902 NFR@1 -> 0.0244
+        ("max_nfr", ["--deadline-hours", "4", "--max-nfr", "0.01"], ["--max-nfr 0.0244 would"]),
+        # no one of them alone admits an upgrade: both, or the devices with the budget
+        (
+            "deadline_and_budget",
+            ["--deadline-hours", "3", "--budget", "60"],
+            ["with --deadline-hours 3.473 --budget 69.45;", "with --devices 10 --budget 69.45 ("],
+        ),
+        # a start-up of 360 s: 10 devices end at 2.878 h and cost 71.944, above the budget that
+        # 8 devices meet (71.444); the devices advice says the budget 10 devices need
+        (
+            "devices",
+            ["--deadline-hours", "3", "--budget", "71.5", "--rate-summary", "SUMMARY"],
+            ["with --devices 10 --budget 71.95 (", "--deadline-hours 3.573 would"],
+        ),
+    ],
+)
+def test_every_piece_of_advice_typed_back_admits_an_option(tmp_path, case, constraints, expected):
+    """The advice for a deadline, a budget or a --max-nfr nothing meets, for a deadline and a
+    budget that bind together, and the devices: every value rounded up at the precision
+    printed, so that typing each way the advice offers gives a plan with a recommendation."""
+    curves = dict(CURVES)
+    curves[("random", "naive_merge")] = ([0.32, 0.36, 0.50], [0.0, 0.02, 1 / 41])
+    args = [*LARGE, "--results", write_curves(tmp_path / "sim", curves), *constraints]
+    if "SUMMARY" in args:  # 2,000 items at a steady 2,000 items/s in 361 s: 360 s of start-up
+        summary = {"items_written": 2000, "seconds": 361.0, "steady_items_per_s": 2000.0}
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        args[args.index("SUMMARY")] = str(tmp_path / "summary.json")
+        del args[args.index("--items-per-s") : args.index("--items-per-s") + 2]
+    assert main(["--out", str(tmp_path / "plan"), *args]) == 0
+    payload = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert payload["recommended"] is None
+    advice = [b["advice"] for b in payload["binding"]]
+    for text in expected:
+        assert any(text in a for a in advice), (text, advice)
+    if case == "deadline_and_budget":  # both named, with one piece of advice
+        assert [b["constraint"] for b in payload["binding"]] == ["deadline_hours", "budget"]
+        assert "--deadline-hours and --budget bind together" in payload["reason"]
+    ways = [way for a in dict.fromkeys(advice) for way in typed_advice(a)]
+    assert len(ways) >= len(expected)
+    for i, (given, left_out) in enumerate(ways):
+        out = tmp_path / f"typed{i}"
+        assert main(["--out", str(out), *retyped(args, given, left_out)]) == 0
+        again = json.loads((out / "plan.json").read_text())
+        assert again["recommended"] is not None, (given, left_out, again["reason"])
+
+
+@pytest.mark.parametrize(
+    "flag, value, named",
+    [
+        ("--price-per-device-hour", "inf", "option 'price_per_device_hour' must be a finite"),
+        ("--price-per-device-hour", "nan", "option 'price_per_device_hour' must be a finite"),
+        ("--items-per-s", "inf", "option 'items_per_s' must be a finite number, got 'inf'"),
+        ("--psi-per-s", "nan", "option 'psi_per_s' must be a finite number, got 'nan'"),
+        ("--deadline-hours", "inf", "option 'deadline_hours' must be a finite number"),
+        ("--budget", "nan", "option 'budget' must be a finite number, got 'nan'"),
+        ("--max-nfr", "inf", "option 'max_nfr' must be a finite number, got 'inf'"),
+        ("--max-nfr", "30", "option 'max_nfr' = 30.0 must be <= 1: a fraction, 0.3 for 30 %"),
+    ],
+)
+def test_an_infinite_number_or_a_percent_is_one_error_line(tmp_path, capsys, flag, value, named):
+    args = ["--results", write_curves(tmp_path / "a"), *HARDWARE, *PSI, flag, value]
+    assert main(["--out", str(tmp_path / "out"), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_advice_values_are_rounded_up_at_the_precision_printed():
+    from raycompat.planning.recommend import _typed
+
+    assert _typed(12500 / 3600, sig=4) == "3.473" and _typed(1.0, sig=4) == "1"
+    assert _typed(1 / 41, sig=4) == "0.0244" and _typed(0.2, sig=4) == "0.2"
+    assert _typed(12500 / 3600 * 8 * 2.5, places=2) == "69.45" and _typed(10.0, places=2) == "10"
+    assert _typed(1234567.891, sig=4) == "1235000" and _typed(0.0, places=2) == "0"
+    for x in (0.1, 1 / 3, 2 / 3, 69.444, 3.4722, 1e-7, 123456.789, 0.30000000000000004):
+        assert float(_typed(x, sig=4)) >= x and float(_typed(x, places=2)) >= x
 
 
 def test_never_below_old_uses_the_lower_bound(tmp_path):

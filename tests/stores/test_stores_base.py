@@ -22,7 +22,7 @@ from raycompat.stores import (
 from raycompat.stores import base as store_base
 from raycompat.stores.base import CAPABILITY_NOTES
 from raycompat.stores.checks import check_ids, check_labels
-from raycompat.stores.search import (
+from raycompat.stores.topk import (
     SearchResult,
     brute_force_topk,
     merge_topk,

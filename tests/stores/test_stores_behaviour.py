@@ -18,7 +18,7 @@ from raycompat.stores import (
     create_store,
     open_store,
 )
-from raycompat.stores.search import brute_force_topk, compatible_brute_force
+from raycompat.stores.topk import brute_force_topk, compatible_brute_force
 
 
 def _backend(name: str, *packages: str):

@@ -23,6 +23,7 @@ __all__ = [
     "merge_topk",
     "rank_candidates",
     "resolve_topk",
+    "scores_topk",
 ]
 
 PAD_ID = -1
@@ -109,7 +110,7 @@ def brute_force_topk(
     """The numpy reference: inner products of float32 ``queries`` [nq, d] and ``vectors``
     [n, d], top-``k`` by score then id."""
     sims = np.asarray(queries, np.float32) @ np.asarray(vectors, np.float32).T
-    return _topk_rows(sims, np.asarray(item_ids, np.int64), k)
+    return scores_topk(sims, np.asarray(item_ids, np.int64), k)
 
 
 def compatible_brute_force(
@@ -126,10 +127,12 @@ def compatible_brute_force(
     up = np.asarray(upgraded, bool)
     new_sims = np.asarray(new_queries, np.float32) @ np.asarray(new_vectors, np.float32).T
     old_sims = np.asarray(old_queries, np.float32) @ np.asarray(old_vectors, np.float32).T
-    return _topk_rows(np.where(up[None, :], new_sims, old_sims), np.asarray(item_ids), k)
+    return scores_topk(np.where(up[None, :], new_sims, old_sims), np.asarray(item_ids), k)
 
 
-def _topk_rows(sims: np.ndarray, item_ids: np.ndarray, k: int) -> SearchResult:
+def scores_topk(sims: np.ndarray, item_ids: np.ndarray, k: int) -> SearchResult:
+    """Top-``k`` per row of a score matrix ``sims`` [nq, n] over ``item_ids`` [n], by score
+    then id."""
     ids = np.full((len(sims), k), PAD_ID, dtype=np.int64)
     scores = np.full((len(sims), k), -np.inf, dtype=np.float32)
     for row, row_sims in enumerate(sims):
