@@ -147,7 +147,7 @@ def assess(
     return out
 
 
-def _ranked(assessed: list[Assessment]) -> list[Assessment]:
+def ranked(assessed: list[Assessment]) -> list[Assessment]:
     """Most quality-hours first (to 12 digits); ties: the better quality served after the
     horizon (a cold refresh's new model against staying on the old one), the cheaper, the
     earlier end, then plan order."""
@@ -256,8 +256,8 @@ def _deadline_advice(admitted: list[Assessment], c: Constraints, hw: Hardware) -
             "without --deadline-hours only staying on the old model is admitted, and it never "
             "upgrades"
         )
-    best = _ranked(upgrading)[0].option
-    fastest = min(_ranked(upgrading), key=lambda a: a.option.end_hours).option
+    best = ranked(upgrading)[0].option
+    fastest = min(ranked(upgrading), key=lambda a: a.option.end_hours).option
     on = _devices_fix(best, c, hw)
     more = (
         f"no device count meets it: {best.label}'s start-up alone takes {best.rate.startup_s:.0f} s"
@@ -282,7 +282,7 @@ def _advice(name: str, admitted: list[Assessment], c: Constraints, hw: Hardware)
     if name == "max_nfr":
         best = min(admitted, key=lambda a: float(a.option.timeline.nfr.max())).option
         return f"{_said([_limit_fix(name, best)])} would admit {best.label}"
-    closest = _ranked(admitted)[0]
+    closest = ranked(admitted)[0]
     return (
         f"{closest.option.label} meets the others, but {closest.violations[name]}; without "
         "--never-below-old it would be admitted (more queries would narrow the intervals)"
@@ -318,7 +318,7 @@ def _binding(assessed: list[Assessment], c: Constraints, hw: Hardware) -> tuple[
     upgrades = [a for a in pool if a.option.end_hours is not None]
     if not upgrades or any(set(a.violations) <= {b.constraint} for a in upgrades for b in out):
         return tuple(out)
-    nearest = min(_ranked(upgrades), key=lambda a: len(a.violations))
+    nearest = min(ranked(upgrades), key=lambda a: len(a.violations))
     broken = tuple(n for n in CONSTRAINT_FLAGS if n in nearest.violations)
     advice = _together(nearest, c, hw)
     return tuple(Binding(n, advice, together=broken) for n in broken)
@@ -333,7 +333,7 @@ def recommend(
     hardware: Hardware,
 ) -> Recommendation:
     """The option to take and why, or the binding constraints and what would relax them."""
-    eligible = _ranked([a for a in assessed if a.recommendable])
+    eligible = ranked([a for a in assessed if a.recommendable])
     if eligible:
         return Recommendation(eligible[0], _chosen_reason(eligible[0], eligible, metric, horizon))
     binding = _binding(assessed, constraints, hardware)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from raycompat.planning.plan import Plan
+from raycompat.planning.plots import COST_PLOT, same_cost
 from raycompat.planning.recommend import CONSTRAINT_FLAGS, Assessment
 from raycompat.planning.timeline import CANDIDATE, COLD, STAY
 from raycompat.report import markdown_table, with_version, write_json
@@ -260,6 +261,13 @@ def plan_markdown(plan: Plan, plots: list[str] | None = None, command: str | Non
             f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots
         ]
         lines.append("")
+        if not any(os.path.basename(p) == COST_PLOT for p in plots) and same_cost(plan):
+            cost = max(a.option.total_cost for a in plan.assessed)
+            lines += [
+                f"Every upgrade costs the same ({cost:,.2f}; staying on the old model costs "
+                "nothing), so no cost plot is drawn.",
+                "",
+            ]
     return "\n".join(lines)
 
 

@@ -141,6 +141,56 @@ def test_hand_arithmetic_on_a_main_job_folder(tmp_path):
     assert "Recommended: bct / random / compatible" in (out / "plan.md").read_text()
 
 
+def plotted(tmp_path, *args, out="plotted"):
+    """plan-upgrade with the plots: the Plan and the output folder."""
+    from raycompat.config import options_from_args
+    from raycompat.planning.job import PlanUpgradeOptions, build_parser, run
+
+    out = tmp_path / out
+    hardware = [a for a in HARDWARE if a != "--no-plots"]
+    argv = ["--out", str(out), *hardware, *PSI, "--quiet", *map(str, args)]
+    done = run(options_from_args(PlanUpgradeOptions, build_parser().parse_args(argv)))
+    return done, out
+
+
+def test_no_cost_plot_when_every_upgrade_costs_the_same(tmp_path):
+    folder = main_job_folder(tmp_path / "qs")
+    # adapted pays for psi first (15 against 10): the costs differ, the cost plot is drawn
+    done, out = plotted(tmp_path, "--results", folder, out="differ")
+    names = sorted(p.name for p in out.glob("*.png"))
+    assert names == ["cost_vs_quality.png", "quality_bands.png", "quality_over_hours.png"]
+    assert sorted(os.path.basename(p) for p in done["plots"]) == names
+    assert "](cost_vs_quality.png)" in (out / "plan.md").read_text()
+    # compatible, naive_merge and the cold refreshes all cost 10: no cost plot, none linked
+    done, out = plotted(
+        tmp_path, "--results", folder, "--modes", "compatible,naive_merge", out="same"
+    )
+    names = sorted(p.name for p in out.glob("*.png"))
+    assert names == ["quality_bands.png", "quality_over_hours.png"]
+    assert sorted(os.path.basename(p) for p in done["plots"]) == names
+    md = (out / "plan.md").read_text()
+    assert "cost_vs_quality" not in md and "cost_vs_quality" not in (out / "plan.json").read_text()
+    assert "Every upgrade costs the same (10.00" in md and "no cost plot is drawn" in md
+
+
+def test_quality_plot_highlights_the_recommended_the_mode_bests_and_the_baselines(tmp_path):
+    from raycompat.planning.plots import highlighted
+
+    done, out = plotted(tmp_path, "--results", main_job_folder(tmp_path / "qs"))
+    labels = [label for _, label in highlighted(done["plan"])]
+    assert labels == [
+        "bct / random / compatible (recommended)",  # also compatible's best: listed once
+        "bct / random / adapted (best adapted)",
+        "bct / random / naive_merge (best naive_merge)",
+        "bct / cold refresh",
+        "independent / cold refresh",
+        "stay on old",
+    ]
+    # independent's compatible option ranks below bct's: faded, not in the legend
+    assert not any(label.startswith("independent / random") for label in labels)
+    assert (out / "quality_over_hours.png").stat().st_size > 5000
+
+
 def test_fct_is_charged_its_gallery_transform_like_adapted(tmp_path):
     """FCT's h transforms every stored old vector before the fct mode serves, at --psi-per-s:
     the same 0.5 h of preparation as psi; without a rate the plan is refused."""
@@ -419,10 +469,13 @@ def test_end_to_end_on_a_real_simulation(tmp_path):
     rate = payload["rates"]["embedding"]["bct"]
     assert rate["items_per_s_per_device"] == 100 and "read from" in rate["source"]
     assert payload["recommended"] is not None and "recommendation: " in done.stdout
+    # every upgrade re-embeds the gallery on the same devices (no search load): one cost, so
+    # no cost plot
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["cost_vs_quality.png", "quality_bands.png", "quality_over_hours.png"]
+    assert pngs == ["quality_bands.png", "quality_over_hours.png"]
     assert all((out / p).stat().st_size > 5000 for p in pngs)
     md = (out / "plan.md").read_text()
+    assert "no cost plot is drawn" in md and "cost_vs_quality" not in md
     assert md.startswith("# Upgrade plan") and "### bct / sequential / naive_merge" in md
     again = subprocess.run(command + common + ["--devices", "8"], capture_output=True, text=True)
     assert again.returncode == 2 and "--overwrite" in again.stderr
