@@ -19,8 +19,10 @@ import numpy as np
 
 from raycompat.planning.inputs import Estimate
 from raycompat.planning.plan import Plan
-from raycompat.planning.recommend import Assessment
-from raycompat.planning.recommend import ranked  # the recommendation's order
+from raycompat.planning.recommend import (
+    Assessment,
+    ranked,  # the recommendation's order
+)
 from raycompat.planning.timeline import CANDIDATE, COLD, STAY
 
 __all__ = ["COST_PLOT", "highlighted", "plot_plan", "same_cost"]
