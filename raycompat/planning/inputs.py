@@ -18,6 +18,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -68,6 +69,8 @@ class Curve:
     low: np.ndarray
     high: np.ndarray
     nfr: np.ndarray
+    #: its position in ``curves.json`` (its samples' key in ``samples.npz``)
+    index: int = -1
 
     def at(self, fraction: float) -> tuple[Estimate, float, bool]:
         """``(quality, NFR@1, interpolated)`` at ``fraction``: linear between grid points."""
@@ -99,6 +102,8 @@ class Simulation:
     new_new_nfr: float
     curves: tuple[Curve, ...]
     cost_model: dict | None
+    #: the per-query terms of ``metric`` (``samples.npz``), or None
+    samples: Any = None
 
     @property
     def has_intervals(self) -> bool:
@@ -140,7 +145,7 @@ def _work(raw: dict, n_items: int, path: str) -> np.ndarray:
     return _array(raw["fractions"], path, "fractions")
 
 
-def _curve(raw: dict, metric: str, n_items: int, path: str) -> Curve:
+def _curve(raw: dict, metric: str, n_items: int, path: str, index: int) -> Curve:
     """One ``curves[]`` entry of ``curves.json``."""
     from raycompat.upgrade.modes import MODES
     from raycompat.upgrade.policies import POLICIES
@@ -172,11 +177,15 @@ def _curve(raw: dict, metric: str, n_items: int, path: str) -> Curve:
         low=low,
         high=high,
         nfr=_array(metrics[NFR_METRIC], path, NFR_METRIC),
+        index=index,
     )
 
 
 def read_simulation(path: str, model: str) -> Simulation:
-    """One ``curves.json`` as the candidate ``model``."""
+    """One ``curves.json`` as the candidate ``model`` (with its ``samples.npz`` when there is
+    one: :func:`raycompat.planning.paired.read_samples`)."""
+    from raycompat.planning.paired import read_samples
+
     try:
         with open(path) as f:
             payload = json.load(f)
@@ -186,7 +195,7 @@ def read_simulation(path: str, model: str) -> Simulation:
         raise _bad(path, "not a simulate-backfill curves.json (no 'curves' or 'metrics')")
     metric = payload["metrics"][0]
     n_items = int(payload["n_items"])
-    curves = tuple(_curve(c, metric, n_items, path) for c in payload["curves"])
+    curves = tuple(_curve(c, metric, n_items, path, i) for i, c in enumerate(payload["curves"]))
     cold = [c for c in curves if c.mode == "cold"]
     nn = _reference(payload, "new-new", metric, path)
     nn_nfr = (payload.get("references") or {}).get("new-new", {}).get(NFR_METRIC)
@@ -204,6 +213,7 @@ def read_simulation(path: str, model: str) -> Simulation:
         new_new_nfr=math.nan if nn_nfr is None else float(nn_nfr),
         curves=tuple(c for c in curves if c.mode != "cold"),
         cost_model=payload.get("cost_model"),
+        samples=read_samples(path, metric, len(curves), payload.get("bootstrap")),
     )
 
 

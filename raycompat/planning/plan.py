@@ -4,19 +4,25 @@ number came from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from raycompat.config import ConfigError
 from raycompat.planning.inputs import Estimate, Simulation
+from raycompat.planning.paired import SAMPLES_FILE, compare_options
 from raycompat.planning.rates import EmbeddingRate, PsiRate, rate_from_cost_model
 from raycompat.planning.recommend import (
     Assessment,
     Constraints,
     Recommendation,
     assess,
+    ranked,
     recommend,
 )
 from raycompat.planning.timeline import (
+    CANDIDATE,
+    COLD,
     GALLERY_TRANSFORM_MODES,
     Hardware,
     candidate_option,
@@ -111,6 +117,59 @@ def _notes(sims, hw: Hardware, psi, adapted: bool) -> list[str]:
     return notes
 
 
+def option_sources(option, sim, curve_index: int | None):
+    """The sample behind each point of ``option``'s timeline (see
+    :func:`raycompat.planning.timeline.candidate_option` and the baselines), or None when the
+    simulation wrote no samples for it."""
+    qs = sim.samples
+    if qs is None:
+        return None
+    oo, nn = qs.references.get("old-old"), qs.references.get("new-new")
+    if option.kind == CANDIDATE:
+        cs = qs.curves[curve_index] if curve_index is not None else None
+        if cs is None:
+            return None
+        prep = [(oo, None), (oo, None)] if option.prep_hours > 0 else []
+        pts = prep + [(cs, 0)] + [(cs, j) for j in range(cs.num.shape[2])]
+    elif option.kind == COLD:
+        if nn is None:
+            return None
+        pts = [(oo, None), (oo, None), (nn, None)]
+    else:
+        pts = [(oo, None)]
+    return pts if len(pts) == len(option.timeline.hours) else None
+
+
+def _compared(assessed, sources, sims, horizon: float) -> tuple[list[Assessment], str]:
+    """Every option with its paired comparison to the best deployable option that meets the
+    constraints (else the best deployable one), and the note that says how it was made."""
+    with_samples = [s.samples for s in sims]
+    if any(q is None for q in with_samples):
+        missing = next(s.path for s in sims if s.samples is None)
+        return assessed, (
+            f"No paired intervals: {missing} has no {SAMPLES_FILE} beside it (a simulation "
+            "without a bootstrap, or written before samples were kept); options are ranked by "
+            "their values alone."
+        )
+    first = with_samples[0]
+    if any(not np.array_equal(q.query_labels, first.query_labels) for q in with_samples[1:]):
+        return assessed, "No paired intervals: the simulations' query classes differ."
+    pool = [a for a in assessed if a.recommendable] or [a for a in assessed if a.option.deployable]
+    best = assessed.index(ranked(pool)[0])
+    comps = compare_options(
+        assessed, sources, best, horizon=horizon, options=first.options, labels=first.query_labels
+    )
+    if comps is None:
+        return assessed, "No paired intervals: an option's curve has no samples."
+    o = first.options
+    note = (
+        f"Quality-hours carry {100 * o.confidence:g} % bootstrap intervals over the query classes "
+        f"({o.resamples} resamples, the simulation's); each option is compared with "
+        f"{assessed[best].option.label} on the same resamples (paired)."
+    )
+    return [replace(a, comparison=c) for a, c in zip(assessed, comps, strict=True)], note
+
+
 def make_plan(
     sims: list[Simulation],
     hw: Hardware,
@@ -127,13 +186,19 @@ def make_plan(
     chosen = candidates(sims, policies, modes, psi)
     rates = model_rates(sims, rate)
     options = [candidate_option(s, c, hw, rates[s.model], psi) for s, c in chosen]
+    sources = [option_sources(o, s, c.index) for o, (s, c) in zip(options, chosen, strict=True)]
     options += [cold_refresh_option(s, hw, rates[s.model]) for s in sims]
+    colds = options[len(chosen) :]
+    sources += [option_sources(o, s, None) for o, s in zip(colds, sims, strict=True)]
     options.append(stay_on_old_option(sims[0].old_old, hw))
+    sources.append(option_sources(options[-1], sims[0], None))
     horizon = horizon_hours(options)
     old_value = sims[0].old_old.value
     assessed = assess(options, constraints, old_value, horizon)
+    assessed, paired_note = _compared(assessed, sources, sims, horizon)
     rec = recommend(assessed, constraints, metric=sims[0].metric, horizon=horizon, hardware=hw)
     notes = _notes(sims, hw, psi, any(c.mode in GALLERY_TRANSFORM_MODES for _, c in chosen))
+    notes.append(paired_note)
     return Plan(
         simulations=tuple(sims),
         hardware=hw,

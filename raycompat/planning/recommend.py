@@ -7,8 +7,10 @@
 * ``deadline_hours``: every item re-embedded by then (staying on the old model never is);
 * ``budget``: the total cost at most this.
 
-The recommendation is the deployable option that meets every constraint with the most
-quality-hours (ties: the better quality after the horizon, the cheaper, the earlier). When
+The best option is the deployable option that meets every constraint with the most
+quality-hours (ties: the better quality after the horizon, the cheaper, the earlier); with
+paired intervals (:mod:`raycompat.planning.paired`) the recommendation is the simplest option
+not worse than the best by its paired interval (:func:`simplicity`), else the best. When
 none meets them, the constraints that bind are those whose removal alone would admit an option,
 each with what would relax it as flags and values to type, rounded up so that typing them admits
 the option: the devices that would meet the deadline (with the budget they need), the deadline
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +74,9 @@ class Assessment:
     quality_at_deadline: Estimate
     passes_old_at_hours: float | None
     violations: dict[str, str]
+    #: quality-hours with their interval and the paired difference to the best option
+    #: (:mod:`raycompat.planning.paired`), or None without the simulations' samples
+    comparison: Any = None
 
     @property
     def meets(self) -> bool:
@@ -159,6 +165,55 @@ def ranked(assessed: list[Assessment]) -> list[Assessment]:
             a.option.total_cost,
             a.option.end_hours or math.inf,
         ),
+    )
+
+
+#: what an option needs beyond the new model's embedder, simplest first (docs/planning.md,
+#: "Comparing options"): a mode that needs a second search or a gallery transform
+MODE_NEEDS = {"compatible": 0, "cold": 0, "old": 0}
+
+
+def simplicity(a: Assessment) -> tuple[int, int]:
+    """``(policy's needs, mode's needs)``: an order that needs no model (0) beats one that
+    needs the gallery's embeddings (1) or the new model's head (2); ``compatible`` (and a cold
+    refresh) beats a mode that needs a second search or a transform (1)."""
+    from raycompat.upgrade.policies import policy_class
+
+    o = a.option
+    try:
+        cls = policy_class(o.policy)
+        policy = 2 if cls.needs_head else int(cls.needs_embeddings)
+    except (KeyError, ValueError):  # "any" (a cold refresh), "none" (staying on the old model)
+        policy = 0
+    return policy, MODE_NEEDS.get(o.mode, 1)
+
+
+def simplest(tied: list[Assessment]) -> Assessment:
+    """The simplest of options indistinguishable by their intervals (then the most
+    quality-hours: ``tied`` is ranked)."""
+    return min(tied, key=lambda a: (simplicity(a), tied.index(a)))
+
+
+def _paired_reason(chosen, best, tied, metric: str, horizon: float) -> str:
+    c = chosen.comparison.quality_hours
+    others = [a.option.label for a in tied if a is not chosen]
+    same = (
+        f"; indistinguishable from it by their paired intervals: {', '.join(others)}"
+        if others
+        else "; every other option that meets the constraints is worse by its paired interval"
+    )
+    if chosen is best:
+        lead = "it meets every constraint and has the most quality-hours"
+    else:
+        d = chosen.comparison.vs_best
+        lead = (
+            f"it meets every constraint and is the simplest of the options not worse than the "
+            f"best, {best.option.label} ({best.quality_hours:.4g}), by their paired interval "
+            f"({d.estimate:+.4g} [{d.low:+.4g}, {d.high:+.4g}] {metric}-hours)"
+        )
+    return (
+        f"{chosen.option.label}: {lead}; {chosen.quality_hours:.4g} [{c.low:.4g}, {c.high:.4g}] "
+        f"{metric}-hours over the {horizon:.3g} h horizon{same}."
     )
 
 
@@ -332,8 +387,14 @@ def recommend(
     horizon: float,
     hardware: Hardware,
 ) -> Recommendation:
-    """The option to take and why, or the binding constraints and what would relax them."""
+    """The option to take and why, or the binding constraints and what would relax them.
+    With paired intervals (``Assessment.comparison``): the simplest option among those that
+    meet every constraint and are not worse than the best by their interval (:func:`simplest`)."""
     eligible = ranked([a for a in assessed if a.recommendable])
+    if eligible and eligible[0].comparison is not None:
+        tied = [a for a in eligible if a.comparison.verdict != "worse"]
+        chosen = simplest(tied)
+        return Recommendation(chosen, _paired_reason(chosen, eligible[0], tied, metric, horizon))
     if eligible:
         return Recommendation(eligible[0], _chosen_reason(eligible[0], eligible, metric, horizon))
     binding = _binding(assessed, constraints, hardware)

@@ -50,8 +50,22 @@ def _option_row(a: Assessment) -> dict:
             "map_high": a.quality_at_deadline.high,
         },
         "passes_old_at_hours": a.passes_old_at_hours,
+        "paired": _paired_row(a),
         "meets_constraints": a.meets,
         "violations": dict(a.violations),
+    }
+
+
+def _paired_row(a: Assessment) -> dict | None:
+    """Quality-hours' interval and the paired difference to the best option (None without)."""
+    c = a.comparison
+    if c is None:
+        return None
+    d = c.vs_best
+    return {
+        "quality_hours": c.quality_hours.to_dict(),
+        "vs_best": None if d is None else d.to_dict(),
+        "verdict": c.verdict,
     }
 
 
@@ -115,6 +129,7 @@ def plan_dict(plan: Plan, command: str | None = None) -> dict:
             "policy": chosen.policy,
             "mode": chosen.mode,
             "kind": chosen.kind,
+            "paired": _paired_row(rec.chosen),
         },
         "reason": rec.reason,
         "binding": [
@@ -145,6 +160,23 @@ def _verdict(a: Assessment) -> str:
     return "; ".join(f"{CONSTRAINT_FLAGS[c]}: {why}" for c, why in a.violations.items())
 
 
+def _qh(a: Assessment) -> str:
+    c = a.comparison
+    if c is None or not c.quality_hours.low == c.quality_hours.low:
+        return f"{a.quality_hours:.4g}"
+    return f"{a.quality_hours:.4g} [{c.quality_hours.low:.4g}, {c.quality_hours.high:.4g}]"
+
+
+def _vs_best(a: Assessment) -> str:
+    c = a.comparison
+    if c is None:
+        return "n/a"
+    if c.vs_best is None:
+        return "the best"
+    d = c.vs_best
+    return f"{d.estimate:+.3g} [{d.low:+.3g}, {d.high:+.3g}] {c.verdict}"
+
+
 def _summary_lines(plan: Plan) -> list[str]:
     """One row per option, recommended first, then by quality-hours."""
     chosen = plan.recommendation.chosen
@@ -155,6 +187,7 @@ def _summary_lines(plan: Plan) -> list[str]:
         "hours to 100 %",
         "cost",
         f"{plan.metric}-hours (fraction x h)",
+        "vs the best (paired)",
         f"mean {plan.metric} (%)",
         f"{plan.metric} at the {at} (%)",
         "passes old-old at (h)",
@@ -165,7 +198,8 @@ def _summary_lines(plan: Plan) -> list[str]:
             ("**" + a.option.label + "**") if a is chosen else a.option.label,
             _hours(a.option.end_hours),
             f"{a.option.total_cost:,.2f}",
-            f"{a.quality_hours:.4g}",
+            _qh(a),
+            _vs_best(a),
             _pct(a.mean_quality),
             _pct_iv(a.quality_at_deadline),
             _hours(a.passes_old_at_hours),

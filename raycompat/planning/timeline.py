@@ -42,8 +42,9 @@ __all__ = [
     "stay_on_old_option",
 ]
 
-#: the fractions of the gallery each option is reported at
-MILESTONES = (0.25, 0.5, 0.9, 1.0)
+#: the fractions of the gallery each option is reported at: the switch-on point (0 %: the new
+#: model deployed, nothing re-embedded yet) first
+MILESTONES = (0.0, 0.25, 0.5, 0.9, 1.0)
 #: policies that know what a deployment cannot (hinge-benefit reads every item's new
 #: embedding; docs/methods.md, "Backfill policies"): planned and shown, never recommended
 REFERENCE_POLICIES = ("hinge-benefit",)
@@ -95,13 +96,15 @@ class Timeline:
             old=np.asarray(cols[3], dtype=bool),
         )
 
-    def _held(self, horizon: float) -> tuple[np.ndarray, np.ndarray]:
-        """``(hours, quality)`` cut at ``horizon``, the last value held up to it."""
-        h, q = self.hours, self.quality
+    def _held(self, horizon: float, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(hours, quality)`` (or ``q``, one value per point) cut at ``horizon``, the last
+        value held up to it."""
+        h = self.hours
+        q = self.quality if q is None else np.asarray(q, np.float64)
         keep = h <= horizon
         hours, values = list(h[keep]), list(q[keep])
         if h[-1] > horizon:  # cut inside the segment that crosses the horizon
-            values.append(self.value_at(horizon))
+            values.append(self.value_at(horizon, q))
             hours.append(horizon)
         elif hours[-1] < horizon:
             hours.append(horizon)
@@ -124,9 +127,10 @@ class Timeline:
         """Quality with its band at ``hour``."""
         return Estimate(*(self.value_at(hour, a) for a in (self.quality, self.low, self.high)))
 
-    def quality_hours(self, horizon: float) -> float:
-        """The trapezoid integral of quality over ``[0, horizon]`` hours."""
-        h, q = self._held(horizon)
+    def quality_hours(self, horizon: float, values: np.ndarray | None = None) -> float:
+        """The trapezoid integral of quality (or ``values``, one per point: the integral is
+        linear in them) over ``[0, horizon]`` hours."""
+        h, q = self._held(horizon, values)
         return float(((q[1:] + q[:-1]) / 2.0 * np.diff(h)).sum())
 
     def lower(self) -> np.ndarray:

@@ -413,8 +413,9 @@ def _published(written: dict, output) -> dict:
         "markdown": rename(written["markdown"]),
         "plots": [rename(p) for p in written["plots"]],
     }
-    if "canary" in written:
-        out["canary"] = rename(written["canary"])
+    for key in ("canary", "samples"):
+        if written.get(key):
+            out[key] = rename(written[key])
     return out
 
 

@@ -17,6 +17,8 @@
   t=0, 50 %, 100 %, AUC, the paired weighted-AUC difference to ``random``);
 * ``curves.md`` -- the same as tables a person can read, every value as
   ``value [low, high]`` when there are intervals;
+* with intervals, ``samples.npz`` -- the per-query terms behind them (:func:`write_samples`),
+  for the planner's paired intervals;
 * ``<metric>_vs_fraction.png`` / ``<metric>_vs_time.png`` -- see
   :mod:`raycompat.simulator.plots`.
 
@@ -48,6 +50,7 @@ __all__ = [
     "regression_verdict",
     "summary_rows",
     "weighted_summary",
+    "write_samples",
     "write_reports",
 ]
 
@@ -622,6 +625,7 @@ def write_reports(
     if extra:
         payload["extra"] = extra
     jpath = write_json(os.path.join(out_dir, "curves.json"), with_version(payload))
+    samples = write_samples(result, out_dir)
     mpath = os.path.join(out_dir, "curves.md")
     tmp = mpath + ".tmp"
     with open(tmp, "w") as f:
@@ -631,7 +635,33 @@ def write_reports(
             )
         )
     os.replace(tmp, mpath)
-    return {"json": jpath, "markdown": mpath, "plots": pngs}
+    return {"json": jpath, "markdown": mpath, "plots": pngs, "samples": samples}
+
+
+#: the per-query terms behind every interval of ``curves.json`` (read by the planner)
+SAMPLES_FILE = "samples.npz"
+
+
+def write_samples(result, out_dir: str) -> str | None:
+    """``samples.npz``: the query labels and, per curve (its index in ``curves.json``) and per
+    static reference, every metric's per-query terms (:class:`~raycompat.metrics.bootstrap.Sample`
+    ``num`` [seeds, queries, points] and ``den`` [seeds, queries]), so that a reader can draw
+    the same paired resamples (docs/simulator.md, "Outputs"). None without a bootstrap."""
+    if result.bootstrap is None or result.query_labels is None:
+        return None
+    arrays = {"query_labels": np.asarray(result.query_labels)}
+    parts = [(f"curve{i}", c.samples) for i, c in enumerate(result.curves)]
+    parts += [(f"ref:{name}", s) for name, s in result.reference_samples.items()]
+    for key, samples in parts:
+        for metric, sample in samples.items():
+            if sample.query_set == "queries":
+                arrays[f"{key}|{metric}|num"] = sample.num
+                arrays[f"{key}|{metric}|den"] = sample.den
+    path = os.path.join(out_dir, SAMPLES_FILE)
+    with open(path + ".tmp", "wb") as fh:
+        np.savez_compressed(fh, **arrays)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def load_json(path: str) -> dict:

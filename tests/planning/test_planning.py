@@ -119,7 +119,7 @@ def test_hand_arithmetic_on_a_main_job_folder(tmp_path):
         True,
     )
     adapted = option(payload, "bct", "adapted")  # psi first: 7200 / (2 * 2) s = 0.5 h
-    assert [m["hours"] for m in adapted["milestones"]] == a([0.75, 1.0, 1.4, 1.5])
+    assert [m["hours"] for m in adapted["milestones"]] == a([0.5, 0.75, 1.0, 1.4, 1.5])
     assert adapted["total_cost"] == a(15.0) and adapted["prep_hours"] == a(0.5)
     assert payload["horizon_hours"] == a(1.5)
     # quality-hours by the trapezoid rule up to H = 1.5 h, old-old before anything new
@@ -129,8 +129,10 @@ def test_hand_arithmetic_on_a_main_job_folder(tmp_path):
     stay = next(o for o in payload["options"] if o["kind"] == "stay on old")
     assert cold["quality_hours"] == a(1.0 * OLD_OLD + 0.5 * 0.5)
     assert stay["quality_hours"] == a(1.5 * OLD_OLD) and stay["total_cost"] == 0
-    assert [m["hours"] for m in stay["milestones"]] == [None] * 4
-    assert [m["map"] for m in cold["milestones"]] == a([OLD_OLD, OLD_OLD, OLD_OLD, 0.5])
+    assert [m["hours"] for m in stay["milestones"]] == [None] * 5
+    assert [m["map"] for m in cold["milestones"]] == a([OLD_OLD] * 4 + [0.5])
+    # the switch-on point (0 %) stands first: the new model deployed, nothing re-embedded
+    assert (ms[0.0]["hours"], ms[0.0]["map"], ms[0.0]["nfr"]) == a((0.0, 0.30, 0.0))
     # first hour the lower bound passes old-old: 0.25 + 0.2 h = 0.32 at 0.35 h; cold at 1 h
     assert compatible["passes_old_at_hours"] == a(0.35)
     assert adapted["passes_old_at_hours"] == a(0.5 + 0.5 * 0.03 / 0.08)
@@ -479,3 +481,46 @@ def test_end_to_end_on_a_real_simulation(tmp_path):
     assert md.startswith("# Upgrade plan") and "### bct / sequential / naive_merge" in md
     again = subprocess.run(command + common + ["--devices", "8"], capture_output=True, text=True)
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_options_are_compared_by_paired_intervals_and_the_simplest_tied_one_is_chosen(tmp_path):
+    """A simulation with a bootstrap writes samples.npz; the plan gives every option's
+    quality-hours an interval and its paired difference to the best, and recommends the
+    simplest option not worse than the best (docs/planning.md, "Comparing options")."""
+    from serving_helpers import labelled_embeddings
+
+    from raycompat.metrics.bootstrap import BootstrapOptions
+    from raycompat.planning.recommend import MODE_NEEDS
+    from raycompat.simulator import simulate_backfill
+    from raycompat.simulator.report import write_reports
+
+    data = labelled_embeddings(n_items=300, n_queries=60, classes=20, seed=4)
+    res = simulate_backfill(
+        data, ["random", "sequential"], ["compatible", "naive_merge"], k=10, grid_step=25.0,
+        bootstrap=BootstrapOptions(resamples=200),
+    )  # fmt: skip
+    written = write_reports(res, str(tmp_path / "sim"), plots=False)
+    assert written["samples"].endswith("samples.npz")
+    payload, out = plan(tmp_path, "--results", tmp_path / "sim")
+    verdicts = []
+    for o in payload["options"]:
+        p = o["paired"]
+        qh = p["quality_hours"]
+        assert qh["value"] == pytest.approx(o["quality_hours"], rel=1e-9, abs=1e-12)
+        assert qh["low"] <= qh["value"] + 1e-12 and qh["value"] <= qh["high"] + 1e-12
+        assert (p["verdict"] == "best") == (p["vs_best"] is None)
+        if p["vs_best"] is not None:  # worse exactly when the paired interval is below 0
+            assert (p["verdict"] == "worse") == (p["vs_best"]["high"] < 0)
+        verdicts.append(p["verdict"])
+    assert verdicts.count("best") == 1 and "worse" in verdicts  # staying on old is worse
+    tied = [o for o in payload["options"] if o["paired"]["verdict"] != "worse"]
+    rec = payload["recommended"]
+    assert rec["paired"]["verdict"] != "worse"
+    assert MODE_NEEDS.get(rec["mode"], 1) == min(MODE_NEEDS.get(o["mode"], 1) for o in tied)
+    md = (out / "plan.md").read_text()
+    assert "vs the best (paired)" in md and "Quality-hours carry 95 % bootstrap intervals" in md
+    # without samples.npz: the values alone, and the plan says so
+    os.remove(written["samples"])
+    payload, out = plan(tmp_path, "--results", tmp_path / "sim", out="plan2")
+    assert all(o["paired"] is None for o in payload["options"])
+    assert "No paired intervals" in (out / "plan.md").read_text()
