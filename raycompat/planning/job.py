@@ -65,6 +65,11 @@ class PlanUpgradeOptions:
         "items with embed-gallery on this machine",
     )
     rate_items: int = positive(2000, help="items embedded by --rate-model")
+    rate_device_check: bool = option(
+        True,
+        help="refuse a simulation's recorded rate measured on another kind of device than "
+        "--device-kind (--no-rate-device-check plans with it anyway)",
+    )
     psi_per_s: float | None = option(
         None,
         min=1e-12,
@@ -195,7 +200,7 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     candidates(sims, policies, modes, psi)  # every input checked before the output folder
     rate = _given_rate(opts)
     if rate is None and not opts.rate_model:
-        model_rates(sims, None)
+        model_rates(sims, None, opts.device_kind if opts.rate_device_check else None)
     output = opts.output.resolve("plan_upgrade", default_out="plan_out", config=opts)
     if opts.rate_model:
         rate = measure_embedding_rate(
@@ -225,6 +230,7 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
         psi=psi,
         policies=policies,
         modes=modes,
+        rate_device_check=opts.rate_device_check,
     )
     say(f"{len(plan.assessed)} options planned; writing {output.local}")
     written = write_plan(plan, output.local, plots=opts.plots, command=command)

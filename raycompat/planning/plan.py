@@ -11,7 +11,12 @@ import numpy as np
 from raycompat.config import ConfigError
 from raycompat.planning.inputs import Estimate, Simulation
 from raycompat.planning.paired import SAMPLES_FILE, compare_options
-from raycompat.planning.rates import EmbeddingRate, PsiRate, rate_from_cost_model
+from raycompat.planning.rates import (
+    EmbeddingRate,
+    PsiRate,
+    check_rate_device,
+    rate_from_cost_model,
+)
 from raycompat.planning.recommend import (
     Assessment,
     Constraints,
@@ -53,8 +58,11 @@ class Plan:
     notes: tuple[str, ...]
 
 
-def model_rates(sims, given: EmbeddingRate | None) -> dict[str, EmbeddingRate]:
-    """The embedding rate of each model: the given one, else its simulation's cost model."""
+def model_rates(
+    sims, given: EmbeddingRate | None, device_kind: str | None = None
+) -> dict[str, EmbeddingRate]:
+    """The embedding rate of each model: the given one, else its simulation's cost model
+    (checked against ``device_kind`` when given: :func:`check_rate_device`)."""
     out = {}
     for s in sims:
         rate = given or rate_from_cost_model(s.cost_model, s.path)
@@ -63,6 +71,8 @@ def model_rates(sims, given: EmbeddingRate | None) -> dict[str, EmbeddingRate]:
                 f"--results {s.path}: no embedding rate recorded; give --items-per-s, "
                 "--rate-summary or --rate-model"
             )
+        if given is None and device_kind is not None:
+            check_rate_device(rate, device_kind, s.path)
         out[s.model] = rate
     return out
 
@@ -179,12 +189,13 @@ def make_plan(
     psi: PsiRate | None = None,
     policies=(),
     modes=(),
+    rate_device_check: bool = True,
 ) -> Plan:
     """Every option of ``sims`` (filtered by ``policies`` / ``modes``), both baselines,
     assessed, and the recommendation. ``rate``: the embedding rate per device (None: each
     simulation's own); ``psi``: needed when an adapted-mode option is planned."""
     chosen = candidates(sims, policies, modes, psi)
-    rates = model_rates(sims, rate)
+    rates = model_rates(sims, rate, hw.device_kind if rate_device_check else None)
     options = [candidate_option(s, c, hw, rates[s.model], psi) for s, c in chosen]
     sources = [option_sources(o, s, c.index) for o, (s, c) in zip(options, chosen, strict=True)]
     options += [cold_refresh_option(s, hw, rates[s.model]) for s in sims]

@@ -29,6 +29,7 @@ __all__ = [
     "EmbeddingRate",
     "PsiRate",
     "SearchLoad",
+    "check_rate_device",
     "measure_embedding_rate",
     "measure_psi_rate",
     "rate_from_cost_model",
@@ -55,6 +56,8 @@ class EmbeddingRate:
     items_per_s: float
     startup_s: float = 0.0
     source: str = "given"
+    #: the kind of device the rate was measured on (``"gpu"``, ``"cpu"``), None when unknown
+    device_kind: str | None = None
 
     def __post_init__(self):
         if not math.isfinite(self.items_per_s) or self.items_per_s <= 0:
@@ -126,11 +129,27 @@ def rate_from_cost_model(cost_model: dict | None, path: str) -> EmbeddingRate | 
     if not cost_model or not cost_model.get("items_per_s_per_gpu"):
         return None
     said = cost_model.get("source", "given")
+    device = str(cost_model.get("device") or "gpu").lower()
     return EmbeddingRate(
         float(cost_model["items_per_s_per_gpu"]),
         0.0,
         f"read from {path} (its cost model: {said}, "
         f"{cost_model.get('rate_label', 'items/s per device')})",
+        device_kind="gpu" if device == "gpu" or device.startswith("cuda") else "cpu",
+    )
+
+
+def check_rate_device(rate: EmbeddingRate, device_kind: str, path: str) -> None:
+    """A simulation's recorded rate must come from the kind of device the plan is for (a CPU
+    rate would make a GPU plan's hours several times too short): ``ConfigError`` naming how
+    to give the right rate, or to use this one anyway."""
+    if rate.device_kind is None or rate.device_kind == device_kind:
+        return
+    raise ConfigError(
+        f"--results {path}: its recorded embedding rate ({rate.items_per_s:,.1f} items/s) is "
+        f"a {rate.device_kind.upper()} rate, and the plan is for --device-kind {device_kind}: "
+        f"give the {device_kind.upper()}'s rate (--items-per-s, --rate-summary or "
+        f"--rate-model), or --no-rate-device-check to plan with this one"
     )
 
 

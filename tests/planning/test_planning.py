@@ -524,3 +524,32 @@ def test_options_are_compared_by_paired_intervals_and_the_simplest_tied_one_is_c
     payload, out = plan(tmp_path, "--results", tmp_path / "sim", out="plan2")
     assert all(o["paired"] is None for o in payload["options"])
     assert "No paired intervals" in (out / "plan.md").read_text()
+
+
+def test_a_gpu_plan_refuses_a_rate_measured_on_a_cpu(tmp_path, capsys):
+    """A simulation's recorded rate says what it was measured on; a plan for another kind of
+    device refuses it (one error line) unless told to use it."""
+    folder = write_curves(
+        tmp_path / "sim", {("random", "compatible"): CURVES[("random", "compatible")]}
+    )
+    path = os.path.join(folder, "curves.json")
+    with open(path) as f:
+        payload = json.load(f)
+    payload["cost_model"] = {"items_per_s_per_gpu": 250.0, "device": "cpu", "source": "measured"}
+    with open(path, "w") as f:
+        json.dump(payload, f)
+    base = ["--results", folder, "--items", "1000", "--no-plots"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert "250.0 items/s) is a CPU rate" in err[0] and "--device-kind gpu" in err[0]
+    assert "--no-rate-device-check" in err[0] and not (tmp_path / "a").exists()
+    assert main([*base, "--out", str(tmp_path / "b"), "--device-kind", "cpu"]) == 0
+    assert main([*base, "--out", str(tmp_path / "c"), "--no-rate-device-check"]) == 0
+    plan_json = json.loads((tmp_path / "c" / "plan.json").read_text())
+    assert (
+        plan_json["rates"]["embedding"][next(iter(plan_json["rates"]["embedding"]))][
+            "items_per_s_per_device"
+        ]
+        == 250.0
+    )
