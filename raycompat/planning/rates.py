@@ -140,8 +140,8 @@ def rate_from_cost_model(cost_model: dict | None, path: str) -> EmbeddingRate | 
 
 
 def check_rate_device(rate: EmbeddingRate, device_kind: str, path: str) -> None:
-    """A simulation's recorded rate must come from the kind of device the plan is for (a CPU
-    rate would make a GPU plan's hours several times too short): ``ConfigError`` naming how
+    """A simulation's recorded rate must come from the kind of device the plan is for (hours
+    from another kind's rate are off by the ratio of the two rates): ``ConfigError`` naming how
     to give the right rate, or to use this one anyway."""
     if rate.device_kind is None or rate.device_kind == device_kind:
         return
