@@ -71,6 +71,8 @@ class Curve:
     nfr: np.ndarray
     #: its position in ``curves.json`` (its samples' key in ``samples.npz``)
     index: int = -1
+    #: with ``quality`` frequency-weighted (a query log): the unweighted quality, shown beside
+    plain: np.ndarray | None = None
 
     def at(self, fraction: float) -> tuple[Estimate, float, bool]:
         """``(quality, NFR@1, interpolated)`` at ``fraction``: linear between grid points."""
@@ -104,6 +106,10 @@ class Simulation:
     cost_model: dict | None
     #: the per-query terms of ``metric`` (``samples.npz``), or None
     samples: Any = None
+    #: whether the quality is weighted by the query log's frequencies (``plain_references``:
+    #: then the unweighted old-old and new-new values)
+    weighted: bool = False
+    plain_references: dict | None = None
 
     @property
     def has_intervals(self) -> bool:
@@ -145,8 +151,16 @@ def _work(raw: dict, n_items: int, path: str) -> np.ndarray:
     return _array(raw["fractions"], path, "fractions")
 
 
-def _curve(raw: dict, metric: str, n_items: int, path: str, index: int) -> Curve:
-    """One ``curves[]`` entry of ``curves.json``."""
+def _weighted_of(raw: dict, metric: str) -> dict | None:
+    """A curve's frequency-weighted ``{"metrics", "bands"}`` when it has ``metric`` and NFR@1."""
+    w = raw.get("weighted") or {}
+    have = w.get("metrics") or {}
+    return w if metric in have and NFR_METRIC in have else None
+
+
+def _curve(raw: dict, metric: str, n_items: int, path: str, index: int, weighted: bool) -> Curve:
+    """One ``curves[]`` entry of ``curves.json`` (``weighted``: its frequency-weighted metrics,
+    the unweighted quality kept as ``plain``)."""
     from raycompat.upgrade.modes import MODES
     from raycompat.upgrade.policies import POLICIES
 
@@ -159,8 +173,12 @@ def _curve(raw: dict, metric: str, n_items: int, path: str, index: int) -> Curve
     if metric not in metrics or NFR_METRIC not in metrics:
         raise _bad(path, f"curve {policy} / {mode} has no {metric} or {NFR_METRIC}")
     fractions = _array(raw["fractions"], path, "fractions")
+    plain = _array(metrics[metric], path, metric)
+    source = _weighted_of(raw, metric) if weighted else None
+    if source is not None:
+        metrics = source["metrics"]
     quality = _array(metrics[metric], path, metric)
-    band = (raw.get("bands") or {}).get(metric) or {}
+    band = ((source or raw).get("bands") or {}).get(metric) or {}
     nan = np.full_like(quality, math.nan)
     low = _array(band["low"], path, "band") if band.get("low") else nan
     high = _array(band["high"], path, "band") if band.get("high") else nan
@@ -178,10 +196,11 @@ def _curve(raw: dict, metric: str, n_items: int, path: str, index: int) -> Curve
         high=high,
         nfr=_array(metrics[NFR_METRIC], path, NFR_METRIC),
         index=index,
+        plain=plain if source is not None else None,
     )
 
 
-def read_simulation(path: str, model: str) -> Simulation:
+def read_simulation(path: str, model: str, quality: str = "auto") -> Simulation:
     """One ``curves.json`` as the candidate ``model`` (with its ``samples.npz`` when there is
     one: :func:`raycompat.planning.paired.read_samples`)."""
     from raycompat.planning.paired import read_samples
@@ -195,10 +214,14 @@ def read_simulation(path: str, model: str) -> Simulation:
         raise _bad(path, "not a simulate-backfill curves.json (no 'curves' or 'metrics')")
     metric = payload["metrics"][0]
     n_items = int(payload["n_items"])
-    curves = tuple(_curve(c, metric, n_items, path, i) for i, c in enumerate(payload["curves"]))
+    weighted = _use_weighted(payload, metric, quality, path)
+    curves = tuple(
+        _curve(c, metric, n_items, path, i, weighted) for i, c in enumerate(payload["curves"])
+    )
     cold = [c for c in curves if c.mode == "cold"]
-    nn = _reference(payload, "new-new", metric, path)
-    nn_nfr = (payload.get("references") or {}).get("new-new", {}).get(NFR_METRIC)
+    refs = _weighted_payload(payload) if weighted else payload
+    nn = _reference(refs, "new-new", metric, path)
+    nn_nfr = (refs.get("references") or {}).get("new-new", {}).get(NFR_METRIC)
     if nn_nfr is None and cold:
         nn_nfr = float(cold[0].nfr[-1])
     return Simulation(
@@ -208,13 +231,47 @@ def read_simulation(path: str, model: str) -> Simulation:
         n_queries=int(payload["n_queries"]),
         k=int(payload["k"]),
         metric=metric,
-        old_old=_reference(payload, "old-old", metric, path),
+        old_old=_reference(refs, "old-old", metric, path),
         new_new=nn,
         new_new_nfr=math.nan if nn_nfr is None else float(nn_nfr),
         curves=tuple(c for c in curves if c.mode != "cold"),
         cost_model=payload.get("cost_model"),
-        samples=read_samples(path, metric, len(curves), payload.get("bootstrap")),
+        samples=read_samples(path, metric, len(curves), payload.get("bootstrap"), weighted),
+        weighted=weighted,
+        plain_references={
+            n: _reference(payload, n, metric, path).value for n in ("old-old", "new-new")
+        }
+        if weighted
+        else None,
     )
+
+
+def _use_weighted(payload: dict, metric: str, quality: str, path: str) -> bool:
+    """Whether to plan on the frequency-weighted curves: ``auto`` when every curve and both
+    references have them (a simulation with a query log), ``weighted`` requires them."""
+    curves = payload.get("curves") or []
+    refs = payload.get("weighted_references") or {}
+    have = all(_weighted_of(c, metric) for c in curves if c.get("mode") != "cold") and all(
+        metric in (refs.get(n) or {}) for n in ("old-old", "new-new")
+    )
+    if quality == "weighted" and not have:
+        raise _bad(
+            path,
+            f"--quality weighted: no frequency-weighted {metric} (simulate with --query-log or "
+            "--zipf-exponent)",
+        )
+    return have and quality != "unweighted"
+
+
+def _weighted_payload(payload: dict) -> dict:
+    """The weighted references in the shape :func:`_reference` reads."""
+    refs, intervals = {}, {}
+    for name, metrics in (payload.get("weighted_references") or {}).items():
+        refs[name] = {m: v.get("value") for m, v in metrics.items()}
+        intervals[name] = {
+            m: {"low": v.get("low"), "high": v.get("high")} for m, v in metrics.items()
+        }
+    return {"references": refs, "reference_intervals": intervals}
 
 
 def split_name(entry: str) -> tuple[str | None, str]:
@@ -276,9 +333,10 @@ def _check_same_old_and_gallery(sims: list[Simulation]) -> None:
             )
 
 
-def load_results(entries) -> list[Simulation]:
+def load_results(entries, quality: str = "auto") -> list[Simulation]:
     """Every candidate of the ``--results`` entries, checked to share one old model and one
-    gallery; a candidate named twice is an error."""
+    gallery; a candidate named twice is an error. ``quality``: ``auto`` (frequency-weighted
+    when every simulation has a query log), ``weighted`` or ``unweighted``."""
     found = [pair for entry in entries for pair in _entries(entry)]
     if not found:
         raise ConfigError("--results: give at least one simulation")
@@ -288,6 +346,8 @@ def load_results(entries) -> list[Simulation]:
         raise ConfigError(
             f"--results: candidate {twice[0]!r} named twice; name them with NAME=PATH"
         )
-    sims = [read_simulation(path, model) for model, path in found]
+    sims = [read_simulation(path, model, quality) for model, path in found]
+    if quality == "auto" and len({s.weighted for s in sims}) > 1:
+        sims = [read_simulation(path, model, "unweighted") for model, path in found]
     _check_same_old_and_gallery(sims)
     return sims

@@ -65,6 +65,14 @@ class PlanUpgradeOptions:
         "items with embed-gallery on this machine",
     )
     rate_items: int = positive(2000, help="items embedded by --rate-model")
+    quality: str = choices(
+        "auto",
+        "weighted",
+        "unweighted",
+        default="auto",
+        help="the curves to rank on: auto (frequency-weighted when the simulations have a "
+        "query log), weighted, or unweighted (every query once)",
+    )
     rate_device_check: bool = option(
         True,
         help="refuse a simulation's recorded rate measured on another kind of device than "
@@ -193,7 +201,7 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     say = log or (lambda message: None)
     _check(opts)
     opts = _resolved(opts)
-    sims = load_results(opts.results)
+    sims = load_results(opts.results, opts.quality)
     policies = _names(parse_policies, opts.policies, "--policies")
     modes = _names(parse_modes, opts.modes, "--modes")
     psi = _psi_rate(opts)

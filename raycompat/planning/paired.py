@@ -45,9 +45,12 @@ class QualitySamples:
     options: BootstrapOptions
 
 
-def read_samples(curves_path: str, metric: str, n_curves: int, bootstrap: dict | None):
+def read_samples(
+    curves_path: str, metric: str, n_curves: int, bootstrap: dict | None, weighted: bool = False
+):
     """The ``samples.npz`` beside ``curves_path`` (None when there is none, or the simulation
-    had no bootstrap); a file that does not match its ``curves.json`` is a ConfigError."""
+    had no bootstrap; ``weighted``: the frequency-weighted terms, the log's queries resampled);
+    a file that does not match its ``curves.json`` is a ConfigError."""
     path = os.path.join(os.path.dirname(os.path.abspath(curves_path)), SAMPLES_FILE)
     if not bootstrap or not os.path.isfile(path):
         return None
@@ -57,12 +60,17 @@ def read_samples(curves_path: str, metric: str, n_curves: int, bootstrap: dict |
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--results {path}: cannot read it: {exc}".splitlines()[0]) from None
 
+    prefix = "weighted:" if weighted else ""
+
     def sample(key: str) -> Sample | None:
+        key = prefix + key
         if f"{key}|{metric}|num" not in arrays:
             return None
         return Sample(QUERIES, arrays[f"{key}|{metric}|num"], arrays[f"{key}|{metric}|den"])
 
     labels = arrays.get("query_labels")
+    if weighted and f"weighted:ref:old-old|{metric}|num" in arrays:  # each log query its own
+        labels = np.arange(arrays[f"weighted:ref:old-old|{metric}|num"].shape[1])
     refs = {n: sample(f"ref:{n}") for n in ("old-old", "new-new")}
     if labels is None or refs["old-old"] is None:
         raise ConfigError(f"--results {path}: no query_labels or old-old samples of {metric}")

@@ -150,6 +150,29 @@ def option_sources(option, sim, curve_index: int | None):
     return pts if len(pts) == len(option.timeline.hours) else None
 
 
+def _plain_values(option, sim, curve) -> np.ndarray | None:
+    """The unweighted quality at each point of ``option``'s timeline (as :func:`option_sources`
+    lays the points out), or None when ``sim`` is not weighted."""
+    refs = sim.plain_references
+    if not sim.weighted or refs is None:
+        return None
+    oo, nn = refs["old-old"], refs["new-new"]
+    if option.kind == CANDIDATE:
+        prep = [oo, oo] if option.prep_hours > 0 else []
+        return np.asarray(prep + [curve.plain[0], *curve.plain], np.float64)
+    if option.kind == COLD:
+        return np.asarray([oo, oo, nn], np.float64)
+    return np.asarray([oo], np.float64)
+
+
+def _with_plain(assessed, plain, horizon: float) -> list[Assessment]:
+    out = []
+    for a, values in zip(assessed, plain, strict=True):
+        qh = None if values is None else a.option.timeline.quality_hours(horizon, values)
+        out.append(replace(a, plain_quality_hours=qh))
+    return out
+
+
 def _compared(assessed, sources, sims, horizon: float) -> tuple[list[Assessment], str]:
     """Every option with its paired comparison to the best deployable option that meets the
     constraints (else the best deployable one), and the note that says how it was made."""
@@ -206,10 +229,20 @@ def make_plan(
     horizon = horizon_hours(options)
     old_value = sims[0].old_old.value
     assessed = assess(options, constraints, old_value, horizon)
+    curve_of = [c for _, c in chosen] + [None] * (len(options) - len(chosen))
+    sim_of = [s for s, _ in chosen] + list(sims) + [sims[0]]
+    plain = [_plain_values(o, s, c) for o, s, c in zip(options, sim_of, curve_of, strict=True)]
+    assessed = _with_plain(assessed, plain, horizon)
     assessed, paired_note = _compared(assessed, sources, sims, horizon)
     rec = recommend(assessed, constraints, metric=sims[0].metric, horizon=horizon, hardware=hw)
     notes = _notes(sims, hw, psi, any(c.mode in GALLERY_TRANSFORM_MODES for _, c in chosen))
     notes.append(paired_note)
+    if sims[0].weighted:
+        notes.append(
+            f"Ranked on the frequency-weighted curves (each query of the simulation's query log "
+            f"counted by how often it is searched); the {sims[0].metric}-hours of the unweighted "
+            "curves (every query once) are shown beside."
+        )
     return Plan(
         simulations=tuple(sims),
         hardware=hw,

@@ -77,6 +77,9 @@ class Assessment:
     #: quality-hours with their interval and the paired difference to the best option
     #: (:mod:`raycompat.planning.paired`), or None without the simulations' samples
     comparison: Any = None
+    #: on frequency-weighted curves: the quality-hours of the unweighted ones (every query
+    #: counted once), shown beside; None otherwise
+    plain_quality_hours: float | None = None
 
     @property
     def meets(self) -> bool:

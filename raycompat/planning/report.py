@@ -43,6 +43,7 @@ def _option_row(a: Assessment) -> dict:
         "devices_busy": o.devices_busy,
         "total_cost": o.total_cost,
         "quality_hours": a.quality_hours,
+        "unweighted_quality_hours": a.plain_quality_hours,
         "mean_map": a.mean_quality,
         "map_at_deadline": {
             "map": a.quality_at_deadline.value,
@@ -182,11 +183,13 @@ def _summary_lines(plan: Plan) -> list[str]:
     chosen = plan.recommendation.chosen
     rows = sorted(plan.assessed, key=lambda a: (a is not chosen, -a.quality_hours))
     at = "deadline" if plan.constraints.deadline_hours is not None else "horizon"
+    weighted = plan.simulations[0].weighted
     headers = [
         "option",
         "hours to 100 %",
         "cost",
-        f"{plan.metric}-hours (fraction x h)",
+        f"{plan.metric}-hours (fraction x h{', query log' if weighted else ''})",
+        *([f"{plan.metric}-hours, every query once"] if weighted else []),
         "vs the best (paired)",
         f"mean {plan.metric} (%)",
         f"{plan.metric} at the {at} (%)",
@@ -199,6 +202,7 @@ def _summary_lines(plan: Plan) -> list[str]:
             _hours(a.option.end_hours),
             f"{a.option.total_cost:,.2f}",
             _qh(a),
+            *([_hours(a.plain_quality_hours)] if weighted else []),
             _vs_best(a),
             _pct(a.mean_quality),
             _pct_iv(a.quality_at_deadline),

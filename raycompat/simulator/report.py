@@ -645,18 +645,21 @@ SAMPLES_FILE = "samples.npz"
 def write_samples(result, out_dir: str) -> str | None:
     """``samples.npz``: the query labels and, per curve (its index in ``curves.json``) and per
     static reference, every metric's per-query terms (:class:`~raycompat.metrics.bootstrap.Sample`
-    ``num`` [seeds, queries, points] and ``den`` [seeds, queries]), so that a reader can draw
-    the same paired resamples (docs/simulator.md, "Outputs"). None without a bootstrap."""
+    ``num`` [seeds, queries, points] and ``den`` [seeds, queries]), with a query log their
+    frequency-weighted terms too (keys prefixed ``weighted:``), so that a reader can draw the
+    same paired resamples (docs/simulator.md, "Outputs"). None without a bootstrap."""
     if result.bootstrap is None or result.query_labels is None:
         return None
     arrays = {"query_labels": np.asarray(result.query_labels)}
     parts = [(f"curve{i}", c.samples) for i, c in enumerate(result.curves)]
     parts += [(f"ref:{name}", s) for name, s in result.reference_samples.items()]
+    # with a query log, the frequency-weighted terms too (its distinct queries resampled)
+    parts += [(f"weighted:curve{i}", c.weighted_samples) for i, c in enumerate(result.curves)]
+    parts += [(f"weighted:ref:{n}", s) for n, s in result.reference_weighted_samples.items()]
     for key, samples in parts:
         for metric, sample in samples.items():
-            if sample.query_set == "queries":
-                arrays[f"{key}|{metric}|num"] = sample.num
-                arrays[f"{key}|{metric}|den"] = sample.den
+            arrays[f"{key}|{metric}|num"] = sample.num
+            arrays[f"{key}|{metric}|den"] = sample.den
     path = os.path.join(out_dir, SAMPLES_FILE)
     with open(path + ".tmp", "wb") as fh:
         np.savez_compressed(fh, **arrays)

@@ -553,3 +553,39 @@ def test_a_gpu_plan_refuses_a_rate_measured_on_a_cpu(tmp_path, capsys):
         ]
         == 250.0
     )
+
+
+def test_with_a_query_log_the_plan_ranks_on_the_weighted_curves_and_shows_both(tmp_path):
+    """A simulation with a query log: the plan ranks on the frequency-weighted curves (with
+    paired intervals from the weighted terms) and shows the unweighted quality-hours beside;
+    --quality unweighted plans on the plain curves, whose numbers are those shown beside."""
+    import numpy as np
+    from serving_helpers import labelled_embeddings
+
+    from raycompat.data.workload import write_query_log
+    from raycompat.metrics.bootstrap import BootstrapOptions
+    from raycompat.simulator import simulate_backfill
+    from raycompat.simulator.report import write_reports
+    from raycompat.upgrade.query_log import read_query_log
+
+    data = labelled_embeddings(n_items=300, n_queries=60, classes=20, seed=4)
+    counts = 1 + (np.arange(60) % 7) ** 2  # some queries searched 37 times, some once
+    log = write_query_log(
+        str(tmp_path / "log.parquet"), {"query_id": data.query_ids, "count": counts}
+    )
+    res = simulate_backfill(
+        data, ["random", "sequential"], ["compatible", "naive_merge"], k=10, grid_step=25.0,
+        bootstrap=BootstrapOptions(resamples=100), query_log=read_query_log(log),
+    )  # fmt: skip
+    write_reports(res, str(tmp_path / "sim"), plots=False)
+    weighted, out = plan(tmp_path, "--results", tmp_path / "sim")
+    assert any("frequency-weighted" in n for n in weighted["notes"])
+    assert "every query once" in (out / "plan.md").read_text()
+    plain, _ = plan(tmp_path, "--results", tmp_path / "sim", "--quality", "unweighted", out="p2")
+    for w, p in zip(weighted["options"], plain["options"], strict=True):
+        assert w["paired"] is not None and p["unweighted_quality_hours"] is None
+        assert w["unweighted_quality_hours"] == pytest.approx(p["quality_hours"], rel=1e-12)
+    assert any(
+        w["quality_hours"] != pytest.approx(w["unweighted_quality_hours"], rel=1e-6)
+        for w in weighted["options"]
+    )
