@@ -93,6 +93,24 @@ class PlanUpgradeOptions:
     searches_per_s: float | None = option(
         None, min=1e-12, help="searches per second of one device (with --queries-per-s)"
     )
+    store_items_per_s: float | None = option(
+        None, min=1e-12, help="the store's write rate, items/s: it bounds the backfill's rate"
+    )
+    training_hours: float = nonnegative(
+        0.0, help="fixed cost: device-hours of training the new model, at the device price"
+    )
+    index_build_hours: float = nonnegative(
+        0.0, help="fixed cost: device-hours of building the new index, at the device price"
+    )
+    new_dim: int | None = option(
+        None, min=1, help="dimension of the new vectors (float32): sizes the second vector set"
+    )
+    storage_price_per_gib_hour: float = nonnegative(
+        0.0, help="fixed cost: the second vector set held until the end, per GiB-hour (--new-dim)"
+    )
+    new_items_per_hour: float = nonnegative(
+        0.0, help="fixed cost: items arriving during the backfill, each embedded once more"
+    )
     never_below_old: bool = option(
         False, help="constraint: the lower bound of mAP@k never below old-old's value"
     )
@@ -136,6 +154,8 @@ def _check(opts: PlanUpgradeOptions) -> None:
         raise ConfigError("--budget needs --price-per-device-hour")
     if not opts.results:
         raise ConfigError("--results: give at least one simulation")
+    if opts.storage_price_per_gib_hour and opts.new_dim is None:
+        raise ConfigError("--storage-price-per-gib-hour needs --new-dim (the new vectors' size)")
 
 
 def _resolved(opts: PlanUpgradeOptions) -> PlanUpgradeOptions:
@@ -194,7 +214,7 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     from raycompat.planning.rates import SearchLoad, measure_embedding_rate
     from raycompat.planning.recommend import Constraints
     from raycompat.planning.report import write_plan
-    from raycompat.planning.timeline import Hardware
+    from raycompat.planning.timeline import FixedCosts, Hardware
     from raycompat.upgrade.modes import parse_modes
     from raycompat.upgrade.policies import parse_policies
 
@@ -217,12 +237,22 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     search = None
     if opts.queries_per_s is not None:
         search = SearchLoad(opts.queries_per_s, opts.searches_per_s)
+    items = opts.items or sims[0].n_items
+    fixed = FixedCosts(
+        training_hours=opts.training_hours,
+        index_build_hours=opts.index_build_hours,
+        storage_gib=items * (opts.new_dim or 0) * 4 / 2**30,
+        storage_price=opts.storage_price_per_gib_hour,
+        new_items_per_hour=opts.new_items_per_hour,
+    )
     hardware = Hardware(
-        items=opts.items or sims[0].n_items,
+        items=items,
         devices=opts.devices,
         device_kind=opts.device_kind,
         price=opts.price_per_device_hour,
         search=search,
+        store_items_per_s=opts.store_items_per_s,
+        fixed=fixed,
     )
     constraints = Constraints(
         never_below_old=opts.never_below_old,

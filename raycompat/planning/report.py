@@ -42,6 +42,7 @@ def _option_row(a: Assessment) -> dict:
         "prep_hours": o.prep_hours,
         "devices_busy": o.devices_busy,
         "total_cost": o.total_cost,
+        "fixed_costs": dict(o.fixed_costs),
         "quality_hours": a.quality_hours,
         "unweighted_quality_hours": a.plain_quality_hours,
         "mean_map": a.mean_quality,
@@ -168,6 +169,11 @@ def _qh(a: Assessment) -> str:
     return f"{a.quality_hours:.4g} [{c.quality_hours.low:.4g}, {c.quality_hours.high:.4g}]"
 
 
+def _fixed(a: Assessment) -> str:
+    parts = a.option.fixed_costs
+    return ", ".join(f"{k} {v:,.2f}" for k, v in parts) if parts else "none"
+
+
 def _vs_best(a: Assessment) -> str:
     c = a.comparison
     if c is None:
@@ -184,6 +190,7 @@ def _summary_lines(plan: Plan) -> list[str]:
     rows = sorted(plan.assessed, key=lambda a: (a is not chosen, -a.quality_hours))
     at = "deadline" if plan.constraints.deadline_hours is not None else "horizon"
     weighted = plan.simulations[0].weighted
+    fixed = any(a.option.fixed_costs for a in plan.assessed)
     headers = [
         "option",
         "hours to 100 %",
@@ -191,6 +198,7 @@ def _summary_lines(plan: Plan) -> list[str]:
         f"{plan.metric}-hours (fraction x h{', query log' if weighted else ''})",
         *([f"{plan.metric}-hours, every query once"] if weighted else []),
         "vs the best (paired)",
+        *(["fixed costs (in cost)"] if fixed else []),
         f"mean {plan.metric} (%)",
         f"{plan.metric} at the {at} (%)",
         "passes old-old at (h)",
@@ -204,6 +212,7 @@ def _summary_lines(plan: Plan) -> list[str]:
             _qh(a),
             *([_hours(a.plain_quality_hours)] if weighted else []),
             _vs_best(a),
+            *([_fixed(a)] if fixed else []),
             _pct(a.mean_quality),
             _pct_iv(a.quality_at_deadline),
             _hours(a.passes_old_at_hours),
@@ -254,6 +263,26 @@ def _setup_lines(plan: Plan, command: str | None) -> list[str]:
             f"- Embedding rate for {model}: {r.items_per_s:,.1f} items/s per device"
             + (f" after {r.startup_s:.1f} s of start-up" if r.startup_s else "")
             + f" ({r.source})."
+        )
+    if hw.store_items_per_s is not None:
+        lines.append(
+            f"- The store takes {hw.store_items_per_s:,.1f} items/s: no backfill writes faster "
+            "(given)."
+        )
+    f = hw.fixed
+    given = [
+        (f.training_hours, f"training {f.training_hours:g} device-hours"),
+        (f.index_build_hours, f"index build {f.index_build_hours:g} device-hours"),
+        (f.storage_price, f"storage of the second vector set {f.storage_gib:,.3g} GiB at "
+         f"{f.storage_price:g} per GiB-hour until the end"),
+        (f.new_items_per_hour, f"{f.new_items_per_hour:,.0f} new items per hour during the "
+         "backfill, each embedded once more"),
+    ]  # fmt: skip
+    if any(v for v, _ in given):
+        lines.append(
+            "- Fixed costs of every upgrade (given; in each option's cost): "
+            + "; ".join(text for v, text in given if v)
+            + "."
         )
     active = plan.constraints.active()
     lines.append(

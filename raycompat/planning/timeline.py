@@ -38,6 +38,7 @@ __all__ = [
     "Timeline",
     "candidate_option",
     "cold_refresh_option",
+    "FixedCosts",
     "end_and_cost_on",
     "stay_on_old_option",
 ]
@@ -56,15 +57,43 @@ GALLERY_TRANSFORM_MODES = ("adapted", "fct")
 
 
 @dataclass(frozen=True)
+class FixedCosts:
+    """What an upgrade costs beyond re-embedding (docs/planning.md, "Fixed costs"), each 0 when
+    not given: ``training_hours`` and ``index_build_hours`` (device-hours at the device price),
+    the second vector set held until the end (``storage_gib`` at ``storage_price`` per
+    GiB-hour), and ``new_items_per_hour`` arriving during the backfill, each embedded once more
+    (by the model the gallery is leaving)."""
+
+    training_hours: float = 0.0
+    index_build_hours: float = 0.0
+    storage_gib: float = 0.0
+    storage_price: float = 0.0
+    new_items_per_hour: float = 0.0
+
+    def parts(self, end_hours: float, price: float, rate: EmbeddingRate) -> dict[str, float]:
+        """Each fixed cost of an upgrade that ends at ``end_hours``."""
+        arrivals_h = self.new_items_per_hour * end_hours / (rate.items_per_s * 3600.0)
+        return {
+            "training": self.training_hours * price,
+            "index build": self.index_build_hours * price,
+            "storage": self.storage_gib * end_hours * self.storage_price,
+            "arrivals": arrivals_h * price,
+        }
+
+
+@dataclass(frozen=True)
 class Hardware:
     """What the plan runs on: ``items`` to re-embed on ``devices`` devices of ``device_kind`` at
-    ``price`` per device-hour, with the query load that prices second searches (or None)."""
+    ``price`` per device-hour, with the query load that prices second searches (or None), the
+    store's write rate that bounds the backfill (items/s, or None) and the fixed costs."""
 
     items: int
     devices: int
     device_kind: str
     price: float
     search: SearchLoad | None = None
+    store_items_per_s: float | None = None
+    fixed: FixedCosts = FixedCosts()
 
     def extra_devices(self, mode: str) -> float:
         return 0.0 if self.search is None else self.search.extra_devices(mode)
@@ -188,6 +217,8 @@ class Option:
     price: float
     rate: EmbeddingRate | None
     psi: PsiRate | None = None
+    #: the fixed costs of this option (:class:`FixedCosts`; empty for staying on the old model)
+    fixed_costs: tuple[tuple[str, float], ...] = ()
 
     @property
     def label(self) -> str:
@@ -204,12 +235,27 @@ class Option:
         return min(hours, self.end_hours) * self.devices_busy * self.price
 
     @property
+    def fixed_cost(self) -> float:
+        return float(sum(v for _, v in self.fixed_costs))
+
+    @property
     def total_cost(self) -> float:
-        return self.cost_at(self.end_hours)
+        """The devices' cost to the end plus the fixed costs."""
+        return self.cost_at(self.end_hours) + self.fixed_cost
 
 
 def _hours_at(work: float, prep_s: float, rate: EmbeddingRate, hw: Hardware) -> float:
-    return (prep_s + rate.seconds(work * hw.items, hw.devices)) / 3600.0
+    """Hours until ``work`` of the gallery is re-embedded: the devices' rate, bounded by the
+    store's write rate when one is given."""
+    per_s = rate.items_per_s * hw.devices
+    if hw.store_items_per_s is not None:
+        per_s = min(per_s, hw.store_items_per_s)
+    return (prep_s + rate.startup_s + work * hw.items / per_s) / 3600.0
+
+
+def _with_fixed(option: Option, hw: Hardware) -> Option:
+    parts = hw.fixed.parts(option.end_hours, option.price, option.rate)
+    return replace(option, fixed_costs=tuple((k, v) for k, v in parts.items() if v))
 
 
 def end_and_cost_on(option: Option, hw: Hardware, devices: int) -> tuple[float, float]:
@@ -219,7 +265,8 @@ def end_and_cost_on(option: Option, hw: Hardware, devices: int) -> tuple[float, 
     on = replace(hw, devices=devices)
     prep_s = option.psi.seconds(on.items, devices) if option.psi is not None else 0.0
     end = _hours_at(1.0, prep_s, option.rate, on)
-    return end, end * (devices + on.extra_devices(option.mode)) * option.price
+    fixed = sum(hw.fixed.parts(end, option.price, option.rate).values())
+    return end, end * (devices + on.extra_devices(option.mode)) * option.price + fixed
 
 
 def candidate_option(
@@ -260,7 +307,7 @@ def candidate_option(
         quality, nfr, interpolated = curve.at(f)
         h = _hours_at(curve.work_at(f), prep_s, rate, hw)
         milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr, interpolated))
-    return replace(option, milestones=tuple(milestones))
+    return replace(_with_fixed(option, hw), milestones=tuple(milestones))
 
 
 def cold_refresh_option(sim: Simulation, hw: Hardware, rate: EmbeddingRate) -> Option:
@@ -291,7 +338,7 @@ def cold_refresh_option(sim: Simulation, hw: Hardware, rate: EmbeddingRate) -> O
         done = f >= 1.0
         quality, nfr = (sim.new_new, sim.new_new_nfr) if done else (sim.old_old, 0.0)
         milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr))
-    return replace(option, milestones=tuple(milestones))
+    return replace(_with_fixed(option, hw), milestones=tuple(milestones))
 
 
 def stay_on_old_option(old_old: Estimate, hw: Hardware) -> Option:

@@ -589,3 +589,33 @@ def test_with_a_query_log_the_plan_ranks_on_the_weighted_curves_and_shows_both(t
         w["quality_hours"] != pytest.approx(w["unweighted_quality_hours"], rel=1e-6)
         for w in weighted["options"]
     )
+
+
+def test_fixed_costs_and_the_store_write_rate_by_hand(tmp_path, capsys):
+    """Training, index build, storage of the second vector set and arriving items are in every
+    upgrade's cost (and its table); a store that takes fewer items/s than the devices embed
+    bounds the backfill."""
+    a = pytest.approx
+    extra = ["--training-hours", "3", "--index-build-hours", "1", "--new-dim", "256",
+             "--storage-price-per-gib-hour", "2", "--new-items-per-hour", "3600"]  # fmt: skip
+    payload, out = plan(tmp_path, "--results", main_job_folder(tmp_path / "qs"), *extra)
+    compatible = option(payload, "bct", "compatible")
+    gib = 7200 * 256 * 4 / 2**30
+    # 1 h on 2 devices at 5: 10; training 3 * 5; index 1 * 5; storage gib * 1 h * 2;
+    # 3600 arrivals in the hour at 1 item/s per device: 1 device-hour * 5
+    fixed = {"training": 15.0, "index build": 5.0, "storage": gib * 2, "arrivals": 5.0}
+    assert compatible["fixed_costs"] == a(fixed)
+    assert compatible["total_cost"] == a(10.0 + sum(fixed.values()))
+    stay = next(o for o in payload["options"] if o["kind"] == "stay on old")
+    assert stay["fixed_costs"] == {} and stay["total_cost"] == 0
+    md = (out / "plan.md").read_text()
+    assert "fixed costs (in cost)" in md and "Fixed costs of every upgrade (given" in md
+    # the store takes 1 item/s: 7200 items take 2 h whatever the devices
+    bounded, out = plan(tmp_path, "--results", tmp_path / "qs", "--store-items-per-s", "1",
+                        out="bounded")  # fmt: skip
+    compatible = option(bounded, "bct", "compatible")
+    assert compatible["end_hours"] == a(2.0) and compatible["total_cost"] == a(20.0)
+    assert "The store takes 1.0 items/s" in (out / "plan.md").read_text()
+    args = ["--results", str(tmp_path / "qs"), "--storage-price-per-gib-hour", "2"]
+    assert main(["--out", str(tmp_path / "x"), *HARDWARE, *PSI, *args]) == 2
+    assert "--storage-price-per-gib-hour needs --new-dim" in capsys.readouterr().err
