@@ -111,6 +111,12 @@ class PlanUpgradeOptions:
     new_items_per_hour: float = nonnegative(
         0.0, help="fixed cost: items arriving during the backfill, each embedded once more"
     )
+    size_check: bool = option(
+        False,
+        help="re-simulate each candidate on nested subsamples of its gallery (--size-fractions) "
+        "and report how the options' quality-hours and ranking move with the size",
+    )
+    size_fractions: str = option("0.25,0.5,1", help="comma-separated: the --size-check sizes")
     never_below_old: bool = option(
         False, help="constraint: the lower bound of mAP@k never below old-old's value"
     )
@@ -156,6 +162,17 @@ def _check(opts: PlanUpgradeOptions) -> None:
         raise ConfigError("--results: give at least one simulation")
     if opts.storage_price_per_gib_hour and opts.new_dim is None:
         raise ConfigError("--storage-price-per-gib-hour needs --new-dim (the new vectors' size)")
+
+
+def _size_fractions(text: str) -> tuple[float, ...]:
+    """``--size-fractions``: fractions in (0, 1], the whole gallery included."""
+    try:
+        values = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"--size-fractions {text!r}: comma-separated numbers") from None
+    if not values or values[0] <= 0 or values[-1] != 1.0:
+        raise ConfigError(f"--size-fractions {text!r}: fractions in (0, 1], 1 among them")
+    return values
 
 
 def _resolved(opts: PlanUpgradeOptions) -> PlanUpgradeOptions:
@@ -222,6 +239,7 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     _check(opts)
     opts = _resolved(opts)
     sims = load_results(opts.results, opts.quality)
+    size_fracs = _size_fractions(opts.size_fractions)
     policies = _names(parse_policies, opts.policies, "--policies")
     modes = _names(parse_modes, opts.modes, "--modes")
     psi = _psi_rate(opts)
@@ -260,16 +278,26 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
         deadline_hours=opts.deadline_hours,
         budget=opts.budget,
     )
-    plan = make_plan(
-        sims,
-        hardware,
-        constraints,
-        rate=rate,
-        psi=psi,
-        policies=policies,
-        modes=modes,
-        rate_device_check=opts.rate_device_check,
-    )
+
+    def plan_at(simulations):
+        return make_plan(
+            simulations,
+            hardware,
+            constraints,
+            rate=rate,
+            psi=psi,
+            policies=policies,
+            modes=modes,
+            rate_device_check=opts.rate_device_check,
+        )
+
+    plan = plan_at(sims)
+    if opts.size_check:
+        from dataclasses import replace
+
+        from raycompat.planning.size_check import size_check
+
+        plan = replace(plan, size_check=size_check(sims, plan_at, size_fracs, log=say))
     say(f"{len(plan.assessed)} options planned; writing {output.local}")
     written = write_plan(plan, output.local, plots=opts.plots, command=command)
     output.publish()

@@ -5,6 +5,7 @@ number came from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,8 @@ class Plan:
     assessed: tuple[Assessment, ...]
     recommendation: Recommendation
     notes: tuple[str, ...]
+    #: the gallery-size check (:class:`raycompat.planning.size_check.SizeCheck`), when asked
+    size_check: Any = None
 
 
 def model_rates(

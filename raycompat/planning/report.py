@@ -139,6 +139,7 @@ def plan_dict(plan: Plan, command: str | None = None) -> dict:
             for b in rec.binding
         ],
         "notes": list(plan.notes),
+        "size_check": _size_check_dict(plan),
     }
 
 
@@ -301,6 +302,50 @@ def _setup_lines(plan: Plan, command: str | None) -> list[str]:
     return lines + [f"- {n}" for n in plan.notes] + [""]
 
 
+def _size_check_dict(plan: Plan) -> dict | None:
+    sc = plan.size_check
+    if sc is None:
+        return None
+    return {
+        "sizes": list(sc.sizes),
+        "quality_hours": {k: list(v) for k, v in sc.quality_hours.items()},
+        "ranks": {k: list(v) for k, v in sc.ranks().items()},
+        "recommended": list(sc.recommended),
+        "recommendation_changes": sc.recommendation_changes,
+        "skipped": list(sc.skipped),
+    }
+
+
+def _size_check_lines(plan: Plan) -> list[str]:
+    sc = plan.size_check
+    if sc is None:
+        return []
+    ranks = sc.ranks()
+    headers = ["option", *(f"{n:,} items: {plan.metric}-hours (rank)" for n in sc.sizes)]
+    body = [
+        [
+            label,
+            *(
+                _hours(q) + ("" if r is None else f" ({r})")
+                for q, r in zip(qh, ranks[label], strict=True)
+            ),
+        ]
+        for label, qh in sc.quality_hours.items()
+    ]
+    said = (
+        "**The recommendation changes with the gallery's size**: "
+        + ", ".join(
+            f"{n:,} items: {r or 'none'}" for n, r in zip(sc.sizes, sc.recommended, strict=True)
+        )
+        if sc.recommendation_changes
+        else f"The recommendation is the same at every size: {sc.recommended[-1] or 'none'}."
+    )
+    lines = ["## The gallery-size check", "", markdown_table(headers, body), "", said, ""]
+    if sc.skipped:
+        lines += ["Not re-simulated: " + "; ".join(sc.skipped) + ".", ""]
+    return lines
+
+
 def plan_markdown(plan: Plan, plots: list[str] | None = None, command: str | None = None) -> str:
     """plan.md: the recommendation, every option, the assumptions, a table per option."""
     rec = plan.recommendation
@@ -313,7 +358,7 @@ def plan_markdown(plan: Plan, plots: list[str] | None = None, command: str | Non
         ("Recommended: " if rec.chosen else "") + rec.reason,
         "",
     ]
-    lines += _summary_lines(plan) + _setup_lines(plan, command)
+    lines += _summary_lines(plan) + _size_check_lines(plan) + _setup_lines(plan, command)
     for s in plan.simulations:
         lines += [f"## {s.model}", "", f"Curves: `{s.path}`.", ""]
         for a in plan.assessed:

@@ -619,3 +619,34 @@ def test_fixed_costs_and_the_store_write_rate_by_hand(tmp_path, capsys):
     args = ["--results", str(tmp_path / "qs"), "--storage-price-per-gib-hour", "2"]
     assert main(["--out", str(tmp_path / "x"), *HARDWARE, *PSI, *args]) == 2
     assert "--storage-price-per-gib-hour needs --new-dim" in capsys.readouterr().err
+
+
+def test_the_size_check_re_simulates_nested_subsamples(tmp_path):
+    """--size-check: every candidate re-simulated on nested subsamples of its parquet gallery,
+    the options' quality-hours and ranks per size in plan.json and plan.md; the full size
+    equals the plan itself."""
+    from raycompat.embeddings.gallery import load_parquet
+    from raycompat.planning.size_check import nested_subsample
+    from raycompat.simulator import simulate_backfill
+    from raycompat.simulator.report import write_reports
+
+    emb = write_parquet(tmp_path / "emb.parquet", adapted=False)
+    data = load_parquet(str(emb))
+    half, quarter = nested_subsample(data, 0.5), nested_subsample(data, 0.25)
+    assert set(quarter.gallery_ids.tolist()) < set(half.gallery_ids.tolist())
+    assert half.n_queries == data.n_queries and half.n_items == round(data.n_items / 2)
+    res = simulate_backfill(data, ["random", "sequential"], ["compatible", "naive_merge"], k=10,
+                            grid_step=25.0)  # fmt: skip
+    write_reports(res, str(tmp_path / "sim"), plots=False)
+    payload, out = plan(tmp_path, "--results", tmp_path / "sim", "--size-check")
+    sc = payload["size_check"]
+    assert sc["sizes"] == [quarter.n_items, half.n_items, data.n_items]
+    full = {
+        f"{o['model']} / {o['policy']} / {o['mode']}": o["quality_hours"]
+        for o in payload["options"]
+        if o["kind"] == "candidate"
+    }
+    for label, qh in full.items():
+        assert sc["quality_hours"][label][-1] == pytest.approx(qh, rel=1e-12)
+    assert len(sc["recommended"]) == 3 and isinstance(sc["recommendation_changes"], bool)
+    assert "## The gallery-size check" in (out / "plan.md").read_text()
