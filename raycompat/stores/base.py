@@ -358,6 +358,9 @@ class VectorStore(ABC):
         self.uri = uri
         self.columns = columns
         self._layout = layout
+        #: the largest upgrade position written, once read (None: not read, or a rollback
+        #: since); write_new keeps it, so that checking that positions grow costs no scan
+        self._position_high: int | None = None
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
@@ -474,9 +477,34 @@ class VectorStore(ABC):
             if positions is None:
                 raise StoreError(f"column {cols.position!r} of {where}: positions are required")
             positions = checks.check_positions(positions, len(ids), cols.position, where)
+            if len(ids):
+                self._check_positions_grow(ids, positions)
         if len(ids):
             self._write_new(ids, vectors, fingerprint, positions)
+            if positions is not None:
+                self._position_high = max(self._position_high, int(positions.max()))
         return len(ids)
+
+    def _check_positions_grow(self, ids: np.ndarray, positions: np.ndarray) -> None:
+        """A batch's positions come after every position written (the order a rollback to a
+        position undoes), distinct; a batch written before may be written again at the same
+        positions (a retry after a kill)."""
+        col, where = self.columns.position, self.where
+        if len(np.unique(positions)) != len(positions):
+            raise StoreError(f"column {col!r} of {where}: a position appears twice in the batch")
+        if self._position_high is None:
+            self._position_high = self._max_position()
+        if int(positions.min()) > self._position_high:
+            return
+        written = {}
+        for block in self.read_blocks(("id", "position"), filter=Filter(ids=tuple(ids.tolist()))):
+            written.update(zip(block["id"].tolist(), block["position"].tolist(), strict=True))
+        if any(written.get(i) != p for i, p in zip(ids.tolist(), positions.tolist(), strict=True)):
+            raise StoreError(
+                f"column {col!r} of {where}: positions must grow: the largest written is "
+                f"{self._position_high}, this batch starts at {int(positions.min())} (only a "
+                "batch already written may be written again, at the same positions)"
+            )
 
     @abstractmethod
     def _write_new(
@@ -645,6 +673,7 @@ class VectorStore(ABC):
             raise StoreError(
                 f"{self.where}: no rollback mark {name!r} (marks: {sorted(self.marks())})"
             )
+        self._position_high = None
         self._rollback_to_mark(mark)
 
     @abstractmethod
@@ -653,6 +682,9 @@ class VectorStore(ABC):
         (docs/stores.md#rollback)."""
 
     def _check_position_arg(self, position: int) -> str:
+        """(the start of every rollback to a position) The position column; the cached
+        largest position is dropped."""
+        self._position_high = None
         if self.columns.position is None:
             raise StoreError(
                 f"{self.where}: rollback to a position needs a position column "

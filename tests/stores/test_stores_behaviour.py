@@ -372,6 +372,23 @@ def test_rollback_to_a_position(store, gal):
         store.rollback_to_position(-3)
 
 
+def test_positions_must_grow_and_a_batch_may_be_written_again(store, gal):
+    upgrade(store, gal, gal.order[:20], "new-m1", 0)
+    upgrade(store, gal, gal.order[:20], "new-m1", 0)  # a retry of the batch: the same positions
+    with pytest.raises(StoreError, match="positions must grow: the largest written is 19, this"):
+        upgrade(store, gal, gal.order[20:30], "new-m1", 15)
+    with pytest.raises(StoreError, match="positions must grow"):  # the same items, moved
+        upgrade(store, gal, gal.order[:20], "new-m1", 1)
+    with pytest.raises(StoreError, match="a position appears twice"):
+        store.write_new(
+            gal.ids[gal.order[20:22]], gal.new[gal.order[20:22]], "m", np.array([30, 30])
+        )
+    assert store.count_upgraded() == 20  # nothing of a refused batch written
+    store.rollback_to_position(10)  # then positions from 10 on are free again
+    upgrade(store, gal, gal.order[30:40], "new-m2", 10)
+    assert store.counts_by_model().new == {"new-m1": 10, "new-m2": 10}
+
+
 # -- finalize and state --------------------------------------------------------------------
 def test_finalize_needs_every_item_upgraded(store, gal, backend):
     upgrade(store, gal, gal.order[:200], "new-m1", 0)
