@@ -11,12 +11,18 @@ SERVE_PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 SERVE_PROXY_CALLBACK = "raycompat.serving.proxy.proxy_middlewares"
 
 
+#: ``0``: an embedded local cluster starts without Ray's dashboard (no job uses it; the test
+#: suite sets it, saving the dashboard's start-up in every job it runs)
+DASHBOARD_ENV = "RAYCOMPAT_RAY_DASHBOARD"
+
+
 def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
     """``ray.init`` once; returns the Ray context.
 
     ``address`` ``None`` and no ``RAY_ADDRESS``: start an embedded local cluster on this
     machine (``address="local"``), even when a ``ray start`` cluster runs here; pass
-    ``--address auto`` to join that one instead."""
+    ``--address auto`` to join that one instead.  ``RAYCOMPAT_RAY_DASHBOARD=0`` starts the
+    embedded cluster without Ray's dashboard."""
     import ray
 
     if ray.is_initialized():
@@ -32,4 +38,6 @@ def connect(address: str | None = None, num_cpus: int | None = None, quiet: bool
         kwargs["logging_level"] = "warning"
     if address:
         return ray.init(address=address, **kwargs)
+    if os.environ.get(DASHBOARD_ENV, "").strip() == "0":
+        kwargs["include_dashboard"] = False
     return ray.init(address="local", num_cpus=num_cpus, **kwargs)

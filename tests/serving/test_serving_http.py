@@ -1323,6 +1323,9 @@ def _replica_actor(client, deployment: str):
 
 
 @pytest.mark.serve
+# about 20 s on a quiet machine; its own wait for the backfill through the outage allows 240 s
+# (a loaded machine restarts the replica slowly), so the default limit of 120 s would cut it
+@pytest.mark.timeout(300)
 def test_kill_shard_replica_during_live_backfill_under_query_load(live):
     """A shard replica killed during a live backfill under query load: failures are 503s, no
     answer misses or repeats an item, the replacement recovers from snapshot + log, and every
