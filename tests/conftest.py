@@ -19,6 +19,9 @@ import shutil
 import pytest
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+# the jobs the tests run start their embedded Ray without its dashboard (no job uses it; about
+# 3.5 CPU-seconds per cluster on this machine): raycompat.cluster.DASHBOARD_ENV
+os.environ.setdefault("RAYCOMPAT_RAY_DASHBOARD", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 # Ray Train starts an actor per run that watches for the preemption of cloud spot nodes: on
 # this machine it only costs a Python process (~2 CPU-seconds) per training run
