@@ -95,7 +95,8 @@ def point_weights(timeline, horizon: float) -> np.ndarray:
 class Comparison:
     """An option's quality-hours with its interval, and its paired difference to the best
     option (``None`` for the best itself) with the verdict: ``worse`` (the interval is below
-    0) or ``indistinguishable``."""
+    0), ``better`` (above 0: a reference or an option that breaks a constraint can beat the best
+    deployable one) or ``indistinguishable``."""
 
     quality_hours: Interval
     vs_best: Interval | None
@@ -135,5 +136,6 @@ def compare_options(
             lambda i=i, **m: quality_hours(i, m) - quality_hours(best_index, m),
             **used(i, best_index),
         )
-        out.append(Comparison(own, diff, "worse" if diff.high < 0 else "indistinguishable"))
+        verdict = "worse" if diff.high < 0 else "better" if diff.low > 0 else "indistinguishable"
+        out.append(Comparison(own, diff, verdict))
     return out
