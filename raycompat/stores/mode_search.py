@@ -87,16 +87,17 @@ def search(
 
 @dataclass(frozen=True)
 class _Side:
-    """Queries [nq, d] (unit rows) against ``field``'s vectors, through ``module`` if set."""
+    """Queries [nq, d] (unit rows) against ``field``'s vectors, through ``transform`` (a
+    :class:`raycompat.models.FeatureMap` of a bundle module, built once) if set."""
 
     queries: np.ndarray
     field: str
-    module: object = None
+    transform: object = None
 
     def vectors(self, stored: np.ndarray, where: str) -> np.ndarray:
-        if self.module is None:
+        if self.transform is None:
             return np.asarray(stored, np.float32)
-        return _unit(_feature_map(self.module)(stored), f"{self.field} vectors of {where}")
+        return _unit(self.transform(stored), f"{self.field} vectors of {where}")
 
 
 def _sides(store: VectorStore, queries: StoreQueries, mode: str, modules: dict):
@@ -117,15 +118,16 @@ def _sides(store: VectorStore, queries: StoreQueries, mode: str, modules: dict):
             raise StoreError("mode 'naive_merge' needs the old model's queries (queries.old)")
         return _Side(_unit(queries.old, "queries.old"), "old"), new_side
     if mode in ("adapted", "fct"):
-        return _Side(new_q, "old", modules[STORE_MODES[mode][0]]), new_side
-    rho_q = _feature_map(modules["rho"])(np.asarray(queries.new, np.float32))
+        return _Side(new_q, "old", _feature_map(modules[STORE_MODES[mode][0]])), new_side
+    rho = _feature_map(modules["rho"])
+    rho_q = rho(np.asarray(queries.new, np.float32))
     rev_q = _unit(_feature_map(modules["psi_rev"])(rho_q), "psi_rev(rho(queries.new))")
-    return _Side(rev_q, "old"), _Side(_unit(rho_q, "rho(queries.new)"), "new", modules["rho"])
+    return _Side(rev_q, "old"), _Side(_unit(rho_q, "rho(queries.new)"), "new", rho)
 
 
 def _side_candidates(store: VectorStore, side: _Side, k: int, flt: Filter, rows: int) -> np.ndarray:
     """Ids [nq, k] (-1 padded) of a side's best items by float32 score."""
-    if side.module is None:
+    if side.transform is None:
         return store.search(side.field, side.queries, k, filter=flt).ids
     best = SearchResult(
         np.full((len(side.queries), k), -1, np.int64),
