@@ -2,7 +2,9 @@
 good at every hour.
 
 ``raycompat plan-upgrade`` / ``jobs/plan_upgrade.py`` reads simulated backfill curves (one or
-more ``simulate-backfill`` report folders, or the main job's report folder), puts every
+more ``simulate-backfill`` report folders, or the main job's report folder; with ``--store``
+it first simulates the gallery of a LanceDB table or Milvus collection into
+``<out>/simulation``, the store's candidate named after its table or collection), puts every
 candidate (model x policy x query mode), a cold refresh per model and staying on the old model
 on one wall clock for the gallery size, devices, rates and price given, checks the
 constraints, and writes ``plan.md``, ``plan.json`` and two PNGs (docs/planning.md). :func:`run`
@@ -31,6 +33,7 @@ from raycompat.config import (
 )
 from raycompat.console import job_main
 from raycompat.outputs import OutputOptions
+from raycompat.simulator.store_inputs import StoreInputOptions
 
 __all__ = ["PlanUpgradeOptions", "build_parser", "main", "run"]
 
@@ -43,6 +46,18 @@ class PlanUpgradeOptions:
         (),
         help="comma-separated: simulate-backfill report folders (or their curves.json) or main "
         "job report folders, one per candidate new model of one old model; NAME=PATH names one",
+    )
+    store_input: StoreInputOptions = option(
+        StoreInputOptions(),
+        help="instead of (or beside) --results: simulate the gallery of a vector store first "
+        "(simulate-backfill --store, into <out>/simulation) and plan on it; the candidate is "
+        "named after the table or collection",
+    )
+    new_model: str | None = option(
+        None,
+        help="with --store: the new model bundle the simulation uses (its head for the "
+        "uncertainty policies, psi / fct / rho for their modes, its rate measured on the CPU "
+        "when no rate is given)",
     )
     items: int | None = option(
         None, min=1, help="gallery size to plan for (none: the simulated gallery's)"
@@ -158,8 +173,16 @@ def _check(opts: PlanUpgradeOptions) -> None:
         raise ConfigError("--queries-per-s and --searches-per-s go together")
     if opts.budget is not None and opts.price_per_device_hour == 0:
         raise ConfigError("--budget needs --price-per-device-hour")
-    if not opts.results:
-        raise ConfigError("--results: give at least one simulation")
+    store = opts.store_input
+    if not opts.results and not store.store:
+        raise ConfigError("--results: give at least one simulation (or --store)")
+    if (opts.new_model or store.queries or store.store_columns) and not store.store:
+        raise ConfigError("--new-model, --queries and --store-columns go with --store")
+    if store.store and opts.size_check:
+        raise ConfigError(
+            "--size-check re-simulates subsamples of a parquet gallery: not with --store "
+            "(simulate-backfill --store, then --size-check on a parquet export of the gallery)"
+        )
     if opts.storage_price_per_gib_hour and opts.new_dim is None:
         raise ConfigError("--storage-price-per-gib-hour needs --new-dim (the new vectors' size)")
 
@@ -183,10 +206,16 @@ def _resolved(opts: PlanUpgradeOptions) -> PlanUpgradeOptions:
         name, path = split_name(entry)
         return f"{name}={os.path.abspath(path)}" if name else os.path.abspath(path)
 
-    paths = {f: getattr(opts, f) for f in ("rate_summary", "rate_model", "psi_model")}
+    paths = {f: getattr(opts, f) for f in ("rate_summary", "rate_model", "psi_model", "new_model")}
+    store = opts.store_input
+    if store.queries:
+        from raycompat.outputs import resolved_option
+
+        store = dataclasses.replace(store, queries=resolved_option(store.queries))
     return dataclasses.replace(
         opts,
         results=tuple(absolute(r) for r in opts.results),
+        store_input=store,
         **{f: os.path.abspath(p) for f, p in paths.items() if p},
     )
 
@@ -223,6 +252,48 @@ def _psi_rate(opts: PlanUpgradeOptions):
     return None
 
 
+def _store_candidate(opts: PlanUpgradeOptions) -> str | None:
+    """``--store``'s candidate name (its table or collection), its inputs checked without
+    reading a vector (``ConfigError`` naming the column and the URI); None without it."""
+    from raycompat.embeddings.gallery import BackfillInputError
+    from raycompat.simulator.store_inputs import check_store_inputs
+
+    if not opts.store_input.store:
+        return None
+    try:
+        found = check_store_inputs(opts.store_input)
+    except BackfillInputError as exc:
+        raise ConfigError(str(exc)) from None
+    return found.uri.rstrip("/").rpartition("/")[2]
+
+
+def _simulate_store(opts: PlanUpgradeOptions, name: str, folder: str, say) -> str:
+    """``simulate-backfill --store ...`` into ``folder`` (the simulator's defaults, the plan's
+    --policies, --modes and --items-per-s); returns the ``--results`` entry of its report."""
+    from raycompat.embeddings.gallery import BackfillInputError
+    from raycompat.simulator.job import BackfillJobOptions
+    from raycompat.simulator.job import run as simulate
+
+    sim = BackfillJobOptions(
+        store_input=opts.store_input,
+        new_model=opts.new_model,
+        policies=opts.policies,
+        modes=opts.modes,
+        items_per_s_per_gpu=opts.items_per_s,
+        out=folder,
+        overwrite=opts.output.overwrite,
+        reference_cache="none",
+        plots=opts.plots,
+        quiet=opts.quiet,
+    )
+    say(f"simulating the gallery of {opts.store_input.store} into {folder}")
+    try:
+        simulate(sim, say)
+    except BackfillInputError as exc:
+        raise ConfigError(str(exc)) from None
+    return f"{name}={folder}"
+
+
 def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     """Read the curves, build and assess every option, write the plan; returns the written
     paths and the plan (``"plan"``). Inputs are checked before the output folder is made."""
@@ -238,16 +309,26 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     say = log or (lambda message: None)
     _check(opts)
     opts = _resolved(opts)
-    sims = load_results(opts.results, opts.quality)
+    store_name = _store_candidate(opts)
+    sims = load_results(opts.results, opts.quality) if opts.results else []
     size_fracs = _size_fractions(opts.size_fractions)
     policies = _names(parse_policies, opts.policies, "--policies")
     modes = _names(parse_modes, opts.modes, "--modes")
     psi = _psi_rate(opts)
-    candidates(sims, policies, modes, psi)  # every input checked before the output folder
     rate = _given_rate(opts)
-    if rate is None and not opts.rate_model:
-        model_rates(sims, None, opts.device_kind if opts.rate_device_check else None)
+
+    def check_inputs(sims) -> None:
+        candidates(sims, policies, modes, psi)
+        if rate is None and not opts.rate_model:
+            model_rates(sims, None, opts.device_kind if opts.rate_device_check else None)
+
+    if sims:  # every input checked before the output folder (--store: as far as it can be)
+        check_inputs(sims)
     output = opts.output.resolve("plan_upgrade", default_out="plan_out", config=opts)
+    if store_name is not None:  # the store's simulation, then every candidate read together
+        entry = _simulate_store(opts, store_name, output.path("simulation"), say)
+        sims = load_results((*opts.results, entry), opts.quality)
+        check_inputs(sims)
     if opts.rate_model:
         rate = measure_embedding_rate(
             opts.rate_model, opts.rate_items, output.path("rate_probe"), opts.device_kind, say

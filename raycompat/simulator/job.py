@@ -1,9 +1,11 @@
 """Simulate backfilling saved embeddings: exact curves for every backfill policy and query mode.
 
-The simulate-backfill job reads a parquet of old / new (/ adapted) embeddings and, optionally,
-the model bundles; it writes exact mAP@k / mAP / top-1 / NFR@1 curves with AUCs, regression
-statistics and a simulated time axis as JSON, markdown and PNG reports (see docs/methods.md,
-Backfill policies), every number with its bootstrap interval over the query classes and every
+The simulate-backfill job reads a parquet of old / new (/ adapted) embeddings (or, with
+``--store``, the gallery from a LanceDB table or a Milvus collection and the queries from a
+parquet: :mod:`raycompat.simulator.store_inputs`) and, optionally, the model bundles; it
+writes exact mAP@k / mAP / top-1 / NFR@1 curves with AUCs, regression statistics and a
+simulated time axis as JSON, markdown and PNG reports (see docs/methods.md, Backfill
+policies), every number with its bootstrap interval over the query classes and every
 curve with its band (``--resamples``, ``--confidence``, ``--bootstrap-seed``; docs/methods.md,
 "Uncertainty"). ``main`` is ``raycompat simulate-backfill`` / ``jobs/simulate_backfill.py``;
 :func:`run` is the library call.
@@ -38,6 +40,7 @@ from raycompat.data.workload import ZipfWorkload
 from raycompat.embeddings.gallery import BackfillInputError, load_parquet
 from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.models.uncertainty_head import UncertaintyHead
+from raycompat.simulator.store_inputs import StoreInputOptions
 from raycompat.upgrade.canary import CanaryOptions
 from raycompat.upgrade.modes import MODES, apply_bundle_modules, available_modes, parse_modes
 from raycompat.upgrade.policies import POLICIES, PolicyOptions, parse_policies
@@ -53,6 +56,11 @@ class BackfillJobOptions:
         None,
         help="parquet file or folder: item_id, label, split (query/gallery/distractor), "
         "class_name, old, new, optional adapted; none: embed --scenario / --source first",
+    )
+    store_input: StoreInputOptions = option(
+        StoreInputOptions(),
+        help="instead of --embeddings: the gallery in a LanceDB table or a Milvus collection, "
+        "the queries in a parquet (docs/simulator.md, 'A gallery in a vector store')",
     )
     data: DataSourceOptions = option(
         DataSourceOptions(),
@@ -207,15 +215,51 @@ def _load_bundle(path: str, what: str):
         ) from exc
 
 
-def _input_location(path: str) -> str:
-    """``--embeddings`` resolved (:class:`raycompat.storage.Location`): an absolute path or
-    a normalised URI; a URI pyarrow cannot open is a ``BackfillInputError``."""
+def _input_location(path: str, flag: str = "--embeddings") -> str:
+    """``--embeddings`` (or ``flag``) resolved (:class:`raycompat.storage.Location`): an
+    absolute path or a normalised URI; a URI pyarrow cannot open is a ``BackfillInputError``."""
     from raycompat.storage import StorageError, resolve_location
 
     try:
-        return resolve_location(path, "--embeddings").uri
+        return resolve_location(path, flag).uri
     except StorageError as exc:
         raise BackfillInputError(str(exc)) from exc
+
+
+def _store_flags(opts: BackfillJobOptions) -> BackfillJobOptions:
+    """``--store`` and the flags that go with it checked (``ConfigError`` naming them), the
+    ``--queries`` path resolved; ``opts`` as it is without them."""
+    given = opts.store_input
+    if not given.store:
+        if given.queries or given.store_columns:
+            raise ConfigError("--queries and --store-columns go with --store")
+        return opts
+    clash = [
+        flag
+        for flag, value in (
+            ("--embeddings (DATASET)", opts.embeddings),
+            ("--candidates", opts.candidates),
+            ("--cost-column", opts.cost_column),
+        )
+        if value
+    ]
+    if clash:
+        raise ConfigError(
+            f"--store reads the gallery from the store: not with {', '.join(clash)}, which "
+            "read an embeddings parquet"
+        )
+    if opts.engine == "ray":
+        raise ConfigError(
+            "--store reads the gallery into this process: --engine ray streams the row "
+            "groups of a parquet dataset only (use --engine memory or auto)"
+        )
+    if not given.queries:
+        raise ConfigError("--store needs --queries (the queries, embedded by both models)")
+    from raycompat.simulator.store_inputs import parse_store_columns
+
+    parse_store_columns(given.store_columns)  # a bad item named before the output folder
+    queries = _input_location(given.queries, "--queries")
+    return dataclasses.replace(opts, store_input=dataclasses.replace(given, queries=queries))
 
 
 def _output(opts: BackfillJobOptions):
@@ -241,6 +285,8 @@ def _output(opts: BackfillJobOptions):
 def _use_ray(opts: BackfillJobOptions, say) -> bool:
     """Whether the dataset goes through the distributed engine (``--engine``; auto: by the
     size of its vector columns on disk)."""
+    if opts.store_input.store:  # a store is read into this process
+        return False
     if opts.engine != "auto":
         return opts.engine == "ray"
     from raycompat.embeddings.dataset import vector_bytes
@@ -266,6 +312,7 @@ def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
     :class:`~raycompat.embeddings.dataset.ParquetGallery`; the tasks apply them to each block)."""
     new_bundle = _load_bundle(opts.new_model, "--new-model") if opts.new_model else None
     old_bundle = _load_bundle(opts.old_model, "--old-model") if opts.old_model else None
+    column = {side: f"column {side!r}" for side in ("old", "new")}
     if old_bundle is not None and new_bundle is not None:
         from raycompat.models.fingerprint import check_predecessor
 
@@ -273,7 +320,16 @@ def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
         if warning:
             say(f"warning: {warning}")
     compatible_dim = new_bundle.manifest.get("compatible_dim") if new_bundle is not None else None
-    if streamed:
+    if opts.store_input.store:
+        from raycompat.simulator.store_inputs import load_store_gallery, parse_store_columns
+
+        store = opts.store_input
+        say(f"opening {store.store} (the gallery) and {store.queries} (the queries)")
+        data = load_store_gallery(store, compatible_dim=compatible_dim, say=say)
+        columns = parse_store_columns(store.store_columns)
+        column = {s: f"column {columns.physical(s)!r} of --store {store.store}" for s in column}
+        note = None
+    elif streamed:
         from raycompat.embeddings.dataset import ParquetGallery
 
         say(f"opening {opts.embeddings} (labels, ids and queries; vectors stay where they are)")
@@ -297,14 +353,14 @@ def _load_inputs(opts: BackfillJobOptions, say, streamed: bool = False):
     if old_bundle is not None and old_bundle.embed_dim != data.old_dim:
         raise BackfillInputError(
             f"dimension mismatch: --old-model embeds {old_bundle.embed_dim} dims, "
-            f"column 'old' has {data.old_dim}"
+            f"{column['old']} has {data.old_dim}"
         )
     head = None
     if new_bundle is not None:
         if new_bundle.embed_dim != data.new_dim:
             raise BackfillInputError(
                 f"dimension mismatch: --new-model embeds {new_bundle.embed_dim} dims, "
-                f"column 'new' has {data.new_dim}"
+                f"{column['new']} has {data.new_dim}"
             )
         if not streamed:
             data = apply_bundle_modules(data, new_bundle)
@@ -456,10 +512,12 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
     Cheap checks (names, parquet schema and values) run before torch is imported,
     so bad input fails fast."""
     say = log or (lambda msg: None)
+    opts = _store_flags(opts)
+    store = opts.store_input.store
     if opts.embeddings:  # one form (absolute path or URI) for the readers and job.json
         opts = dataclasses.replace(opts, embeddings=_input_location(opts.embeddings))
     output = _output(opts)
-    if not opts.embeddings:
+    if not opts.embeddings and not store:
         opts = dataclasses.replace(opts, embeddings=_embed_first(opts, output, say))
     if opts.candidates:
         return run_candidates(opts, output, say)
@@ -505,7 +563,7 @@ def run(opts: BackfillJobOptions, log=None) -> dict[str, object]:
 
         device = None if opts.device == "auto" else opts.device
         result = simulate_backfill(data, policies, modes, device=device, **common)
-    title = f"Backfill simulation: {os.path.basename(opts.embeddings.rstrip('/'))}"
+    title = f"Backfill simulation: {store or os.path.basename(opts.embeddings.rstrip('/'))}"
     written = write_reports(result, output.local, plots=opts.plots, title=title)
     if opts.canary:
         written["canary"] = _canary_curves(opts, result, data, new_bundle, output, distributed)
