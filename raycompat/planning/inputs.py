@@ -38,6 +38,8 @@ CURVES_FILE = "curves.json"
 MAIN_JOB_REPORT = "report.json"
 #: the metric NFR@1 (RACT Eq.12) in ``curves.json``
 NFR_METRIC = "NFR@1"
+#: the share of queries whose first result is relevant, shown at every milestone
+TOP1_METRIC = "top1"
 #: relative tolerance of "the same old-old reference" across candidates
 SAME_REFERENCE_RTOL = 1e-9
 
@@ -73,6 +75,8 @@ class Curve:
     index: int = -1
     #: with ``quality`` frequency-weighted (a query log): the unweighted quality, shown beside
     plain: np.ndarray | None = None
+    #: top-1 (unweighted) at each grid fraction, when the simulation measured it
+    top1: np.ndarray | None = None
 
     def at(self, fraction: float) -> tuple[Estimate, float, bool]:
         """``(quality, NFR@1, interpolated)`` at ``fraction``: linear between grid points."""
@@ -81,6 +85,12 @@ class Curve:
         pick = lambda a: float(np.interp(fraction, f, a))  # noqa: E731
         quality = Estimate(pick(self.quality), pick(self.low), pick(self.high))
         return quality, pick(self.nfr), interpolated
+
+    def top1_at(self, fraction: float) -> float:
+        """Top-1 at ``fraction`` (linear between grid points); NaN when not measured."""
+        if self.top1 is None:
+            return math.nan
+        return float(np.interp(fraction, self.fractions, self.top1))
 
     def work_at(self, fraction: float) -> float:
         """The share of the whole re-embedding done when ``fraction`` of the items hold their
@@ -110,6 +120,9 @@ class Simulation:
     #: then the unweighted old-old and new-new values)
     weighted: bool = False
     plain_references: dict | None = None
+    #: top-1 (unweighted) of the old-old and new-new references; NaN when not measured
+    old_old_top1: float = math.nan
+    new_new_top1: float = math.nan
 
     @property
     def has_intervals(self) -> bool:
@@ -125,6 +138,12 @@ def _array(values, path: str, what: str) -> np.ndarray:
         return np.asarray([math.nan if v is None else float(v) for v in values], dtype=np.float64)
     except (TypeError, ValueError):
         raise _bad(path, f"{what} is not a list of numbers") from None
+
+
+def _plain_reference(payload: dict, name: str, metric: str) -> float:
+    """A reference's unweighted value of ``metric``; NaN when the simulation has none."""
+    value = (payload.get("references") or {}).get(name, {}).get(metric)
+    return math.nan if value is None else float(value)
 
 
 def _reference(payload: dict, name: str, metric: str, path: str) -> Estimate:
@@ -170,6 +189,7 @@ def _curve(raw: dict, metric: str, n_items: int, path: str, index: int, weighted
     if mode != "cold" and policy not in POLICIES:
         raise _bad(path, f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
     metrics = raw.get("metrics") or {}
+    top1 = _array(metrics[TOP1_METRIC], path, TOP1_METRIC) if TOP1_METRIC in metrics else None
     if metric not in metrics or NFR_METRIC not in metrics:
         raise _bad(path, f"curve {policy} / {mode} has no {metric} or {NFR_METRIC}")
     fractions = _array(raw["fractions"], path, "fractions")
@@ -197,6 +217,7 @@ def _curve(raw: dict, metric: str, n_items: int, path: str, index: int, weighted
         nfr=_array(metrics[NFR_METRIC], path, NFR_METRIC),
         index=index,
         plain=plain if source is not None else None,
+        top1=top1 if top1 is not None and len(top1) == len(fractions) else None,
     )
 
 
@@ -238,6 +259,8 @@ def read_simulation(path: str, model: str, quality: str = "auto") -> Simulation:
         cost_model=payload.get("cost_model"),
         samples=read_samples(path, metric, len(curves), payload.get("bootstrap"), weighted),
         weighted=weighted,
+        old_old_top1=_plain_reference(payload, "old-old", TOP1_METRIC),
+        new_new_top1=_plain_reference(payload, "new-new", TOP1_METRIC),
         plain_references={
             n: _reference(payload, n, metric, path).value for n in ("old-old", "new-new")
         }

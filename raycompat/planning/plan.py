@@ -227,7 +227,7 @@ def make_plan(
     options += [cold_refresh_option(s, hw, rates[s.model]) for s in sims]
     colds = options[len(chosen) :]
     sources += [option_sources(o, s, None) for o, s in zip(colds, sims, strict=True)]
-    options.append(stay_on_old_option(sims[0].old_old, hw))
+    options.append(stay_on_old_option(sims[0].old_old, hw, sims[0].old_old_top1))
     sources.append(option_sources(options[-1], sims[0], None))
     horizon = horizon_hours(options)
     old_value = sims[0].old_old.value

@@ -34,6 +34,7 @@ def _option_row(a: Assessment) -> dict:
                 "map_low": m.quality.low,
                 "map_high": m.quality.high,
                 "nfr": m.nfr,
+                "top1": None if m.top1 != m.top1 else m.top1,
                 "interpolated": m.interpolated,
             }
             for m in o.milestones
@@ -185,6 +186,12 @@ def _vs_best(a: Assessment) -> str:
     return f"{d.estimate:+.3g} [{d.low:+.3g}, {d.high:+.3g}] {c.verdict}"
 
 
+def _switch_on(a: Assessment) -> str:
+    """NFR@1 and top-1 at the switch-on point (0 %: the new model deployed, nothing moved)."""
+    first = next((m for m in a.option.milestones if m.fraction == 0.0), None)
+    return "n/a" if first is None else f"{_pct(first.nfr)} / {_pct(first.top1)}"
+
+
 def _summary_lines(plan: Plan) -> list[str]:
     """One row per option, recommended first, then by quality-hours."""
     chosen = plan.recommendation.chosen
@@ -203,6 +210,7 @@ def _summary_lines(plan: Plan) -> list[str]:
         f"mean {plan.metric} (%)",
         f"{plan.metric} at the {at} (%)",
         "passes old-old at (h)",
+        "at switch-on (0 %): NFR@1 / top-1 (%)",
         "constraints",
     ]
     body = [
@@ -217,6 +225,7 @@ def _summary_lines(plan: Plan) -> list[str]:
             _pct(a.mean_quality),
             _pct_iv(a.quality_at_deadline),
             _hours(a.passes_old_at_hours),
+            _switch_on(a),
             _verdict(a),
         ]
         for a in rows
@@ -233,6 +242,7 @@ def _option_table(plan: Plan, a: Assessment) -> list[str]:
             f"{m.cost:,.2f}",
             _pct_iv(m.quality) + (" (interpolated)" if m.interpolated else ""),
             _pct(m.nfr),
+            _pct(m.top1),
         ]
         for m in o.milestones
     ]
@@ -244,7 +254,9 @@ def _option_table(plan: Plan, a: Assessment) -> list[str]:
         "",
         f"Quality-hours {a.quality_hours:.4g}; {passes}; {_verdict(a)}{prep}.",
         "",
-        markdown_table(["re-embedded", "hours", "cost", f"{plan.metric} (%)", "NFR@1 (%)"], rows),
+        markdown_table(
+            ["re-embedded", "hours", "cost", f"{plan.metric} (%)", "NFR@1 (%)", "top-1 (%)"], rows
+        ),
         "",
     ]
 

@@ -194,6 +194,8 @@ class Milestone:
     quality: Estimate
     nfr: float
     interpolated: bool = False
+    #: top-1 served then (NaN: the simulation did not measure it)
+    top1: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,9 @@ def candidate_option(
     for f in MILESTONES:
         quality, nfr, interpolated = curve.at(f)
         h = _hours_at(curve.work_at(f), prep_s, rate, hw)
-        milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr, interpolated))
+        milestones.append(
+            Milestone(f, h, option.cost_at(h), quality, nfr, interpolated, curve.top1_at(f))
+        )
     return replace(_with_fixed(option, hw), milestones=tuple(milestones))
 
 
@@ -337,14 +341,15 @@ def cold_refresh_option(sim: Simulation, hw: Hardware, rate: EmbeddingRate) -> O
         h = _hours_at(f, 0.0, rate, hw)
         done = f >= 1.0
         quality, nfr = (sim.new_new, sim.new_new_nfr) if done else (sim.old_old, 0.0)
-        milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr))
+        top1 = sim.new_new_top1 if done else sim.old_old_top1
+        milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr, top1=top1))
     return replace(_with_fixed(option, hw), milestones=tuple(milestones))
 
 
-def stay_on_old_option(old_old: Estimate, hw: Hardware) -> Option:
+def stay_on_old_option(old_old: Estimate, hw: Hardware, old_old_top1: float = math.nan) -> Option:
     """Keep the old model: old-old at every hour, nothing re-embedded, nothing paid."""
     timeline = Timeline.of([(0.0, old_old, 0.0, True)])
-    milestones = tuple(Milestone(f, None, 0.0, old_old, 0.0) for f in MILESTONES)
+    milestones = tuple(Milestone(f, None, 0.0, old_old, 0.0, top1=old_old_top1) for f in MILESTONES)
     return Option(
         model="old",
         policy="none",

@@ -103,6 +103,35 @@ def option(payload, model, mode, policy="random"):
     )
 
 
+def test_top1_stands_at_every_milestone_and_at_switch_on(tmp_path):
+    """Top-1 beside NFR@1 at every milestone (linear between grid points), the references' top-1
+    for a cold refresh and for staying on the old model, the switch-on point in the summary."""
+    folder = write_curves(tmp_path / "sim")
+    path = os.path.join(folder, "curves.json")
+    payload = json.load(open(path))
+    for entry in payload["curves"]:
+        entry["metrics"]["top1"] = [0.2, 0.6, 0.8]
+    payload["references"]["old-old"]["top1"] = 0.7
+    payload["references"]["new-new"]["top1"] = 0.9
+    json.dump(payload, open(path, "w"))
+    result, out = plan(tmp_path, "--results", folder)
+    tops = {m["fraction"]: m["top1"] for m in option(result, "sim", "compatible")["milestones"]}
+    assert tops == pytest.approx({0.0: 0.2, 0.25: 0.4, 0.5: 0.6, 0.9: 0.76, 1.0: 0.8})
+    cold = option(result, "sim", "cold", policy="any")
+    assert [m["top1"] for m in cold["milestones"]] == pytest.approx([0.7] * 4 + [0.9])
+    stay = next(o for o in result["options"] if o["kind"] == "stay on old")
+    assert [m["top1"] for m in stay["milestones"]] == pytest.approx([0.7] * 5)
+    text = (out / "plan.md").read_text()
+    assert "| at switch-on (0 %): NFR@1 / top-1 (%) |" in text
+    assert "| 0 % | 0 | 0.00 | 30.00 [25.00, 35.00] | 0.00 | 20.00 |" in text
+    # a simulation without top-1: n/a, never a number made up
+    without, out2 = plan(tmp_path, "--results", write_curves(tmp_path / "plain"), out="p2")
+    assert {m["top1"] for m in option(without, "plain", "compatible")["milestones"]} == {None}
+    assert (
+        "| 0 % | 0 | 0.00 | 30.00 [25.00, 35.00] | 0.00 | n/a |" in (out2 / "plan.md").read_text()
+    )
+
+
 def test_hand_arithmetic_on_a_main_job_folder(tmp_path):
     payload, out = plan(tmp_path, "--results", main_job_folder(tmp_path / "qs"))
     a = pytest.approx
