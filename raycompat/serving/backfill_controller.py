@@ -22,6 +22,18 @@ moves the items they returned that are still waiting to the front of the rest of
 (:func:`raycompat.serving.orders.reorder_on_read`, the simulator's ``upgrade-on-read`` rule)
 and saves ``order.npy`` before the batch.  Only the part after ``position`` moves, so the
 backfilled prefix, exactly-once and the crash resume are as before.
+
+Every command and every event of the walking thread is decided by the upgrade state machine
+(:mod:`raycompat.upgrade.state_machine`, docs/live-index.md "The upgrade state machine"):
+:meth:`BackfillController._decide` asks it with the checkpoint's facts, :meth:`_enter` writes
+the state it answers back into the checkpoint.
+
+A consistent ``/status`` (the router's ``gather_status``): :meth:`BackfillController.hold`
+waits (at most ``wait_s``) for the batch in flight to be acknowledged and then lets no new
+batch, backfill or rollback, be sent until ``status(release=token)`` or the lease ends; the
+router reads the shards in between, so their counts and the controller's position and
+rollback progress are of one moment (``counts_consistent``; ``in_flight`` names a batch sent
+and not acknowledged).
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from raycompat.serving.plan import ServingPlan
 from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
 from raycompat.storage import StorageError
+from raycompat.upgrade.state_machine import LIVE_INDEX, Answer, Command, Facts, State, state_of
 
 __all__ = ["BackfillController", "backfill_dir"]
 
@@ -74,6 +87,11 @@ class BackfillController(UpgradeCommands):
         self.reads: collections.deque = collections.deque(maxlen=1)  # recent searches' ids
         self.reads_seen = 0  # searches reported by the router
         self._reads_applied = 0  # ... of which the order has been reordered with
+        self._in_flight: dict | None = None  # a batch sent to the shards, not acknowledged
+        self._holds: dict[int, list] = {}  # /status holds: token -> [lease end, at rest]
+        self._hold_seq = 0
+        self._send_waiting = False  # a batch waits for the holds to end (it goes first)
+        self._finalizing_from: State | None = None  # while a finalize runs: where it began
         self._load_checkpoint()
         self._init_upgrade()
         self.thread: threading.Thread | None = None
@@ -104,6 +122,8 @@ class BackfillController(UpgradeCommands):
                 f"backfill checkpoint in {self.dir} is corrupt ({type(exc).__name__}: {exc}); "
                 "move the directory away to forget the backfill (items keep their state)"
             ) from None
+        if ck.get("state") == State.FINALIZING.public:  # never saved; for safety
+            ck["state"] = State.PAUSED.public
         self.ck = ck
         if ck.get("state") == "running":
             self.resumed = True
@@ -111,7 +131,10 @@ class BackfillController(UpgradeCommands):
         self.reads = collections.deque(maxlen=int(ck.get("read_window") or 1))
 
     def _save_checkpoint(self) -> None:
-        data = json.dumps(self.ck).encode()
+        ck = self.ck
+        if self._finalizing_from is not None:  # a restart mid-finalize: the state before it
+            ck = {**ck, "state": self._finalizing_from.public}
+        data = json.dumps(ck).encode()
         atomic_write(os.path.join(self.dir, "checkpoint.json"), lambda fh: fh.write(data))
 
     def _save_order(self) -> None:
@@ -188,6 +211,108 @@ class BackfillController(UpgradeCommands):
 
         return UncertaintyHead.from_classifier_head(ModelBundle.load(self.cfg.new_model).head)
 
+    # ------------------------------------------------------------------ the state machine
+    def _state(self) -> State:
+        """(lock held) The upgrade state of the checkpoint."""
+        if self._finalizing_from is not None:
+            return State.FINALIZING
+        rb = self.ck.get("rollback") or {}
+        return state_of(self.ck["state"], rb.get("state"), bool(self.ck.get("paused_by")))
+
+    def _facts(self, **extra) -> Facts:
+        """(lock held) What the state machine is told: the checkpoint, the batch in flight,
+        and ``extra`` (the command's own input)."""
+        rb = self.ck.get("rollback") or {}
+        fin = self.ck.get("finalized") or {}
+        fly = self._in_flight
+        facts = {
+            "position": int(self.ck.get("position") or 0),
+            "total": int(self.ck.get("total") or 0),
+            "has_order": self.order is not None,
+            "policy": self.ck.get("policy"),
+            "paused_by": self.ck.get("paused_by"),
+            "override": bool(self.ck.get("override")),
+            "rollback_state": rb.get("state"),
+            "rollback_done": int(rb.get("done") or 0),
+            "rollback_total": int(rb.get("total") or 0),
+            "finalized_at": fin.get("position"),
+            "finalized_dropped": int(fin.get("dropped") or 0),
+            "in_flight": fly
+            and f"{fly['kind']} batch of {fly['items']} item(s) from {fly['from']}",
+        }
+        return Facts(**{**facts, **extra})
+
+    def _decide(self, command: Command, **extra) -> Answer:
+        """(lock held) The state machine's answer to ``command`` now."""
+        return LIVE_INDEX.decide(self._state(), command, self._facts(**extra))
+
+    def _enter(self, state: State) -> None:
+        """(lock held) Write ``state`` into the checkpoint (not saved): its public name, the
+        rollback's own state (``running`` only while rolling back, ``paused`` while it is
+        unfinished otherwise), ``paused_by`` only while a guard pauses the backfill."""
+        self.ck["state"] = state.public
+        rb = self.ck.get("rollback")
+        if rb and rb.get("state") in ("running", "paused"):
+            rb["state"] = "running" if state is State.ROLLING_BACK else "paused"
+        if state is not State.GUARD_PAUSED:
+            self.ck["paused_by"] = None
+        if state is not State.FINALIZING:
+            self._finalizing_from = None
+
+    # ------------------------------------------------------------------ batches in flight
+    def _settle(self) -> None:
+        """The batch in flight is acknowledged (or failed): wake who waits for it."""
+        with self.lock:
+            self._in_flight = None
+            self.wake.notify_all()
+
+    def _await_rest(self, timeout: float | None = None) -> None:
+        """(lock held) Wait (at most ``timeout``, default a third of ``shard_timeout_s`` up to
+        5 s) until no batch is in flight."""
+        if timeout is None:
+            timeout = min(5.0, self.cfg.shard_timeout_s / 3)
+        end = time.monotonic() + timeout
+        while self._in_flight is not None and (left := end - time.monotonic()) > 0:
+            self.wake.wait(timeout=left)
+
+    def _wait_for_holds(self) -> None:
+        """(lock held) Before a batch is sent: wait while a ``/status`` holds the walk (new
+        holds wait for this batch meanwhile, so that polling cannot starve the walk)."""
+        while True:
+            now = time.monotonic()
+            for token, (end, _) in list(self._holds.items()):
+                if end <= now:
+                    del self._holds[token]
+            if not self._holds:
+                self._send_waiting = False
+                self.wake.notify_all()
+                return
+            self._send_waiting = True
+            self.wake.wait(timeout=min(end for end, _ in self._holds.values()) - now)
+
+    def hold(self, lease_s: float = 35.0, wait_s: float = 1.0) -> dict:
+        """Hold the walk for a consistent ``/status``: from now no batch is sent until
+        ``status(release=token)`` (or :meth:`release_hold`) or ``lease_s`` seconds; waits at
+        most ``wait_s`` for the batch in flight.  Returns ``{"token"}``."""
+        with self.lock:
+            end = time.monotonic() + min(float(wait_s), float(lease_s))
+            while self._send_waiting and (left := end - time.monotonic()) > 0:
+                self.wake.wait(timeout=left)  # the batch that waits goes first
+            self._hold_seq += 1
+            token = self._hold_seq
+            self._holds[token] = [time.monotonic() + float(lease_s), False]
+            self._await_rest(max(0.0, end - time.monotonic()))
+            self._holds[token][1] = self._in_flight is None  # at rest: the counts will agree
+            return {"token": token}
+
+    def release_hold(self, token: int) -> bool:
+        """End a hold; whether the counts read under it agree with the controller's state
+        (it was at rest and the lease had not ended)."""
+        with self.lock:
+            held = self._holds.pop(int(token), None)
+            self.wake.notify_all()
+            return bool(held and held[0] > time.monotonic() and held[1])
+
     # ------------------------------------------------------------------ commands
     def start(
         self,
@@ -212,13 +337,11 @@ class BackfillController(UpgradeCommands):
         move what the last ``read_window`` searches returned to the front before each batch."""
         from raycompat.config import ConfigError
 
+        command = Command.RESTART if restart else Command.START
         with self.lock:
-            if self.ck["state"] in ("running", "paused", "rolling_back") and not restart:
-                return {
-                    "error": f"a backfill is already {self.ck['state']} "
-                    f"(policy {self.ck.get('policy')}); pause/resume it or pass restart=true",
-                    "status": 409,
-                }
+            answer = self._decide(command)
+            if not answer.ok:
+                return answer.as_error()
         inputs = {
             "cost_column": cost_column,
             "query_log": query_log,
@@ -231,19 +354,23 @@ class BackfillController(UpgradeCommands):
         except (ConfigError, ValueError) as exc:
             return {"error": str(exc), "status": 400}
         try:
-            return self._begin(order, policy, seed, source, rate, batch_size, until, reads)
+            return self._begin(command, order, policy, seed, source, rate, batch_size, until, reads)
         except StorageError as exc:
             return {"error": f"backfill not started: {exc}", "status": 503}
 
-    def _begin(self, order, policy, seed, source, rate, batch_size, until, reads) -> dict:
-        """Save the order and the first checkpoint, then wake the walking thread."""
+    def _begin(self, command, order, policy, seed, source, rate, batch_size, until, reads) -> dict:
+        """Save the order and the first checkpoint, then wake the walking thread (decided
+        again: another command may have come while the order was computed)."""
         with self.lock:
+            answer = self._decide(command)
+            if not answer.ok:
+                return answer.as_error()
             self.order = np.asarray(order, np.int64)
             self._save_order()
             self.reads = collections.deque(maxlen=reads["read_window"])
             self._reads_applied = self.reads_seen
             self.ck = {
-                "state": "running",
+                "state": answer.state.public,
                 "policy": policy,
                 "seed": int(seed),
                 "source": source,
@@ -316,12 +443,14 @@ class BackfillController(UpgradeCommands):
             self._save_order()
 
     def pause(self) -> dict:
-        """Pause the walk (or a rollback in progress: ``resume`` continues it)."""
+        """Pause the walk (or a rollback in progress: ``resume`` continues it).  A batch
+        already sent to the shards still lands (``in_flight`` in the status); one not sent
+        yet is not sent."""
         with self.lock:
-            if self.ck["state"] == "rolling_back":
-                self.ck["rollback"]["state"] = "paused"
-            if self.ck["state"] in ("running", "rolling_back"):
-                self.ck["state"] = "paused"
+            before = self._state()
+            after = self._decide(Command.PAUSE).state
+            if after is not before:
+                self._enter(after)
                 self._try_save("paused")
             return self.status()
 
@@ -342,27 +471,29 @@ class BackfillController(UpgradeCommands):
     ) -> dict:
         """Continue (``override``: past a canary guard; a paused rollback continues first)."""
         with self.lock:
-            if self.order is None:
-                return {"error": "no backfill to resume: start one first", "status": 409}
-            refused = self._resume_checks(bool(override))
-            if refused:
-                return refused
+            answer = self._decide(Command.RESUME_OVERRIDE if override else Command.RESUME)
+            if not answer.ok:
+                return answer.as_error()
+            if override:
+                self._record_override()
             if clear_until:
                 self.ck["until"] = None
             elif until is not None:
                 self.ck["until"] = int(until)
             if rate is not None:
                 self.ck["rate"] = float(rate)
-            if self.ck["state"] in ("paused", "running", "error"):
-                self.ck["state"] = "running"  # the loop marks it done or paused at its end
-                self.error = None
+            if answer.state in (State.RUNNING, State.ROLLING_BACK):
+                self.error = None  # the loop marks it done or paused at its end
+            self._enter(answer.state)
             self._rate_t0, self._rate_p0 = time.perf_counter(), int(self.ck["position"])
             self._try_save("resumed")
             self._ensure_worker()  # a worker that died is started again
             self.wake.notify_all()
             return self.status()
 
-    def status(self) -> dict:
+    def status(self, release: int | None = None) -> dict:
+        """The controller's status; ``release``: the token of a :meth:`hold`, ended here
+        (``counts_consistent`` says whether the shard counts read under it agree)."""
         with self.lock:
             out = {
                 k: self.ck.get(k)
@@ -382,6 +513,8 @@ class BackfillController(UpgradeCommands):
             }
             out["reads_seen"] = self.reads_seen
             out.update(self.upgrade_status())
+            out["in_flight"] = dict(self._in_flight) if self._in_flight else None
+            out["counts_consistent"] = None if release is None else self.release_hold(release)
             out["error"] = self.error
             out["resumed_from_checkpoint"] = self.resumed
             dt = time.perf_counter() - self._rate_t0
@@ -449,16 +582,37 @@ class BackfillController(UpgradeCommands):
             return
         pos, batch, source, rate, gen = step
         vecs = self._vector_source(source).new_vectors(batch)
-        self._apply(batch, vecs)
+        if not self._send(gen, pos, batch):
+            return
+        try:
+            self._apply(batch, vecs)
+        except Exception:
+            self._settle()
+            raise
         self._advance(gen, pos, batch, rate)
+
+    def _send(self, gen: int, pos: int, batch: np.ndarray) -> bool:
+        """Mark the batch in flight once no ``/status`` holds the walk; ``False``: paused or
+        restarted meanwhile, the batch is not sent."""
+        with self.lock:
+            self._wait_for_holds()
+            if (
+                gen != self.generation
+                or self._state() is not State.RUNNING
+                or int(self.ck["position"]) != pos
+            ):
+                return False
+            self._in_flight = {"kind": "backfill", "from": pos, "items": int(batch.size)}
+            return True
 
     def _next_batch(self):
         """``(position, ids, source, rate, generation)`` of the next batch once running, or
         ``None`` after marking the backfill done / paused at its end or ``until``."""
         with self.lock:
             while self.ck["state"] != "running":
-                if self.ck["state"] == "rolling_back":  # the rollback's step takes the turn
-                    self.wake.wait(timeout=1.0)
+                if self._state() is State.ROLLING_BACK:  # the rollback's step takes the turn
+                    if not self.ck.get("rollback"):
+                        self.wake.wait(timeout=1.0)
                     return None
                 self.wake.wait(timeout=1.0)
             pos, total = int(self.ck["position"]), int(self.ck["total"])
@@ -468,7 +622,7 @@ class BackfillController(UpgradeCommands):
             stop = total if until is None else min(total, int(until))
             stop = min(stop, self._canary_stop(pos, total))  # the canary's next position
             if pos >= stop:
-                self.ck["state"] = "done" if pos >= total else "paused"
+                self._enter(self._decide(Command.END).state)
                 self._save_checkpoint()
                 return None
             self._reorder_on_read(pos)
@@ -484,7 +638,7 @@ class BackfillController(UpgradeCommands):
                 return
             named = isinstance(exc, StorageError)  # its message says what and where
             self.error = str(exc) if named else f"{type(exc).__name__}: {exc}"
-            self.ck["state"] = "error"
+            self._enter(self._decide(Command.FAILURE).state)  # an unfinished rollback: paused
             try:
                 self._save_checkpoint()
             except StorageError as save_exc:
@@ -494,10 +648,13 @@ class BackfillController(UpgradeCommands):
     def _advance(self, gen: int, pos: int, batch: np.ndarray, rate: float | None) -> None:
         """Checkpoint the position after an acknowledged batch, then keep to ``rate``."""
         with self.lock:
+            self._in_flight = None
+            self.wake.notify_all()
             if (
                 gen == self.generation and int(self.ck["position"]) == pos
             ):  # not restarted meanwhile
                 self.ck["position"] = pos + int(batch.size)
+                self._enter(self._decide(Command.BATCH_DONE).state)  # the state stays
                 self._save_checkpoint()
             p0, t0 = self._rate_p0, self._rate_t0
             cur = int(self.ck["position"])

@@ -337,16 +337,26 @@ class Router:
         }
 
     async def gather_status(self) -> dict:
-        """Items per representation (total and per shard), backfill state, mode, dims, models."""
-        shard_status = list(
-            await asyncio.gather(*(self.shard_status(i) for i in range(len(self.shards))))
-        )
+        """Items per representation (total and per shard), backfill state, mode, dims, models.
+
+        One moment: the controller holds its walk (no batch is sent, the one in flight is
+        waited for) while the shards are read, then answers its status and ends the hold
+        (``backfill.counts_consistent``; docs/live-index.md, "The upgrade state machine")."""
+        token = await self._hold_walk()
+        try:
+            shard_status = list(
+                await asyncio.gather(*(self.shard_status(i) for i in range(len(self.shards))))
+            )
+        except BaseException:
+            if token is not None:  # do not keep the walk waiting for the lease
+                asyncio.ensure_future(self._release_walk(token))
+            raise
         items = {"old": 0, "adapted": 0, "new": 0}
         for s in shard_status:
             for r, n in s["items"].items():
                 items[r] += int(n)
         try:
-            bf = await self.call(self.controller, "status")
+            bf = await self.call(self.controller, "status", release=token)
         except Exception as exc:
             bf = {
                 "state": "unavailable",
@@ -362,6 +372,21 @@ class Router:
             **upgrade_totals(shard_status, self.plan),
             "router": {"replica": _router_replica(), "pid": os.getpid()},
         }
+
+    async def _hold_walk(self) -> int | None:
+        """A hold on the controller's walk for one status read (``None``: it is away); the
+        lease covers the shards' reads (``shard_timeout_s``) and a margin."""
+        try:
+            res = await self.call(self.controller, "hold", lease_s=self.cfg.shard_timeout_s + 5)
+            return int(res["token"])
+        except Exception:
+            return None
+
+    async def _release_walk(self, token: int) -> None:
+        try:
+            await self.call(self.controller, "release_hold", token)
+        except Exception:  # the lease ends it
+            pass
 
     # ------------------------------------------------------------------ endpoints
     async def search(self, req: BaseModel, request: Request):
@@ -694,7 +719,16 @@ def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:
 
 
 #: the backfill states ``GET /metrics`` exports as ``raycompat_backfill_state{state}``
-BACKFILL_STATES = ("idle", "running", "paused", "rolling_back", "done", "error", "unavailable")
+BACKFILL_STATES = (
+    "idle",
+    "running",
+    "paused",
+    "rolling_back",
+    "done",
+    "error",
+    "finalizing",
+    "unavailable",
+)
 
 
 def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:

@@ -165,6 +165,15 @@ class BackfillState(BaseModel):
     rollback: dict | None = None
     rollback_in_flight: bool = False
     finalized: dict | None = None
+    in_flight: dict | None = Field(
+        default=None,
+        description="a batch sent to the shards and not acknowledged yet: kind, from, items",
+    )
+    counts_consistent: bool | None = Field(
+        default=None,
+        description="/status: the shard counts were read while the walk was held between "
+        "batches, so they agree with position and rollback.done (false: a batch was in flight)",
+    )
 
 
 class StatusResponse(BaseModel):

@@ -18,6 +18,10 @@ listing (docs/live-index.md, "Upgrading a live gallery safely").
   the first position rolled back;
 * **finalize** -- every shard drops its kept vectors and writes a snapshot;
 * **stale** -- the ids whose vector another model produced, paged in the backfill's order.
+
+Whether a command is accepted, and the state after it, is decided by
+:mod:`raycompat.upgrade.state_machine` (the controller's ``_decide``); this module carries the
+accepted commands out.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ from raycompat.serving.durability import atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.storage import StorageError
 from raycompat.upgrade.canary import CanarySet
+from raycompat.upgrade.state_machine import Command, State
 
 __all__ = ["UpgradeCommands", "rollback_plan"]
 
 logger = logging.getLogger("raycompat.serving")
 
 ROLLBACK_NAME = "rollback.npy"
-IDLE_STATES = ("idle", "paused", "done", "error")
 
 
 def rollback_plan(
@@ -71,7 +75,6 @@ class UpgradeCommands:
         path = os.path.join(self.dir, ROLLBACK_NAME)
         self.rollback_order = np.load(path) if os.path.exists(path) else None
         self._router = None
-        self._rollback_in_flight = False  # a batch sent to the shards, not acknowledged yet
 
     # ------------------------------------------------------------------ canary
     def register_canary(
@@ -178,10 +181,28 @@ class UpgradeCommands:
         return True
 
     def _judge(self, point: dict) -> None:
-        """(lock held) Pause on a tripped guard, unless overridden; log either way."""
+        """(lock held) A tripped guard is the state machine's ``canary_trip``: it pauses a
+        running (or just paused) backfill, unless overridden; logged either way.  A point
+        judged after a rollback or a finalize began changes nothing."""
         if point["guard"] is None or not self.cfg.canary.canary_guard:
             return
-        if self.ck.get("override"):
+        before = self._state()
+        after = self._decide(Command.CANARY_TRIP).state
+        if after is State.GUARD_PAUSED:
+            self.ck["paused_by"] = {
+                "guard": point["guard"],
+                "position": point["position"],
+                "reason": point["reason"],
+            }
+            self._enter(after)
+            logger.warning(
+                "backfill paused by the canary guard %s at position %d: %s",
+                point["guard"],
+                point["position"],
+                point["reason"],
+            )
+            self._try_save("paused by the canary")
+        elif before in (State.RUNNING, State.PAUSED) and self.ck.get("override"):
             point["overridden"] = True
             logger.warning(
                 "canary guard %s tripped at position %d, backfill continues (override): %s",
@@ -189,56 +210,29 @@ class UpgradeCommands:
                 point["position"],
                 point["reason"],
             )
-            return
-        self.ck["state"] = "paused"
-        self.ck["paused_by"] = {
-            "guard": point["guard"],
-            "position": point["position"],
-            "reason": point["reason"],
-        }
-        logger.warning(
-            "backfill paused by the canary guard %s at position %d: %s",
-            point["guard"],
-            point["position"],
-            point["reason"],
-        )
-        self._try_save("paused by the canary")
 
-    def _resume_checks(self, override: bool) -> dict | None:
-        """(lock held) A resume: 409 for a backfill the canary paused unless ``override``;
-        with it, the override is recorded and logged. A paused rollback resumes."""
+    def _record_override(self) -> None:
+        """(lock held) An accepted resume with ``override``: guards no longer pause this
+        backfill; logged."""
         paused_by = self.ck.get("paused_by")
-        if paused_by and not override:
-            return {
-                "error": f"the backfill was paused by the canary guard {paused_by['guard']} at "
-                f"position {paused_by['position']} ({paused_by['reason']}): resume with "
-                "'override': true to continue past it, or roll it back",
-                "status": 409,
-            }
-        if override:
-            self.ck["override"] = True
-            logger.warning(
-                "backfill resumed at position %d with override: canary guards no longer pause it%s",
-                int(self.ck["position"]),
-                f" (it was paused by {paused_by['guard']})" if paused_by else "",
-            )
-        self.ck["paused_by"] = None
-        rb = self.ck.get("rollback")
-        if rb and rb["state"] == "paused" and self.ck["state"] == "paused":
-            rb["state"] = "running"
-            self.ck["state"] = "rolling_back"
-        return None
+        self.ck["override"] = True
+        logger.warning(
+            "backfill resumed at position %d with override: canary guards no longer pause it%s",
+            int(self.ck["position"]),
+            f" (it was paused by {paused_by['guard']})" if paused_by else "",
+        )
 
     # ------------------------------------------------------------------ rollback
     def rollback(self, to: int | None = None, batch_size: int = 256, rate=None) -> dict:
         """Start returning the upgraded items at or after position ``to`` of the order (all:
-        ``None``) to their old vectors (see the module docstring)."""
+        ``None``) to their old vectors (see the module docstring).  Decided twice by the state
+        machine: before the shards are asked which items keep an old vector, and with how
+        many the rollback would return (none: 409)."""
         with self.lock:
-            refused = self._idle_or_409("roll back")
-            if refused:
-                return refused
-            if to is not None and self.order is None:
-                return {"error": "no backfill order: roll back without 'to'", "status": 409}
+            self._await_rest()
+            answer = self._decide(Command.ROLLBACK, to=to)
+            if not answer.ok:
+                return answer.as_error()
         try:
             kept = np.concatenate(
                 [np.asarray(h.kept_ids.remote().result(timeout_s=60)) for h in self.shards]
@@ -246,18 +240,10 @@ class UpgradeCommands:
         except Exception as exc:
             return {"error": f"shards unavailable: {type(exc).__name__}", "status": 503}
         with self.lock:
-            refused = self._idle_or_409("roll back")
-            if refused:
-                return refused
             ids, first = rollback_plan(kept, self.order, to)
-            finalized = self.ck.get("finalized")
-            if finalized and ids.size == 0:  # nothing can move: say why
-                return {
-                    "error": f"the upgrade was finalized at position {finalized['position']} "
-                    f"({finalized['dropped']} old vector(s) dropped): no item keeps an old "
-                    "vector to return to",
-                    "status": 409,
-                }
+            answer = self._decide(Command.ROLLBACK, to=to, rollback_items=int(ids.size))
+            if not answer.ok:
+                return answer.as_error()
             self.rollback_order = ids
             rb = {"state": "running", "to": to, "done": 0, "total": int(ids.size), "first": first}
             rb.update(rolled_back=0, batch_size=int(batch_size), rate=rate, started=time.time())
@@ -266,7 +252,8 @@ class UpgradeCommands:
                     os.path.join(self.dir, ROLLBACK_NAME),
                     lambda fh: np.save(fh, ids, allow_pickle=False),
                 )
-                self.ck.update(state="rolling_back", rollback=rb, paused_by=None)
+                self.ck["rollback"] = rb
+                self._enter(answer.state)
                 self._save_checkpoint()
             except StorageError as exc:
                 return {"error": f"rollback not started: {exc}", "status": 503}
@@ -274,69 +261,61 @@ class UpgradeCommands:
             self.wake.notify_all()
             return self.status()
 
-    def _idle_or_409(self, what: str) -> dict | None:
-        state = self.ck["state"]
-        if state in IDLE_STATES:
-            return None
-        return {
-            "error": f"cannot {what} while the backfill is {state}: pause it first"
-            + (" (a rollback is in progress)" if self.ck.get("rollback") else ""),
-            "status": 409,
-        }
-
-    def _unfinished_rollback_409(self) -> dict | None:
-        """(lock held) A finalize would drop the old vectors a paused rollback still has to
-        return: refused until the rollback ends (docs/live-index.md, "Upgrading a live gallery
-        safely")."""
-        rb = self.ck.get("rollback") or {}
-        if rb.get("state") not in ("running", "paused") or int(rb["done"]) >= int(rb["total"]):
-            return None
-        return {
-            "error": f"cannot finalize while a rollback is unfinished ({rb['state']} after "
-            f"{rb['done']} of {rb['total']} item(s)): resume it to finish the rollback, "
-            "then finalize",
-            "status": 409,
-        }
-
     def _rollback_step(self) -> bool:
-        """One batch of a running rollback (the walking thread); ``False``: none runs."""
+        """One batch of a running rollback (the walking thread); ``False``: none runs.  The
+        batch waits out a ``/status`` hold; its last acknowledgement ends the rollback, even
+        when a pause came while it was in flight."""
         with self.lock:
             rb = self.ck.get("rollback")
-            if self.ck["state"] != "rolling_back" or not rb:
+            if self._state() is not State.ROLLING_BACK or not rb:
                 return False
-            done, gen = int(rb["done"]), self.generation
+            done = int(rb["done"])
             if done >= rb["total"]:
                 self._end_rollback(rb)
                 return True
+            self._wait_for_holds()
+            if self._state() is not State.ROLLING_BACK or self.ck.get("rollback") is not rb:
+                return True  # paused, or another rollback, meanwhile: look again
+            done, gen = int(rb["done"]), self.generation
             batch = self.rollback_order[done : done + int(rb["batch_size"])]
-            self._rollback_in_flight = True
+            self._in_flight = {"kind": "rollback", "from": done, "items": int(batch.size)}
         try:
             moved = self._rollback_on_shards(batch)
         except Exception:
-            self._rollback_in_flight = False
+            self._settle()
             raise
         with self.lock:
-            self._rollback_in_flight = False
+            self._settle()
             if gen == self.generation and self.ck.get("rollback") is rb and rb["done"] == done:
                 rb["done"] = done + int(batch.size)
                 rb["rolled_back"] += moved
-                self._save_checkpoint()
+                if rb["done"] >= rb["total"]:
+                    self._end_rollback(rb)
+                else:
+                    self._save_checkpoint()
         if rb.get("rate"):
             time.sleep(batch.size / float(rb["rate"]))
         return True
 
     def _end_rollback(self, rb: dict) -> None:
-        """(lock held) The rollback is acknowledged: pause the backfill at the first position
-        rolled back."""
+        """(lock held) The rollback is acknowledged (``rollback_end``): the backfill pauses at
+        the first position rolled back (stays done when nothing of its order moved; idle
+        without an order)."""
         pos = int(self.ck.get("position") or 0)
         if rb.get("first") is not None:
-            self.ck["position"] = min(pos, int(rb["first"]))
+            pos = min(pos, int(rb["first"]))
+        before = self._state()
+        answer = self._decide(Command.ROLLBACK_END, position=pos)
+        if before not in (State.ROLLING_BACK, State.ROLLBACK_PAUSED):
+            return  # a restart or a failure took over
+        self.ck["position"] = pos
         rb["state"] = "done"
-        self.ck["state"] = "paused" if self.order is not None else "idle"
+        self._enter(answer.state)
         self._save_checkpoint()
         logger.warning(
-            "rollback done: %d item(s) back to their old vectors; the backfill is paused at %d",
+            "rollback done: %d item(s) back to their old vectors; the backfill is %s at %d",
             rb["rolled_back"],
+            self.ck["state"],
             self.ck["position"],
         )
 
@@ -376,26 +355,38 @@ class UpgradeCommands:
 
     # ------------------------------------------------------------------ finalize, stale
     def finalize(self) -> dict:
-        """Every shard drops its kept old vectors (memory, then disk through a snapshot)."""
+        """Every shard drops its kept old vectors (memory, then disk through a snapshot).  The
+        controller is ``finalizing`` meanwhile (every other command is refused), then back in
+        the state it began in (``finalize_end``)."""
         with self.lock:
-            refused = self._idle_or_409("finalize") or self._unfinished_rollback_409()
-            if refused:
-                return refused
-        results = []
+            self._await_rest()
+            answer = self._decide(Command.FINALIZE)
+            if not answer.ok:
+                return answer.as_error()
+            before = self._state()
+            self._enter(answer.state)
+            self._finalizing_from = before
+            pos = int(self.ck.get("position") or 0)
+        results, failed = [], None
         for s, h in enumerate(self.shards):
             try:
                 res = h.finalize.remote().result(timeout_s=self.cfg.shard_timeout_s * 4)
             except Exception as exc:
-                return {"error": f"shard {s} unavailable: {type(exc).__name__}", "status": 503}
+                failed = f"shard {s} unavailable: {type(exc).__name__}"
+                break
             if "error" in res:
-                return {"error": res["error"], "status": 503}
+                failed = res["error"]
+                break
             results.append(res)
         with self.lock:
-            pos = int(self.ck.get("position") or 0)
             dropped = [int(r["dropped"]) for r in results]
-            self.ck["finalized"] = {"position": pos, "dropped": sum(dropped), "at": time.time()}
-            self.ck["rollback"] = None  # a rollback that ended (an unfinished one refuses)
-            self._try_save("finalized")
+            if failed is None:
+                self.ck["finalized"] = {"position": pos, "dropped": sum(dropped), "at": time.time()}
+                self.ck["rollback"] = None  # a rollback that ended (an unfinished one refuses)
+            self._enter(self._decide(Command.FINALIZE_END, before=before).state)
+            self._try_save("finalized" if failed is None else "finalize failed")
+            if failed is not None:
+                return {"error": failed, "status": 503}
             logger.warning("finalized at position %d: %d old vector(s) dropped", pos, sum(dropped))
             return {"dropped": sum(dropped), "per_shard": dropped, "position": pos}
 
@@ -443,6 +434,6 @@ class UpgradeCommands:
             "override": bool(self.ck.get("override")),
             "canary": self.gate.status(total),
             "rollback": self.ck.get("rollback"),
-            "rollback_in_flight": self._rollback_in_flight,
+            "rollback_in_flight": bool(self._in_flight and self._in_flight["kind"] == "rollback"),
             "finalized": self.ck.get("finalized"),
         }

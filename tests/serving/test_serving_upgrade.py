@@ -229,7 +229,7 @@ def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
     client, state, data, _ = up
     fp = _fingerprints(client.status())
     client.start_backfill(policy="random", seed=1, batch_size=25, until=300)
-    client.wait_backfill(300)
+    _status_counts_agree_with_the_position(client, 300)
     order = np.load(os.path.join(state, "backfill", "order.npy"))
     st = client.status()
     assert st["items_by_model"] == {fp["old"]: 300, fp["new"]: 300}
@@ -290,6 +290,7 @@ def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
     metrics = client.metrics()
     assert 'raycompat_serving_kept_vectors{shard="0"} 0.0' in metrics
     assert f'raycompat_serving_items_by_model{{model="{fp["new"]}"}} 100.0' in metrics
+    assert 'raycompat_serving_backfill_state{state="finalizing"} 0.0' in metrics
     for s in (0, 1):
         with np.load(os.path.join(state, f"shard-{s}", "snapshot.npz")) as z:
             assert not [k for k in z.files if k.startswith("kept_")]
@@ -298,6 +299,24 @@ def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
     assert "100 old vector(s) dropped" in r.json()["error"]
     st = client.status()
     assert st["backfill"]["state"] == "paused" and st["items"]["new"] == 100
+
+
+def _status_counts_agree_with_the_position(client, until: int) -> None:
+    """While the backfill runs to ``until``, every /status read with the walk held
+    (``counts_consistent``) counts exactly ``position`` new items (it used to read the shards
+    before the controller: "paused at 150 with 148 new")."""
+    agreed = 0
+    while True:
+        st = client.status()
+        bf = st["backfill"]
+        if bf["counts_consistent"]:
+            assert st["items"]["new"] == bf["position"] and bf["in_flight"] is None, bf
+            agreed += 1
+        if bf["state"] == "paused" and bf["position"] == until:
+            assert bf["counts_consistent"] and agreed, bf
+            return
+        assert bf["state"] == "running", bf
+        time.sleep(0.05)
 
 
 def _refused_upserts(client, fp: dict, item: int) -> None:

@@ -204,3 +204,204 @@ def test_model_identities_and_the_default_router_replicas(tmp_path):
     assert "produces 'old' vectors" in ids.refusal(old, "new", 8)
     assert [router_replicas(cfg, cpus) for cpus in (1, 2, 16)] == [1, 2, 2]
     assert router_replicas(serving_config(gallery="synthetic:5", router_replicas=3), 1) == 3
+
+
+# ----------------------------------------------------------------------------- the controller
+# The backfill controller's commands through the upgrade state machine, on one in-memory shard
+# reached as a Serve handle is (no Ray): the transitions the live index got wrong before.
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kw):
+        import asyncio
+
+        async def run():
+            return await asyncio.to_thread(self.fn, *args, **kw)
+
+        return run()
+
+
+class FakeShard:
+    """Representations and kept old vectors of every item; ``gate`` cleared: rollback and
+    finalize calls wait for it (``entered`` says one came); ``fail_rollbacks``: refuse so
+    many rollback calls."""
+
+    def __init__(self):
+        import threading
+
+        self.rep: dict[int, str] = {}
+        self.kept: set[int] = set()
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+        self.fail_rollbacks = 0
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(getattr(self, "do_" + name))
+
+    def new(self) -> int:
+        return sum(r == "new" for r in self.rep.values())
+
+    def do_upsert(self, ids, rep, vectors, model=""):
+        for i in np.asarray(ids).tolist():
+            if self.rep[i] == "old" and rep == "new":
+                self.kept.add(i)
+            self.rep[i] = rep
+        return {"applied": len(ids)}
+
+    def do_rollback(self, ids):
+        self.entered.set()
+        self.gate.wait(10)
+        if self.fail_rollbacks:
+            self.fail_rollbacks -= 1
+            return {"error": "refused by the test"}
+        back = [i for i in np.asarray(ids).tolist() if i in self.kept]
+        for i in back:
+            self.rep[i] = "old"
+            self.kept.discard(i)
+        return {"rolled_back": back, "not_new": []}
+
+    def do_kept_ids(self):
+        return np.asarray(sorted(self.kept), np.int64)
+
+    def do_finalize(self):
+        self.entered.set()
+        self.gate.wait(10)
+        dropped = len(self.kept)
+        self.kept.clear()
+        return {"dropped": dropped}
+
+    def do_counts(self):
+        return {"old": len(self.rep) - self.new(), "new": self.new()}
+
+
+@pytest.fixture
+def controller(tmp_path):
+    """``(controller, shard)``: a controller over one fake shard of a 40-item gallery."""
+    from raycompat.serving.backfill_controller import BackfillController
+    from raycompat.serving.config import serving_config
+    from raycompat.serving.plan import build_plan
+
+    cfg = serving_config(gallery="synthetic:40:8:12:0", state_dir=str(tmp_path / "s"),
+                         num_shards=1, shard_timeout_s=1.5)  # fmt: skip
+    shard = FakeShard()
+    ctl = BackfillController([shard], build_plan(cfg))
+    shard.rep = dict.fromkeys(ctl.gallery().gallery_ids().tolist(), "old")
+    return ctl, shard
+
+
+def _until(ctl, check, what, timeout=10.0):
+    import time
+
+    t0 = time.time()
+    while not check(st := ctl.status()):
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}: {st}"
+        time.sleep(0.01)
+    return st
+
+
+def _paused_at(ctl, shard, n):
+    ctl.start(policy="sequential", batch_size=5, until=n)
+    _until(ctl, lambda s: s["state"] == "paused" and s["position"] == n, f"paused at {n}")
+    assert shard.new() == n and len(shard.kept) == n
+
+
+def test_a_rollback_whose_last_batch_lands_after_a_pause_ends_before_a_finalize(controller):
+    """The last rollback batch in flight when the pause comes: finalize is refused naming the
+    unfinished rollback; once the batch lands the rollback ends (paused at its first
+    position, not where the backfill was), then finalize; after it, rollback names it."""
+    ctl, shard = controller
+    _paused_at(ctl, shard, 20)
+    shard.gate.clear()
+    assert ctl.rollback(to=10, batch_size=10)["state"] == "rolling_back"
+    assert shard.entered.wait(5)
+    st = ctl.pause()
+    assert st["state"] == "paused" and st["rollback"]["state"] == "paused"
+    assert st["in_flight"] == {"kind": "rollback", "from": 0, "items": 10}
+    refused = ctl.finalize()
+    assert (
+        refused["status"] == 409
+        and "rollback is unfinished (paused after 0 of 10" in (refused["error"])
+    )
+    shard.gate.set()
+    st = _until(ctl, lambda s: s["rollback"]["state"] == "done", "the rollback's end")
+    assert (st["state"], st["position"], st["in_flight"]) == ("paused", 10, None)
+    assert shard.new() == 10
+    assert ctl.finalize() == {"dropped": 10, "per_shard": [10], "position": 10}
+    for to, named in ((None, "finalized at position 10 (10 old vector(s) dropped)"),
+                      (5, "roll back with 'to' >= 10")):  # fmt: skip
+        refused = ctl.rollback(to=to)
+        assert refused["status"] == 409 and named in refused["error"], refused
+    assert ctl.status()["state"] == "paused" and shard.new() == 10
+
+
+def test_a_rollback_after_finalizing_a_done_backfill_is_refused_and_it_stays_done(controller):
+    ctl, shard = controller
+    ctl.start(policy="sequential", batch_size=8)
+    _until(ctl, lambda s: s["state"] == "done", "the end")
+    refused = ctl.rollback(to=40)  # nothing at or after the end: it used to end paused
+    assert refused["status"] == 409 and "nothing to roll back" in refused["error"]
+    assert ctl.status()["state"] == "done"
+    assert ctl.finalize()["dropped"] == 40
+    refused = ctl.rollback()
+    assert refused["status"] == 409 and "finalized at position 40" in refused["error"]
+    st = ctl.status()
+    assert (st["state"], st["position"], st["rollback"]) == ("done", 40, None)
+
+
+def test_while_a_finalize_runs_every_other_command_is_refused(controller):
+    import threading
+
+    ctl, shard = controller
+    _paused_at(ctl, shard, 10)
+    shard.gate.clear()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(ctl.finalize()))
+    t.start()
+    assert shard.entered.wait(5)
+    assert ctl.status()["state"] == "finalizing" and ctl.pause()["state"] == "finalizing"
+    for refused in (ctl.rollback(), ctl.resume(), ctl.start(restart=True), ctl.finalize()):
+        assert refused["status"] == 409 and "a finalize is in progress" in refused["error"]
+    shard.gate.set()
+    t.join(10)
+    assert out == {"dropped": 10, "per_shard": [10], "position": 10}
+    st = ctl.status()
+    assert st["state"] == "paused" and st["finalized"]["position"] == 10
+
+
+def test_a_failed_rollback_batch_is_an_error_that_resume_continues(controller):
+    ctl, shard = controller
+    _paused_at(ctl, shard, 20)
+    shard.fail_rollbacks = 1
+    ctl.rollback(to=0, batch_size=5)
+    st = _until(ctl, lambda s: s["state"] == "error", "the failure")
+    assert st["rollback"]["state"] == "paused" and "refused by the test" in st["error"]
+    refused = ctl.finalize()
+    assert refused["status"] == 409 and "stopped by an error after 0 of 20" in refused["error"]
+    assert ctl.resume()["state"] == "rolling_back"
+    st = _until(ctl, lambda s: s["rollback"]["state"] == "done", "the rollback's end")
+    assert (st["state"], st["position"], st["error"], shard.new()) == ("paused", 0, None, 0)
+
+
+def test_a_status_hold_stops_the_walk_between_batches(controller):
+    """What /status does: hold, read the shards, release; no batch moves meanwhile, so the
+    shard's count equals the position (counts_consistent)."""
+    import time
+
+    ctl, shard = controller
+    ctl.start(policy="sequential", batch_size=2, rate=40)  # a batch every 50 ms
+    _until(ctl, lambda s: s["position"] >= 4, "a few batches")
+    token = ctl.hold(lease_s=5)["token"]
+    pos = ctl.status()["position"]
+    time.sleep(0.3)
+    assert ctl.status()["position"] == pos == shard.new()
+    st = ctl.status(release=token)
+    assert st["counts_consistent"] is True and st["in_flight"] is None
+    _until(ctl, lambda s: s["position"] > pos, "the walk after the hold")
+    token = ctl.hold(lease_s=0.05)["token"]  # a lease that ends before the release
+    time.sleep(0.2)
+    assert ctl.status(release=token)["counts_consistent"] is False
+    assert ctl.status()["counts_consistent"] is None  # no hold: no counts to agree with
+    ctl.pause()
