@@ -258,3 +258,42 @@ def token_file(tmp_path_factory):
 
     p.write_text(TOKEN + "\n")
     return str(p)
+
+
+# ----------------------------------------------------------------------------- profiling
+# RAYCOMPAT_TEST_CPU=FILE: one JSON line per test phase with its wall seconds and the busy
+# CPU-seconds of the whole machine (/proc/stat) meanwhile -- Ray's workers, Serve replicas and
+# job processes included, which pytest's --durations cannot tell apart from waiting.
+_CPU_LOG = os.environ.get("RAYCOMPAT_TEST_CPU")
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, idle) CPU-seconds of the machine since boot."""
+    with open("/proc/stat") as fh:
+        fields = [int(v) for v in fh.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / tick, idle / tick
+
+
+if _CPU_LOG:
+    import time as _time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        busy0, idle0 = _machine_cpu()
+        start = _time.time()
+        yield
+        busy1, idle1 = _machine_cpu()
+        with open(_CPU_LOG, "a") as fh:
+            fh.write(
+                json.dumps(
+                    {
+                        "test": item.nodeid,
+                        "wall": round(_time.time() - start, 2),
+                        "busy": round(busy1 - busy0, 2),
+                        "idle": round(idle1 - idle0, 2),
+                    }
+                )
+                + "\n"
+            )
