@@ -28,6 +28,7 @@ JOBS: dict[str, str] = {
     "hot-refresh": "raycompat.hot_refresh",
     "serve-index": "raycompat.serving.job",
     "reshard-index": "raycompat.serving.reshard",
+    "backfill-store": "raycompat.backfill_store",
 }
 
 

@@ -54,6 +54,7 @@ LAYERS = {
     "reproduce": 4,
     "scenario_job": 4,
     "import_model": 4,
+    "backfill_store": 4,
 }
 
 #: Packages of one layer that must not import each other's modules, with the reason: what an

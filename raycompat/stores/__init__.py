@@ -22,7 +22,7 @@ from raycompat.stores.errors import (
     StoreNotFoundError,
     StoreURIError,
 )
-from raycompat.stores.mode_search import STORE_MODES, StoreQueries, search
+from raycompat.stores.mode_search import STORE_MODES, StoreQueries, search, search_field
 from raycompat.stores.topk import SearchResult
 
 __all__ = [
@@ -47,4 +47,5 @@ __all__ = [
     "open_store",
     "register_backend",
     "search",
+    "search_field",
 ]

@@ -515,6 +515,11 @@ class VectorStore(ABC):
         positions: np.ndarray | None,
     ) -> None: ...
 
+    def compact(self) -> None:
+        """Merge the small files that many writes leave (LanceDB); nothing where the engine
+        compacts by itself (Milvus). A long backfill calls it now and then."""
+        return None
+
     @abstractmethod
     def build_index(self, field: VectorField, kind: str = "ivf") -> None:
         """Build the store's own approximate index on ``field`` (``"ivf"``, ``"hnsw"``), or
@@ -749,6 +754,20 @@ class VectorStore(ABC):
 
     @abstractmethod
     def _records(self, prefix: str) -> dict[str, str]: ...
+
+    def _put_records(self, records: dict[str, str]) -> None:
+        """Write several key-value records (each one atomically)."""
+        for key, text in records.items():
+            self._put_record(key, text)
+
+    def _delete_record(self, key: str) -> None:
+        """Remove one key-value record (nothing if it is absent)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot delete a record")
+
+    def _delete_records(self, prefix: str) -> None:
+        """Remove every key-value record whose key starts with ``prefix``."""
+        for key in self._records(prefix):
+            self._delete_record(key)
 
 
 # -- registry ----------------------------------------------------------------------------

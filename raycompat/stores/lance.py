@@ -8,6 +8,7 @@ Every write is one LanceDB commit, so it is atomic; marks are LanceDB tags.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -45,6 +46,9 @@ __all__ = ["LanceStore", "STATE_SUFFIX"]
 
 #: The state table of table ``t`` is ``t + STATE_SUFFIX``.
 STATE_SUFFIX = "__raycompat_state"
+#: The state table is compacted after this many writes of one handle: every write is a small
+#: file of its own, and a read scans them all.
+STATE_COMPACT_EVERY = 32
 _STATE_SCHEMA = pa.schema(
     [pa.field("key", pa.string(), False), pa.field("value", pa.string(), False)]
 )
@@ -194,6 +198,8 @@ class LanceStore(VectorStore):
         self._table = table
         self._state_table = None
         self._known: np.ndarray | None = None
+        self._state_lock = threading.Lock()
+        self._state_writes = 0
 
     @staticmethod
     def _where(uri: StoreURI) -> str:
@@ -513,8 +519,16 @@ class LanceStore(VectorStore):
         return version
 
     def _rollback_to_mark(self, mark: RollbackMark) -> None:
-        """``restore`` the tagged version: a new commit equal to it."""
+        """``restore`` the tagged version: a new commit equal to it. A mark taken before
+        finalize brings the old column back: the finalize record goes, and this handle's
+        dimensions are read again from the restored schema."""
         self._table.restore(mark.name)
+        if self.columns.old in self._table.schema.names:
+            if self._get_record(FINALIZED_KEY) is not None:
+                self._delete_record(FINALIZED_KEY)
+            self._layout = _layout_from_schema(
+                self._table.schema, self.columns, self.where, finalized=False
+            )
 
     def _finalize(self) -> None:
         """Drop the old vector column (earlier versions, and tags, still hold it)."""
@@ -540,14 +554,60 @@ class LanceStore(VectorStore):
 
     def _put_record(self, key: str, text: str) -> None:
         """One ``merge_insert`` upsert on the key: one commit."""
-        row = pa.table({"key": [key], "value": [text]}, schema=_STATE_SCHEMA)
+        self._put_records({key: text})
+
+    def _put_records(self, records: dict[str, str]) -> None:
+        """One ``merge_insert`` upsert of every record: one commit."""
+        if not records:
+            return
+        rows = pa.table(
+            {"key": list(records), "value": list(records.values())}, schema=_STATE_SCHEMA
+        )
+        with self._state_lock:
+            self._upsert_state(rows)
+            self._state_written()
+
+    def _upsert_state(self, rows: pa.Table) -> None:
         (
             self._state()
             .merge_insert("key")
             .when_matched_update_all()
             .when_not_matched_insert_all()
-            .execute(row)
+            .execute(rows)
         )
+
+    def _delete_record(self, key: str) -> None:
+        table = self._state(create=False)
+        if table is not None:
+            with self._state_lock:
+                table.delete(f"key = {_quote(key)}")
+                self._state_written()
+
+    def _delete_records(self, prefix: str) -> None:
+        """One ``delete`` commit of every record whose key starts with ``prefix``."""
+        keys = list(self._records(prefix))
+        if keys:
+            with self._state_lock:
+                self._state().delete(f"key IN ({_sql_list(keys)})")
+                self._state_written()
+
+    def _state_written(self) -> None:
+        """(state lock held) Compact the state table every STATE_COMPACT_EVERY writes."""
+        self._state_writes += 1
+        if self._state_writes % STATE_COMPACT_EVERY == 0:
+            try:
+                self._state().optimize()
+            except Exception:  # a concurrent writer or a full disk: the next one compacts
+                pass
+
+    def compact(self) -> None:
+        """Merge the small files that writes leave (each ``write_new`` is one), in the
+        gallery table and the state table: LanceDB's ``optimize`` (old versions are kept
+        for 7 days; tagged ones, the marks, always)."""
+        self._table.optimize()
+        with self._state_lock:
+            if self._state(create=False) is not None:
+                self._state().optimize()
 
     def _records(self, prefix: str) -> dict[str, str]:
         table = self._state(create=False)

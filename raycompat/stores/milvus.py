@@ -13,9 +13,11 @@ marker (docs/stores.md#capabilities).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -58,6 +60,8 @@ __all__ = ["MilvusStore", "STATE_SUFFIX"]
 
 #: The state collection of collection ``c`` is ``c + STATE_SUFFIX``.
 STATE_SUFFIX = "__raycompat_state"
+#: Where a gallery that replaces an existing collection is loaded before it takes the name.
+LOAD_SUFFIX = "__raycompat_load"
 #: Largest payload of one upsert, so that one write_new batch is one atomic call.
 MAX_UPSERT_BYTES = 32 * 2**20
 #: Environment variable holding a Milvus server's token ("user:password" or an API key).
@@ -68,6 +72,7 @@ INDEX_CACHE_S = 10.0
 _READ_BATCH = 4096
 _INDEX_TYPES = {"flat": "FLAT", "ivf": "IVF_FLAT", "hnsw": "HNSW"}
 _LITE_USERS: dict[str, int] = {}
+_LITE_LOCK = threading.RLock()
 
 
 class _NoMvccWarning(logging.Filter):
@@ -78,6 +83,17 @@ class _NoMvccWarning(logging.Filter):
 
 
 logging.getLogger("pymilvus.client.iterator.query_iterator").addFilter(_NoMvccWarning())
+
+
+class _NoLockTraceback(logging.Filter):
+    """Milvus Lite logs a traceback when another process holds the file; the StoreError that
+    follows says so in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to start MilvusLite server" not in record.getMessage()
+
+
+logging.getLogger("milvus_lite.server_manager").addFilter(_NoLockTraceback())
 
 
 def _capabilities(lite: bool) -> Capabilities:
@@ -102,28 +118,31 @@ def _connect(uri: StoreURI) -> MilvusClient:
         raise MissingBackendError("milvus", "milvus-lite", "milvus") from exc
     path = os.path.abspath(uri.target)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        client = MilvusClient(uri=path)
-    except MilvusException as exc:
-        raise StoreError(
-            f"Milvus Lite file {uri.target!r} cannot be opened (another process "
-            f"holds it? one process at a time): {exc}"
-        ) from exc
-    _LITE_USERS[path] = _LITE_USERS.get(path, 0) + 1
+    with _LITE_LOCK:  # a file's server starts and stops under the lock (threads of a process)
+        try:
+            client = MilvusClient(uri=path)
+        except MilvusException as exc:
+            raise StoreError(
+                f"Milvus Lite file {uri.target!r} cannot be opened (another process "
+                f"holds it? one process at a time): {exc}"
+            ) from exc
+        _LITE_USERS[path] = _LITE_USERS.get(path, 0) + 1
     return client
 
 
 def _disconnect(uri: StoreURI, client: MilvusClient) -> None:
-    client.close()
     if not uri.is_local_file:
+        client.close()
         return
     path = os.path.abspath(uri.target)
-    _LITE_USERS[path] = _LITE_USERS.get(path, 1) - 1
-    if _LITE_USERS[path] <= 0:
-        del _LITE_USERS[path]
-        from milvus_lite.server_manager import server_manager_instance
+    with _LITE_LOCK:
+        client.close()
+        _LITE_USERS[path] = _LITE_USERS.get(path, 1) - 1
+        if _LITE_USERS[path] <= 0:
+            del _LITE_USERS[path]
+            from milvus_lite.server_manager import server_manager_instance
 
-        server_manager_instance.release_server(path)
+            server_manager_instance.release_server(path)
 
 
 def _quote(value: str) -> str:
@@ -301,40 +320,62 @@ class MilvusStore(VectorStore):
         overwrite: bool,
     ) -> MilvusStore:
         """Create the collections, then insert the gallery in calls of bounded size; a load
-        marker in the state record tells an unfinished load apart (docs/stores.md#create)."""
+        marker in the state record tells an unfinished load apart (docs/stores.md#create). An
+        existing collection is replaced only once the new one is loaded: the gallery goes into
+        ``<name>__raycompat_load`` first, which then takes the name."""
         where = cls._where(uri)
         cls._need_position(columns, where)
         layout, blocks = checked_gallery(items, columns, where, new_model, new_dim)
         client = _connect(uri)
         try:
-            cls._clear(client, uri, where, overwrite)
-            _create_gallery(client, uri.name, columns, layout)
-            _create_state(client, uri.name + STATE_SUFFIX)
-            store = cls(uri, columns, layout, client)
-            store._put_record(LOAD_KEY, '{"complete": false}')
+            replacing = cls._existing(client, uri, where, overwrite)
+            target = dataclasses.replace(uri, name=uri.name + LOAD_SUFFIX) if replacing else uri
+            for name in (target.name, target.name + STATE_SUFFIX):  # leftovers
+                if client.has_collection(name):
+                    client.drop_collection(name)
+            _create_gallery(client, target.name, columns, layout)
+            _create_state(client, target.name + STATE_SUFFIX)
+            loading = cls(target, columns, layout, client)
+            loading._put_record(LOAD_KEY, '{"complete": false}')
             per_call = max(1, MAX_UPSERT_BYTES // _row_bytes(layout))
-            for block in blocks:
-                rows = _block_rows(block, columns, layout, old_model, new_model)
-                for start in range(0, len(rows), per_call):
-                    client.insert(uri.name, rows[start : start + per_call])
-            store._put_record(LOAD_KEY, '{"complete": true}')
+            try:
+                for block in blocks:
+                    rows = _block_rows(block, columns, layout, old_model, new_model)
+                    for start in range(0, len(rows), per_call):
+                        client.insert(target.name, rows[start : start + per_call])
+            except BaseException:
+                if replacing:  # the old collection stays as it was; the partial one goes
+                    for name in (target.name, target.name + STATE_SUFFIX):
+                        client.drop_collection(name)
+                raise
+            loading._put_record(LOAD_KEY, '{"complete": true}')
+            if replacing:
+                for name in (uri.name, uri.name + STATE_SUFFIX):
+                    if client.has_collection(name):
+                        client.drop_collection(name)
+                client.rename_collection(target.name, uri.name)
+                client.rename_collection(target.name + STATE_SUFFIX, uri.name + STATE_SUFFIX)
+                for name in (uri.name, uri.name + STATE_SUFFIX):
+                    client.load_collection(name)
+            store = cls(uri, columns, layout, client)
         except BaseException:
             _disconnect(uri, client)
             raise
         return store
 
     @staticmethod
-    def _clear(client: MilvusClient, uri: StoreURI, where: str, overwrite: bool) -> None:
-        if client.has_collection(uri.name):
-            client.load_collection(uri.name)
-            rows = client.query(uri.name, filter="", output_fields=["count(*)"])[0]["count(*)"]
-            if rows and not overwrite:
-                raise StoreExistsError(
-                    f"{where} exists and holds {rows} rows; pass overwrite=True to replace it"
-                )
-        for name in (uri.name, uri.name + STATE_SUFFIX):
-            if client.has_collection(name):
-                client.drop_collection(name)
+    def _existing(client: MilvusClient, uri: StoreURI, where: str, overwrite: bool) -> bool:
+        """Whether a collection of that name exists (refused if it holds rows, unless
+        ``overwrite``)."""
+        if not client.has_collection(uri.name):
+            return False
+        client.load_collection(uri.name)
+        rows = client.query(uri.name, filter="", output_fields=["count(*)"])[0]["count(*)"]
+        if rows and not overwrite:
+            raise StoreExistsError(
+                f"{where} exists and holds {rows} rows; pass overwrite=True to replace it"
+            )
+        return True
 
     @classmethod
     def open(cls, uri: StoreURI, columns: ColumnMap) -> MilvusStore:
@@ -643,10 +684,15 @@ class MilvusStore(VectorStore):
     # -- rollback and finalize -----------------------------------------------------------
     def rollback_to_position(self, position: int) -> int:
         """Flip every item at ``position`` or later back to old, in atomic upserts of whole
-        rows (idempotent: rerun after a crash to finish); clears the finalize marker."""
+        rows (idempotent: rerun after a crash to finish). Refused after finalize, as on
+        LanceDB: :meth:`rollback` to a mark taken before it undoes the finalize."""
         col = self._check_position_arg(position)
         cols = self.columns
-        self._delete_record(FINALIZED_KEY)
+        if self.finalized:
+            raise StoreError(
+                f"column {cols.old!r} of {self.where}: the store is finalized, the old vectors "
+                "are no longer in use; rollback(name) to a mark taken before finalize"
+            )
         ids = self.read_ids(f"{col} >= {int(position)}")
         per_call = max(1, MAX_UPSERT_BYTES // _row_bytes(self._layout))
         for start in range(0, len(ids), per_call):
@@ -668,7 +714,9 @@ class MilvusStore(VectorStore):
         return None
 
     def _rollback_to_mark(self, mark: RollbackMark) -> None:
-        """No snapshots: turn back every item upgraded at or after the mark's position."""
+        """No snapshots: remove the finalize marker (a mark is taken before any finalize that
+        follows it), then turn back every item upgraded at or after the mark's position."""
+        self._delete_record(FINALIZED_KEY)
         self.rollback_to_position(mark.position)
 
     def _finalize(self) -> None:
@@ -692,11 +740,23 @@ class MilvusStore(VectorStore):
         row = {"key": key, "value": text, "_v": [0.0, 0.0]}
         self._client.upsert(self._state(), [row])
 
+    def _put_records(self, records: dict[str, str]) -> None:
+        """Upserts of up to 64 records each (each upsert atomic)."""
+        rows = [{"key": k, "value": v, "_v": [0.0, 0.0]} for k, v in records.items()]
+        for start in range(0, len(rows), 64):
+            self._client.upsert(self._state(), rows[start : start + 64])
+
     def _delete_record(self, key: str) -> None:
         self._client.delete(self._state(), ids=[key])
+
+    def _delete_records(self, prefix: str) -> None:
+        keys = list(self._records(prefix))
+        if keys:
+            self._client.delete(self._state(), ids=keys)
 
     def _records(self, prefix: str) -> dict[str, str]:
         rows = self._client.query(
             self._state(), filter=f"key like {_quote(prefix + '%')}", output_fields=["key", "value"]
         )
-        return {row["key"]: row["value"] for row in rows}
+        # ("_" may be a one-character wildcard of ``like``: the prefix is checked again)
+        return {row["key"]: row["value"] for row in rows if row["key"].startswith(prefix)}

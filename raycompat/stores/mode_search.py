@@ -39,7 +39,7 @@ from raycompat.stores.base import Filter, VectorStore
 from raycompat.stores.errors import StoreError
 from raycompat.stores.topk import SearchResult, merge_topk, scores_topk
 
-__all__ = ["STORE_MODES", "StoreQueries", "search"]
+__all__ = ["STORE_MODES", "StoreQueries", "search", "search_field"]
 
 #: the modes a store can be searched in, and the bundle modules each needs
 STORE_MODES: Mapping[str, tuple[str, ...]] = {
@@ -83,6 +83,26 @@ def search(
         for up, side in ((False, sides[0]), (True, sides[1]))
     ]
     return _rescored(store, sides, candidates, k)
+
+
+def search_field(
+    store: VectorStore,
+    field: str,
+    queries: np.ndarray,
+    k: int,
+    *,
+    filter: Filter | str | None = None,
+) -> SearchResult:
+    """The exact top-``k`` of one vector field by ``unit(queries) . vector`` (``"old"``: every
+    item the filter lets through, upgraded or not; ``"new"``: the upgraded ones), ranked as
+    :func:`search` ranks: the store's exact candidates scored again in float64, ties by
+    ascending id.  The canary's old-old reference (the old model's queries against the
+    all-old gallery) is ``search_field(store, "old", old_queries, k)``."""
+    side = _Side(_unit(queries, "queries"), field)
+    flt = store._filter(filter)
+    fetch = min(k + max(8, k // 2), store.max_search_limit - 1)
+    candidates = store.search(field, side.queries, fetch, filter=flt).ids
+    return _rescored(store, (side, side), [candidates], k)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ ALL_JOBS = (
     "hot-refresh",
     "serve-index",
     "reshard-index",
+    "backfill-store",
 )
 
 
@@ -60,6 +61,7 @@ def test_unknown_job_prints_usage_and_exits_2():
         (("train-ract", "--head", "foo"), "option 'head' = 'foo' is not allowed"),
         (("reproduce", "--scale", "huge"), "option 'scale' = 'huge' is not allowed"),
         (("reshard-index", "--state-dir", "/nonexistent"), "/nonexistent holds no shard snapshots"),
+        (("backfill-store", "--store", "faiss://db/t", "--status"), "no store backend for scheme"),
     ],
 )
 def test_bad_option_of_a_job_exits_2(args, message):

@@ -109,11 +109,12 @@ def test_create_refuses_an_existing_non_empty_store(backend, tmp_path, gal):
         assert s.read_state() == {}
 
 
-def test_a_failed_overwrite_keeps_the_old_lance_table(tmp_path, gal):
-    """LanceDB replaces a table with one commit at the end: a gallery that fails its checks
-    part-way through an overwrite leaves the old table and its records as they were (Milvus
-    drops the old collection first: docs/stores.md, "Create")."""
-    uri = uri_of("lance", tmp_path)
+def test_a_failed_overwrite_keeps_the_old_table_or_collection(backend, tmp_path, gal):
+    """A gallery that fails its checks part-way through an overwrite leaves the old table or
+    collection and its records as they were: LanceDB replaces a table with one commit at the
+    end, Milvus loads the new gallery into a collection of its own that takes the name only
+    once loaded (docs/stores.md, "Create")."""
+    uri = uri_of(backend, tmp_path)
     with create_store(uri, gal.blocks(), old_model="m0", new_dim=24) as s:
         s.write_state({"note": "kept"})
         before = read_all(s)
@@ -421,6 +422,31 @@ def test_rollback_to_a_mark_taken_before_finalize_undoes_it(store, gal):
     got = store.search("old", gal.old[:3], 4, filter=Filter(upgraded=False))
     want = brute_force_topk(gal.old[:3], gal.old[keep], gal.ids[keep], 4)
     np.testing.assert_array_equal(got.ids, want.ids)
+
+
+def test_a_handle_opened_finalized_searches_old_after_a_rollback_to_a_mark(store, gal):
+    upgrade(store, gal, gal.order[:200], "new-m1", 0)
+    store.mark("pre-final")
+    upgrade(store, gal, gal.order[200:], "new-m1", 200)
+    store.finalize()
+    with open_store(store.uri.raw) as again:  # opened while finalized
+        again.rollback("pre-final")
+        assert not again.finalized and again.describe().old_dim == 16
+        got = again.search("old", gal.old[:2], 3, filter=Filter(upgraded=False))
+        keep = ~np.isin(gal.ids, gal.ids[gal.order[:200]])
+        want = brute_force_topk(gal.old[:2], gal.old[keep], gal.ids[keep], 3)
+        np.testing.assert_array_equal(got.ids, want.ids)
+    with open_store(store.uri.raw) as again:
+        assert not again.finalized
+
+
+def test_rollback_to_a_position_is_refused_after_finalize(store, gal):
+    """On both backends: the finalize marker stays (Milvus used to remove it)."""
+    upgrade(store, gal, gal.order, "new-m1", 0)
+    store.finalize()
+    with pytest.raises(StoreError, match="column 'old'.*finalize"):
+        store.rollback_to_position(100)
+    assert store.finalized and store.count_upgraded() == len(gal.ids)
 
 
 def test_state_record_round_trip(store, tmp_path, backend):
