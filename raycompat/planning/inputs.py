@@ -57,6 +57,15 @@ class Estimate:
         return math.isfinite(self.low) and math.isfinite(self.high)
 
 
+def _interpolated(fraction: float, grid, values, band) -> Estimate:
+    """``values`` (and its ``(low, high)`` band, or None) at ``fraction``, linear between grid
+    points."""
+    pick = lambda a: float(np.interp(fraction, grid, a))  # noqa: E731
+    if band is None:
+        return Estimate(pick(values))
+    return Estimate(pick(values), pick(band[0]), pick(band[1]))
+
+
 @dataclass(frozen=True)
 class Curve:
     """One (policy, mode) curve: the quality metric (mAP@k) with its band and NFR@1 at each grid
@@ -77,20 +86,26 @@ class Curve:
     plain: np.ndarray | None = None
     #: top-1 (unweighted) at each grid fraction, when the simulation measured it
     top1: np.ndarray | None = None
+    #: NFR@1's and top-1's bootstrap bands (``low``, ``high``), when the simulation has them
+    nfr_band: tuple[np.ndarray, np.ndarray] | None = None
+    top1_band: tuple[np.ndarray, np.ndarray] | None = None
 
     def at(self, fraction: float) -> tuple[Estimate, float, bool]:
         """``(quality, NFR@1, interpolated)`` at ``fraction``: linear between grid points."""
         f = self.fractions
         interpolated = not bool(np.isclose(f, fraction, rtol=0, atol=1e-12).any())
-        pick = lambda a: float(np.interp(fraction, f, a))  # noqa: E731
-        quality = Estimate(pick(self.quality), pick(self.low), pick(self.high))
-        return quality, pick(self.nfr), interpolated
+        quality = _interpolated(fraction, f, self.quality, (self.low, self.high))
+        return quality, float(np.interp(fraction, f, self.nfr)), interpolated
 
-    def top1_at(self, fraction: float) -> float:
-        """Top-1 at ``fraction`` (linear between grid points); NaN when not measured."""
+    def nfr_at(self, fraction: float) -> Estimate:
+        """NFR@1 at ``fraction`` with its band (linear between grid points)."""
+        return _interpolated(fraction, self.fractions, self.nfr, self.nfr_band)
+
+    def top1_at(self, fraction: float) -> Estimate:
+        """Top-1 at ``fraction`` with its band; NaN when the simulation did not measure it."""
         if self.top1 is None:
-            return math.nan
-        return float(np.interp(fraction, self.fractions, self.top1))
+            return Estimate(math.nan)
+        return _interpolated(fraction, self.fractions, self.top1, self.top1_band)
 
     def work_at(self, fraction: float) -> float:
         """The share of the whole re-embedding done when ``fraction`` of the items hold their
@@ -111,7 +126,8 @@ class Simulation:
     metric: str
     old_old: Estimate
     new_new: Estimate
-    new_new_nfr: float
+    #: NFR@1 of new-new against old-old, with its interval (NaN: not measured)
+    new_new_nfr: Estimate
     curves: tuple[Curve, ...]
     cost_model: dict | None
     #: the per-query terms of ``metric`` (``samples.npz``), or None
@@ -121,8 +137,8 @@ class Simulation:
     weighted: bool = False
     plain_references: dict | None = None
     #: top-1 (unweighted) of the old-old and new-new references; NaN when not measured
-    old_old_top1: float = math.nan
-    new_new_top1: float = math.nan
+    old_old_top1: Estimate = Estimate(math.nan)
+    new_new_top1: Estimate = Estimate(math.nan)
 
     @property
     def has_intervals(self) -> bool:
@@ -140,10 +156,12 @@ def _array(values, path: str, what: str) -> np.ndarray:
         raise _bad(path, f"{what} is not a list of numbers") from None
 
 
-def _plain_reference(payload: dict, name: str, metric: str) -> float:
-    """A reference's unweighted value of ``metric``; NaN when the simulation has none."""
+def _plain_reference(payload: dict, name: str, metric: str) -> Estimate:
+    """A reference's unweighted ``metric`` with its interval; NaN when the simulation has none."""
     value = (payload.get("references") or {}).get(name, {}).get(metric)
-    return math.nan if value is None else float(value)
+    if value is None:
+        return Estimate(math.nan)
+    return _reference(payload, name, metric, "")
 
 
 def _reference(payload: dict, name: str, metric: str, path: str) -> Estimate:
@@ -198,7 +216,8 @@ def _curve(raw: dict, metric: str, n_items: int, path: str, index: int, weighted
     if source is not None:
         metrics = source["metrics"]
     quality = _array(metrics[metric], path, metric)
-    band = ((source or raw).get("bands") or {}).get(metric) or {}
+    bands = (source or raw).get("bands") or {}
+    band = bands.get(metric) or {}
     nan = np.full_like(quality, math.nan)
     low = _array(band["low"], path, "band") if band.get("low") else nan
     high = _array(band["high"], path, "band") if band.get("high") else nan
@@ -218,7 +237,25 @@ def _curve(raw: dict, metric: str, n_items: int, path: str, index: int, weighted
         index=index,
         plain=plain if source is not None else None,
         top1=top1 if top1 is not None and len(top1) == len(fractions) else None,
+        nfr_band=_band(bands, NFR_METRIC, len(fractions), path),
+        top1_band=_band(raw.get("bands") or {}, TOP1_METRIC, len(fractions), path),
     )
+
+
+def _band(bands: dict, metric: str, n: int, path: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """``metric``'s ``(low, high)`` band of a curve; None without one (or of another length)."""
+    band = bands.get(metric) or {}
+    if not band.get("low") or not band.get("high"):
+        return None
+    low, high = _array(band["low"], path, "band"), _array(band["high"], path, "band")
+    return (low, high) if len(low) == len(high) == n else None
+
+
+def _new_new_nfr(refs: dict, cold: list[Curve], path: str) -> Estimate:
+    """New-new's NFR@1 with its interval: its reference, else the cold curve's last point."""
+    if ((refs.get("references") or {}).get("new-new") or {}).get(NFR_METRIC) is not None:
+        return _reference(refs, "new-new", NFR_METRIC, path)
+    return cold[0].nfr_at(1.0) if cold else Estimate(math.nan)
 
 
 def read_simulation(path: str, model: str, quality: str = "auto") -> Simulation:
@@ -242,9 +279,7 @@ def read_simulation(path: str, model: str, quality: str = "auto") -> Simulation:
     cold = [c for c in curves if c.mode == "cold"]
     refs = _weighted_payload(payload) if weighted else payload
     nn = _reference(refs, "new-new", metric, path)
-    nn_nfr = (refs.get("references") or {}).get("new-new", {}).get(NFR_METRIC)
-    if nn_nfr is None and cold:
-        nn_nfr = float(cold[0].nfr[-1])
+    nn_nfr = _new_new_nfr(refs, cold, path)
     return Simulation(
         model=model,
         path=path,
@@ -254,7 +289,7 @@ def read_simulation(path: str, model: str, quality: str = "auto") -> Simulation:
         metric=metric,
         old_old=_reference(refs, "old-old", metric, path),
         new_new=nn,
-        new_new_nfr=math.nan if nn_nfr is None else float(nn_nfr),
+        new_new_nfr=nn_nfr,
         curves=tuple(c for c in curves if c.mode != "cold"),
         cost_model=payload.get("cost_model"),
         samples=read_samples(path, metric, len(curves), payload.get("bootstrap"), weighted),

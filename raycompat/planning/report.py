@@ -33,8 +33,12 @@ def _option_row(a: Assessment) -> dict:
                 "map": m.quality.value,
                 "map_low": m.quality.low,
                 "map_high": m.quality.high,
-                "nfr": m.nfr,
-                "top1": None if m.top1 != m.top1 else m.top1,
+                "nfr": m.nfr.value,
+                "nfr_low": _or_none(m.nfr.low),
+                "nfr_high": _or_none(m.nfr.high),
+                "top1": _or_none(m.top1.value),
+                "top1_low": _or_none(m.top1.low),
+                "top1_high": _or_none(m.top1.high),
                 "interpolated": m.interpolated,
             }
             for m in o.milestones
@@ -144,6 +148,11 @@ def plan_dict(plan: Plan, command: str | None = None) -> dict:
     }
 
 
+def _or_none(x: float) -> float | None:
+    """A JSON value: None for NaN (not measured, or no interval)."""
+    return None if x != x else x
+
+
 def _pct(x) -> str:
     return "n/a" if x is None or x != x else f"{100 * x:.2f}"
 
@@ -189,7 +198,7 @@ def _vs_best(a: Assessment) -> str:
 def _switch_on(a: Assessment) -> str:
     """NFR@1 and top-1 at the switch-on point (0 %: the new model deployed, nothing moved)."""
     first = next((m for m in a.option.milestones if m.fraction == 0.0), None)
-    return "n/a" if first is None else f"{_pct(first.nfr)} / {_pct(first.top1)}"
+    return "n/a" if first is None else f"{_pct_iv(first.nfr)} / {_pct_iv(first.top1)}"
 
 
 def _summary_lines(plan: Plan) -> list[str]:
@@ -241,8 +250,8 @@ def _option_table(plan: Plan, a: Assessment) -> list[str]:
             _hours(m.hours),
             f"{m.cost:,.2f}",
             _pct_iv(m.quality) + (" (interpolated)" if m.interpolated else ""),
-            _pct(m.nfr),
-            _pct(m.top1),
+            _pct_iv(m.nfr),
+            _pct_iv(m.top1),
         ]
         for m in o.milestones
     ]

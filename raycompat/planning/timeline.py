@@ -192,10 +192,11 @@ class Milestone:
     hours: float | None
     cost: float
     quality: Estimate
-    nfr: float
+    #: NFR@1 then, with its interval (none for a reference's exact zero)
+    nfr: Estimate
     interpolated: bool = False
-    #: top-1 served then (NaN: the simulation did not measure it)
-    top1: float = math.nan
+    #: top-1 served then, with its interval (NaN: the simulation did not measure it)
+    top1: Estimate = Estimate(math.nan)
 
 
 @dataclass(frozen=True)
@@ -306,10 +307,12 @@ def candidate_option(
     )
     milestones = []
     for f in MILESTONES:
-        quality, nfr, interpolated = curve.at(f)
+        quality, _, interpolated = curve.at(f)
         h = _hours_at(curve.work_at(f), prep_s, rate, hw)
         milestones.append(
-            Milestone(f, h, option.cost_at(h), quality, nfr, interpolated, curve.top1_at(f))
+            Milestone(
+                f, h, option.cost_at(h), quality, curve.nfr_at(f), interpolated, curve.top1_at(f)
+            )
         )
     return replace(_with_fixed(option, hw), milestones=tuple(milestones))
 
@@ -320,7 +323,7 @@ def cold_refresh_option(sim: Simulation, hw: Hardware, rate: EmbeddingRate) -> O
     points = [
         (0.0, sim.old_old, 0.0, True),
         (end, sim.old_old, 0.0, True),
-        (end, sim.new_new, sim.new_new_nfr, False),
+        (end, sim.new_new, sim.new_new_nfr.value, False),
     ]
     option = Option(
         model=sim.model,
@@ -340,16 +343,21 @@ def cold_refresh_option(sim: Simulation, hw: Hardware, rate: EmbeddingRate) -> O
     for f in MILESTONES:
         h = _hours_at(f, 0.0, rate, hw)
         done = f >= 1.0
-        quality, nfr = (sim.new_new, sim.new_new_nfr) if done else (sim.old_old, 0.0)
+        quality = sim.new_new if done else sim.old_old
+        nfr = sim.new_new_nfr if done else Estimate(0.0)
         top1 = sim.new_new_top1 if done else sim.old_old_top1
         milestones.append(Milestone(f, h, option.cost_at(h), quality, nfr, top1=top1))
     return replace(_with_fixed(option, hw), milestones=tuple(milestones))
 
 
-def stay_on_old_option(old_old: Estimate, hw: Hardware, old_old_top1: float = math.nan) -> Option:
+def stay_on_old_option(
+    old_old: Estimate, hw: Hardware, old_old_top1: Estimate = Estimate(math.nan)
+) -> Option:
     """Keep the old model: old-old at every hour, nothing re-embedded, nothing paid."""
     timeline = Timeline.of([(0.0, old_old, 0.0, True)])
-    milestones = tuple(Milestone(f, None, 0.0, old_old, 0.0, top1=old_old_top1) for f in MILESTONES)
+    milestones = tuple(
+        Milestone(f, None, 0.0, old_old, Estimate(0.0), top1=old_old_top1) for f in MILESTONES
+    )
     return Option(
         model="old",
         policy="none",

@@ -111,19 +111,36 @@ def test_top1_stands_at_every_milestone_and_at_switch_on(tmp_path):
     payload = json.load(open(path))
     for entry in payload["curves"]:
         entry["metrics"]["top1"] = [0.2, 0.6, 0.8]
+        entry["bands"]["top1"] = {"low": [0.1, 0.5, 0.7], "high": [0.3, 0.7, 0.9]}
+        if entry["mode"] != "cold":  # one that flips at switch-on: 10 %
+            entry["metrics"]["NFR@1"] = [0.1, 0.15, 0.2]
+        nfr = entry["metrics"]["NFR@1"]
+        entry["bands"]["NFR@1"] = {"low": [0.5 * v for v in nfr], "high": [2 * v for v in nfr]}
     payload["references"]["old-old"]["top1"] = 0.7
     payload["references"]["new-new"]["top1"] = 0.9
+    payload["reference_intervals"]["old-old"]["top1"] = {"low": 0.65, "high": 0.75}
+    payload["reference_intervals"]["new-new"]["top1"] = {"low": 0.85, "high": 0.95}
+    payload["reference_intervals"]["new-new"]["NFR@1"] = {"low": 0.15, "high": 0.25}
     json.dump(payload, open(path, "w"))
     result, out = plan(tmp_path, "--results", folder)
-    tops = {m["fraction"]: m["top1"] for m in option(result, "sim", "compatible")["milestones"]}
+    compatible = option(result, "sim", "compatible")["milestones"]
+    tops = {m["fraction"]: m["top1"] for m in compatible}
     assert tops == pytest.approx({0.0: 0.2, 0.25: 0.4, 0.5: 0.6, 0.9: 0.76, 1.0: 0.8})
+    # every top-1 and NFR@1 carries its interval, linear between grid points like the value
+    assert [m["top1_low"] for m in compatible] == pytest.approx([0.1, 0.3, 0.5, 0.66, 0.7])
+    assert [m["top1_high"] for m in compatible] == pytest.approx([0.3, 0.5, 0.7, 0.86, 0.9])
+    for m in compatible:
+        assert (m["nfr_low"], m["nfr_high"]) == pytest.approx((0.5 * m["nfr"], 2 * m["nfr"]))
     cold = option(result, "sim", "cold", policy="any")
     assert [m["top1"] for m in cold["milestones"]] == pytest.approx([0.7] * 4 + [0.9])
+    assert (cold["milestones"][-1]["nfr_low"], cold["milestones"][-1]["nfr_high"]) == (0.15, 0.25)
     stay = next(o for o in result["options"] if o["kind"] == "stay on old")
     assert [m["top1"] for m in stay["milestones"]] == pytest.approx([0.7] * 5)
+    assert {(m["top1_low"], m["top1_high"]) for m in stay["milestones"]} == {(0.65, 0.75)}
     text = (out / "plan.md").read_text()
     assert "| at switch-on (0 %): NFR@1 / top-1 (%) |" in text
-    assert "| 0 % | 0 | 0.00 | 30.00 [25.00, 35.00] | 0.00 | 20.00 |" in text
+    switch_on = "| 0 % | 0 | 0.00 | 30.00 [25.00, 35.00] | 10.00 [5.00, 20.00] |"
+    assert switch_on + " 20.00 [10.00, 30.00] |" in text
     # a simulation without top-1: n/a, never a number made up
     without, out2 = plan(tmp_path, "--results", write_curves(tmp_path / "plain"), out="p2")
     assert {m["top1"] for m in option(without, "plain", "compatible")["milestones"]} == {None}
