@@ -213,7 +213,7 @@ class LocalMultiNodeCluster:
                 seen.append(status)
             if status in ("SUCCEEDED", "FAILED", "STOPPED"):
                 return status, seen
-            time.sleep(2.0)
+            time.sleep(0.5)
         return "TIMEOUT", seen
 
     def stop(self) -> None:

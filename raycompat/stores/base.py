@@ -412,16 +412,22 @@ class VectorStore(ABC):
         """Whether :meth:`finalize` ran (and no rollback undid it)."""
 
     # -- reading -------------------------------------------------------------------------
+    @property
+    def old_dim(self) -> int | None:
+        """The old vectors' dimension; None once a finalize dropped them. Unlike
+        :meth:`describe` it counts no rows (a scan on some backends)."""
+        dropped = self.finalized and self.capabilities.drop_field
+        return None if dropped else self._layout.old_dim
+
     def describe(self) -> StoreInfo:
         """Rows, dimensions, indexes and capabilities (docs/stores.md#describe)."""
         final = self.finalized
-        dropped = final and self.capabilities.drop_field
         return StoreInfo(
             uri=self.uri.raw,
             backend=self.backend,
             rows=self.count(),
             upgraded=self.count_upgraded(),
-            old_dim=None if dropped else self._layout.old_dim,
+            old_dim=self.old_dim,
             new_dim=self._layout.new_dim,
             label_type=self._layout.label_type,
             metric="ip",

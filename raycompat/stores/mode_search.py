@@ -125,7 +125,7 @@ def _sides(store: VectorStore, queries: StoreQueries, mode: str, modules: dict):
     new_q = _unit(queries.new, "queries.new")
     new_side = _Side(new_q, "new")
     if mode == "compatible":
-        old_dim = store.describe().old_dim or 0
+        old_dim = store.old_dim or 0
         if new_q.shape[1] < old_dim:
             raise StoreError(
                 f"mode 'compatible' compares phi_n(q)[:D_old] with the old vectors of "

@@ -58,11 +58,19 @@ def two_node_cluster():
         cluster.stop()
 
 
-def _run_job(cluster, name: str, entrypoint: list[str], timeout: float = 600) -> str:
-    job_id = cluster.submit(entrypoint, REPO, submission_id=f"{name}-{os.getpid()}")
+def _submit(cluster, name: str, entrypoint: list[str]) -> str:
+    return cluster.submit(entrypoint, REPO, submission_id=f"{name}-{os.getpid()}")
+
+
+def _wait(cluster, name: str, job_id: str, timeout: float = 600) -> tuple[str, list[str]]:
     status, seen = cluster.wait_for_job(job_id, timeout)
     logs = cluster.job_logs(job_id)
     assert status == "SUCCEEDED", f"{name}: {seen}\n{logs[-4000:]}"
+    return logs, seen
+
+
+def _run_job(cluster, name: str, entrypoint: list[str], timeout: float = 600) -> str:
+    logs, seen = _wait(cluster, name, _submit(cluster, name, entrypoint), timeout)
     assert seen[0] in ("PENDING", "RUNNING")  # it was polled while it ran
     return logs
 
@@ -76,80 +84,26 @@ def test_two_nodes_joined(two_node_cluster):
     assert custom == ["head_node", "second_node"]
 
 
-def test_train_ract_job_runs_on_both_nodes(two_node_cluster, tmp_path):
-    store = tmp_path / "store"
-    logs = _run_job(
-        two_node_cluster,
-        "train-ract",
-        [
-            "python",
-            "jobs/train_ract.py",
-            *TINY,
-            "--workers",
-            "2",
-            "--cpus-per-worker",
-            "2",
-            "--storage",
-            str(store),
-            "--out",
-            str(store / "models" / "ract"),
-        ],
-    )
-    manifest = json.loads((store / "models" / "ract" / "manifest.json").read_text())
-    assert manifest["method"] == "ract" and manifest["predecessor"]
-    histories = glob.glob(str(store / "ract-*" / "checkpoint_*" / "history.json")) + glob.glob(
-        str(store / "**" / "history.json"), recursive=True
-    )
-    assert histories, f"no history.json under {store}\n{logs[-2000:]}"
-    node_ids = {n["node_id"] for n in two_node_cluster.nodes()}
-    for path in set(histories):
-        for epoch in json.loads(open(path).read()):
-            assert set(epoch["worker_nodes"]) == node_ids, (path, epoch["worker_nodes"])
-
-
-def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, tmp_path):
-    """`ray job submit -- python jobs/simulate_backfill.py DATASET --engine ray`: the row groups
-    are scored on both nodes, and the curves equal the in-memory simulator's."""
-    import numpy as np
+def _simulate_job(tmp_path) -> tuple[list[str], dict]:
     from simulator_inputs import write_dataset
-
-    from raycompat.embeddings.gallery import load_parquet
-    from raycompat.simulator.memory_engine import simulate_backfill
 
     store = tmp_path / "store"
     dataset = write_dataset(store / "embeddings", shards=4, row_group=15)
-    _run_job(
-        two_node_cluster,
-        "simulate-backfill",
-        [
-            "python",
-            "jobs/simulate_backfill.py",
-            dataset,
-            "--engine",
-            "ray",
-            "--policies",
-            "random,uncertainty:entropy",
-            "--modes",
-            "compatible,cold",
-            "--items-per-s-per-gpu",
-            "100",
-            "--out",
-            str(store / "backfill"),
-        ],
-        timeout=300,
-    )
-    curves = json.loads((store / "backfill" / "curves.json").read_text())
-    ran = curves["stats"]["distributed"]["blocks_per_node"]
-    assert set(ran) == {n["node_id"] for n in two_node_cluster.nodes()}, ran
-    mem = simulate_backfill(
-        load_parquet(dataset), ["random", "uncertainty:entropy"], ["compatible", "cold"]
-    )
-    for got, want in zip(curves["curves"], mem.curves, strict=True):
-        assert (got["policy"], got["mode"]) == (want.policy, want.mode)
-        for m, values in want.metrics.items():
-            assert np.array_equal(np.array(got["metrics"][m]), values, equal_nan=True), m
-    assert glob.glob(str(store / "backfill" / "*.png"))
-    assert "Where it ran" in (store / "backfill" / "curves.md").read_text()
+    return [
+        "python",
+        "jobs/simulate_backfill.py",
+        dataset,
+        "--engine",
+        "ray",
+        "--policies",
+        "random,uncertainty:entropy",
+        "--modes",
+        "compatible,cold",
+        "--items-per-s-per-gpu",
+        "100",
+        "--out",
+        str(store / "backfill"),
+    ], {"store": store, "dataset": dataset}
 
 
 GALLERY_SCENARIO = [
@@ -166,53 +120,125 @@ GALLERY_SCENARIO = [
     "--distractors-per-class",
     "2",
 ]
+EMBED_ITEMS, EMBED_CHUNK = 120, 40
 
 
-def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
+def _embed_job(tmp_path) -> tuple[list[str], dict]:
+    store = f"file://{tmp_path}/store"
+    return [
+        "python",
+        "jobs/embed_gallery.py",
+        "--random-init",
+        str(tmp_path / "models"),
+        "--storage",
+        store,
+        "--name",
+        "tiny",
+        "--columns",
+        "old,new",
+        "--items",
+        str(EMBED_ITEMS),
+        *GALLERY_SCENARIO,
+        "--chunk-size",
+        str(EMBED_CHUNK),
+        "--render-batch-size",
+        "16",
+        "--preprocess-batch-size",
+        "16",
+        "--new-batch-size",
+        "16",
+        "--old-batch-size",
+        "16",
+        "--progress-every",
+        "1000",
+        "--new-resources",
+        json.dumps({"head_node": 0.01}),
+        "--old-resources",
+        json.dumps({"second_node": 0.01}),
+    ], {"store": store, "out": tmp_path / "store" / "embeddings" / "tiny"}
+
+
+SERVE_TOKEN = "cluster-secret-0123456789"
+
+
+def _serve_job(tmp_path) -> tuple[list[str], dict]:
+    from multinode import free_port
+
+    port = free_port()
+    token = tmp_path / "token"
+    token.write_text(SERVE_TOKEN + "\n")
+    return [
+        "python",
+        "jobs/serve_index.py",
+        "--gallery",
+        "synthetic:300:8:12:5",
+        "--num-shards",
+        "2",
+        "--port",
+        str(port),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--token-file",
+        str(token),
+        "--app-name",
+        "cluster_index",
+        "--no-fsync",
+    ], {"port": port}
+
+
+@pytest.fixture(scope="module")
+def submitted(two_node_cluster, tmp_path_factory):
+    """The simulate, embed and serve jobs, submitted together as soon as the first of their
+    tests runs (the cluster has CPUs for all three: the embedding actors ask for a quarter CPU,
+    the Serve replicas none, the simulation's tasks one each): ``name -> (job id, facts)``."""
+    jobs = {}
+    for name, make in (
+        ("simulate-backfill", _simulate_job),
+        ("embed-gallery", _embed_job),
+        ("serve-index", _serve_job),
+    ):
+        entrypoint, facts = make(tmp_path_factory.mktemp(name))
+        jobs[name] = (_submit(two_node_cluster, name, entrypoint), facts)
+    return jobs
+
+
+def _finished(cluster, submitted, name: str) -> tuple[str, dict]:
+    job_id, facts = submitted[name]
+    return _wait(cluster, name, job_id, timeout=300)[0], facts
+
+
+def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, submitted):
+    """`ray job submit -- python jobs/simulate_backfill.py DATASET --engine ray`: the row groups
+    are scored on both nodes, and the curves equal the in-memory simulator's."""
+    import numpy as np
+
+    from raycompat.embeddings.gallery import load_parquet
+    from raycompat.simulator.memory_engine import simulate_backfill
+
+    _, facts = _finished(two_node_cluster, submitted, "simulate-backfill")
+    store, dataset = facts["store"], facts["dataset"]
+    curves = json.loads((store / "backfill" / "curves.json").read_text())
+    ran = curves["stats"]["distributed"]["blocks_per_node"]
+    assert set(ran) == {n["node_id"] for n in two_node_cluster.nodes()}, ran
+    mem = simulate_backfill(
+        load_parquet(dataset), ["random", "uncertainty:entropy"], ["compatible", "cold"]
+    )
+    for got, want in zip(curves["curves"], mem.curves, strict=True):
+        assert (got["policy"], got["mode"]) == (want.policy, want.mode)
+        for m, values in want.metrics.items():
+            assert np.array_equal(np.array(got["metrics"][m]), values, equal_nan=True), m
+    assert glob.glob(str(store / "backfill" / "*.png"))
+    assert "Where it ran" in (store / "backfill" / "curves.md").read_text()
+
+
+def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, submitted):
     """`python jobs/embed_gallery.py` submitted to the two-node cluster, writing to a file://
     URI --storage: parquet shards with every id once, the documented schema, and the new / old
     embedder actors pinned to the head / second node by custom resources."""
-    items, chunk = 120, 40
-    store = f"file://{tmp_path}/store"
-    logs = _run_job(
-        two_node_cluster,
-        "embed-gallery",
-        [
-            "python",
-            "jobs/embed_gallery.py",
-            "--random-init",
-            str(tmp_path / "models"),
-            "--storage",
-            store,
-            "--name",
-            "tiny",
-            "--columns",
-            "old,new",
-            "--items",
-            str(items),
-            *GALLERY_SCENARIO,
-            "--chunk-size",
-            str(chunk),
-            "--render-batch-size",
-            "16",
-            "--preprocess-batch-size",
-            "16",
-            "--new-batch-size",
-            "16",
-            "--old-batch-size",
-            "16",
-            "--progress-every",
-            "1000",
-            "--new-resources",
-            json.dumps({"head_node": 0.01}),
-            "--old-resources",
-            json.dumps({"second_node": 0.01}),
-        ],
-        timeout=300,
-    )
-    out = tmp_path / "store" / "embeddings" / "tiny"
+    logs, facts = _finished(two_node_cluster, submitted, "embed-gallery")
+    store, out, items = facts["store"], facts["out"], EMBED_ITEMS
     shards = sorted(glob.glob(str(out / "part-*.parquet")))
-    assert len(shards) == items // chunk, (
+    assert len(shards) == items // EMBED_CHUNK, (
         f"{os.listdir(out) if out.is_dir() else 'no output'}\n{logs[-3000:]}"
     )
     assert {"_manifest.json", "_summary.json"} <= set(os.listdir(out))
@@ -244,40 +270,15 @@ def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, tmp_path):
     assert "embedding stages ran on Ray nodes" in logs
 
 
-def test_serve_index_job_leaves_the_index_running(two_node_cluster, tmp_path):
+def test_serve_index_job_leaves_the_index_running(two_node_cluster, submitted):
     """`python jobs/serve_index.py` submitted to the cluster deploys the live index and ends;
     the index keeps answering HTTP after the job has finished (search, admin upsert with the
     token), until a second job with --stop removes it."""
     import urllib.error
     import urllib.request
 
-    from multinode import free_port
-
-    port = free_port()
-    token = tmp_path / "token"
-    token.write_text("cluster-secret-0123456789\n")
-    logs = _run_job(
-        two_node_cluster,
-        "serve-index",
-        [
-            "python",
-            "jobs/serve_index.py",
-            "--gallery",
-            "synthetic:300:8:12:5",
-            "--num-shards",
-            "2",
-            "--port",
-            str(port),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--token-file",
-            str(token),
-            "--app-name",
-            "cluster_index",
-            "--no-fsync",
-        ],
-        timeout=300,
-    )
+    logs, facts = _finished(two_node_cluster, submitted, "serve-index")
+    port = facts["port"]
     assert "the index keeps running" in logs, logs[-3000:]
     base = f"http://127.0.0.1:{port}"
 
@@ -287,7 +288,7 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, tmp_path):
             data=None if body is None else json.dumps(body).encode(),
             headers={
                 "Content-Type": "application/json",
-                **({"Authorization": "Bearer cluster-secret-0123456789"} if auth else {}),
+                **({"Authorization": f"Bearer {SERVE_TOKEN}"} if auth else {}),
             },
         )
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -318,3 +319,35 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, tmp_path):
     with pytest.raises(urllib.error.HTTPError) as err:
         call("/status")
     assert err.value.code == 404
+
+
+# last: its two workers of 2 CPUs take every CPU of both nodes, so it runs alone
+def test_train_ract_job_runs_on_both_nodes(two_node_cluster, tmp_path):
+    store = tmp_path / "store"
+    logs = _run_job(
+        two_node_cluster,
+        "train-ract",
+        [
+            "python",
+            "jobs/train_ract.py",
+            *TINY,
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "2",
+            "--storage",
+            str(store),
+            "--out",
+            str(store / "models" / "ract"),
+        ],
+    )
+    manifest = json.loads((store / "models" / "ract" / "manifest.json").read_text())
+    assert manifest["method"] == "ract" and manifest["predecessor"]
+    histories = glob.glob(str(store / "ract-*" / "checkpoint_*" / "history.json")) + glob.glob(
+        str(store / "**" / "history.json"), recursive=True
+    )
+    assert histories, f"no history.json under {store}\n{logs[-2000:]}"
+    node_ids = {n["node_id"] for n in two_node_cluster.nodes()}
+    for path in set(histories):
+        for epoch in json.loads(open(path).read()):
+            assert set(epoch["worker_nodes"]) == node_ids, (path, epoch["worker_nodes"])

@@ -1,7 +1,7 @@
 """Methods inside the real Ray Train loop (the session's shared Ray cluster), and the
-train_ract job's command line. RACT and FCT run on 2 workers (DDP, FCT with its new embedder
-frozen); MCL, AdvBCT, BT^2 and d-Simplex in Ray Train's local mode (the same loop and hooks in
-this process, no controller or worker processes to start: about 25 s less each on 2 cores).
+train_ract job's command line. RACT runs on 2 workers (DDP); MCL, AdvBCT, BT^2, d-Simplex and
+FCT in Ray Train's local mode (the same loop and hooks in this process, no controller or worker
+processes to start: about 25 s less each on 2 cores).
 Every method's 2-worker DDP gradients, per-epoch passes and training steps against one
 process are tests/methods/test_methods_distributed.py's (gloo, in process)."""
 
@@ -172,11 +172,11 @@ def test_bt2_dsimplex_fct_train_in_the_ray_train_loop(
     ray_cluster, scenario, tmp_path, field_bundles, method
 ):
     """What each exports (bt2's basis transform, dsimplex's vertices, fct's h), inside Ray
-    Train's loop: fct on 2 workers (its frozen phi_n under DDP), bt2 and dsimplex in Ray Train's
-    local mode (the same loop and hooks in this process; their 2-worker DDP gradients against
-    one process are test_methods_distributed.py's), which spares two runs' worth of controller
-    and worker processes (about 25 s each on 2 cores)."""
-    workers = {"bt2": 0, "dsimplex": 0, "fct": 2}[method]
+    Train's loop, in Ray Train's local mode (the same loop and hooks in this process; their
+    2-worker DDP gradients against one process, fct's frozen phi_n under DDP included, are
+    test_methods_distributed.py's), which spares each run's controller and worker processes
+    (about 25 s each on 2 cores)."""
+    workers = 0
     paths = field_bundles
     run_values = {
         "bt2": dict(

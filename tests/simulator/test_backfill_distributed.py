@@ -88,7 +88,9 @@ def test_blocks_apply_psi_and_the_head_and_the_raw_distance(tmp_path, ray_cluste
 def test_ray_data_sort_gives_the_same_global_order(tmp_path, ray_cluster):
     """Above ``sort_above`` items the order of block scores comes from Ray Data's sort of
     (-score, gallery index): the same order as the driver's stable sort, ties included."""
-    root = write_dataset(tmp_path / "sort", seed=6)  # stored scores rounded: many ties
+    # stored scores rounded: many ties; 6 blocks across 3 shards (Ray Data's sort starts a map
+    # and a reduce task per block)
+    root = write_dataset(tmp_path / "sort", seed=6, row_group=64)
     policy = ["uncertainty:margin"]
     mem = simulate_backfill(load_parquet(root), policy, ["compatible"], k=5)
     opts = DistributedOptions(sort_above=0)
