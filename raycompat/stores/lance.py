@@ -8,6 +8,7 @@ Every write is one LanceDB commit, so it is atomic; marks are LanceDB tags.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -268,7 +269,11 @@ class LanceStore(VectorStore):
     @classmethod
     def open(cls, uri: StoreURI, columns: ColumnMap) -> LanceStore:
         """Open an existing table, checking its columns (docs/stores.md#open)."""
-        db, where = _connect(uri), cls._where(uri)
+        where = cls._where(uri)
+        if "://" not in uri.target and not os.path.isdir(uri.target):
+            # lancedb.connect would create the folder: opening must leave nothing behind
+            raise StoreNotFoundError(f"{where} does not exist")
+        db = _connect(uri)
         table = _open_table(db, uri.name)
         if table is None:
             raise StoreNotFoundError(f"{where} does not exist")

@@ -108,14 +108,18 @@ def _capabilities(lite: bool) -> Capabilities:
     )
 
 
-def _connect(uri: StoreURI) -> MilvusClient:
-    """A client; for Milvus Lite, the file's in-process server (one process at a time)."""
-    if not uri.is_local_file:
-        return MilvusClient(uri=uri.server_uri, token=os.environ.get(TOKEN_ENV, ""))
+def _require_lite() -> None:
     try:
         import milvus_lite  # noqa: F401  (pymilvus starts it for *.db URIs)
     except ModuleNotFoundError as exc:
         raise MissingBackendError("milvus", "milvus-lite", "milvus") from exc
+
+
+def _connect(uri: StoreURI) -> MilvusClient:
+    """A client; for Milvus Lite, the file's in-process server (one process at a time)."""
+    if not uri.is_local_file:
+        return MilvusClient(uri=uri.server_uri, token=os.environ.get(TOKEN_ENV, ""))
+    _require_lite()
     path = os.path.abspath(uri.target)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with _LITE_LOCK:  # a file's server starts and stops under the lock (threads of a process)
@@ -382,6 +386,10 @@ class MilvusStore(VectorStore):
         """Open an existing collection, checking its fields and that its load finished."""
         where = cls._where(uri)
         cls._need_position(columns, where)
+        if uri.is_local_file:
+            _require_lite()
+            if not os.path.exists(uri.target):  # Milvus Lite would create it: leave nothing
+                raise StoreNotFoundError(f"{where} does not exist")
         client = _connect(uri)
         try:
             if not client.has_collection(uri.name):

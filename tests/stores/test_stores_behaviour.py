@@ -138,6 +138,10 @@ def test_open_names_a_missing_table_or_collection(backend, tmp_path, gal):
     create_store(uri_of(backend, tmp_path), gal.blocks(), old_model="m0", new_dim=24).close()
     with pytest.raises(StoreNotFoundError, match="'nothing_here'"):
         open_store(uri_of(backend, tmp_path, "nothing_here"))
+    # a database folder or file that does not exist is not created by opening it
+    with pytest.raises(StoreNotFoundError, match="does not exist"):
+        open_store(uri_of(backend, tmp_path / "nowhere"))
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_a_failed_load_leaves_no_usable_store(backend, tmp_path, gal):
