@@ -740,7 +740,15 @@ class MilvusStore(VectorStore):
         return self._state_name
 
     def _get_record(self, key: str) -> str | None:
-        rows = self._client.get(self._state(), ids=[key], output_fields=["value"])
+        try:
+            rows = self._client.get(self._state(), ids=[key], output_fields=["value"])
+        except MilvusException as exc:
+            if "released" not in str(exc):
+                raise
+            # another client of the same Milvus Lite file released it (its load in flight):
+            # load it again and read once more
+            self._client.load_collection(self._state_name)
+            rows = self._client.get(self._state_name, ids=[key], output_fields=["value"])
         return rows[0]["value"] if rows else None
 
     def _put_record(self, key: str, text: str) -> None:
