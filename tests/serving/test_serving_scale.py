@@ -4,8 +4,9 @@ configs reach Serve.
 
 One app for the three tests, in file order: 2 shards whose two replicas each come from
 ``shard_autoscaling`` (``initial_replicas``), an autoscaled router, searches batched up to 16
-requests with a 50 ms wait, 300 items.  (How autoscaling configs are checked, without Serve:
-test_serving_units.py.)"""
+requests with a 50 ms wait, 300 items.  2 shards: shard_autoscaling must reach every shard
+deployment (``[2, 2]`` replicas), and the batched searches are merged across both shards.  (How
+autoscaling configs are checked, without Serve: test_serving_units.py.)"""
 
 import threading
 import time

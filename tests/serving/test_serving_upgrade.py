@@ -3,9 +3,9 @@ shard kill, finalize, model identity, and the probe's findings (router replicas,
 errors in /status, bodies of pause/snapshot, a multi-shard upsert's partial outcome, replica
 tags behind the token).
 
-Two apps: ``gate`` for both models of the canary gate (the second model's vectors come from a
-pipeline output, after a rollback), and ``up`` for the other tests, in file order (the last of
-them fills shard 1's disk)."""
+Two apps: ``gate`` (one shard) for both models of the canary gate (the second model's vectors
+come from a pipeline output, after a rollback), and ``up`` (two shards, two routers) for the
+other tests, in file order (the last of them fills shard 1's disk)."""
 
 import os
 import time
@@ -38,7 +38,9 @@ pytestmark = pytest.mark.serve
 def up(serve_port, gallery_parquet, token_file, tmp_path_factory):
     """``(client, state dir, data, tmpfs)``: a 2-shard index with the default router replicas
     (two on the 4-CPU test cluster), shard 1's directory on a 1 MiB tmpfs (``None`` where
-    mounting is not permitted) that test_an_upsert_that_fails_on_a_later_shard_... fills."""
+    mounting is not permitted) that test_an_upsert_that_fails_on_a_later_shard_... fills.  2
+    shards: a rollback goes on while shard 0 is killed, and an upsert fails on shard 1 after
+    shard 0 applied its part; 2 routers: one is killed while the other answers."""
     state = tmp_path_factory.mktemp("upgrade_state")
     fs = str(tmp_path_factory.mktemp("upgrade_fs"))
     mounted = mount_tmpfs(fs, 1 << 20)
@@ -175,8 +177,9 @@ def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
         bct_new,
     )  # fmt: skip
     state = tmp_path / "state"
+    # one shard: the canary gate is the backfill controller's, whatever the shards
     _, client = deploy(serve_port, state, parquets["independent"], token_file, app="gate",
-                       prefix="/gate", num_shards=2, fsync=False,
+                       prefix="/gate", num_shards=1, fsync=False,
                        pipeline_output=bct_new)  # fmt: skip
     try:
         _gated_backfill(client, arrays, "independent", source="gallery")
