@@ -37,8 +37,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raycompat.config import ConfigError, add_options, make_parser, option, options_from_args
+from raycompat.config import (
+    ConfigError,
+    add_options,
+    choices,
+    make_parser,
+    option,
+    options_from_args,
+)
 from raycompat.console import Progress, job_main, phase
+from raycompat.pipeline.options import MODEL_STAGES
 from raycompat.upgrade.canary import CanaryOptions
 from raycompat.upgrade.state_machine import (
     Answer,
@@ -81,6 +89,12 @@ class PipelineFlags:
     )
     address: str | None = option(None, help="Ray address (none: an embedded local cluster)")
     num_cpus: int | None = option(None, min=1, help="CPUs of the embedded local cluster")
+    model_stages: str = choices(
+        *MODEL_STAGES,
+        default="actors",
+        help="the model as an actor (loaded per segment) or Ray tasks (kept by each worker "
+        "across segments): docs/simulator.md, 'Actors or tasks'",
+    )
 
 
 @dataclass(frozen=True)
@@ -1226,6 +1240,7 @@ class PipelineVectors:
             in_chans=int(emb.get("in_chans") or 1),
         )
         self.new_model = opts.new_model
+        self.model_stages = opts.pipeline.model_stages
         self.verbose = opts.verbose
         self.segment: tuple[int, dict] | None = None
         quiet_ray(opts.verbose)
@@ -1244,7 +1259,7 @@ class PipelineVectors:
             new_model=self.new_model,
             columns=("new",),
             ids=ids,
-            options=PipelineOptions(progress_every_s=30.0),
+            options=PipelineOptions(progress_every_s=30.0, model_stages=self.model_stages),
             log=log,
         )
         table = run.table(columns=["item_id", "new"])

@@ -44,6 +44,7 @@ from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
 from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.outputs import OutputOptions
+from raycompat.pipeline.options import MODEL_STAGES
 from raycompat.quickstart_report import difference_text, render_markdown
 
 __all__ = ["QuickstartOptions", "QUICKSTART_SIZES", "build_parser", "main", "run_quickstart"]
@@ -114,15 +115,30 @@ class QuickstartOptions:
         help="torch threads per training worker (0: this machine's cores / workers); the "
         "float rounding, and so the last digits of every number, depend on it",
     )
+    model_stages: str = choices(
+        *MODEL_STAGES,
+        default="actors",
+        help="the Ray Data pipeline's models as actor pools or Ray tasks (docs/simulator.md, "
+        "'Actors or tasks'); the numbers do not depend on it",
+    )
     bootstrap: BootstrapOptions = option(
         BootstrapOptions(), help="bootstrap intervals over the query classes"
     )
     verbose: bool = option(False, help="keep Ray's own INFO lines and print every table")
 
 
-#: options that say where things go, how many runs at a time or what is printed, not what is
-#: trained
-LOCATION_OPTIONS = ("out", "storage", "name", "overwrite", "address", "parallel", "verbose")
+#: options that say where things go, how things run (runs at a time, the pipeline's model
+#: stages) or what is printed, not what is trained
+LOCATION_OPTIONS = (
+    "out",
+    "storage",
+    "name",
+    "overwrite",
+    "address",
+    "parallel",
+    "model_stages",
+    "verbose",
+)
 #: the training seeds: in each run's name instead of its tag, so ``--seeds 3`` reuses the runs
 #: of ``--seeds 2``
 SEED_OPTIONS = ("seed", "seeds")
@@ -373,6 +389,7 @@ def _embed_seeds(opts, scenario, per_seed: list[dict], out: str, timings: dict):
             os.path.join(out, "embeddings", folder),
             resolution=opts.sizes.resolution,
             data_seed=opts.sizes.data_seed,
+            model_stages=opts.model_stages,
         )
         embedded_by_seed.append(embedded)
         paths_by_seed.append(paths)
@@ -537,16 +554,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, data_seed: int):
+def embed_with_pipeline(
+    scenario,
+    models: dict,
+    out_dir: str,
+    resolution: int,
+    data_seed: int,
+    model_stages: str = "actors",
+):
     """Queries, gallery and distractors of ``scenario`` through the Ray Data pipeline
-    (:func:`raycompat.pipeline.embed_gallery`): ``old`` + ``bct`` in one pass (parquet with
-    ``old`` and ``new`` columns, what ``jobs/simulate_backfill.py`` reads), ``independent`` in a
-    second (``new`` only). Returns ``({name: EmbeddedSet}, {pass: parquet folder})``; a re-run
-    with the same models reuses complete shards."""
+    (:func:`raycompat.pipeline.embed_gallery`, its model stages ``model_stages``): ``old`` +
+    ``bct`` in one pass (parquet with ``old`` and ``new`` columns, what
+    ``jobs/simulate_backfill.py`` reads), ``independent`` in a second (``new`` only). Returns
+    ``({name: EmbeddedSet}, {pass: parquet folder})``; a re-run with the same models reuses
+    complete shards."""
     import pyarrow.compute as pc
 
     from raycompat.evaluation import EmbeddedSet
-    from raycompat.pipeline import GlyphGallerySource, embed_gallery
+    from raycompat.pipeline import GlyphGallerySource, PipelineOptions, embed_gallery
     from raycompat.pipeline.sources import ScenarioItemSource
 
     if scenario.user_data:
@@ -559,7 +584,13 @@ def embed_with_pipeline(scenario, models: dict, out_dir: str, resolution: int, d
     }
     embedded, paths = {}, {}
     for pass_name, kwargs in passes.items():
-        run = embed_gallery(os.path.join(out_dir, pass_name), source, log=lambda m: None, **kwargs)
+        run = embed_gallery(
+            os.path.join(out_dir, pass_name),
+            source,
+            options=PipelineOptions(model_stages=model_stages),
+            log=lambda m: None,
+            **kwargs,
+        )
         paths[pass_name] = run.path
         table = run.table()  # sorted by item_id: queries, gallery, distractors
         is_query = pc.equal(table.column("split"), "query").to_numpy(zero_copy_only=False)

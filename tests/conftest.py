@@ -188,7 +188,8 @@ def main_job(ray_cluster, disk_cache):
     path, complete = disk_cache("main-job", {"flags": TINY_MAIN_JOB})
     out, storage = os.path.join(path, "out"), os.path.join(path, "storage")
     if not complete:
-        flags = [*TINY_MAIN_JOB, "--parallel", "4", "--out", out, "--storage", storage]
+        flags = [*TINY_MAIN_JOB, "--parallel", "4", "--model-stages", "tasks"]
+        flags += ["--out", out, "--storage", storage]
         assert main(flags) == 0
         mark_complete(path)
     with open(os.path.join(out, "report.json")) as fh:

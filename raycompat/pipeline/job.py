@@ -7,11 +7,12 @@
     chunk ids -> load_images (render / decode) -> preprocess -> [new embedder pool]
               -> [old embedder pool] -> [psi + uncertainty pool] -> driver: shard writer
 
-Only the stages the requested columns need are built. Output (``raycompat.pipeline.writer``):
-``<out>/part-<chunk>.parquet`` shards, ``<out>/_manifest.json``, ``<out>/_summary.json``;
-``raycompat.embeddings.gallery.load_parquet(<out>)`` reads the folder directly. ``<out>`` is a
-local folder or a URI (``raycompat.pipeline.location``); the job's ``--storage S`` puts it at
-``S/embeddings/<--name>``. See docs/architecture.md (Data flow, Jobs).
+The model stages are actor pools, or Ray tasks with ``--model-stages tasks`` (docs/simulator.md,
+"Actors or tasks"). Only the stages the requested columns need are built. Output
+(``raycompat.pipeline.writer``): ``<out>/part-<chunk>.parquet`` shards, ``<out>/_manifest.json``,
+``<out>/_summary.json``; ``raycompat.embeddings.gallery.load_parquet(<out>)`` reads the folder
+directly. ``<out>`` is a local folder or a URI (``raycompat.pipeline.location``); the job's
+``--storage S`` puts it at ``S/embeddings/<--name>``. See docs/architecture.md (Data flow, Jobs).
 """
 
 from __future__ import annotations
@@ -201,24 +202,38 @@ def _task_stage(ds, fn, stage, **kw):
     )
 
 
-def _actor_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, plan, **kwargs):
-    """An actor-pool stage of ``cls(**kwargs, batches=..., threads=..., use_gpu=...)``: its
-    model runs in the fixed sub-batches of ``plan`` of the stage's batch size."""
+def _model_stage(ds, cls, stage, opts: PipelineOptions, cluster_gpus: float, plan, **kwargs):
+    """A model stage ``cls(**kwargs, batches=..., threads=..., use_gpu=...)``, its model run in
+    the fixed sub-batches of ``plan`` of the stage's batch size: an actor pool, or with
+    ``opts.model_stages`` ``tasks`` Ray tasks that keep the stage per worker process."""
     from ray.data import ActorPoolStrategy
 
     from raycompat.pipeline.ids import ForwardBatches
+    from raycompat.pipeline.stages import TASKS
 
     g = _gpus(stage, opts, cluster_gpus)
     batches = ForwardBatches.of(plan, stage.batch_size)
+    kwargs.update(batches=batches, threads=opts.threads, use_gpu=g > 0)
+    if opts.model_stages == "tasks":
+        fn_kwargs = dict(kwargs, fingerprint=_fingerprint(kwargs))
+        return _task_stage(ds, TASKS[cls], stage, num_gpus=g or None, fn_kwargs=fn_kwargs)
     return ds.map_batches(
         cls,
-        fn_constructor_kwargs=dict(kwargs, batches=batches, threads=opts.threads, use_gpu=g > 0),
+        fn_constructor_kwargs=kwargs,
         batch_size=stage.batch_size,
         num_cpus=stage.num_cpus,
         num_gpus=g or None,
         resources=_resources(stage),
         compute=ActorPoolStrategy(size=stage.concurrency),
     )
+
+
+def _fingerprint(kwargs: dict) -> str:
+    """The fingerprint of a model stage's bundle: part of its worker cache key, so a bundle
+    saved again at the same path is loaded again."""
+    from raycompat.models.fingerprint import bundle_fingerprint
+
+    return bundle_fingerprint(kwargs.get("bundle_path") or kwargs["new_bundle_path"])
 
 
 def build_dataset(
@@ -249,7 +264,7 @@ def build_dataset(
     else:
         ds = _task_stage(ds, preprocess, st["preprocess"])
     if need_new:
-        ds = _actor_stage(
+        ds = _model_stage(
             ds,
             EmbedStage,
             st["new"],
@@ -261,7 +276,7 @@ def build_dataset(
             drop_pixels=not need_old,
         )
     if need_old:
-        ds = _actor_stage(
+        ds = _model_stage(
             ds,
             EmbedStage,
             st["old"],
@@ -273,7 +288,7 @@ def build_dataset(
             drop_pixels=True,
         )
     if stages.need_feature_stage:
-        ds = _actor_stage(
+        ds = _model_stage(
             ds,
             OldFeatureStage,
             st["adapt"],

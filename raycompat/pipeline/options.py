@@ -23,12 +23,15 @@ from raycompat.config import (
 REPRESENTATIONS = ("old", "new", "adapted")
 STAGES = ("render", "preprocess", "old", "new", "adapt")
 ON_CORRUPT = ("fail", "skip")
+#: how the model stages (old, new, adapt) run: docs/simulator.md, "Actors or tasks"
+MODEL_STAGES = ("actors", "tasks")
 
 
 @dataclass
 class StageOptions:
     """Ray Data resources of one stage. ``concurrency``: parallel tasks (render,
-    preprocess) or actors in the pool (old, new, adapt). ``num_gpus`` ``None``: a fraction
+    preprocess) or actors in the pool (old, new, adapt; parallel tasks with
+    ``PipelineOptions.model_stages`` ``tasks``). ``num_gpus`` ``None``: a fraction
     (``PipelineOptions.gpu_fraction``) when the cluster has GPUs, else none. ``resources``:
     custom Ray resources per task / actor (``{"gpu_node": 0.1}``) to pin a stage to the nodes
     that have them."""
@@ -85,11 +88,15 @@ class PipelineOptions:
     """How a run executes. ``chunk_size``: ids per output shard (the unit of resume; part of
     the manifest). ``threads``: torch threads per model actor. ``on_corrupt``: ``fail`` stops
     at the first undecodable image (naming its id and path), ``skip`` records it in the shard
-    metadata and ``_summary.json``. ``overwrite`` deletes an existing output first."""
+    metadata and ``_summary.json``. ``overwrite`` deletes an existing output first.
+    ``model_stages``: ``actors`` (a pool per model stage, each actor loads its model once) or
+    ``tasks`` (Ray tasks; each worker process keeps its recent models): docs/simulator.md,
+    "Actors or tasks"."""
 
     chunk_size: int = 4096
     on_corrupt: str = "fail"
     threads: int = 1
+    model_stages: str = "actors"
     gpu_fraction: float = 0.5
     overwrite: bool = False
     progress_every_s: float = 10.0
@@ -106,6 +113,11 @@ class PipelineOptions:
             )
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if self.model_stages not in MODEL_STAGES:
+            raise ConfigError(
+                f"--model-stages {self.model_stages!r} is not allowed; "
+                f"allowed: {list(MODEL_STAGES)}"
+            )
         if not 0 < self.gpu_fraction <= 1:
             raise ConfigError(f"--gpu-fraction must be in (0, 1], got {self.gpu_fraction}")
         unknown = set(self.stages) - set(STAGES)
@@ -147,7 +159,13 @@ class ExecutionOptions:
         default=_DEFAULTS.on_corrupt,
         help="undecodable image: fail (stop, naming id and path) or skip (record, go on)",
     )
-    threads: int = positive(_DEFAULTS.threads, help="torch threads per model actor")
+    threads: int = positive(_DEFAULTS.threads, help="torch threads per model actor or task")
+    model_stages: str = choices(
+        *MODEL_STAGES,
+        default=_DEFAULTS.model_stages,
+        help="old, new, adapt as actor pools (a model per actor: GPUs, big galleries) or Ray "
+        "tasks (models cached per worker: small CPU runs); same output",
+    )
     gpu_fraction: float = positive(
         _DEFAULTS.gpu_fraction,
         help="GPUs per model actor (at most 1) when the cluster has GPUs and no "
@@ -169,7 +187,7 @@ class ExecutionOptions:
 def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
     """``<name>_batch_size``, ``_concurrency``, ``_cpus``, [``_gpus``], ``_resources``."""
     pool = name in ("old", "new", "adapt")
-    unit = "actor" if pool else "task"
+    unit = "actor or task" if pool else "task"
     fields = [
         (
             f"{name}_batch_size",
@@ -184,7 +202,12 @@ def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
         (
             f"{name}_concurrency",
             int,
-            positive(default.concurrency, help="actors" if pool else "parallel tasks"),
+            positive(
+                default.concurrency,
+                help="actors (parallel tasks with --model-stages tasks)"
+                if pool
+                else "parallel tasks",
+            ),
         ),
         (f"{name}_cpus", float, nonnegative(default.num_cpus, help=f"logical CPUs per {unit}")),
     ]
@@ -194,7 +217,9 @@ def _stage_fields(name: str, default: StageOptions) -> list[tuple]:
                 f"{name}_gpus",
                 float | None,
                 option(
-                    None, min=0, help="GPUs per actor (none: --gpu-fraction when GPUs are present)"
+                    None,
+                    min=0,
+                    help="GPUs per actor or task (none: --gpu-fraction when GPUs are present)",
                 ),
             )
         )
@@ -262,6 +287,7 @@ def pipeline_options(execution: ExecutionOptions, stages=None) -> PipelineOption
         chunk_size=execution.chunk_size,
         on_corrupt=execution.on_corrupt,
         threads=execution.threads,
+        model_stages=execution.model_stages,
         gpu_fraction=execution.gpu_fraction,
         overwrite=execution.overwrite,
         progress_every_s=execution.progress_every_s,

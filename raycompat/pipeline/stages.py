@@ -4,6 +4,8 @@ item ids -> ``load_images`` (decode / render) ->
 ``preprocess`` (uint8 -> float pixels in [-1, 1]) -> :class:`EmbedStage` ``old`` and ``new``
 (actor pools, one model each) -> :class:`OldFeatureStage` (actor pool: psi(old) for DMU's
 forward adaptation and RACT Eq.9-11 uncertainty of old features under the new head; no image).
+With ``--model-stages tasks`` the model stages run as Ray tasks instead (:data:`TASKS`), each
+worker process keeping its most recent stage objects (:func:`cached_stage`).
 
 Each embedding stage adds an internal column ``__node_<stage>`` (``new``, ``old``, ``adapt``):
 the Ray node id of the actor that computed the row. The shard writer records these per
@@ -22,6 +24,9 @@ The cost: a sub-batch that Ray Data split across batches is computed once per pi
 """
 
 from __future__ import annotations
+
+import os
+from collections import OrderedDict
 
 import numpy as np
 
@@ -200,3 +205,61 @@ class OldFeatureStage:
             del batch["old"]
         _mark_node(batch, "adapt", self.node_id)
         return batch
+
+
+#: stage objects that ``tasks`` mode built in this worker process, least recently used first
+_CACHE: OrderedDict = OrderedDict()
+#: at most this many (loaded models) per worker process
+CACHED_STAGES = 4
+
+
+def cached_stage(cls, fingerprint: str, **kwargs):
+    """``cls(**kwargs)``, built once per worker process for the same class, model bundle
+    ``fingerprint`` and arguments; the :data:`CACHED_STAGES` most recently used are kept.
+    ``batches`` (the run's fixed sub-batches) is not part of the key: a cached stage takes
+    the current run's, so the runs of different galleries share one loaded model."""
+    batches = kwargs.pop("batches", None)
+    key = (cls, fingerprint, tuple(sorted(kwargs.items())))
+    stage = _CACHE.pop(key, None)
+    if stage is None:
+        stage = cls(**kwargs, **({} if batches is None else {"batches": batches}))
+    elif batches is not None:
+        stage.batches = batches
+    _CACHE[key] = stage
+    while len(_CACHE) > CACHED_STAGES:
+        _CACHE.popitem(last=False)
+    return stage
+
+
+def _run_cached(cls, batch: dict, fingerprint: str, kwargs: dict) -> dict:
+    """``batch`` through this worker's cached ``cls`` stage. A task that Ray cancels (a
+    KeyboardInterrupt) while the worker first imports torch would leave torch half-imported
+    for every later task of this pooled process, so a cancelled model task ends its worker
+    (Ray starts another when needed)."""
+    try:
+        _set_threads(kwargs["threads"])  # another stage in this process may have set others
+        return cached_stage(cls, fingerprint, **kwargs)(batch)
+    except KeyboardInterrupt:
+        if _in_ray_task():
+            os._exit(1)
+        raise
+
+
+def _in_ray_task() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_task_id() is not None
+
+
+def embed_task(batch: dict, fingerprint: str, **kwargs) -> dict:
+    """:class:`EmbedStage` as a Ray task function (its ``kwargs``), cached per worker."""
+    return _run_cached(EmbedStage, batch, fingerprint, kwargs)
+
+
+def old_feature_task(batch: dict, fingerprint: str, **kwargs) -> dict:
+    """:class:`OldFeatureStage` as a Ray task function (its ``kwargs``), cached per worker."""
+    return _run_cached(OldFeatureStage, batch, fingerprint, kwargs)
+
+
+#: the task function of each model stage class (``--model-stages tasks``)
+TASKS = {EmbedStage: embed_task, OldFeatureStage: old_feature_task}

@@ -236,7 +236,7 @@ def test_a_rerun_reuses_the_models_and_gives_the_first_seed_bit_for_bit(main_job
     flags = [*TINY_MAIN_JOB]
     flags[flags.index("--seeds") + 1] = "1"
     out = tmp_path / "again"
-    assert main([*flags, "--out", str(out), "--storage", storage]) == 0
+    assert main([*flags, "--out", str(out), "--storage", storage, "--model-stages", "tasks"]) == 0
     again = json.loads((out / "report.json").read_text())
     for name in ("old", "bct", "independent"):
         assert again["models"][name]["run_path"] == first["models"][name]["run_path"], name

@@ -186,6 +186,7 @@ def test_your_images_end_to_end_through_the_jobs(ray_cluster, capsys, photos, tm
     code, _, err = run_job(
         capsys, "raycompat.pipeline.job", "--scenario", scenario, "--old-model", models["old"],
         "--new-model", models["bct"], "--columns", "old,new", "--out", emb,
+        "--model-stages", "tasks",
     )  # fmt: skip
     assert code == 0, err
     report = str(tmp_path / "report")
@@ -213,7 +214,7 @@ def test_query_and_gallery_folders_with_different_classes(ray_cluster, capsys, t
         code, _, err = run_job(
             capsys, "raycompat.pipeline.job", "--source", "image_folder", "--path", folder,
             "--split", split, "--random-init", str(tmp_path / "models"), "--resolution", "16",
-            "--columns", "old,new", "--out", str(emb / split),
+            "--columns", "old,new", "--out", str(emb / split), "--model-stages", "tasks",
         )  # fmt: skip
         assert code == 0, err
     data = load_parquet(str(emb))

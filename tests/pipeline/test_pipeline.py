@@ -29,6 +29,7 @@ from raycompat.models import ModelBundle
 from raycompat.models.uncertainty_head import UncertaintyHead
 from raycompat.pipeline import (
     EXTRA_INSTANCE_BASE,
+    ExecutionOptions,
     GlyphGallerySource,
     IdPlan,
     OldFeatureSource,
@@ -39,7 +40,8 @@ from raycompat.pipeline import (
     make_random_bundles,
 )
 from raycompat.pipeline.ids import ForwardBatches, parse_ids_option
-from raycompat.pipeline.stages import POSITION_COLUMN, EmbedStage
+from raycompat.pipeline.options import pipeline_options
+from raycompat.pipeline.stages import POSITION_COLUMN, EmbedStage, cached_stage
 from raycompat.upgrade.policies import uncertainty_scores
 
 REPO = locations.REPO
@@ -76,6 +78,9 @@ def scenario():
 
 
 def small_options(**kw) -> PipelineOptions:
+    """Chunks of 16 ids, batches of 8; model stages as Ray tasks unless ``model_stages``
+    (workers keep their models between runs: the suite starts no actor per run)."""
+    kw.setdefault("model_stages", "tasks")
     opts = PipelineOptions(chunk_size=16, progress_every_s=1000.0, **kw)
     for st in opts.stages.values():
         st.batch_size = 8
@@ -154,6 +159,31 @@ def test_embed_stage_rows_do_not_depend_on_the_batch_they_arrive_in(bundles):
         torch.set_num_threads(threads)
 
 
+class _Built:
+    count = 0
+
+    def __init__(self, value):
+        _Built.count += 1
+        self.value = value
+
+
+def test_model_stages_option_and_the_worker_cache():
+    """``--model-stages`` takes actors or tasks; a task's worker builds a stage once per class,
+    bundle fingerprint and arguments and keeps the 4 most recently used."""
+    assert pipeline_options(ExecutionOptions(model_stages="tasks")).model_stages == "tasks"
+    assert PipelineOptions().model_stages == "actors"
+    with pytest.raises(ConfigError, match=r"--model-stages 'threads'.*\['actors', 'tasks'\]"):
+        PipelineOptions(model_stages="threads").check()
+    first = cached_stage(_Built, "f1", value=1)
+    assert cached_stage(_Built, "f1", value=1) is first and _Built.count == 1
+    assert cached_stage(_Built, "f2", value=1) is not first  # the bundle was saved again
+    for v in range(2, 5):
+        cached_stage(_Built, "f1", value=v)
+    assert _Built.count == 5
+    cached_stage(_Built, "f1", value=1)  # dropped: the 4 most recent are f2 and values 2..4
+    assert _Built.count == 6
+
+
 def test_ids_option(tmp_path):
     assert parse_ids_option("4:7").tolist() == [4, 5, 6]
     f = tmp_path / "ids.txt"
@@ -212,10 +242,10 @@ def test_missing_models_and_bad_columns_are_named(scenario, tmp_path, bundles):
 
 
 # ----------------------------------------------------------------------------- on the Ray cluster
-def batching_options(render: int, preprocess: int) -> PipelineOptions:
+def batching_options(render: int, preprocess: int, model_stages="tasks") -> PipelineOptions:
     """Chunks of 12 ids, model stages in sub-batches of 8 (a 4-id tail per chunk), and the
     given batch sizes of the task stages (which shape the blocks the model stages receive)."""
-    opts = small_options()
+    opts = small_options(model_stages=model_stages)
     opts.chunk_size = 12
     opts.stages["render"].batch_size = render
     opts.stages["preprocess"].batch_size = preprocess
@@ -225,8 +255,8 @@ def batching_options(render: int, preprocess: int) -> PipelineOptions:
 @pytest.fixture(scope="module")
 def full_run(ray_cluster, bundles, scenario, tmp_path_factory):
     """``(source, run)``: every column and the uncertainty scores, chunks of 12 ids and model
-    sub-batches of 8 (:func:`batching_options`); shared by the schema test and the batching
-    test (its aligned run)."""
+    sub-batches of 8 (:func:`batching_options`), the model stages as actor pools; shared by
+    the schema test and the batching and model-stages tests (their reference run)."""
     src = GlyphGallerySource(scenario, extra_distractors=30, resolution=16, data_seed=2)
     run = embed_gallery(
         str(tmp_path_factory.mktemp("full") / "g"),
@@ -235,7 +265,7 @@ def full_run(ray_cluster, bundles, scenario, tmp_path_factory):
         new_model=bundles[1],
         columns=("old", "new", "adapted"),
         uncertainty=True,
-        options=batching_options(8, 8),
+        options=batching_options(8, 8, model_stages="actors"),
         log=quiet,
     )
     return src, run
@@ -314,7 +344,7 @@ def test_schema_values_and_loader(full_run, bundles, scenario, tmp_path):
         refreshed.column("unc_margin").to_numpy(), ref["unc_margin"], rtol=1e-4, atol=1e-6
     )
     assert not any(
-        s["operator"].startswith("MapBatches(EmbedStage)")
+        re.search(r"EmbedStage|embed_task", s["operator"])
         for s in embed_gallery(
             str(tmp_path / "refresh"),
             OldFeatureSource(run.path),
@@ -361,7 +391,8 @@ def test_output_is_bit_identical_whatever_ray_data_batching(full_run, bundles, t
     (issue 27, point 8). Render and preprocess batches of 9 ids hand the model stages blocks
     of 9 and 12 rows, so Ray Data's batches of 8 leave 1-row and 4-row remainders that cross
     the model's sub-batches; the output must equal, bit for bit, that of blocks aligned to
-    them (batches of 1 to 3 rows round differently from 8 in this model)."""
+    them (batches of 1 to 3 rows round differently from 8 in this model). The ragged run's
+    model stages are tasks, the aligned run's actors (their equality alone: the next test)."""
     src, aligned_run = full_run  # render and preprocess batches of 8
     aligned = aligned_run.table()
     ragged = embed_gallery(
@@ -382,6 +413,47 @@ def test_output_is_bit_identical_whatever_ray_data_batching(full_run, bundles, t
             np.asarray(aligned.column(col).to_pylist()),
             err_msg=col,
         )
+
+
+def test_model_stages_as_tasks_write_the_same_bits_as_actors(full_run, bundles, tmp_path):
+    """``--model-stages tasks`` (the stage objects cached in Ray's task workers) writes what
+    the actor pools wrote, bit for bit, with the same chunks and model batch sizes."""
+    src, actors_run = full_run
+    tasks_run = embed_gallery(
+        str(tmp_path / "tasks"),
+        src,
+        old_model=bundles[0],
+        new_model=bundles[1],
+        columns=("old", "new", "adapted"),
+        uncertainty=True,
+        options=batching_options(8, 8, model_stages="tasks"),
+        log=quiet,
+    )
+    operators = " ".join(s["operator"] for s in tasks_run.summary["stages"])
+    assert "embed_task" in operators and "old_feature_task" in operators
+    assert "EmbedStage" not in operators and "OldFeatureStage" not in operators
+    tasks, actors = tasks_run.table(), actors_run.table()
+    assert tasks.column_names == actors.column_names
+    for col in tasks.column_names:
+        assert tasks.column(col).equals(actors.column(col)), col
+
+
+def test_a_model_task_cancelled_while_loading_ends_its_worker(ray_cluster):
+    """Ray cancels a running task with a KeyboardInterrupt; during a worker's first import of
+    torch that would leave it half-imported for the worker's later tasks, so the worker exits."""
+
+    @ray_cluster.remote(max_retries=0)
+    def cancelled_while_loading():
+        from raycompat.pipeline.stages import _run_cached
+
+        class Loading:
+            def __init__(self, threads):
+                raise KeyboardInterrupt
+
+        return _run_cached(Loading, {}, "fingerprint", {"threads": 1})
+
+    with pytest.raises(ray_cluster.exceptions.WorkerCrashedError):
+        ray_cluster.get(cancelled_while_loading.remote(), timeout=60)
 
 
 def png(value: int) -> bytes:
@@ -551,6 +623,8 @@ def _job(out, bundles, items, extra=()):
         "64",
         "--render-batch-size",
         "32",
+        "--model-stages",
+        "tasks",
         "--num-cpus",
         "2",
         *extra,

@@ -67,7 +67,7 @@ def source():
 
 
 def small_options(**kw) -> PipelineOptions:
-    opts = PipelineOptions(chunk_size=12, progress_every_s=1000.0, **kw)
+    opts = PipelineOptions(chunk_size=12, progress_every_s=1000.0, model_stages="tasks", **kw)
     for st in opts.stages.values():
         st.batch_size = 8
     return opts
@@ -177,6 +177,7 @@ def test_bad_output_locations(tmp_path, capsys, argv, message):
         (["--train", "10"], "unrecognized arguments: --train"),  # no abbreviations
         (["--chunk-size", "0"], "option 'chunk_size' = 0 must be >= 1"),
         (["--on-corrupt", "ignore"], "option 'on_corrupt' = 'ignore' is not allowed"),
+        (["--model-stages", "threads"], "option 'model_stages' = 'threads' is not allowed"),
         (["--new-resources", "{gpu"], "--new-resources is not JSON"),
     ],
 )

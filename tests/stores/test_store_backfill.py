@@ -634,7 +634,7 @@ def test_the_pipeline_embeds_the_store_images(ray_cluster, tmp_path, capsys):
     create_store(uri, block, old_model="m-old", new_dim=24, columns=columns).close()
     rc, out, err = run(
         capsys, "--store", uri, "--store-columns", "image_uri=uri", "--new-model", new,
-        "--batch-size", "5", "--cache", tmp_path / "cache",
+        "--batch-size", "5", "--cache", tmp_path / "cache", "--model-stages", "tasks",
     )  # fmt: skip
     assert rc == 0, err
     import torch
