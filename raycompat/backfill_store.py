@@ -1410,6 +1410,7 @@ def read_canary(path: str, store):
             f"--canary {path}: 'old_vectors' have dimension {canary.old_vectors.shape[1]}, but "
             f"column {cols.old!r} of {store.where} has dimension {info.old_dim}"
         )
+    _check_unit_sample(store, path)
     known = store.read_ids()
     flat = np.unique(np.concatenate(canary.relevant))
     unknown = flat[~np.isin(flat, known)]
@@ -1419,6 +1420,25 @@ def read_canary(path: str, store):
             f"{cols.id!r} of {store.where}"
         )
     return canary
+
+
+def _check_unit_sample(store, path: str, rows: int = 4096) -> None:
+    """The canary scores through the store's searches, by inner product: the cosine only for
+    unit vectors. The first ``rows`` old vectors must be unit length (a table raycompat did not
+    create may hold others), or its numbers would not be the simulator's."""
+    from raycompat.stores.checks import not_unit_rows
+
+    block = next(iter(store.read_blocks(("id", "old"), block_rows=rows)), None)
+    if block is None or not len(block["id"]):
+        return
+    bad = not_unit_rows(block["old"])
+    if bad.any():
+        raise ConfigError(
+            f"--canary {path}: column {store.columns.old!r} of {store.where} holds vectors that "
+            f"are not unit length ({int(bad.sum())} of its first {len(bad)}, e.g. item ids "
+            f"{block['id'][bad][:5].tolist()}): the canary's searches score by inner product, "
+            "the cosine only for L2-normalised vectors; store those (create_store does)"
+        )
 
 
 def _canary_json(path: str, store):

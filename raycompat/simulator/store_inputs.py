@@ -310,6 +310,8 @@ def load_store_gallery(
             f"NaN or inf vectors for {int(bad.sum())} item(s), item ids "
             + ids_preview(g["id"][bad]),
         )
+    for side in ("old", "new"):
+        _check_unit(found, cols.physical(side), g[side])
     queries, raw, n_gallery_rows = _read_queries(found)
     for side in ("old", "new"):  # plain-list columns have their dimension only once read
         dim = found.old_dim if side == "old" else found.new_dim
@@ -336,3 +338,22 @@ def load_store_gallery(
         extra={"store": {"uri": found.uri, "where": found.where, "queries": found.queries.source}},
         checked_finite=("gallery_old", "gallery_new", "query_old", "query_new"),
     )
+
+
+def _check_unit(found, column: str, vectors: np.ndarray) -> None:
+    """A store scores by inner product, which is the cosine the simulation computes only for
+    unit vectors: a store that holds others would search otherwise than it simulates."""
+    from raycompat.stores.checks import not_unit_rows
+
+    bad = not_unit_rows(vectors)
+    if bad.any():
+        norms = np.linalg.norm(vectors[bad].astype(np.float64), axis=1)
+        raise _column(
+            found.uri,
+            column,
+            found.where,
+            f"{int(bad.sum()):,} of {len(bad):,} vectors are not unit length (norms "
+            f"{norms.min():.4g} to {norms.max():.4g}): the store's searches score by inner "
+            "product, the cosine that the simulation computes only for unit vectors; store "
+            "L2-normalised vectors (create_store and backfill-store write them so)",
+        )

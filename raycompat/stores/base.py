@@ -262,6 +262,7 @@ def _check_block(
     ids = checks.check_ids(block.ids, columns.id, where)
     n = len(ids)
     old = checks.check_vectors(block.old, layout and layout.old_dim, n, columns.old, where)
+    old = checks.unit_rows(old, columns.old, where)
     labels, kind = checks.check_labels(
         block.labels, n, layout and layout.label_type, columns.label, where
     )
@@ -273,7 +274,9 @@ def _check_block(
                 "without new_model (the new model's fingerprint)"
             )
         want = layout.new_dim if layout else new_dim
-        new = checks.check_vectors(block.new, want, n, columns.new, where)
+        new = checks.unit_rows(
+            checks.check_vectors(block.new, want, n, columns.new, where), columns.new, where
+        )
     if layout is None:
         dim = new.shape[1] if new is not None else new_dim
         if dim is None or dim < 1:
@@ -476,6 +479,7 @@ class VectorStore(ABC):
         cols, where = self.columns, self.where
         ids = checks.check_ids(ids, cols.id, where)
         vectors = checks.check_vectors(vectors, self._layout.new_dim, len(ids), cols.new, where)
+        vectors = checks.unit_rows(vectors, cols.new, where)
         fingerprint = checks.check_fingerprint(fingerprint, cols.new_model, where)
         if cols.position is None and positions is not None:
             raise StoreError(f"{where}: positions were given but ColumnMap.position is None")

@@ -67,6 +67,32 @@ def check_vectors(vectors: object, dim: int | None, n: int, column: str, where: 
     return arr
 
 
+#: a stored vector whose norm differs from 1 by more than this is not unit length
+UNIT_TOLERANCE = 1e-3
+
+
+def unit_rows(vectors: np.ndarray, column: str, where: str) -> np.ndarray:
+    """``vectors`` with every row of unit length: the rows whose norm differs from 1 by more
+    than 1e-6 are divided by it, the others kept bit for bit (a store scores by inner product,
+    the cosine only for unit vectors). A zero row cannot be scaled: ``StoreError`` naming it."""
+    norms = np.linalg.norm(vectors.astype(np.float64), axis=1)
+    zero = np.flatnonzero(norms == 0)
+    if zero.size:
+        raise _err(column, where, f"zero vectors (no direction) at rows {zero[:5].tolist()}")
+    scale = np.abs(norms - 1.0) > 1e-6
+    if not scale.any():
+        return vectors
+    out = vectors.copy()
+    out[scale] = (vectors[scale] / norms[scale, None]).astype(np.float32)
+    return out
+
+
+def not_unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """The rows of ``vectors`` that are not unit length (:data:`UNIT_TOLERANCE`)."""
+    norms = np.linalg.norm(np.asarray(vectors, np.float64), axis=1)
+    return np.abs(norms - 1.0) > UNIT_TOLERANCE
+
+
 def check_labels(labels: object, n: int, kind: str | None, column: str, where: str):
     """Labels as int64 or str, with their kind (``"int64"`` or ``"string"``); when ``kind``
     is given they must be of that kind. Returns ``(array, kind)``."""

@@ -15,13 +15,20 @@ import numpy as np
 from raycompat.stores import open_store
 
 
+def batch_vector(b: int, dim: int) -> np.ndarray:
+    """Batch ``b``'s unit vector (a store keeps vectors L2-normalised)."""
+    v = np.zeros(dim, np.float32)
+    v[0], v[1] = np.cos(b / 1000.0), np.sin(b / 1000.0)
+    return v
+
+
 def main(uri: str, groups: int, batch: int) -> None:
     store = open_store(uri)
     ids = store.read_ids()
     dim = store.describe().new_dim
     for b in range(1_000_000):
         members = ids[b % groups :: groups][:batch]
-        vectors = np.full((len(members), dim), float(b), dtype=np.float32)
+        vectors = np.tile(batch_vector(b, dim), (len(members), 1))
         store.write_new(members, vectors, f"b{b}", b * batch + np.arange(len(members)))
         sys.stdout.write(f"{b}\n")
         sys.stdout.flush()

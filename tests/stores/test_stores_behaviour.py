@@ -177,6 +177,25 @@ def test_describe_reports_rows_dims_and_capabilities(store, backend):
 
 
 # -- read ----------------------------------------------------------------------------------
+def test_vectors_are_stored_unit_length(backend, tmp_path, gal):
+    """A store scores by inner product (the cosine for unit vectors): create and write_new
+    store every vector L2-normalised, unit rows bit for bit; a zero vector is refused."""
+    block = GalleryBlock(gal.ids[:8], gal.labels[:8], gal.old[:8] * 5.0)
+    block.old[0] = gal.old[0]  # already unit: kept as it is
+    with create_store(uri_of(backend, tmp_path), block, old_model="m0", new_dim=24) as store:
+        store.write_new(gal.ids[:2], gal.new[:2] * 0.5, "m1", np.arange(2))
+        got = next(iter(store.read_blocks(("id", "old", "new"))))
+        rows = gal.rows(got["id"])
+        np.testing.assert_allclose(got["old"], gal.old[rows], rtol=0, atol=1e-6)
+        first = got["id"] == gal.ids[0]
+        np.testing.assert_array_equal(got["old"][first], gal.old[:1])
+        upgraded = np.isin(got["id"], gal.ids[:2])
+        np.testing.assert_allclose(got["new"][upgraded], gal.new[rows[upgraded]], atol=1e-6)
+        with pytest.raises(StoreError, match="column 'new' of .*zero vectors .* rows \\[1\\]"):
+            store.write_new(gal.ids[2:4], np.eye(2, 24, dtype=np.float32) * [[1], [0]], "m1",
+                            np.arange(2, 4))  # fmt: skip
+
+
 def test_read_blocks_in_id_order_with_content(store, gal):
     blocks = list(store.read_blocks(ALL_COLUMNS, block_rows=50))
     assert [len(b["id"]) for b in blocks] == [50, 50, 50, 50, 40]

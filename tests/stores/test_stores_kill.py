@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from stores_kill_child import batch_vector
 
 from raycompat.stores import GalleryBlock, create_store, open_store
 
@@ -109,7 +110,7 @@ def test_sigkill_during_writes_keeps_every_acknowledged_batch_whole(backend, tmp
             assert not block["upgraded"][rows].any()
             continue
         b = int(model[1:])
-        assert block["upgraded"][rows].all() and (block["new"][rows] == b).all()
+        assert block["upgraded"][rows].all() and (block["new"][rows] == batch_vector(b, 8)).all()
         np.testing.assert_array_equal(
             np.sort(block["position"][rows]), b * BATCH + np.arange(BATCH)
         )

@@ -145,6 +145,7 @@ def test_integer_labels_are_matched_with_the_queries_label_column(tmp_path, data
         ("old_dim", COLUMNS_FLAG, "column 'emb_old' of LanceDB table 'gallery'"),
         ("not_upgraded", COLUMNS_FLAG, "column 'emb_new' of LanceDB table 'gallery'"),
         ("label_kind", COLUMNS_FLAG, "column 'cls' of LanceDB table 'gallery'"),
+        ("not_unit", COLUMNS_FLAG, "column 'emb_old' of LanceDB table 'gallery'"),
     ],
 )
 def test_bad_store_input_is_one_error_line(tmp_path, data, exported, case, columns, named):
@@ -155,6 +156,8 @@ def test_bad_store_input_is_one_error_line(tmp_path, data, exported, case, colum
         emb = export_parquet(tmp_path / "q.parquet", data, old_dim=8)
     elif case == "label_kind":  # class names in the store, integer labels only in the file
         emb = export_parquet(tmp_path / "q.parquet", data, class_names=False)
+    elif case == "not_unit":  # a table written by another program: old vectors of norm 3
+        _scale_old_vectors(tmp_path / "lancedb", "gallery", 3.0)
     r = run_job("--store", uri, "--queries", emb, "--store-columns", columns, *SIMULATION,
                 "--out", tmp_path / "out")  # fmt: skip
     lines = r.stderr.strip().splitlines()
@@ -165,8 +168,22 @@ def test_bad_store_input_is_one_error_line(tmp_path, data, exported, case, colum
         "the queries",
         "not_upgraded": "180 of 300 items have no new vector",
         "label_kind": "string labels (class names), but column 'label' of the queries",
+        "not_unit": "300 of 300 vectors are not unit length (norms 3 to 3)",
     }
     assert why.get(case, "missing from LanceDB table 'gallery'") in lines[0]
+
+
+def _scale_old_vectors(folder, table: str, factor: float) -> None:
+    """Multiply a LanceDB table's old vectors by ``factor`` through lancedb itself, as a
+    program other than raycompat could have written them."""
+    import lancedb
+
+    t = lancedb.connect(str(folder)).open_table(table)
+    rows = t.to_arrow()
+    old = np.stack(rows["emb_old"].to_numpy(zero_copy_only=False)) * np.float32(factor)
+    i = rows.schema.get_field_index("emb_old")
+    rows = rows.set_column(i, rows.schema.field(i), vec_col(old.astype(np.float32)))
+    t.merge_insert("pid").when_matched_update_all().execute(rows)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
