@@ -330,6 +330,9 @@ def _size_check_dict(plan: Plan) -> dict | None:
     return {
         "sizes": list(sc.sizes),
         "quality_hours": {k: list(v) for k, v in sc.quality_hours.items()},
+        "quality_hours_intervals": {
+            k: [None if b is None else list(b) for b in v] for k, v in sc.intervals.items()
+        },
         "ranks": {k: list(v) for k, v in sc.ranks().items()},
         "recommended": list(sc.recommended),
         "recommendation_changes": sc.recommendation_changes,
@@ -343,12 +346,19 @@ def _size_check_lines(plan: Plan) -> list[str]:
         return []
     ranks = sc.ranks()
     headers = ["option", *(f"{n:,} items: {plan.metric}-hours (rank)" for n in sc.sizes)]
+
+    def cell(q, band, rank) -> str:
+        text = _hours(q) if band is None else f"{q:.4g} [{band[0]:.4g}, {band[1]:.4g}]"
+        return text + ("" if rank is None else f" ({rank})")
+
     body = [
         [
             label,
             *(
-                _hours(q) + ("" if r is None else f" ({r})")
-                for q, r in zip(qh, ranks[label], strict=True)
+                cell(q, b, r)
+                for q, b, r in zip(
+                    qh, sc.intervals.get(label) or (None,) * len(qh), ranks[label], strict=True
+                )
             ),
         ]
         for label, qh in sc.quality_hours.items()

@@ -34,6 +34,10 @@ class SizeCheck:
     quality_hours: dict[str, tuple[float | None, ...]]
     recommended: tuple[str | None, ...]
     skipped: tuple[str, ...]
+    #: each option's bootstrap interval of its quality-hours at every size (None: no interval)
+    intervals: dict[str, tuple[tuple[float, float] | None, ...]] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def recommendation_changes(self) -> bool:
@@ -77,20 +81,69 @@ def _embeddings_of(sim) -> str:
     return str(source)
 
 
-def _simulate(sim, data, tmp: str, skipped: list) -> str:
-    """Re-simulate ``sim``'s runnable curves on ``data``; returns the curves.json written."""
+def _new_model(sim) -> str | None:
+    """The ``--new-model`` bundle that ``sim``'s simulation used (its folder's job.json), when
+    it is still on disk."""
+    job = os.path.join(os.path.dirname(sim.path), "job.json")
+    if not os.path.isfile(job):
+        return None
+    with open(job) as fh:
+        path = (json.load(fh).get("config") or {}).get("new_model")
+    return path if path and os.path.isdir(str(path)) else None
+
+
+def _load(sim):
+    """``(gallery, head)``: ``sim``'s parquet gallery, with the gallery-side modules of its new
+    model bundle (psi, h, rho) applied and its classifier head as the uncertainty policies' head
+    when its simulation had one (the same inputs as the simulation it re-runs)."""
+    from raycompat.embeddings.gallery import load_parquet
+
+    data = load_parquet(_embeddings_of(sim))
+    path = _new_model(sim)
+    if path is None:
+        return data, None
+    from raycompat.models import ModelBundle
+    from raycompat.models.uncertainty_head import UncertaintyHead
+    from raycompat.upgrade.modes import apply_bundle_modules
+
+    bundle = ModelBundle.load(path)
+    data = apply_bundle_modules(data, bundle)
+    head = None
+    if "head" in bundle.modules:
+        head = UncertaintyHead.from_classifier_head(bundle.head)
+    return data, head
+
+
+def _simulate(sim, data, head, tmp: str, skipped: list) -> str:
+    """Re-simulate ``sim``'s runnable curves on ``data`` with the settings of its simulation
+    (k, grid, seed, bootstrap, learned sample, rank-merge distance); returns the curves.json
+    written."""
+    from raycompat.metrics.bootstrap import BootstrapOptions
     from raycompat.simulator import simulate_backfill
+    from raycompat.simulator.report import write_samples
     from raycompat.upgrade.modes import available_modes
     from raycompat.upgrade.policies import check_policy_inputs
     from raycompat.upgrade.policies.base import PolicyInputs
 
     with open(sim.path) as fh:
-        config = json.load(fh).get("config") or {}
+        curves = json.load(fh)
+    config = curves.get("config") or {}
+    boot = curves.get("bootstrap")
+    settings = {
+        "bootstrap": None if not boot else BootstrapOptions(**boot),
+        "head": head,
+    }
+    if "learned_sample_fraction" in config:
+        settings["learned_sample_fraction"] = config["learned_sample_fraction"]
+    if "rank_merge_distance" in config:
+        settings["rank_merge_distance"] = config["rank_merge_distance"]
     policies, modes = [], []
     available = available_modes(data)
     for c in sim.curves:
         try:
-            check_policy_inputs([c.policy], PolicyInputs(n_items=data.n_items, data=data))
+            check_policy_inputs(
+                [c.policy], PolicyInputs(n_items=data.n_items, data=data, head=head)
+            )
         except ValueError as exc:
             skipped.append(f"{sim.model} / {c.policy}: {exc}")
             continue
@@ -107,6 +160,7 @@ def _simulate(sim, data, tmp: str, skipped: list) -> str:
         k=sim.k,
         fractions=list(sim.curves[0].fractions),
         seed=int(config.get("seed", 0)),
+        **settings,
     )
     folder = os.path.join(tmp, f"{sim.model.replace('/', '_')}-{data.n_items}")
     os.makedirs(folder, exist_ok=True)
@@ -115,28 +169,33 @@ def _simulate(sim, data, tmp: str, skipped: list) -> str:
     payload["cost_model"] = sim.cost_model
     with open(path, "w") as fh:
         json.dump(payload, fh)
+    write_samples(res, folder)  # the per-query terms: the plan's paired intervals at this size
     return path
 
 
 def size_check(sims, plan_at, fractions=SIZE_FRACTIONS, log=print) -> SizeCheck:
     """Re-simulate every candidate on nested subsamples of its gallery (``fractions`` of it)
     and plan each size with ``plan_at(simulations) -> Plan`` (the plan's own settings)."""
-    from raycompat.embeddings.gallery import load_parquet
     from raycompat.planning.inputs import read_simulation
 
-    galleries = {s.model: load_parquet(_embeddings_of(s)) for s in sims}
-    sizes, table, recommended, skipped = [], {}, [], []
+    loaded = {s.model: _load(s) for s in sims}
+    galleries = {m: data for m, (data, _) in loaded.items()}
+    sizes, table, bands, recommended, skipped = [], {}, {}, [], []
     with tempfile.TemporaryDirectory() as tmp:
         for j, f in enumerate(sorted(fractions)):
             subs = {m: nested_subsample(d, f) for m, d in galleries.items()}
             sizes.append(next(iter(subs.values())).n_items)
             log(f"size check: {sizes[-1]:,} items ({100 * f:g} % of the gallery)")
             resim = [
-                read_simulation(_simulate(s, subs[s.model], tmp, skipped), s.model) for s in sims
+                read_simulation(
+                    _simulate(s, subs[s.model], loaded[s.model][1], tmp, skipped), s.model
+                )
+                for s in sims
             ]
             plan = plan_at(resim)
             for a in plan.assessed:
                 table.setdefault(a.option.label, [None] * len(fractions))[j] = a.quality_hours
+                bands.setdefault(a.option.label, [None] * len(fractions))[j] = _interval(a)
             chosen = plan.recommendation.chosen
             recommended.append(None if chosen is None else chosen.option.label)
     return SizeCheck(
@@ -144,4 +203,13 @@ def size_check(sims, plan_at, fractions=SIZE_FRACTIONS, log=print) -> SizeCheck:
         {k: tuple(v) for k, v in table.items()},
         tuple(recommended),
         tuple(dict.fromkeys(skipped)),
+        {k: tuple(v) for k, v in bands.items()},
     )
+
+
+def _interval(assessment) -> tuple[float, float] | None:
+    """The quality-hours interval of a planned option (None where it has none)."""
+    c = assessment.comparison
+    if c is None or not c.quality_hours.low == c.quality_hours.low:  # NaN: no interval
+        return None
+    return float(c.quality_hours.low), float(c.quality_hours.high)

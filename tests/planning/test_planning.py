@@ -668,10 +668,12 @@ def test_fixed_costs_and_the_store_write_rate_by_hand(tmp_path, capsys):
 
 
 def test_the_size_check_re_simulates_nested_subsamples(tmp_path):
-    """--size-check: every candidate re-simulated on nested subsamples of its parquet gallery,
-    the options' quality-hours and ranks per size in plan.json and plan.md; the full size
-    equals the plan itself."""
+    """--size-check: every candidate re-simulated on nested subsamples of its parquet gallery
+    with its simulation's bootstrap, the options' quality-hours, intervals and ranks per size
+    in plan.json and plan.md; the full size equals the plan itself, intervals included, and is
+    recommended by the plan's own rule."""
     from raycompat.embeddings.gallery import load_parquet
+    from raycompat.metrics.bootstrap import BootstrapOptions
     from raycompat.planning.size_check import nested_subsample
     from raycompat.simulator import simulate_backfill
     from raycompat.simulator.report import write_reports
@@ -682,7 +684,7 @@ def test_the_size_check_re_simulates_nested_subsamples(tmp_path):
     assert set(quarter.gallery_ids.tolist()) < set(half.gallery_ids.tolist())
     assert half.n_queries == data.n_queries and half.n_items == round(data.n_items / 2)
     res = simulate_backfill(data, ["random", "sequential"], ["compatible", "naive_merge"], k=10,
-                            grid_step=25.0)  # fmt: skip
+                            grid_step=25.0, bootstrap=BootstrapOptions(resamples=200))  # fmt: skip
     write_reports(res, str(tmp_path / "sim"), plots=False)
     payload, out = plan(tmp_path, "--results", tmp_path / "sim", "--size-check")
     sc = payload["size_check"]
@@ -692,7 +694,17 @@ def test_the_size_check_re_simulates_nested_subsamples(tmp_path):
         for o in payload["options"]
         if o["kind"] == "candidate"
     }
+    bands = {
+        f"{o['model']} / {o['policy']} / {o['mode']}": o["paired"]["quality_hours"]
+        for o in payload["options"]
+        if o["kind"] == "candidate"
+    }
     for label, qh in full.items():
         assert sc["quality_hours"][label][-1] == pytest.approx(qh, rel=1e-12)
+        low, high = sc["quality_hours_intervals"][label][-1]
+        assert (low, high) == pytest.approx((bands[label]["low"], bands[label]["high"]), rel=1e-9)
+        assert all(b is not None and b[0] < b[1] for b in sc["quality_hours_intervals"][label])
     assert len(sc["recommended"]) == 3 and isinstance(sc["recommendation_changes"], bool)
+    chosen = payload["recommended"]
+    assert sc["recommended"][-1] == f"{chosen['model']} / {chosen['policy']} / {chosen['mode']}"
     assert "## The gallery-size check" in (out / "plan.md").read_text()
