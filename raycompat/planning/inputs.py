@@ -139,6 +139,14 @@ class Simulation:
     #: top-1 (unweighted) of the old-old and new-new references; NaN when not measured
     old_old_top1: Estimate = Estimate(math.nan)
     new_new_top1: Estimate = Estimate(math.nan)
+    #: the curves.json of each random order merged into this candidate (one: empty;
+    #: :func:`raycompat.planning.random_orders.merge_orders`)
+    order_paths: tuple[str, ...] = ()
+
+    @property
+    def orders(self) -> int:
+        """How many random orders (simulations with other seeds) this candidate averages."""
+        return max(1, len(self.order_paths))
 
     @property
     def has_intervals(self) -> bool:
@@ -393,19 +401,35 @@ def _check_same_old_and_gallery(sims: list[Simulation]) -> None:
 
 def load_results(entries, quality: str = "auto") -> list[Simulation]:
     """Every candidate of the ``--results`` entries, checked to share one old model and one
-    gallery; a candidate named twice is an error. ``quality``: ``auto`` (frequency-weighted
+    gallery. A name given to several simulations (``NAME=A,NAME=B``) is one candidate over
+    several random orders (:func:`raycompat.planning.random_orders.merge_orders`); a bare
+    path that names a candidate twice is an error. ``quality``: ``auto`` (frequency-weighted
     when every simulation has a query log), ``weighted`` or ``unweighted``."""
-    found = [pair for entry in entries for pair in _entries(entry)]
+    from raycompat.planning.random_orders import merge_orders
+
+    found = [(named, pair) for entry in entries for named, pair in _named_entries(entry)]
     if not found:
         raise ConfigError("--results: give at least one simulation")
-    names = [m for m, _ in found]
-    twice = sorted({m for m in names if names.count(m) > 1})
+    names = [m for _, (m, _) in found]
+    twice = sorted({m for named, (m, _) in found if not named and names.count(m) > 1})
     if twice:
         raise ConfigError(
-            f"--results: candidate {twice[0]!r} named twice; name them with NAME=PATH"
+            f"--results: candidate {twice[0]!r} named twice; name them with NAME=PATH (one "
+            "name on several simulations of one gallery with other --seed: its random orders)"
         )
-    sims = [read_simulation(path, model, quality) for model, path in found]
+    pairs = [pair for _, pair in found]
+    sims = [read_simulation(path, model, quality) for model, path in pairs]
     if quality == "auto" and len({s.weighted for s in sims}) > 1:
-        sims = [read_simulation(path, model, "unweighted") for model, path in found]
+        sims = [read_simulation(path, model, "unweighted") for model, path in pairs]
+    grouped = {}
+    for s in sims:
+        grouped.setdefault(s.model, []).append(s)
+    sims = [merge_orders(group) for group in grouped.values()]
     _check_same_old_and_gallery(sims)
     return sims
+
+
+def _named_entries(entry: str) -> list[tuple[bool, tuple[str, str]]]:
+    """:func:`_entries`, each marked with whether its entry gave a name (``NAME=PATH``)."""
+    named = split_name(entry)[0] is not None
+    return [(named, pair) for pair in _entries(entry)]

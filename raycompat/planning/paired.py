@@ -28,6 +28,7 @@ __all__ = [
     "compare_options",
     "point_weights",
     "read_samples",
+    "with_seeds",
 ]
 
 SAMPLES_FILE = "samples.npz"
@@ -112,8 +113,17 @@ def compare_options(
     has no sample (then no comparison is made: None)."""
     if any(s is None for s in sources):
         return None
+    # one draw of the seeds for all: a candidate over several random orders has them as seeds,
+    # every other sample repeats its one (docs/planning.md, "Several random orders")
+    seeds = max(sample.seeds for point_sources in sources for sample, _ in point_sources)
+    widened: dict[int, Sample] = {}
+    for point_sources in sources:
+        for s, _ in point_sources:
+            if id(s) not in widened:
+                widened[id(s)] = with_seeds(s, seeds)
+    sources = [[(widened[id(s)], j) for s, j in point_sources] for point_sources in sources]
     samples = {id(sample): sample for point_sources in sources for sample, _ in point_sources}
-    boot = Bootstrap(options, seeds=next(iter(samples.values())).seeds)
+    boot = Bootstrap(options, seeds=seeds)
     boot.add_query_set(QUERIES, labels)
     keys = {k: f"s{n}" for n, k in enumerate(samples)}
     named = {keys[k]: s for k, s in samples.items()}
@@ -139,3 +149,18 @@ def compare_options(
         verdict = "worse" if diff.high < 0 else "better" if diff.low > 0 else "indistinguishable"
         out.append(Comparison(own, diff, verdict))
     return out
+
+
+def with_seeds(sample: Sample, seeds: int) -> Sample:
+    """``sample`` with ``seeds`` seeds: a one-seed sample repeated (the same terms in every
+    draw: a curve that does not depend on the order), so that it resamples beside the curves of
+    several random orders."""
+    if sample.seeds == seeds:
+        return sample
+    if sample.seeds != 1:
+        raise ValueError(f"a sample of {sample.seeds} seeds cannot stand beside {seeds}")
+    return Sample(
+        sample.query_set,
+        np.repeat(sample.num, seeds, axis=0),
+        np.repeat(sample.den, seeds, axis=0),
+    )

@@ -109,6 +109,13 @@ def _notes(sims, hw: Hardware, psi, adapted: bool) -> list[str]:
             f"to {hw.items:,} items (it assumes the quality at each fraction does not change "
             "with the gallery's size)."
         )
+    for s in sims:
+        if s.orders > 1:
+            notes.append(
+                f"{s.model}: {s.orders} random orders (the simulations "
+                f"{', '.join(s.order_paths)}, each with its own --seed): every curve is their "
+                "mean, and its intervals resample the orders beside the query classes."
+            )
     if hw.search is None:
         notes.append(
             "Second searches per query (rank_merge, naive_merge) are not counted: no "

@@ -122,6 +122,7 @@ def plan_dict(plan: Plan, command: str | None = None) -> dict:
             {
                 "model": s.model,
                 "path": s.path,
+                "order_paths": list(s.order_paths),
                 "n_items": s.n_items,
                 "n_queries": s.n_queries,
                 "k": s.k,

@@ -114,7 +114,7 @@ def _load(sim):
     return data, head
 
 
-def _simulate(sim, data, head, tmp: str, skipped: list) -> str:
+def _simulate(sim, data, head, tmp: str, skipped: list, order: int = 0) -> str:
     """Re-simulate ``sim``'s runnable curves on ``data`` with the settings of its simulation
     (k, grid, seed, bootstrap, learned sample, rank-merge distance); returns the curves.json
     written."""
@@ -162,7 +162,7 @@ def _simulate(sim, data, head, tmp: str, skipped: list) -> str:
         seed=int(config.get("seed", 0)),
         **settings,
     )
-    folder = os.path.join(tmp, f"{sim.model.replace('/', '_')}-{data.n_items}")
+    folder = os.path.join(tmp, f"{sim.model.replace('/', '_')}-{data.n_items}-{order}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "curves.json")
     payload = res.to_dict()
@@ -176,7 +176,6 @@ def _simulate(sim, data, head, tmp: str, skipped: list) -> str:
 def size_check(sims, plan_at, fractions=SIZE_FRACTIONS, log=print) -> SizeCheck:
     """Re-simulate every candidate on nested subsamples of its gallery (``fractions`` of it)
     and plan each size with ``plan_at(simulations) -> Plan`` (the plan's own settings)."""
-    from raycompat.planning.inputs import read_simulation
 
     loaded = {s.model: _load(s) for s in sims}
     galleries = {m: data for m, (data, _) in loaded.items()}
@@ -186,12 +185,7 @@ def size_check(sims, plan_at, fractions=SIZE_FRACTIONS, log=print) -> SizeCheck:
             subs = {m: nested_subsample(d, f) for m, d in galleries.items()}
             sizes.append(next(iter(subs.values())).n_items)
             log(f"size check: {sizes[-1]:,} items ({100 * f:g} % of the gallery)")
-            resim = [
-                read_simulation(
-                    _simulate(s, subs[s.model], loaded[s.model][1], tmp, skipped), s.model
-                )
-                for s in sims
-            ]
+            resim = [_resimulate(s, subs[s.model], loaded[s.model][1], tmp, skipped) for s in sims]
             plan = plan_at(resim)
             for a in plan.assessed:
                 table.setdefault(a.option.label, [None] * len(fractions))[j] = a.quality_hours
@@ -205,6 +199,22 @@ def size_check(sims, plan_at, fractions=SIZE_FRACTIONS, log=print) -> SizeCheck:
         tuple(dict.fromkeys(skipped)),
         {k: tuple(v) for k, v in bands.items()},
     )
+
+
+def _resimulate(sim, data, head, tmp: str, skipped: list):
+    """``sim`` re-simulated on ``data``: each of its random orders (its simulations' seeds),
+    merged as the plan merged them."""
+    from raycompat.planning.inputs import read_simulation
+    from raycompat.planning.random_orders import merge_orders
+
+    paths = sim.order_paths or (sim.path,)
+    parts = [
+        read_simulation(
+            _simulate(dataclasses.replace(sim, path=p), data, head, tmp, skipped, k), sim.model
+        )
+        for k, p in enumerate(paths)
+    ]
+    return merge_orders(parts)
 
 
 def _interval(assessment) -> tuple[float, float] | None:

@@ -708,3 +708,41 @@ def test_the_size_check_re_simulates_nested_subsamples(tmp_path):
     chosen = payload["recommended"]
     assert sc["recommended"][-1] == f"{chosen['model']} / {chosen['policy']} / {chosen['mode']}"
     assert "## The gallery-size check" in (out / "plan.md").read_text()
+
+
+def test_one_name_on_several_seeds_plans_their_random_orders(tmp_path, capsys):
+    """``--results g=A,g=B,g=C`` (one gallery simulated with three seeds): one candidate whose
+    curves are the mean of the orders (quality-hours are linear in them) and whose intervals
+    resample the orders beside the query classes; a seed-independent order keeps its own
+    interval; the same seed twice is refused."""
+    import numpy as np
+
+    from raycompat.embeddings.gallery import load_parquet
+    from raycompat.metrics.bootstrap import BootstrapOptions
+    from raycompat.simulator import simulate_backfill
+    from raycompat.simulator.report import write_reports
+
+    data = load_parquet(str(write_parquet(tmp_path / "emb.parquet", adapted=False)))
+    folders = []
+    for seed in (0, 1, 2):
+        boot = BootstrapOptions(resamples=200)
+        res = simulate_backfill(data, ["random", "sequential"], ["compatible"], k=10, seed=seed,
+                                grid_step=25.0, bootstrap=boot)  # fmt: skip
+        folders.append(str(tmp_path / f"sim{seed}"))
+        write_reports(res, folders[-1], plots=False)
+    singles = [plan(tmp_path, "--results", f"g={f}", out=f"single{i}")[0]
+               for i, f in enumerate(folders)]  # fmt: skip
+    merged, out = plan(tmp_path, "--results", ",".join(f"g={f}" for f in folders), out="orders")
+    qh = [option(p, "g", "compatible")["quality_hours"] for p in singles]
+    assert len(set(qh)) == 3  # three orders, three values
+    got = option(merged, "g", "compatible")
+    assert got["quality_hours"] == pytest.approx(np.mean(qh), rel=1e-12)
+    assert got["paired"]["quality_hours"]["seeds"] == 3
+    seq = option(merged, "g", "compatible", policy="sequential")["paired"]["quality_hours"]
+    alone = option(singles[0], "g", "compatible", policy="sequential")["paired"]["quality_hours"]
+    assert (seq["low"], seq["high"]) == pytest.approx((alone["low"], alone["high"]), rel=1e-12)
+    assert merged["inputs"][0]["order_paths"] == [os.path.join(f, "curves.json") for f in folders]
+    assert "g: 3 random orders" in (out / "plan.md").read_text()
+    twice = ",".join(f"g={f}" for f in (folders[0], folders[1], folders[0]))
+    assert main(["--out", str(tmp_path / "bad"), *HARDWARE, "--results", twice]) == 2
+    assert "are both seed 0: the same random order twice" in capsys.readouterr().err
