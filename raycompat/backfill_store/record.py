@@ -7,7 +7,15 @@ import time
 
 import numpy as np
 
-from raycompat.upgrade.state_machine import Answer, Command, Facts, State, StateMachine, state_of
+from raycompat.upgrade.state_machine import (
+    Answer,
+    Command,
+    Facts,
+    State,
+    StateMachine,
+    enter_state,
+    state_of,
+)
 
 
 # -- the record and the state machine ------------------------------------------------------
@@ -81,12 +89,7 @@ class StoreUpgrade:
     def enter(self, state: State) -> None:
         """Write ``state`` into the record (not saved), as the live index's controller does:
         its public name, the rollback's own state, ``paused_by`` only while a guard pauses."""
-        self.rec["state"] = state.public
-        rb = self.rec.get("rollback")
-        if rb and rb.get("state") in ("running", "paused"):
-            rb["state"] = "running" if state is State.ROLLING_BACK else "paused"
-        if state is not State.GUARD_PAUSED:
-            self.rec["paused_by"] = None
+        enter_state(self.rec, state)
         if state is not State.FINALIZING:
             self.rec["finalizing_from"] = None
 

@@ -52,7 +52,15 @@ from raycompat.serving.plan import ServingPlan
 from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
 from raycompat.storage import StorageError
-from raycompat.upgrade.state_machine import LIVE_INDEX, Answer, Command, Facts, State, state_of
+from raycompat.upgrade.state_machine import (
+    LIVE_INDEX,
+    Answer,
+    Command,
+    Facts,
+    State,
+    enter_state,
+    state_of,
+)
 
 __all__ = ["BackfillController", "backfill_dir"]
 
@@ -250,12 +258,7 @@ class BackfillController(UpgradeCommands):
         """(lock held) Write ``state`` into the checkpoint (not saved): its public name, the
         rollback's own state (``running`` only while rolling back, ``paused`` while it is
         unfinished otherwise), ``paused_by`` only while a guard pauses the backfill."""
-        self.ck["state"] = state.public
-        rb = self.ck.get("rollback")
-        if rb and rb.get("state") in ("running", "paused"):
-            rb["state"] = "running" if state is State.ROLLING_BACK else "paused"
-        if state is not State.GUARD_PAUSED:
-            self.ck["paused_by"] = None
+        enter_state(self.ck, state)
         if state is not State.FINALIZING:
             self._finalizing_from = None
 

@@ -36,6 +36,7 @@ __all__ = [
     "StateMachine",
     "TABLE",
     "decide",
+    "enter_state",
     "markdown_table",
     "refusal_message",
     "state_of",
@@ -483,6 +484,19 @@ def state_of(public: str, rollback_state: str | None = None, paused_by: bool = F
             return S.ROLLBACK_PAUSED
         return S.GUARD_PAUSED if paused_by else S.PAUSED
     return State(public)
+
+
+def enter_state(record: dict, state: State) -> None:
+    """Write ``state`` into an upgrade's record (the live index's checkpoint, a store's upgrade
+    record; not saved), the inverse of :func:`state_of`: its public name, the rollback's own
+    state (``running`` only while rolling back, ``paused`` while it is unfinished otherwise),
+    ``paused_by`` only while a guard pauses the backfill."""
+    record["state"] = state.public
+    rollback = record.get("rollback")
+    if rollback and rollback.get("state") in ("running", "paused"):
+        rollback["state"] = "running" if state is S.ROLLING_BACK else "paused"
+    if state is not S.GUARD_PAUSED:
+        record["paused_by"] = None
 
 
 def markdown_table() -> str:

@@ -17,6 +17,7 @@ from raycompat.upgrade.state_machine import (
     State,
     StateMachine,
     decide,
+    enter_state,
     markdown_table,
     state_of,
 )
@@ -222,3 +223,18 @@ def test_the_docs_show_the_table_and_the_package_exports_it():
     with open(os.path.join(locations.REPO, "docs", "live-index.md")) as fh:
         assert markdown_table() in fh.read()
     assert up.UpgradeState is S and up.UpgradeCommand is C and up.StateMachine is StateMachine
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_a_state_written_into_a_record_reads_back(state):
+    """``enter_state`` (what the live index's controller and the store job both write) and
+    ``state_of`` (what both read) are inverse: every state survives a record round trip; a
+    rollback's own state and ``paused_by`` follow the state entered."""
+    rolling = state in (State.ROLLING_BACK, State.ROLLBACK_PAUSED)
+    record = {"rollback": {"state": "paused"} if rolling else None, "paused_by": {"guard": "map"}}
+    enter_state(record, state)
+    rollback = (record["rollback"] or {}).get("state")
+    assert state_of(record["state"], rollback, bool(record["paused_by"])) is state
+    assert bool(record["paused_by"]) is (state is State.GUARD_PAUSED)
+    if rolling:
+        assert rollback == ("running" if state is State.ROLLING_BACK else "paused")
