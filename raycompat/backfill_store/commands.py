@@ -19,7 +19,7 @@ from raycompat.backfill_store.record import StoreUpgrade, command_of, record_fac
 from raycompat.backfill_store.walk import one_line, run_upgrade
 from raycompat.config import ConfigError, options_from_args
 from raycompat.console import job_main
-from raycompat.upgrade.state_machine import Command, State, StateMachine
+from raycompat.upgrade.state_machine import CLI, Command, State, StateMachine
 
 
 @job_main
@@ -216,7 +216,7 @@ def _sidecar_command(opts: BackfillStoreOptions, name: str | None) -> int:
     command = command_of(name, opts.override)
     facts = record_facts(rec, to=opts.to) if command is Command.ROLLBACK else record_facts(rec)
     fin = record_state(rec)
-    answer = StateMachine(partial_finalize=True).decide(fin, command, facts)
+    answer = StateMachine(partial_finalize=True, words=CLI).decide(fin, command, facts)
     if not answer.ok:
         raise Refused(answer.error)
     args = {"to": opts.to, "until": opts.until, "rate": opts.rate, "override": opts.override}

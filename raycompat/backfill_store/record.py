@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from raycompat.upgrade.state_machine import (
+    CLI,
     Answer,
     Command,
     Facts,
@@ -66,7 +67,7 @@ class StoreUpgrade:
 
         self.store = store
         self.records = BackfillRecords(store)
-        self.machine = StateMachine(partial_finalize=not store.capabilities.drop_field)
+        self.machine = StateMachine(partial_finalize=not store.capabilities.drop_field, words=CLI)
         try:
             self.rec = self.records.load()
         except Exception:

@@ -25,9 +25,11 @@ import enum
 
 __all__ = [
     "Answer",
+    "CLI",
     "Command",
     "Facts",
     "FINALIZE_CHECKS",
+    "HTTP",
     "LIVE_INDEX",
     "Refuse",
     "ROLLBACK_CHECKS",
@@ -35,6 +37,7 @@ __all__ = [
     "State",
     "StateMachine",
     "TABLE",
+    "Wording",
     "decide",
     "enter_state",
     "markdown_table",
@@ -375,8 +378,28 @@ def _failed_check(command: Command, facts: Facts, partial_finalize: bool, state:
     return None
 
 
-def refusal_message(why: str, state: State, command: Command, facts: Facts) -> str:
-    """The 409's message: why the command is refused in ``state``, and what to do instead."""
+@dataclasses.dataclass(frozen=True)
+class Wording:
+    """How a refusal names what it advises: the live index's HTTP bodies and endpoints
+    (:data:`HTTP`) or the store job's command-line flags (:data:`CLI`)."""
+
+    override: str
+    restart: str
+    status: str
+    to: str
+    #: ``to`` at least a position (``{n}``: the position)
+    to_at_least: str
+
+
+HTTP = Wording("'override': true", "restart=true", "/status", "'to'", "'to' >= {n}")
+CLI = Wording("--override", "--restart", "--status", "--to", "--to {n} or above")
+
+
+def refusal_message(
+    why: str, state: State, command: Command, facts: Facts, words: Wording = HTTP
+) -> str:
+    """The 409's message: why the command is refused in ``state``, and what to do instead,
+    in ``words`` (the live index's HTTP, or the store job's flags)."""
     verb = {C.ROLLBACK: "roll back", C.FINALIZE: "finalize"}.get(command, command.value)
     g = facts.paused_by or {}
     guard = f"{g.get('guard')} at position {g.get('position')} ({g.get('reason')})"
@@ -389,20 +412,20 @@ def refusal_message(why: str, state: State, command: Command, facts: Facts) -> s
     if why == "already":
         return (
             f"a backfill is already {state.public} (policy {facts.policy}); "
-            "pause/resume it or pass restart=true"
+            f"pause/resume it or pass {words.restart}"
         )
     if why == "no_backfill":
         return "no backfill to resume: start one first"
     if why == "guard":
         return (
             f"the backfill was paused by the canary guard {guard}: resume with "
-            "'override': true to continue past it, or roll it back"
+            f"{words.override} to continue past it, or roll it back"
         )
     if why == "guard_finalize":
         return (
             f"cannot finalize while the backfill is paused by the canary guard {guard}: "
             "finalize drops the old vectors a rollback needs; roll it back, or resume with "
-            "'override': true and finalize once it is done"
+            f"{words.override} and finalize once it is done"
         )
     if why == "unfinished_rollback":
         how = "stopped by an error" if state is S.ERROR else facts.rollback_state
@@ -412,18 +435,21 @@ def refusal_message(why: str, state: State, command: Command, facts: Facts) -> s
             "the rollback, then finalize"
         )
     if why == "finalizing":
-        return f"cannot {verb} while a finalize is in progress: retry when /status shows it ended"
+        return (
+            f"cannot {verb} while a finalize is in progress: retry when {words.status} shows "
+            "it ended"
+        )
     if why == "in_flight":
         return (
             f"cannot {verb} while a batch is still being applied to the shards "
-            f"({facts.in_flight}): retry when /status shows no batch in flight"
+            f"({facts.in_flight}): retry when {words.status} shows no batch in flight"
         )
     if why == "no_order":
-        return "no backfill order: roll back without 'to'"
+        return f"no backfill order: roll back without {words.to}"
     if why == "below_finalized":
         return (
-            f"{fin}: the items before it keep no old vector; roll back with 'to' >= "
-            f"{facts.finalized_at}, or without 'to'"
+            f"{fin}: the items before it keep no old vector; roll back with "
+            f"{words.to_at_least.format(n=facts.finalized_at)}, or without {words.to}"
         )
     if why == "nothing_to_roll_back":
         if facts.finalized_at is not None:
@@ -446,6 +472,8 @@ class StateMachine:
     finalize drops the old column)."""
 
     partial_finalize: bool = True
+    #: how its refusals name what they advise (the live index's HTTP; the store job: CLI)
+    words: Wording = HTTP
 
     def decide(self, state: State, command: Command, facts: Facts | None = None) -> Answer:
         """The answer to ``command`` in ``state``: the next state, or a 409 naming why."""
@@ -453,17 +481,17 @@ class StateMachine:
         state, command = State(state), Command(command)
         cell = TABLE[state][command]
         if isinstance(cell, Refuse):
-            return self._refuse(cell.why, state, command, facts)
+            return self._refuse(cell.why, state, command, facts, self.words)
         nxt = _rule(cell.name, state, facts) if isinstance(cell, Rule) else cell
         if command in (C.ROLLBACK, C.FINALIZE):
             why = _failed_check(command, facts, self.partial_finalize, state)
             if why:
-                return self._refuse(why, state, command, facts)
+                return self._refuse(why, state, command, facts, self.words)
         return Answer(nxt)
 
     @staticmethod
-    def _refuse(why: str, state: State, command: Command, facts: Facts) -> Answer:
-        return Answer(state, 409, why, refusal_message(why, state, command, facts))
+    def _refuse(why: str, state: State, command: Command, facts: Facts, words) -> Answer:
+        return Answer(state, 409, why, refusal_message(why, state, command, facts, words))
 
 
 #: The live index's machine (a finalize may come before the end).

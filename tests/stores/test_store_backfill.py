@@ -161,7 +161,7 @@ WHY = {
     "finalizing": "while a finalize is in progress",
     "not_done": "cannot finalize before the backfill is done",
     "nothing_to_roll_back": "nothing to roll back",
-    "no_order": "no backfill order: roll back without 'to'",
+    "no_order": "no backfill order: roll back without --to",
 }
 #: the state where each accepted command's work leaves a stopped job (rollback: paused at 20)
 AFTER_WORK = {"rolling_back": "paused", "finalizing": None}
@@ -589,7 +589,7 @@ def test_a_tripped_guard_pauses_and_override_continues(tmp_path, small, bundle, 
     assert st["paused_by"]["guard"] in ("map", "nfr") and st["paused_by"]["position"] == 0
     assert st["canary"]["points"] == 1 and st["canary"]["reference"] == "old-old"
     rc, _, err = run(capsys, *job)  # a run resumes: refused by the guard, as the live index
-    assert rc == 3 and "resume with 'override': true" in err, err
+    assert rc == 3 and "resume with --override to continue past it" in err, err
     rc, out, err = run(capsys, *job, "--override")
     assert rc == 0, err
     st = status(capsys, uri)

@@ -9,6 +9,7 @@ import locations
 import pytest
 
 from raycompat.upgrade.state_machine import (
+    CLI,
     LIVE_INDEX,
     TABLE,
     Answer,
@@ -238,3 +239,23 @@ def test_a_state_written_into_a_record_reads_back(state):
     assert bool(record["paused_by"]) is (state is State.GUARD_PAUSED)
     if rolling:
         assert rollback == ("running" if state is State.ROLLING_BACK else "paused")
+
+
+def test_the_store_job_advises_flags_where_the_live_index_advises_request_bodies():
+    """The same refusals in the store job's words: flags, not HTTP bodies or endpoints."""
+    cli = StateMachine(words=CLI)
+    guard = Facts(paused_by={"guard": "map", "position": 0, "reason": "fell"})
+    said = cli.decide(S.GUARD_PAUSED, C.RESUME, guard).error
+    assert "resume with --override to continue" in said
+    said = LIVE_INDEX.decide(S.GUARD_PAUSED, C.RESUME, guard).error
+    assert "resume with 'override': true" in said
+    said = cli.decide(S.PAUSED, C.ROLLBACK, dataclasses.replace(FIN, to=40)).error
+    assert "with --to 100 or above, or without --to" in said
+    for state in State:
+        for command in Command:
+            try:
+                error = cli.decide(state, command, Facts(policy="random")).error or ""
+            except ValueError:  # a rule that needs facts this loop does not give
+                continue
+            assert "'override'" not in error and "/status" not in error and "'to'" not in error
+            assert "restart=true" not in error
