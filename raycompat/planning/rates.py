@@ -20,7 +20,9 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from raycompat.config import ConfigError
 
@@ -35,6 +37,7 @@ __all__ = [
     "rate_from_cost_model",
     "rate_from_summary",
     "searches_per_query",
+    "window_rates",
 ]
 
 SUMMARY_FILE = "_summary.json"
@@ -58,10 +61,19 @@ class EmbeddingRate:
     source: str = "given"
     #: the kind of device the rate was measured on (``"gpu"``, ``"cpu"``), None when unknown
     device_kind: str | None = None
+    #: the slowest and fastest of the measurement's timed windows (items/s), None when the
+    #: rate was given or measured as one number (:func:`window_rates`)
+    window_range: tuple[float, float] | None = None
+    #: how many timed windows ``window_range`` spans
+    windows: int = 0
 
     def __post_init__(self):
         if not math.isfinite(self.items_per_s) or self.items_per_s <= 0:
             raise ConfigError(f"embedding rate must be > 0 items/s, got {self.items_per_s!r}")
+
+    def at(self, items_per_s: float) -> EmbeddingRate:
+        """This rate with another items/s (the same start-up, source and device kind)."""
+        return replace(self, items_per_s=float(items_per_s), window_range=None, windows=0)
 
     def seconds(self, items: float, devices: int) -> float:
         """Seconds to re-embed ``items`` items on ``devices`` devices."""
@@ -92,6 +104,26 @@ class SearchLoad:
         return self.queries_per_s * (searches_per_query(mode) - 1) / self.searches_per_s
 
 
+#: the steady part of a measured run is cut into this many windows of equal time
+RATE_WINDOWS = 8
+
+
+def window_rates(series, first_output_s: float | None, windows: int = RATE_WINDOWS):
+    """The items/s of ``windows`` equal-time windows of a run's steady part (after its first
+    output), from its ``(seconds, items, ...)`` progress series (linear between samples);
+    empty when the series is too short to cut."""
+    if not series or first_output_s is None:
+        return []
+    t = np.asarray([float(p[0]) for p in series], np.float64)
+    items = np.asarray([float(p[1]) for p in series], np.float64)
+    steady = t >= first_output_s
+    if steady.sum() < windows + 1 or t[-1] - first_output_s <= 0:
+        return []
+    edges = np.linspace(max(first_output_s, t[steady][0]), t[-1], windows + 1)
+    counts = np.interp(edges, t, items)
+    return [float(r) for r in np.diff(counts) / np.diff(edges)]
+
+
 def rate_from_summary(path: str, source: str | None = None) -> EmbeddingRate:
     """The rate of an ``embed-gallery`` run (its folder or ``_summary.json``).
 
@@ -116,11 +148,21 @@ def rate_from_summary(path: str, source: str | None = None) -> EmbeddingRate:
         rate, startup = items / seconds, 0.0
     columns = ",".join(summary.get("columns") or [])
     said = source or f"read from {file}"
+    series = (summary.get("memory") or {}).get("series_s_items_rss_pss")
+    spread = [r for r in window_rates(series, summary.get("first_output_s")) if r > 0]
+    span = (min(spread), max(spread)) if len(spread) == RATE_WINDOWS else None
     return EmbeddingRate(
         rate,
         max(0.0, startup),
         f"{said}: {items:,} items ({columns}) in {seconds:.1f} s"
-        + (f", steady {rate:,.1f} items/s after a start-up of {startup:.1f} s" if steady else ""),
+        + (f", steady {rate:,.1f} items/s after a start-up of {startup:.1f} s" if steady else "")
+        + (
+            f"; its {RATE_WINDOWS} timed windows ran at {span[0]:,.1f} to {span[1]:,.1f} items/s"
+            if span
+            else ""
+        ),
+        window_range=span,
+        windows=RATE_WINDOWS if span else 0,
     )
 
 

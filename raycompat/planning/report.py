@@ -44,9 +44,11 @@ def _option_row(a: Assessment) -> dict:
             for m in o.milestones
         ],
         "end_hours": o.end_hours,
+        "end_hours_range": None if o.end_range is None else list(o.end_range),
         "prep_hours": o.prep_hours,
         "devices_busy": o.devices_busy,
         "total_cost": o.total_cost,
+        "total_cost_range": None if o.cost_range is None else list(o.cost_range),
         "fixed_costs": dict(o.fixed_costs),
         "quality_hours": a.quality_hours,
         "unweighted_quality_hours": a.plain_quality_hours,
@@ -202,6 +204,19 @@ def _switch_on(a: Assessment) -> str:
     return "n/a" if first is None else f"{_pct_iv(first.nfr)} / {_pct_iv(first.top1)}"
 
 
+def _end_cell(o) -> str:
+    """Hours to 100 %, with the range of the rate's timed windows when it has one."""
+    if o.end_range is None:
+        return _hours(o.end_hours)
+    return f"{_hours(o.end_hours)} [{_hours(o.end_range[0])}, {_hours(o.end_range[1])}]"
+
+
+def _cost_cell(o) -> str:
+    if o.cost_range is None:
+        return f"{o.total_cost:,.2f}"
+    return f"{o.total_cost:,.2f} [{o.cost_range[0]:,.2f}, {o.cost_range[1]:,.2f}]"
+
+
 def _summary_lines(plan: Plan) -> list[str]:
     """One row per option, recommended first, then by quality-hours."""
     chosen = plan.recommendation.chosen
@@ -226,8 +241,8 @@ def _summary_lines(plan: Plan) -> list[str]:
     body = [
         [
             ("**" + a.option.label + "**") if a is chosen else a.option.label,
-            _hours(a.option.end_hours),
-            f"{a.option.total_cost:,.2f}",
+            _end_cell(a.option),
+            _cost_cell(a.option),
             _qh(a),
             *([_hours(a.plain_quality_hours)] if weighted else []),
             _vs_best(a),
@@ -286,6 +301,13 @@ def _setup_lines(plan: Plan, command: str | None) -> list[str]:
             f"- Embedding rate for {model}: {r.items_per_s:,.1f} items/s per device"
             + (f" after {r.startup_s:.1f} s of start-up" if r.startup_s else "")
             + f" ({r.source})."
+            + (
+                f" The hours and costs in brackets are those at the fastest and at the slowest "
+                f"of its {r.windows} timed windows ({r.window_range[1]:,.1f} and "
+                f"{r.window_range[0]:,.1f} items/s); the quality-hours use the steady rate."
+                if r.window_range
+                else ""
+            )
         )
     if hw.store_items_per_s is not None:
         lines.append(

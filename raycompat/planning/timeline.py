@@ -222,6 +222,10 @@ class Option:
     psi: PsiRate | None = None
     #: the fixed costs of this option (:class:`FixedCosts`; empty for staying on the old model)
     fixed_costs: tuple[tuple[str, float], ...] = ()
+    #: ``end_hours`` and ``total_cost`` at the fastest and the slowest of the rate's timed
+    #: windows (None: a rate without windows); see :func:`end_and_cost_range`
+    end_range: tuple[float, float] | None = None
+    cost_range: tuple[float, float] | None = None
 
     @property
     def label(self) -> str:
@@ -258,7 +262,23 @@ def _hours_at(work: float, prep_s: float, rate: EmbeddingRate, hw: Hardware) -> 
 
 def _with_fixed(option: Option, hw: Hardware) -> Option:
     parts = hw.fixed.parts(option.end_hours, option.price, option.rate)
-    return replace(option, fixed_costs=tuple((k, v) for k, v in parts.items() if v))
+    option = replace(option, fixed_costs=tuple((k, v) for k, v in parts.items() if v))
+    ranges = end_and_cost_range(option, hw)
+    if ranges is None:
+        return option
+    return replace(option, end_range=ranges[0], cost_range=ranges[1])
+
+
+def end_and_cost_range(option: Option, hw: Hardware):
+    """``((end, end), (cost, cost))`` of an option that re-embeds, at the fastest and at the
+    slowest of its rate's timed windows (:attr:`EmbeddingRate.window_range`), by the plan's own
+    arithmetic; None when the rate has no windows (given, or measured as one number)."""
+    rate = option.rate
+    if rate is None or rate.window_range is None or option.end_hours is None:
+        return None
+    slow, fast = rate.window_range
+    at = [end_and_cost_on(replace(option, rate=rate.at(r)), hw, hw.devices) for r in (fast, slow)]
+    return (at[0][0], at[1][0]), (at[0][1], at[1][1])
 
 
 def end_and_cost_on(option: Option, hw: Hardware, devices: int) -> tuple[float, float]:

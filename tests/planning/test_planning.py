@@ -746,3 +746,45 @@ def test_one_name_on_several_seeds_plans_their_random_orders(tmp_path, capsys):
     twice = ",".join(f"g={f}" for f in (folders[0], folders[1], folders[0]))
     assert main(["--out", str(tmp_path / "bad"), *HARDWARE, "--results", twice]) == 2
     assert "are both seed 0: the same random order twice" in capsys.readouterr().err
+
+
+def test_the_hours_carry_the_range_of_the_rates_timed_windows(tmp_path):
+    """A rate read from an embed-gallery summary with its progress series: 8 equal-time
+    windows of its steady part, the slowest and fastest of them, and every re-embedding
+    option's hours and cost at both, by hand; a given rate has no range."""
+    from raycompat.planning.rates import rate_from_summary, window_rates
+
+    # first output at 10 s; 100 items/s until 50 s, then 300 items/s until 90 s
+    series = [[0.0, 0, 1, 1], [10.0, 0, 1, 1]]
+    series += [[t, 100 * (t - 10), 1, 1] for t in range(15, 51, 5)]
+    series += [[t, 4000 + 300 * (t - 50), 1, 1] for t in range(55, 91, 5)]
+    assert window_rates(series, 10.0) == pytest.approx([100.0] * 4 + [300.0] * 4)
+    summary = {"items_written": 16000, "seconds": 90.0, "steady_items_per_s": 200.0,
+               "first_output_s": 10.0, "memory": {"series_s_items_rss_pss": series}}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    rate = rate_from_summary(str(tmp_path / "summary.json"))
+    assert rate.window_range == (100.0, 300.0) and rate.windows == 8
+    assert rate.startup_s == 10.0 and "8 timed windows ran at 100.0 to 300.0 items/s" in rate.source
+    hardware = [a for a in HARDWARE if a not in ("--items-per-s", "1")]
+    out = tmp_path / "plan"
+    args = [
+        "--results",
+        write_curves(tmp_path / "sim"),
+        "--rate-summary",
+        tmp_path / "summary.json",
+    ]
+    assert main(["--out", str(out), *hardware, *PSI, *map(str, args)]) == 0
+    payload = json.loads((out / "plan.json").read_text())
+    for o in payload["options"]:
+        if o["end_hours"] is None:  # staying on the old model re-embeds nothing
+            assert o["end_hours_range"] is None and o["total_cost_range"] is None
+            continue
+        start = o["prep_hours"] * 3600 + 10  # psi's refresh (adapted), then the start-up
+        fast, slow = ((start + 7200 / (r * 2)) / 3600 for r in (300.0, 100.0))
+        assert o["end_hours"] == pytest.approx((start + 7200 / 400) / 3600, rel=1e-12)
+        assert o["end_hours_range"] == pytest.approx([fast, slow], rel=1e-12)
+        busy = o["devices_busy"] * 5
+        assert o["total_cost_range"] == pytest.approx([fast * busy, slow * busy], rel=1e-12)
+    assert "the fastest and at the slowest of its 8 timed windows" in (out / "plan.md").read_text()
+    given, _ = plan(tmp_path, *HARDWARE, "--results", tmp_path / "sim", out="given")
+    assert all(o["end_hours_range"] is None for o in given["options"])
