@@ -433,3 +433,48 @@ def _named_entries(entry: str) -> list[tuple[bool, tuple[str, str]]]:
     """:func:`_entries`, each marked with whether its entry gave a name (``NAME=PATH``)."""
     named = split_name(entry)[0] is not None
     return [(named, pair) for pair in _entries(entry)]
+
+
+#: a bundle's training time, beside its manifest (raycompat.train.loop.TRAINING)
+TRAINING_FILE = "training.json"
+
+
+def simulation_bundle(sim: Simulation) -> str | None:
+    """The ``--new-model`` bundle that ``sim``'s simulation used (its folder's job.json), when
+    it is still on disk."""
+    job = os.path.join(os.path.dirname(sim.path), "job.json")
+    if not os.path.isfile(job):
+        return None
+    with open(job) as fh:
+        path = (json.load(fh).get("config") or {}).get("new_model")
+    return path if path and os.path.isdir(str(path)) else None
+
+
+def bundle_training(sims, device_kind: str, new_model: str | None = None):
+    """``((model, device-hours), ...), notes``: each candidate's training read from its
+    bundle's ``training.json`` (the bundle of its simulation, or ``new_model``), counted when it
+    trained on ``device_kind`` (device-hours of another kind of device are not these)."""
+    found, notes = [], []
+    for s in sims:
+        bundle = new_model or simulation_bundle(s)
+        path = None if bundle is None else os.path.join(bundle, TRAINING_FILE)
+        if path is None or not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as fh:
+                rec = json.load(fh)
+            hours, kind = float(rec["device_hours"]), str(rec["device"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}: not a training record ({exc})") from None
+        if kind != device_kind:
+            notes.append(
+                f"{s.model}: its bundle trained {hours:.3g} device-hours on {kind}, the plan is "
+                f"for {device_kind}: not counted (give --training-hours)"
+            )
+            continue
+        found.append((s.model, hours))
+        notes.append(
+            f"{s.model}: training {hours:.3g} device-hours on {kind} ({rec.get('epochs')} "
+            f"epochs, {rec.get('workers')} worker(s)), read from {path}"
+        )
+    return tuple(found), tuple(notes)

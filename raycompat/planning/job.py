@@ -111,8 +111,12 @@ class PlanUpgradeOptions:
     store_items_per_s: float | None = option(
         None, min=1e-12, help="the store's write rate, items/s: it bounds the backfill's rate"
     )
-    training_hours: float = nonnegative(
-        0.0, help="fixed cost: device-hours of training the new model, at the device price"
+    training_hours: float | None = option(
+        None,
+        min=0,
+        help="fixed cost: device-hours of training the new model, at the device price "
+        "(default: each candidate's own, read from its bundle's training.json when it trained on "
+        "--device-kind; else 0)",
     )
     index_build_hours: float = nonnegative(
         0.0, help="fixed cost: device-hours of building the new index, at the device price"
@@ -297,7 +301,7 @@ def _simulate_store(opts: PlanUpgradeOptions, name: str, folder: str, say) -> st
 def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     """Read the curves, build and assess every option, write the plan; returns the written
     paths and the plan (``"plan"``). Inputs are checked before the output folder is made."""
-    from raycompat.planning.inputs import load_results
+    from raycompat.planning.inputs import bundle_training, load_results
     from raycompat.planning.plan import candidates, make_plan, model_rates
     from raycompat.planning.rates import SearchLoad, measure_embedding_rate
     from raycompat.planning.recommend import Constraints
@@ -337,8 +341,13 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     if opts.queries_per_s is not None:
         search = SearchLoad(opts.queries_per_s, opts.searches_per_s)
     items = opts.items or sims[0].n_items
+    by_model, notes = (), ()
+    if opts.training_hours is None:
+        by_model, notes = bundle_training(sims, opts.device_kind, opts.new_model)
     fixed = FixedCosts(
-        training_hours=opts.training_hours,
+        training_hours=opts.training_hours or 0.0,
+        training_by_model=by_model,
+        training_notes=notes,
         index_build_hours=opts.index_build_hours,
         storage_gib=items * (opts.new_dim or 0) * 4 / 2**30,
         storage_price=opts.storage_price_per_gib_hour,

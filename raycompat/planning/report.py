@@ -329,6 +329,8 @@ def _setup_lines(plan: Plan, command: str | None) -> list[str]:
             + "; ".join(text for v, text in given if v)
             + "."
         )
+    for note in f.training_notes:
+        lines.append(f"- Training cost of {note}.")
     active = plan.constraints.active()
     lines.append(
         "- Constraints: "

@@ -81,17 +81,6 @@ def _embeddings_of(sim) -> str:
     return str(source)
 
 
-def _new_model(sim) -> str | None:
-    """The ``--new-model`` bundle that ``sim``'s simulation used (its folder's job.json), when
-    it is still on disk."""
-    job = os.path.join(os.path.dirname(sim.path), "job.json")
-    if not os.path.isfile(job):
-        return None
-    with open(job) as fh:
-        path = (json.load(fh).get("config") or {}).get("new_model")
-    return path if path and os.path.isdir(str(path)) else None
-
-
 def _load(sim):
     """``(gallery, head)``: ``sim``'s parquet gallery, with the gallery-side modules of its new
     model bundle (psi, h, rho) applied and its classifier head as the uncertainty policies' head
@@ -99,7 +88,9 @@ def _load(sim):
     from raycompat.embeddings.gallery import load_parquet
 
     data = load_parquet(_embeddings_of(sim))
-    path = _new_model(sim)
+    from raycompat.planning.inputs import simulation_bundle
+
+    path = simulation_bundle(sim)
     if path is None:
         return data, None
     from raycompat.models import ModelBundle

@@ -69,12 +69,22 @@ class FixedCosts:
     storage_gib: float = 0.0
     storage_price: float = 0.0
     new_items_per_hour: float = 0.0
+    #: ``(model, device-hours)``: a candidate's own training, read from its bundle (it takes
+    #: the place of ``training_hours`` for that candidate), with what the report says of it
+    training_by_model: tuple[tuple[str, float], ...] = ()
+    training_notes: tuple[str, ...] = ()
 
-    def parts(self, end_hours: float, price: float, rate: EmbeddingRate) -> dict[str, float]:
-        """Each fixed cost of an upgrade that ends at ``end_hours``."""
+    def training_for(self, model: str | None) -> float:
+        """The training device-hours of candidate ``model``."""
+        return dict(self.training_by_model).get(model, self.training_hours)
+
+    def parts(
+        self, end_hours: float, price: float, rate: EmbeddingRate, model: str | None = None
+    ) -> dict[str, float]:
+        """Each fixed cost of an upgrade to ``model`` that ends at ``end_hours``."""
         arrivals_h = self.new_items_per_hour * end_hours / (rate.items_per_s * 3600.0)
         return {
-            "training": self.training_hours * price,
+            "training": self.training_for(model) * price,
             "index build": self.index_build_hours * price,
             "storage": self.storage_gib * end_hours * self.storage_price,
             "arrivals": arrivals_h * price,
@@ -261,7 +271,7 @@ def _hours_at(work: float, prep_s: float, rate: EmbeddingRate, hw: Hardware) -> 
 
 
 def _with_fixed(option: Option, hw: Hardware) -> Option:
-    parts = hw.fixed.parts(option.end_hours, option.price, option.rate)
+    parts = hw.fixed.parts(option.end_hours, option.price, option.rate, option.model)
     option = replace(option, fixed_costs=tuple((k, v) for k, v in parts.items() if v))
     ranges = end_and_cost_range(option, hw)
     if ranges is None:
@@ -288,7 +298,7 @@ def end_and_cost_on(option: Option, hw: Hardware, devices: int) -> tuple[float, 
     on = replace(hw, devices=devices)
     prep_s = option.psi.seconds(on.items, devices) if option.psi is not None else 0.0
     end = _hours_at(1.0, prep_s, option.rate, on)
-    fixed = sum(hw.fixed.parts(end, option.price, option.rate).values())
+    fixed = sum(hw.fixed.parts(end, option.price, option.rate, option.model).values())
     return end, end * (devices + on.extra_devices(option.mode)) * option.price + fixed
 
 

@@ -37,6 +37,9 @@ from raycompat.train.sync_batchnorm import synchronize_batchnorm
 TRAIN_STATE = "train_state.pt"
 HISTORY = "history.json"
 BUNDLE_DIR = "model"
+#: the bundle's training time (:func:`training_record`), beside its manifest: not part of its
+#: fingerprint (manifest and weights), so that two identical trainings stay one model
+TRAINING = "training.json"
 
 
 def learning_rate(cfg: TrainConfig, epoch: int, step: int, steps_per_epoch: int) -> float:
@@ -471,6 +474,22 @@ def epoch_metrics(state: WorkerState, epoch: int, start_epoch: int, totals: Epoc
     return metrics
 
 
+def training_record(history: list[dict], device: str) -> dict:
+    """What training the bundle took, from its epochs' metrics: wall hours (the epochs' times,
+    resumed epochs included), workers, the device kind and device-hours (wall x workers); what
+    ``plan-upgrade`` counts as the training cost (docs/planning.md, "Fixed costs")."""
+    wall_h = sum(float(m.get("epoch_time_s") or 0.0) for m in history) / 3600.0
+    workers = max([int(m.get("num_workers") or 1) for m in history] or [1])
+    kind = "gpu" if device == "cuda" else "cpu"
+    return {
+        "epochs": len(history),
+        "wall_hours": wall_h,
+        "workers": workers,
+        "device": kind,
+        "device_hours": wall_h * workers,
+    }
+
+
 def report_epoch(state: WorkerState, epoch: int, metrics: dict, history: list[dict]) -> None:
     """Parameter digest (diagnostics), then ``ray.train.report``: rank 0 with a checkpoint
     (train state, history, model bundle), the other ranks with the metrics only."""
@@ -495,9 +514,12 @@ def report_epoch(state: WorkerState, epoch: int, metrics: dict, history: list[di
             )
             with open(os.path.join(tmp, HISTORY), "w") as f:
                 json.dump(history, f, indent=1)
+            bundle = os.path.join(tmp, BUNDLE_DIR)
             make_bundle(
                 cfg, state.module, state.old, state.new_classes, state.compatible_dim, epoch
-            ).save(os.path.join(tmp, BUNDLE_DIR))
+            ).save(bundle)
+            with open(os.path.join(bundle, TRAINING), "w") as f:
+                json.dump(training_record(history, state.device.type), f, indent=1)
             if is_local_mode(cfg):
                 save_local_checkpoint(cfg, tmp, epoch)
             ray.train.report(

@@ -788,3 +788,36 @@ def test_the_hours_carry_the_range_of_the_rates_timed_windows(tmp_path):
     assert "the fastest and at the slowest of its 8 timed windows" in (out / "plan.md").read_text()
     given, _ = plan(tmp_path, *HARDWARE, "--results", tmp_path / "sim", out="given")
     assert all(o["end_hours_range"] is None for o in given["options"])
+
+
+def test_training_hours_are_read_from_each_candidates_bundle(tmp_path):
+    """Without --training-hours, a candidate's training cost is its own bundle's
+    training.json (the bundle its simulation's job.json names) when it trained on the plan's
+    kind of device; on another kind it is not counted and the plan says so; the flag wins."""
+    sim = write_curves(tmp_path / "sim")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (tmp_path / "sim" / "job.json").write_text(json.dumps({"config": {"new_model": str(bundle)}}))
+
+    def record(device):
+        rec = {"epochs": 3, "wall_hours": 1.0, "workers": 2, "device": device, "device_hours": 2.0}
+        (bundle / "training.json").write_text(json.dumps(rec))
+
+    def training_costs(payload):
+        return {o["fixed_costs"].get("training") for o in payload["options"] if o["end_hours"]}
+
+    record("cpu")
+    payload, out = plan(tmp_path, "--results", sim, out="cpu")
+    assert training_costs(payload) == {2.0 * 5}  # 2 device-hours at 5 per device-hour
+    assert "training 2 device-hours on cpu (3 epochs, 2 worker(s))" in (out / "plan.md").read_text()
+    stay = next(o for o in payload["options"] if o["end_hours"] is None)
+    assert stay["fixed_costs"] == {} and stay["total_cost"] == 0
+    record("gpu")
+    payload, out = plan(tmp_path, "--results", sim, out="gpu")
+    assert training_costs(payload) == {None}
+    assert (
+        "trained 2 device-hours on gpu, the plan is for cpu: not counted"
+        in (out / "plan.md").read_text()
+    )
+    payload, _ = plan(tmp_path, "--results", sim, "--training-hours", "1", out="given")
+    assert training_costs(payload) == {5.0}

@@ -3,6 +3,7 @@ and configuration errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,6 +74,11 @@ def test_two_worker_ddp_keeps_parameters_identical_on_a_uri_storage(
     assert (tmp_path / "store" / "models" / "ddp" / "manifest.json").is_file()
     assert [h["epoch"] for h in run.history] == [1, 2]
     assert all(h["num_workers"] == 2 for h in run.history)
+    # the training time beside the manifest (not in the fingerprint): plan-upgrade's cost
+    trained = json.loads((tmp_path / "store" / "models" / "ddp" / "training.json").read_text())
+    wall_h = sum(h["epoch_time_s"] for h in run.history) / 3600
+    assert (trained["epochs"], trained["workers"], trained["device"]) == (2, 2, "cpu")
+    assert trained["device_hours"] == pytest.approx(2 * wall_h, rel=1e-12) and wall_h > 0
     diag = tmp_path / "diag"
     digests = {}
     for epoch in (1, 2):
