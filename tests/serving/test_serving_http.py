@@ -1286,8 +1286,10 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(live):
         client.start_backfill(policy="random", seed=1, rate=150.0, batch_size=10, restart=True)
         for th in threads:
             th.start()
-        while client.status()["backfill"]["position"] < n // 4:
-            time.sleep(0.05)
+        t0 = time.time()  # each /status holds the walk a moment: poll at a pace it can keep
+        while (bf := client.status()["backfill"])["position"] < n // 4:
+            assert time.time() - t0 < 120, f"the backfill did not reach {n // 4}: {bf}"
+            time.sleep(0.2)
         # an admin upsert acknowledged just before the crash: item moved back to 'old'
         done_ids = set(np.load(os.path.join(state, "backfill", "order.npy"))[: n // 6].tolist())
         victim = sorted(done_ids)[0]
