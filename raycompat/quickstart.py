@@ -43,7 +43,7 @@ from raycompat.config import (
 from raycompat.data.scenarios import ScenarioSizes
 from raycompat.data.source import DataSourceOptions
 from raycompat.metrics.bootstrap import BootstrapOptions
-from raycompat.outputs import OutputOptions
+from raycompat.outputs import NEUTRAL_OPTIONS, OutputOptions
 from raycompat.pipeline.options import MODEL_STAGES
 from raycompat.quickstart_report import difference_text, render_markdown
 
@@ -128,17 +128,9 @@ class QuickstartOptions:
 
 
 #: options that say where things go, how things run (runs at a time, the pipeline's model
-#: stages) or what is printed, not what is trained
-LOCATION_OPTIONS = (
-    "out",
-    "storage",
-    "name",
-    "overwrite",
-    "address",
-    "parallel",
-    "model_stages",
-    "verbose",
-)
+#: stages) or what is printed, not what is trained: the report folders' neutral options and the
+#: pipeline's model stages
+LOCATION_OPTIONS = NEUTRAL_OPTIONS + ("model_stages",)
 #: the training seeds: in each run's name instead of its tag, so ``--seeds 3`` reuses the runs
 #: of ``--seeds 2``
 SEED_OPTIONS = ("seed", "seeds")

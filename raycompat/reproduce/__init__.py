@@ -95,7 +95,8 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}"
     )
     for c in claims:
-        print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}", flush=True)
+        premise = " (premise not met at this scale)" if c.get("premise") else ""
+        print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}{premise}", flush=True)
     return report
 
 

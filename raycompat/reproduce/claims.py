@@ -45,7 +45,11 @@ __all__ = [
     "NOT_HELD",
     "NOT_MEASURED",
     "NOT_RUN",
+    "PREMISE_CLAIM",
+    "PREMISE_NOT_MET",
     "evaluate_claims",
+    "mark_premise",
+    "shown_verdict",
 ]
 
 #: a field method's claim whose method this run did not train (not planned: ``--methods``,
@@ -889,5 +893,58 @@ CLAIMS: tuple[Callable[[dict, Evidence], dict], ...] = (
 )
 
 
+#: the premise of every claim that builds on a compatible new model: BCT's own criterion
+PREMISE_CLAIM = "bct-compatible"
+#: what such a claim shows where its run did not hold the premise (docs/reproduce.md, "The premise
+#: scale")
+PREMISE_NOT_MET = "premise not met at this scale (see the premise-scale run)"
+#: the claims measured on a new model that is meant to be compatible with the old one: RACT's
+#: flips and orders, DMU's adapted gallery, RM's rank merge, NDPP/ODPP's P_1 against BCT, and the
+#: field's eight methods (each beats BCT or meets its criterion). BCT's own claims are the premise
+#: and its context, and stand on their own.
+NEEDS_PREMISE = (
+    "ract-vanilla-regresses",
+    "ract-lower-nfr",
+    "ract-uncertainty-order",
+    "dmu-adapted",
+    "rm-auc-gain",
+    "ndpp-p1",
+    "lce-beats-bct",
+    "unibct-beats-bct",
+    "advbct-beats-bct",
+    "bt2-close-and-compatible",
+    "dsimplex-chain",
+    "fct-beats-bct",
+    "lwf-criterion",
+    "fd-criterion",
+)
+MEASURED = (HELD, NOT_HELD, INCONCLUSIVE)
+
+
+def mark_premise(claims: list[dict]) -> list[dict]:
+    """Where the run measured BCT's criterion (``PREMISE_CLAIM``) and did not hold it, every
+    claim of ``NEEDS_PREMISE`` with a measured verdict gets ``premise``: ``{met: False, claim,
+    verdict}`` (the criterion's verdict), and is shown as ``PREMISE_NOT_MET`` with its measured
+    verdict beside it (:func:`shown_verdict`). A run that held it, or did not measure it, marks
+    nothing."""
+    premise = next((c for c in claims if c["id"] == PREMISE_CLAIM), None)
+    if premise is None or premise["verdict"] not in MEASURED or premise["verdict"] == HELD:
+        return claims
+    for c in claims:
+        if c["id"] in NEEDS_PREMISE and c["verdict"] in MEASURED:
+            c["premise"] = dict(met=False, claim=PREMISE_CLAIM, verdict=premise["verdict"])
+    return claims
+
+
+def shown_verdict(claim: dict) -> str:
+    """The verdict as the report shows it: ``PREMISE_NOT_MET (measured: v)`` for a claim whose
+    premise the run did not hold (:func:`mark_premise`), else the verdict."""
+    if (claim.get("premise") or {}).get("met") is False:
+        return f"{PREMISE_NOT_MET}; measured: {claim['verdict']}"
+    return claim["verdict"]
+
+
 def evaluate_claims(results: dict, evidence: Evidence) -> list[dict]:
-    return [claim(results, evidence) for claim in CLAIMS]
+    """Every claim of ``CLAIMS``, those whose premise the run did not hold marked
+    (:func:`mark_premise`)."""
+    return mark_premise([claim(results, evidence) for claim in CLAIMS])

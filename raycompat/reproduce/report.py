@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from raycompat.report import fmt, markdown_table
-from raycompat.reproduce.claims import backfill_curve
+from raycompat.reproduce.claims import backfill_curve, shown_verdict
 
 TABLE_HEADERS = [
     "method",
@@ -170,7 +170,7 @@ def claims_table(claims: list[dict], seeds: int = 1, spread: dict | None = None)
             [
                 c["paper"],
                 c["claim"],
-                f"**{c['verdict']}**{note}",
+                f"**{shown_verdict(c)}**{note}",
                 "<br>".join(check_text(x) for x in checks) or c["explanation"],
                 "<br>".join(spread_text(x, spread, c["id"]) for x in checks if x.get("difference"))
                 or "",
@@ -403,13 +403,31 @@ def _spread_line(seeds: int, spread: dict | None) -> str:
     )
 
 
+def _premise_lines(claims: list[dict]) -> list[str]:
+    """A paragraph naming the claims marked ``premise not met`` (claims.mark_premise), if any."""
+    marked = [c for c in claims if c.get("premise")]
+    if not marked:
+        return []
+    verdict = marked[0]["premise"]["verdict"]
+    return [
+        f"BCT's criterion M(bct,o) > M(o,o) is **{verdict}** in this run, so the "
+        f"{len(marked)} claims that build on a compatible new model (RACT's flips and orders, "
+        "DMU's adapted gallery, RM's rank merge, NDPP/ODPP's P_1 and the field's methods) are "
+        "measured where their premise fails: each says *premise not met at this scale* beside "
+        "its measured verdict, which is no evidence for or against the paper. The premise-scale "
+        "run (`--scale premise`, docs/reproduce.md) decides them where BCT is compatible.",
+        "",
+    ]
+
+
 def _claims_lines(report: dict) -> list[str]:
     claims = report["claims"]
     seeds = len(report["results"].get("seeds") or [1])
-    lines = ["## Claims", "", claims_table(claims, seeds, report.get("seed_spread")), ""]
+    lines = ["## Claims", ""] + _premise_lines(claims)
+    lines += [claims_table(claims, seeds, report.get("seed_spread")), ""]
     for c in claims:
         lines += [
-            f"### {c['paper']}: {c['claim']} -- {c['verdict']}",
+            f"### {c['paper']}: {c['claim']} -- {shown_verdict(c)}",
             "",
             f"Measurement: {c['measurement']}.",
             "",

@@ -435,3 +435,40 @@ def test_fct_trains_with_its_released_optimizer():
     assert all(not VARIANTS[label].training for label in VARIANTS if label != "fct")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(overrides) <= fields  # training options, passed as they are
+
+
+@pytest.mark.parametrize(
+    "bct_outcome, marked",
+    [("loss", True), ("tie", True), ("win", False)],
+)
+def test_claims_on_a_compatible_model_say_when_bcts_criterion_is_not_held(bct_outcome, marked):
+    """BCT's criterion is the premise of the claims on a compatible new model: where the run
+    does not hold it (not held, inconclusive) those claims keep their measured verdict and are
+    shown as 'premise not met at this scale'; BCT's own claims are never marked."""
+    from raycompat.reproduce.claims import PREMISE_NOT_MET, shown_verdict
+    from raycompat.reproduce.report import _claims_lines
+
+    f = Fixture()
+    oo = base()
+    bct_no = shifted(oo, bct_outcome)
+    methods = {
+        "independent": {"m_nn": base(5, 0.7), "m_no": oo - 0.3},
+        "bct": {"m_nn": base(5, 0.7), "m_no": bct_no},
+        "lce": {"m_nn": base(5, 0.7), "m_no": bct_no + 0.15},
+    }
+    f.test_set("extended-data", oo, base(5, 0.7), methods)
+    claims = {c["id"]: c for c in evaluate_claims(f.results, f.evidence)}
+    expected_bct = {"loss": NOT_HELD, "tie": INCONCLUSIVE, "win": HELD}[bct_outcome]
+    assert claims["bct-compatible"]["verdict"] == expected_bct
+    lce = claims["lce-beats-bct"]
+    assert lce["verdict"] == HELD  # the measurement is kept either way
+    assert ("premise" in lce) is marked
+    assert (shown_verdict(lce) == f"{PREMISE_NOT_MET}; measured: held") is marked
+    for own in ("bct-compatible", "bct-independent-incompatible"):
+        assert "premise" not in claims[own] and shown_verdict(claims[own]) == claims[own]["verdict"]
+    assert claims["ract-lower-nfr"]["verdict"] == NOT_MEASURED  # nothing measured: not marked
+    assert "premise" not in claims["ract-lower-nfr"]
+    report = {"claims": list(claims.values()), "results": {"seeds": [0]}}
+    text = "\n".join(_claims_lines(report))
+    assert (PREMISE_NOT_MET in text) is marked
+    assert (f"BCT's criterion M(bct,o) > M(o,o) is **{expected_bct}**" in text) is marked
