@@ -2,7 +2,7 @@
 
 Extended-data, open-class, architecture change and sequential upgrades with every method;
 paper-shaped tables and a verdict on each headline claim.
-``raycompat reproduce --scale default|cluster``: ``--scale`` picks a size preset
+``raycompat reproduce --scale default|premise|cluster``: ``--scale`` picks a size preset
 (:data:`raycompat.reproduce.plan.SCALES`); every size flag given overrides the preset. See
 docs/methods.md, "Headline claims", and docs/architecture.md, "Jobs".
 """

@@ -472,12 +472,29 @@ class MilvusStore(VectorStore):
         wanted = self._read_columns(columns)
         if not isinstance(block_rows, int) or block_rows < 1:
             raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
-        ids = self.read_ids(filter)
         cols = self.columns
         physical = sorted(
             {cols.id, cols.upgraded or cols.position} | {cols.physical(name) for name in wanted}
         )
-        return self._iter_blocks(ids, wanted, physical, block_rows)
+        flt = self._filter(filter)
+        if flt.ids is not None and flt.labels is None and flt.raw is None:
+            return self._blocks_of_ids(flt, wanted, physical, block_rows)
+        return self._iter_blocks(self.read_ids(flt), wanted, physical, block_rows)
+
+    def _blocks_of_ids(
+        self, flt: Filter, wanted: list[str], physical: list[str], block_rows: int
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The blocks of a filter on ids (and the upgraded flag): the rows got by primary key
+        and the flag tested here, instead of a query whose filter Milvus Lite evaluates over
+        every row of the collection (docs/benchmarks.md, "Store backfill")."""
+        ids = np.unique(np.asarray(flt.ids, dtype=np.int64))
+        rows = self._get_rows(ids, physical, strict=False)
+        if flt.upgraded is not None:
+            rows = [
+                r for r, up in zip(rows, self._upgraded_of(rows), strict=True) if up == flt.upgraded
+            ]
+        for start in range(0, len(rows), block_rows):
+            yield self._block_dict(rows[start : start + block_rows], wanted)
 
     def _iter_blocks(
         self, ids: np.ndarray, wanted: list[str], physical: list[str], block_rows: int

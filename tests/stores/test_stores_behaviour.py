@@ -224,6 +224,21 @@ def test_filters_select_labels_ids_and_upgraded(store, gal):
     )
     picked = tuple(int(i) for i in gal.ids[:5])
     np.testing.assert_array_equal(store.read_ids(Filter(ids=picked)), np.sort(picked))
+    # blocks of a filter on ids and the flag (Milvus gets them by primary key): the rows of a
+    # full read that pass it, in id order, an unknown id and a repeated one ignored
+    everything = read_all(store, ("id", "label", "old", "new"))
+    some = tuple(int(i) for i in gal.ids[gal.order[30:60]]) + (10**9, int(gal.ids[gal.order[31]]))
+    for up in (True, False):
+        got = read_all(
+            store,
+            ("id", "label", "old", "new"),
+            filter=Filter(ids=some).and_upgraded(up),
+            block_rows=7,
+        )
+        keep = np.isin(everything["id"], some) & (~np.isnan(everything["new"][:, 0]) == up)
+        assert len(got["id"]) == (10 if up else 20)
+        for name in ("id", "label", "old", "new"):
+            np.testing.assert_array_equal(got[name], everything[name][keep])
 
 
 # -- write ---------------------------------------------------------------------------------
