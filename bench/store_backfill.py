@@ -595,8 +595,11 @@ def run_backend(a, backend: str, work: str) -> dict:
         )
     result["fill"] = fill(a, backend, data, store, w["rows"] + len(rows), peak)
     result["settle"] = base.settle(store)
-    plain = LanceBase(os.path.join(work, "lance"), "gallery_rc")
-    if backend == "milvus":
+    # the engine's own exact search of the old field: a plain connection to the table the
+    # store wrote (LanceDB), or the store's own client (Milvus Lite: one process at a time)
+    if backend == "lance":
+        plain = LanceBase(os.path.join(work, "lance"), "gallery_rc")
+    else:
         plain = MilvusSearcher(store)
     bundle = make_bundle(a.dim, a.rho_hidden, a.seed)
     result["search"] = search_part(a, backend, data, store, plain, bundle, peak)

@@ -26,6 +26,8 @@ from raycompat.metrics.bootstrap import BootstrapOptions
 from raycompat.outputs import OutputOptions
 
 SCENARIOS = ("extended-data", "open-class", "architecture", "sequential")
+#: BCT's lambda_compat by default (its method's default: BCT Eq.3 with lambda = 1)
+BCT_LAMBDA = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ class Variant:
 
     def method_options(self, scale: ScaleOptions) -> dict:
         opts = dict(self.options)
+        if self.method == "bct" and scale.bct_lambda != BCT_LAMBDA:
+            # only when it differs from BCT's own default: the configurations (and the run names
+            # hashed from them) of runs at the default lambda stay those of earlier runs
+            opts.setdefault("lambda_compat", scale.bct_lambda)
         if self.method == "dmu":
             opts.setdefault("psi_hidden", scale.psi_hidden)
         if self.method in ("mcl", "rqt", "cl"):
@@ -177,6 +183,11 @@ class ScaleOptions:
         "Ray Train's local mode, the loop in this process, one run at a time)",
     )
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
+    bct_lambda: float = positive(
+        BCT_LAMBDA,
+        help="weight of BCT's influence loss (lambda_compat) for the three BCT variants; the "
+        "main job uses 2",
+    )
 
 
 #: the default scale's data: 100 training classes of 20 images, resnet10t; evaluation on 1,500

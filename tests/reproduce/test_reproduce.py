@@ -320,3 +320,16 @@ def test_premise_scale_plans_every_claims_models_at_800_classes(tmp_path):
         ).sizes.train_classes
         == 400
     )
+
+
+def test_bct_lambda_reaches_the_three_bct_variants_only(tmp_path):
+    """``--bct-lambda 2``: lambda_compat 2 in the options of bct, bct-kd and bct-beta and of no
+    other method; at the default (1, BCT's own) nothing is added, so earlier runs' names stay."""
+    from raycompat.reproduce.plan import VARIANTS
+
+    two = parse_reproduce_options(["--bct-lambda", "2", "--out", str(tmp_path)]).training
+    one = parse_reproduce_options(["--out", str(tmp_path)]).training
+    for label, variant in VARIANTS.items():
+        got = variant.method_options(two)
+        assert got.get("lambda_compat") == (2.0 if variant.method == "bct" else None), label
+        assert "lambda_compat" not in variant.method_options(one), label
