@@ -241,7 +241,7 @@ def test_bad_value_is_a_config_error_naming_the_option(argv, message):
         (
             ["--scale", "huge"],
             r"option 'scale' = 'huge' is not allowed; "
-            r"allowed values: \['default', 'cluster'\]",
+            r"allowed values: \['default', 'premise', 'cluster'\]",
         ),
         (
             ["--arch-backbone", "resnet9000"],
