@@ -937,7 +937,7 @@ def mark_premise(claims: list[dict]) -> list[dict]:
 
 
 def shown_verdict(claim: dict) -> str:
-    """The verdict as the report shows it: ``PREMISE_NOT_MET (measured: v)`` for a claim whose
+    """The verdict as the report shows it: ``PREMISE_NOT_MET; measured: v`` for a claim whose
     premise the run did not hold (:func:`mark_premise`), else the verdict."""
     if (claim.get("premise") or {}).get("met") is False:
         return f"{PREMISE_NOT_MET}; measured: {claim['verdict']}"
