@@ -62,6 +62,7 @@ class TrainConfig:
     use_gpu: bool = False
     gpus_per_worker: float = positive(1.0)
     cpus_per_worker: float = positive(1.0)
+    placement: str = choices("pack", "spread", "strict-spread", default="pack")
     threads_per_worker: int = 0  # 0: cores of this machine / workers
     loader_workers: int = nonnegative(0)
     max_failures: int = 2

@@ -33,6 +33,7 @@ RUN_ONLY_FIELDS = (
     "loader_workers",
     "threads_per_worker",
     "cpus_per_worker",
+    "placement",
     "gpus_per_worker",
     "use_gpu",
 )

@@ -97,6 +97,14 @@ class TrainOptions:
     )
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU with gloo; >0: NCCL)")
     cpus_per_worker: float = positive(1.0, help="CPUs per worker")
+    placement: str = choices(
+        "pack",
+        "spread",
+        "strict-spread",
+        default="pack",
+        help="where Ray places the workers (Ray Train's placement strategy; strict-spread: "
+        "one worker per node)",
+    )
     max_failures: int = option(2, help="worker-failure restarts (FailureConfig; -1: unlimited)")
     storage: str = option("~/raycompat_runs", help="where runs and checkpoints go")
     address: str | None = option(None, help="Ray address; none: an embedded local Ray")
@@ -193,6 +201,7 @@ def train_config(
         use_gpu=opts.gpus > 0,
         gpus_per_worker=opts.gpus if opts.gpus > 0 else 1.0,
         cpus_per_worker=opts.cpus_per_worker,
+        placement=opts.placement,
         max_failures=opts.max_failures,
         storage_path=opts.storage,
         run_name=run_name or "unnamed",

@@ -110,7 +110,10 @@ def _trainer(cfg: TrainConfig, storage):
         ray.train.ScalingConfig(num_workers=0)
         if is_local_mode(cfg)
         else ray.train.ScalingConfig(
-            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources
+            num_workers=cfg.num_workers,
+            use_gpu=cfg.use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=cfg.placement.upper().replace("-", "_"),
         )
     )
     return TorchTrainer(

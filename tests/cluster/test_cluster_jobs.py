@@ -2,8 +2,8 @@
 machine (`ray start --head` + `ray start --address`), as the product card says users run them.
 
 The head has 2 CPUs and the second node 2 CPUs plus its own resource; a training run with 2
-workers x 2 CPUs cannot fit on one node, so Ray places one worker on each, and the run records
-the node id of every rank (`worker_nodes` in each epoch's metrics). The gallery pipeline's
+workers and `--placement strict-spread` gets one worker on each node, and the run records the
+node id of every rank (`worker_nodes` in each epoch's metrics). The gallery pipeline's
 new-embedder actors ask for the head's custom resource and its old-embedder actors for the
 second node's, so its embedding work must run on both nodes; every shard records the node ids
 of each embedding stage.
@@ -156,6 +156,23 @@ def _embed_job(tmp_path) -> tuple[list[str], dict]:
         "--old-resources",
         json.dumps({"second_node": 0.01}),
     ], {"store": store, "out": tmp_path / "store" / "embeddings" / "tiny"}
+
+
+def _train_ract_job(tmp_path) -> tuple[list[str], dict]:
+    store = tmp_path / "store"
+    return [
+        "python",
+        "jobs/train_ract.py",
+        *TINY,
+        "--workers",
+        "2",
+        "--placement",
+        "strict-spread",
+        "--storage",
+        str(store),
+        "--out",
+        str(store / "models" / "ract"),
+    ], {"store": store}
 
 
 SERVE_TOKEN = "cluster-secret-0123456789"
@@ -321,26 +338,14 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, submitted):
     assert err.value.code == 404
 
 
-# last: its two workers of 2 CPUs take every CPU of both nodes, so it runs alone
+# last, alone: with the other jobs' tasks on the CPUs, the simulation's SPREAD tasks could all
+# land on one node (seen once), and the simulation test asserts they ran on both
 def test_train_ract_job_runs_on_both_nodes(two_node_cluster, tmp_path):
-    store = tmp_path / "store"
-    logs = _run_job(
-        two_node_cluster,
-        "train-ract",
-        [
-            "python",
-            "jobs/train_ract.py",
-            *TINY,
-            "--workers",
-            "2",
-            "--cpus-per-worker",
-            "2",
-            "--storage",
-            str(store),
-            "--out",
-            str(store / "models" / "ract"),
-        ],
-    )
+    """`python jobs/train_ract.py --workers 2 --placement strict-spread`: one DDP worker on each
+    node (every epoch records the node id of every rank)."""
+    entrypoint, facts = _train_ract_job(tmp_path)
+    logs = _run_job(two_node_cluster, "train-ract", entrypoint)
+    store = facts["store"]
     manifest = json.loads((store / "models" / "ract" / "manifest.json").read_text())
     assert manifest["method"] == "ract" and manifest["predecessor"]
     histories = glob.glob(str(store / "ract-*" / "checkpoint_*" / "history.json")) + glob.glob(

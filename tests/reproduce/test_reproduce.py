@@ -300,15 +300,15 @@ def test_merged_seeds_average_every_number():
     assert backfill["ext"]["bct"]["curves"][0]["mAP@100"] == pytest.approx([0.3, 0.6])
 
 
-def test_premise_scale_plans_every_claims_models_at_800_classes(tmp_path):
-    """``--scale premise``: the default scale at 800 training classes (same held-out queries and
+def test_premise_scale_plans_every_claims_models_at_1600_classes(tmp_path):
+    """``--scale premise``: the default scale at 1,600 training classes (same held-out queries and
     gallery), the five papers' plan and the field methods' plan together, so no claim says
     'not run'; a size flag still overrides the preset."""
     from raycompat.reproduce.plan import DEFAULT_SCALE_METHODS, FIELD_PLAN, SCENARIOS
 
     opts = parse_reproduce_options(["--scale", "premise", "--seeds", "2", "--out", str(tmp_path)])
     default = parse_reproduce_options([])
-    assert opts.sizes == dataclasses.replace(default.sizes, train_classes=800)
+    assert opts.sizes == dataclasses.replace(default.sizes, train_classes=1600)
     assert opts.training == default.training and opts.seeds == 2
     for scenario in SCENARIOS:
         planned = {v.label for v in opts.method_plan(scenario)}

@@ -1588,7 +1588,7 @@ def _check_against_acknowledged(app, n_shards, pool_ids, model, log) -> dict:
     return counts
 
 
-ROUNDS = scaled(6, 20)
+ROUNDS = scaled(4, 20)
 
 
 @pytest.mark.serve
@@ -1597,7 +1597,7 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, ga
     """Rounds of admin upserts during a live backfill on a tiny tmpfs, each ending with a
     SIGKILL of a shard replica at a random point (every other round on a full disk).  After
     every restart the items and representations equal exactly what was acknowledged, and the
-    backfill keeps every checkpointed item upgraded.  6 rounds by default (3 on a full disk);
+    backfill keeps every checkpointed item upgraded.  4 rounds by default (2 on a full disk);
     20 at full scale, more kills at more points of the log and the snapshot."""
     import signal
 

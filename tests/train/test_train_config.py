@@ -191,3 +191,20 @@ def test_train_job_rejects_a_bad_method_option_before_ray_starts(tmp_path):
     assert proc.returncode == 2
     assert "'tau' must be a number, got 'abc'" in proc.stderr
     assert "Traceback" not in proc.stderr and "ray" not in proc.stdout.lower()
+
+
+def test_placement_reaches_ray_train_and_leaves_the_run_name_alone(scenario, old_bundle, tmp_path):
+    """``--placement strict-spread`` becomes Ray Train's ``STRICT_SPREAD``; like the CPUs per
+    worker it says where the workers run, not what they train, so the run name is unchanged."""
+    from raycompat.storage import open_storage
+    from raycompat.train.runs import default_run_name
+    from raycompat.train.trainer import _trainer
+
+    packed = config(scenario, old_bundle, num_workers=2)
+    spread = config(scenario, old_bundle, num_workers=2, placement="strict-spread")
+    assert default_run_name("bct", packed) == default_run_name("bct", spread)
+    for cfg, want in ((packed, "PACK"), (spread, "STRICT_SPREAD")):
+        scaling = _trainer(cfg, open_storage(str(tmp_path))).scaling_config
+        assert scaling.placement_strategy == want
+    with pytest.raises(ConfigError, match="placement.*'pack', 'spread', 'strict-spread'"):
+        config(scenario, old_bundle, placement="anywhere")
