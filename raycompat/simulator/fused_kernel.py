@@ -35,16 +35,22 @@ def fused_enabled() -> bool:
 
 def _count_below(edges, first, n, v, strict):
     """How many of the sorted ``edges[first:first + n]`` are below ``v`` (``< v`` if
-    ``strict``, else ``<= v``): a binary search."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        e = edges[first + mid]
-        if (e < v) if strict else (e <= v):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    ``strict``, else ``<= v``): a binary search without branches on the comparisons (each
+    step halves the range and moves its start by a conditional add), on unsigned indices."""
+    if n == 0:
+        return 0
+    start = np.uint64(first)
+    size = np.uint64(n)
+    one = np.uint64(1)
+    while size > one:
+        half = size >> one
+        e = edges[start + half - one]
+        below = (e < v) if strict else (e <= v)
+        start += half * np.uint64(below)
+        size -= half
+    e = edges[start]
+    below = (e < v) if strict else (e <= v)
+    return np.int64(start) - first + np.int64(below)
 
 
 #: scores tested per step: one 64-bit mask, bit ``k`` set when score ``c + k`` survives
@@ -61,8 +67,9 @@ def _survivor_count(
     b]`` when ``count``), and kept as a near-tie when the next threshold's band (``lo`` edge)
     holds it -- the decisions of ``MergedThresholds.locate`` (docs/simulator.md). The filter
     tests :data:`CHUNK` scores at a time into a bit mask (a loop of constant length, which LLVM
-    turns into vector compares) and visits only the set bits. Returns ``(survivors,
-    near-ties)``; near-ties past the buffers' length are counted, not stored."""
+    turns into vector compares) and visits only the set bits. Indices are unsigned wherever
+    the loop reads or writes an array (no wraparound test, contiguous vector loads). Returns
+    ``(survivors, near-ties)``; near-ties past the buffers' length are counted, not stored."""
     cap = band_col.shape[0]
     survivors = 0
     n_band = 0
@@ -77,17 +84,21 @@ def _survivor_count(
         bucket0 = first + q
         row = S[r]
         for c in range(0, n_cols, CHUNK):
+            # unsigned indices: numba adds no negative-index wraparound, so LLVM loads the
+            # chunk's scores as contiguous vectors instead of gathering them one by one
             mask = np.uint64(0)
+            cu = np.uint64(c)
             if c < full:
                 for k in range(CHUNK):
-                    mask |= np.uint64(row[c + k] >= t) << np.uint64(k)
+                    ku = np.uint64(k)
+                    mask |= np.uint64(row[cu + ku] >= t) << ku
             else:
-                for k in range(n_cols - c):
-                    mask |= np.uint64(row[c + k] >= t) << np.uint64(k)
+                for ku in range(np.uint64(n_cols - c)):
+                    mask |= np.uint64(row[cu + ku] >= t) << ku
             while mask:
-                j = c + _trailing_zeros(mask)
+                ju = cu + np.uint64(_trailing_zeros(mask))
                 mask &= mask - np.uint64(1)
-                v = row[j]
+                v = row[ju]
                 survivors += 1
                 b = (
                     _count_below(hi, first, cnt, v, True)
@@ -95,9 +106,11 @@ def _survivor_count(
                     else _count_less(hi, first, cnt, v)
                 )
                 if count:
+                    slot = np.uint64(bucket0 + b)
                     for s in range(seg.shape[0]):
-                        acc[seg[s, j] * width + base[s] + bucket0 + b] += 1
-                if b < cnt and lo[first + b] <= v:  # the next threshold's band holds v
+                        acc[np.uint64(seg[s][ju] * width + base[s]) + slot] += 1
+                j = np.int64(ju)
+                if b < cnt and lo[np.uint64(first + b)] <= v:  # the next band holds v
                     if n_band < cap:
                         band_col[n_band] = j
                         band_val[n_band] = v
@@ -109,10 +122,11 @@ def _survivor_count(
 
 def _count_less(edges, first, n, v):
     """How many of ``edges[first:first + n]`` are below ``v``: the count of
-    :func:`_count_below` (``strict``) without its branches, for a query's few thresholds."""
+    :func:`_count_below` (``strict``) as one linear pass, for a query's few thresholds."""
     b = 0
-    for i in range(n):
-        b += edges[first + i] < v
+    start = np.uint64(first)
+    for i in range(np.uint64(n)):
+        b += edges[start + i] < v
     return b
 
 

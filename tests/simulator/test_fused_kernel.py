@@ -17,14 +17,16 @@ from raycompat.upgrade.grid import backfill_counts
 from raycompat.upgrade.score_sides import Side
 
 
-def integer_instance(seed: int):
-    """Integer sides (ties everywhere), three curves, a random backfill order."""
+def integer_instance(seed: int, points: int = 4):
+    """Integer sides (ties everywhere), three curves, a random backfill order; the backfill
+    curve at ``points`` grid points (more than 16 thresholds a query: the binary search)."""
     rng = np.random.default_rng(seed)
     n, n_q = int(rng.integers(80, 400)), int(rng.integers(4, 30))
     gl, ql = rng.integers(0, 4, n), rng.integers(0, 5, n_q)
     qo, go = (rng.integers(-2, 3, (m, 3)).astype(np.float32) for m in (n_q, n))
     qn, gn = (rng.integers(-2, 3, (m, 9)).astype(np.float32) for m in (n_q, n))
-    counts = backfill_counts(np.array([0.0, 0.2, 0.5, 1.0]), n)
+    grid = np.array([0.0, 0.2, 0.5, 1.0]) if points == 4 else np.linspace(0.0, 1.0, points)
+    counts = backfill_counts(grid, n)
     sides = {"o": Side(qo, go), "n": Side(qn, gn)}
     curves = [
         CurveSpec("c", "o", "n", counts, rng.permutation(n)),
@@ -42,12 +44,12 @@ def counts_of(plan, block) -> dict:
     return threshold_counts_by_role(plan, hist, ties)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_fused_counts_equal_the_torch_filter_and_count(seed, monkeypatch):
+@pytest.mark.parametrize("seed, points", [(s, 4) for s in range(6)] + [(6, 41), (7, 41)])
+def test_fused_counts_equal_the_torch_filter_and_count(seed, points, monkeypatch):
     """Same counts per threshold, same ranks: thresholds in per-query tables or on float64
     keys, a normal or a huge error band (every survivor a near-tie), the debug sentinel,
     one or two worker threads, small and large blocks."""
-    rng, sides, curves, ql, gl = integer_instance(300 + seed)
+    rng, sides, curves, ql, gl = integer_instance(300 + seed, points)
     monkeypatch.setattr(thresholds_mod, "TABLE_MAX", int(rng.choice([0, 32])))
     n = sides["o"].gallery.shape[0]
     for band, debug in ((1.0, False), (1e9, False), (1.0, True)):
@@ -124,3 +126,20 @@ def test_the_kernel_is_compiled_once_for_its_types_without_the_gil():
     block_pass(plan, sides, fused=True)
     assert len(fn.signatures) == 1 and fn is fused_kernel.load_kernel()
     assert fn.targetoptions["nogil"] is True and fn._cache.__class__.__name__ == "FunctionCache"
+
+
+def test_the_kernels_searches_count_edges_below_a_value_as_numpy_does():
+    """The kernel's branch-free binary search (more than 16 thresholds) and its linear count
+    (up to 16), compiled, against ``np.searchsorted`` on sorted edges with ties, at values on
+    and between the edges, for every length up to 40 and an offset into a longer array."""
+    assert fused_kernel.load_kernel() is not None
+    rng = np.random.default_rng(5)
+    for n in range(41):
+        edges = np.sort(rng.integers(0, 12, n).astype(np.float32))
+        padded = np.concatenate([np.full(3, -1.0, np.float32), edges, np.full(2, 99.0, np.float32)])
+        for v in np.arange(-1.0, 13.0, 0.5, dtype=np.float32):
+            below = int(np.searchsorted(edges, v, side="left"))
+            at_or_below = int(np.searchsorted(edges, v, side="right"))
+            assert fused_kernel._count_below(padded, 3, n, v, True) == below, (n, v)
+            assert fused_kernel._count_below(padded, 3, n, v, False) == at_or_below, (n, v)
+            assert fused_kernel._count_less(padded, 3, n, v) == below, (n, v)
