@@ -298,15 +298,48 @@ def _simulate_store(opts: PlanUpgradeOptions, name: str, folder: str, say) -> st
     return f"{name}={folder}"
 
 
+def _hardware(opts: PlanUpgradeOptions, sims: list, bundle_training):
+    """The :class:`~raycompat.planning.timeline.Hardware` of the plan: the gallery's size, the
+    devices and their price, the search load, and the fixed costs (training: given by
+    ``--training-hours`` or read from the simulations' bundles by ``bundle_training``)."""
+    from raycompat.planning.rates import SearchLoad
+    from raycompat.planning.timeline import FixedCosts, Hardware
+
+    search = None
+    if opts.queries_per_s is not None:
+        search = SearchLoad(opts.queries_per_s, opts.searches_per_s)
+    items = opts.items or sims[0].n_items
+    by_model, notes = (), ()
+    if opts.training_hours is None:
+        by_model, notes = bundle_training(sims, opts.device_kind, opts.new_model)
+    fixed = FixedCosts(
+        training_hours=opts.training_hours or 0.0,
+        training_by_model=by_model,
+        training_notes=notes,
+        index_build_hours=opts.index_build_hours,
+        storage_gib=items * (opts.new_dim or 0) * 4 / 2**30,
+        storage_price=opts.storage_price_per_gib_hour,
+        new_items_per_hour=opts.new_items_per_hour,
+    )
+    return Hardware(
+        items=items,
+        devices=opts.devices,
+        device_kind=opts.device_kind,
+        price=opts.price_per_device_hour,
+        search=search,
+        store_items_per_s=opts.store_items_per_s,
+        fixed=fixed,
+    )
+
+
 def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
     """Read the curves, build and assess every option, write the plan; returns the written
     paths and the plan (``"plan"``). Inputs are checked before the output folder is made."""
     from raycompat.planning.inputs import bundle_training, load_results
     from raycompat.planning.plan import candidates, make_plan, model_rates
-    from raycompat.planning.rates import SearchLoad, measure_embedding_rate
+    from raycompat.planning.rates import measure_embedding_rate
     from raycompat.planning.recommend import Constraints
     from raycompat.planning.report import write_plan
-    from raycompat.planning.timeline import FixedCosts, Hardware
     from raycompat.upgrade.modes import parse_modes
     from raycompat.upgrade.policies import parse_policies
 
@@ -337,31 +370,7 @@ def run(opts: PlanUpgradeOptions, log=None, command: str | None = None) -> dict:
         rate = measure_embedding_rate(
             opts.rate_model, opts.rate_items, output.path("rate_probe"), opts.device_kind, say
         )
-    search = None
-    if opts.queries_per_s is not None:
-        search = SearchLoad(opts.queries_per_s, opts.searches_per_s)
-    items = opts.items or sims[0].n_items
-    by_model, notes = (), ()
-    if opts.training_hours is None:
-        by_model, notes = bundle_training(sims, opts.device_kind, opts.new_model)
-    fixed = FixedCosts(
-        training_hours=opts.training_hours or 0.0,
-        training_by_model=by_model,
-        training_notes=notes,
-        index_build_hours=opts.index_build_hours,
-        storage_gib=items * (opts.new_dim or 0) * 4 / 2**30,
-        storage_price=opts.storage_price_per_gib_hour,
-        new_items_per_hour=opts.new_items_per_hour,
-    )
-    hardware = Hardware(
-        items=items,
-        devices=opts.devices,
-        device_kind=opts.device_kind,
-        price=opts.price_per_device_hour,
-        search=search,
-        store_items_per_s=opts.store_items_per_s,
-        fixed=fixed,
-    )
+    hardware = _hardware(opts, sims, bundle_training)
     constraints = Constraints(
         never_below_old=opts.never_below_old,
         max_nfr=opts.max_nfr,
