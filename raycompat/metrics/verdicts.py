@@ -45,8 +45,9 @@ def verdict(difference: Interval, strict: bool = True) -> str:
 
 
 def combine_all(verdicts: Sequence[str]) -> str:
-    """Every check must hold: held if all are held, not held if one is not held."""
-    if not verdicts:
+    """Every check must hold: held if all are held, not held if one is not held; not
+    measured when no check was (a check that was not measured makes the rest inconclusive)."""
+    if all(v == NOT_MEASURED for v in verdicts):
         return NOT_MEASURED
     if NOT_HELD in verdicts:
         return NOT_HELD
@@ -54,8 +55,9 @@ def combine_all(verdicts: Sequence[str]) -> str:
 
 
 def combine_any(verdicts: Sequence[str]) -> str:
-    """One check must hold: held if one is held, not held if every one is not held."""
-    if not verdicts:
+    """One check must hold: held if one is held, not held if every one is not held; not
+    measured when no check was."""
+    if all(v == NOT_MEASURED for v in verdicts):
         return NOT_MEASURED
     if HELD in verdicts:
         return HELD

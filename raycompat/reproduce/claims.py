@@ -69,7 +69,11 @@ class Checks:
         self.items: list[dict] = []
 
     def add(self, name: str, statistic: Callable, strict: bool = True, **samples) -> dict:
-        """Check ``statistic(**samples) > 0`` (``>= 0`` unless ``strict``)."""
+        """Check ``statistic(**samples) > 0`` (``>= 0`` unless ``strict``); *not measured*
+        when a sample is missing (a model of some training seed not trained yet, as in a
+        piece of a ``--train-budget-minutes`` run)."""
+        if any(sample is None for sample in samples.values()):
+            return self.add_interval(name, None, NOT_MEASURED)
         with np.errstate(divide="ignore", invalid="ignore"):
             iv = self.evidence.interval(statistic, **samples)
         return self.add_interval(name, iv, verdict(iv, strict))
@@ -87,7 +91,9 @@ def _claim(cid, paper, claim, measurement, checks: Checks, numbers, outcome=None
     """One claim's record: ``outcome`` (default: every check must hold) and its explanation."""
     v = checks.verdicts()
     outcome = outcome or combine_all(v)
-    counts = ", ".join(f"{v.count(o)} {o}" for o in (HELD, NOT_HELD, INCONCLUSIVE) if v.count(o))
+    counts = ", ".join(
+        f"{v.count(o)} {o}" for o in (HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED) if v.count(o)
+    )
     if outcome == NOT_MEASURED:
         explanation = "the run did not train the models this claim needs"
     else:

@@ -472,3 +472,24 @@ def test_claims_on_a_compatible_model_say_when_bcts_criterion_is_not_held(bct_ou
     text = "\n".join(_claims_lines(report))
     assert (PREMISE_NOT_MET in text) is marked
     assert (f"BCT's criterion M(bct,o) > M(o,o) is **{expected_bct}**" in text) is marked
+
+
+def test_a_model_missing_under_one_seed_leaves_its_checks_not_measured():
+    """A piece of a two-seed ``--train-budget-minutes`` run: BCT trained under seed 0 only.
+    Its check is *not measured* (not a crash, not a verdict on one seed); with a second test
+    set measured under both seeds and held, the claim is inconclusive, never held."""
+    f = Fixture()
+    f.evidence = Evidence(BootstrapOptions(resamples=400), 2)
+    oo = base()
+    f.test_set("ext", oo, base(5, 0.7), {"bct": {"m_nn": base(2), "m_no": shifted(oo, "win")}})
+    claim = bct_compatible(f.results, f.evidence)
+    assert claim["verdict"] == NOT_MEASURED and claim["checks"][0]["difference"] is None
+    assert claim["checks"][0]["verdict"] == NOT_MEASURED
+    f.test_set("open", oo, base(5, 0.7), {"bct": {"m_nn": base(2), "m_no": shifted(oo, "win")}})
+    for key in list(f.evidence._per_seed):
+        if key[1] == "open" or key[-1] == "m_oo":
+            f.evidence.put(key, f.evidence.latest(key, 0), 1)
+    claim = bct_compatible(f.results, f.evidence)
+    assert [c["verdict"] for c in claim["checks"]] == [NOT_MEASURED, HELD]
+    assert claim["verdict"] == INCONCLUSIVE
+    assert "1 held, 1 not measured" in claim["explanation"]
