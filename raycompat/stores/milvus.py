@@ -508,7 +508,11 @@ class MilvusStore(VectorStore):
         rows = []
         for start in range(0, len(ids), _READ_BATCH):
             chunk = ids[start : start + _READ_BATCH].tolist()
-            rows += self._client.get(self.uri.name, ids=chunk, output_fields=fields)
+            # a query on our own id column: pymilvus's ``get`` takes the primary key's name
+            # from a schema it caches by collection name, which another database's collection
+            # of the same name can leave stale (seen: "unknown field 'item_id'")
+            expr = f"{self.columns.id} in {chunk}"
+            rows += self._client.query(self.uri.name, filter=expr, output_fields=fields)
         if strict and len(rows) != len(ids):
             missing = np.setdiff1d(ids, [row[self.columns.id] for row in rows])
             raise StoreError(
