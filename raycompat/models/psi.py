@@ -93,12 +93,17 @@ class FeatureMap:
     kernels sum in orders that depend on the batch shape, and in float64 those differences
     stay ~2^-29 below float32's resolution, so the float32 result is the same whether the
     row went through the simulator's batch of 8192 or a request of one query (the live index
-    and the simulator then score bit-identical vectors)."""
+    and the simulator then score bit-identical vectors).
 
-    def __init__(self, module: nn.Module, batch_size: int = 8192):
+    ``exact=False`` computes in float32, about twice as fast, for a first pass whose results
+    are scored again with the exact map (a store search's candidates)."""
+
+    def __init__(self, module: nn.Module, batch_size: int = 8192, exact: bool = True):
         import copy
 
-        self.module = copy.deepcopy(module).cpu().double().eval()
+        self.dtype = np.float64 if exact else np.float32
+        self.module = copy.deepcopy(module).cpu().eval()
+        self.module = self.module.double() if exact else self.module.float()
         self.in_dim = getattr(module, "in_dim", None)
         self.out_dim = getattr(module, "out_dim", None)
         self.batch_size = int(batch_size)
@@ -111,7 +116,7 @@ class FeatureMap:
         with torch.no_grad():
             for s in range(0, x.shape[0], self.batch_size):
                 chunk = torch.from_numpy(
-                    np.ascontiguousarray(x[s : s + self.batch_size], dtype=np.float64)
+                    np.ascontiguousarray(x[s : s + self.batch_size], dtype=self.dtype)
                 )
                 out.append(self.module(chunk).numpy().astype(np.float32))
         if not out:

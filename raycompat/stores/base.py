@@ -462,6 +462,18 @@ class VectorStore(ABC):
         arrays keyed by logical column; vectors float32 [n, d], a NaN row for the new vector
         of an item not upgraded (docs/stores.md#read)."""
 
+    def scan_blocks(
+        self,
+        columns: Iterable[str] = ("id", "old"),
+        block_rows: int = 65536,
+        filter: Filter | str | None = None,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The blocks of :meth:`read_blocks` in no set order: for a reader that scores every
+        block and needs no id order (a search side over transformed vectors). A backend that
+        can stream its rows in storage order in one pass overrides it; this default reads
+        them in id order (docs/stores.md#read)."""
+        return self.read_blocks(columns, block_rows, filter)
+
     @abstractmethod
     def counts_by_model(self) -> ModelCounts:
         """Items per old and new model fingerprint (docs/stores.md#read)."""

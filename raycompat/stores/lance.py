@@ -342,6 +342,25 @@ class LanceStore(VectorStore):
         row_ids = index["_rowid"].to_numpy()[order]
         return self._iter_blocks(snapshot, wanted, row_ids, block_rows)
 
+    def scan_blocks(
+        self,
+        columns: Iterable[str] = ("id", "old"),
+        block_rows: int = 65536,
+        filter: Filter | str | None = None,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Blocks in storage order from one streamed scan of the version current at the
+        call: no id index and no takes by row id, which :meth:`read_blocks`' id order costs
+        (docs/benchmarks.md, "Store backfill")."""
+        wanted = self._read_columns(columns)
+        if not isinstance(block_rows, int) or block_rows < 1:
+            raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
+        query = self._table.search().select(self._physical_for(wanted))
+        expr = self._expr(self._filter(filter))
+        if expr:
+            query = query.where(expr)
+        reader = query.limit(None).to_batches(block_rows)
+        return (self._block_dict(pa.Table.from_batches([b]), wanted) for b in reader if len(b))
+
     def _physical_for(self, wanted: list[str]) -> list[str]:
         cols = self.columns
         names = {cols.id} | {cols.physical(name) for name in wanted}

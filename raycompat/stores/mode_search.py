@@ -108,16 +108,19 @@ def search_field(
 @dataclass(frozen=True)
 class _Side:
     """Queries [nq, d] (unit rows) against ``field``'s vectors, through ``transform`` (a
-    :class:`raycompat.models.FeatureMap` of a bundle module, built once) if set."""
+    bundle module, as :class:`raycompat.models.FeatureMap` s built once: the exact float64
+    map and a float32 one for finding candidates) if set."""
 
     queries: np.ndarray
     field: str
     transform: object = None
+    quick_transform: object = None
 
-    def vectors(self, stored: np.ndarray, where: str) -> np.ndarray:
+    def vectors(self, stored: np.ndarray, where: str, *, exact: bool = True) -> np.ndarray:
         if self.transform is None:
             return np.asarray(stored, np.float32)
-        return _unit(self.transform(stored), f"{self.field} vectors of {where}")
+        fmap = self.transform if exact else self.quick_transform
+        return _unit(fmap(stored), f"{self.field} vectors of {where}")
 
 
 def _sides(store: VectorStore, queries: StoreQueries, mode: str, modules: dict):
@@ -138,24 +141,25 @@ def _sides(store: VectorStore, queries: StoreQueries, mode: str, modules: dict):
             raise StoreError("mode 'naive_merge' needs the old model's queries (queries.old)")
         return _Side(_unit(queries.old, "queries.old"), "old"), new_side
     if mode in ("adapted", "fct"):
-        return _Side(new_q, "old", _feature_map(modules[STORE_MODES[mode][0]])), new_side
-    rho = _feature_map(modules["rho"])
+        return _Side(new_q, "old", *_feature_maps(modules[STORE_MODES[mode][0]])), new_side
+    rho, quick_rho = _feature_maps(modules["rho"])
     rho_q = rho(np.asarray(queries.new, np.float32))
-    rev_q = _unit(_feature_map(modules["psi_rev"])(rho_q), "psi_rev(rho(queries.new))")
-    return _Side(rev_q, "old"), _Side(_unit(rho_q, "rho(queries.new)"), "new", rho)
+    rev_q = _unit(_feature_maps(modules["psi_rev"])[0](rho_q), "psi_rev(rho(queries.new))")
+    return _Side(rev_q, "old"), _Side(_unit(rho_q, "rho(queries.new)"), "new", rho, quick_rho)
 
 
 def _side_candidates(store: VectorStore, side: _Side, k: int, flt: Filter, rows: int) -> np.ndarray:
-    """Ids [nq, k] (-1 padded) of a side's best items by float32 score."""
+    """Ids [nq, k] (-1 padded) of a side's best items by float32 score (vectors through the
+    float32 map: the candidates are scored again exactly, as a store search's are)."""
     if side.transform is None:
         return store.search(side.field, side.queries, k, filter=flt).ids
     best = SearchResult(
         np.full((len(side.queries), k), -1, np.int64),
         np.full((len(side.queries), k), -np.inf, np.float32),
     )
-    for block in store.read_blocks(("id", side.field), block_rows=rows, filter=flt):
+    for block in store.scan_blocks(("id", side.field), block_rows=rows, filter=flt):
         if len(block["id"]):
-            sims = side.queries @ side.vectors(block[side.field], store.where).T
+            sims = side.queries @ side.vectors(block[side.field], store.where, exact=False).T
             best = merge_topk(best, scores_topk(sims, block["id"], k), k)
     return best.ids
 
@@ -213,7 +217,8 @@ def _unit(x: np.ndarray, what: str) -> np.ndarray:
         raise StoreError(f"{what}: {exc}") from None
 
 
-def _feature_map(module):
+def _feature_maps(module):
+    """The exact (float64) and the quick (float32) :class:`raycompat.models.FeatureMap`."""
     from raycompat.models import FeatureMap
 
-    return FeatureMap(module)
+    return FeatureMap(module), FeatureMap(module, exact=False)

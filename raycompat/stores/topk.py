@@ -133,8 +133,15 @@ def compatible_brute_force(
 def scores_topk(sims: np.ndarray, item_ids: np.ndarray, k: int) -> SearchResult:
     """Top-``k`` per row of a score matrix ``sims`` [nq, n] over ``item_ids`` [n], by score
     then id."""
+    sims = np.asarray(sims, np.float32)
     ids = np.full((len(sims), k), PAD_ID, dtype=np.int64)
     scores = np.full((len(sims), k), -np.inf, dtype=np.float32)
+    # each row's k-th largest score: only the items at or above it (ties included) are sorted
+    kth = -np.partition(-sims, k - 1, axis=1)[:, k - 1] if sims.shape[1] > k else None
     for row, row_sims in enumerate(sims):
-        ids[row], scores[row] = _padded(*rank_candidates(item_ids, row_sims), k)
+        keep = slice(None)
+        if kth is not None and not np.isnan(kth[row]):
+            keep = np.flatnonzero(row_sims >= kth[row])
+        ranked = rank_candidates(item_ids[keep], row_sims[keep])
+        ids[row], scores[row] = _padded(*ranked, k)
     return SearchResult(ids, scores)

@@ -27,6 +27,7 @@ from raycompat.stores.topk import (
     brute_force_topk,
     merge_topk,
     resolve_topk,
+    scores_topk,
 )
 from raycompat.stores.uri import parse_store_uri
 
@@ -216,3 +217,25 @@ def test_merge_topk_orders_by_score_then_id():
     got = merge_topk(a, b, 4)
     assert got.ids.tolist() == [[3, 4, 2, 8]]
     np.testing.assert_array_equal(got.scores, np.float32([[0.9, 0.9, 0.5, 0.5]]))
+
+
+def test_scores_topk_equals_a_full_sort_with_ties_and_nan():
+    """scores_topk sorts only the items at or above each row's k-th score: the same answer as
+    ranking every item by score then id, ties at the k-th score and NaN scores included."""
+    rng = np.random.default_rng(3)
+    for trial in range(400):
+        n, k = int(rng.integers(0, 50)), int(rng.integers(1, 15))
+        sims = rng.integers(0, 4, (3, n)).astype(np.float32) / 3  # many ties
+        if trial % 3 == 0:
+            sims = rng.standard_normal((3, n)).astype(np.float32)
+        if trial % 5 == 0 and n:
+            sims[0, rng.integers(0, n, 3)] = np.nan
+        ids = rng.permutation(10 * n + 1)[:n].astype(np.int64)
+        got = scores_topk(sims, ids, k)
+        for row in range(3):
+            order = np.lexsort((ids, -sims[row].astype(np.float64)))[:k]
+            want_ids = np.full(k, -1, np.int64)
+            want_scores = np.full(k, -np.inf, np.float32)
+            want_ids[: len(order)], want_scores[: len(order)] = ids[order], sims[row][order]
+            np.testing.assert_array_equal(got.ids[row], want_ids)
+            np.testing.assert_array_equal(got.scores[row], want_scores)

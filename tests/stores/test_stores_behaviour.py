@@ -241,6 +241,23 @@ def test_filters_select_labels_ids_and_upgraded(store, gal):
             np.testing.assert_array_equal(got[name], everything[name][keep])
 
 
+def test_scan_blocks_give_the_rows_of_read_blocks_in_any_order(store, gal, backend):
+    upgrade(store, gal, gal.order[:70], "new-m1", 0)
+    columns = ("id", "label", "old", "new", "new_model")
+    for flt in (None, Filter(upgraded=True), Filter(upgraded=False, labels=(1, 4))):
+        want = read_all(store, columns, filter=flt)
+        blocks = list(store.scan_blocks(columns, block_rows=32, filter=flt))
+        assert blocks and all(0 < len(b["id"]) <= 32 for b in blocks)
+        got = {k: np.concatenate([b[k] for b in blocks]) for k in columns}
+        order = np.argsort(got["id"])
+        for name in columns:
+            np.testing.assert_array_equal(got[name][order], want[name])
+    with pytest.raises(StoreError, match="block_rows"):
+        store.scan_blocks(("id",), block_rows=0)
+    with pytest.raises(StoreError, match="unknown column 'vector'"):
+        store.scan_blocks(("id", "vector"))
+
+
 # -- write ---------------------------------------------------------------------------------
 def test_write_new_changes_only_the_new_model_fields(store, gal):
     before = read_all(store)
