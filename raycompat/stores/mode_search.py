@@ -78,6 +78,10 @@ def search(
     if flt.upgraded is not None:
         raise StoreError(f"{store.where}: a mode search filters on upgraded itself")
     fetch = min(k + max(8, k // 2), store.max_search_limit - 1)
+    if sides[0].transform is None and sides[1].transform is None:
+        # both sides over stored vectors: one merged search (Milvus: one hybrid_search)
+        merged = store.search_compatible(sides[1].queries, sides[0].queries, fetch, filter=flt)
+        return _rescored(store, sides, [merged.ids], k)
     candidates = [
         _side_candidates(store, side, fetch, flt.and_upgraded(up), block_rows)
         for up, side in ((False, sides[0]), (True, sides[1]))
