@@ -171,14 +171,7 @@ def _side_candidates(store: VectorStore, side: _Side, k: int, flt: Filter, rows:
 def _rescored(store: VectorStore, sides, candidates: list[np.ndarray], k: int) -> SearchResult:
     """The top-``k`` of both sides' candidates by their float64 scores, ties by id."""
     ids = np.unique(np.concatenate([c[c >= 0] for c in candidates]))
-    vectors = {}
-    if ids.size:
-        flt = Filter(ids=tuple(ids.tolist()))
-        for up, side in ((False, sides[0]), (True, sides[1])):
-            for block in store.read_blocks(("id", side.field), filter=flt.and_upgraded(up)):
-                vecs = side.vectors(block[side.field], store.where).astype(np.float64)
-                for i, v in zip(block["id"].tolist(), vecs, strict=True):
-                    vectors[i] = (up, v)
+    vectors = _candidate_vectors(store, sides, ids) if ids.size else {}
     nq = len(sides[0].queries)
     out_ids = np.full((nq, k), -1, np.int64)
     out_scores = np.full((nq, k), -np.inf, np.float32)
@@ -194,6 +187,22 @@ def _rescored(store: VectorStore, sides, candidates: list[np.ndarray], k: int) -
         out_ids[row, : order.size] = cand[order]
         out_scores[row, : order.size] = scores[order]
     return SearchResult(out_ids, out_scores)
+
+
+def _candidate_vectors(store: VectorStore, sides, ids: np.ndarray) -> dict:
+    """``{id: (upgraded, float64 vector of its side)}`` of the candidates ``ids``, from one
+    read of their rows (the upgraded flag, or the position where only it is mapped)."""
+    flag = "upgraded" if store.columns.upgraded else "position"
+    fields = tuple(dict.fromkeys(side.field for side in sides))
+    out = {}
+    for block in store.read_blocks(("id", flag, *fields), filter=Filter(ids=tuple(ids.tolist()))):
+        upgraded = block[flag] if flag == "upgraded" else block[flag] >= 0
+        for up in (False, True):
+            rows = np.flatnonzero(upgraded == up)
+            side = sides[int(up)]
+            vecs = side.vectors(block[side.field][rows], store.where).astype(np.float64)
+            out.update((i, (up, v)) for i, v in zip(block["id"][rows].tolist(), vecs, strict=True))
+    return out
 
 
 def _modules(mode: str, bundle) -> dict:
