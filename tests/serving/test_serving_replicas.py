@@ -155,9 +155,10 @@ def test_a_writer_killed_mid_stream_loses_no_acknowledged_upsert(tmp_path):
     acked = 0
     for p in procs:
         for line in p.communicate()[0].splitlines():
-            _, *ids, hexvec = line.split()
-            if len(hexvec) != len(ids) * 12 * 8:  # cut off by the kill: not acknowledged
-                continue
+            fields = line.split()
+            if len(fields) < 3 or len(fields[-1]) != (len(fields) - 2) * 12 * 8:
+                continue  # cut off by the kill (even right after "ACK"): not acknowledged
+            _, *ids, hexvec = fields
             vecs = np.frombuffer(bytes.fromhex(hexvec), np.float32).reshape(len(ids), 12)
             last.update(zip(map(int, ids), vecs, strict=True))
             acked += 1
