@@ -469,10 +469,18 @@ class VectorStore(ABC):
         filter: Filter | str | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         """The blocks of :meth:`read_blocks` in no set order: for a reader that scores every
-        block and needs no id order (a search side over transformed vectors). A backend that
-        can stream its rows in storage order in one pass overrides it; this default reads
-        them in id order (docs/stores.md#read)."""
-        return self.read_blocks(columns, block_rows, filter)
+        block and needs no id order (a search side over transformed vectors). Checks its
+        arguments when called, as :meth:`read_blocks` does (docs/stores.md#read)."""
+        wanted = self._read_columns(columns)
+        self._check_block_rows(block_rows)
+        return self._scan_blocks(wanted, block_rows, self._filter(filter))
+
+    def _scan_blocks(
+        self, wanted: list[str], block_rows: int, flt: Filter
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The backend's one-pass read of checked arguments; a backend that can stream its
+        rows in storage order overrides it, this default reads them in id order."""
+        return self.read_blocks(wanted, block_rows, flt)
 
     @abstractmethod
     def counts_by_model(self) -> ModelCounts:
@@ -631,6 +639,10 @@ class VectorStore(ABC):
                 "old vectors are no longer in use"
             )
         return column
+
+    def _check_block_rows(self, block_rows: int) -> None:
+        if not isinstance(block_rows, int) or block_rows < 1:
+            raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
 
     def _read_columns(self, columns: Iterable[str]) -> list[str]:
         wanted = [columns] if isinstance(columns, str) else list(columns)

@@ -333,8 +333,7 @@ class LanceStore(VectorStore):
         """Blocks in ascending id order, all from the version current at the call
         (docs/stores.md#read)."""
         wanted = self._read_columns(columns)
-        if not isinstance(block_rows, int) or block_rows < 1:
-            raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
+        self._check_block_rows(block_rows)
         snapshot = self._db.open_table(self.uri.name)
         snapshot.checkout(self._table.version)
         index = self._scan([self.columns.id], filter, table=snapshot, row_ids=True)
@@ -342,20 +341,14 @@ class LanceStore(VectorStore):
         row_ids = index["_rowid"].to_numpy()[order]
         return self._iter_blocks(snapshot, wanted, row_ids, block_rows)
 
-    def scan_blocks(
-        self,
-        columns: Iterable[str] = ("id", "old"),
-        block_rows: int = 65536,
-        filter: Filter | str | None = None,
+    def _scan_blocks(
+        self, wanted: list[str], block_rows: int, flt: Filter
     ) -> Iterator[dict[str, np.ndarray]]:
         """Blocks in storage order from one streamed scan of the version current at the
         call: no id index and no takes by row id, which :meth:`read_blocks`' id order costs
         (docs/benchmarks.md, "Store backfill")."""
-        wanted = self._read_columns(columns)
-        if not isinstance(block_rows, int) or block_rows < 1:
-            raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
         query = self._table.search().select(self._physical_for(wanted))
-        expr = self._expr(self._filter(filter))
+        expr = self._expr(flt)
         if expr:
             query = query.where(expr)
         reader = query.limit(None).to_batches(block_rows)

@@ -469,35 +469,28 @@ class MilvusStore(VectorStore):
     ) -> Iterator[dict[str, np.ndarray]]:
         """Blocks in ascending id order; without snapshots, a write between two blocks shows
         in the later block (docs/stores.md#read)."""
-        wanted, physical = self._read_plan(columns, block_rows)
-        flt = self._filter(filter)
+        wanted = self._read_columns(columns)
+        self._check_block_rows(block_rows)
+        physical, flt = self._physical(wanted), self._filter(filter)
         if flt.ids is not None and flt.labels is None and flt.raw is None:
             return self._blocks_of_ids(flt, wanted, physical, block_rows)
         return self._iter_blocks(self.read_ids(flt), wanted, physical, block_rows)
 
-    def scan_blocks(
-        self,
-        columns: Iterable[str] = ("id", "old"),
-        block_rows: int = 65536,
-        filter: Filter | str | None = None,
+    def _scan_blocks(
+        self, wanted: list[str], block_rows: int, flt: Filter
     ) -> Iterator[dict[str, np.ndarray]]:
         """Blocks in the engine's order from one pass over the matching rows (one query on
         Milvus Lite, the query iterator on a server): no read of the ids first and no reads
         by primary key, which :meth:`read_blocks`' id order costs (docs/benchmarks.md,
         "Store backfill")."""
-        wanted, physical = self._read_plan(columns, block_rows)
-        return self._scan_rows(wanted, physical, block_rows, self._filter(filter))
+        return self._scan_rows(wanted, self._physical(wanted), block_rows, flt)
 
-    def _read_plan(self, columns: Iterable[str], block_rows: int) -> tuple[list[str], list[str]]:
-        """(logical columns, physical fields) of a read, checked."""
-        wanted = self._read_columns(columns)
-        if not isinstance(block_rows, int) or block_rows < 1:
-            raise StoreError(f"{self.where}: block_rows must be an integer >= 1")
+    def _physical(self, wanted: list[str]) -> list[str]:
+        """The fields a read of the logical columns ``wanted`` asks Milvus for."""
         cols = self.columns
-        physical = sorted(
+        return sorted(
             {cols.id, cols.upgraded or cols.position} | {cols.physical(name) for name in wanted}
         )
-        return wanted, physical
 
     def _scan_rows(
         self, wanted: list[str], physical: list[str], block_rows: int, flt: Filter
