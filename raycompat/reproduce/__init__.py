@@ -27,6 +27,8 @@ from raycompat.reproduce.plan import (
 
 #: the per-query samples beside a report (:class:`~raycompat.reproduce.evidence.Evidence`)
 SAMPLES_FILE = "samples.npz"
+#: what a ``--train-only`` run writes instead of a report: the models that exist and those left
+TRAINING_FILE = "training.json"
 
 
 def run_reproduce(opts: ReproduceOptions) -> dict:
@@ -43,7 +45,7 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         "reproduce",
         default_out="reproduce_out",
         config=opts,
-        ignore=("parallel", "train_budget_minutes", "seed_spread_from"),
+        ignore=("parallel", "train_budget_minutes", "train_only", "seed_spread_from"),
     )
     out = output.local
     load_before = os.getloadavg()[0]
@@ -66,6 +68,8 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     )
     reproduction = Reproduction(opts, out, output.runs, log)
     results = reproduction.run()
+    if opts.train_only:
+        return _write_training_summary(opts, output, results, load_before, started, log)
     # the per-query samples behind every number: the claims can be decided again from disk
     reproduction.evidence.save(os.path.join(out, SAMPLES_FILE))
     claims = evaluate_claims(results, reproduction.evidence)
@@ -100,9 +104,39 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
     return report
 
 
+def _write_training_summary(opts, output, results, load_before, started, log) -> dict:
+    """``--train-only``: write ``training.json`` (the models that exist, those left and why)
+    and leave any report of an earlier run in place."""
+    from raycompat.report import machine_description, with_version, write_json
+    from raycompat.reproduce.runner import options_dict
+
+    timings = dict(results.pop("timings"))
+    timings["total_s"] = time.time() - started
+    summary = dict(
+        job="reproduce",
+        train_only=True,
+        options=options_dict(opts),
+        machine=machine_description(load_before),
+        trained=sum(1 for m in results["models"].values() if not m["reused"]),
+        reused=sum(1 for m in results["models"].values() if m["reused"]),
+        left=len(results["not_trained"]),
+        results=results,
+        timings=timings,
+    )
+    write_json(os.path.join(output.local, TRAINING_FILE), with_version(summary))
+    output.publish()
+    log(
+        f"done in {timings['total_s']:.0f} s (--train-only): {summary['trained']} models "
+        f"trained, {summary['reused']} reused, {summary['left']} left; "
+        f"{os.path.join(output.local, TRAINING_FILE)}"
+    )
+    return summary
+
+
 __all__ = [
     "CLAIMS",
     "SAMPLES_FILE",
+    "TRAINING_FILE",
     "Evidence",
     "SCALES",
     "SCENARIOS",

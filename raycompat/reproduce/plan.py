@@ -324,6 +324,12 @@ class ReproduceOptions:
         help="start no training after this many minutes; the report lists what was not trained "
         "and its claims say 'not measured'; none: no limit",
     )
+    train_only: bool = option(
+        False,
+        help="train or resume the plan's models (within --train-budget-minutes) and stop: no "
+        "evaluation and no report, only training.json (what exists, what is left); a later run "
+        "without it, on the same --out, evaluates every model that exists",
+    )
     backfill_policies: tuple = option(BACKFILL_POLICIES, help="policies of the backfill curves")
     verbose: bool = option(False, help="keep Ray's own INFO lines")
 

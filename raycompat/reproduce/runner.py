@@ -365,6 +365,14 @@ class Reproduction:
             )
         return self._images[scenario.name]
 
+    def not_trained(self) -> list[dict]:
+        """The planned models without a finished training, each with why (``skipped``)."""
+        return [
+            dict(model=name, key=t.key, reason=t.skipped)
+            for name, t in self.models.items()
+            if not ModelStore.done(t)
+        ]
+
     def model_rows(self) -> dict:
         rows = {}
         for name, t in self.models.items():
@@ -743,6 +751,14 @@ class Reproduction:
         budget = self.opts.train_budget_minutes
         self.store.run_all(self.opts.parallel, None if budget is None else 60.0 * budget)
         self.timings["training_s"] = time.time() - started
+        if self.opts.train_only:
+            self.log(f"training done in {self.timings['training_s']:.0f} s; not evaluating")
+            return dict(
+                models=self.model_rows(),
+                not_trained=self.not_trained(),
+                seeds=self.seeds(),
+                timings=self.timings,
+            )
         self.log(f"training done in {self.timings['training_s']:.0f} s; evaluating")
         per_seed = []
         for i, seed in enumerate(self.seeds()):
@@ -751,11 +767,6 @@ class Reproduction:
         test_sets, backfill, sequential = merge_seeds(per_seed)
         attach_intervals(test_sets, backfill, self.evidence)
         self.timings["total_s"] = time.time() - started
-        not_trained = [
-            dict(model=name, key=t.key, reason=t.skipped)
-            for name, t in self.models.items()
-            if not ModelStore.done(t)
-        ]
         scaling = None
         if self.opts.class_scaling:
             scaling = scaling_results(self.scaling_points(planned), self.evidence)
@@ -767,7 +778,7 @@ class Reproduction:
             backfill=backfill,
             class_scaling=scaling,
             models=self.model_rows(),
-            not_trained=not_trained,
+            not_trained=self.not_trained(),
             seeds=self.seeds(),
             bootstrap=dataclasses.asdict(self.opts.bootstrap),
             timings=self.timings,

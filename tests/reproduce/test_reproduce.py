@@ -13,6 +13,7 @@ from raycompat.config import ConfigError
 from raycompat.outputs import OutputOptions
 from raycompat.reproduce import (
     SAMPLES_FILE,
+    TRAINING_FILE,
     Evidence,
     ReproduceOptions,
     ScaleOptions,
@@ -183,7 +184,18 @@ def test_sequential_chains_every_cross_pair(tiny_run):
 
 
 def test_rerun_reuses_every_model(tiny_run):
-    opts, _, report = tiny_run
+    """A ``--train-only`` piece writes training.json and leaves the report alone; a full
+    re-run then reuses every model and gives the same numbers."""
+    opts, out, report = tiny_run
+    before = (out / "report.md").read_text()
+    summary = run_reproduce(dataclasses.replace(opts, train_only=True))
+    n = len(report["results"]["models"])
+    assert (summary["trained"], summary["reused"], summary["left"]) == (0, n, 0)
+    written = json.loads((out / TRAINING_FILE).read_text())
+    assert written["train_only"] is True and set(written["results"]["models"]) == set(
+        report["results"]["models"]
+    )
+    assert (out / "report.md").read_text() == before
     again = run_reproduce(dataclasses.replace(opts))
     assert all(m["reused"] for m in again["results"]["models"].values())
     assert again["results"]["test_sets"] == report["results"]["test_sets"]
@@ -219,6 +231,7 @@ def test_seeds_train_every_model_once_per_seed(tmp_path):
     assert seeds == [3] * 8 + [4] * 8
     assert {name.rsplit("@", 1)[1] for name in rep.models} == {"seed3", "seed4"}
     assert parse_reproduce_options(["--seeds", "3", "--resamples", "200"]).seeds == 3
+    assert parse_reproduce_options(["--train-only"]).train_only is True
 
 
 def test_methods_all_plans_the_field_methods_where_they_fit(tmp_path):
