@@ -14,7 +14,7 @@ import sys
 import time
 
 from raycompat import console
-from raycompat.reproduce.claims import CLAIMS, evaluate_claims
+from raycompat.reproduce.claims import CLAIMS, evaluate_claims, shown_verdict
 from raycompat.reproduce.evidence import Evidence
 from raycompat.reproduce.plan import (
     SCALES,
@@ -99,8 +99,8 @@ def run_reproduce(opts: ReproduceOptions) -> dict:
         f"{os.path.join(out, 'report.md') if where == out else where + '/report.md'}"
     )
     for c in claims:
-        premise = " (premise not met at this scale)" if c.get("premise") else ""
-        print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}{premise}", flush=True)
+        shown = f" ({shown_verdict(c)})" if c.get("premise") else ""
+        print(f"  [{c['verdict']:>12s}] {c['paper']}: {c['claim']}{shown}", flush=True)
     return report
 
 

@@ -927,30 +927,63 @@ NEEDS_PREMISE = (
 MEASURED = (HELD, NOT_HELD, INCONCLUSIVE)
 
 
-def mark_premise(claims: list[dict]) -> list[dict]:
-    """Where the run measured BCT's criterion (``PREMISE_CLAIM``) and did not hold it, every
-    claim of ``NEEDS_PREMISE`` with a measured verdict gets ``premise``: ``{met: False, claim,
-    verdict}`` (the criterion's verdict), and is shown as ``PREMISE_NOT_MET`` with its measured
-    verdict beside it (:func:`shown_verdict`). A run that held it, or did not measure it, marks
-    nothing."""
+def mark_premise(claims: list[dict], results: dict, evidence: Evidence) -> list[dict]:
+    """Where the run measured BCT's criterion (``PREMISE_CLAIM``) and did not hold it on every
+    test set, every claim of ``NEEDS_PREMISE`` with a measured verdict gets ``premise``: the
+    criterion's verdict, the test sets where it held (``met_on``) and those where it did not
+    (``not_met_on``: not held, inconclusive or not measured), and the claim decided again
+    without the latter (``verdict_where_met``; test sets the criterion does not check stay).
+    ``met`` is whether that left the claim a measured verdict (:func:`shown_verdict`). A run
+    that held it everywhere, or did not measure it, marks nothing."""
     premise = next((c for c in claims if c["id"] == PREMISE_CLAIM), None)
     if premise is None or premise["verdict"] not in MEASURED or premise["verdict"] == HELD:
         return claims
-    for c in claims:
-        if c["id"] in NEEDS_PREMISE and c["verdict"] in MEASURED:
-            c["premise"] = dict(met=False, claim=PREMISE_CLAIM, verdict=premise["verdict"])
+    met_on = [c["check"] for c in premise["checks"] if c["verdict"] == HELD]
+    not_met_on = [c["check"] for c in premise["checks"] if c["verdict"] != HELD]
+    where_met = _without_test_sets(results, set(not_met_on))
+    for decide, c in zip(CLAIMS, claims, strict=True):
+        if c["id"] not in NEEDS_PREMISE or c["verdict"] not in MEASURED:
+            continue
+        again = decide(where_met, evidence)
+        met = again["verdict"] in MEASURED
+        c["premise"] = dict(
+            met=met,
+            claim=PREMISE_CLAIM,
+            verdict=premise["verdict"],
+            met_on=met_on,
+            not_met_on=not_met_on,
+            verdict_where_met=again["verdict"] if met else None,
+            explanation_where_met=again["explanation"] if met else None,
+        )
     return claims
 
 
+def _without_test_sets(results: dict, names: set[str]) -> dict:
+    """``results`` without the test sets (and backfill curves) named in ``names``."""
+    return dict(
+        results,
+        test_sets=[ts for ts in results["test_sets"] if ts["name"] not in names],
+        backfill={k: v for k, v in (results.get("backfill") or {}).items() if k not in names},
+    )
+
+
 def shown_verdict(claim: dict) -> str:
-    """The verdict as the report shows it: ``PREMISE_NOT_MET; measured: v`` for a claim whose
-    premise the run did not hold (:func:`mark_premise`), else the verdict."""
-    if (claim.get("premise") or {}).get("met") is False:
+    """The verdict as the report shows it (:func:`mark_premise`): ``PREMISE_NOT_MET; measured:
+    v`` for a claim whose premise the run held on none of its test sets; ``v' where BCT's
+    criterion held (...); on every test set: v`` for one decided where it held; else ``v``."""
+    premise = claim.get("premise")
+    if not premise:
+        return claim["verdict"]
+    if not premise["met"]:
         return f"{PREMISE_NOT_MET}; measured: {claim['verdict']}"
-    return claim["verdict"]
+    return (
+        f"{premise['verdict_where_met']} where BCT's criterion held "
+        f"({', '.join(premise['met_on'])}; premise not met on "
+        f"{', '.join(premise['not_met_on'])}); on every test set: {claim['verdict']}"
+    )
 
 
 def evaluate_claims(results: dict, evidence: Evidence) -> list[dict]:
     """Every claim of ``CLAIMS``, those whose premise the run did not hold marked
     (:func:`mark_premise`)."""
-    return mark_premise([claim(results, evidence) for claim in CLAIMS])
+    return mark_premise([claim(results, evidence) for claim in CLAIMS], results, evidence)

@@ -404,20 +404,34 @@ def _spread_line(seeds: int, spread: dict | None) -> str:
 
 
 def _premise_lines(claims: list[dict]) -> list[str]:
-    """A paragraph naming the claims marked ``premise not met`` (claims.mark_premise), if any."""
+    """A paragraph on the claims whose premise the run did not hold everywhere
+    (claims.mark_premise), if any."""
     marked = [c for c in claims if c.get("premise")]
     if not marked:
         return []
-    verdict = marked[0]["premise"]["verdict"]
-    return [
-        f"BCT's criterion M(bct,o) > M(o,o) is **{verdict}** in this run, so the "
-        f"{len(marked)} claims that build on a compatible new model (RACT's flips and orders, "
-        "DMU's adapted gallery, RM's rank merge, NDPP/ODPP's P_1 and the field's methods) are "
-        "measured where their premise fails: each says *premise not met at this scale* beside "
-        "its measured verdict, which is no evidence for or against the paper. The premise-scale "
-        "run (`--scale premise`, docs/reproduce.md) decides them where BCT is compatible.",
-        "",
-    ]
+    premise = marked[0]["premise"]
+    decided = [c for c in marked if c["premise"]["met"]]
+    text = (
+        f"BCT's criterion M(bct,o) > M(o,o) is **{premise['verdict']}** in this run"
+        + (f" (held on {', '.join(premise['met_on'])}; " if premise["met_on"] else " (")
+        + f"not held or not decided on {', '.join(premise['not_met_on'])}), so the "
+        f"{len(marked)} measured claims that build on a compatible new model (RACT's flips and "
+        "orders, DMU's adapted gallery, RM's rank merge, NDPP/ODPP's P_1 and the field's "
+        "methods) were measured, on some test sets or all, where their premise fails. "
+    )
+    if decided:
+        text += (
+            f"{len(decided)} of them are decided again on the test sets where it held, and "
+            "show that verdict with their verdict on every test set beside it; "
+        )
+    if len(decided) < len(marked):
+        text += (
+            f"{len(marked) - len(decided)} had no such test set and say *premise not met at "
+            "this scale* beside their measured verdict, which is no evidence for or against "
+            "the paper; "
+        )
+    text += "the premise-scale run (`--scale premise`, docs/reproduce.md) decides them."
+    return [text, ""]
 
 
 def _claims_lines(report: dict) -> list[str]:

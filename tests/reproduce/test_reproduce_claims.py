@@ -474,6 +474,55 @@ def test_claims_on_a_compatible_model_say_when_bcts_criterion_is_not_held(bct_ou
     assert (f"BCT's criterion M(bct,o) > M(o,o) is **{expected_bct}**" in text) is marked
 
 
+def test_claims_are_decided_again_on_the_test_sets_where_bcts_criterion_held():
+    """BCT's criterion held on extended-data and tied on open-class: a claim on a compatible
+    model keeps its verdict on every test set (here not held: LCE loses on open-class) and is
+    shown decided again without open-class (held); one whose only test set is open-class says
+    'premise not met'."""
+    from raycompat.reproduce.claims import PREMISE_NOT_MET, shown_verdict
+    from raycompat.reproduce.report import _claims_lines
+
+    f = Fixture()
+    for name, bct_outcome, lce_gain, bt2 in (
+        ("extended-data", "win", 0.15, False),
+        ("open-class", "tie", -0.15, True),
+    ):
+        oo = base()
+        bct_no = shifted(oo, bct_outcome)
+        methods = {
+            "independent": {"m_nn": base(5, 0.7), "m_no": oo - 0.3},
+            "bct": {"m_nn": base(5, 0.7), "m_no": bct_no},
+            "lce": {"m_nn": base(5, 0.7), "m_no": bct_no + lce_gain},
+        }
+        if bt2:
+            methods["bt2"] = {"m_nn": base(5, 0.7), "m_no": oo + 0.15}
+        f.test_set(name, oo, base(5, 0.7), methods)
+    claims = {c["id"]: c for c in evaluate_claims(f.results, f.evidence)}
+    assert claims["bct-compatible"]["verdict"] == INCONCLUSIVE
+    lce = claims["lce-beats-bct"]
+    assert lce["verdict"] == NOT_HELD
+    assert lce["premise"] == dict(
+        met=True,
+        claim="bct-compatible",
+        verdict=INCONCLUSIVE,
+        met_on=["extended-data"],
+        not_met_on=["open-class"],
+        verdict_where_met=HELD,
+        explanation_where_met="1 check(s): 1 held",
+    )
+    assert shown_verdict(lce) == (
+        "held where BCT's criterion held (extended-data; premise not met on open-class); "
+        "on every test set: not held"
+    )
+    bt2 = claims["bt2-close-and-compatible"]
+    assert bt2["verdict"] in (HELD, NOT_HELD, INCONCLUSIVE) and not bt2["premise"]["met"]
+    assert shown_verdict(bt2) == f"{PREMISE_NOT_MET}; measured: {bt2['verdict']}"
+    report = {"claims": list(claims.values()), "results": {"seeds": [0]}}
+    text = "\n".join(_claims_lines(report))
+    assert "(held on extended-data; not held or not decided on open-class)" in text
+    assert "are decided again on the test sets where it held" in text
+
+
 def test_a_model_missing_under_one_seed_leaves_its_checks_not_measured():
     """A piece of a two-seed ``--train-budget-minutes`` run: BCT trained under seed 0 only.
     Its check is *not measured* (not a crash, not a verdict on one seed); with a second test
