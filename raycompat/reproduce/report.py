@@ -414,24 +414,24 @@ def _premise_lines(claims: list[dict]) -> list[str]:
     text = (
         f"BCT's criterion M(bct,o) > M(o,o) is **{premise['verdict']}** in this run"
         + (f" (held on {', '.join(premise['met_on'])}; " if premise["met_on"] else " (")
-        + f"not held or not decided on {', '.join(premise['not_met_on'])}), so the "
-        f"{len(marked)} measured claims that build on a compatible new model (RACT's flips and "
-        "orders, DMU's adapted gallery, RM's rank merge, NDPP/ODPP's P_1 and the field's "
-        "methods) were measured, on some test sets or all, where their premise fails. "
+        + f"not held or not decided on {', '.join(premise['not_met_on'])}). {len(marked)} "
+        "measured claim(s) build on a compatible new model (RACT's flips and orders, DMU's "
+        "adapted gallery, RM's rank merge, NDPP/ODPP's P_1 and the field's methods) and were "
+        "measured, on some test sets or all, where that premise fails. "
     )
     if decided:
         text += (
-            f"{len(decided)} of them are decided again on the test sets where it held, and "
-            "show that verdict with their verdict on every test set beside it; "
+            f"{len(decided)} of them are decided again on the test sets where it held; each "
+            "shows that verdict with its verdict on every test set beside it. "
         )
     if len(decided) < len(marked):
         text += (
-            f"{len(marked) - len(decided)} had no such test set and say *premise not met at "
+            f"{len(marked) - len(decided)} have no such test set and say *premise not met at "
             "this scale* beside their measured verdict, which is no evidence for or against "
-            "the paper; "
+            "the paper; the premise-scale run (`--scale premise`, docs/reproduce.md) decides "
+            "them where BCT is compatible."
         )
-    text += "the premise-scale run (`--scale premise`, docs/reproduce.md) decides them."
-    return [text, ""]
+    return [text.strip(), ""]
 
 
 def _claims_lines(report: dict) -> list[str]:
