@@ -112,14 +112,16 @@ def _write_training_summary(opts, output, results, load_before, started, log) ->
 
     timings = dict(results.pop("timings"))
     timings["total_s"] = time.time() - started
+    # a model two scenarios share (architecture's old model is extended-data's) counts once
+    reused = {m["key"]: m["reused"] for m in results["models"].values()}
     summary = dict(
         job="reproduce",
         train_only=True,
         options=options_dict(opts),
         machine=machine_description(load_before),
-        trained=sum(1 for m in results["models"].values() if not m["reused"]),
-        reused=sum(1 for m in results["models"].values() if m["reused"]),
-        left=len(results["not_trained"]),
+        trained=sum(not r for r in reused.values()),
+        reused=sum(reused.values()),
+        left=len({m["key"] for m in results["not_trained"]}),
         results=results,
         timings=timings,
     )
