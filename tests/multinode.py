@@ -222,7 +222,12 @@ class LocalMultiNodeCluster:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        time.sleep(3.0)
+        deadline = time.time() + 3.0  # `ray start --block` stops its node on SIGTERM
+        for p in self.processes:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
         for p in self.processes:
             try:
                 os.killpg(p.pid, signal.SIGKILL)

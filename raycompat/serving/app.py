@@ -49,6 +49,11 @@ def replica_options(replicas: int, autoscaling: str | None) -> dict:
     return {"num_replicas": int(replicas)}
 
 
+#: Serve's health checks of every replica (shards, router, backfill controller): a replica that
+#: died is found, and its replacement started, within 2 s (Serve's default period is 10 s)
+HEALTH_CHECKS = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0}
+
+
 def _bind_shards(plan: ServingPlan) -> list:
     from ray import serve
 
@@ -64,8 +69,7 @@ def _bind_shards(plan: ServingPlan) -> list:
     shard_cls = serve.deployment(
         ShardServer,
         max_ongoing_requests=max(64, 2 * cfg.search_batch_size),
-        health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
+        **HEALTH_CHECKS,
     )
     replicas = replica_options(cfg.shard_replicas, cfg.shard_autoscaling)
     return [
@@ -85,6 +89,7 @@ def _bind_controller(plan: ServingPlan, shards: list):
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=16,
+        **HEALTH_CHECKS,
     )
     return ctl_cls.bind(shards, plan)
 
@@ -99,6 +104,7 @@ def _bind_router(plan: ServingPlan, shards: list, controller):
     return Router.options(
         ray_actor_options={"num_cpus": cfg.router_cpus},
         max_ongoing_requests=256,
+        **HEALTH_CHECKS,
         **replica_options(router_replicas(cfg), cfg.router_autoscaling),
     ).bind(shards, controller, plan, admin)
 
