@@ -203,29 +203,56 @@ def _serve_job(tmp_path) -> tuple[list[str], dict]:
     ], {"port": port}
 
 
+class SubmittedJobs:
+    """The simulate, serve, embed and train jobs, submitted in waves as the first of their
+    tests asks for one: the simulation and the index together (the Serve replicas ask for no
+    CPU); the embedding job when the simulation has ended, since its Ray Data tasks take a CPU
+    each and Ray's SPREAD is best effort (beside them, the simulation's 28 tasks all ran on one
+    node once, a CI run of 2026-11-28); the training job when the embedding job has ended, so
+    that it runs beside the index's test (HTTP calls and a short job) instead of after it. Its
+    strict-spread placement takes one CPU on each node, which nothing else holds by then."""
+
+    WAVES = (
+        (None, ("simulate-backfill", _simulate_job), ("serve-index", _serve_job)),
+        ("simulate-backfill", ("embed-gallery", _embed_job)),
+        ("embed-gallery", ("train-ract", _train_ract_job)),
+    )
+
+    def __init__(self, cluster, tmp_path_factory):
+        self.cluster, self.tmp = cluster, tmp_path_factory
+        self.jobs: dict[str, tuple[str, dict]] = {}
+        self.ended: dict[str, tuple[str, list[str]]] = {}
+        self._submit_after(None)
+
+    def _submit_after(self, ended: str | None) -> None:
+        for after, *jobs in self.WAVES:
+            if after == ended:
+                for name, make in jobs:
+                    entrypoint, facts = make(self.tmp.mktemp(name))
+                    self.jobs[name] = (_submit(self.cluster, name, entrypoint), facts)
+
+    def finished(self, name: str) -> tuple[str, dict]:
+        """``(logs, facts)`` of a job that succeeded, waiting for the jobs before it."""
+        for after, *jobs in self.WAVES:
+            if after is not None and name in (n for n, _ in jobs):
+                self.finished(after)
+        if name not in self.ended:
+            job_id, _ = self.jobs[name]
+            self.ended[name] = self.cluster.wait_for_job(job_id, 300)
+            self._submit_after(name)
+        (status, seen), (job_id, facts) = self.ended[name], self.jobs[name]
+        logs = self.cluster.job_logs(job_id)
+        assert status == "SUCCEEDED", f"{name}: {seen}\n{logs[-4000:]}"
+        return logs, facts
+
+
 @pytest.fixture(scope="module")
 def submitted(two_node_cluster, tmp_path_factory):
-    """The simulate, serve and embed jobs, as soon as the first of their tests runs:
-    ``name -> (job id, facts)``. The simulation and the index start together (the Serve
-    replicas ask for no CPU); the embedding job starts when the simulation has ended, since
-    its Ray Data tasks take a CPU each and Ray's SPREAD is best effort: beside them, the
-    simulation's 28 tasks all ran on one node once (a CI run of 2026-11-28)."""
-    jobs = {}
-    for name, make in (
-        ("simulate-backfill", _simulate_job),
-        ("serve-index", _serve_job),
-        ("embed-gallery", _embed_job),
-    ):
-        if name == "embed-gallery":
-            two_node_cluster.wait_for_job(jobs["simulate-backfill"][0], 300)
-        entrypoint, facts = make(tmp_path_factory.mktemp(name))
-        jobs[name] = (_submit(two_node_cluster, name, entrypoint), facts)
-    return jobs
+    return SubmittedJobs(two_node_cluster, tmp_path_factory)
 
 
 def _finished(cluster, submitted, name: str) -> tuple[str, dict]:
-    job_id, facts = submitted[name]
-    return _wait(cluster, name, job_id, timeout=300)[0], facts
+    return submitted.finished(name)
 
 
 def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, submitted):
@@ -342,13 +369,10 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, submitted):
     assert err.value.code == 404
 
 
-# last, alone: with the other jobs' tasks on the CPUs, the simulation's SPREAD tasks could all
-# land on one node (seen once), and the simulation test asserts they ran on both
-def test_train_ract_job_runs_on_both_nodes(two_node_cluster, tmp_path):
+def test_train_ract_job_runs_on_both_nodes(two_node_cluster, submitted):
     """`python jobs/train_ract.py --workers 2 --placement strict-spread`: one DDP worker on each
     node (every epoch records the node id of every rank)."""
-    entrypoint, facts = _train_ract_job(tmp_path)
-    logs = _run_job(two_node_cluster, "train-ract", entrypoint)
+    logs, facts = _finished(two_node_cluster, submitted, "train-ract")
     store = facts["store"]
     manifest = json.loads((store / "models" / "ract" / "manifest.json").read_text())
     assert manifest["method"] == "ract" and manifest["predecessor"]
