@@ -251,10 +251,6 @@ def submitted(two_node_cluster, tmp_path_factory):
     return SubmittedJobs(two_node_cluster, tmp_path_factory)
 
 
-def _finished(cluster, submitted, name: str) -> tuple[str, dict]:
-    return submitted.finished(name)
-
-
 def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, submitted):
     """`ray job submit -- python jobs/simulate_backfill.py DATASET --engine ray`: the row groups
     are scored on both nodes, and the curves equal the in-memory simulator's."""
@@ -263,7 +259,7 @@ def test_simulate_backfill_job_scores_blocks_on_both_nodes(two_node_cluster, sub
     from raycompat.embeddings.gallery import load_parquet
     from raycompat.simulator.memory_engine import simulate_backfill
 
-    _, facts = _finished(two_node_cluster, submitted, "simulate-backfill")
+    _, facts = submitted.finished("simulate-backfill")
     store, dataset = facts["store"], facts["dataset"]
     curves = json.loads((store / "backfill" / "curves.json").read_text())
     ran = curves["stats"]["distributed"]["blocks_per_node"]
@@ -283,7 +279,7 @@ def test_embed_gallery_job_embeds_on_both_nodes(two_node_cluster, submitted):
     """`python jobs/embed_gallery.py` submitted to the two-node cluster, writing to a file://
     URI --storage: parquet shards with every id once, the documented schema, and the new / old
     embedder actors pinned to the head / second node by custom resources."""
-    logs, facts = _finished(two_node_cluster, submitted, "embed-gallery")
+    logs, facts = submitted.finished("embed-gallery")
     store, out, items = facts["store"], facts["out"], EMBED_ITEMS
     shards = sorted(glob.glob(str(out / "part-*.parquet")))
     assert len(shards) == items // EMBED_CHUNK, (
@@ -325,7 +321,7 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, submitted):
     import urllib.error
     import urllib.request
 
-    logs, facts = _finished(two_node_cluster, submitted, "serve-index")
+    logs, facts = submitted.finished("serve-index")
     port = facts["port"]
     assert "the index keeps running" in logs, logs[-3000:]
     base = f"http://127.0.0.1:{port}"
@@ -372,7 +368,7 @@ def test_serve_index_job_leaves_the_index_running(two_node_cluster, submitted):
 def test_train_ract_job_runs_on_both_nodes(two_node_cluster, submitted):
     """`python jobs/train_ract.py --workers 2 --placement strict-spread`: one DDP worker on each
     node (every epoch records the node id of every rank)."""
-    logs, facts = _finished(two_node_cluster, submitted, "train-ract")
+    logs, facts = submitted.finished("train-ract")
     store = facts["store"]
     manifest = json.loads((store / "models" / "ract" / "manifest.json").read_text())
     assert manifest["method"] == "ract" and manifest["predecessor"]
