@@ -437,8 +437,6 @@ def start_index(a, kind: str):
         index=index_spec(kind),
         port=getattr(a, "port", None) or free_port(),
         app_name="serve_load",
-        snapshot_every=10**9,
-        fsync=False,
         search_batch_size=a.batch_size,
         search_batch_wait_ms=a.batch_wait_ms,
     )

@@ -27,7 +27,6 @@ JOBS: dict[str, str] = {
     "plan-upgrade": "raycompat.planning.job",
     "hot-refresh": "raycompat.hot_refresh",
     "serve-index": "raycompat.serving.job",
-    "reshard-index": "raycompat.serving.reshard",
     "backfill-store": "raycompat.backfill_store",
 }
 

@@ -5,7 +5,7 @@ A float32 inner product depends on the order of its summation: faiss, a BLAS mat
 on CPU and one on a GPU can return scores that differ in the last bits, and two items whose
 scores are that close (near-ties, and equal vectors) can then swap places.  So that the
 simulator (:mod:`raycompat.simulator.block_pass`) and the served index
-(:mod:`raycompat.serving.state`) rank every item identically, both rank by the *canonical
+(:mod:`raycompat.serving.shard_cache`) rank every item identically, both rank by the *canonical
 score*
 
     c(q, g) = sum_k q_k g_k   in float64, over the float32 vectors q and g,

@@ -3,21 +3,21 @@
 One module per concept:
 
 * :mod:`.placement`      -- item id -> shard (fixed 64-bit hash)
-* :mod:`.state`          -- a shard's items: one representation each, an index per
-  representation, atomic upserts
+* :mod:`.served_store`   -- the store the index serves (the gallery's one home): its URI,
+  created from the gallery on the first start
+* :mod:`.shard_cache`    -- a shard's cache of the store: one representation per item, an
+  index per representation, following the store's commits
 * :mod:`.rep_index`      -- one representation's vectors and search index (docs/indexes.md)
-* :mod:`.durability`     -- snapshot + append-only log of upserts, rollbacks, finalizes (no pickle)
-* :mod:`.shard_content`, :mod:`.kept` -- a shard's content (vectors, their models, the old
-  vectors kept for a rollback) as one value; the kept vectors, in memory or memory-mapped
 * :mod:`.identity`       -- the fingerprint of the model behind every stored vector
-* :mod:`.shared_log`     -- the log shared by a shard's replicas: locks, rotation, catching up
 * :mod:`.batching`       -- concurrent searches gathered into one search call
-* :mod:`.shard`          -- the shard Serve deployment (recovers from disk on restart)
+* :mod:`.shard`          -- the shard Serve deployment (loads its rows from the store)
 * :mod:`.scoring`        -- query vectors per representation (the simulator's score sides)
 * :mod:`.gallery_source` -- gallery vectors: embeddings parquet, pipeline output, synthetic
 * :mod:`.orders`         -- the simulator's backfill policies as item-id orders
 * :mod:`.embedder_pool`  -- Ray actors holding the new model; image decoding
-* :mod:`.backfill`       -- the backfill controller deployment (rate, pause/resume, checkpoints)
+* :mod:`.backfill_controller` -- the backfill controller deployment (rate, pause/resume,
+  checkpoints; the store's one writer, upserts grouped into one commit)
+* :mod:`.checkpoint_files` -- the controller's checkpoint files
 * :mod:`.upgrade`, :mod:`.canary_gate` -- the guarded upgrade: canary and guards, rollback,
   finalize, the stale listing
 * :mod:`.schemas`, :mod:`.router`, :mod:`.errors`, :mod:`.auth`, :mod:`.metrics` -- the HTTP API

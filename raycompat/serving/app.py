@@ -32,14 +32,32 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def build_app(cfg: ServingConfig):
-    """The bound Serve application (router ingress over shards + controller)."""
-    from raycompat.serving.layout import ensure_layout
+    """The bound Serve application (router ingress over shards + controller); the served
+    store is created from the gallery first if it does not exist, and checked."""
+    from raycompat.serving.served_store import ensure_store, open_served_store
 
     plan = build_plan(cfg)
-    ensure_layout(plan)  # refuses a state directory written with another layout
+    ensure_store(cfg, plan.identities.default("old"), plan.query_dims.new)
+    check_store(plan, open_served_store(cfg))
     shards = _bind_shards(plan)
     controller = _bind_controller(plan, shards)
     return _bind_router(plan, shards, controller)
+
+
+def check_store(plan: ServingPlan, store) -> None:
+    """The store's vectors have the gallery's dimensions (``ConfigError`` naming both)."""
+    from raycompat.config import ConfigError
+
+    try:
+        old_dim, new_dim = store.old_dim, store.describe().new_dim
+    finally:
+        store.close()
+    dims = plan.query_dims
+    if (old_dim is not None and old_dim != dims.old) or new_dim != dims.new:
+        raise ConfigError(
+            f"serving: store {store.uri.raw} holds old {old_dim} / new {new_dim} dims, the "
+            f"gallery {plan.config.gallery} old {dims.old} / new {dims.new}"
+        )
 
 
 def replica_options(replicas: int, autoscaling: str | None) -> dict:

@@ -1,16 +1,16 @@
-"""The backfill controller: walks a policy's order across the shards, upserting each item's
-new-model vector, at a given rate, pausable, resumable, and crash-safe.
+"""The backfill controller: walks a policy's order, writing each item's new-model vector to the
+served store, at a given rate, pausable, resumable, and crash-safe; it is also the store's one
+writer for the router's upserts (:meth:`BackfillController.upsert_items`, concurrent requests
+grouped into one commit).
 
-Progress is checkpointed in ``<state_dir>/backfill/`` after every batch the shards have
-acknowledged (``order.npy``: the order as item ids, written once; ``checkpoint.json``: policy,
-seed, source, position, until, rate, state; both written atomically).  Shards log an upsert
-durably before acknowledging it (:mod:`raycompat.serving.durability`), so:
+Progress is checkpointed in ``<state_dir>/backfill/`` after every batch the store has committed
+(``order.npy``: the order as item ids, written once; ``checkpoint.json``: policy, seed, source,
+position, until, rate, state; both written atomically).  A batch is one commit of the store, so:
 
-* a controller crash resumes at the checkpointed position (a batch applied but not yet
-  checkpointed is applied again -- idempotent: same ids, same vectors, same representation);
-* an item upgraded before a crash stays upgraded (nothing ever moves an item back);
-* a shard replica that dies mid-batch makes the upsert fail; the controller retries the
-  batch until the restarted replica (recovered from its snapshot + log) accepts it.
+* a controller crash resumes at the checkpointed position (a batch committed but not yet
+  checkpointed is written again -- idempotent: same ids, same vectors, same representation);
+* an item upgraded before a crash stays upgraded (nothing but a rollback moves an item back);
+* the shards are caches of the store: a shard replica that dies takes no write with it.
 
 New vectors come from the gallery source (the embeddings parquet's ``new`` column, or the
 synthetic generator), the Ray Data pipeline's parquet output, or the embedder actor pool.
@@ -46,8 +46,7 @@ import time
 
 import numpy as np
 
-from raycompat.serving.durability import CorruptStateError, atomic_write
-from raycompat.serving.placement import split_by_shard
+from raycompat.serving.checkpoint_files import CorruptStateError, atomic_write
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
@@ -65,6 +64,14 @@ from raycompat.upgrade.state_machine import (
 __all__ = ["BackfillController", "backfill_dir"]
 
 
+def _serve_batch(method):
+    """Serve's own batching of concurrent calls (``serve.batch``): up to 64 upserts per commit,
+    no wait beyond the calls already queued."""
+    from ray import serve
+
+    return serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)(method)
+
+
 def backfill_dir(state_dir: str) -> str:
     return os.path.join(state_dir, "backfill")
 
@@ -74,9 +81,13 @@ class BackfillController(UpgradeCommands):
     canary gate, rollback, finalize and the stale listing: :class:`UpgradeCommands`."""
 
     def __init__(self, shards: list, plan: ServingPlan):
+        from raycompat.serving.served_store import open_served_store
+
         self.shards = [ThreadHandle(h) for h in shards]  # called from the walking thread
         self.plan = plan
         self.cfg = plan.config
+        self.store = open_served_store(self.cfg)
+        self.store_lock = threading.Lock()  # one commit at a time: the write sequence grows
         self.dir = backfill_dir(self.cfg.state_dir)
         os.makedirs(self.dir, exist_ok=True)
         self.lock = threading.RLock()
@@ -170,14 +181,9 @@ class BackfillController(UpgradeCommands):
 
     def _vector_source(self, name: str):
         """Where new vectors come from (``gallery``, ``pipeline`` or ``embedder``; opened once);
-        in the rank_merge mode its vectors go through rho."""
+        the store holds them as the new model made them (normalised), rho is the shards'."""
         if name not in self._sources:
-            src = self._open_source(name)
-            if self.cfg.mode == "rank_merge":  # a new item holds rho(phi_n(g))
-                from raycompat.serving.scoring import rank_merge_maps
-
-                src.new_map = rank_merge_maps(self.cfg.new_model)[0]
-            self._sources[name] = src
+            self._sources[name] = self._open_source(name)
         return self._sources[name]
 
     def _open_source(self, name: str):
@@ -538,33 +544,56 @@ class BackfillController(UpgradeCommands):
 
     # ------------------------------------------------------------------ the loop
     def _apply(self, ids: np.ndarray, vecs: np.ndarray) -> None:
-        parts = split_by_shard(ids, len(self.shards))
-        pending = [s for s, p in enumerate(parts) if p.size]
-        deadline = time.time() + self.cfg.upsert_retry_s
-        while pending:
-            responses = {
-                s: self.shards[s].upsert.remote(ids[parts[s]], "new", vecs[parts[s]])
-                for s in pending
-            }
-            failed = []
-            for s, r in responses.items():
-                try:
-                    res = r.result()
-                except Exception:  # replica down or restarting: retry the batch on that shard
-                    failed.append(s)
-                    continue
-                if res.get("storage"):
-                    raise StorageError(res["error"])
-                if "error" in res:
-                    raise RuntimeError(f"shard {s} refused a backfill upsert: {res['error']}")
-            pending = failed
-            if pending:
-                self.upsert_retries += 1
-                if time.time() > deadline:
-                    raise RuntimeError(
-                        f"shard(s) {pending} unavailable for {self.cfg.upsert_retry_s:g} s"
-                    )
-                time.sleep(0.5)
+        """Write one batch of new vectors to the store: one commit."""
+        from raycompat.stores import ItemWrite
+
+        self.commit([ItemWrite(ids, "new", vecs, self.plan.identities.default("new"))])
+
+    def commit(self, writes: list, revert: np.ndarray | None = None) -> dict:
+        """One commit of the store (``writes``, or the rollback of ``revert``):
+        ``{"applied", "seq"}``; a refusal of the store is a :class:`StorageError` naming it
+        and the store's own reason, nothing of the commit applied."""
+        try:
+            with self.store_lock:
+                if revert is not None:
+                    rows, seq = self.store.revert_items(revert)
+                else:
+                    rows, seq = self.store.write_items(writes)
+        except Exception as exc:
+            raise StorageError(f"store {self.store.uri.raw} refused the write: {exc}") from None
+        return {"applied": int(rows), "seq": int(seq)}
+
+    async def upsert_items(self, groups: list) -> dict:
+        """The router's upserts, ``[(field, model, ids, vectors)]``, grouped with the upserts
+        that arrive meanwhile into one commit of the store (:meth:`_upsert_batch`)."""
+        return await self._upsert_batch(groups)
+
+    @_serve_batch
+    async def _upsert_batch(self, requests: list) -> list:
+        """One commit for every request; if it is refused, each request alone, so that one
+        request's refusal is its own."""
+        import asyncio
+
+        from raycompat.stores import ItemWrite
+
+        def writes(groups):
+            return [ItemWrite(np.asarray(i, np.int64), f, np.asarray(v, np.float32), m)
+                    for f, m, i, v in groups]  # fmt: skip
+
+        def one(groups) -> dict:
+            try:
+                return self.commit(writes(groups))
+            except StorageError as exc:
+                return {"error": str(exc), "storage": True}
+
+        together = [w for groups in requests for w in writes(groups)]
+        if len(requests) > 1:
+            try:
+                res = await asyncio.to_thread(self.commit, together)
+                return [res] * len(requests)
+            except StorageError:
+                pass
+        return [await asyncio.to_thread(one, groups) for groups in requests]
 
     def _loop(self) -> None:
         """The controller's thread: walk the order batch by batch while the state is running.
@@ -577,7 +606,7 @@ class BackfillController(UpgradeCommands):
                 self._fail(gen, exc)
 
     def _step(self) -> None:
-        """One batch: fetch its vectors, upsert them on the shards, checkpoint."""
+        """One batch: fetch its vectors, commit them to the store, checkpoint."""
         if self._rollback_step() or self._canary_step():
             return
         step = self._next_batch()

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from raycompat.serving.durability import atomic_write
+from raycompat.serving.checkpoint_files import atomic_write
 from raycompat.upgrade.canary import (
     CanaryOptions,
     CanaryReference,

@@ -31,7 +31,18 @@ class ServingConfig:
         help="embeddings parquet (simulator schema) or "
         "synthetic:N[:D_old[:D_new[:seed[:clusters]]]]",
     )
-    state_dir: str = option("serving_state", help="shard snapshots + logs, backfill checkpoint")
+    state_dir: str = option(
+        "serving_state", help="the backfill checkpoint, and the store's folder without 'store'"
+    )
+    store: str = option(
+        "",
+        help="the store the index serves: a store URI (lance://PATH/TABLE) or a folder (an "
+        "embedded LanceDB table 'gallery' in it; default <state_dir>/store), created from "
+        "'gallery' on the first start",
+    )
+    store_columns: str | None = option(
+        None, help="the store's column names, as backfill-store's --store-columns"
+    )
     mode: str = choices(*SERVED_MODES, default="compatible", help="query strategy served")
     num_shards: int = positive(2, help="shard deployments")
     index: IndexOptions = option(
@@ -47,7 +58,7 @@ class ServingConfig:
     shard_threads: int = positive(1, help="faiss OpenMP threads per shard")
     shard_replicas: int = positive(
         1,
-        help="replicas per shard, all serving the shard's one snapshot + log (replaced by "
+        help="replicas per shard, each a cache of the shard's rows of the store (replaced by "
         "shard_autoscaling when that is given)",
     )
     shard_gpus: float = option(
@@ -75,8 +86,6 @@ class ServingConfig:
         help="router replicas (0: two where the cluster has at least 2 CPUs, else one; with one, "
         "requests wait while Serve replaces a router that died)",
     )
-    snapshot_every: int = positive(200_000, help="upserted items between snapshots")
-    fsync: bool = option(True, help="fsync every log append and snapshot")
     host: str = option("127.0.0.1", help="HTTP host")
     port: int = positive(8000, help="HTTP port")
     app_name: str = option("raycompat", help="Serve application name")
@@ -134,24 +143,23 @@ class ServingConfig:
         help="the canary gate of a backfill: when it is measured and what pauses it "
         "(docs/live-index.md, 'Upgrading a live gallery safely')",
     )
-    kept_on_disk: bool = option(
-        False,
-        help="keep the old vectors of upgraded items (kept for a rollback until finalize) "
-        "memory-mapped on disk in the shard directories instead of in memory",
-    )
 
 
 def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> ServingConfig:
     """Build and check a :class:`ServingConfig` (unknown keys or bad values raise ``ConfigError``);
-    ``state_dir`` becomes an absolute local path (``durability.state_directory``)."""
-    from raycompat.serving.durability import state_directory
+    ``state_dir`` and a ``store`` folder become absolute local paths."""
+    from raycompat.serving.checkpoint_files import state_directory
 
     cfg = parse_options(ServingConfig, {**(values or {}), **kw}, owner="serving")
     _check_paths(cfg)
     if cfg.port > 65535:
         raise ConfigError(f"serving: port must be <= 65535, got {cfg.port}")
+    store = cfg.store
+    if store and "://" not in store:  # a folder: absolute, as every replica must read it
+        store = os.path.abspath(os.path.expanduser(store))
     return dataclasses.replace(
         cfg,
+        store=store,
         state_dir=state_directory(cfg.state_dir, "serving: state_dir"),
         shard_autoscaling=autoscaling_json("shard_autoscaling", cfg.shard_autoscaling),
         router_autoscaling=autoscaling_json("router_autoscaling", cfg.router_autoscaling),

@@ -31,6 +31,7 @@ __all__ = [
     "SyntheticGallery",
     "open_gallery",
     "gallery_classes",
+    "gallery_labels",
     "rows_of",
     "write_gallery_parquet",
 ]
@@ -139,6 +140,13 @@ class ParquetGallerySource(GallerySource):
         ids = self.gallery_ids()
         mine = np.flatnonzero(shard_of(ids, n_shards) == shard)
         return ids[mine], l2_normalize(self._array(rep)[mine])
+
+    def vectors_of(self, rep: str, ids) -> np.ndarray:
+        """The L2-normalised ``old`` or ``adapted`` vectors of ``ids`` (``new``: as the
+        backfill writes them, :meth:`new_vectors`)."""
+        if rep == "new":
+            return self.new_vectors(ids)
+        return l2_normalize(self._array(rep)[rows_of(self._sorted, self._rows, ids)])
 
     def new_vectors(self, ids) -> np.ndarray:
         from raycompat.serving.scoring import stored_new
@@ -300,6 +308,18 @@ class SyntheticGallery(GallerySource):
         from raycompat.serving.scoring import stored_new
 
         return stored_new(self._draw(ids, 1, self.new_dim), self.new_map)
+
+
+def gallery_labels(src: GallerySource) -> np.ndarray:
+    """The label of every gallery item, in :meth:`GallerySource.gallery_ids` order: an
+    embeddings parquet's ``label`` column, a clustered synthetic gallery's cluster numbers,
+    else 0."""
+    ids = src.gallery_ids()
+    if isinstance(src, ParquetGallerySource):
+        return np.asarray(src.data.gallery_labels)
+    if isinstance(src, SyntheticGallery) and src.clusters:
+        return src.cluster_of(ids)
+    return np.zeros(ids.size, np.int64)
 
 
 def gallery_classes(src: GallerySource) -> tuple[np.ndarray, np.ndarray | None]:

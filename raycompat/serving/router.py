@@ -8,7 +8,7 @@ Endpoints (the OpenAPI document at ``/openapi.json`` describes every one):
 * ``GET /status`` -- items per representation (total and per shard), backfill progress,
   model versions; ``GET /metrics`` -- Prometheus text; ``GET /healthz``.
 * ``POST /admin/upsert``, ``POST /admin/backfill/{start,pause,resume,rollback,finalize}``,
-  ``POST /admin/canary``, ``GET /admin/stale``, ``POST /admin/snapshot`` -- need
+  ``POST /admin/canary``, ``GET /admin/stale`` -- need
   ``Authorization: Bearer <token>`` (:mod:`.auth`); the guarded upgrade behind them:
   :mod:`.upgrade`.
 
@@ -332,7 +332,7 @@ class Router:
         live.sort(key=lambda a: a.get("started", 0))
         return {
             **live[0],
-            "storage": merged_storage(live),
+            "store": merged_store(live),
             "replicas": [replica_summary(a) for a in live],
         }
 
@@ -370,6 +370,7 @@ class Router:
             "dims": self.plan.dims.as_dict(),
             "models": self.plan.models_json(),
             **upgrade_totals(shard_status, self.plan),
+            "kept": bf.get("kept") or {"items": None},
             "router": {"replica": _router_replica(), "pid": os.getpid()},
         }
 
@@ -488,63 +489,49 @@ class Router:
                 unknown += await self.on_shard(s, "unknown", ids[p])
         if unknown:
             raise ApiError(404, f"unknown item id(s): {sorted(unknown)[:10]}", "body.items")
-        per_shard = [0] * len(self.shards)
-        applied: list[int] = []  # ids acknowledged by their shard so far
-        for (rep, model), rid, vec in prepared:
-            for s, p in enumerate(split_by_shard(rid, len(self.shards))):
-                if p.size:
-                    res = await self.upsert_on_shard(s, rid[p], rep, vec[p], applied, model)
-                    per_shard[s] += int(res["applied"])
-                    applied += rid[p].tolist()
-        return {"applied": int(sum(per_shard)), "per_shard": per_shard}
+        groups = [(rep, model, rid, vec) for (rep, model), rid, vec in prepared]
+        res = await self.commit_upsert(groups, ids.size)
+        per_shard = [int(p.size) for p in split_by_shard(ids, len(self.shards))]
+        return {"applied": int(ids.size), "per_shard": per_shard, "seq": int(res["seq"])}
 
-    async def upsert_on_shard(
-        self, shard: int, ids, rep: str, vecs, applied: list, model: str = ""
-    ) -> dict:
-        """One shard's part of an upsert.  A failure says which ids of the request were
-        already applied (they stay: an upsert is idempotent, so retrying it is safe; the body's
-        ``applied_ids`` lists all of them) and that this shard applied nothing -- or, when the
-        shard died mid-call, that its part's outcome is unknown.  A disk refusal after a resend
-        is unknown too: the replica that died may have logged the first send."""
-        done = f"; ids applied before it: {sorted(applied)[:20]}" if applied else ""
-        extra = {"applied_ids": sorted(applied)}
-        unknown = (
-            f"the outcome of its {len(ids)} item(s) is unknown; "
-            f"retry the upsert (it is idempotent){done}"
-        )
+    async def commit_upsert(self, groups: list, n: int) -> dict:
+        """The upsert's one commit, through the backfill controller (the store's one writer).
+        A refusal of the store is a 503 naming it (nothing of the upsert applied); a controller
+        that died mid-call leaves the outcome unknown (upserts are idempotent: retry)."""
         try:
-            res, sends = await self.call_counting_sends(
-                self.shards[shard], "upsert", ids, rep, vecs, model
-            )
+            res = await self.call(self.controller, "upsert_items", groups)
         except Exception as exc:
             raise ApiError(
                 503,
-                f"shard {shard} unavailable ({type(exc).__name__}): {unknown}",
+                f"the store's writer (the backfill controller) unavailable "
+                f"({type(exc).__name__}): the outcome of the {n} item(s) is unknown; retry "
+                "the upsert (it is idempotent)",
                 "body.items",
                 headers={"Retry-After": "1"},
-                extra=extra,
             ) from None
-        if "error" not in res:
-            return res
-        if res.get("storage") and sends > 1:  # the replica that died may have logged it first
+        if "error" in res:
             raise ApiError(
                 503,
-                f"{res['error']}, after a replica of shard {shard} died during an earlier "
-                f"try of this part: {unknown}",
+                f"{res['error']}: nothing of the upsert was applied",
                 "body.items",
                 headers={"Retry-After": "5"},
-                extra=extra,
             )
-        if res.get("storage"):
-            raise ApiError(
-                503,
-                f"{res['error']}: nothing of shard {shard}'s part was applied{done}",
-                "body.items",
-                headers={"Retry-After": "5"},
-                extra=extra,
+        return res
+
+    def stored_representation(self, rep: str) -> str | None:
+        """Why an upsert may not write ``rep`` (None: it may): the store holds old and new
+        vectors; an ``adapted`` vector is derived from the item's old one by the mode."""
+        if rep == "adapted":
+            return (
+                "representation 'adapted' is not stored: the index derives it from the item's "
+                "old vector (psi, or FCT's h); upsert the item's 'old' or 'new' vector"
             )
-        status = 404 if res.get("unknown_ids") else 422
-        raise ApiError(status, res["error"] + done, "body.items", extra=extra)
+        if rep == "old" and self.plan.initial_representation == "adapted":
+            return (
+                f"the {self.cfg.mode} mode serves every item not upgraded by its adapted "
+                "vector, derived from the gallery: upsert the item's 'new' vector"
+            )
+        return None
 
     def prepare_upsert(
         self, items: list, ids: np.ndarray
@@ -562,6 +549,9 @@ class Router:
         groups: dict[tuple[str, str], list[int]] = {}
         known = self.plan.identities
         for pos, it in enumerate(items):  # a named model is checked; none: the default
+            refused = self.stored_representation(it.representation)
+            if refused:
+                raise ApiError(422, refused, f"body.items[{pos}].representation")
             refused = it.model and known.refusal(it.model, it.representation, len(it.vector))
             if refused:
                 raise ApiError(409, refused, f"body.items[{pos}].model")
@@ -638,37 +628,25 @@ class Router:
             )
         return await self.on_controller("stale", model=model, cursor=cursor, limit=limit)
 
-    async def snapshot(self, req: BaseModel | None = None):
-        """Every shard's snapshot; 503 naming the shard and the cause when one fails."""
-        results = await self.fan_out("snapshot")
-        failed = [r["error"] for r in results if "error" in r]
-        if failed:
-            raise ApiError(503, "; ".join(failed), headers={"Retry-After": "5"})
-        return {"snapshots": len(results)}
 
-
-def merged_storage(replicas: list[dict]) -> dict:
-    """A shard's storage health over its replicas: the first replica's, with the errors any
-    replica saw (the one whose write failed may not be the first)."""
-    out = dict(replicas[0].get("storage") or {})
-    for key in ("snapshot_error", "log_error"):
-        out[key] = next(
-            (r["storage"][key] for r in replicas if r.get("storage", {}).get(key)), None
-        )
+def merged_store(replicas: list[dict]) -> dict:
+    """How a shard's replicas follow the store: the first replica's, with the error any replica
+    saw reading it (the one that failed may not be the first)."""
+    out = dict(replicas[0].get("store") or {})
+    out["error"] = next(
+        (r["store"]["error"] for r in replicas if r.get("store", {}).get("error")), None
+    )
     return out
 
 
 def upgrade_totals(shards: list[dict], plan) -> dict:
-    """``items_by_model``, ``fingerprints`` and ``kept`` (summed over the shards) of a status."""
+    """``items_by_model`` (summed over the shards) and ``fingerprints`` of a status."""
     by_model: dict[str, int] = {}
-    kept = {"items": 0, "memory_bytes": 0, "disk_bytes": 0, "on_disk": plan.config.kept_on_disk}
     for s in shards:
         for fp, n in (s.get("models") or {}).items():
             by_model[fp] = by_model.get(fp, 0) + int(n)
-        for key in ("items", "memory_bytes", "disk_bytes"):
-            kept[key] += int((s.get("kept") or {}).get(key, 0))
     known = plan.identities.as_json() if plan.identities else {}
-    return {"items_by_model": by_model, "fingerprints": known, "kept": kept}
+    return {"items_by_model": by_model, "fingerprints": known}
 
 
 def _router_replica() -> str | None:
@@ -679,7 +657,7 @@ def _router_replica() -> str | None:
 
 def replica_summary(status: dict) -> dict:
     """What ``/status`` lists per replica of a shard."""
-    keys = ("replica", "pid", "actor_name", "seq", "searches", "startup_s", "log", "batches")
+    keys = ("replica", "pid", "actor_name", "seq", "searches", "startup_s", "store", "batches")
     return {key: status.get(key) for key in keys}
 
 
@@ -705,7 +683,7 @@ def _merge_parts(parts: list, k: int):
 
 def hits(S: np.ndarray, I: np.ndarray, R: np.ndarray) -> list[list[dict]]:
     """Merged top-k arrays -> per query ``[{id, score, representation}]`` (padding dropped)."""
-    from raycompat.serving.state import REPRESENTATIONS
+    from raycompat.serving.shard_cache import REPRESENTATIONS
 
     results = []
     for qi in range(S.shape[0]):
@@ -741,23 +719,20 @@ def status_gauges(st: dict | None) -> list[tuple[str, str, dict, float]]:
         for r, n in s["items"].items():
             labels = {**shard, "representation": r}
             gauges.append(("items", "Items held per shard and representation.", labels, n))
-        health = s.get("storage", {})
-        failing = bool(health.get("snapshot_error") or health.get("log_error"))
-        gauges.append(("storage_error", "1 while a shard's writes fail.", shard, int(failing)))
-        gauges.append(
-            (
-                "log_corrupt_records",
-                "Corrupt log regions found at the shard's last recovery.",
-                shard,
-                health.get("corrupt_records", 0),
-            )
-        )
+        store = s.get("store", {})
+        failing = int(bool(store.get("error")))
+        gauges.append(("store_error", "1 while a shard cannot read the store.", shard, failing))
+        gauges.append(("store_seq", "The store's write sequence a shard has applied.", shard,
+                       store.get("seq") or 0))  # fmt: skip
         gauges += index_gauges(shard, s.get("index", {}))
         gauges.append(("replicas", "Replicas of the shard answering.", shard, len(s["replicas"])))
-        gauges += kept_gauges(shard, s.get("kept") or {})
     for fp, n in (st.get("items_by_model") or {}).items():
         help_ = "Items whose vector the model with this fingerprint produced."
         gauges.append(("items_by_model", help_, {"model": fp}, n))
+    kept = (st.get("kept") or {}).get("items")
+    if kept is not None:
+        help_ = "Upgraded items whose old vectors a rollback can return to (until finalize)."
+        gauges.append(("kept_items", help_, {}, kept))
     gauges += backfill_gauges(st["backfill"])
     gauges += canary_gauges(st["backfill"])
     gauges.append(("shards_up", "Shards answering.", {}, len(st["shards"])))
@@ -791,30 +766,6 @@ def index_gauges(shard: dict, index: dict) -> list[tuple[str, str, dict, float]]
             ),
         ]
     return gauges
-
-
-def kept_gauges(shard: dict, kept: dict) -> list[tuple[str, str, dict, float]]:
-    """The old vectors a shard keeps for a rollback: items, bytes in memory and on disk."""
-    return [
-        (
-            "kept_vectors",
-            "Old vectors kept for a rollback (until finalize).",
-            shard,
-            kept.get("items", 0),
-        ),
-        (
-            "kept_memory_bytes",
-            "Bytes of kept old vectors in memory.",
-            shard,
-            kept.get("memory_bytes", 0),
-        ),
-        (
-            "kept_disk_bytes",
-            "Bytes of kept old vectors memory-mapped on disk.",
-            shard,
-            kept.get("disk_bytes", 0),
-        ),
-    ]
 
 
 #: the canary guards ``GET /metrics`` exports as ``raycompat_backfill_paused_by{guard}``
@@ -939,14 +890,14 @@ def _public_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
 
 #: the OpenAPI description of ``POST /admin/upsert``: what a failure leaves applied
 UPSERT_DESCRIPTION = (
-    "Each item is moved atomically (its old vector out, the new one in, logged durably first), "
-    "and the shards apply their parts one after the other, so a request is **not** atomic "
-    "across shards: when a shard fails (a full disk: 503; a replica that died mid-call: 503 "
-    "'outcome unknown'), the parts of the shards before it stay applied and the error body's "
-    "`applied_ids` lists exactly those ids, while the failing shard applied nothing of its part "
-    "(or, if it died mid-call, its part's outcome is unknown). An upsert is idempotent: retry it "
-    "whole. `model` names the fingerprint of the model that produced a vector (409 for an "
-    "unknown one, or a dimension or representation that is not the model's)."
+    "The whole request is one commit of the store (concurrent upserts are grouped into one "
+    "commit), acknowledged once the store has committed it: every shard then serves it. A "
+    "refusal of the store (a full disk, a lost connection) is a 503 naming the store and its "
+    "reason, and nothing of the request is applied; a writer that died mid-call is a 503 "
+    "'outcome unknown'. An upsert is idempotent: retry it whole. 'old' writes an item's old "
+    "vector and turns it back to not upgraded, 'new' upgrades it; 'adapted' is derived, not "
+    "stored (422). `model` names the fingerprint of the model that produced a vector (409 for "
+    "an unknown one, or a dimension or representation that is not the model's)."
 )
 
 
@@ -992,11 +943,6 @@ def _admin_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
         "Resume (optionally up to 'until', at 'rate'; 'override' past a canary guard)",
         models.BackfillState,
     )
-    admin(
-        "/admin/snapshot",
-        typed_endpoint(router.snapshot, req=models.EmptyRequest),
-        "Write every shard's snapshot now (and truncate its log); no body, or {}",
-    )
     _upgrade_routes(app, router, models)
 
 
@@ -1022,7 +968,8 @@ def _upgrade_routes(app: FastAPI, router: Router, models: ApiModels) -> None:
     admin(
         "/admin/backfill/finalize",
         typed_endpoint(router.backfill_finalize, req=models.EmptyRequest),
-        "Drop the old vectors kept for a rollback (memory and disk); no body, or {}",
+        "End the rollback window: the old vectors are no longer kept (the store drops its old "
+        "column once every item is upgraded); no body, or {}",
         models.FinalizeResponse,
     )
     admin(

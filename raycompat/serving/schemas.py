@@ -46,11 +46,6 @@ class Problem(BaseModel):
 class ErrorResponse(BaseModel):
     error: str = Field(description="one-line description naming the problem")
     problems: list[Problem] = Field(default_factory=list)
-    applied_ids: list[int] | None = Field(
-        default=None,
-        description="a 503 of POST /admin/upsert: the ids of the request that earlier shards "
-        "applied before one failed (they stay applied)",
-    )
 
 
 class Hit(BaseModel):
@@ -74,6 +69,7 @@ class SearchResponse(BaseModel):
 class UpsertResponse(BaseModel):
     applied: int
     per_shard: list[int]
+    seq: int = Field(description="the store's write sequence number of the upsert's commit")
 
 
 class BackfillResumeRequest(BaseModel):
@@ -114,8 +110,10 @@ class BackfillRollbackRequest(BaseModel):
 
 
 class FinalizeResponse(BaseModel):
-    dropped: int = Field(description="old vectors dropped, on every shard together")
-    per_shard: list[int]
+    dropped: int = Field(description="upgraded items whose old vector is no longer kept")
+    column_dropped: bool = Field(
+        description="whether the store dropped its old vector column (every item upgraded)"
+    )
     position: int = Field(description="the backfill position when it was finalized")
 
 
@@ -191,7 +189,8 @@ class StatusResponse(BaseModel):
     )
     kept: dict = Field(
         default_factory=dict,
-        description="old vectors kept for a rollback until finalize: items, memory and disk bytes",
+        description="items a rollback can turn back: upgraded since the last finalize (the "
+        "store keeps their old vectors)",
     )
     router: dict | None = Field(
         default=None, description="the router replica that answered (with the token only)"

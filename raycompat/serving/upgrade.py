@@ -11,12 +11,13 @@ listing (docs/live-index.md, "Upgrading a live gallery safely").
   (``Router.canary_search``: the same query sides and batcher as ``POST /search``).  A point
   whose guard trips pauses the backfill (``paused_by``, a warning in the controller's log)
   unless ``resume`` was given ``override``;
-* **rollback** -- the ids that keep an old vector at or after a position of the order (or all)
-  are sent back to the shards in batches, latest upgraded first, each batch a logged rollback
-  record per shard (atomic per item); ``rollback.npy`` holds the list, ``ck["rollback"]`` how
-  far the shards acknowledged it, so a crash resumes it; when it ends the backfill is paused at
-  the first position rolled back;
-* **finalize** -- every shard drops its kept vectors and writes a snapshot;
+* **rollback** -- the items upgraded since the last finalize (the store keeps their old
+  vectors) at or after a position of the order (or all) are turned back in batches, latest
+  upgraded first, each batch one commit of the store; ``rollback.npy`` holds the list,
+  ``ck["rollback"]`` how far the store committed it, so a crash resumes it; when it ends the
+  backfill is paused at the first position rolled back;
+* **finalize** -- the upgraded items' old vectors are no longer kept for a rollback; when every
+  item is upgraded the store drops its old vector column (the space is freed);
 * **stale** -- the ids whose vector another model produced, paged in the backfill's order.
 
 Whether a command is accepted, and the state after it, is decided by
@@ -34,7 +35,7 @@ import time
 import numpy as np
 
 from raycompat.serving.canary_gate import CanaryGate
-from raycompat.serving.durability import atomic_write
+from raycompat.serving.checkpoint_files import atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.storage import StorageError
 from raycompat.upgrade.canary import CanarySet
@@ -157,8 +158,8 @@ class UpgradeCommands:
         return np.asarray(call.result(timeout_s=self.cfg.shard_timeout_s))
 
     def _has_new_items(self) -> bool:
-        counts = [h.counts.remote().result(timeout_s=self.cfg.shard_timeout_s) for h in self.shards]
-        return any(c.get("new", 0) for c in counts)
+        with self.store_lock:
+            return self.store.count_upgraded() > 0
 
     def _canary_step(self) -> bool:
         """Measure the canary when it is due at the current position (the walking thread)."""
@@ -234,11 +235,9 @@ class UpgradeCommands:
             if not answer.ok:
                 return answer.as_error()
         try:
-            kept = np.concatenate(
-                [np.asarray(h.kept_ids.remote().result(timeout_s=60)) for h in self.shards]
-            )
+            kept = self._kept_ids()
         except Exception as exc:
-            return {"error": f"shards unavailable: {type(exc).__name__}", "status": 503}
+            return {"error": f"store unavailable: {type(exc).__name__}: {exc}", "status": 503}
         with self.lock:
             ids, first = rollback_plan(kept, self.order, to)
             answer = self._decide(Command.ROLLBACK, to=to, rollback_items=int(ids.size))
@@ -319,45 +318,25 @@ class UpgradeCommands:
             self.ck["position"],
         )
 
+    def _kept_ids(self) -> np.ndarray:
+        """The items upgraded since the last finalize (whose old vectors a rollback returns
+        to): upgraded rows the store wrote after the finalize's write sequence number."""
+        since = int((self.ck.get("finalized") or {}).get("seq") or 0)
+        with self.store_lock:
+            blocks = list(self.store.read_changes(since, ["id", "upgraded"]))
+        ids = [b["id"][b["upgraded"]] for b in blocks]
+        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
+
     def _rollback_on_shards(self, ids: np.ndarray) -> int:
-        """Roll ``ids`` back on their shards, retrying a shard that is down (as a backfill
-        batch); returns the items moved back.  A retried shard's replica may have died after
-        logging its part: the retry counts the items it finds out of ``new`` without a kept
-        vector as moved too (an item of the part already old before the rollback would be
-        counted as well)."""
-        parts = split_by_shard(ids, len(self.shards))
-        pending = [s for s, p in enumerate(parts) if p.size]
-        deadline, moved, retried = time.time() + self.cfg.upsert_retry_s, 0, set()
-        while pending:
-            calls = {s: self.shards[s].rollback.remote(ids[parts[s]]) for s in pending}
-            failed = []
-            for s, call in calls.items():
-                try:
-                    res = call.result()
-                except Exception:  # replica down or restarting: retry that shard's part
-                    failed.append(s)
-                    continue
-                if res.get("storage"):
-                    raise StorageError(res["error"])
-                if "error" in res:
-                    raise RuntimeError(f"shard {s} refused a rollback: {res['error']}")
-                moved += len(res["rolled_back"])
-                if s in retried:
-                    moved += len(res.get("not_new", ()))
-            pending = failed
-            retried.update(failed)
-            if pending:
-                self.upsert_retries += 1
-                if time.time() > deadline:
-                    raise RuntimeError(f"shard(s) {pending} unavailable during the rollback")
-                time.sleep(0.5)
-        return moved
+        """Turn ``ids`` back in one commit of the store; returns the items moved back."""
+        return int(self.commit([], revert=ids)["applied"])
 
     # ------------------------------------------------------------------ finalize, stale
     def finalize(self) -> dict:
-        """Every shard drops its kept old vectors (memory, then disk through a snapshot).  The
-        controller is ``finalizing`` meanwhile (every other command is refused), then back in
-        the state it began in (``finalize_end``)."""
+        """The upgraded items' old vectors are no longer kept for a rollback (the store drops
+        its old column when every item is upgraded).  The controller is ``finalizing``
+        meanwhile (every other command is refused), then back in the state it began in
+        (``finalize_end``)."""
         with self.lock:
             self._await_rest()
             answer = self._decide(Command.FINALIZE)
@@ -367,28 +346,38 @@ class UpgradeCommands:
             self._enter(answer.state)
             self._finalizing_from = before
             pos = int(self.ck.get("position") or 0)
-        results, failed = [], None
-        for s, h in enumerate(self.shards):
-            try:
-                res = h.finalize.remote().result(timeout_s=self.cfg.shard_timeout_s * 4)
-            except Exception as exc:
-                failed = f"shard {s} unavailable: {type(exc).__name__}"
-                break
-            if "error" in res:
-                failed = res["error"]
-                break
-            results.append(res)
+        failed, dropped, column, seq = None, 0, False, 0
+        try:
+            dropped, column, seq = self._finalize_store()
+        except Exception as exc:
+            failed = f"store {self.store.uri.raw} refused the finalize: {exc}"
         with self.lock:
-            dropped = [int(r["dropped"]) for r in results]
             if failed is None:
-                self.ck["finalized"] = {"position": pos, "dropped": sum(dropped), "at": time.time()}
+                self.ck["finalized"] = {
+                    "position": pos,
+                    "dropped": dropped,
+                    "column_dropped": column,
+                    "seq": seq,
+                    "at": time.time(),
+                }
                 self.ck["rollback"] = None  # a rollback that ended (an unfinished one refuses)
             self._enter(self._decide(Command.FINALIZE_END, before=before).state)
             self._try_save("finalized" if failed is None else "finalize failed")
             if failed is not None:
                 return {"error": failed, "status": 503}
-            logger.warning("finalized at position %d: %d old vector(s) dropped", pos, sum(dropped))
-            return {"dropped": sum(dropped), "per_shard": dropped, "position": pos}
+            logger.warning("finalized at position %d: %d old vector(s) dropped", pos, dropped)
+            return {"dropped": dropped, "column_dropped": column, "position": pos}
+
+    def _finalize_store(self) -> tuple[int, bool, int]:
+        """``(items whose old vector is no longer kept, whether the store dropped its old
+        column, the store's write sequence number)``: the column goes when every item is
+        upgraded, since no item uses an old vector then."""
+        dropped = int(self._kept_ids().size)
+        with self.store_lock:
+            column = self.store.count_upgraded() == self.store.count()
+            if column:
+                self.store.finalize()
+            return dropped, column, self.store.max_write_seq()
 
     def stale(self, model: str, cursor: int = 0, limit: int = 1000) -> dict:
         """A page of the ids whose vector ``model`` did not produce, in the backfill's order
@@ -436,4 +425,13 @@ class UpgradeCommands:
             "rollback": self.ck.get("rollback"),
             "rollback_in_flight": bool(self._in_flight and self._in_flight["kind"] == "rollback"),
             "finalized": self.ck.get("finalized"),
+            "kept": self._kept_status(),
         }
+
+    def _kept_status(self) -> dict:
+        """The items a rollback can turn back (upgraded since the last finalize; the store
+        keeps their old vectors), or the store's error."""
+        try:
+            return {"items": int(self._kept_ids().size)}
+        except Exception as exc:
+            return {"items": None, "error": f"{type(exc).__name__}: {exc}"}

@@ -13,7 +13,7 @@ import importlib
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -32,6 +32,7 @@ __all__ = [
     "ColumnMap",
     "Filter",
     "GalleryBlock",
+    "ItemWrite",
     "ModelCounts",
     "RollbackMark",
     "StoreInfo",
@@ -55,6 +56,7 @@ LOGICAL_COLUMNS = (
     "new_model",
     "upgraded",
     "position",
+    "write_seq",
 )
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MARK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
@@ -64,6 +66,7 @@ STATE_KEY = "state"
 FINALIZED_KEY = "finalized"
 LOAD_KEY = "load"
 MARK_PREFIX = "mark:"
+GENERATION_KEY = "generation"
 #: Largest JSON text of one state record (Milvus VARCHAR bound).
 MAX_STATE_CHARS = 65_000
 
@@ -74,6 +77,8 @@ class ColumnMap:
 
     ``upgraded`` (bool) and ``position`` (int64, the order index of the item's upgrade, -1 if
     not upgraded) may not both be None; ``image_uri`` None means no image URI column.
+    ``write_seq`` (int64) is the sequence number of the commit that last wrote the row, which a
+    live index follows (backends with the ``write_sequence`` capability; optional in a table).
     """
 
     id: str = "item_id"
@@ -85,6 +90,7 @@ class ColumnMap:
     new_model: str = "new_model"
     upgraded: str | None = "upgraded"
     position: str | None = "upgrade_position"
+    write_seq: str | None = "write_seq"
 
     def __post_init__(self) -> None:
         names = [(f.name, getattr(self, f.name)) for f in fields(self)]
@@ -132,6 +138,9 @@ CAPABILITY_NOTES = {
     "exact_with_ann_index": "searches exactly while the field has an approximate index. "
     "Without it, exact search needs the FLAT index: search with exact=False, or "
     "build_index(field, 'flat') to search exactly again.",
+    "write_sequence": "numbers every commit and stamps the rows it wrote (the write_seq "
+    "column), so that a reader can fetch the rows written since it last looked. Without it, "
+    "the live index cannot follow the store: serve a LanceDB table.",
 }
 
 
@@ -146,6 +155,7 @@ class Capabilities:
     concurrent_writers: bool
     partial_update: bool
     exact_with_ann_index: bool
+    write_sequence: bool = False
 
     def missing(self) -> dict[str, str]:
         """Each capability this backend lacks, with the workaround raycompat uses."""
@@ -216,6 +226,17 @@ class GalleryBlock:
     old: np.ndarray
     new: np.ndarray | None = None
     image_uris: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class ItemWrite:
+    """Vectors of existing items for one field, by the model of ``fingerprint``
+    (:meth:`VectorStore.write_items`)."""
+
+    ids: np.ndarray
+    field: VectorField
+    vectors: np.ndarray
+    fingerprint: str
 
 
 @dataclass
@@ -354,6 +375,9 @@ class VectorStore(ABC):
     """
 
     backend: ClassVar[str] = ""
+    #: whether the backend keeps a write sequence (:meth:`read_changes`): a live index can
+    #: follow it (the ``write_sequence`` capability, known before a store is opened)
+    keeps_write_sequence: ClassVar[bool] = False
     #: The largest top-k one engine call may ask for.
     max_search_limit: ClassVar[int] = 16_384
 
@@ -682,6 +706,69 @@ class VectorStore(ABC):
             flt = Filter(flt.upgraded, flt.labels, tuple(ids.tolist()), flt.raw)
         return flt
 
+    # -- following (the live index) -------------------------------------------------------
+    def version(self) -> int | None:
+        """A number that changes with every commit of the gallery table, cheap to read, so
+        that a follower reads :meth:`read_changes` only after a commit (None: the backend has
+        none, and a follower reads the changes every time)."""
+        return None
+
+    def generation(self) -> int:
+        """How many times the table went back to an earlier version (a rollback to a mark):
+        a follower that saw another generation reads the whole table again."""
+        text = self._get_record(GENERATION_KEY)
+        return int(text) if text else 0
+
+    def max_write_seq(self) -> int:
+        """The write sequence number of the last commit, 0 before any (docs/stores.md#follow)."""
+        raise self._no_sequence()
+
+    def read_changes(
+        self, since: int, columns: Iterable[str], block_rows: int = 65536
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Blocks of the rows that commits after ``since`` wrote (``write_seq > since``), in no
+        set order, each with its ``write_seq`` (docs/stores.md#follow)."""
+        raise self._no_sequence()
+
+    def write_items(self, writes: Sequence[ItemWrite]) -> tuple[int, int]:
+        """Replace the vectors of existing items in one commit, all or nothing (the live
+        index's upserts): an ``old`` write gives an item a new old vector and turns it back to
+        not upgraded, a ``new`` write upgrades it outside any backfill order (position -1);
+        an id written twice keeps its last write. Returns ``(rows, write_seq)``."""
+        raise self._no_sequence()
+
+    def revert_items(self, ids: np.ndarray) -> tuple[int, int]:
+        """Turn the upgraded items among ``ids`` back to their old vectors in one commit (the
+        live index's rollback, latest upgraded first); returns ``(rows turned back,
+        write_seq)``."""
+        raise self._no_sequence()
+
+    def _no_sequence(self) -> StoreError:
+        return StoreError(
+            f"{self.where}: the {self.backend} backend keeps no write sequence, so a live "
+            "index cannot follow it; " + CAPABILITY_NOTES["write_sequence"].split(". ", 1)[1]
+        )
+
+    def _checked_writes(self, writes: Sequence[ItemWrite]) -> list[ItemWrite]:
+        """``writes`` with checked ids, unit vectors of the field's dimension and fingerprints;
+        a StoreError names the column. An old write after finalize is refused."""
+        cols, where, out = self.columns, self.where, []
+        for w in writes:
+            if w.field not in ("old", "new"):
+                raise StoreError(
+                    f"{where}: a write's field must be 'old' or 'new', got {w.field!r}"
+                )
+            column = self._vector_column(w.field)
+            dim = self._layout.old_dim if w.field == "old" else self._layout.new_dim
+            ids = checks.check_ids(w.ids, cols.id, where)
+            vectors = checks.unit_rows(
+                checks.check_vectors(w.vectors, dim, len(ids), column, where), column, where
+            )
+            model_col = cols.old_model if w.field == "old" else cols.new_model
+            fingerprint = checks.check_fingerprint(w.fingerprint, model_col, where)
+            out.append(ItemWrite(ids, w.field, vectors, fingerprint))
+        return out
+
     # -- rollback and finalize -----------------------------------------------------------
     def mark(self, name: str) -> RollbackMark:
         """Record a rollback point named ``name`` (docs/stores.md#rollback)."""
@@ -714,6 +801,7 @@ class VectorStore(ABC):
             )
         self._position_high = None
         self._rollback_to_mark(mark)
+        self._put_record(GENERATION_KEY, str(self.generation() + 1))
 
     @abstractmethod
     def rollback_to_position(self, position: int) -> int:

@@ -25,6 +25,7 @@ except ModuleNotFoundError as exc:  # a broken install: lancedb is a core depend
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raycompat.stores import checks
 from raycompat.stores.base import (
     FINALIZED_KEY,
     LOGICAL_COLUMNS,
@@ -61,6 +62,7 @@ _CAPABILITIES = Capabilities(
     concurrent_writers=True,
     partial_update=True,
     exact_with_ann_index=True,
+    write_sequence=True,
 )
 
 
@@ -102,6 +104,38 @@ def _vectors(column: pa.ChunkedArray | pa.Array, dim: int) -> np.ndarray:
     return out
 
 
+def _masked_fsl(vectors: np.ndarray | None, valid: np.ndarray, dim: int) -> pa.Array:
+    """Rows of ``vectors`` where ``valid``, nulls elsewhere, as a fixed_size_list column."""
+    n = len(valid)
+    full = np.zeros((n, dim), np.float32) if vectors is None else vectors
+    values = pa.array(full.ravel(), pa.float32())
+    mask = pa.array(~np.asarray(valid, bool))
+    return pa.FixedSizeListArray.from_arrays(values, dim, mask=mask)
+
+
+def _last_writes(writes) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray]:
+    """``(ids, field of each, {field: vectors [n, d] by id row}, fingerprint of each)`` of
+    checked writes, each id once (its last write)."""
+    last: dict[int, tuple[int, int]] = {}
+    for w_i, w in enumerate(writes):
+        for r_i, i in enumerate(w.ids.tolist()):
+            last.pop(i, None)
+            last[i] = (w_i, r_i)
+    ids = np.fromiter(last, np.int64, len(last))
+    fields = np.asarray([writes[w].field for w, _ in last.values()], dtype=object)
+    models = np.asarray([writes[w].fingerprint for w, _ in last.values()], dtype=object)
+    vectors: dict[str, np.ndarray] = {}
+    for name in ("old", "new"):
+        picks = [(k, w, r) for k, (w, r) in enumerate(last.values()) if writes[w].field == name]
+        if picks:
+            dim = writes[picks[0][1]].vectors.shape[1]
+            out = np.zeros((len(ids), dim), np.float32)
+            for k, w, r in picks:
+                out[k] = writes[w].vectors[r]
+            vectors[name] = out
+    return ids, fields, vectors, models
+
+
 def _strings(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(pc.fill_null(column, "").to_pylist(), dtype=object)
 
@@ -121,6 +155,8 @@ def _schema(cols: ColumnMap, layout: Layout) -> pa.Schema:
         out.append(pa.field(cols.upgraded, pa.bool_(), False))
     if cols.position:
         out.append(pa.field(cols.position, pa.int64(), False))
+    if cols.write_seq:
+        out.append(pa.field(cols.write_seq, pa.int64(), False))
     return pa.schema(out)
 
 
@@ -142,6 +178,8 @@ def _record_batch(
         data[cols.upgraded] = np.full(n, up)
     if cols.position:
         data[cols.position] = block.positions
+    if cols.write_seq:
+        data[cols.write_seq] = np.zeros(n, dtype=np.int64)
     return pa.record_batch([data[f.name] for f in schema], schema=schema)
 
 
@@ -152,6 +190,7 @@ _EXPECTED_TYPES = {
     "image_uri": "string",
     "upgraded": "bool",
     "position": "int64",
+    "write_seq": "int64",
 }
 
 
@@ -163,6 +202,8 @@ def _layout_from_schema(schema: pa.Schema, cols: ColumnMap, where: str, finalize
         name = getattr(cols, logical)
         if name is None or (logical == "old" and finalized and name not in names):
             continue
+        if logical == "write_seq" and name not in names:
+            continue  # optional: a table without it is not followed (VectorStore.version)
         if name not in names:
             raise StoreError(
                 f"column {name!r} ({logical}) missing from {where}; its columns: "
@@ -192,6 +233,7 @@ class LanceStore(VectorStore):
 
     backend = "lance"
     max_search_limit = 1_000_000
+    keeps_write_sequence = True
 
     def __init__(self, uri: StoreURI, columns: ColumnMap, layout: Layout, db, table) -> None:
         super().__init__(uri, columns, layout)
@@ -201,6 +243,7 @@ class LanceStore(VectorStore):
         self._known: np.ndarray | None = None
         self._state_lock = threading.Lock()
         self._state_writes = 0
+        self._seq_high: int | None = None
 
     @staticmethod
     def _where(uri: StoreURI) -> str:
@@ -264,6 +307,8 @@ class LanceStore(VectorStore):
             raise
         if _open_table(db, uri.name + STATE_SUFFIX) is not None:  # the old table's records
             db.drop_table(uri.name + STATE_SUFFIX)
+        if columns.write_seq:  # followers ask for rows newer than a sequence number
+            table.create_scalar_index(columns.write_seq, index_type="BTREE")
         return cls(uri, columns, layout, db, table)
 
     @classmethod
@@ -384,7 +429,7 @@ class LanceStore(VectorStore):
             if name in ("old", "new"):
                 dim = self._layout.old_dim if name == "old" else self._layout.new_dim
                 out[name] = _vectors(column, dim)
-            elif name in ("id", "position"):
+            elif name in ("id", "position", "write_seq"):
                 out[name] = column.to_numpy().astype(np.int64)
             elif name == "upgraded":
                 out[name] = column.to_numpy(zero_copy_only=False).astype(bool)
@@ -429,6 +474,8 @@ class LanceStore(VectorStore):
             data[cols.upgraded] = np.ones(n, dtype=bool)
         if cols.position:
             data[cols.position] = positions
+        if self._has_seq:
+            data[cols.write_seq] = np.full(n, self._next_seq(), dtype=np.int64)
         schema = pa.schema([self._table.schema.field(name) for name in data])
         batch = pa.table([data[name] for name in schema.names], schema=schema)
         result = self._table.merge_insert(cols.id).when_matched_update_all().execute(batch)
@@ -449,6 +496,131 @@ class LanceStore(VectorStore):
                 f"column {self.columns.id!r} of {self.where}: {len(missing)} ids "
                 f"are not in the table, e.g. {missing[:5].tolist()}"
             )
+
+    # -- following (the live index) ---------------------------------------------------------
+    @property
+    def _has_seq(self) -> bool:
+        name = self.columns.write_seq
+        return bool(name) and name in self._table.schema.names
+
+    def _next_seq(self) -> int:
+        """The sequence number of the next commit: one above the largest in the table (rows
+        newer than the last one this handle knows are read through the index)."""
+        self._seq_high = self.max_write_seq()
+        self._seq_high += 1
+        return self._seq_high
+
+    def version(self) -> int | None:
+        """The table's version (every commit makes one): one read of the latest manifest."""
+        return int(self._table.version)
+
+    def max_write_seq(self) -> int:
+        if not self._has_seq:
+            raise self._no_sequence()
+        col, high = self.columns.write_seq, self._seq_high or 0
+        newer = self._table.search().select([col]).where(f"{col} > {high}").limit(None)
+        values = newer.to_arrow()[col].to_numpy()
+        if len(values):
+            high = int(values.max())
+        self._seq_high = high
+        return high
+
+    def read_changes(
+        self, since: int, columns: Iterable[str], block_rows: int = 65536
+    ) -> Iterator[dict[str, np.ndarray]]:
+        if not self._has_seq:
+            raise self._no_sequence()
+        wanted = list(dict.fromkeys([*self._read_columns(columns), "write_seq"]))
+        self._check_block_rows(block_rows)
+        flt = Filter(raw=f"{self.columns.write_seq} > {int(since)}")
+        return self._scan_blocks(wanted, block_rows, flt)
+
+    def write_items(self, writes) -> tuple[int, int]:
+        """One ``merge_insert`` (when matched, update) of whole upgrade columns: one commit."""
+        cols = self.columns
+        if not self._has_seq or not cols.upgraded or not cols.position:
+            raise (
+                self._no_sequence()
+                if not self._has_seq
+                else StoreError(
+                    f"{self.where}: write_items needs the upgraded and position columns"
+                )
+            )
+        ids, field_of, vectors, models = _last_writes(self._checked_writes(writes))
+        if not len(ids):
+            return 0, self.max_write_seq()
+        self._check_known(ids)
+        batch = self._item_rows(ids, field_of, vectors, models)
+        merge = self._table.merge_insert(cols.id).when_matched_update_all()
+        result = merge.execute(batch, on_bad_vectors="null")  # the nulls of old writes' new
+        if result.num_updated_rows != len(ids):
+            raise StoreError(
+                f"{self.where}: write_items updated {result.num_updated_rows} of {len(ids)} rows"
+            )
+        return len(ids), int(batch[cols.write_seq][0].as_py())
+
+    def revert_items(self, ids: np.ndarray) -> tuple[int, int]:
+        """One ``update`` commit of the upgraded rows among ``ids``."""
+        cols = self.columns
+        if not self._has_seq or not cols.upgraded:
+            raise self._no_sequence()
+        if cols.old not in self._table.schema.names:
+            raise StoreError(
+                f"column {cols.old!r} of {self.where} was dropped at finalize: nothing to "
+                "turn back to"
+            )
+        ids = checks.check_ids(np.unique(np.asarray(ids)), cols.id, self.where)
+        if not len(ids):
+            return 0, self.max_write_seq()
+        seq = self._next_seq()
+        values = {cols.new: "NULL", cols.new_model: "NULL", cols.upgraded: "false"}
+        if cols.position:
+            values[cols.position] = "-1"
+        values[cols.write_seq] = str(seq)
+        where = f"{cols.upgraded} AND {cols.id} IN ({_sql_list(ids.tolist())})"
+        result = self._table.update(where=where, values_sql=values)
+        return int(result.rows_updated), seq
+
+    def _item_rows(
+        self, ids: np.ndarray, field_of: np.ndarray, vectors: dict, models: np.ndarray
+    ) -> pa.Table:
+        """The rows ``write_items`` commits: a ``new`` write keeps the item's old vector, an
+        ``old`` write clears its new one."""
+        cols, n = self.columns, len(ids)
+        is_new = field_of == "new"
+        seq = self._next_seq()
+        data = {
+            cols.id: ids,
+            cols.new: _masked_fsl(vectors.get("new"), is_new, self._layout.new_dim),
+            cols.new_model: pa.array(
+                [m if up else None for m, up in zip(models, is_new, strict=True)]
+            ),
+            cols.upgraded: is_new,
+            cols.position: np.full(n, -1, dtype=np.int64),
+            cols.write_seq: np.full(n, seq, dtype=np.int64),
+        }
+        if not self.finalized:
+            current = self._current_old(ids)
+            old = current["old"]
+            old_models = current["old_model"]
+            if "old" in vectors:
+                old[~is_new] = vectors["old"][~is_new]
+                old_models[~is_new] = models[~is_new]
+            data[cols.old] = _fsl(old)
+            data[cols.old_model] = pa.array(old_models.tolist(), pa.string())
+        schema = pa.schema([self._table.schema.field(name) for name in data])
+        return pa.table([data[name] for name in schema.names], schema=schema)
+
+    def _current_old(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The old vectors and models of ``ids``, in that order."""
+        table = self._scan(
+            [self.columns.id, self.columns.old, self.columns.old_model],
+            Filter(ids=tuple(np.unique(ids).tolist())),
+        )
+        block = self._block_dict(table, ["id", "old", "old_model"])
+        order = np.argsort(block["id"])
+        rows = order[np.searchsorted(block["id"], ids, sorter=order)]
+        return {"old": block["old"][rows], "old_model": block["old_model"][rows]}
 
     def build_index(self, field: str, kind: str = "ivf") -> None:
         if kind not in ("ivf", "hnsw", "flat"):  # before anything is dropped
@@ -515,6 +687,8 @@ class LanceStore(VectorStore):
         values = {self.columns.new: "NULL", self.columns.new_model: "NULL", col: "-1"}
         if self.columns.upgraded:
             values[self.columns.upgraded] = "false"
+        if self._has_seq:
+            values[self.columns.write_seq] = str(self._next_seq())
         result = self._table.update(where=f"{col} >= {int(position)}", values_sql=values)
         return int(result.rows_updated)
 

@@ -199,7 +199,6 @@ def _serve_job(tmp_path) -> tuple[list[str], dict]:
         str(token),
         "--app-name",
         "cluster_index",
-        "--no-fsync",
     ], {"port": port}
 
 

@@ -25,7 +25,6 @@ ALL_JOBS = (
     "plan-upgrade",
     "hot-refresh",
     "serve-index",
-    "reshard-index",
     "backfill-store",
 )
 
@@ -60,7 +59,10 @@ def test_unknown_job_prints_usage_and_exits_2():
         (("quickstart", "--train-clases", "3"), "unrecognized arguments: --train-clases"),
         (("train-ract", "--head", "foo"), "option 'head' = 'foo' is not allowed"),
         (("reproduce", "--scale", "huge"), "option 'scale' = 'huge' is not allowed"),
-        (("reshard-index", "--state-dir", "/nonexistent"), "/nonexistent holds no shard snapshots"),
+        (
+            ("serve-index", "--gallery", "synthetic:5", "--store", "milvus:///tmp/x.db/g"),
+            "which the milvus backend does not keep",
+        ),
         (("backfill-store", "--store", "faiss://db/t", "--status"), "no store backend for scheme"),
     ],
 )

@@ -42,6 +42,7 @@ from serving_helpers import (
 )
 
 from raycompat.embeddings.gallery import load_parquet
+from raycompat.serving.client import ServingHTTPError
 from raycompat.serving.gallery_source import write_gallery_parquet
 from raycompat.simulator.memory_engine import simulate_backfill
 
@@ -60,7 +61,7 @@ def api_index(serve_port, gallery_parquet, token_file, tmp_path_factory):
              "--state-dir", str(tmp_path_factory.mktemp("api_state")), "--app-name", "api",
              "--route-prefix", "/api", "--num-shards", "2", "--router-replicas", "1",
              "--max-k", "50", "--max-queries", "4", "--max-image-bytes", "4096",
-             "--max-upsert-items", "8", "--max-body-bytes", str(64 << 10), "--no-fsync",
+             "--max-upsert-items", "8", "--max-body-bytes", str(64 << 10),
              "--shard-timeout-s", "3", "--index-device", "cpu"]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -189,7 +190,7 @@ def test_admin_auth_and_upsert_errors(api):
         api.base + "/admin/backfill/start", json={}, headers={"Authorization": "Basic abc"}
     )
     assert r.status_code == 401
-    for path in ("/admin/backfill/pause", "/admin/backfill/resume", "/admin/snapshot"):
+    for path in ("/admin/backfill/pause", "/admin/backfill/resume"):
         assert post(api, path, {}).status_code == 401
     r = post(api, "/admin/upsert", {"items": [dict(item, id=4)]}, token=TOKEN)
     assert (
@@ -248,10 +249,10 @@ def test_admin_token_and_body_size_are_checked_before_the_body_is_read(api):
     assert ok.status_code == 200
     # the scheme is case-insensitive (RFC 7235), the token is not
     lower = {"Authorization": f"bearer {TOKEN}"}
-    r = requests.post(api.base + "/admin/snapshot", headers=lower, timeout=30)
+    r = requests.post(api.base + "/admin/backfill/pause", headers=lower, timeout=30)
     assert r.status_code == 200
     upper = {"Authorization": f"Bearer {TOKEN.upper()}"}
-    assert requests.post(api.base + "/admin/snapshot", headers=upper).status_code == 401
+    assert requests.post(api.base + "/admin/backfill/pause", headers=upper).status_code == 401
     # /docs and /redoc load scripts from a CDN: off unless api_docs; the schema stays
     assert requests.get(api.base + "/docs").status_code == 404
     assert requests.get(api.base + "/redoc").status_code == 404
@@ -707,7 +708,6 @@ def test_fct_offline_equals_online(serve_port, gallery_parquet, fct_bundle, toke
         num_shards=1,  # an fct shard loads the new bundle (its fct module), seconds of CPU
         mode="fct",
         new_model=fct_bundle,
-        fsync=False,
     )
     try:
         st = client.status()
@@ -756,7 +756,6 @@ def test_naive_merge_offline_equals_online_and_needs_old_vectors(
         prefix="/naive-merge",
         num_shards=1,  # the merge of old-old and new-new scores is the router's, not the shards'
         mode="naive_merge",
-        fsync=False,
     )
     try:
         base = client.base
@@ -801,40 +800,28 @@ def _all_items(n_shards: int, app: str) -> dict[int, tuple[int, int]]:
 
 
 @pytest.mark.serve
-def test_state_layout_is_checked_and_reshard_moves_items_exactly_once(
-    serve_port, gallery_parquet, token_file, tmp_path, capsys
+def test_resharding_is_a_restart_with_another_num_shards(
+    serve_port, gallery_parquet, token_file, tmp_path
 ):
-    """A 1-shard state restarted with 2 shards is refused (naming the layout and the reshard
-    command); reshard-index refuses while the index runs, then moves every item exactly once:
-    the 2-shard index serves the same items, representations and results, and the backfill
-    resumes where it stopped.  (From 2 shards to 3, without Serve:
-    test_serving_upgrade_state.py::test_reshard_moves_models_and_kept_vectors.)"""
-    from raycompat.config import ConfigError
+    """The shards are caches of the store: a 1-shard index restarted with 2 shards serves the
+    same items, representations and results (nothing moved, every item on exactly one shard),
+    and the backfill resumes where it stopped."""
     from raycompat.serving.placement import shard_of
-    from raycompat.serving.reshard import main as reshard_main
 
     state = tmp_path / "state"
     data = load_parquet(gallery_parquet)
     q = data.query_new[:5]
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
-                       num_shards=1, fsync=False)  # fmt: skip
+                       num_shards=1)  # fmt: skip
     try:
         client.start_backfill(policy="random", seed=3, batch_size=50, until=250)
         client.wait_backfill(250)
         before = _all_items(1, "lay")
         ids_before, scores_before, _ = client.search(q, k=40)
-        assert reshard_main(["--state-dir", str(state), "--num-shards", "2"]) == 2
-        assert "in use by another process" in capsys.readouterr().err  # the index runs
     finally:
-        undeploy("lay", wait=True)  # its replicas hold the shard directories until they stop
-    with pytest.raises(ConfigError, match="num_shards: stored 1, requested 2.*reshard-index"):
-        deploy(serve_port, state, gallery_parquet, token_file, app="lay", prefix="/lay",
-               num_shards=2)  # fmt: skip
-    assert reshard_main(["--state-dir", str(state), "--num-shards", "2"]) == 0
-    assert "moved from 1 to 2 shards" in capsys.readouterr().out
-    # 2 shards: the resharded state
+        undeploy("lay", wait=True)
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app="lay2",
-                       prefix="/lay2", num_shards=2, fsync=False)  # fmt: skip
+                       prefix="/lay2", num_shards=2)  # fmt: skip
     try:
         after = _all_items(2, "lay2")
         assert {i: c for i, (_, c) in after.items()} == {i: c for i, (_, c) in before.items()}
@@ -851,63 +838,44 @@ def test_state_layout_is_checked_and_reshard_moves_items_exactly_once(
 
 
 @pytest.mark.serve
-def test_corruption_mid_log_is_reported_and_a_corrupt_snapshot_is_named(
+def test_a_store_that_fails_to_read_is_named_and_never_served_partly(
     serve_port, gallery_parquet, token_file, tmp_path
 ):
-    """A flipped byte in the middle of a shard's log: the records after it are kept, and
-    /status and /metrics report the damage; a corrupt snapshot stops the deploy with an error
-    naming the file."""
-    import ray
-
-    from raycompat.serving.deploy import DeployError
-    from raycompat.serving.durability import LOG_NAME, SNAPSHOT_NAME, UpsertLog
-
-    state = tmp_path / "state"
-    shard = state / "shard-0"
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="cor", prefix="/cor",
-                       num_shards=1, fsync=False)  # fmt: skip
+    """The store's version files moved away: a search is a 503 naming the store's error (never
+    an answer from part of the gallery), /status names it or the shard is down while Serve
+    replaces the unhealthy replica; with the files back, every item is served again."""
+    store = tmp_path / "store"
+    _, client = deploy(serve_port, tmp_path / "state", gallery_parquet, token_file, app="cor",
+                       prefix="/cor", num_shards=1, store=str(store))  # fmt: skip
+    versions = store / "gallery.lance" / "_versions"
+    q = load_parquet(gallery_parquet).query_new[:3]
     try:
-        rng = np.random.default_rng(5)
-        ids = load_parquet(gallery_parquet).gallery_ids[:30]
-        for r in range(6):  # six records of five items
-            items = [
-                {"id": int(i), "representation": "new", "vector": rng.standard_normal(24).tolist()}
-                for i in ids[r * 5 : r * 5 + 5]
-            ]
-            client.upsert(items)
-        log = str(shard / LOG_NAME)
-        offsets = [rec.offset for rec in UpsertLog(log).replay()]
-        with open(log, "r+b") as fh:  # a vector byte of the third record (behind the writer)
-            fh.seek(offsets[2] + 60)
-            b = fh.read(1)
-            fh.seek(-1, 1)
-            fh.write(bytes([b[0] ^ 0x01]))
-        # the replica dies; the one Serve starts in its place recovers from the snapshot and
-        # this log, as a new deploy's replica would (without a new router and controller)
-        pid = client.status()["shards"][0]["pid"]
-        actor, _ = _replica_actor(client, "shard-0")
-        ray.kill(actor, no_restart=True)
-        _wait_restarted(client, 0, pid)
-        rec = client.status()["shards"][0]["recovery"]
-        assert rec["replayed_records"] == 5 and rec["corrupt_records"][0]["lost_seqs"] == [3]
-        assert os.path.exists(rec["corrupt_log_kept_as"])
-        assert client.status()["items"] == {"old": 575, "adapted": 0, "new": 25}
-        metrics = requests.get(client.base + "/metrics", timeout=30).text
-        assert 'raycompat_serving_log_corrupt_records{shard="0"} 1.0' in metrics
+        assert client.status()["items"]["old"] == 600
+        client.upsert([{"id": 3, "representation": "new", "vector": [0.5] * 24}])
+        os.rename(versions, str(versions) + ".away")
+        r = post(client, "/search", {"vectors": q.tolist(), "k": 5})
+        assert r.status_code == 503 and "shard 0" in r.json()["error"], r.text
+        try:
+            error = client.status()["shards"][0]["store"]["error"]
+            assert error and "gallery.lance" in error, error
+        except ServingHTTPError as exc:  # Serve took the unhealthy replica down meanwhile
+            assert exc.status == 503 and "shard 0" in str(exc.body), exc.body
+        os.rename(str(versions) + ".away", versions)
+        t0 = time.time()
+        while True:
+            try:
+                st = client.status()
+                if not st["shards"][0]["store"]["error"]:
+                    break
+            except ServingHTTPError:
+                pass
+            assert time.time() - t0 < 120, "the shard never read the store again"
+            time.sleep(0.5)
+        assert st["items"] == {"old": 599, "adapted": 0, "new": 1}
+        ids, _, _ = client.search(q, k=600)
+        assert sorted(ids[0].tolist()) == sorted(load_parquet(gallery_parquet).gallery_ids)
     finally:
-        undeploy("cor", wait=True)  # its replica holds the shard directory until it stops
-    snap = shard / SNAPSHOT_NAME
-    data = bytearray(snap.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    snap.write_bytes(bytes(data))
-    try:
-        with pytest.raises(
-            DeployError, match=f"shard-0: CorruptStateError: snapshot {snap} is corrupt"
-        ):
-            deploy(serve_port, state, gallery_parquet, token_file, app="cor3",
-                   prefix="/cor3", num_shards=1)  # fmt: skip
-    finally:
-        undeploy("cor3")
+        undeploy("cor")
 
 
 # ----------------------------------------------------------------------------- faults on disk
@@ -919,62 +887,6 @@ def _shard_handle(app: str, shard: int):
     from ray import serve
 
     return serve.get_deployment_handle(f"shard-{shard}", app_name=app)
-
-
-@pytest.mark.serve
-def test_an_upsert_resent_after_its_replica_died_is_not_called_unapplied(
-    serve_port, gallery_parquet, token_file, tiny_fs
-):
-    """A replica logs and applies an upsert, then dies before it answers (held in the snapshot
-    that follows, here by a shared lock the test takes).  The router sends the part again; the
-    restarted replica finds the disk full.  The answer must not say that nothing was applied --
-    the first send was -- but that the outcome is unknown."""
-    import fcntl
-    import signal
-
-    from raycompat.serving.placement import shard_of
-
-    fs = tiny_fs(4 << 20)
-    state = os.path.join(fs, "state")
-    _, client = deploy(serve_port, state, gallery_parquet, token_file, app="resent",
-                       prefix="/resent", num_shards=1, snapshot_every=1)  # fmt: skip
-    try:
-        ids = load_parquet(gallery_parquet).gallery_ids
-        mine = ids[shard_of(ids, 1) == 0][:3]
-        shard_dir = os.path.join(state, "shard-0")
-        pid = next(s["pid"] for s in client.status()["shards"] if s["shard"] == 0)
-        vecs = np.eye(24, dtype=np.float32)[:3]
-        body = {"items": [{"id": int(i), "representation": "adapted", "vector": v.tolist()}
-                          for i, v in zip(mine, vecs, strict=True)]}  # fmt: skip
-        answer = {}
-
-        def post_upsert():
-            answer["r"] = post(client, "/admin/upsert", body, token=TOKEN)
-
-        held = os.open(os.path.join(shard_dir, "SNAPSHOT.lock"), os.O_RDWR)
-        fcntl.flock(held, fcntl.LOCK_SH)  # the replica's snapshot after the upsert waits here
-        th = threading.Thread(target=post_upsert)
-        th.start()
-        t0 = time.time()
-        while not [f for f in os.listdir(shard_dir) if f.startswith("upserts.log.rotated-")]:
-            assert time.time() - t0 < 60, "the upsert was never logged"  # logged, rotated, held
-            time.sleep(0.05)
-        tiny_fs.fill(fs)
-        os.kill(pid, signal.SIGKILL)
-        fcntl.flock(held, fcntl.LOCK_UN)
-        os.close(held)
-        th.join(timeout=120)
-        r = answer["r"]
-        assert r.status_code == 503, r.text
-        assert "nothing of shard" not in r.json()["error"], r.json()["error"]
-        assert "outcome of its 3 item(s) is unknown" in r.json()["error"], r.json()["error"]
-        os.unlink(os.path.join(fs, "filler"))
-        _wait_restarted(client, 0, pid)
-        reps, got = _shard_handle("resent", 0).lookup.remote(mine).result()
-        assert list(reps) == ["adapted"] * 3  # the first send had landed
-        np.testing.assert_allclose(got, vecs, atol=1e-6)
-    finally:
-        undeploy("resent")
 
 
 def _wait_restarted(client, shard: int, old_pid: int, timeout: float = 120.0) -> None:
@@ -1063,7 +975,7 @@ def live(serve_port, live_gallery, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TOKEN_ENV, TOKEN)
         _, client = deploy(serve_port, state, path, None, app=LIVE, prefix="/live",
-                           num_shards=2, snapshot_every=150, fsync=False,
+                           num_shards=2,
                            max_request_pixels=40 * 4096 * 4096, new_model=bundle, items=items,
                            pipeline_output=pipeline)  # fmt: skip
     glyphs = types.SimpleNamespace(classes=classes, instances=instances, new=new, flipped=flipped)
@@ -1214,7 +1126,7 @@ def test_offline_equals_online(
         reset_backfill(client)
     else:
         _, client = deploy(serve_port, tmp_path / "state", path, token_file, app=mode,
-                           prefix=f"/{mode}", num_shards=1, mode=mode, fsync=False)  # fmt: skip
+                           prefix=f"/{mode}", num_shards=1, mode=mode)  # fmt: skip
     try:
         live = live_backfill_curve(
             client, data, fractions, policy=policy, seed=7, k=k, batch_size=37, log=lambda m: None
@@ -1420,7 +1332,7 @@ def rank_merge_app(serve_port, gallery_parquet, rank_merge_bundle, token_file, t
     results as in every mode."""
     _, client = deploy(serve_port, tmp_path_factory.mktemp("rank_merge_state"), gallery_parquet,
                        token_file, app="rank-merge", prefix="/rank-merge", num_shards=1,
-                       mode="rank_merge", new_model=rank_merge_bundle, fsync=False)  # fmt: skip
+                       mode="rank_merge", new_model=rank_merge_bundle)  # fmt: skip
     yield client
     undeploy("rank-merge")
 
@@ -1473,7 +1385,7 @@ def disk_app(serve_port, gallery_parquet, token_file, tmp_path_factory):
         pytest.skip("cannot mount a tmpfs here")
     state = os.path.join(fs, "state")
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app=DISK, prefix="/disk",
-                       num_shards=2, snapshot_every=300)  # fmt: skip
+                       num_shards=2)  # fmt: skip
     yield client, fs, state
     undeploy(DISK)
     umount(fs)

@@ -437,7 +437,7 @@ def test_live_index_walks_cost_aware_and_moves_searched_items_to_the_front(
     sim = simulate_backfill(data, ["cost-aware"], ["compatible"], k=5, grid_step=50)
     _, client = deploy(
         serve_port, tmp_path / "state", path, token_file, app="reads", prefix="/reads",
-        num_shards=1, fsync=False,
+        num_shards=1,
     )  # fmt: skip
     order_file = os.path.join(str(tmp_path / "state"), "backfill", "order.npy")
     try:
