@@ -16,7 +16,13 @@ Three tables:
    read from ``/proc/<pid>/stat`` over the level (the replicas' pids from Ray's state API),
    against the in-process search's CPU time per query at the same batch size, so that the
    ratio means the same on 2 cores and on 64.
-3. **Approximate indexes** (``--indexes``): per index kind, the time from deploy to ready
+3. **Upserts** (``--upsert-levels``): ``POST /admin/upsert`` throughput (items/s) and p50 / p99
+   latency per level ``CxN`` (C concurrent requests of N items each), the time from deploy to
+   ready (the shards loading the gallery), and the ratio to the in-process baseline: the same
+   writes committed one request at a time straight to the store (``write_items``), in this
+   process.  The table is made by whichever raycompat this script imports, so the same script
+   run from an older checkout measures that code ("before" / "after" in docs/benchmarks.md).
+4. **Approximate indexes** (``--indexes``): per index kind, the time from deploy to ready
    (loading, training), the index memory of all shards, QPS and p99 at ``--approx-concurrency``
    and recall@k of the served results against exact search of the same live gallery
    (``"exact": true``), idle and during a live backfill (paused while recall is measured).
@@ -68,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="index configurations: KIND[:option=value,...] (docs/indexes.md)",
     )
     p.add_argument("--approx-concurrency", type=int, default=16)
+    p.add_argument(
+        "--upsert-levels",
+        default="1x1,1x16,16x1,16x16",
+        help="upsert levels CxN: C concurrent requests of N items (empty: no upsert table)",
+    )
+    p.add_argument("--tables", default="exact,upserts,approx", help="which tables to make")
     p.add_argument("--recall-queries", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="search_batch_size")
     p.add_argument("--batch-wait-ms", type=float, default=0.0, help="search_batch_wait_ms")
@@ -330,11 +342,13 @@ def inprocess_baselines(vecs, queries, a, batches) -> dict:
 
 
 # ----------------------------------------------------------------------------- HTTP
-async def _http_run(url: str, bodies: list, c: int, seconds: float) -> tuple[list, int, float]:
+async def _http_run(
+    url: str, bodies: list, c: int, seconds: float, headers: dict | None = None
+) -> tuple[list, int, float]:
     import aiohttp
 
     lat, errors = [], [0]
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **(headers or {})}
     connector = aiohttp.TCPConnector(limit=c)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -527,6 +541,100 @@ def exact_http(a, levels, queries, baselines) -> dict:
     return out
 
 
+def upsert_bodies(a, n_items: int, count: int = 256) -> tuple[list[bytes], list]:
+    """``count`` upsert bodies of ``n_items`` random existing ids with random new vectors, and
+    the same writes as ``(ids, vectors)`` for the in-process baseline."""
+    rng = np.random.default_rng(7)
+    bodies, writes = [], []
+    for _ in range(count):
+        ids = rng.choice(a.items, n_items, replace=False)
+        vecs = rng.standard_normal((n_items, a.dim)).astype(np.float32)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        items = [{"id": int(i), "representation": "new", "vector": v.round(6).tolist()}
+                 for i, v in zip(ids, vecs, strict=True)]  # fmt: skip
+        bodies.append(json.dumps({"items": items}).encode())
+        writes.append((ids.astype(np.int64), vecs))
+    return bodies, writes
+
+
+def store_baseline(cfg, writes: list, seconds: float) -> dict | None:
+    """The same writes committed one at a time straight to the served store, in this process
+    (None where the index keeps no store: an older checkout)."""
+    try:
+        from raycompat.serving.served_store import open_served_store
+        from raycompat.stores import ItemWrite
+    except ImportError:
+        return None
+    store = open_served_store(cfg)
+    fp = "b" * 16
+    lat, i, t0 = [], 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        ids, vecs = writes[i % len(writes)]
+        t = time.perf_counter()
+        store.write_items([ItemWrite(ids, "new", vecs, fp)])
+        lat.append(time.perf_counter() - t)
+        i += 1
+    r = summarize(lat, 0, time.perf_counter() - t0, len(writes[0][0]))
+    store.close()
+    return r
+
+
+def upsert_http(a) -> dict:
+    """The upsert table: start-up, then per level the items/s and latency of admin upserts,
+    and the in-process baseline at the same request size."""
+    from raycompat.serving.app import stop_serving
+    from raycompat.serving.auth import TOKEN_ENV
+
+    levels = parse_levels(a.upsert_levels)
+    cfg, url, client, startup = start_index(a, "flat")
+    out = {"startup_s": startup, "levels": {}, "baselines": {}}
+    headers = {"Authorization": f"Bearer {os.environ[TOKEN_ENV]}"}
+    try:
+        for lv in levels:
+            bodies, writes = upsert_bodies(a, lv.queries)
+            lat, errors, wall = asyncio.run(
+                _http_run(url + "/admin/upsert", bodies, lv.requests, a.seconds, headers)
+            )
+            r = summarize(lat, errors, wall, lv.queries)
+            if lv.queries not in out["baselines"]:
+                out["baselines"][lv.queries] = store_baseline(cfg, writes, a.seconds)
+            base = out["baselines"][lv.queries]
+            r["ratio_to_store"] = r["qps"] / base["qps"] if base else None
+            out["levels"][str(lv)] = r
+            say(
+                f"HTTP upsert c={str(lv):5s}: {r['qps']:.0f} items/s p50 {r['p50_ms']:.1f} p99 "
+                f"{r['p99_ms']:.1f} ms, errors {r['errors']}, ratio to the store in-process "
+                + (f"{r['ratio_to_store']:.2f}" if r["ratio_to_store"] else "-")
+            )
+    finally:
+        stop_serving(cfg)
+    return out
+
+
+def upsert_table(up: dict | None) -> list[str]:
+    """The upsert table (items/s: the ``qps`` of a level counts items)."""
+    if not up:
+        return []
+    lines = [
+        "",
+        f"## Upserts (deploy to ready: {up['startup_s']:.1f} s)",
+        "",
+        "| level (requests x items) | items/s | p50 ms | p99 ms | errors | store in-process "
+        "items/s | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in up["levels"].items():
+        n = int(name.split("x")[1]) if "x" in name else 1
+        base = up["baselines"].get(n) or up["baselines"].get(str(n))
+        b = f"{base['qps']:.0f}" if base else "-"
+        ratio = f"{r['ratio_to_store']:.2f}" if r.get("ratio_to_store") else "-"
+        lines.append(
+            f"| {name} | {r['qps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{r['errors']} | {b} | {ratio} |"
+        )
+    return lines
+
+
 def approx_row(a, kind: str, queries: np.ndarray) -> dict:
     """One index kind: build time, memory, QPS, p99 and recall, idle and during a backfill."""
     from raycompat.serving.app import stop_serving
@@ -578,7 +686,7 @@ def interval_text(iv: dict) -> str:
     return f"{iv['value']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}]"
 
 
-def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
+def report_markdown(a, levels, baselines, exact, approx, load_at_start, upserts=None) -> str:
     lines = [
         f"# serve_load: {a.items} items x {a.dim} dims ({a.clusters} clusters) on {a.shards} "
         f"shards, k={a.k}",
@@ -599,7 +707,9 @@ def report_markdown(a, levels, baselines, exact, approx, load_at_start) -> str:
             f"| {c} | {f['qps']:.1f} | {f['p99_ms']:.0f} | {f['cpu_ms_per_query']:.2f} | "
             f"{t['qps']:.1f} | {t['p99_ms']:.0f} | {t['cpu_ms_per_query']:.2f} | {b['best']} |"
         )
-    lines += exact_tables(exact, levels)
+    if exact:
+        lines += exact_tables(exact, levels)
+    lines += upsert_table(upserts)
     lines += approx_table(a, approx)
     return "\n".join(lines) + "\n"
 
@@ -710,9 +820,12 @@ def main(argv=None):
     del vecs
     gc.collect()
     connect(a.address)
-    exact = exact_http(a, levels, queries, baselines)
-    approx = [approx_row(a, kind, queries) for kind in a.indexes.split(",") if kind]
-    md = report_markdown(a, levels, baselines, exact, approx, load_at_start)
+    tables = a.tables.split(",")
+    exact = exact_http(a, levels, queries, baselines) if "exact" in tables else None
+    upserts = upsert_http(a) if "upserts" in tables and a.upsert_levels else None
+    kinds = [kind for kind in a.indexes.split(",") if kind] if "approx" in tables else []
+    approx = [approx_row(a, kind, queries) for kind in kinds]
+    md = report_markdown(a, levels, baselines, exact, approx, load_at_start, upserts)
     with open(os.path.join(a.out, "serve_load.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(a.out, "serve_load.json"), "w") as fh:
@@ -722,6 +835,7 @@ def main(argv=None):
                 "load_at_end": os.getloadavg()[0],
                 "inprocess": baselines,
                 "exact_http": exact,
+                "upserts": upserts,
                 "approximate": approx,
                 "cores": os.cpu_count(),
             },

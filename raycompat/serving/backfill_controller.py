@@ -63,13 +63,10 @@ from raycompat.upgrade.state_machine import (
 
 __all__ = ["BackfillController", "backfill_dir"]
 
-
-def _serve_batch(method):
-    """Serve's own batching of concurrent calls (``serve.batch``): up to 64 upserts per commit,
-    no wait beyond the calls already queued."""
-    from ray import serve
-
-    return serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)(method)
+#: most upsert requests grouped into one commit of the store
+UPSERT_GROUP = 64
+#: commits of the store between two compactions
+COMPACT_EVERY = 64
 
 
 def backfill_dir(state_dir: str) -> str:
@@ -88,6 +85,10 @@ class BackfillController(UpgradeCommands):
         self.cfg = plan.config
         self.store = open_served_store(self.cfg)
         self.store_lock = threading.Lock()  # one commit at a time: the write sequence grows
+        self._upserts = None  # the Batcher of the router's upserts, made on the event loop
+        self._known: np.ndarray | None = None  # the store's ids, read at the first upsert
+        self._commits = 0  # commits since the last compaction
+        self.compact_error: str | None = None
         self.dir = backfill_dir(self.cfg.state_dir)
         os.makedirs(self.dir, exist_ok=True)
         self.lock = threading.RLock()
@@ -533,6 +534,7 @@ class BackfillController(UpgradeCommands):
             out["worker_alive"] = bool(self.thread and self.thread.is_alive())
             out["worker_restarts"] = self.worker_restarts
             out["errors"] = self.errors
+            out["compact_error"] = self.compact_error
             out["pid"] = os.getpid()
             try:
                 import ray
@@ -559,16 +561,48 @@ class BackfillController(UpgradeCommands):
                     rows, seq = self.store.revert_items(revert)
                 else:
                     rows, seq = self.store.write_items(writes)
+                self._compact_now_and_then()
         except Exception as exc:
             raise StorageError(f"store {self.store.uri.raw} refused the write: {exc}") from None
         return {"applied": int(rows), "seq": int(seq)}
 
+    def _compact_now_and_then(self) -> None:
+        """(store lock held) Every :data:`COMPACT_EVERY` commits, merge the small fragments
+        they appended and bring the store's indexes up to date (a follower's read of the rows
+        newer than its sequence number scans every fragment the index does not cover). A
+        failed compaction (a full disk) is tried again after the next commits."""
+        self._commits += 1
+        if self._commits < COMPACT_EVERY:
+            return
+        self._commits = 0
+        try:
+            self.store.compact()
+        except Exception as exc:  # the writes are committed; compaction waits for the next
+            self.compact_error = f"{type(exc).__name__}: {exc}"
+        else:
+            self.compact_error = None
+
+    def unknown_ids(self, ids: np.ndarray) -> list[int]:
+        """The ids of ``ids`` that are not in the store (its ids are read once: the live index
+        neither adds nor deletes items), ascending."""
+        if self._known is None:
+            with self.store_lock:
+                self._known = self.store.read_ids()
+        ids = np.unique(np.asarray(ids, np.int64))
+        return ids[~np.isin(ids, self._known)].tolist()
+
     async def upsert_items(self, groups: list) -> dict:
         """The router's upserts, ``[(field, model, ids, vectors)]``, grouped with the upserts
-        that arrive meanwhile into one commit of the store (:meth:`_upsert_batch`)."""
-        return await self._upsert_batch(groups)
+        that queued while the last commit ran into one commit of the store
+        (:meth:`_upsert_batch`; the :class:`~raycompat.serving.batching.Batcher` of the
+        searches: Serve's ``@serve.batch`` forms a batch of one per request while the last one
+        runs, docs/architecture.md "Batching")."""
+        if self._upserts is None:
+            from raycompat.serving.batching import Batcher
 
-    @_serve_batch
+            self._upserts = Batcher(self._upsert_batch, UPSERT_GROUP)
+        return await self._upserts.submit(groups)
+
     async def _upsert_batch(self, requests: list) -> list:
         """One commit for every request; if it is refused, each request alone, so that one
         request's refusal is its own."""
@@ -581,13 +615,16 @@ class BackfillController(UpgradeCommands):
                     for f, m, i, v in groups]  # fmt: skip
 
         def one(groups) -> dict:
+            unknown = self.unknown_ids(np.concatenate([np.asarray(g[2]) for g in groups]))
+            if unknown:
+                return {"error": "unknown item ids", "unknown_ids": unknown}
             try:
                 return self.commit(writes(groups))
             except StorageError as exc:
                 return {"error": str(exc), "storage": True}
 
         together = [w for groups in requests for w in writes(groups)]
-        if len(requests) > 1:
+        if len(requests) > 1 and not self.unknown_ids(np.concatenate([w.ids for w in together])):
             try:
                 res = await asyncio.to_thread(self.commit, together)
                 return [res] * len(requests)

@@ -154,16 +154,20 @@ def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> Servin
     _check_paths(cfg)
     if cfg.port > 65535:
         raise ConfigError(f"serving: port must be <= 65535, got {cfg.port}")
+    from raycompat.serving.served_store import check_followed
+
     store = cfg.store
     if store and "://" not in store:  # a folder: absolute, as every replica must read it
         store = os.path.abspath(os.path.expanduser(store))
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         cfg,
         store=store,
         state_dir=state_directory(cfg.state_dir, "serving: state_dir"),
         shard_autoscaling=autoscaling_json("shard_autoscaling", cfg.shard_autoscaling),
         router_autoscaling=autoscaling_json("router_autoscaling", cfg.router_autoscaling),
     )
+    check_followed(cfg)  # a store no replica could follow is refused before anything starts
+    return cfg
 
 
 def autoscaling_json(name: str, value) -> str | None:

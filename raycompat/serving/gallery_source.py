@@ -98,7 +98,14 @@ class ParquetGallerySource(GallerySource):
                 from raycompat.upgrade.modes import apply_bundle_modules
 
                 rank_merge_maps(new_model)  # names a missing model or module
-                data = apply_bundle_modules(data, ModelBundle.load(new_model))
+                # rho of the unit new vectors: what the store holds and a shard maps
+                unit = data.with_arrays(gallery_new=l2_normalize(data.gallery_new))
+                rho_sides = apply_bundle_modules(unit, ModelBundle.load(new_model))
+                data = data.with_arrays(
+                    gallery_rho=rho_sides.gallery_rho,
+                    query_rho=rho_sides.query_rho,
+                    query_rev=rho_sides.query_rev,
+                )
             if adapted == "fct":
                 data = _fct_as_adapted(data, new_model)
             elif adapted == "psi" and data.gallery_adapted is None:

@@ -483,12 +483,6 @@ class Router:
 
         ids = np.asarray([it.id for it in req.items], np.int64)
         prepared = self.prepare_upsert(req.items, ids)
-        unknown = []  # an id is unknown if the shard it is placed on does not hold it
-        for s, p in enumerate(split_by_shard(ids, len(self.shards))):
-            if p.size:
-                unknown += await self.on_shard(s, "unknown", ids[p])
-        if unknown:
-            raise ApiError(404, f"unknown item id(s): {sorted(unknown)[:10]}", "body.items")
         groups = [(rep, model, rid, vec) for (rep, model), rid, vec in prepared]
         res = await self.commit_upsert(groups, ids.size)
         per_shard = [int(p.size) for p in split_by_shard(ids, len(self.shards))]
@@ -509,6 +503,8 @@ class Router:
                 "body.items",
                 headers={"Retry-After": "1"},
             ) from None
+        if res.get("unknown_ids"):
+            raise ApiError(404, f"unknown item id(s): {res['unknown_ids'][:10]}", "body.items")
         if "error" in res:
             raise ApiError(
                 503,
