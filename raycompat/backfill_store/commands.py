@@ -97,7 +97,7 @@ def _print_status(status: dict, command: dict | None = None) -> None:
 def _command(up: StoreUpgrade, name: str, opts: BackfillStoreOptions) -> int:
     """A command on the upgrade's record: taken by the running driver, else applied here
     (a rollback or finalize it starts runs here to its end or a pause)."""
-    from raycompat.stores.backfill import Heartbeat, driver_alive
+    from raycompat.stores.backfill import DriverHeld, Heartbeat, driver_alive
 
     if name == "status":
         _print_status(up.status())
@@ -111,7 +111,14 @@ def _command(up: StoreUpgrade, name: str, opts: BackfillStoreOptions) -> int:
         _print_status(up.status(), {"name": command.value, "state": answer.state.value})
         return EXIT["ok"]
     taken_here = None
-    if driver_alive(up.records.driver()):
+    driver = up.records.driver()
+    if driver_alive(driver) and driver.get("what") == "live index":
+        raise Refused(
+            f"a live index serving {up.store.where} holds its upgrade (pid {driver.get('pid')} "
+            f"on {driver.get('host')}): send --{name} to the index's admin endpoints "
+            f"(POST /admin/backfill/{name})"
+        )
+    if driver_alive(driver):
         seq = up.records.post_command({"command": command.value, **args})
         last = _await_answer(
             up.records.load,
@@ -130,7 +137,11 @@ def _command(up: StoreUpgrade, name: str, opts: BackfillStoreOptions) -> int:
         up.recover()
         taken_here = seq
     run = (up.rec.get("order") or {}).get("run")
-    with Heartbeat(up.records, run, name):
+    try:
+        beat = Heartbeat(up.records, run, name).__enter__()
+    except DriverHeld as exc:
+        raise Refused(str(exc)) from None
+    with beat:
         answer = up.apply(command, args)
         if not answer.ok:
             raise Refused(answer.error)

@@ -49,6 +49,12 @@ def run_upgrade(up: StoreUpgrade, opts: BackfillStoreOptions) -> int:
     driver = up.records.driver()
     if driver_alive(driver):
         answer = up.decide(Command.RESTART if opts.restart else Command.START)
+        if driver.get("what") == "live index":
+            raise Refused(
+                f"a live index serving {up.store.where} holds its upgrade (pid "
+                f"{driver.get('pid')} on {driver.get('host')}): backfill it through the "
+                "index's admin endpoints (POST /admin/backfill/start)"
+            )
         raise Refused(
             answer.error
             or f"a backfill-store job is already running on {up.store.where} (pid "
@@ -80,9 +86,9 @@ def run_upgrade(up: StoreUpgrade, opts: BackfillStoreOptions) -> int:
     if not answer.ok:
         raise Refused(answer.error)
     started = time.perf_counter()
-    if over:  # asked for: every item back to its old vector (the old vectors are needed)
-        _start_over(up)
-    # every check before the first write of this run
+    # every check before the first write of this run (a refused run changes nothing)
+    check_unit_old(store)
+    check_bundle_dimension(opts, store)
     fresh = command in (Command.START, Command.RESTART)
     plan = _plan(up, opts, fp, empty=over) if fresh else None
     order = plan.order if fresh else up.order
@@ -92,7 +98,30 @@ def run_upgrade(up: StoreUpgrade, opts: BackfillStoreOptions) -> int:
         source = vector_source(store, opts, order, position, fp)
     canary_path = opts.canary or (up.rec.get("canary") or {}).get("file")
     canary = read_canary(canary_path, store) if canary_path else None
-    # the writes
+    # the writes, by the one driver: the upgrade is claimed in the store first
+    with _claim(up) as beat:
+        how = (over, fresh, fp, command, plan)
+        return _write_and_drive(up, opts, how, started, source, canary, canary_path, beat)
+
+
+def _claim(up: StoreUpgrade):
+    """The driver's heartbeat, entered: the upgrade claimed atomically in the store
+    (:class:`~raycompat.stores.backfill.DriverHeld`, refused, while another driver holds it)."""
+    from raycompat.stores.backfill import DriverHeld, Heartbeat
+
+    beat = Heartbeat(up.records, (up.rec.get("order") or {}).get("run"), "walk")
+    try:
+        beat.__enter__()
+    except DriverHeld as exc:
+        raise Refused(str(exc)) from None
+    return beat
+
+
+def _write_and_drive(up, opts, how, started, source, canary, canary_path, beat) -> int:
+    """(the upgrade claimed by ``beat``) A run's writes, then the walk."""
+    over, fresh, fp, command, plan = how
+    if over:  # asked for: every item back to its old vector (the old vectors are needed)
+        _start_over(up)
     if fresh:
         _begin(up, opts, fp, command, plan)
     else:
@@ -108,7 +137,55 @@ def run_upgrade(up: StoreUpgrade, opts: BackfillStoreOptions) -> int:
     up.rec["command_seq"] = max(int(up.rec.get("command_seq") or 0), last)
     up.save()
     guard = attach_canary(up, opts, canary, canary_path) if canary is not None else None
+    beat.info["run"] = (up.rec.get("order") or {}).get("run")
     return _drive(up, opts, started, source, guard)
+
+
+def check_unit_old(store, rows: int = 4096) -> None:
+    """The store's old vectors are unit length (its first ``rows``; a table raycompat did not
+    create may hold others): compatible search scores by inner product, which is the cosine
+    only for unit vectors, and an upgraded item's unit new vector would rank below every
+    longer old one. Checked on every run."""
+    from raycompat.stores.checks import not_unit_rows
+
+    if store.finalized:
+        return
+    block = next(iter(store.read_blocks(("id", "old"), block_rows=rows)), None)
+    if block is None or not len(block["id"]):
+        return
+    bad = not_unit_rows(block["old"])
+    if bad.any():
+        norms = np.linalg.norm(block["old"][bad].astype(np.float64), axis=1)
+        raise ConfigError(
+            f"column {store.columns.old!r} of {store.where} holds vectors that are not unit "
+            f"length ({int(bad.sum())} of its first {len(bad)}, norms {norms.min():.3g} to "
+            f"{norms.max():.3g}, e.g. item ids {block['id'][bad][:5].tolist()}): a store scores "
+            "by inner product, the cosine only for L2-normalised vectors; store those "
+            "(create_store does)"
+        )
+
+
+def check_bundle_dimension(opts: BackfillStoreOptions, store) -> None:
+    """The new model's embedding dimension (its embedder's, else its head's input, else its
+    manifest's ``embed_dim``) is the store's new column's: vectors of another model are not
+    written under this one's fingerprint."""
+    from raycompat.models import ModelBundle
+
+    if not opts.new_model:
+        return
+    bundle = ModelBundle.load(opts.new_model)
+    if "embedder" in bundle.modules:
+        dim = bundle.embed_dim
+    elif bundle.has_head:
+        dim = bundle.head.spec["embed_dim"]
+    else:
+        dim = bundle.manifest.get("embed_dim")
+    new_dim = store.describe().new_dim
+    if dim is not None and int(dim) != new_dim:
+        raise ConfigError(
+            f"--new-model {opts.new_model}: the model embeds to {int(dim)} dims, column "
+            f"{store.columns.new!r} of {store.where} holds {new_dim}"
+        )
 
 
 def _check_same(rec: dict, opts: BackfillStoreOptions) -> None:
@@ -265,25 +342,22 @@ def _begin(
 
 
 def _drive(up: StoreUpgrade, opts: BackfillStoreOptions, started: float, source, canary) -> int:
-    """The driver: walk, roll back or finalize until the upgrade leaves those states."""
-    from raycompat.stores.backfill import Heartbeat
-
-    run = (up.rec.get("order") or {}).get("run")
+    """The driver (the upgrade claimed): walk, roll back or finalize until the upgrade leaves
+    those states."""
     up.ballast.fill()
-    with Heartbeat(up.records, run, "walk"):
-        while True:
-            st = up.state()
-            if st is State.ROLLING_BACK:
-                up.rollback_work(int(up.rec.get("batch_size") or opts.batch_size))
-                continue
-            if st is State.FINALIZING:
-                up.finalize_work()
-                continue
-            if st is not State.RUNNING:
-                break
-            if source is None:  # a rollback that ended in a resumed walk
-                source = vector_source(up.store, opts, up.order, up.rec["position"], None)
-            _walk(up, source, canary, opts)
+    while True:
+        st = up.state()
+        if st is State.ROLLING_BACK:
+            up.rollback_work(int(up.rec.get("batch_size") or opts.batch_size))
+            continue
+        if st is State.FINALIZING:
+            up.finalize_work()
+            continue
+        if st is not State.RUNNING:
+            break
+        if source is None:  # a rollback that ended in a resumed walk
+            source = vector_source(up.store, opts, up.order, up.rec["position"], None)
+        _walk(up, source, canary, opts)
     return _finish(up, started)
 
 

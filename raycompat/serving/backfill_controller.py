@@ -63,6 +63,23 @@ from raycompat.upgrade.state_machine import (
 
 __all__ = ["BackfillController", "backfill_dir"]
 
+#: what the store's driver record calls a live index (``backfill-store`` names it)
+LIVE_DRIVER = "live index"
+
+
+def claim_store(store):
+    """Claim the upgrade of ``store`` for this live index and keep the claim fresh (a
+    heartbeat thread); ``ConfigError`` naming the driver that holds it (a ``backfill-store``
+    job, or another index), which fails the controller's start."""
+    from raycompat.config import ConfigError
+    from raycompat.stores.backfill import BackfillRecords, DriverHeld, Heartbeat
+
+    try:
+        return Heartbeat(BackfillRecords(store), None, LIVE_DRIVER).__enter__()
+    except DriverHeld as exc:
+        raise ConfigError(f"serving: {exc}") from None
+
+
 #: most upsert requests grouped into one commit of the store
 UPSERT_GROUP = 64
 #: commits of the store between two compactions
@@ -85,6 +102,7 @@ class BackfillController(UpgradeCommands):
         self.cfg = plan.config
         self.store = open_served_store(self.cfg)
         self.store_lock = threading.Lock()  # one commit at a time: the write sequence grows
+        self.lease = claim_store(self.store)  # the one driver of the store's upgrade
         self._upserts = None  # the Batcher of the router's upserts, made on the event loop
         self._known: np.ndarray | None = None  # the store's ids, read at the first upsert
         self._commits = 0  # commits since the last compaction

@@ -41,12 +41,13 @@ from collections import OrderedDict
 
 import numpy as np
 
-from raycompat.stores.base import Filter, VectorStore
+from raycompat.stores.base import DRIVER_KEY, Filter, VectorStore
 from raycompat.stores.errors import StoreError
 
 __all__ = [
     "Ballast",
     "BackfillRecords",
+    "DriverHeld",
     "CANARY_PREFIX",
     "COMMAND_KEY",
     "DRIVER_KEY",
@@ -65,7 +66,6 @@ __all__ = [
 RECORD_JOB = "backfill-store"
 #: Keys of the job's records beside the state record.
 ORDER_PREFIX = "backfill:order:"
-DRIVER_KEY = "backfill:driver"
 COMMAND_KEY = "backfill:command"
 CANARY_PREFIX = "backfill:canary:"
 CANARY_REFERENCE_KEY = "backfill:canary-reference"
@@ -190,6 +190,20 @@ class BackfillRecords:
         with self.lock:
             self.store._put_record(DRIVER_KEY, json.dumps(driver))
 
+    def claim_driver(self, driver: dict) -> dict | None:
+        """Take the upgrade for ``driver``: an atomic swap of the driver record, from what it
+        holds now, refused while another driver is alive. Returns the driver that holds it
+        instead (``None``: taken)."""
+        with self.lock:
+            text = self.store._get_record(DRIVER_KEY)
+            held = json.loads(text) if text else None
+            if driver_alive(held) and held.get("token") != driver.get("token"):
+                return held
+            if self.store._swap_record(DRIVER_KEY, json.dumps(driver), text):
+                return None
+            now = self.store._get_record(DRIVER_KEY)
+            return json.loads(now) if now else {"what": "another process"}
+
     # -- commands --------------------------------------------------------------------------
     def command(self) -> dict | None:
         text = self.store._get_record(COMMAND_KEY)
@@ -222,6 +236,18 @@ class BackfillRecords:
             self.store._put_record(f"{CANARY_REFERENCE_KEY}:{run}", json.dumps(reference))
 
 
+class DriverHeld(StoreError):
+    """Another driver holds the upgrade of a store (its record names it)."""
+
+    def __init__(self, where: str, held: dict):
+        self.held = held
+        super().__init__(
+            f"another backfill driver holds the upgrade of {where} ({held.get('what')}, pid "
+            f"{held.get('pid')} on {held.get('host')}): one driver at a time; pause it, or wait "
+            "for it to end"
+        )
+
+
 class Heartbeat:
     """A driver's presence in the store: written when it starts, every :data:`BEAT_S`
     seconds by a daemon thread, and marked ended when it stops (``with Heartbeat(...):``)."""
@@ -243,8 +269,19 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Heartbeat:
+        """Claim the upgrade (:meth:`BackfillRecords.claim_driver`), then beat;
+        :class:`DriverHeld` when another driver holds it."""
+        if self._thread is not None:  # entered already (a run claims before its writes)
+            return self
         _LIVE_HERE.add(self.token)
-        self.records.put_driver(self.info)
+        try:
+            held = self.records.claim_driver(self.info)
+        except BaseException:
+            _LIVE_HERE.discard(self.token)
+            raise
+        if held is not None:
+            _LIVE_HERE.discard(self.token)
+            raise DriverHeld(self.records.store.where, held)
         self._thread = threading.Thread(target=self._beat, name="backfill-beat", daemon=True)
         self._thread.start()
         return self

@@ -67,6 +67,9 @@ FINALIZED_KEY = "finalized"
 LOAD_KEY = "load"
 MARK_PREFIX = "mark:"
 GENERATION_KEY = "generation"
+#: The record of the process that drives the upgrade (a lease swapped atomically where the
+#: backend can: :meth:`VectorStore._swap_record`).
+DRIVER_KEY = "backfill:driver"
 #: Largest JSON text of one state record (Milvus VARCHAR bound).
 MAX_STATE_CHARS = 65_000
 
@@ -881,6 +884,16 @@ class VectorStore(ABC):
         """Write several key-value records (each one atomically)."""
         for key, text in records.items():
             self._put_record(key, text)
+
+    def _swap_record(self, key: str, text: str, expect: str | None) -> bool:
+        """Write record ``key`` only if it holds ``expect`` now (``None``: absent); whether it
+        was written. Backends with conditional writes do it atomically (LanceDB); this
+        default reads, compares and writes, which two processes at one instant may both pass
+        (Milvus, which has no conditional write)."""
+        if (self._get_record(key) or None) != (expect or None):
+            return False
+        self._put_record(key, text)
+        return True
 
     def _delete_record(self, key: str) -> None:
         """Remove one key-value record (nothing if it is absent)."""

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from raycompat.stores import checks
 from raycompat.stores.base import (
+    DRIVER_KEY,
     FINALIZED_KEY,
     LOGICAL_COLUMNS,
     Capabilities,
@@ -78,6 +79,20 @@ def _open_table(db: lancedb.DBConnection, name: str):
         if "not found" in str(exc):
             return None
         raise
+
+
+def _create_state_table(db: lancedb.DBConnection, name: str):
+    """The state table, created in one commit with an empty driver record, so that claiming
+    the upgrade is always a conditional update of that one row (:meth:`LanceStore.
+    _swap_record`); a table another process created meanwhile is opened."""
+    rows = pa.table({"key": [DRIVER_KEY], "value": [""]}, schema=_STATE_SCHEMA)
+    try:
+        return db.create_table(name, rows, schema=_STATE_SCHEMA, mode="create")
+    except Exception:  # created by another process first (or now): open it
+        table = _open_table(db, name)
+        if table is None:
+            raise
+        return table
 
 
 def _quote(value: str) -> str:
@@ -307,6 +322,7 @@ class LanceStore(VectorStore):
             raise
         if _open_table(db, uri.name + STATE_SUFFIX) is not None:  # the old table's records
             db.drop_table(uri.name + STATE_SUFFIX)
+        _create_state_table(db, uri.name + STATE_SUFFIX)  # with the driver's (empty) record
         # writes find their rows by id, followers the rows newer than a sequence number
         for column in (columns.id, columns.write_seq):
             if column:
@@ -737,7 +753,7 @@ class LanceStore(VectorStore):
             name = self.uri.name + STATE_SUFFIX
             table = _open_table(self._db, name)
             if table is None and create:
-                table = self._db.create_table(name, schema=_STATE_SCHEMA, exist_ok=True)
+                table = _create_state_table(self._db, name)
             self._state_table = table
         return self._state_table
 
@@ -772,6 +788,23 @@ class LanceStore(VectorStore):
             .when_not_matched_insert_all()
             .execute(rows)
         )
+
+    def _swap_record(self, key: str, text: str, expect: str | None) -> bool:
+        """A conditional ``merge_insert``: update the record where it still holds ``expect``
+        (an absent record is first written empty, and ``None`` expects that). LanceDB re-runs
+        an update that another process committed first against the newer version, so of two
+        processes swapping the same record at once exactly one finds ``expect``. (Two writes of
+        the empty record at once leave two equal rows, which every swap updates together.)"""
+        with self._state_lock:
+            if self._get_record(key) is None:
+                empty = pa.table({"key": [key], "value": [""]}, schema=_STATE_SCHEMA)
+                self._state().merge_insert("key").when_not_matched_insert_all().execute(empty)
+            row = pa.table({"key": [key], "value": [text]}, schema=_STATE_SCHEMA)
+            cond = f"target.value = {_quote(expect or '')}"
+            merge = self._state().merge_insert("key").when_matched_update_all(where=cond)
+            done = merge.execute(row).num_updated_rows >= 1
+            self._state_written()
+        return bool(done)
 
     def _delete_record(self, key: str) -> None:
         table = self._state(create=False)

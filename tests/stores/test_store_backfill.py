@@ -654,3 +654,88 @@ def test_the_pipeline_embeds_the_store_images(ray_cluster, tmp_path, capsys):
         (got,) = s.read_blocks(("id", "new", "new_model"), 100)
     assert set(got["new_model"]) == {fingerprint(new)}
     np.testing.assert_allclose(got["new"], want, rtol=1e-4, atol=1e-5)
+
+
+# -- defects a new user found: refused runs change nothing, inputs are checked -----------------
+@pytest.mark.timeout(120)
+def test_a_refused_overwrite_changes_nothing_and_inputs_are_checked_on_every_run(
+    tmp_path, small, bundle, capsys
+):
+    """A second run with --overwrite and a bundle of another dimension is refused before any
+    write (it used to turn the upgraded items back and delete the order's records first); a
+    store whose old vectors are not unit length is refused on every run, not only with
+    --canary."""
+    import torch
+
+    from raycompat.models import ClassifierHead, ModelBundle
+
+    torch.manual_seed(2)
+    wide = ModelBundle({"head": ClassifierHead(64, 12, "cosface")}, {"method": "wide"})
+    wide = wide.save(str(tmp_path / "wide"))
+    uri = make_store("lance", tmp_path / "s", small)
+    vec = gallery_vectors(tmp_path / "v.parquet", small)
+    assert run(capsys, "--store", uri, "--new-model", bundle, "--new-vectors", vec,
+               "--until", "40")[0] == 0  # fmt: skip
+    before = status(capsys, uri)
+    rc, _, err = run(capsys, "--store", uri, "--new-model", wide, "--new-vectors", vec,
+                     "--overwrite")  # fmt: skip
+    assert rc == 2 and "embeds to 64 dims" in err and "holds 24" in err, err
+    after = status(capsys, uri)
+    before.pop("driver"), after.pop("driver")  # its heartbeat's age moves on
+    assert after == before and after["position"] == 40 and after["counts"]["upgraded"] == 40
+    for command in ("--status", "--pause", "--resume"):
+        assert run(capsys, "--store", uri, command)[0] == 0, command
+    # old vectors that are not unit length: refused whatever the flags, naming the column
+    from raycompat.stores.lance import _fsl
+
+    raw = make_store("lance", tmp_path / "loose", small)
+    with open_store(raw) as s:  # the same table, its old vectors scaled as a team's may be
+        table = s._table.to_arrow().sort_by("item_id")
+        at = table.schema.get_field_index("old")
+        scaled = table.set_column(at, table.schema.field("old"), _fsl(small.gallery_old * 3))
+        s._db.create_table("gallery", scaled, mode="overwrite", on_bad_vectors="null")
+    rc, _, err = run(capsys, "--store", raw, "--new-model", bundle, "--new-vectors", vec)
+    assert rc == 2 and "not unit length" in err and "column 'old'" in err, err
+    assert status(capsys, raw)["counts"]["upgraded"] == 0
+
+
+def _claim_in_a_process(uri: str, go, out) -> None:
+    """(a spawned process) Claim the upgrade of ``uri`` when ``go`` is set; put the outcome."""
+    from raycompat.stores.backfill import BackfillRecords, Heartbeat
+
+    records = BackfillRecords(open_store(uri))
+    beat = Heartbeat(records, None, "walk")
+    go.wait(60)
+    out.put(records.claim_driver(beat.info) is None)
+    time.sleep(1.0)  # alive while the other one looks
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(240)
+def test_one_driver_at_a_time_arbitrated_by_the_store(tmp_path, small, bundle, capsys):
+    """The upgrade is claimed by an atomic swap of the driver record in the store: of two
+    processes claiming at the same instant exactly one gets it (4 trials), and a run while
+    another driver holds it is refused before it writes anything."""
+    import multiprocessing
+
+    from raycompat.stores.backfill import BackfillRecords, Heartbeat
+
+    ctx = multiprocessing.get_context("spawn")
+    for trial in range(4):
+        uri = make_store("lance", tmp_path / f"s{trial}", small)
+        go, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_claim_in_a_process, args=(uri, go, out)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        time.sleep(3.0)  # both started and waiting
+        go.set()
+        won = sorted(out.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(60)
+        assert won == [False, True], (trial, won)
+    uri = make_store("lance", tmp_path / "held", small)
+    vec = gallery_vectors(tmp_path / "v.parquet", small)
+    with Heartbeat(BackfillRecords(open_store(uri)), None, "walk"):
+        rc, _, err = run(capsys, "--store", uri, "--new-model", bundle, "--new-vectors", vec)
+    assert rc == 3 and "already running" in err, err
+    assert status(capsys, uri)["counts"]["upgraded"] == 0
