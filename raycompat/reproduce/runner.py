@@ -593,8 +593,9 @@ class Reproduction:
                         m_nadapted=get(j, i, "adapted"),
                         m_nstar=ts["m_nstar"],
                     )
-                # one old model shared by every chain only when the gallery is phi_1
-                ts["m_oo"] = next(iter(ts["methods"].values()))["m_oo"] if i == 1 else None
+                # the shared phi_1 (the independent chain's) when the gallery is phi_1; a chain
+                # with a phi_1 of its own (dsimplex) keeps its M(o,o) in its entry
+                ts["m_oo"] = ts["methods"]["independent"]["m_oo"] if i == 1 else None
                 self._put_sequential(ts["name"], per_query, i, j)
                 test_sets.append(ts)
         return test_sets, {
@@ -608,7 +609,7 @@ class Reproduction:
         of a pair test set."""
         put = self.evidence.put
         if i == 1:
-            oo = next(iter(per_query.values()))[(1, 1, "stored")]
+            oo = per_query["independent"][(1, 1, "stored")]
             put(("pair", name, "m_oo"), oo, self.seed_index)
         if "independent" in per_query:
             nstar = per_query["independent"][(j, j, "stored")]
