@@ -71,6 +71,9 @@ class CompatMethod(nn.Module):
     trains_embedder: ClassVar[bool] = True
     # True: meaningless without ``init_model`` (the frozen phi_n); for the config to check.
     needs_init_model: ClassVar[bool] = False
+    # K of the class-balanced P x K batches the method trains with by default
+    # (raycompat.train.batches; TrainConfig.batch_images_per_class overrides it); 0: random
+    batch_images_per_class: ClassVar[int] = 0
 
     @dataclass
     class Options:

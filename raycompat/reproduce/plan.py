@@ -28,6 +28,34 @@ from raycompat.outputs import OutputOptions
 SCENARIOS = ("extended-data", "open-class", "architecture", "sequential")
 #: BCT's lambda_compat by default (its method's default: BCT Eq.3 with lambda = 1)
 BCT_LAMBDA = 1.0
+#: RM's temperature by default: its Eq.10-13 use ``exp(-dist)``, temperature 1
+RM_TEMPERATURE = 1.0
+#: ``--setup``: ``released`` trains each method as its released code sets it up (its paper
+#: where no code was released; ``Variant.setups``, docs/methods.md "Setups"); ``premise`` as
+#: the premise run of 2026-11-29 did (the papers' losses in this project's one setup)
+SETUPS = ("released", "premise")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One place where a method's released code (or paper) sets training up otherwise than the
+    premise run of 2026-11-29: a method option (``kind="option"``) or a training option
+    (``kind="training"``), its released value, and the premise run's (None: not given, the
+    scale's or the method's default)."""
+
+    kind: str
+    name: str
+    released: object
+    premise: object = None
+
+    def value(self, setup: str) -> object:
+        return self.released if setup == "released" else self.premise
+
+
+def setup_values(setups: tuple, kind: str, setup: str) -> dict:
+    """The ``kind`` values of ``setups`` under ``setup``, those given only."""
+    got = {s.name: s.value(setup) for s in setups if s.kind == kind}
+    return {k: v for k, v in got.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -55,9 +83,13 @@ class Variant:
     scenarios: tuple | None = None
     # training options that replace the scale's for this variant, as ((name, value), ...)
     training: tuple = ()
+    # where the released code sets the method up otherwise than the premise run (``Setup``)
+    setups: tuple = ()
 
-    def method_options(self, scale: ScaleOptions) -> dict:
-        opts = dict(self.options)
+    def method_options(self, scale: ScaleOptions, setup: str = "released") -> dict:
+        opts = dict(self.options) | setup_values(self.setups, "option", setup)
+        if self.method in ("mcl", "cl") and scale.rm_temperature != RM_TEMPERATURE:
+            opts.setdefault("temperature", scale.rm_temperature)
         if self.method == "bct" and scale.bct_lambda != BCT_LAMBDA:
             # only when it differs from BCT's own default: the configurations (and the run names
             # hashed from them) of runs at the default lambda stay those of earlier runs
@@ -69,6 +101,10 @@ class Variant:
         if self.method == "fct":
             opts.setdefault("hidden", scale.psi_hidden)
         return opts
+
+    def training_values(self, setup: str = "released") -> dict:
+        """Training options that replace the scale's: ``training`` and the setup's."""
+        return dict(self.training) | setup_values(self.setups, "training", setup)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -82,9 +118,24 @@ VARIANTS: dict[str, Variant] = {
         Variant("contrastive", "contrastive"),
         Variant("ract", "ract"),
         Variant("dmu", "dmu", head="arcface", cross="adapted"),
-        Variant("mcl", "mcl", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        # RM's positives are the anchor's class (Eq.10-13): P x K batches, 16 classes x 4
+        Variant(
+            "mcl",
+            "mcl",
+            init_from_paragon=True,
+            sequential=False,
+            cross="rank_merge",
+            setups=(Setup("training", "batch_images_per_class", 4, 0),),
+        ),
         Variant("rqt", "rqt", init_from_paragon=True, sequential=False, cross="rank_merge"),
-        Variant("cl", "cl", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        Variant(
+            "cl",
+            "cl",
+            init_from_paragon=True,
+            sequential=False,
+            cross="rank_merge",
+            setups=(Setup("training", "batch_images_per_class", 4, 0),),
+        ),
         Variant("p2s", "p2s"),
         Variant("ndpp", "ndpp"),
         Variant("odpp", "odpp"),
@@ -187,6 +238,11 @@ class ScaleOptions:
         BCT_LAMBDA,
         help="weight of BCT's influence loss (lambda_compat) for the three BCT variants; the "
         "main job uses 2",
+    )
+    rm_temperature: float = positive(
+        RM_TEMPERATURE,
+        help="temperature of RM's contrastive losses (mcl, cl): s = exp(-d / T); the paper's "
+        "Eq.10-13 use T = 1",
     )
 
 
@@ -297,6 +353,13 @@ class ReproduceOptions:
         "--resolution, --backbone and --data-seed apply)",
     )
     training: ScaleOptions = option(ScaleOptions(), help="model and optimisation sizes")
+    setup: str = choices(
+        *SETUPS,
+        default="released",
+        help="released: each method trained as its released code (or paper) sets it up "
+        "(batches, splits, heads, schedules; docs/methods.md, Setups); premise: as the premise "
+        "run of 2026-11-29, every method in this project's one setup",
+    )
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
     seeds: int = positive(
         1,

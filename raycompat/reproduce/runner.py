@@ -278,7 +278,7 @@ class Reproduction:
         needs_old = variant.method != "independent"
         uses_paragon = variant.init_from_paragon or variant.paragon_option is not None
         deps = ((old,) if needs_old else ()) + ((paragon,) if uses_paragon else ())
-        options = variant.method_options(s)
+        options = variant.method_options(s, self.opts.setup)
         if variant.paragon_option is not None:
             options[variant.paragon_option] = paragon.path
         embed_dim = None
@@ -305,7 +305,7 @@ class Reproduction:
                 head=variant.head,
                 embed_dim=embed_dim,
             )
-            | dict(variant.training),
+            | variant.training_values(self.opts.setup),
             deps,
             priority=0.0
             if variant.label == "independent"
@@ -662,7 +662,7 @@ class Reproduction:
             values = self.values(
                 scenario,
                 method=v.method,
-                method_options=v.method_options(t),
+                method_options=v.method_options(t, self.opts.setup),
                 old_model=old.path if needs_old else None,
                 **common,
             )

@@ -51,6 +51,10 @@ class TrainConfig:
     # optimisation
     epochs: int = positive(10)
     batch_size: int = positive(128)  # global batch, split evenly over workers
+    # class-balanced P x K batches, K images of each of batch_size / K classes
+    # (raycompat.train.batches); 0: uniformly random batches; none: the method's own
+    # (CompatMethod.batch_images_per_class: 4 for mcl and cl, 0 for the others)
+    batch_images_per_class: int | None = None
     optimizer: str = choices("sgd", "adamw", default="sgd")
     lr: float = positive(0.1)
     weight_decay: float = nonnegative(5e-4)
@@ -80,6 +84,15 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def class_batch_size(self) -> int:
+        """``K`` of the run's P x K batches (0: random batches): ``batch_images_per_class``,
+        or the method's own when it is none."""
+        if self.batch_images_per_class is not None:
+            return self.batch_images_per_class
+        from raycompat.methods import method_class
+
+        return method_class(self.method).batch_images_per_class
 
     def validate(self, check_paths: bool = True) -> None:
         """Every check that can run on the driver; ``check_paths=False`` skips reading the
@@ -142,6 +155,12 @@ class TrainConfig:
                 f"split {self.split!r} has {len(items)} images: fewer than one batch "
                 f"(batch_size {self.batch_size})"
             )
+        if self.class_batch_size() and items is not None:
+            from raycompat.train.batches import check_class_batches
+
+            check_class_batches(
+                self.batch_size, self.class_batch_size(), self.num_workers, len(set(items))
+            )
         if self.head == "dsimplex" and items is not None:
             from raycompat.models.heads import check_simplex_size
 
@@ -160,8 +179,8 @@ class TrainConfig:
             raise ConfigError(f"head_margin must be >= 0, got {self.head_margin}")
         if self.resolution < 8:
             raise ConfigError(f"resolution must be >= 8 pixels, got {self.resolution}")
-        for key in ("seed", "data_seed", "threads_per_worker"):
-            if getattr(self, key) < 0:
+        for key in ("seed", "data_seed", "threads_per_worker", "batch_images_per_class"):
+            if (getattr(self, key) or 0) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.max_failures < -1:
             raise ConfigError(

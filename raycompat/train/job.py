@@ -87,6 +87,11 @@ class TrainOptions:
     )
     epochs: int = positive(10, help="training epochs")
     batch_size: int = positive(128, help="global batch size")
+    batch_images_per_class: int | None = option(
+        None,
+        help="class-balanced P x K batches: K images of each of batch-size / K classes; 0: "
+        "uniformly random batches; none: the method's own (mcl, cl: 4; the others: 0)",
+    )
     lr: float = positive(0.1, help="peak learning rate")
     optimizer: str = choices("sgd", "adamw", default="sgd", help="optimizer")
     seed: int = nonnegative(0, help="seed of the initialisation and the batch order")
@@ -192,6 +197,7 @@ def train_config(
         head=opts.head,
         epochs=opts.epochs,
         batch_size=opts.batch_size,
+        batch_images_per_class=opts.batch_images_per_class,
         lr=opts.lr,
         optimizer=opts.optimizer,
         seed=opts.seed,

@@ -30,6 +30,7 @@ from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_m
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.models.heads import continued_vertices
 from raycompat.storage import local_copy, open_storage
+from raycompat.train.batches import ClassBalancedBatches
 from raycompat.train.config import TrainConfig
 from raycompat.train.data import EpochPassLoader, build_training_set
 from raycompat.train.sync_batchnorm import synchronize_batchnorm
@@ -156,7 +157,7 @@ class WorkerState:
     module: TrainingModule
     ddp_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: DistributedSampler
+    sampler: DistributedSampler | ClassBalancedBatches
     loader: DataLoader
 
     @property
@@ -236,18 +237,21 @@ def _build_networks(
 
 def _build_loader(
     cfg: TrainConfig, train_set, rank: int, world: int
-) -> tuple[DistributedSampler, DataLoader]:
-    """This worker's shard of the training set, ``batch_size / world`` items per step."""
+) -> tuple[DistributedSampler | ClassBalancedBatches, DataLoader]:
+    """This worker's shard of the training set, ``batch_size / world`` items per step: uniformly
+    random batches, or P x K class-balanced ones (``TrainConfig.class_batch_size``)."""
+    common = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
+    k = cfg.class_batch_size()
+    if k:
+        batches = ClassBalancedBatches(
+            train_set.labels, cfg.batch_size, k, rank=rank, world=world, seed=cfg.seed
+        )
+        return batches, DataLoader(train_set, batch_sampler=batches, **common)
     sampler = DistributedSampler(
         train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
     )
     loader = DataLoader(
-        train_set,
-        batch_size=cfg.batch_size // world,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=cfg.loader_workers,
-        persistent_workers=cfg.loader_workers > 0,
+        train_set, batch_size=cfg.batch_size // world, sampler=sampler, drop_last=True, **common
     )
     return sampler, loader
 

@@ -29,6 +29,11 @@ def default_run_name(prefix: str, cfg) -> str:
     from raycompat.train.export import RUN_ONLY_FIELDS
 
     values = {k: v for k, v in cfg.to_dict().items() if k not in RUN_ONLY_FIELDS}
+    # the batches as trained (the method's own when unset); random ones, what every run trained
+    # before P x K batches existed, are left out so that those runs keep their names
+    values.pop("batch_images_per_class", None)
+    if cfg.class_batch_size():
+        values["batch_images_per_class"] = cfg.class_batch_size()
     bundles = {}
     for key in ("old_model", "init_model"):
         path = values.get(key)
