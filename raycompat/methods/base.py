@@ -74,6 +74,9 @@ class CompatMethod(nn.Module):
     # K of the class-balanced P x K batches the method trains with by default
     # (raycompat.train.batches; TrainConfig.batch_images_per_class overrides it); 0: random
     batch_images_per_class: ClassVar[int] = 0
+    # the share of each batch the method draws from the old model's classes by default
+    # (raycompat.train.batches.OldNewBatches; TrainConfig.batch_old_fraction overrides it)
+    batch_old_fraction: ClassVar[float] = 0.0
 
     @dataclass
     class Options:

@@ -39,9 +39,10 @@ SETUPS = ("released", "premise")
 @dataclass(frozen=True)
 class Setup:
     """One place where a method's released code (or paper) sets training up otherwise than the
-    premise run of 2026-11-29: a method option (``kind="option"``) or a training option
-    (``kind="training"``), its released value, and the premise run's (None: not given, the
-    scale's or the method's default)."""
+    premise run of 2026-11-29: a method option (``kind="option"``), a training option
+    (``kind="training"``) or a choice of the plan (``kind="plan"``: ``init_from_predecessor``,
+    start from the predecessor's weights), its released value, and the premise run's (None: not
+    given, the scale's or the method's default)."""
 
     kind: str
     name: str
@@ -106,6 +107,10 @@ class Variant:
         """Training options that replace the scale's: ``training`` and the setup's."""
         return dict(self.training) | setup_values(self.setups, "training", setup)
 
+    def plan_value(self, name: str, setup: str = "released") -> object:
+        """A plan choice of the setup (``Setup`` of kind ``plan``); None when it has none."""
+        return setup_values(self.setups, "plan", setup).get(name)
+
 
 VARIANTS: dict[str, Variant] = {
     v.label: v
@@ -147,7 +152,19 @@ VARIANTS: dict[str, Variant] = {
         Variant("unibct", "unibct"),
         Variant("advbct", "advbct"),
         Variant("bt2", "bt2", paragon_option="independent_model", sequential=False),
-        Variant("dsimplex", "dsimplex", head="dsimplex", scenarios=("sequential",)),
+        # the released trainer (iamcl2r main.py, params.py) starts every task from the previous
+        # task's checkpoint at lr 1e-3 and balances each batch between seen and new classes
+        Variant(
+            "dsimplex",
+            "dsimplex",
+            head="dsimplex",
+            scenarios=("sequential",),
+            setups=(
+                Setup("plan", "init_from_predecessor", True),
+                Setup("training", "lr", 1e-3),
+                Setup("training", "batch_old_fraction", 0.5, 0.0),
+            ),
+        ),
         # FCT's released configuration trains h with Adam at 5e-4: h's MSE on raw features
         # diverges under the scale's SGD at 0.1 (the run of 2026-11-26)
         Variant(

@@ -274,11 +274,14 @@ class Reproduction:
         paragon: Trained | None,
         label: str | None = None,
     ) -> Trained:
-        s = self.opts.training
+        s, setup = self.opts.training, self.opts.setup
         needs_old = variant.method != "independent"
         uses_paragon = variant.init_from_paragon or variant.paragon_option is not None
+        init = paragon.path if variant.init_from_paragon else None
+        if needs_old and variant.plan_value("init_from_predecessor", setup):
+            init = old.path  # a chain whose every generation starts from its predecessor
         deps = ((old,) if needs_old else ()) + ((paragon,) if uses_paragon else ())
-        options = variant.method_options(s, self.opts.setup)
+        options = variant.method_options(s, setup)
         if variant.paragon_option is not None:
             options[variant.paragon_option] = paragon.path
         embed_dim = None
@@ -301,11 +304,11 @@ class Reproduction:
                 split=split,
                 epochs=s.new_epochs,
                 old_model=old.path if needs_old else None,
-                init_model=paragon.path if variant.init_from_paragon else None,
+                init_model=init,
                 head=variant.head,
                 embed_dim=embed_dim,
             )
-            | variant.training_values(self.opts.setup),
+            | variant.training_values(setup),
             deps,
             priority=0.0
             if variant.label == "independent"

@@ -1,4 +1,5 @@
-"""Class-balanced P x K batches (docs/methods.md, "Batches").
+"""Class-balanced P x K batches, and batches balanced between old and new classes
+(docs/methods.md, "Batches").
 
 A contrastive loss whose positives are the other images of the anchor's class (RM Eq.10-13)
 needs several images of a class in one batch: uniformly random batches of 64 over 1,600 classes
@@ -9,6 +10,11 @@ per cycle), every image once per cycle through its class; a class with fewer tha
 repeats some. An epoch has ``len(labels) // batch_size`` batches, as many as the random
 sampler's. With ``W`` DDP workers, worker ``r`` takes the ``r``-th of ``W`` equal slices of each
 global batch, whole classes when ``K`` divides the slice.
+
+:class:`OldNewBatches` draws a fixed share of every global batch from the items of the classes
+the old model knows and the rest from the other items, as the released d-Simplex code balances
+its rehearsal memory against a task's new classes (each side in seeded permutations; every
+worker's slice holds the same shares).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch.utils.data import Sampler
 
 from raycompat.config import ConfigError
 
-__all__ = ["ClassBalancedBatches", "check_class_batches"]
+__all__ = ["ClassBalancedBatches", "OldNewBatches", "check_class_batches"]
 
 
 def check_class_batches(
@@ -119,3 +125,65 @@ class ClassBalancedBatches(Sampler[list[int]]):
         local = self.batch_size // self.world
         for batch in self.global_batches():
             yield batch[self.rank * local : (self.rank + 1) * local].tolist()
+
+
+class OldNewBatches(Sampler[list[int]]):
+    """This worker's slices of global batches of which ``round(old_fraction * batch_size)``
+    items are of ``old_classes``, the others of the remaining classes (module docstring); an
+    epoch's batches are a function of ``(seed, epoch)`` only; ``len(labels) // batch_size`` of
+    them."""
+
+    def __init__(
+        self,
+        labels,
+        batch_size: int,
+        old_classes,
+        old_fraction: float,
+        rank: int = 0,
+        world: int = 1,
+        seed: int = 0,
+    ):
+        self.labels = np.asarray(labels, dtype=np.int64)
+        known = np.isin(self.labels, np.asarray(list(old_classes), dtype=np.int64))
+        self.sides = (np.flatnonzero(known), np.flatnonzero(~known))
+        self.batch_size, self.world = int(batch_size), int(world)
+        old = round(old_fraction * batch_size)
+        self.counts = (old, self.batch_size - old)
+        if old % world or (self.batch_size - old) % world:
+            raise ConfigError(
+                f"batch_old_fraction {old_fraction}: {old} old-class and {self.batch_size - old} "
+                f"other items per batch must each split evenly over {world} worker(s)"
+            )
+        for side, count, what in zip(self.sides, self.counts, ("old", "new"), strict=True):
+            if count and not len(side):
+                raise ConfigError(
+                    f"batch_old_fraction {old_fraction}: the split has no item of an {what} class"
+                )
+        self.rank, self.seed, self.epoch = int(rank), int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.labels) // self.batch_size
+
+    def global_batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The epoch's global batches as ``(old-class items, other items)``."""
+        rng = np.random.default_rng([self.seed, self.epoch, 0x01D])
+        cycles = [_Cycle(side, rng) for side in self.sides]
+        queues: list[list] = [[], []]
+        return [
+            tuple(
+                np.asarray(_take(queues[i], self.counts[i], cycles[i]), dtype=np.int64)
+                for i in (0, 1)
+            )
+            for _ in range(len(self))
+        ]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for halves in self.global_batches():
+            parts = []
+            for side in halves:
+                share = len(side) // self.world
+                parts += side[self.rank * share : (self.rank + 1) * share].tolist()
+            yield parts

@@ -7,7 +7,14 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
+from raycompat.config import (
+    ConfigError,
+    choices,
+    fraction,
+    nonnegative,
+    parse_options,
+    positive,
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,6 +62,10 @@ class TrainConfig:
     # (raycompat.train.batches); 0: uniformly random batches; none: the method's own
     # (CompatMethod.batch_images_per_class: 4 for mcl and cl, 0 for the others)
     batch_images_per_class: int | None = None
+    # the share of each batch drawn from the classes the old model knows, the rest from the
+    # others (raycompat.train.batches.OldNewBatches); 0: not balanced; none: the method's own
+    # (CompatMethod.batch_old_fraction: 0.5 for dsimplex, 0 for the others)
+    batch_old_fraction: float | None = fraction(None)
     optimizer: str = choices("sgd", "adamw", default="sgd")
     lr: float = positive(0.1)
     weight_decay: float = nonnegative(5e-4)
@@ -93,6 +104,24 @@ class TrainConfig:
         from raycompat.methods import method_class
 
         return method_class(self.method).batch_images_per_class
+
+    def old_batch_fraction(self) -> float:
+        """The share of each batch from the old model's classes (0: not balanced):
+        ``batch_old_fraction``, or the method's own when it is none."""
+        if self.batch_old_fraction is not None:
+            return self.batch_old_fraction
+        from raycompat.methods import method_class
+
+        return method_class(self.method).batch_old_fraction
+
+    def batches(self) -> dict:
+        """How the run's batches are drawn, the values that differ from uniformly random
+        batches only (``{}`` for those): what names a run (``default_run_name``)."""
+        got = {
+            "batch_images_per_class": self.class_batch_size(),
+            "batch_old_fraction": self.old_batch_fraction(),
+        }
+        return {k: v for k, v in got.items() if v}
 
     def validate(self, check_paths: bool = True) -> None:
         """Every check that can run on the driver; ``check_paths=False`` skips reading the
@@ -155,6 +184,13 @@ class TrainConfig:
                 f"split {self.split!r} has {len(items)} images: fewer than one batch "
                 f"(batch_size {self.batch_size})"
             )
+        if self.class_batch_size() and self.old_batch_fraction():
+            raise ConfigError(
+                "batch_images_per_class and batch_old_fraction draw batches two ways: set one "
+                "of them to 0"
+            )
+        if self.old_batch_fraction() and not self.old_model:
+            raise ConfigError("batch_old_fraction needs an old model (its classes)")
         if self.class_batch_size() and items is not None:
             from raycompat.train.batches import check_class_batches
 

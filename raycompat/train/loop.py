@@ -30,7 +30,7 @@ from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_m
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.models.heads import continued_vertices
 from raycompat.storage import local_copy, open_storage
-from raycompat.train.batches import ClassBalancedBatches
+from raycompat.train.batches import ClassBalancedBatches, OldNewBatches
 from raycompat.train.config import TrainConfig
 from raycompat.train.data import EpochPassLoader, build_training_set
 from raycompat.train.sync_batchnorm import synchronize_batchnorm
@@ -157,7 +157,7 @@ class WorkerState:
     module: TrainingModule
     ddp_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: DistributedSampler | ClassBalancedBatches
+    sampler: DistributedSampler | ClassBalancedBatches | OldNewBatches
     loader: DataLoader
 
     @property
@@ -236,15 +236,19 @@ def _build_networks(
 
 
 def _build_loader(
-    cfg: TrainConfig, train_set, rank: int, world: int
-) -> tuple[DistributedSampler | ClassBalancedBatches, DataLoader]:
+    cfg: TrainConfig, train_set, rank: int, world: int, old_classes=()
+) -> tuple[DistributedSampler | ClassBalancedBatches | OldNewBatches, DataLoader]:
     """This worker's shard of the training set, ``batch_size / world`` items per step: uniformly
-    random batches, or P x K class-balanced ones (``TrainConfig.class_batch_size``)."""
+    random batches, P x K class-balanced ones (``TrainConfig.class_batch_size``) or batches
+    balanced between ``old_classes`` and the others (``TrainConfig.old_batch_fraction``)."""
     common = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
-    k = cfg.class_batch_size()
-    if k:
-        batches = ClassBalancedBatches(
-            train_set.labels, cfg.batch_size, k, rank=rank, world=world, seed=cfg.seed
+    k, share = cfg.class_batch_size(), cfg.old_batch_fraction()
+    if k or share:
+        where = dict(rank=rank, world=world, seed=cfg.seed)
+        batches = (
+            ClassBalancedBatches(train_set.labels, cfg.batch_size, k, **where)
+            if k
+            else OldNewBatches(train_set.labels, cfg.batch_size, old_classes, share, **where)
         )
         return batches, DataLoader(train_set, batch_sampler=batches, **common)
     sampler = DistributedSampler(
@@ -282,7 +286,9 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
     embedder, head = _build_networks(cfg, new_classes, old)
     new_target, old_target = class_targets(new_classes, old.classes if old is not None else [])
-    sampler, loader = _build_loader(cfg, train_set, rank, world)
+    sampler, loader = _build_loader(
+        cfg, train_set, rank, world, old.classes if old is not None else ()
+    )
     if len(loader) == 0:
         raise ConfigError(
             f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "

@@ -30,10 +30,10 @@ def default_run_name(prefix: str, cfg) -> str:
 
     values = {k: v for k, v in cfg.to_dict().items() if k not in RUN_ONLY_FIELDS}
     # the batches as trained (the method's own when unset); random ones, what every run trained
-    # before P x K batches existed, are left out so that those runs keep their names
-    values.pop("batch_images_per_class", None)
-    if cfg.class_batch_size():
-        values["batch_images_per_class"] = cfg.class_batch_size()
+    # before other batches existed, are left out so that those runs keep their names
+    for key in ("batch_images_per_class", "batch_old_fraction"):
+        values.pop(key, None)
+    values.update(cfg.batches())
     bundles = {}
     for key in ("old_model", "init_model"):
         path = values.get(key)

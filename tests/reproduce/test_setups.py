@@ -34,3 +34,46 @@ def test_variants_without_a_setup_of_their_own_train_as_before():
         v = VARIANTS[label]
         assert v.training_values("released") == v.training_values("premise") == dict(v.training)
         assert v.method_options(SCALE, "released") == v.method_options(SCALE, "premise")
+
+
+def sequential_plan(setup: str, tmp_path) -> dict:
+    """The sequential chains of a tiny plan (planned only: nothing trains)."""
+    import dataclasses
+
+    from raycompat.outputs import OutputOptions
+    from raycompat.reproduce.plan import DEFAULT_SIZES
+    from raycompat.reproduce.runner import Reproduction
+
+    sizes = dataclasses.replace(
+        DEFAULT_SIZES, train_classes=16, images_per_class=8, backbone="test_resnet"
+    )
+    training = ScaleOptions(embed_dim=32, batch_size=32, new_epochs=1, old_epochs=1, workers=0)
+    opts = ReproduceOptions(
+        output=OutputOptions(out=str(tmp_path)),
+        scenarios=("sequential",),
+        methods=("dsimplex",),
+        sequential_methods=("dsimplex",),
+        sizes=sizes,
+        training=training,
+        setup=setup,
+    ).validated()
+    return Reproduction(opts, str(tmp_path), log=lambda *a: None).plan_sequential()["chains"]
+
+
+def test_every_dsimplex_generation_starts_from_its_predecessor(tmp_path):
+    chain = sequential_plan("released", tmp_path)["dsimplex"]
+    assert chain[0].values["init_model"] is None and chain[0].values["lr"] == 0.1
+    for before, gen in zip(chain[:-1], chain[1:], strict=True):
+        v = gen.values
+        assert v["init_model"] == v["old_model"] == before.path
+        assert (v["lr"], v["batch_old_fraction"]) == (1e-3, 0.5)
+    # the independent chain (the paragons) is as before
+    for gen in sequential_plan("released", tmp_path)["independent"]:
+        assert gen.values["init_model"] is None and "batch_old_fraction" not in gen.values
+
+
+def test_the_premise_setup_trains_every_generation_from_scratch(tmp_path):
+    chain = sequential_plan("premise", tmp_path)["dsimplex"]
+    for gen in chain[1:]:
+        v = gen.values
+        assert v["init_model"] is None and v["lr"] == 0.1 and v["batch_old_fraction"] == 0.0

@@ -1,6 +1,7 @@
 """Class-balanced P x K batches (issue 61, point 1): every global batch holds K images of each
 of P distinct classes, seeded per epoch, sliced whole classes per DDP worker; the RM methods
-(mcl, cl) train with them by default, the others with uniformly random batches."""
+(mcl, cl) train with them by default, the others with uniformly random batches. Batches balanced
+between old and new classes (point 5): d-Simplex's by default, as its released trainer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch.utils.data import DistributedSampler
 
 from raycompat.config import ConfigError
 from raycompat.train import TrainConfig
-from raycompat.train.batches import ClassBalancedBatches
+from raycompat.train.batches import ClassBalancedBatches, OldNewBatches
 from raycompat.train.data import TrainingSet
 from raycompat.train.loop import _build_loader
 
@@ -124,3 +125,40 @@ def test_run_names_follow_the_batches_trained():
     # mcl's own P x K batches are named, as if given
     assert name(method="mcl") == name(method="mcl", batch_images_per_class=4)
     assert name(method="mcl") != name(method="mcl", batch_images_per_class=0)
+
+
+OLD_CLASSES = list(range(5))  # 5 of the 20 classes: 35 of the 150 items
+FIRST_OLD = [10, 4, 19, 25, 6, 27, 1, 15]  # seed 0, epoch 0
+
+
+def test_old_new_batches_draw_a_fixed_share_from_the_old_classes():
+    batches = OldNewBatches(LABELS, 16, OLD_CLASSES, 0.5, seed=0)
+    got = batches.global_batches()
+    assert len(got) == len(batches) == LABELS.size // 16
+    for old, new in got:
+        assert np.isin(LABELS[old], OLD_CLASSES).all() and len(old) == 8
+        assert not np.isin(LABELS[new], OLD_CLASSES).any() and len(new) == 8
+    # the 35 old-class items are drawn once per cycle: every one within the first 5 batches
+    assert set(np.concatenate([old for old, _ in got[:5]]).tolist()) == set(
+        np.flatnonzero(LABELS < 5).tolist()
+    )
+    assert got[0][0].tolist() == FIRST_OLD
+
+
+def test_old_new_batches_keep_their_shares_on_every_worker():
+    whole = OldNewBatches(LABELS, 16, OLD_CLASSES, 0.5, seed=4).global_batches()
+    ranks = [list(OldNewBatches(LABELS, 16, OLD_CLASSES, 0.5, r, 2, seed=4)) for r in (0, 1)]
+    for (old, new), a, b in zip(whole, *ranks, strict=True):
+        assert sorted(a + b) == sorted(old.tolist() + new.tolist())
+        for part in (a, b):
+            assert np.isin(LABELS[part], OLD_CLASSES).sum() == 4
+
+
+def test_dsimplex_trains_on_old_new_balanced_batches():
+    cfg = TrainConfig(method="dsimplex", head="dsimplex", batch_size=16, old_model="old")
+    assert cfg.old_batch_fraction() == 0.5 and cfg.batches() == {"batch_old_fraction": 0.5}
+    sampler, loader = _build_loader(cfg, training_set(), 0, 1, OLD_CLASSES)
+    assert isinstance(sampler, OldNewBatches)
+    assert [int(np.isin(b[2].numpy(), OLD_CLASSES).sum()) for b in loader] == [8] * 9
+    cfg = TrainConfig(method="dsimplex", batch_size=16, old_model="old", batch_old_fraction=0)
+    assert isinstance(_build_loader(cfg, training_set(), 0, 1, OLD_CLASSES)[0], DistributedSampler)
