@@ -174,6 +174,9 @@ VARIANTS: dict[str, Variant] = {
             sequential=False,
             cross="fct",
             training=(("optimizer", "adamw"), ("lr", 5e-4)),
+            # released train_transformation.py: batch statistics for the first half of the
+            # epochs, eval mode after
+            setups=(Setup("option", "batchnorm", "switch", "eval"),),
         ),
     )
 }

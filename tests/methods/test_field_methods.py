@@ -713,7 +713,7 @@ def test_dsimplex_config_refuses_another_simplex_naming_both():
 
 # -- fct -----------------------------------------------------------------------------------------
 def test_fct_transformation_shapes_and_mse_on_frozen_models():
-    module = build("fct", {"hidden": 16})
+    module = build("fct", {"hidden": 16, "batchnorm": "eval"})
     h = module.method.transformation
     linears = [
         (m.in_features, m.out_features) for m in h.modules() if isinstance(m, torch.nn.Linear)
@@ -724,7 +724,7 @@ def test_fct_transformation_shapes_and_mse_on_frozen_models():
     trainable = {n.split(".")[0] for n, p in module.named_parameters() if p.requires_grad}
     assert trainable == {"method"}  # phi_n and its head are frozen
     module.train()
-    assert not h.training and module.method.training  # switch_mode_to_eval
+    assert not h.training and module.method.training  # eval mode throughout
     before = {n: b.clone() for n, b in h.named_buffers()}
     batch = make_batch(BATCH_LABELS, seed=3)
     terms = module(batch)
@@ -741,6 +741,24 @@ def test_fct_transformation_shapes_and_mse_on_frozen_models():
     trained = build("fct", {"hidden": 16, "batchnorm": "train"})
     trained.train()
     assert trained.method.transformation.training
+
+
+@pytest.mark.parametrize("epochs,train_epochs", [(4, 2), (5, 3), (1, 1)])
+def test_fct_batchnorm_uses_batch_statistics_for_the_first_half_then_freezes(epochs, train_epochs):
+    """The released ``switch_mode_to_eval``: train mode while ``epoch < epochs / 2``."""
+    batch = make_batch(BATCH_LABELS, seed=3)
+    module = build_with("fct", {"hidden": 16}, batch, epochs=epochs)
+    h = module.method.transformation
+    modes = []
+    for epoch in range(epochs):
+        module.method.on_epoch_start(epoch, module)
+        module.train()  # as the loop, after the epoch start
+        before = {n: b.clone() for n, b in h.named_buffers()}
+        module(batch)
+        moved = any(not torch.equal(b, before[n]) for n, b in h.named_buffers())
+        assert moved == h.training  # running statistics move in train mode only
+        modes.append(h.training)
+    assert modes == [True] * train_epochs + [False] * (epochs - train_epochs)
 
 
 def test_fct_query_mode_scores_old_items_through_h():
@@ -804,7 +822,7 @@ def test_fct_query_mode_scores_old_items_through_h():
         ("dsimplex", {"classes": 1}, "'classes' = 1 must be >= 2"),
         ("dsimplex", {"hoc_lambda": 1.5}, "'hoc_lambda' = 1.5 must be <= 1"),
         ("dsimplex", {"loss": "ce"}, r"allowed values: \['cores', 'hoc'\]"),
-        ("fct", {"batchnorm": "sync"}, r"allowed values: \['eval', 'train'\]"),
+        ("fct", {"batchnorm": "sync"}, r"allowed values: \['switch', 'eval', 'train'\]"),
     ],
 )
 def test_bad_options_name_the_key(method, options, match):

@@ -82,7 +82,7 @@ CASES = [
     ("bt2", "bt2", {"extra_dim": 4}, None, "cosface"),
     ("dsimplex", "dsimplex", {"classes": D_OLD + 1}, D_OLD, "dsimplex"),
     ("dsimplex-hoc", "dsimplex", {"classes": D_OLD + 1, "loss": "hoc"}, D_OLD, "dsimplex"),
-    ("fct", "fct", {"hidden": 16}, None, "cosface"),  # h's BatchNorm in eval mode (default)
+    ("fct", "fct", {"hidden": 16, "batchnorm": "eval"}, None, "cosface"),  # h in eval mode
     ("fct-bn-train", "fct", {"hidden": 16, "batchnorm": "train"}, None, "cosface"),
 ]
 LOCAL = len(BATCH_LABELS) // 2

@@ -77,3 +77,10 @@ def test_the_premise_setup_trains_every_generation_from_scratch(tmp_path):
     for gen in chain[1:]:
         v = gen.values
         assert v["init_model"] is None and v["lr"] == 0.1 and v["batch_old_fraction"] == 0.0
+
+
+def test_fct_switches_its_batchnorm_to_eval_halfway_as_released():
+    v = VARIANTS["fct"]
+    assert v.method_options(SCALE, "released")["batchnorm"] == "switch"
+    assert v.method_options(SCALE, "premise")["batchnorm"] == "eval"
+    assert v.training_values("released") == {"optimizer": "adamw", "lr": 5e-4}
