@@ -122,7 +122,16 @@ VARIANTS: dict[str, Variant] = {
         Variant("bct-beta", "bct", (("variant", "beta"),), needs_unseen_classes=True),
         Variant("contrastive", "contrastive"),
         Variant("ract", "ract"),
-        Variant("dmu", "dmu", head="arcface", cross="adapted"),
+        # DMU's paper trains its BCT and oracle with ArcFace as DMU itself (s = 30, m = 0.3 on
+        # landmarks): its claim compares DMU with a BCT of DMU's head, planned beside it
+        Variant(
+            "dmu",
+            "dmu",
+            head="arcface",
+            cross="adapted",
+            setups=(Setup("plan", "reference", "bct-arcface", "bct"),),
+        ),
+        Variant("bct-arcface", "bct", (("variant", "sys"),), head="arcface"),
         # RM's positives are the anchor's class (Eq.10-13): P x K batches, 16 classes x 4
         Variant(
             "mcl",
@@ -256,7 +265,7 @@ class ScaleOptions:
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
     bct_lambda: float = positive(
         BCT_LAMBDA,
-        help="weight of BCT's influence loss (lambda_compat) for the three BCT variants; the "
+        help="weight of BCT's influence loss (lambda_compat) for the BCT variants; the "
         "main job uses 2",
     )
     rm_temperature: float = positive(
@@ -436,7 +445,7 @@ class ReproduceOptions:
         if scenario == "sequential" and self.sequential_methods is not None:
             chosen = ["independent"] + [m for m in chosen if m in self.sequential_methods]
         out = []
-        for label in chosen:
+        for label in self._with_references(chosen):
             v = VARIANTS[label]
             if v.needs_unseen_classes and scenario in ("extended-data", "architecture"):
                 continue
@@ -446,6 +455,15 @@ class ReproduceOptions:
                 continue
             out.append(v)
         return out
+
+    def _with_references(self, chosen: list[str]) -> list[str]:
+        """``chosen`` with the reference each variant's claim compares it with (its ``Setup``
+        of kind ``plan`` named ``reference``) right after it, when not chosen already."""
+        out: list[str] = []
+        for label in chosen:
+            ref = VARIANTS[label].plan_value("reference", self.setup)
+            out += [label] + ([ref] if ref and ref not in chosen and ref not in out else [])
+        return list(dict.fromkeys(out))
 
     def requested(self, scenario: str) -> tuple:
         if self.methods == ("field",):
@@ -478,6 +496,11 @@ class ReproduceOptions:
                     if v.cross == "rank_merge"
                     else "it needs the paragon (new*) of its generation, which the sequential "
                     "chains do not pair with it"
+                )
+            elif label == "bct-arcface":
+                why = (
+                    "DMU's reference (a BCT of DMU's ArcFace head), trained where dmu is under "
+                    "`--setup released`"
                 )
             elif v.scenarios is not None and scenario not in v.scenarios:
                 why = (

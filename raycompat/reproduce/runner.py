@@ -61,6 +61,7 @@ SCALING_PRIORITY = 100.0
 METHOD_PRIORITY = (
     "bct",
     "dmu",
+    "bct-arcface",
     "ract",
     "contrastive",
     "mcl",

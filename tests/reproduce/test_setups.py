@@ -84,3 +84,18 @@ def test_fct_switches_its_batchnorm_to_eval_halfway_as_released():
     assert v.method_options(SCALE, "released")["batchnorm"] == "switch"
     assert v.method_options(SCALE, "premise")["batchnorm"] == "eval"
     assert v.training_values("released") == {"optimizer": "adamw", "lr": 5e-4}
+
+
+def test_dmu_is_compared_with_a_bct_of_its_own_head():
+    released, premise = ReproduceOptions(), ReproduceOptions(setup="premise")
+    for scenario in ("extended-data", "open-class", "architecture", "sequential"):
+        labels = [v.label for v in released.method_plan(scenario)]
+        assert labels[labels.index("dmu") + 1] == "bct-arcface", scenario
+        assert "bct-arcface" not in [v.label for v in premise.method_plan(scenario)]
+        assert "DMU's reference" in dict(premise.skipped(scenario))["bct-arcface"]
+    ref = VARIANTS["bct-arcface"]
+    assert (ref.method, ref.head, dict(ref.options)) == ("bct", "arcface", {"variant": "sys"})
+    assert VARIANTS["dmu"].head == "arcface" and VARIANTS["bct"].head is None  # cosface
+    # chosen already: not planned twice
+    both = ReproduceOptions(methods=("dmu", "bct-arcface"))
+    assert [v.label for v in both.method_plan("extended-data")].count("bct-arcface") == 1
