@@ -158,7 +158,16 @@ VARIANTS: dict[str, Variant] = {
         # is ~190; docs/reproduce.md, "The field methods' claims")
         Variant("fd", "fd", (("features", "normalized"),)),
         Variant("lce", "lce"),
-        Variant("unibct", "unibct"),
+        # the released trainer's ArcFace (s = 30, m = 0.3) on the prototypes, refined on a
+        # trained new model (halfway), not at epoch 0 on the untrained one
+        Variant(
+            "unibct",
+            "unibct",
+            setups=(
+                Setup("option", "margin", 0.3, 0.0),
+                Setup("option", "refine_from", 0.5, 0.0),
+            ),
+        ),
         Variant("advbct", "advbct"),
         Variant("bt2", "bt2", paragon_option="independent_model", sequential=False),
         # the released trainer (iamcl2r main.py, params.py) starts every task from the previous

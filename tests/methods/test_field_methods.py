@@ -233,7 +233,8 @@ def _refined(old_items, new_items, tau, lam, by_row=True):
 
 
 def test_unibct_refined_prototypes_and_loss_match_direct_computation():
-    module = build("unibct", {"scale": 10.0, "tau": 0.5, "propagation": 0.5})
+    options = {"scale": 10.0, "tau": 0.5, "propagation": 0.5, "margin": 0.0, "refine_from": 0.0}
+    module = build("unibct", options)
     module.method.on_epoch_start(0, module)
     train = make_batch(TRAIN_LABELS, seed=7)
     old_train = _old_space(module, train)
@@ -259,7 +260,7 @@ def test_unibct_refined_prototypes_and_loss_match_direct_computation():
 
 def test_unibct_column_softmax_of_the_released_code_gives_the_plain_class_mean():
     """MixBCT's softmax over dim 0 makes A column-stochastic: the refinement cancels out."""
-    module = build("unibct", {"affinity": "column", "tau": 0.5, "propagation": 0.9})
+    module = build("unibct", {"affinity": "column", "tau": 0.5, "refine_from": 0.0})
     module.method.on_epoch_start(0, module)
     train = make_batch(TRAIN_LABELS, seed=7)
     old_train = _old_space(module, train)
@@ -300,6 +301,52 @@ def test_unibct_schedule_and_per_class_cap():
     assert torch.allclose(method.prototypes[0], want, atol=1e-6)
     every = _refined([old_train[i] for i in range(6)], new_train[:6], 0.05, 0.9)
     assert not torch.allclose(method.prototypes[0], every, atol=1e-4)
+
+
+def test_unibct_refines_halfway_on_the_trained_model_plain_means_before():
+    """Released setup: the old class means until epoch ceil(0.5 E), then refinement with the
+    current phi_n; the premise run refined at epoch 0 on the untrained model."""
+    train = make_batch(TRAIN_LABELS, seed=7)
+    module = build_with("unibct", {"tau": 0.5, "refine_every": 10}, train, epochs=9)
+    method = module.method
+    assert method.first_refinement == 5
+    old_train = _old_space(module, train)
+    plain = torch.stack(
+        [
+            sum(old_train[i] for i, y in enumerate(TRAIN_LABELS) if y == c) / TRAIN_LABELS.count(c)
+            for c in NEW_CLASSES
+        ]
+    )
+    for epoch in range(5):
+        method.on_epoch_start(epoch, module)
+        assert torch.allclose(method.prototypes, plain, atol=1e-6), epoch
+        assert int(method.refined_at) == -2 and method._active
+    with torch.no_grad():
+        module.embedder.fc.weight.add_(0.5)  # the model has trained
+    method.on_epoch_start(5, module)
+    assert int(method.refined_at) == 5
+    with torch.no_grad():
+        new_train = F.normalize(module.embedder(train.x_new), dim=1)
+    index = [i for i, y in enumerate(TRAIN_LABELS) if y == 0]
+    want = _refined([old_train[i] for i in index], new_train[index], 0.5, 0.9)
+    assert torch.allclose(method.prototypes[0], want, atol=1e-6)
+    assert not torch.allclose(method.prototypes[0], plain[0], atol=1e-4)
+
+
+def test_unibct_loss_is_arcface_on_the_prototypes_as_released():
+    """s = 30, m = 0.3 by default: ``s cos(theta + m)`` on the target prototype."""
+    module = build("unibct", {})
+    module.method.on_epoch_start(0, module)
+    protos = module.method.prototypes
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, _ = features(module, batch)
+    want = 0.0
+    for i, y in enumerate(BATCH_LABELS):
+        logits = [cos(emb[i, :D_OLD], p) for p in protos]
+        logits[y] = math.cos(math.acos(logits[y]) + 0.3)
+        want -= log_softmax([30.0 * v for v in logits])[y]
+    got = module.method.compat_loss(module, batch, emb)["unibct"]
+    assert float(got) == pytest.approx(want / len(BATCH_LABELS), rel=1e-5)
 
 
 # -- advbct --------------------------------------------------------------------------------------

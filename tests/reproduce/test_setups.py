@@ -99,3 +99,10 @@ def test_dmu_is_compared_with_a_bct_of_its_own_head():
     # chosen already: not planned twice
     both = ReproduceOptions(methods=("dmu", "bct-arcface"))
     assert [v.label for v in both.method_plan("extended-data")].count("bct-arcface") == 1
+
+
+def test_unibct_trains_with_the_released_arcface_and_refines_a_trained_model():
+    v = VARIANTS["unibct"]
+    released, premise = v.method_options(SCALE, "released"), v.method_options(SCALE, "premise")
+    assert (released["margin"], released["refine_from"]) == (0.3, 0.5)
+    assert (premise["margin"], premise["refine_from"]) == (0.0, 0.0)
