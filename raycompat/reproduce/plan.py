@@ -168,7 +168,18 @@ VARIANTS: dict[str, Variant] = {
                 Setup("option", "refine_from", 0.5, 0.0),
             ),
         ),
-        Variant("advbct", "advbct"),
+        # the released AdvBCT: boundary metadata from the old model's training split
+        # (extract_feat.py gen_class_meta), two raw discriminator passes (models/base_model.py),
+        # threshold 0.5 (configs/defaults.py; its new_AdvBct.yml sets 1.0)
+        Variant(
+            "advbct",
+            "advbct",
+            setups=(
+                Setup("option", "boundary_split", "old", "new"),
+                Setup("option", "discriminator", "released", "joint"),
+                Setup("option", "threshold", 0.5, 1.0),
+            ),
+        ),
         Variant("bt2", "bt2", paragon_option="independent_model", sequential=False),
         # the released trainer (iamcl2r main.py, params.py) starts every task from the previous
         # task's checkpoint at lr 1e-3 and balances each batch between seen and new classes

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from raycompat import console, torch_distributed
 from raycompat.config import ConfigError
 from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
+from raycompat.methods.base import old_split_name
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.models.heads import continued_vertices
 from raycompat.storage import local_copy, open_storage
@@ -260,6 +261,22 @@ def _build_loader(
     return sampler, loader
 
 
+def _old_split_pass_loader(cfg: TrainConfig, old, new_target, old_target, world, device):
+    """An :class:`EpochPassLoader` over the old model's training split (two views; classes the
+    new head lacks get target -1), or None (:func:`old_split_name`)."""
+    import dataclasses
+
+    split = old_split_name(cfg.scenario, old.manifest if old is not None else None)
+    if split is None:
+        return None
+    data = build_training_set(dataclasses.replace(cfg, split=split), views=2)
+    size = max(len(new_target), max(data.classes) + 1)
+    padded = [torch.full((size,), -1, dtype=torch.long) for _ in range(2)]
+    for table, known in zip(padded, (new_target, old_target), strict=True):
+        table[: len(known)] = known
+    return EpochPassLoader(data, cfg.batch_size // world, padded[0], padded[1], device)
+
+
 def setup_worker(cfg: TrainConfig) -> WorkerState:
     """Threads and seeds, the frozen old model, the data shard, the new networks and the
     method (in DDP), and the optimizer: everything but the checkpoint to resume from."""
@@ -295,6 +312,9 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
             f"of {cfg.batch_size}"
         )
     method_context = MethodContext(
+        old_split_pass_loader=_old_split_pass_loader(
+            cfg, old, new_target, old_target, world, device
+        ),
         old=old,
         new_classes=new_classes,
         old_classes=old.classes if old is not None else [],

@@ -25,6 +25,7 @@ from test_methods_losses import (
     features,
     make_batch,
     old_bundle,
+    slice_batch,
 )
 
 from raycompat.config import ConfigError
@@ -377,8 +378,10 @@ def _radius_direct(items) -> tuple[torch.Tensor, float, int]:
 
 
 def test_advbct_boundary_and_adversarial_terms_match_direct_computation():
+    """Over the new training set, one normalised discriminator pass (the premise run's setup)."""
     train = outlier_training_set()
-    module = build_with("advbct", {"threshold": 0.5}, train, epochs=4, steps_per_epoch=3)
+    options = {"boundary_split": "new", "discriminator": "joint"}
+    module = build_with("advbct", options, train, epochs=4, steps_per_epoch=3)
     method = module.method
     method.on_epoch_start(2, module)
     old_train = _old_space(module, train)
@@ -422,7 +425,8 @@ def test_advbct_boundary_and_adversarial_terms_match_direct_computation():
 def test_advbct_reverses_the_gradient_to_phi_n_only():
     train = outlier_training_set()
     alpha = 0.3
-    module = build_with("advbct", {"grl_alpha": alpha, "adv_decay": False}, train)
+    options = {"grl_alpha": alpha, "adv_decay": False, "boundary_split": "new"}
+    module = build_with("advbct", dict(options, discriminator="joint"), train)
     method = module.method
     method.on_epoch_start(0, module)
     method.discriminator.eval()  # running statistics: the two passes below see the same function
@@ -447,7 +451,7 @@ def test_advbct_reverses_the_gradient_to_phi_n_only():
 
 
 def test_advbct_trains_discriminator_and_radius_but_exports_neither():
-    module = build("advbct")
+    module = build("advbct", {"boundary_split": "new"})
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert "method.elastic" in trainable and "method.discriminator.0.weight" in trainable
     assert module.method.exports() == {}
@@ -457,6 +461,65 @@ def test_advbct_trains_discriminator_and_radius_but_exports_neither():
     assert "elastic_radius" in terms and float(terms["elastic_radius"]) > 0
     total = terms["cls"] + terms["bound"] + terms["adv"]
     assert float(terms["loss"]) == pytest.approx(float(total), rel=1e-6)
+
+
+def test_advbct_boundary_comes_from_the_old_models_training_split():
+    """Released metadata: centres and largest radii over the old model's own training items
+    (here the first item of every class and class 0's close ones), not the new training set."""
+    train = outlier_training_set()
+    old_items = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9])  # class 0 without its outlier (5)
+    old_split = slice_batch(train, old_items)
+    module = build_with("advbct", {}, train, epochs=4, old_split_pass_loader=ShardLoader(old_split))
+    method = module.method
+    assert method.options.threshold == 0.5  # the released default
+    method.on_epoch_start(0, module)
+    old_space = _old_space(module, old_split)
+    labels = old_split.labels.tolist()
+    for c in OLD_CLASSES:
+        centre, r_max, kept = _radius_direct([old_space[i] for i, y in enumerate(labels) if y == c])
+        assert torch.allclose(method.centres[c], centre, atol=1e-6)
+        assert float(method.max_radius[c]) == pytest.approx(r_max, abs=1e-6)
+        assert bool(method.has_boundary[c]) == (kept > 1)
+    everything = build_with("advbct", {"boundary_split": "new"}, train, epochs=4)
+    everything.method.on_epoch_start(0, everything)
+    assert not torch.allclose(method.centres[0], everything.method.centres[0], atol=1e-4)
+    with pytest.raises(RuntimeError, match="old model's training split"):
+        build_with("advbct", {}, train).method.on_epoch_start(0, None)
+
+
+def test_advbct_config_needs_the_old_split_in_the_scenario():
+    check = method_class("advbct").check_config
+    scenario = {"splits": {"old_train": {}, "new_train": {}}, "aliases": {}}
+    old = {"data": {"split": "old_train"}}
+    cfg = SimpleNamespace(method_options={}, scenario=scenario)
+    check(cfg, old)  # found: fine
+    with pytest.raises(ConfigError, match="boundary_split=old needs the old model's training"):
+        check(cfg, {"data": {"split": "train_1"}})
+    check(SimpleNamespace(method_options={"boundary_split": "new"}, scenario=scenario), {})
+
+
+def test_advbct_discriminator_runs_two_raw_passes_as_released():
+    train = outlier_training_set()
+    options = {"boundary_split": "new", "adv_decay": False}
+    module = build_with("advbct", options, train, epochs=2, steps_per_epoch=1)
+    method = module.method
+    method.on_epoch_start(0, module)
+    module.train()
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb = module.embedder(batch.x_new)
+    terms = method.compat_loss(module, batch, emb)
+    b = len(BATCH_LABELS)
+    # each domain its own pass (its own BatchNorm statistics), raw features
+    new_logits = method.discriminator(emb[:, :D_OLD])
+    old_logits = method.discriminator(method.old_features(batch.x_old))
+    adv = -sum(log_softmax(new_logits[i].tolist())[0] for i in range(b)) / b
+    adv -= sum(log_softmax(old_logits[i].tolist())[1] for i in range(b)) / b
+    assert float(terms["adv"]) == pytest.approx(adv, rel=1e-5)
+    joint = build_with("advbct", dict(options, discriminator="joint"), train, epochs=2)
+    joint.method.discriminator.load_state_dict(method.discriminator.state_dict())
+    joint.method.on_epoch_start(0, joint)
+    other = joint.method.compat_loss(joint, batch, joint.embedder(batch.x_new))["adv"]
+    assert float(other) != pytest.approx(adv, rel=1e-3)
 
 
 # -- bt2 -----------------------------------------------------------------------------------------

@@ -106,3 +106,10 @@ def test_unibct_trains_with_the_released_arcface_and_refines_a_trained_model():
     released, premise = v.method_options(SCALE, "released"), v.method_options(SCALE, "premise")
     assert (released["margin"], released["refine_from"]) == (0.3, 0.5)
     assert (premise["margin"], premise["refine_from"]) == (0.0, 0.0)
+
+
+def test_advbct_takes_its_boundary_from_the_old_split_as_released():
+    v = VARIANTS["advbct"]
+    released, premise = v.method_options(SCALE, "released"), v.method_options(SCALE, "premise")
+    assert released == {"boundary_split": "old", "discriminator": "released", "threshold": 0.5}
+    assert premise == {"boundary_split": "new", "discriminator": "joint", "threshold": 1.0}

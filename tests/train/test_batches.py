@@ -162,3 +162,38 @@ def test_dsimplex_trains_on_old_new_balanced_batches():
     assert [int(np.isin(b[2].numpy(), OLD_CLASSES).sum()) for b in loader] == [8] * 9
     cfg = TrainConfig(method="dsimplex", batch_size=16, old_model="old", batch_old_fraction=0)
     assert isinstance(_build_loader(cfg, training_set(), 0, 1, OLD_CLASSES)[0], DistributedSampler)
+
+
+def test_the_old_models_training_split_gets_a_pass_of_its_own():
+    """advbct's boundary: the loop hands methods a pass over the old model's own training split
+    (its manifest's split), every item once, the new head's rows as targets."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from raycompat.data import build_scenario
+    from raycompat.train.loop import _old_split_pass_loader, class_targets
+
+    scenario = build_scenario(
+        "extended-data",
+        num_train_classes=6,
+        images_per_class=10,
+        num_eval_classes=2,
+        queries_per_class=1,
+        gallery_per_class=2,
+        num_distractor_classes=1,
+        distractors_per_class=1,
+        seed=3,
+    ).to_dict()
+    cfg = TrainConfig(method="advbct", batch_size=8, scenario=scenario, in_chans=1)
+    classes = sorted(set(scenario["splits"]["new_train"]["labels"]))
+    new_target, old_target = class_targets(classes, classes)
+    old = SimpleNamespace(manifest={"data": {"split": "old_train"}})
+    loader = _old_split_pass_loader(cfg, old, new_target, old_target, 1, torch.device("cpu"))
+    labels = torch.cat([b.labels for b in loader()]).tolist()
+    assert labels == scenario["splits"]["old_train"]["labels"]
+    assert len(labels) < len(scenario["splits"]["new_train"]["labels"])
+    batch = next(iter(loader()))
+    assert batch.x_old is not None and (batch.new_targets == new_target[batch.labels]).all()
+    unknown = SimpleNamespace(manifest={"data": {"split": "elsewhere"}})
+    assert _old_split_pass_loader(cfg, unknown, new_target, old_target, 1, "cpu") is None
