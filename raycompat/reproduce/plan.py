@@ -120,8 +120,11 @@ VARIANTS: dict[str, Variant] = {
         Variant("bct", "bct", (("variant", "sys"),)),
         Variant("bct-kd", "bct", (("variant", "kd"),), needs_unseen_classes=True),
         Variant("bct-beta", "bct", (("variant", "beta"),), needs_unseen_classes=True),
-        Variant("contrastive", "contrastive"),
-        Variant("ract", "ract"),
+        # RACT's classifier is one fully-connected layer (Eq.7; Algorithm 2 feeds the old gallery
+        # features to it): plain linear logits for training and for the uncertainty orders, for
+        # RACT and its vanilla baseline alike
+        Variant("contrastive", "contrastive", setups=(Setup("training", "head", "softmax"),)),
+        Variant("ract", "ract", setups=(Setup("training", "head", "softmax"),)),
         # DMU's paper trains its BCT and oracle with ArcFace as DMU itself (s = 30, m = 0.3 on
         # landmarks): its claim compares DMU with a BCT of DMU's head, planned beside it
         Variant(

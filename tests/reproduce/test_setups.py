@@ -30,7 +30,7 @@ def test_rm_contrastive_methods_train_on_class_balanced_batches(label):
 
 
 def test_variants_without_a_setup_of_their_own_train_as_before():
-    for label in ("independent", "bct", "rqt", "contrastive", "ract", "p2s", "lwf"):
+    for label in ("independent", "bct", "rqt", "p2s", "ndpp", "lwf", "lce", "bt2"):
         v = VARIANTS[label]
         assert v.training_values("released") == v.training_values("premise") == dict(v.training)
         assert v.method_options(SCALE, "released") == v.method_options(SCALE, "premise")
@@ -113,3 +113,37 @@ def test_advbct_takes_its_boundary_from_the_old_split_as_released():
     released, premise = v.method_options(SCALE, "released"), v.method_options(SCALE, "premise")
     assert released == {"boundary_split": "old", "discriminator": "released", "threshold": 0.5}
     assert premise == {"boundary_split": "new", "discriminator": "joint", "threshold": 1.0}
+
+
+@pytest.mark.parametrize("label", ["ract", "contrastive"])
+def test_ract_and_its_baseline_train_a_plain_linear_classifier(label):
+    v = VARIANTS[label]
+    assert v.training_values("released") == {"head": "softmax"}
+    assert v.training_values("premise") == {}  # the scale's CosFace head, as the premise run
+
+
+def test_ract_models_are_planned_with_the_softmax_head(tmp_path):
+    """The planned training values (what names the model), not only the variant's."""
+    import dataclasses
+
+    from raycompat.outputs import OutputOptions
+    from raycompat.reproduce.plan import DEFAULT_SIZES
+    from raycompat.reproduce.runner import Reproduction
+
+    sizes = dataclasses.replace(
+        DEFAULT_SIZES, train_classes=16, images_per_class=8, backbone="test_resnet"
+    )
+    for setup, head in (("released", "softmax"), ("premise", "cosface")):
+        opts = ReproduceOptions(
+            output=OutputOptions(out=str(tmp_path)),
+            scenarios=("extended-data",),
+            methods=("ract", "contrastive", "bct"),
+            sizes=sizes,
+            training=ScaleOptions(embed_dim=32, batch_size=32, workers=0),
+            setup=setup,
+        ).validated()
+        rep = Reproduction(opts, str(tmp_path / setup), log=lambda *a: None)
+        rep.plan_all()
+        assert rep.models["extended-data/ract"].values["head"] == head
+        assert rep.models["extended-data/contrastive"].values["head"] == head
+        assert rep.models["extended-data/bct"].values["head"] == "cosface"
