@@ -2,8 +2,10 @@
 Backward-Compatible Representation via Adversarial Learning in Image Retrieval", CVPR 2023; the
 released AdvBCT code; docs/methods.md, Field methods).
 
-Once, from the frozen old model over the new training set, per class: the centre
-``c = mean_i normalize(phi_o(x_i))`` (not re-normalised), the distances
+Once, from the frozen old model over its own training split (``boundary_split=old``, the
+released metadata: ``gen_class_meta`` over the old model's training data; ``new``: over the new
+training set), per class: the centre ``c = mean_i normalize(phi_o(x_i))`` (not re-normalised),
+the distances
 ``r_i = ||normalize(phi_o(x_i)) - c||``, and ``r_max`` = the largest distance left after dropping
 those outside Tukey's fences ``[q1 - 1.5 IQR, q3 + 1.5 IQR]`` (``q1``, ``q3`` = the sorted
 distances at ``floor(n/4)``, ``floor(3n/4)``; no filtering below 4 items), as the released code
@@ -11,22 +13,23 @@ computes them. With ``n = normalize(phi_n(x)[:D_o])`` and ``o = normalize(phi_o(
 
 ``L = L_cls + L_bound + w_e * L_adv``
 
-- ``L_adv = CE(Dsc(GRL_a(n)), 0) + CE(Dsc(o), 1)``, with
+- ``L_adv = CE(Dsc(GRL_a(n')), 0) + CE(Dsc(o'), 1)``, with
   ``Dsc`` = Linear(D_o, 100)-BN-ReLU-Linear(100, 2); the gradient reversal ``GRL_a`` passes
   ``-a`` times the gradient to ``phi_n``, ``a = 2 / (1 + exp(-10 p)) - 1`` with ``p`` the
   training progress in [0, 1] (per step), or the constant ``grl_alpha``;
 - ``w_e = (E - e + 1) / E``, ``e`` the 0-based epoch, ``E`` the number of epochs: the released
   code's formula, kept as is (from (E + 1)/E down to 2/E); ``adv_decay=false`` gives ``w_e = 1``;
 - ``r_c = r_max,c + sigmoid(v_c) |r_max,c - T|`` if ``r_max,c < T``, else
-  ``r_max,c - sigmoid(v_c) |r_max,c - T|``, T = 1, ``v`` a learnable vector over the new head's
-  rows (init U(-1, 1));
+  ``r_max,c - sigmoid(v_c) |r_max,c - T|``, T = 0.5 (the released default), ``v`` a learnable
+  vector over the new head's rows (init U(-1, 1));
 - ``L_bound = mean over {i : h_i > 0} of h_i``, ``h_i = max(||n_i - c_{y_i}|| - r_{y_i}, 0)``,
   over the samples of the global batch whose class has a boundary (a centre and more than one
   distance left).
 
-Choices: both discriminator inputs are normalised (the released code feeds raw BN outputs), and
-the two domains go through ``Dsc`` as one batch, so its BatchNorm sees both (two separate passes
-would normalise away the mean shift between the domains that the discriminator has to detect).
+The discriminator (``discriminator=released``, default) runs as the released model: two
+passes, ``n' = phi_n(x)[:D_o]`` and ``o' = phi_o(x)`` raw (unnormalised), each with its own
+BatchNorm statistics. ``joint`` feeds the normalised ``n``, ``o`` as one batch, so that its
+BatchNorm sees both (two separate passes normalise away the mean shift between the domains).
 Centres belong to the classes the old model knows (``centre_classes=old``, the released code's
 old metadata); ``all`` gives every class one. A dimension change uses ``phi_n(x)[:D_o]`` for both
 terms. ``Dsc`` and ``v`` train with the network (same learning rate) and are not exported: they
@@ -36,6 +39,7 @@ of the loss).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycompat.config import choices, nonnegative, positive
-from raycompat.methods.base import CompatMethod, TrainBatch, register_method
+from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
+from raycompat.methods.base import CompatMethod, TrainBatch, old_split_name, register_method
 from raycompat.methods.gathered import global_mean
 from raycompat.methods.prototypes import eval_mode, item_features, old_class_centres
 
@@ -103,11 +107,27 @@ class AdvBCT(CompatMethod):
     @dataclass
     class Options:
         lambda_compat: float = nonnegative(1.0)
-        threshold: float = nonnegative(1.0)  # T of the elastic radius
+        threshold: float = nonnegative(0.5)  # T of the elastic radius (released defaults.py)
         disc_hidden: int = positive(100)
         grl_alpha: float | None = None  # None: DANN's schedule over the training progress
         adv_decay: bool = True  # w_e = (E - e + 1) / E; false: 1
         centre_classes: str = choices("old", "all", default="old")
+        # the items of the centres and radii: the old model's training split, or the new set
+        boundary_split: str = choices("old", "new", default="old")
+        # two raw passes as the released model, or one normalised pass of both domains
+        discriminator: str = choices("released", "joint", default="released")
+
+    @classmethod
+    def check_config(cls, cfg, old_manifest: dict | None) -> None:
+        """``boundary_split=old`` needs the old model's training split in this scenario."""
+        opts = parse_options(cls.Options, cfg.method_options, owner="method advbct")
+        if opts.boundary_split == "old" and old_manifest is not None:
+            if old_split_name(cfg.scenario, old_manifest) is None:
+                split = (old_manifest.get("data") or {}).get("split")
+                raise ConfigError(
+                    f"method advbct: boundary_split=old needs the old model's training split "
+                    f"({split!r}) in this run's scenario; pass --opt boundary_split=new"
+                )
 
     def __init__(self, options, context):
         super().__init__(options, context)
@@ -126,11 +146,25 @@ class AdvBCT(CompatMethod):
         self._ready = False
         self._epoch, self._step = 0, 0
 
+    def boundary_context(self):
+        """The context whose epoch pass gives the boundary's items (``boundary_split``)."""
+        if self.options.boundary_split == "new":
+            return self.context
+        if self.context.old_split_pass_loader is None:
+            raise RuntimeError(
+                "advbct: boundary_split=old, but the old model's training split is not in this "
+                "run's scenario"
+            )
+        return dataclasses.replace(
+            self.context, epoch_pass_loader=self.context.old_split_pass_loader
+        )
+
     def on_epoch_start(self, epoch, model):
         self._epoch, self._step = epoch, 0
         if self._ready:
             return
-        centres, counts = old_class_centres(self.context, self.options.centre_classes)
+        context = self.boundary_context()
+        centres, counts = old_class_centres(context, self.options.centre_classes)
         old = self.old.embedder
 
         def distance_to_centre(batch):
@@ -138,7 +172,7 @@ class AdvBCT(CompatMethod):
             return (F.normalize(old(batch.x_old), dim=1) - own).norm(dim=1, keepdim=True)
 
         with eval_mode(old):
-            values, rows = item_features(self.context, {"r": (distance_to_centre, 1)})
+            values, rows = item_features(context, {"r": (distance_to_centre, 1)})
         rows = torch.where((rows >= 0) & (counts > 0)[rows.clamp(min=0)], rows, -1)
         r_max, kept = tukey_max(values["r"][:, 0].double(), rows, len(counts))
         self.centres.copy_(centres)
@@ -165,14 +199,18 @@ class AdvBCT(CompatMethod):
         alpha, weight = self.schedule()
         if self.training:
             self._step += 1
-        new = F.normalize(self.compatible_part(emb), dim=1)
-        old = F.normalize(self.old_features(batch.x_old), dim=1)
-        logits = self.discriminator(torch.cat([GradientReversal.apply(new, alpha), old]))
-        b = len(new)
-        adv = F.cross_entropy(logits[:b], torch.zeros_like(batch.new_targets)) + F.cross_entropy(
-            logits[b:], torch.ones_like(batch.new_targets)
-        )
+        raw_new, raw_old = self.compatible_part(emb), self.old_features(batch.x_old)
+        new, old = F.normalize(raw_new, dim=1), F.normalize(raw_old, dim=1)
+        if self.options.discriminator == "released":
+            new_logits = self.discriminator(GradientReversal.apply(raw_new, alpha))
+            old_logits = self.discriminator(raw_old)
+        else:
+            logits = self.discriminator(torch.cat([GradientReversal.apply(new, alpha), old]))
+            new_logits, old_logits = logits[: len(new)], logits[len(new) :]
         targets = batch.new_targets
+        adv = F.cross_entropy(new_logits, torch.zeros_like(targets)) + F.cross_entropy(
+            old_logits, torch.ones_like(targets)
+        )
         hinge = F.relu((new - self.centres[targets]).norm(dim=1) - self.radii()[targets])
         bound = global_mean(hinge, self.has_boundary[targets] & (hinge.detach() > 0))
         return {"bound": bound, "adv": weight * adv}

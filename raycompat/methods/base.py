@@ -58,6 +58,18 @@ class MethodContext:
     # and adversarial weight decay).
     epochs: int = 1
     steps_per_epoch: int = 1
+    # The same kind of pass over the old model's own training split (its manifest's split, in
+    # this run's scenario), None when the scenario has no such split: what the old model was
+    # trained on (advbct's boundary, as the released metadata).
+    old_split_pass_loader: Callable[[], Iterator[TrainBatch]] | None = None
+
+
+def old_split_name(scenario: dict, old_manifest: dict | None) -> str | None:
+    """The old model's training split (its manifest's ``data.split``) when ``scenario`` (a
+    ``Scenario.to_dict()``) has a split of that name, else None."""
+    split = ((old_manifest or {}).get("data") or {}).get("split")
+    known = set(scenario.get("splits", {})) | set(scenario.get("aliases", {}))
+    return split if split in known else None
 
 
 class CompatMethod(nn.Module):
@@ -71,6 +83,12 @@ class CompatMethod(nn.Module):
     trains_embedder: ClassVar[bool] = True
     # True: meaningless without ``init_model`` (the frozen phi_n); for the config to check.
     needs_init_model: ClassVar[bool] = False
+    # K of the class-balanced P x K batches the method trains with by default
+    # (raycompat.train.batches; TrainConfig.batch_images_per_class overrides it); 0: random
+    batch_images_per_class: ClassVar[int] = 0
+    # the share of each batch the method draws from the old model's classes by default
+    # (raycompat.train.batches.OldNewBatches; TrainConfig.batch_old_fraction overrides it)
+    batch_old_fraction: ClassVar[float] = 0.0
 
     @dataclass
     class Options:

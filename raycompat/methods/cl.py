@@ -25,6 +25,8 @@ class CL(RankMergeMethod):
     description = (
         "RM baseline: supervised contrastive reverse transform, backward system only (Eq.10)"
     )
+    # Eq.10's positives are the anchor's class: P x K batches, 16 x 4 in a batch of 64
+    batch_images_per_class = 4
 
     @dataclass
     class Options(RankMergeMethod.Options):

@@ -60,6 +60,9 @@ class DSimplex(CompatMethod):
         "CoReS / HOC: the fixed d-Simplex classifier of every generation (--head dsimplex, "
         "--embed-dim K-1); loss=hoc adds the old-to-new contrastive term"
     )
+    # the released trainer's BalancedBatchSampler: half of every batch from the classes seen
+    # before (its rehearsal memory), half from the task's new classes
+    batch_old_fraction = 0.5
 
     @dataclass
     class Options:

@@ -15,9 +15,12 @@ both. ``h`` is exported as ``fct``: the query mode ``fct`` scores old-state gall
 Choices: no side information. FCT's ``psi(x)`` is a SimCLR model trained on the new data, not
 available here, and the gallery would have to store ``psi(x)`` beside ``phi_o(x)``; the released
 configuration without the side-information line (what runs here) leaves ``p2`` out and the
-mixer reads ``p1``'s ``2 D_n`` dims. ``batchnorm=eval`` (default) trains ``h`` in eval mode,
-as the released ``switch_mode_to_eval``: its BatchNorm layers keep their initial statistics and
-act as learnable affine maps; ``train`` uses batch statistics (synchronized over workers).
+mixer reads ``p1``'s ``2 D_n`` dims. ``batchnorm=switch`` (default), the released trainer's
+``switch_mode_to_eval``: ``h`` trains in train mode (batch statistics, synchronized over
+workers, updating the running ones) for the epochs ``e < E / 2`` and in eval mode from then on,
+its BatchNorm layers frozen at the statistics the first half gathered and acting as learnable
+affine maps. ``eval`` runs eval mode throughout (the initial statistics), ``train`` train mode
+throughout.
 """
 
 from __future__ import annotations
@@ -45,17 +48,25 @@ class FCT(CompatMethod):
     @dataclass
     class Options:
         hidden: int = positive(2048)
-        batchnorm: str = choices("eval", "train", default="eval")
+        batchnorm: str = choices("switch", "eval", "train", default="switch")
 
     def setup(self, embedder, head):
         self.transformation = ForwardTransformation(
             self.old.embed_dim, embedder.embed_dim, hidden_dim=self.options.hidden
         )
+        self.epoch = 0
         self.train(self.training)
+
+    def on_epoch_start(self, epoch: int, model) -> None:
+        self.epoch = epoch
 
     @property
     def batchnorm_in_eval(self) -> bool:
-        """``h``'s BatchNorm layers run on their stored statistics while training."""
+        """``h``'s BatchNorm layers run on their stored statistics while training: always
+        (``eval``), never (``train``), or from epoch ``E / 2`` on (``switch``, the released
+        ``epoch >= epochs / 2``)."""
+        if self.options.batchnorm == "switch":
+            return self.epoch >= self.context.epochs / 2
         return self.options.batchnorm == "eval"
 
     def train(self, mode: bool = True):

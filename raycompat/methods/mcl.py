@@ -15,7 +15,9 @@ real cross-model pair of the same image and stays); an anchor with no other samp
 class in the global batch skips the second term. Optional hard mining keeps the hardest
 half of positives and of negatives per anchor, in each system.
 ``rho`` is one Linear initialised to the identity by default (``rho_blocks=0``); with
-hidden blocks it is ``rho_blocks`` x [Linear-BN-ReLU] + Linear.
+hidden blocks it is ``rho_blocks`` x [Linear-BN-ReLU] + Linear. It trains on class-balanced
+P x K batches (K = 4, inherited from ``cl``): P and N are class-level sums, empty for most
+anchors of a random batch over many classes (``raycompat.train.batches``).
 """
 
 from __future__ import annotations

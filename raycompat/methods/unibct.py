@@ -12,7 +12,9 @@ Old prototypes for every class of the new training set (unseen classes included:
 - ``O~ = (1 - lambda) (I - lambda A)^{-1} O``, lambda = 0.9 (closed-form label propagation);
 - ``p_c = mean_i O~_i``.
 
-``L_compat = CE(s * cos(phi_n(x)[:D_o], p), y)``, s = 30, over every prototype row.
+``L_compat = CE(ArcFace_{s,m}(cos(phi_n(x)[:D_o], p)), y)`` over every prototype row: ``s cos``
+with ``s cos(theta + m)`` on the target, s = 30, m = 0.3, the released trainer's ArcFace
+(``margin=0``: the plain ``s cos`` softmax).
 
 Choices:
 
@@ -23,9 +25,13 @@ Choices:
   1^T / (1 - lambda)`` and ``p_c`` is exactly the plain class mean: that refinement changes nothing.
 - Cosine-softmax with the scale s (MixBCT uses unscaled dot products, which learn slowly), features
   normalised before the graph (MixBCT's are raw, divided by tau).
-- Schedule: the compatibility term is 0 before ``start_epoch``; prototypes are refined at
-  ``start_epoch`` and every ``refine_every`` epochs after it with the current ``phi_n``. MixBCT's
-  schedule is ``start_epoch=10, refine_every=10``; the default starts at once (short runs).
+- Schedule: the compatibility term is 0 before ``start_epoch``. Until the first refinement the
+  prototypes are the plain class means of ``normalize(phi_o(x))`` (the released trainer's old
+  centres); they are refined with the current ``phi_n`` from epoch
+  ``max(start_epoch, ceil(refine_from * E))`` on, every ``refine_every`` epochs, so that the
+  graph is built on a trained new model (default ``refine_from = 0.5``: halfway; MixBCT's
+  ``start_epoch=10, refine_every=10`` of 30 epochs refines at a third). ``refine_from = 0``
+  refines at ``start_epoch``, at epoch 0 on the untrained model (the premise run).
 - Every item's features are gathered in training-set order on every worker (``item_features``),
   so the prototypes are the same whatever the number of workers; each worker refines the classes
   ``c = rank (mod W)`` and the prototype matrix is all-reduced. Dimension change: ``p`` lives in
@@ -34,14 +40,21 @@ Choices:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from raycompat.config import ConfigError, choices, nonnegative, positive
+from raycompat.config import ConfigError, choices, fraction, nonnegative, positive
 from raycompat.methods.base import CompatMethod, TrainBatch, register_method
-from raycompat.methods.prototypes import item_features, normalised_old_features, prototype_logits
+from raycompat.methods.prototypes import (
+    item_features,
+    normalised_old_features,
+    old_class_centres,
+    prototype_logits,
+)
+from raycompat.models.heads import margin_logits
 from raycompat.torch_distributed import all_reduce_sum, rank, world_size
 
 
@@ -81,10 +94,12 @@ class UniBCT(CompatMethod):
     class Options:
         lambda_compat: float = nonnegative(1.0)
         scale: float = positive(30.0)
+        margin: float = nonnegative(0.3)  # ArcFace m on the target prototype; 0: plain s * cos
         tau: float = positive(0.05)
         propagation: float = nonnegative(0.9)  # lambda of O~ = (1-lambda)(I - lambda A)^-1 O
         affinity: str = choices("row", "column", default="row")
         start_epoch: int = nonnegative(0)
+        refine_from: float = fraction(0.5)  # first refinement at ceil(refine_from * epochs)
         refine_every: int = positive(10)
         max_per_class: int = nonnegative(1000)  # 0: every item
 
@@ -102,15 +117,26 @@ class UniBCT(CompatMethod):
         self.register_buffer("refined_at", torch.tensor(-1))
         self._active = False
 
+    @property
+    def first_refinement(self) -> int:
+        """The epoch of the first refinement: ``max(start_epoch, ceil(refine_from * E))``."""
+        opts = self.options
+        return max(opts.start_epoch, math.ceil(opts.refine_from * self.context.epochs))
+
     def refines_at(self, epoch: int) -> bool:
-        start, every = self.options.start_epoch, self.options.refine_every
-        return epoch >= start and (epoch - start) % every == 0
+        start = self.first_refinement
+        return epoch >= start and (epoch - start) % self.options.refine_every == 0
 
     def on_epoch_start(self, epoch, model):
         self._active = epoch >= self.options.start_epoch
-        if self._active and (self.refines_at(epoch) or int(self.refined_at) < 0):
+        if not self._active:
+            return
+        if self.refines_at(epoch) or (epoch > self.first_refinement and int(self.refined_at) < 0):
             self.prototypes.copy_(self.refine(model))
             self.refined_at.fill_(epoch)
+        elif int(self.refined_at) == -1:  # before the first refinement: the plain class means
+            self.prototypes.copy_(old_class_centres(self.context, "all")[0])
+            self.refined_at.fill_(-2)
 
     def refine(self, model) -> torch.Tensor:
         """The refined prototype of every new-head row (one distributed pass)."""
@@ -136,5 +162,7 @@ class UniBCT(CompatMethod):
     def compat_loss(self, model, batch: TrainBatch, emb):
         if not self._active:
             return {"unibct": emb.new_zeros(())}
+        opts = self.options
         cos = prototype_logits(self.compatible_part(emb), batch.new_targets, self.prototypes, 1.0)
-        return {"unibct": F.cross_entropy(self.options.scale * cos, batch.new_targets)}
+        logits = margin_logits(cos, batch.new_targets, "arcface", opts.scale, opts.margin)
+        return {"unibct": F.cross_entropy(logits, batch.new_targets)}

@@ -4,8 +4,8 @@ docs/methods.md, "Uncertainty". Each number of the report (a retrieval metric of
 on a test set, or a backfill curve) is kept as per-query terms, one row per training seed, under
 a key:
 
-* ``("pair", test set, "m_oo" | "m_nstar")`` and ``("pair", test set, method, "m_nn" | "m_no"
-  | "m_nadapted" | "m_cross")``: ``{metric: Sample}`` (mAP@100, mAP, top1, top5, top10);
+* ``("pair", test set, "m_oo" | "m_nstar")`` and ``("pair", test set, method, "m_oo" | "m_nn"
+  | "m_no" | "m_nadapted" | "m_cross")``: ``{metric: Sample}`` (mAP@100, mAP, top1, top5, top10);
 * ``("curve", scenario, method, policy, mode)``: ``{metric: Sample}`` over the grid points
   (mAP@100, mAP, top1, NFR@1); ``("ref", scenario, method, reference)``: the static references.
 

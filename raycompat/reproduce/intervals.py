@@ -6,8 +6,10 @@
 
 * per test set, ``intervals[m_oo | m_nstar][metric] = [low, high]`` (``[low, high, sd]`` with
   several seeds: sd is the standard deviation of the per-seed values) and ``queries``/``classes``;
-* per method, ``intervals[m_nn | m_no | m_nadapted | m_cross][metric]`` and the intervals of
-  ``update_gain`` (BCT Eq.9), ``delta_up`` (DMU Eq.6), ``delta_down`` (DMU Eq.7);
+* per method, ``intervals[m_oo | m_nn | m_no | m_nadapted | m_cross][metric]`` and the
+  intervals of ``update_gain`` (BCT Eq.9), ``delta_up`` (DMU Eq.6), ``delta_down`` (DMU Eq.7),
+  each against the method's own old model (a sequential chain with a phi_1 of its own, such as
+  d-Simplex's, is not measured against the shared phi_1);
 * per backfill curve, ``bands[metric] = {low, high}`` at every grid point, ``auc_interval`` in
   each metric's summary, and ``old_old_successes`` (the queries behind its NFR@1, per seed).
 """
@@ -20,7 +22,7 @@ from raycompat.reproduce.evidence import Evidence
 
 __all__ = ["attach_intervals", "merge_seeds", "trapezoid"]
 
-PAIR_KEYS = ("m_nn", "m_no", "m_nadapted", "m_cross")
+PAIR_KEYS = ("m_oo", "m_nn", "m_no", "m_nadapted", "m_cross")
 
 
 def _mean(values: list):
@@ -84,16 +86,18 @@ def _pair(evidence: Evidence, key: tuple) -> dict:
 
 
 def _score_intervals(evidence: Evidence, ts: str, label: str, metric: str) -> dict:
-    """Intervals of update gain, Delta_up and Delta_down (paired: one query set)."""
+    """Intervals of update gain, Delta_up and Delta_down (paired: one query set), with the
+    method's own M(o,o) (the test set's when the method has none of its own)."""
+    own_oo = evidence.sample(("pair", ts, label, "m_oo"), metric)
     s = {
         k: evidence.sample(("pair", ts, *k2), metric)
         for k, k2 in (
-            ("oo", ("m_oo",)),
             ("nstar", ("m_nstar",)),
             ("nn", (label, "m_nn")),
             ("cross", (label, "m_cross")),
         )
     }
+    s["oo"] = own_oo if own_oo is not None else evidence.sample(("pair", ts, "m_oo"), metric)
     if any(v is None for v in s.values()):
         return {}
     stats = {

@@ -28,6 +28,35 @@ from raycompat.outputs import OutputOptions
 SCENARIOS = ("extended-data", "open-class", "architecture", "sequential")
 #: BCT's lambda_compat by default (its method's default: BCT Eq.3 with lambda = 1)
 BCT_LAMBDA = 1.0
+#: RM's temperature by default: its Eq.10-13 use ``exp(-dist)``, temperature 1
+RM_TEMPERATURE = 1.0
+#: ``--setup``: ``released`` trains each method as its released code sets it up (its paper
+#: where no code was released; ``Variant.setups``, docs/methods.md "Setups"); ``premise`` as
+#: the premise run of 2026-11-29 did (the papers' losses in this project's one setup)
+SETUPS = ("released", "premise")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One place where a method's released code (or paper) sets training up otherwise than the
+    premise run of 2026-11-29: a method option (``kind="option"``), a training option
+    (``kind="training"``) or a choice of the plan (``kind="plan"``: ``init_from_predecessor``,
+    start from the predecessor's weights), its released value, and the premise run's (None: not
+    given, the scale's or the method's default)."""
+
+    kind: str
+    name: str
+    released: object
+    premise: object = None
+
+    def value(self, setup: str) -> object:
+        return self.released if setup == "released" else self.premise
+
+
+def setup_values(setups: tuple, kind: str, setup: str) -> dict:
+    """The ``kind`` values of ``setups`` under ``setup``, those given only."""
+    got = {s.name: s.value(setup) for s in setups if s.kind == kind}
+    return {k: v for k, v in got.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -55,9 +84,13 @@ class Variant:
     scenarios: tuple | None = None
     # training options that replace the scale's for this variant, as ((name, value), ...)
     training: tuple = ()
+    # where the released code sets the method up otherwise than the premise run (``Setup``)
+    setups: tuple = ()
 
-    def method_options(self, scale: ScaleOptions) -> dict:
-        opts = dict(self.options)
+    def method_options(self, scale: ScaleOptions, setup: str = "released") -> dict:
+        opts = dict(self.options) | setup_values(self.setups, "option", setup)
+        if self.method in ("mcl", "cl") and scale.rm_temperature != RM_TEMPERATURE:
+            opts.setdefault("temperature", scale.rm_temperature)
         if self.method == "bct" and scale.bct_lambda != BCT_LAMBDA:
             # only when it differs from BCT's own default: the configurations (and the run names
             # hashed from them) of runs at the default lambda stay those of earlier runs
@@ -70,6 +103,14 @@ class Variant:
             opts.setdefault("hidden", scale.psi_hidden)
         return opts
 
+    def training_values(self, setup: str = "released") -> dict:
+        """Training options that replace the scale's: ``training`` and the setup's."""
+        return dict(self.training) | setup_values(self.setups, "training", setup)
+
+    def plan_value(self, name: str, setup: str = "released") -> object:
+        """A plan choice of the setup (``Setup`` of kind ``plan``); None when it has none."""
+        return setup_values(self.setups, "plan", setup).get(name)
+
 
 VARIANTS: dict[str, Variant] = {
     v.label: v
@@ -79,12 +120,39 @@ VARIANTS: dict[str, Variant] = {
         Variant("bct", "bct", (("variant", "sys"),)),
         Variant("bct-kd", "bct", (("variant", "kd"),), needs_unseen_classes=True),
         Variant("bct-beta", "bct", (("variant", "beta"),), needs_unseen_classes=True),
-        Variant("contrastive", "contrastive"),
-        Variant("ract", "ract"),
-        Variant("dmu", "dmu", head="arcface", cross="adapted"),
-        Variant("mcl", "mcl", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        # RACT's classifier is one fully-connected layer (Eq.7; Algorithm 2 feeds the old gallery
+        # features to it): plain linear logits for training and for the uncertainty orders, for
+        # RACT and its vanilla baseline alike
+        Variant("contrastive", "contrastive", setups=(Setup("training", "head", "softmax"),)),
+        Variant("ract", "ract", setups=(Setup("training", "head", "softmax"),)),
+        # DMU's paper trains its BCT and oracle with ArcFace as DMU itself (s = 30, m = 0.3 on
+        # landmarks): its claim compares DMU with a BCT of DMU's head, planned beside it
+        Variant(
+            "dmu",
+            "dmu",
+            head="arcface",
+            cross="adapted",
+            setups=(Setup("plan", "reference", "bct-arcface", "bct"),),
+        ),
+        Variant("bct-arcface", "bct", (("variant", "sys"),), head="arcface"),
+        # RM's positives are the anchor's class (Eq.10-13): P x K batches, 16 classes x 4
+        Variant(
+            "mcl",
+            "mcl",
+            init_from_paragon=True,
+            sequential=False,
+            cross="rank_merge",
+            setups=(Setup("training", "batch_images_per_class", 4, 0),),
+        ),
         Variant("rqt", "rqt", init_from_paragon=True, sequential=False, cross="rank_merge"),
-        Variant("cl", "cl", init_from_paragon=True, sequential=False, cross="rank_merge"),
+        Variant(
+            "cl",
+            "cl",
+            init_from_paragon=True,
+            sequential=False,
+            cross="rank_merge",
+            setups=(Setup("training", "batch_images_per_class", 4, 0),),
+        ),
         Variant("p2s", "p2s"),
         Variant("ndpp", "ndpp"),
         Variant("odpp", "odpp"),
@@ -93,10 +161,42 @@ VARIANTS: dict[str, Variant] = {
         # is ~190; docs/reproduce.md, "The field methods' claims")
         Variant("fd", "fd", (("features", "normalized"),)),
         Variant("lce", "lce"),
-        Variant("unibct", "unibct"),
-        Variant("advbct", "advbct"),
+        # the released trainer's ArcFace (s = 30, m = 0.3) on the prototypes, refined on a
+        # trained new model (halfway), not at epoch 0 on the untrained one
+        Variant(
+            "unibct",
+            "unibct",
+            setups=(
+                Setup("option", "margin", 0.3, 0.0),
+                Setup("option", "refine_from", 0.5, 0.0),
+            ),
+        ),
+        # the released AdvBCT: boundary metadata from the old model's training split
+        # (extract_feat.py gen_class_meta), two raw discriminator passes (models/base_model.py),
+        # threshold 0.5 (configs/defaults.py; its new_AdvBct.yml sets 1.0)
+        Variant(
+            "advbct",
+            "advbct",
+            setups=(
+                Setup("option", "boundary_split", "old", "new"),
+                Setup("option", "discriminator", "released", "joint"),
+                Setup("option", "threshold", 0.5, 1.0),
+            ),
+        ),
         Variant("bt2", "bt2", paragon_option="independent_model", sequential=False),
-        Variant("dsimplex", "dsimplex", head="dsimplex", scenarios=("sequential",)),
+        # the released trainer (iamcl2r main.py, params.py) starts every task from the previous
+        # task's checkpoint at lr 1e-3 and balances each batch between seen and new classes
+        Variant(
+            "dsimplex",
+            "dsimplex",
+            head="dsimplex",
+            scenarios=("sequential",),
+            setups=(
+                Setup("plan", "init_from_predecessor", True),
+                Setup("training", "lr", 1e-3),
+                Setup("training", "batch_old_fraction", 0.5, 0.0),
+            ),
+        ),
         # FCT's released configuration trains h with Adam at 5e-4: h's MSE on raw features
         # diverges under the scale's SGD at 0.1 (the run of 2026-11-26)
         Variant(
@@ -106,6 +206,9 @@ VARIANTS: dict[str, Variant] = {
             sequential=False,
             cross="fct",
             training=(("optimizer", "adamw"), ("lr", 5e-4)),
+            # released train_transformation.py: batch statistics for the first half of the
+            # epochs, eval mode after
+            setups=(Setup("option", "batchnorm", "switch", "eval"),),
         ),
     )
 }
@@ -185,8 +288,13 @@ class ScaleOptions:
     gpus: float = nonnegative(0.0, help="GPUs per worker (0: CPU)")
     bct_lambda: float = positive(
         BCT_LAMBDA,
-        help="weight of BCT's influence loss (lambda_compat) for the three BCT variants; the "
+        help="weight of BCT's influence loss (lambda_compat) for the BCT variants; the "
         "main job uses 2",
+    )
+    rm_temperature: float = positive(
+        RM_TEMPERATURE,
+        help="temperature of RM's contrastive losses (mcl, cl): s = exp(-d / T); the paper's "
+        "Eq.10-13 use T = 1",
     )
 
 
@@ -297,6 +405,13 @@ class ReproduceOptions:
         "--resolution, --backbone and --data-seed apply)",
     )
     training: ScaleOptions = option(ScaleOptions(), help="model and optimisation sizes")
+    setup: str = choices(
+        *SETUPS,
+        default="released",
+        help="released: each method trained as its released code (or paper) sets it up "
+        "(batches, splits, heads, schedules; docs/methods.md, Setups); premise: as the premise "
+        "run of 2026-11-29, every method in this project's one setup",
+    )
     seed: int = nonnegative(0, help="seed of the models and of the backfill simulation")
     seeds: int = positive(
         1,
@@ -353,7 +468,7 @@ class ReproduceOptions:
         if scenario == "sequential" and self.sequential_methods is not None:
             chosen = ["independent"] + [m for m in chosen if m in self.sequential_methods]
         out = []
-        for label in chosen:
+        for label in self._with_references(chosen):
             v = VARIANTS[label]
             if v.needs_unseen_classes and scenario in ("extended-data", "architecture"):
                 continue
@@ -363,6 +478,15 @@ class ReproduceOptions:
                 continue
             out.append(v)
         return out
+
+    def _with_references(self, chosen: list[str]) -> list[str]:
+        """``chosen`` with the reference each variant's claim compares it with (its ``Setup``
+        of kind ``plan`` named ``reference``) right after it, when not chosen already."""
+        out: list[str] = []
+        for label in chosen:
+            ref = VARIANTS[label].plan_value("reference", self.setup)
+            out += [label] + ([ref] if ref and ref not in chosen and ref not in out else [])
+        return list(dict.fromkeys(out))
 
     def requested(self, scenario: str) -> tuple:
         if self.methods == ("field",):
@@ -395,6 +519,11 @@ class ReproduceOptions:
                     if v.cross == "rank_merge"
                     else "it needs the paragon (new*) of its generation, which the sequential "
                     "chains do not pair with it"
+                )
+            elif label == "bct-arcface":
+                why = (
+                    "DMU's reference (a BCT of DMU's ArcFace head), trained where dmu is under "
+                    "`--setup released`"
                 )
             elif v.scenarios is not None and scenario not in v.scenarios:
                 why = (

@@ -58,10 +58,29 @@ def _interval(entry: dict, key: str, metric: str | None = None):
     return got.get(metric) if metric is not None and isinstance(got, dict) else got
 
 
+# the scores that do not involve M(o,o) (DMU Eq.7)
+OO_FREE = ("delta_down",)
+
+
+def own_old_intervals(test_set: dict, entry: dict, metric: str) -> tuple[list | None, bool]:
+    """The interval of ``entry``'s M(o,o), and whether its score intervals (update gain,
+    Delta) belong to its own old model. An entry's own M(o,o) interval wins; the test set's
+    serves only an entry whose M(o,o) is the test set's (the same old model). A report made
+    before the entries had their own (a sequential chain with a phi_1 of its own, d-Simplex's)
+    measured the scores against the shared phi_1: those are not the entry's intervals."""
+    own = _interval(entry, "m_oo", metric)
+    if own:
+        return own, True
+    shared = test_set.get("m_oo")
+    same = shared is not None and (entry.get("m_oo") or {}).get(metric) == shared.get(metric)
+    return (_interval(test_set, "m_oo", metric) if same else None), same or shared is None
+
+
 def method_table(test_set: dict) -> str:
     """One paper-shaped table (mAP@100): M(o,o), M(n,n), M(n,o), M(n,adapted) and the scores.
     The first row is new* (independent); update gain, Delta and P use the method's cross test
-    (``cross used``: new-to-old, new-to-adapted-old for DMU, the reverse query for RM)."""
+    (``cross used``: new-to-old, new-to-adapted-old for DMU, the reverse query for RM). Every
+    interval is the row's own (:func:`own_old_intervals`)."""
     metric = test_set["metric"]
     oo_iv = _interval(test_set, "m_oo", metric)
     rows = []
@@ -72,16 +91,21 @@ def method_table(test_set: dict) -> str:
                 + [None] * 10
             )
             continue
+        e_oo_iv, scores_own = own_old_intervals(test_set, e, metric)
         rows.append(
             [
                 label + (" (new*)" if label == "independent" else ""),
-                _v(e["m_oo"], metric, oo_iv),
+                _v(e["m_oo"], metric, e_oo_iv),
                 _v(e["m_nn"], metric, _interval(e, "m_nn", metric)),
                 _v(e["m_no"], metric, _interval(e, "m_no", metric)),
                 _v(e["m_nadapted"], metric, _interval(e, "m_nadapted", metric)),
                 CROSS_USED[e["cross_mode"]],
                 *(
-                    None if e[k] is None else with_interval(e[k], _interval(e, k))
+                    None
+                    if e[k] is None
+                    else with_interval(
+                        e[k], _interval(e, k) if scores_own or k in OO_FREE else None
+                    )
                     for k in ("update_gain", "delta_up", "delta_down")
                 ),
                 e["P_up"],

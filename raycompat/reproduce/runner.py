@@ -61,6 +61,7 @@ SCALING_PRIORITY = 100.0
 METHOD_PRIORITY = (
     "bct",
     "dmu",
+    "bct-arcface",
     "ract",
     "contrastive",
     "mcl",
@@ -274,11 +275,14 @@ class Reproduction:
         paragon: Trained | None,
         label: str | None = None,
     ) -> Trained:
-        s = self.opts.training
+        s, setup = self.opts.training, self.opts.setup
         needs_old = variant.method != "independent"
         uses_paragon = variant.init_from_paragon or variant.paragon_option is not None
+        init = paragon.path if variant.init_from_paragon else None
+        if needs_old and variant.plan_value("init_from_predecessor", setup):
+            init = old.path  # a chain whose every generation starts from its predecessor
         deps = ((old,) if needs_old else ()) + ((paragon,) if uses_paragon else ())
-        options = variant.method_options(s)
+        options = variant.method_options(s, setup)
         if variant.paragon_option is not None:
             options[variant.paragon_option] = paragon.path
         embed_dim = None
@@ -301,11 +305,11 @@ class Reproduction:
                 split=split,
                 epochs=s.new_epochs,
                 old_model=old.path if needs_old else None,
-                init_model=paragon.path if variant.init_from_paragon else None,
+                init_model=init,
                 head=variant.head,
                 embed_dim=embed_dim,
             )
-            | dict(variant.training),
+            | variant.training_values(setup),
             deps,
             priority=0.0
             if variant.label == "independent"
@@ -593,8 +597,9 @@ class Reproduction:
                         m_nadapted=get(j, i, "adapted"),
                         m_nstar=ts["m_nstar"],
                     )
-                # one old model shared by every chain only when the gallery is phi_1
-                ts["m_oo"] = next(iter(ts["methods"].values()))["m_oo"] if i == 1 else None
+                # the shared phi_1 (the independent chain's) when the gallery is phi_1; a chain
+                # with a phi_1 of its own (dsimplex) keeps its M(o,o) in its entry
+                ts["m_oo"] = ts["methods"]["independent"]["m_oo"] if i == 1 else None
                 self._put_sequential(ts["name"], per_query, i, j)
                 test_sets.append(ts)
         return test_sets, {
@@ -608,7 +613,7 @@ class Reproduction:
         of a pair test set."""
         put = self.evidence.put
         if i == 1:
-            oo = next(iter(per_query.values()))[(1, 1, "stored")]
+            oo = per_query["independent"][(1, 1, "stored")]
             put(("pair", name, "m_oo"), oo, self.seed_index)
         if "independent" in per_query:
             nstar = per_query["independent"][(j, j, "stored")]
@@ -661,7 +666,7 @@ class Reproduction:
             values = self.values(
                 scenario,
                 method=v.method,
-                method_options=v.method_options(t),
+                method_options=v.method_options(t, self.opts.setup),
                 old_model=old.path if needs_old else None,
                 **common,
             )

@@ -7,7 +7,14 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from raycompat.config import ConfigError, choices, nonnegative, parse_options, positive
+from raycompat.config import (
+    ConfigError,
+    choices,
+    fraction,
+    nonnegative,
+    parse_options,
+    positive,
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,6 +58,14 @@ class TrainConfig:
     # optimisation
     epochs: int = positive(10)
     batch_size: int = positive(128)  # global batch, split evenly over workers
+    # class-balanced P x K batches, K images of each of batch_size / K classes
+    # (raycompat.train.batches); 0: uniformly random batches; none: the method's own
+    # (CompatMethod.batch_images_per_class: 4 for mcl and cl, 0 for the others)
+    batch_images_per_class: int | None = None
+    # the share of each batch drawn from the classes the old model knows, the rest from the
+    # others (raycompat.train.batches.OldNewBatches); 0: not balanced; none: the method's own
+    # (CompatMethod.batch_old_fraction: 0.5 for dsimplex, 0 for the others)
+    batch_old_fraction: float | None = fraction(None)
     optimizer: str = choices("sgd", "adamw", default="sgd")
     lr: float = positive(0.1)
     weight_decay: float = nonnegative(5e-4)
@@ -80,6 +95,33 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def class_batch_size(self) -> int:
+        """``K`` of the run's P x K batches (0: random batches): ``batch_images_per_class``,
+        or the method's own when it is none."""
+        if self.batch_images_per_class is not None:
+            return self.batch_images_per_class
+        from raycompat.methods import method_class
+
+        return method_class(self.method).batch_images_per_class
+
+    def old_batch_fraction(self) -> float:
+        """The share of each batch from the old model's classes (0: not balanced):
+        ``batch_old_fraction``, or the method's own when it is none."""
+        if self.batch_old_fraction is not None:
+            return self.batch_old_fraction
+        from raycompat.methods import method_class
+
+        return method_class(self.method).batch_old_fraction
+
+    def batches(self) -> dict:
+        """How the run's batches are drawn, the values that differ from uniformly random
+        batches only (``{}`` for those): what names a run (``default_run_name``)."""
+        got = {
+            "batch_images_per_class": self.class_batch_size(),
+            "batch_old_fraction": self.old_batch_fraction(),
+        }
+        return {k: v for k, v in got.items() if v}
 
     def validate(self, check_paths: bool = True) -> None:
         """Every check that can run on the driver; ``check_paths=False`` skips reading the
@@ -142,6 +184,19 @@ class TrainConfig:
                 f"split {self.split!r} has {len(items)} images: fewer than one batch "
                 f"(batch_size {self.batch_size})"
             )
+        if self.class_batch_size() and self.old_batch_fraction():
+            raise ConfigError(
+                "batch_images_per_class and batch_old_fraction draw batches two ways: set one "
+                "of them to 0"
+            )
+        if self.old_batch_fraction() and not self.old_model:
+            raise ConfigError("batch_old_fraction needs an old model (its classes)")
+        if self.class_batch_size() and items is not None:
+            from raycompat.train.batches import check_class_batches
+
+            check_class_batches(
+                self.batch_size, self.class_batch_size(), self.num_workers, len(set(items))
+            )
         if self.head == "dsimplex" and items is not None:
             from raycompat.models.heads import check_simplex_size
 
@@ -160,8 +215,8 @@ class TrainConfig:
             raise ConfigError(f"head_margin must be >= 0, got {self.head_margin}")
         if self.resolution < 8:
             raise ConfigError(f"resolution must be >= 8 pixels, got {self.resolution}")
-        for key in ("seed", "data_seed", "threads_per_worker"):
-            if getattr(self, key) < 0:
+        for key in ("seed", "data_seed", "threads_per_worker", "batch_images_per_class"):
+            if (getattr(self, key) or 0) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.max_failures < -1:
             raise ConfigError(

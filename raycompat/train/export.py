@@ -51,6 +51,12 @@ def _model_fields(train_config: dict) -> dict:
     return json.loads(json.dumps(kept, sort_keys=True, default=str))
 
 
+def _train_config_defaults() -> dict:
+    from raycompat.train.config import TrainConfig
+
+    return TrainConfig().to_dict()
+
+
 def _old_model_fingerprint(old_model: str) -> str:
     from raycompat.models.fingerprint import bundle_fingerprint
 
@@ -64,6 +70,9 @@ def bundle_differences(manifest: dict, train_config: dict) -> str:
     manifest records one."""
     there = _model_fields(manifest.get("train_config") or {})
     here = _model_fields(train_config)
+    if there:  # an option added after the bundle was trained, at its default: the same model
+        defaults = _model_fields(_train_config_defaults())
+        there |= {k: v for k, v in here.items() if k not in there and v == defaults.get(k)}
     recorded = (manifest.get("predecessor") or {}).get("fingerprint")
     if recorded and here.get("old_model"):
         there["old_model"], here["old_model"] = recorded, _old_model_fingerprint(here["old_model"])

@@ -20,6 +20,7 @@ from raycompat.config import (
     add_options,
     choices,
     describe_options,
+    fraction,
     make_parser,
     nonnegative,
     option,
@@ -87,6 +88,16 @@ class TrainOptions:
     )
     epochs: int = positive(10, help="training epochs")
     batch_size: int = positive(128, help="global batch size")
+    batch_images_per_class: int | None = option(
+        None,
+        help="class-balanced P x K batches: K images of each of batch-size / K classes; 0: "
+        "uniformly random batches; none: the method's own (mcl, cl: 4; the others: 0)",
+    )
+    batch_old_fraction: float | None = fraction(
+        None,
+        help="the share of each batch drawn from the old model's classes, the rest from the "
+        "others; 0: not balanced; none: the method's own (dsimplex: 0.5; the others: 0)",
+    )
     lr: float = positive(0.1, help="peak learning rate")
     optimizer: str = choices("sgd", "adamw", default="sgd", help="optimizer")
     seed: int = nonnegative(0, help="seed of the initialisation and the batch order")
@@ -192,6 +203,8 @@ def train_config(
         head=opts.head,
         epochs=opts.epochs,
         batch_size=opts.batch_size,
+        batch_images_per_class=opts.batch_images_per_class,
+        batch_old_fraction=opts.batch_old_fraction,
         lr=opts.lr,
         optimizer=opts.optimizer,
         seed=opts.seed,

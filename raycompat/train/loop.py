@@ -27,9 +27,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 from raycompat import console, torch_distributed
 from raycompat.config import ConfigError
 from raycompat.methods import MethodContext, TrainBatch, TrainingModule, build_method, method_class
+from raycompat.methods.base import old_split_name
 from raycompat.models import ClassifierHead, Embedder, ModelBundle
 from raycompat.models.heads import continued_vertices
 from raycompat.storage import local_copy, open_storage
+from raycompat.train.batches import ClassBalancedBatches, OldNewBatches
 from raycompat.train.config import TrainConfig
 from raycompat.train.data import EpochPassLoader, build_training_set
 from raycompat.train.sync_batchnorm import synchronize_batchnorm
@@ -156,7 +158,7 @@ class WorkerState:
     module: TrainingModule
     ddp_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: DistributedSampler
+    sampler: DistributedSampler | ClassBalancedBatches | OldNewBatches
     loader: DataLoader
 
     @property
@@ -235,21 +237,44 @@ def _build_networks(
 
 
 def _build_loader(
-    cfg: TrainConfig, train_set, rank: int, world: int
-) -> tuple[DistributedSampler, DataLoader]:
-    """This worker's shard of the training set, ``batch_size / world`` items per step."""
+    cfg: TrainConfig, train_set, rank: int, world: int, old_classes=()
+) -> tuple[DistributedSampler | ClassBalancedBatches | OldNewBatches, DataLoader]:
+    """This worker's shard of the training set, ``batch_size / world`` items per step: uniformly
+    random batches, P x K class-balanced ones (``TrainConfig.class_batch_size``) or batches
+    balanced between ``old_classes`` and the others (``TrainConfig.old_batch_fraction``)."""
+    common = dict(num_workers=cfg.loader_workers, persistent_workers=cfg.loader_workers > 0)
+    k, share = cfg.class_batch_size(), cfg.old_batch_fraction()
+    if k or share:
+        where = dict(rank=rank, world=world, seed=cfg.seed)
+        batches = (
+            ClassBalancedBatches(train_set.labels, cfg.batch_size, k, **where)
+            if k
+            else OldNewBatches(train_set.labels, cfg.batch_size, old_classes, share, **where)
+        )
+        return batches, DataLoader(train_set, batch_sampler=batches, **common)
     sampler = DistributedSampler(
         train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True
     )
     loader = DataLoader(
-        train_set,
-        batch_size=cfg.batch_size // world,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=cfg.loader_workers,
-        persistent_workers=cfg.loader_workers > 0,
+        train_set, batch_size=cfg.batch_size // world, sampler=sampler, drop_last=True, **common
     )
     return sampler, loader
+
+
+def _old_split_pass_loader(cfg: TrainConfig, old, new_target, old_target, world, device):
+    """An :class:`EpochPassLoader` over the old model's training split (two views; classes the
+    new head lacks get target -1), or None (:func:`old_split_name`)."""
+    import dataclasses
+
+    split = old_split_name(cfg.scenario, old.manifest if old is not None else None)
+    if split is None:
+        return None
+    data = build_training_set(dataclasses.replace(cfg, split=split), views=2)
+    size = max(len(new_target), max(data.classes) + 1)
+    padded = [torch.full((size,), -1, dtype=torch.long) for _ in range(2)]
+    for table, known in zip(padded, (new_target, old_target), strict=True):
+        table[: len(known)] = known
+    return EpochPassLoader(data, cfg.batch_size // world, padded[0], padded[1], device)
 
 
 def setup_worker(cfg: TrainConfig) -> WorkerState:
@@ -278,13 +303,18 @@ def setup_worker(cfg: TrainConfig) -> WorkerState:
     compatible_dim = old.embed_dim if old is not None else cfg.embed_dim
     embedder, head = _build_networks(cfg, new_classes, old)
     new_target, old_target = class_targets(new_classes, old.classes if old is not None else [])
-    sampler, loader = _build_loader(cfg, train_set, rank, world)
+    sampler, loader = _build_loader(
+        cfg, train_set, rank, world, old.classes if old is not None else ()
+    )
     if len(loader) == 0:
         raise ConfigError(
             f"split {cfg.split!r} has {len(train_set)} items: fewer than one batch "
             f"of {cfg.batch_size}"
         )
     method_context = MethodContext(
+        old_split_pass_loader=_old_split_pass_loader(
+            cfg, old, new_target, old_target, world, device
+        ),
         old=old,
         new_classes=new_classes,
         old_classes=old.classes if old is not None else [],

@@ -29,6 +29,11 @@ def default_run_name(prefix: str, cfg) -> str:
     from raycompat.train.export import RUN_ONLY_FIELDS
 
     values = {k: v for k, v in cfg.to_dict().items() if k not in RUN_ONLY_FIELDS}
+    # the batches as trained (the method's own when unset); random ones, what every run trained
+    # before other batches existed, are left out so that those runs keep their names
+    for key in ("batch_images_per_class", "batch_old_fraction"):
+        values.pop(key, None)
+    values.update(cfg.batches())
     bundles = {}
     for key in ("old_model", "init_model"):
         path = values.get(key)

@@ -25,6 +25,7 @@ from test_methods_losses import (
     features,
     make_batch,
     old_bundle,
+    slice_batch,
 )
 
 from raycompat.config import ConfigError
@@ -233,7 +234,8 @@ def _refined(old_items, new_items, tau, lam, by_row=True):
 
 
 def test_unibct_refined_prototypes_and_loss_match_direct_computation():
-    module = build("unibct", {"scale": 10.0, "tau": 0.5, "propagation": 0.5})
+    options = {"scale": 10.0, "tau": 0.5, "propagation": 0.5, "margin": 0.0, "refine_from": 0.0}
+    module = build("unibct", options)
     module.method.on_epoch_start(0, module)
     train = make_batch(TRAIN_LABELS, seed=7)
     old_train = _old_space(module, train)
@@ -259,7 +261,7 @@ def test_unibct_refined_prototypes_and_loss_match_direct_computation():
 
 def test_unibct_column_softmax_of_the_released_code_gives_the_plain_class_mean():
     """MixBCT's softmax over dim 0 makes A column-stochastic: the refinement cancels out."""
-    module = build("unibct", {"affinity": "column", "tau": 0.5, "propagation": 0.9})
+    module = build("unibct", {"affinity": "column", "tau": 0.5, "refine_from": 0.0})
     module.method.on_epoch_start(0, module)
     train = make_batch(TRAIN_LABELS, seed=7)
     old_train = _old_space(module, train)
@@ -302,6 +304,52 @@ def test_unibct_schedule_and_per_class_cap():
     assert not torch.allclose(method.prototypes[0], every, atol=1e-4)
 
 
+def test_unibct_refines_halfway_on_the_trained_model_plain_means_before():
+    """Released setup: the old class means until epoch ceil(0.5 E), then refinement with the
+    current phi_n; the premise run refined at epoch 0 on the untrained model."""
+    train = make_batch(TRAIN_LABELS, seed=7)
+    module = build_with("unibct", {"tau": 0.5, "refine_every": 10}, train, epochs=9)
+    method = module.method
+    assert method.first_refinement == 5
+    old_train = _old_space(module, train)
+    plain = torch.stack(
+        [
+            sum(old_train[i] for i, y in enumerate(TRAIN_LABELS) if y == c) / TRAIN_LABELS.count(c)
+            for c in NEW_CLASSES
+        ]
+    )
+    for epoch in range(5):
+        method.on_epoch_start(epoch, module)
+        assert torch.allclose(method.prototypes, plain, atol=1e-6), epoch
+        assert int(method.refined_at) == -2 and method._active
+    with torch.no_grad():
+        module.embedder.fc.weight.add_(0.5)  # the model has trained
+    method.on_epoch_start(5, module)
+    assert int(method.refined_at) == 5
+    with torch.no_grad():
+        new_train = F.normalize(module.embedder(train.x_new), dim=1)
+    index = [i for i, y in enumerate(TRAIN_LABELS) if y == 0]
+    want = _refined([old_train[i] for i in index], new_train[index], 0.5, 0.9)
+    assert torch.allclose(method.prototypes[0], want, atol=1e-6)
+    assert not torch.allclose(method.prototypes[0], plain[0], atol=1e-4)
+
+
+def test_unibct_loss_is_arcface_on_the_prototypes_as_released():
+    """s = 30, m = 0.3 by default: ``s cos(theta + m)`` on the target prototype."""
+    module = build("unibct", {})
+    module.method.on_epoch_start(0, module)
+    protos = module.method.prototypes
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb, _ = features(module, batch)
+    want = 0.0
+    for i, y in enumerate(BATCH_LABELS):
+        logits = [cos(emb[i, :D_OLD], p) for p in protos]
+        logits[y] = math.cos(math.acos(logits[y]) + 0.3)
+        want -= log_softmax([30.0 * v for v in logits])[y]
+    got = module.method.compat_loss(module, batch, emb)["unibct"]
+    assert float(got) == pytest.approx(want / len(BATCH_LABELS), rel=1e-5)
+
+
 # -- advbct --------------------------------------------------------------------------------------
 def test_tukey_max_drops_outliers_like_the_released_code():
     values = torch.tensor([0.3, 5.0, 0.1, 0.4, 0.2, 0.7, 0.5, 9.0], dtype=torch.float64)
@@ -330,8 +378,10 @@ def _radius_direct(items) -> tuple[torch.Tensor, float, int]:
 
 
 def test_advbct_boundary_and_adversarial_terms_match_direct_computation():
+    """Over the new training set, one normalised discriminator pass (the premise run's setup)."""
     train = outlier_training_set()
-    module = build_with("advbct", {"threshold": 0.5}, train, epochs=4, steps_per_epoch=3)
+    options = {"boundary_split": "new", "discriminator": "joint"}
+    module = build_with("advbct", options, train, epochs=4, steps_per_epoch=3)
     method = module.method
     method.on_epoch_start(2, module)
     old_train = _old_space(module, train)
@@ -375,7 +425,8 @@ def test_advbct_boundary_and_adversarial_terms_match_direct_computation():
 def test_advbct_reverses_the_gradient_to_phi_n_only():
     train = outlier_training_set()
     alpha = 0.3
-    module = build_with("advbct", {"grl_alpha": alpha, "adv_decay": False}, train)
+    options = {"grl_alpha": alpha, "adv_decay": False, "boundary_split": "new"}
+    module = build_with("advbct", dict(options, discriminator="joint"), train)
     method = module.method
     method.on_epoch_start(0, module)
     method.discriminator.eval()  # running statistics: the two passes below see the same function
@@ -400,7 +451,7 @@ def test_advbct_reverses_the_gradient_to_phi_n_only():
 
 
 def test_advbct_trains_discriminator_and_radius_but_exports_neither():
-    module = build("advbct")
+    module = build("advbct", {"boundary_split": "new"})
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert "method.elastic" in trainable and "method.discriminator.0.weight" in trainable
     assert module.method.exports() == {}
@@ -410,6 +461,65 @@ def test_advbct_trains_discriminator_and_radius_but_exports_neither():
     assert "elastic_radius" in terms and float(terms["elastic_radius"]) > 0
     total = terms["cls"] + terms["bound"] + terms["adv"]
     assert float(terms["loss"]) == pytest.approx(float(total), rel=1e-6)
+
+
+def test_advbct_boundary_comes_from_the_old_models_training_split():
+    """Released metadata: centres and largest radii over the old model's own training items
+    (here the first item of every class and class 0's close ones), not the new training set."""
+    train = outlier_training_set()
+    old_items = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9])  # class 0 without its outlier (5)
+    old_split = slice_batch(train, old_items)
+    module = build_with("advbct", {}, train, epochs=4, old_split_pass_loader=ShardLoader(old_split))
+    method = module.method
+    assert method.options.threshold == 0.5  # the released default
+    method.on_epoch_start(0, module)
+    old_space = _old_space(module, old_split)
+    labels = old_split.labels.tolist()
+    for c in OLD_CLASSES:
+        centre, r_max, kept = _radius_direct([old_space[i] for i, y in enumerate(labels) if y == c])
+        assert torch.allclose(method.centres[c], centre, atol=1e-6)
+        assert float(method.max_radius[c]) == pytest.approx(r_max, abs=1e-6)
+        assert bool(method.has_boundary[c]) == (kept > 1)
+    everything = build_with("advbct", {"boundary_split": "new"}, train, epochs=4)
+    everything.method.on_epoch_start(0, everything)
+    assert not torch.allclose(method.centres[0], everything.method.centres[0], atol=1e-4)
+    with pytest.raises(RuntimeError, match="old model's training split"):
+        build_with("advbct", {}, train).method.on_epoch_start(0, None)
+
+
+def test_advbct_config_needs_the_old_split_in_the_scenario():
+    check = method_class("advbct").check_config
+    scenario = {"splits": {"old_train": {}, "new_train": {}}, "aliases": {}}
+    old = {"data": {"split": "old_train"}}
+    cfg = SimpleNamespace(method_options={}, scenario=scenario)
+    check(cfg, old)  # found: fine
+    with pytest.raises(ConfigError, match="boundary_split=old needs the old model's training"):
+        check(cfg, {"data": {"split": "train_1"}})
+    check(SimpleNamespace(method_options={"boundary_split": "new"}, scenario=scenario), {})
+
+
+def test_advbct_discriminator_runs_two_raw_passes_as_released():
+    train = outlier_training_set()
+    options = {"boundary_split": "new", "adv_decay": False}
+    module = build_with("advbct", options, train, epochs=2, steps_per_epoch=1)
+    method = module.method
+    method.on_epoch_start(0, module)
+    module.train()
+    batch = make_batch(BATCH_LABELS, seed=3)
+    emb = module.embedder(batch.x_new)
+    terms = method.compat_loss(module, batch, emb)
+    b = len(BATCH_LABELS)
+    # each domain its own pass (its own BatchNorm statistics), raw features
+    new_logits = method.discriminator(emb[:, :D_OLD])
+    old_logits = method.discriminator(method.old_features(batch.x_old))
+    adv = -sum(log_softmax(new_logits[i].tolist())[0] for i in range(b)) / b
+    adv -= sum(log_softmax(old_logits[i].tolist())[1] for i in range(b)) / b
+    assert float(terms["adv"]) == pytest.approx(adv, rel=1e-5)
+    joint = build_with("advbct", dict(options, discriminator="joint"), train, epochs=2)
+    joint.method.discriminator.load_state_dict(method.discriminator.state_dict())
+    joint.method.on_epoch_start(0, joint)
+    other = joint.method.compat_loss(joint, batch, joint.embedder(batch.x_new))["adv"]
+    assert float(other) != pytest.approx(adv, rel=1e-3)
 
 
 # -- bt2 -----------------------------------------------------------------------------------------
@@ -713,7 +823,7 @@ def test_dsimplex_config_refuses_another_simplex_naming_both():
 
 # -- fct -----------------------------------------------------------------------------------------
 def test_fct_transformation_shapes_and_mse_on_frozen_models():
-    module = build("fct", {"hidden": 16})
+    module = build("fct", {"hidden": 16, "batchnorm": "eval"})
     h = module.method.transformation
     linears = [
         (m.in_features, m.out_features) for m in h.modules() if isinstance(m, torch.nn.Linear)
@@ -724,7 +834,7 @@ def test_fct_transformation_shapes_and_mse_on_frozen_models():
     trainable = {n.split(".")[0] for n, p in module.named_parameters() if p.requires_grad}
     assert trainable == {"method"}  # phi_n and its head are frozen
     module.train()
-    assert not h.training and module.method.training  # switch_mode_to_eval
+    assert not h.training and module.method.training  # eval mode throughout
     before = {n: b.clone() for n, b in h.named_buffers()}
     batch = make_batch(BATCH_LABELS, seed=3)
     terms = module(batch)
@@ -741,6 +851,24 @@ def test_fct_transformation_shapes_and_mse_on_frozen_models():
     trained = build("fct", {"hidden": 16, "batchnorm": "train"})
     trained.train()
     assert trained.method.transformation.training
+
+
+@pytest.mark.parametrize("epochs,train_epochs", [(4, 2), (5, 3), (1, 1)])
+def test_fct_batchnorm_uses_batch_statistics_for_the_first_half_then_freezes(epochs, train_epochs):
+    """The released ``switch_mode_to_eval``: train mode while ``epoch < epochs / 2``."""
+    batch = make_batch(BATCH_LABELS, seed=3)
+    module = build_with("fct", {"hidden": 16}, batch, epochs=epochs)
+    h = module.method.transformation
+    modes = []
+    for epoch in range(epochs):
+        module.method.on_epoch_start(epoch, module)
+        module.train()  # as the loop, after the epoch start
+        before = {n: b.clone() for n, b in h.named_buffers()}
+        module(batch)
+        moved = any(not torch.equal(b, before[n]) for n, b in h.named_buffers())
+        assert moved == h.training  # running statistics move in train mode only
+        modes.append(h.training)
+    assert modes == [True] * train_epochs + [False] * (epochs - train_epochs)
 
 
 def test_fct_query_mode_scores_old_items_through_h():
@@ -804,7 +932,7 @@ def test_fct_query_mode_scores_old_items_through_h():
         ("dsimplex", {"classes": 1}, "'classes' = 1 must be >= 2"),
         ("dsimplex", {"hoc_lambda": 1.5}, "'hoc_lambda' = 1.5 must be <= 1"),
         ("dsimplex", {"loss": "ce"}, r"allowed values: \['cores', 'hoc'\]"),
-        ("fct", {"batchnorm": "sync"}, r"allowed values: \['eval', 'train'\]"),
+        ("fct", {"batchnorm": "sync"}, r"allowed values: \['switch', 'eval', 'train'\]"),
     ],
 )
 def test_bad_options_name_the_key(method, options, match):

@@ -77,12 +77,19 @@ CASES = [
     ("lce", "lce", {}, None, "cosface"),
     ("lce-all", "lce", {"centre_classes": "all"}, None, "arcface"),
     ("unibct", "unibct", {"tau": 0.5}, None, "cosface"),
-    ("advbct", "advbct", {"grl_alpha": 0.5, "threshold": 0.5}, None, "cosface"),
-    ("advbct-dann", "advbct", {"centre_classes": "all"}, None, "cosface"),
+    # the boundary over the training set the workers shard (the old split is not in this harness)
+    ("advbct", "advbct", {"grl_alpha": 0.5, "boundary_split": "new"}, None, "cosface"),
+    (
+        "advbct-dann",
+        "advbct",
+        {"centre_classes": "all", "boundary_split": "new", "discriminator": "joint"},
+        None,
+        "cosface",
+    ),
     ("bt2", "bt2", {"extra_dim": 4}, None, "cosface"),
     ("dsimplex", "dsimplex", {"classes": D_OLD + 1}, D_OLD, "dsimplex"),
     ("dsimplex-hoc", "dsimplex", {"classes": D_OLD + 1, "loss": "hoc"}, D_OLD, "dsimplex"),
-    ("fct", "fct", {"hidden": 16}, None, "cosface"),  # h's BatchNorm in eval mode (default)
+    ("fct", "fct", {"hidden": 16, "batchnorm": "eval"}, None, "cosface"),  # h in eval mode
     ("fct-bn-train", "fct", {"hidden": 16, "batchnorm": "train"}, None, "cosface"),
 ]
 LOCAL = len(BATCH_LABELS) // 2

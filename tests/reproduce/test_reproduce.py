@@ -77,7 +77,8 @@ def test_report_files_tables_and_claims(tiny_run):
     names = [ts["name"] for ts in on_disk["results"]["test_sets"]]
     assert names == ["extended-data", "sequential 2->1", "sequential 3->1", "sequential 3->2"]
     ext = on_disk["results"]["test_sets"][0]
-    assert set(ext["methods"]) == {"independent", "bct", "dmu"}
+    # bct-arcface: DMU's reference, a BCT of DMU's head (the DMU paper's setup)
+    assert set(ext["methods"]) == {"independent", "bct", "dmu", "bct-arcface"}
     for entry in ext["methods"].values():
         for key in (
             "m_oo",
@@ -161,7 +162,7 @@ def test_every_number_has_its_interval_and_every_curve_its_band(tiny_run):
 def test_sequential_chains_every_cross_pair(tiny_run):
     _, _, report = tiny_run
     seq = report["results"]["sequential"]
-    assert set(seq["pairs"]) == {"independent", "dmu"}
+    assert set(seq["pairs"]) == {"independent", "dmu", "bct-arcface"}
     for label, rows in seq["pairs"].items():
         stored = {
             (r["query_generation"], r["gallery_generation"])
@@ -326,6 +327,8 @@ def test_premise_scale_plans_every_claims_models_at_1600_classes(tmp_path):
     for scenario in SCENARIOS:
         planned = {v.label for v in opts.method_plan(scenario)}
         wanted = set(DEFAULT_SCALE_METHODS[scenario]) | set(FIELD_PLAN.get(scenario, ()))
+        if "dmu" in wanted:  # DMU's reference, a BCT of its ArcFace head
+            wanted.add("bct-arcface")
         assert planned == wanted, scenario
     assert (
         parse_reproduce_options(
@@ -336,8 +339,9 @@ def test_premise_scale_plans_every_claims_models_at_1600_classes(tmp_path):
 
 
 def test_bct_lambda_reaches_the_three_bct_variants_only(tmp_path):
-    """``--bct-lambda 2``: lambda_compat 2 in the options of bct, bct-kd and bct-beta and of no
-    other method; at the default (1, BCT's own) nothing is added, so earlier runs' names stay."""
+    """``--bct-lambda 2``: lambda_compat 2 in the options of bct, bct-kd, bct-beta and
+    bct-arcface and of no other method; at the default (1, BCT's own) nothing is added, so
+    earlier runs' names stay."""
     from raycompat.reproduce.plan import VARIANTS
 
     two = parse_reproduce_options(["--bct-lambda", "2", "--out", str(tmp_path)]).training

@@ -542,3 +542,27 @@ def test_a_model_missing_under_one_seed_leaves_its_checks_not_measured():
     assert [c["verdict"] for c in claim["checks"]] == [NOT_MEASURED, HELD]
     assert claim["verdict"] == INCONCLUSIVE
     assert "1 held, 1 not measured" in claim["explanation"]
+
+
+def test_dmu_claim_compares_with_the_bct_of_its_own_head_where_trained():
+    """bct-arcface (DMU's ArcFace head, as the DMU paper's BCT) wins over the shared bct."""
+    f = Fixture()
+    oo, nstar = base(), base(5, 0.8)
+    bct_no = base(3, 0.45)
+    f.test_set(
+        "ext",
+        oo,
+        nstar,
+        {
+            "bct": {"m_nn": nstar - 0.2, "m_no": shifted(bct_no, "loss")},
+            "bct-arcface": {"m_nn": nstar - 0.01, "m_no": shifted(bct_no, "win")},
+            "dmu": {"m_nn": nstar - 0.05, "m_no": bct_no, "m_nadapted": bct_no},
+        },
+    )
+    claim = dmu_adapted_beats_bct(f.results, f.evidence)
+    assert [c["verdict"] for c in claim["checks"]] == [NOT_HELD, NOT_HELD]
+    assert claim["numbers"][0]["BCT"] == "bct-arcface"
+    del f.results["test_sets"][0]["methods"]["bct-arcface"]
+    claim = dmu_adapted_beats_bct(f.results, f.evidence)
+    assert [c["verdict"] for c in claim["checks"]] == [HELD, HELD]
+    assert claim["numbers"][0]["BCT"] == "bct"
