@@ -16,7 +16,7 @@ from raycompat.backfill_store.options import (
     build_parser,
 )
 from raycompat.backfill_store.record import StoreUpgrade, command_of, record_facts, record_state
-from raycompat.backfill_store.walk import one_line, run_upgrade
+from raycompat.backfill_store.walk import one_line, run_upgrade, store_flags
 from raycompat.config import ConfigError, options_from_args
 from raycompat.console import job_main
 from raycompat.upgrade.state_machine import CLI, Command, State, StateMachine
@@ -159,11 +159,23 @@ def _command(up: StoreUpgrade, name: str, opts: BackfillStoreOptions) -> int:
     if up.state() is State.RUNNING:
         print(
             f"note: no backfill-store job runs on {up.store.where}: run the job to walk on "
-            f"(raycompat backfill-store --store {up.store.uri.raw} --new-model ...)",
+            f"(raycompat backfill-store {store_flags(opts)} --new-model "
+            f"{up.rec.get('new_model_path') or 'BUNDLE'}"
+            + _vectors_flag(opts, up.rec)
+            + ")",
             file=sys.stderr,
             flush=True,
         )
     return EXIT["ok"]
+
+
+def _vectors_flag(opts: BackfillStoreOptions, rec: dict) -> str:
+    """`` --new-vectors PATH`` of this command, else of the record's run (where its vectors
+    came from a parquet)."""
+    if opts.new_vectors:
+        return f" --new-vectors {opts.new_vectors}"
+    source = str(rec.get("source") or "")
+    return f" --{source}" if source.startswith("new-vectors ") else ""
 
 
 def _await_answer(read, seq: int, wait_s: float, where: str, alive) -> dict | None:

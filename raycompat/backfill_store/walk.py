@@ -55,10 +55,12 @@ def run_upgrade(up: StoreUpgrade, opts: BackfillStoreOptions) -> int:
                 f"{driver.get('pid')} on {driver.get('host')}): backfill it through the "
                 "index's admin endpoints (POST /admin/backfill/start)"
             )
-        raise Refused(
-            answer.error
-            or f"a backfill-store job is already running on {up.store.where} (pid "
-            f"{driver.get('pid')} on {driver.get('host')}): pause it, or wait for it"
+        if not answer.ok and answer.why != "already":  # e.g. a finalize in progress
+            raise Refused(answer.error)
+        raise Refused(  # its advice is the one a running job takes: --pause
+            f"a backfill-store job is already running on {up.store.where} (pid "
+            f"{driver.get('pid')} on {driver.get('host')}): pause it (raycompat backfill-store "
+            f"{store_flags(opts)} --pause), or wait for it"
         )
     fp = _fingerprint(opts)
     rec, store = up.rec, up.store
@@ -186,6 +188,12 @@ def check_bundle_dimension(opts: BackfillStoreOptions, store) -> None:
             f"--new-model {opts.new_model}: the model embeds to {int(dim)} dims, column "
             f"{store.columns.new!r} of {store.where} holds {new_dim}"
         )
+
+
+def store_flags(opts: BackfillStoreOptions) -> str:
+    """``--store URI`` (and ``--store-columns``, when given): what advice repeats."""
+    flags = f"--store {opts.store}"
+    return flags + (f" --store-columns {opts.store_columns}" if opts.store_columns else "")
 
 
 def _check_same(rec: dict, opts: BackfillStoreOptions) -> None:

@@ -328,7 +328,13 @@ RULES = {
 }
 
 #: The checks of an accepted ``rollback``, in order (each a :class:`Refuse` name).
-ROLLBACK_CHECKS = ("in_flight", "no_order", "below_finalized", "nothing_to_roll_back")
+ROLLBACK_CHECKS = (
+    "in_flight",
+    "no_order",
+    "old_dropped",
+    "below_finalized",
+    "nothing_to_roll_back",
+)
 #: The checks of an accepted ``finalize``, in order.
 FINALIZE_CHECKS = ("in_flight", "unfinished_rollback", "not_done")
 
@@ -360,6 +366,8 @@ def _failed_check(command: Command, facts: Facts, partial_finalize: bool, state:
             return "in_flight"
         if facts.to is not None and not facts.has_order:
             return "no_order"
+        if facts.finalized_at is not None and not partial_finalize:
+            return "old_dropped"  # a finalize that dropped the old vectors: none to return to
         if (
             facts.finalized_at is not None
             and facts.to is not None
@@ -389,10 +397,19 @@ class Wording:
     to: str
     #: ``to`` at least a position (``{n}``: the position)
     to_at_least: str
+    #: how to start over from the old vectors once a finalize dropped them
+    start_over: str = ""
 
 
 HTTP = Wording("'override': true", "restart=true", "/status", "'to'", "'to' >= {n}")
-CLI = Wording("--override", "--restart", "--status", "--to", "--to {n} or above")
+CLI = Wording(
+    "--override",
+    "--restart",
+    "--status",
+    "--to",
+    "--to {n} or above",
+    "a run with --overwrite starts an upgrade again from the table as it was before this one",
+)
 
 
 def refusal_message(
@@ -446,6 +463,9 @@ def refusal_message(
         )
     if why == "no_order":
         return f"no backfill order: roll back without {words.to}"
+    if why == "old_dropped":
+        again = f"; {words.start_over}" if words.start_over else ""
+        return f"{fin}: the store dropped the old vectors, so nothing can be rolled back{again}"
     if why == "below_finalized":
         return (
             f"{fin}: the items before it keep no old vector; roll back with "

@@ -739,3 +739,49 @@ def test_one_driver_at_a_time_arbitrated_by_the_store(tmp_path, small, bundle, c
         rc, _, err = run(capsys, "--store", uri, "--new-model", bundle, "--new-vectors", vec)
     assert rc == 3 and "already running" in err, err
     assert status(capsys, uri)["counts"]["upgraded"] == 0
+
+
+def _advised(err: str, start: str) -> list[str]:
+    """The flags of the command an error or note advises: ``(raycompat backfill-store ...)``."""
+    at = err.index(start) + len(start)
+    return err[at : err.index(")", at)].split()
+
+
+@pytest.mark.timeout(180)
+def test_every_piece_of_advice_printed_is_accepted_when_typed_back(tmp_path, small, bundle, capsys):
+    """A second run over a running job advises --pause (with --store-columns, when given):
+    typed back, it pauses the job; the note after --resume with no job running names the run
+    that walks on: typed back, it finishes the backfill; after a finalize that dropped the old
+    vectors, a rollback is refused saying so and advising --overwrite, which is accepted."""
+    uri = make_store("lance", tmp_path, small)
+    vec = gallery_vectors(tmp_path / "v.parquet", small)
+    cols = "id=item_id,label=label,old=old"
+    job = ["--store", uri, "--store-columns", cols, "--new-model", bundle, "--new-vectors", vec,
+           "--batch-size", "4"]  # fmt: skip
+    done = {}
+    thread = threading.Thread(
+        target=lambda: done.setdefault("rc", main([*job, "--rate", "8"])), daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 60
+    while (record(uri).get("position") or 0) < 8:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.1)
+    rc, _, err = run(capsys, *job)
+    assert rc == 3 and "already running" in err, err
+    advice = _advised(err, "pause it (raycompat backfill-store ")
+    assert advice == ["--store", uri, "--store-columns", cols, "--pause"], advice
+    rc, out, err = run(capsys, *advice)
+    assert rc == 0 and last_json(out)["command"]["state"] == "paused", err
+    thread.join(timeout=30)
+    rc, _, err = run(capsys, "--store", uri, "--store-columns", cols, "--resume")
+    assert rc == 0 and "note: no backfill-store job runs" in err, err
+    rc, _, err2 = run(capsys, *_advised(err, "(raycompat backfill-store "))
+    assert rc == 0, err2
+    assert status(capsys, uri)["state"] == "done"
+    assert run(capsys, "--store", uri, "--finalize")[0] == 0
+    rc, _, err = run(capsys, "--store", uri, "--rollback")
+    assert rc == 3 and "the store dropped the old vectors" in err and "--overwrite" in err, err
+    rc, _, err = run(capsys, *job, "--overwrite", "--until", "8")
+    assert rc == 0, err
+    assert status(capsys, uri)["position"] == 8
