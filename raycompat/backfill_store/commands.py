@@ -160,9 +160,7 @@ def _command(up: StoreUpgrade, name: str, opts: BackfillStoreOptions) -> int:
         print(
             f"note: no backfill-store job runs on {up.store.where}: run the job to walk on "
             f"(raycompat backfill-store {store_flags(opts)} --new-model "
-            f"{up.rec.get('new_model_path') or 'BUNDLE'}"
-            + _vectors_flag(opts, up.rec)
-            + ")",
+            f"{up.rec.get('new_model_path') or 'BUNDLE'}" + _vectors_flag(opts, up.rec) + ")",
             file=sys.stderr,
             flush=True,
         )
