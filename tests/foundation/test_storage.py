@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from raycompat.config import ConfigError
@@ -79,7 +78,7 @@ def test_one_form_of_a_place(tmp_path, monkeypatch):
 def test_one_storage_error_for_jobs_and_the_live_index(capsys):
     """The live index's StorageError is this one; a job stops on it with one line, exit 2."""
     from raycompat.console import job_main
-    from raycompat.serving import durability
+    from raycompat.serving import checkpoint_files as durability
 
     assert durability.StorageError is StorageError and issubclass(StorageError, ConfigError)
 
@@ -92,41 +91,13 @@ def test_one_storage_error_for_jobs_and_the_live_index(capsys):
 
 
 def test_state_directory_is_a_local_folder(tmp_path, monkeypatch):
-    from raycompat.serving.durability import state_directory
+    from raycompat.serving.checkpoint_files import state_directory
 
     monkeypatch.chdir(tmp_path)
     assert state_directory("state") == str(tmp_path / "state")
     assert state_directory(f"file://{tmp_path}/s/") == str(tmp_path / "s")
     with pytest.raises(StorageError, match="^state_dir mock:///s: the live index's state must"):
         state_directory("mock:///s")
-
-
-def test_a_full_disk_is_the_shards_storage_answer(tiny_fs):
-    """A shard's upsert on a full disk answers ``storage: True`` (the router's 503), not a
-    bad-request error, although a StorageError is a ConfigError (a ValueError)."""
-    from types import SimpleNamespace
-
-    from raycompat.index.search import l2_normalize
-    from raycompat.serving.shard import ShardServer
-    from raycompat.serving.state import ShardState
-
-    fs = tiny_fs(256 << 10)
-    rng = np.random.default_rng(0)
-    dims = {"old": 8, "adapted": 12, "new": 12}
-    state = ShardState(os.path.join(fs, "s"), dims, fsync=True, snapshot_every=10**9)
-    state.load_initial("old", np.arange(10), l2_normalize(rng.standard_normal((10, 8))))
-    state.snapshot()
-    tiny_fs.fill(fs)
-    server = SimpleNamespace(state=state, shard=3)
-    server._write = lambda write: ShardServer._write(server, write)
-    vecs = l2_normalize(rng.standard_normal((10, 12))).tolist()
-    answer = ShardServer.upsert(server, list(range(10)), "new", vecs)
-    assert answer["storage"] is True, answer
-    assert answer["error"].startswith("shard 3: no space left on device at " + fs)
-    assert ShardServer.upsert(server, [0], "newest", vecs[:1]) == {
-        "error": "unknown representation 'newest'; allowed: old, adapted, new"
-    }
-    state.close()
 
 
 def test_training_refuses_unwritable_storage_before_starting(ray_cluster):

@@ -40,8 +40,9 @@ def scenario() -> Scenario:
     )
 
 
-def random_bundle(path, classes, seed: int, head: str = "cosface") -> str:
-    """An untrained (seeded) test_resnet bundle: enough to be a frozen old/initial model."""
+def random_bundle(path, classes, seed: int, head: str = "cosface", split: str | None = None) -> str:
+    """An untrained (seeded) test_resnet bundle: enough to be a frozen old/initial model
+    (``split``: the training split its manifest names, which advbct's boundary reads)."""
     torch.manual_seed(seed)
     modules = {
         "embedder": Embedder("test_resnet", DIM, in_chans=1),
@@ -49,7 +50,12 @@ def random_bundle(path, classes, seed: int, head: str = "cosface") -> str:
     }
     return ModelBundle(
         modules,
-        {"classes": [int(c) for c in classes], "backbone": "test_resnet", "method": "independent"},
+        {
+            "classes": [int(c) for c in classes],
+            "backbone": "test_resnet",
+            "method": "independent",
+            **({"data": {"split": split}} if split else {}),
+        },
     ).save(str(path))
 
 
@@ -130,7 +136,8 @@ def test_advbct_trains_in_the_ray_train_loop_with_a_wider_embedding(
 ):
     """A dimension change too: the new embedding is wider than the old (the prefix rule)."""
     method, workers = "advbct", 0  # local mode
-    old = random_bundle(tmp_path / "old", scenario.splits["old_train"].classes, seed=0)
+    classes = scenario.splits["old_train"].classes
+    old = random_bundle(tmp_path / "old", classes, seed=0, split="old_train")  # the boundary's
     run = fit(
         config(
             scenario,

@@ -32,6 +32,21 @@ def _cache(uri, shard=0, shards=2, **kw):
     return ShardCache(open_store(uri), shard, shards, DIMS, CacheRule(**kw))
 
 
+def test_placement_is_deterministic_and_balanced():
+    from raycompat.serving.placement import split_by_shard
+
+    ids = np.arange(100_000)
+    s = shard_of(ids, 4)
+    assert s.min() == 0 and s.max() == 3
+    counts = np.bincount(s, minlength=4)
+    assert counts.min() > 24_000
+    assert (shard_of(ids, 4) == s).all()
+    parts = split_by_shard(ids, 4)
+    assert sum(p.size for p in parts) == ids.size
+    with pytest.raises(ValueError, match="shards"):
+        shard_of(ids, 0)
+
+
 def test_the_write_sequence_numbers_every_commit_and_reads_what_changed(gallery):
     uri, ids, old, new = gallery
     st = open_store(uri)

@@ -699,14 +699,17 @@ def test_a_refused_overwrite_changes_nothing_and_inputs_are_checked_on_every_run
     assert status(capsys, raw)["counts"]["upgraded"] == 0
 
 
-def _claim_in_a_process(uri: str, go, out) -> None:
-    """(a spawned process) Claim the upgrade of ``uri`` when ``go`` is set; put the outcome."""
+def _claim_in_a_process(uris: list[str], ready, gos, out) -> None:
+    """(a spawned process) For each store of ``uris``: claim its upgrade when its ``gos``
+    event is set; put the outcome."""
     from raycompat.stores.backfill import BackfillRecords, Heartbeat
 
-    records = BackfillRecords(open_store(uri))
-    beat = Heartbeat(records, None, "walk")
-    go.wait(60)
-    out.put(records.claim_driver(beat.info) is None)
+    records = [BackfillRecords(open_store(uri)) for uri in uris]
+    ready.release()
+    for rec, go in zip(records, gos, strict=True):
+        beat = Heartbeat(rec, None, "walk")
+        go.wait(60)
+        out.put(rec.claim_driver(beat.info) is None)
     time.sleep(1.0)  # alive while the other one looks
 
 
@@ -721,18 +724,22 @@ def test_one_driver_at_a_time_arbitrated_by_the_store(tmp_path, small, bundle, c
     from raycompat.stores.backfill import BackfillRecords, Heartbeat
 
     ctx = multiprocessing.get_context("spawn")
-    for trial in range(4):
-        uri = make_store("lance", tmp_path / f"s{trial}", small)
-        go, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_claim_in_a_process, args=(uri, go, out)) for _ in range(2)]
-        for p in procs:
-            p.start()
-        time.sleep(3.0)  # both started and waiting
+    uris = [make_store("lance", tmp_path / f"s{trial}", small) for trial in range(4)]
+    ready, out = ctx.Semaphore(0), ctx.Queue()
+    gos = [ctx.Event() for _ in uris]
+    procs = [
+        ctx.Process(target=_claim_in_a_process, args=(uris, ready, gos, out)) for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert ready.acquire(timeout=120)
+    for trial, go in enumerate(gos):
         go.set()
         won = sorted(out.get(timeout=60) for _ in procs)
-        for p in procs:
-            p.join(60)
         assert won == [False, True], (trial, won)
+    for p in procs:
+        p.join(60)
     uri = make_store("lance", tmp_path / "held", small)
     vec = gallery_vectors(tmp_path / "v.parquet", small)
     with Heartbeat(BackfillRecords(open_store(uri)), None, "walk"):
