@@ -212,6 +212,17 @@ def _held(opts: BackfillStoreOptions) -> bool:
     return False
 
 
+def _copy_status(rec: dict, opts: BackfillStoreOptions) -> dict:
+    """The status of a running Milvus Lite job's copy of its record: the keys of every
+    ``--status`` (what only the store knows is None), and ``from``."""
+    from raycompat.backfill_store.record import record_status
+    from raycompat.stores.uri import parse_store_uri
+
+    uri = parse_store_uri(opts.store)
+    where = f"Milvus collection {uri.name!r} at {uri.target!r}"
+    return {**record_status(rec, opts.store, where, "milvus"), "from": rec.get("from")}
+
+
 def _sidecar_command(opts: BackfillStoreOptions, name: str | None) -> int:
     """Milvus Lite held by a running job: the command goes through the files beside the
     ``.db`` file, decided on the driver's copy of the record, answered by the driver."""
@@ -232,7 +243,7 @@ def _sidecar_command(opts: BackfillStoreOptions, name: str | None) -> int:
             "backfill-store job's copy of the record is beside it"
         )
     if name == "status":
-        _print_status(rec)
+        _print_status(_copy_status(rec, opts))
         return EXIT["ok"]
     command = command_of(name, opts.override)
     facts = record_facts(rec, to=opts.to) if command is Command.ROLLBACK else record_facts(rec)
@@ -251,5 +262,6 @@ def _sidecar_command(opts: BackfillStoreOptions, name: str | None) -> int:
         )
     if not last.get("ok"):
         raise Refused(last.get("error"))
-    _print_status(side.status() or {}, {"name": command.value, "state": last.get("state")})
+    answered = _copy_status(side.status() or {}, opts)
+    _print_status(answered, {"name": command.value, "state": last.get("state")})
     return EXIT["ok"]

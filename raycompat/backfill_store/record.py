@@ -256,12 +256,13 @@ class StoreUpgrade:
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> dict:
+        """The upgrade's status (:func:`record_status`), with the store's counts, the driver
+        and the canary's points read from the store."""
         from raycompat.stores.backfill import driver_alive
 
         rec, store = self.rec, self.store
         counts = store.counts_by_model()
         driver = self.records.driver()
-        st = self.state()
         run = (rec.get("order") or {}).get("run")
         points = self.records.canary_points(run) if run and rec.get("canary") else []
         canary = None
@@ -274,47 +275,52 @@ class StoreUpgrade:
                 "last": points[-1] if points else None,
                 "history": [_compact_point(p) for p in points],
             }
-        alive = driver_alive(driver)
-        return {
-            "store": store.uri.raw,
-            "where": store.where,
-            "backend": store.backend,
-            "state": st.public,
-            "machine_state": st.value,
-            "position": int(rec.get("position") or 0),
-            "total": int(rec.get("total") or 0),
-            "policy": rec.get("policy"),
-            "seed": rec.get("seed"),
-            "new_model": rec.get("new_model"),
-            "until": rec.get("until"),
-            "rate": rec.get("rate"),
-            "batch_size": rec.get("batch_size"),
-            "counts": {
-                "rows": counts.rows,
-                "upgraded": counts.upgraded,
-                "old": counts.old,
-                "new": counts.new,
-            },
-            "paused_by": rec.get("paused_by"),
-            "override": bool(rec.get("override")),
-            "rollback": rec.get("rollback"),
-            "finalized": rec.get("finalized"),
-            "store_finalized": bool(store.finalized),
-            "error": rec.get("error"),
-            "canary": canary,
-            "driver": None
-            if driver is None
-            else {
-                "alive": alive,
-                "what": driver.get("what"),
-                "pid": driver.get("pid"),
-                "host": driver.get("host"),
-                "beat_age_s": round(time.time() - float(driver.get("beat", 0)), 1),
-                "ended": driver.get("ended"),
-            },
-            "last_command": rec.get("last_command"),
-            "recovered": rec.get("recovered"),
+        out = record_status(rec, store.uri.raw, store.where, store.backend)
+        out["counts"] = {
+            "rows": counts.rows,
+            "upgraded": counts.upgraded,
+            "old": counts.old,
+            "new": counts.new,
         }
+        out["store_finalized"] = bool(store.finalized)
+        out["canary"] = canary
+        out["driver"] = None if driver is None else {
+            "alive": driver_alive(driver),
+            "what": driver.get("what"),
+            "pid": driver.get("pid"),
+            "host": driver.get("host"),
+            "beat_age_s": round(time.time() - float(driver.get("beat", 0)), 1),
+            "ended": driver.get("ended"),
+        }  # fmt: skip
+        return out
+
+
+def record_status(rec: dict, uri: str, where: str, backend: str) -> dict:
+    """The status of an upgrade record: every key of ``--status``, always (``counts``,
+    ``canary``, ``driver`` and ``store_finalized`` None where only the record is at hand: a
+    running Milvus Lite job's copy of it)."""
+    st = record_state(rec)
+    keys = ("policy", "seed", "new_model", "until", "rate", "batch_size", "paused_by")
+    return {
+        "store": uri,
+        "where": where,
+        "backend": backend,
+        "state": st.public,
+        "machine_state": st.value,
+        "position": int(rec.get("position") or 0),
+        "total": int(rec.get("total") or 0),
+        **{k: rec.get(k) for k in keys},
+        "counts": None,
+        "override": bool(rec.get("override")),
+        "rollback": rec.get("rollback"),
+        "finalized": rec.get("finalized"),
+        "store_finalized": None,
+        "error": rec.get("error"),
+        "canary": None,
+        "driver": None,
+        "last_command": rec.get("last_command"),
+        "recovered": rec.get("recovered"),
+    }
 
 
 def _compact_point(p: dict) -> dict:

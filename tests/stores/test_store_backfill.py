@@ -293,6 +293,8 @@ def test_commands_reach_a_running_job_between_batches(backend, tmp_path, small, 
     while (record(uri).get("position") or 0) < 8:
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.1)
+    rc, out, _ = run(capsys, "--store", uri, "--status")  # one schema, running or not
+    running_keys = set(last_json(out)) - {"from"}
     rc, _, err = run(capsys, *job)  # a second job over a running one
     assert rc == 3 and "already running" in err, err
     rc, _, err = run(capsys, "--store", uri, "--rollback", "--to", "4")
@@ -305,6 +307,7 @@ def test_commands_reach_a_running_job_between_batches(backend, tmp_path, small, 
     thread.join(timeout=30)
     assert done["rc"] == 0
     st = status(capsys, uri)
+    assert set(st) == running_keys, set(st) ^ running_keys
     assert st["state"] == "paused" and 8 <= st["position"] < 56
     assert st["counts"]["upgraded"] == st["position"] and st["driver"]["alive"] is False
     # a finalize in progress (a driver of this process, as it would be): every command waits
