@@ -1506,6 +1506,14 @@ def _check_against_acknowledged(app, n_shards, pool_ids, model, log) -> dict:
 ROUNDS = scaled(3, 20)
 
 
+def _until_logged(log: list, kind: str, n: int, timeout_s: float = 30.0) -> None:
+    """Wait until the upsert stream logged ``n`` outcomes of ``kind`` (a slow machine takes
+    longer to get there; the round's kill comes after), at most ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while sum(k == kind for k, _ in log) < n and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 @pytest.mark.serve
 @pytest.mark.timeout(scaled(120, 480))  # at full scale: 20 rounds of a kill and a restart
 def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, gallery_parquet):
@@ -1542,7 +1550,8 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, ga
             log, stop = [], threading.Event()
             th = threading.Thread(target=_upsert_stream, args=(client, pool, rng, stop, log))
             th.start()
-            time.sleep(float(rng.uniform(0.5, 1.5)))
+            _until_logged(log, "failed" if full else "acked", 3 if full else 11)
+            time.sleep(float(rng.uniform(0.0, 0.5)))  # the kill at a random point after it
             pids = {s["shard"]: s["pid"] for s in client.status()["shards"]}
             for pid in pids.values():  # every shard replica
                 os.kill(pid, signal.SIGKILL)
