@@ -1550,7 +1550,7 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, ga
             log, stop = [], threading.Event()
             th = threading.Thread(target=_upsert_stream, args=(client, pool, rng, stop, log))
             th.start()
-            _until_logged(log, "failed" if full else "acked", 3 if full else 11)
+            _until_logged(log, "failed" if full else "acked", 2 if full else 6)
             time.sleep(float(rng.uniform(0.0, 0.5)))  # the kill at a random point after it
             pids = {s["shard"]: s["pid"] for s in client.status()["shards"]}
             for pid in pids.values():  # every shard replica
@@ -1573,7 +1573,8 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, ga
         assert client.wait_backfill(500)["position"] == 500
         _check_backfilled(order[:500])
         print(f"\nFAULT INJECTION: {ROUNDS} rounds, {totals}")
-        assert totals["acked"] > 20 and totals["failed"] > 0
+        calm = sum(1 for r in range(ROUNDS) if r % 2 == 0)  # the rounds with space on disk
+        assert totals["acked"] >= 6 * calm and totals["failed"] >= 2
     finally:
         if os.path.exists(os.path.join(fs, "filler")):
             os.unlink(os.path.join(fs, "filler"))
