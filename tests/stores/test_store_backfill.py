@@ -142,6 +142,21 @@ def fingerprint(bundle) -> str:
     return bundle_fingerprint(bundle)
 
 
+def job_running(job: list, uri: str) -> tuple[threading.Thread, dict]:
+    """The job ``job`` running at 8 items/s in a thread of this process, once it has written
+    8 items: ``(thread, {"rc": its exit code, once it ends})``."""
+    done: dict = {}
+    thread = threading.Thread(
+        target=lambda: done.setdefault("rc", main([*job, "--rate", "8"])), daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 60
+    while (record(uri).get("position") or 0) < 8:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.1)
+    return thread, done
+
+
 # -- the state machine's table through the commands ------------------------------------------
 #: command flags of each operator command
 FLAGS = {
@@ -284,15 +299,7 @@ def test_commands_reach_a_running_job_between_batches(backend, tmp_path, small, 
     uri = make_store(backend, tmp_path, small)
     vec = gallery_vectors(tmp_path / "v.parquet", small)
     job = ["--store", uri, "--new-model", bundle, "--new-vectors", vec, "--batch-size", "4"]
-    done = {}
-    thread = threading.Thread(
-        target=lambda: done.setdefault("rc", main([*job, "--rate", "8"])), daemon=True
-    )
-    thread.start()
-    deadline = time.monotonic() + 60
-    while (record(uri).get("position") or 0) < 8:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.1)
+    thread, done = job_running(job, uri)
     rc, out, _ = run(capsys, "--store", uri, "--status")  # one schema, running or not
     running_keys = set(last_json(out)) - {"from"}
     rc, _, err = run(capsys, *job)  # a second job over a running one
@@ -768,15 +775,7 @@ def test_every_piece_of_advice_printed_is_accepted_when_typed_back(tmp_path, sma
     cols = "id=item_id,label=label,old=old"
     job = ["--store", uri, "--store-columns", cols, "--new-model", bundle, "--new-vectors", vec,
            "--batch-size", "4"]  # fmt: skip
-    done = {}
-    thread = threading.Thread(
-        target=lambda: done.setdefault("rc", main([*job, "--rate", "8"])), daemon=True
-    )
-    thread.start()
-    deadline = time.monotonic() + 60
-    while (record(uri).get("position") or 0) < 8:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.1)
+    thread, done = job_running(job, uri)
     rc, _, err = run(capsys, *job)
     assert rc == 3 and "already running" in err, err
     advice = _advised(err, "pause it (raycompat backfill-store ")
