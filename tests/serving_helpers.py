@@ -144,3 +144,23 @@ def fill(path: str, name: str = "filler", leave: int = 0) -> None:
                 fh.write(b"\0" * 4096)
     except OSError:  # the disk is full: what was wanted
         pass
+
+
+def metric_value(text: str, sample: str) -> float:
+    """The value of the Prometheus sample ``sample`` (name and labels as written), 0 if absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for_metric(client, sample: str, at_least: float, timeout_s: float = 30.0) -> list:
+    """Scrape ``/metrics`` until ``sample`` reaches ``at_least`` (counters reach it through
+    Ray's metrics agents, within a report interval); returns every value read, in order."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen.append(metric_value(client.metrics(), sample))
+        if seen[-1] >= at_least or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)

@@ -1,18 +1,133 @@
-"""Prometheus text exposition (format 0.0.4) of the router's counters and latency histograms.
+"""The live index's metrics: counters and histograms recorded through Serve's own metrics
+(``ray.serve.metrics``), which each node's Ray metrics agent exports; ``GET /metrics`` renders
+their sum over every replica of every node, with gauges read from ``/status``
+(docs/live-index.md, "Metrics").
 
-Kept in-process per router replica (no global registry): ``requests_total{endpoint,status}``,
-``request_seconds`` histogram per endpoint, plus gauges the router fills from the shards and
-the backfill controller at scrape time (items per representation, backfill position).
+A router (or shard) replica only records (:class:`ServingMetrics`); no count lives in one
+replica's memory, so two scrapes answered by two router replicas read the same counters.
 """
 
 from __future__ import annotations
 
-import threading
+import urllib.request
 from collections.abc import Iterable
 
-__all__ = ["RouterMetrics", "BUCKETS"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "BUCKETS",
+    "PREFIX",
+    "ServingMetrics",
+    "render_cluster_metrics",
+    "scrape_nodes",
+    "sum_over_replicas",
+]
 
+PREFIX = "raycompat_serving"
+#: the latency histogram's upper bounds (seconds)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: upper bounds of the batch-size histograms (requests, or queries, per search call)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: the labels our recorders set; every other label (Ray's and Serve's: node, worker, replica)
+#: is summed over
+OWN_LABELS = frozenset({"endpoint", "status", "stage", "shard", "le"})
+
+
+class ServingMetrics:
+    """The recorders of one replica (router or shard), Serve's ``Counter`` and ``Histogram``."""
+
+    def __init__(self):
+        from ray.serve.metrics import Counter, Histogram
+
+        p = PREFIX
+        self.requests = Counter(
+            f"{p}_requests",
+            description="HTTP requests by endpoint and status code.",
+            tag_keys=("endpoint", "status"),
+        )
+        self.queries = Counter(f"{p}_queries", description="Query vectors searched.")
+        self.retries = Counter(
+            f"{p}_shard_call_retries",
+            description="Shard calls sent again after their replica died.",
+        )
+        self.seconds = Histogram(
+            f"{p}_request_seconds",
+            description="Request latency in the router.",
+            boundaries=list(BUCKETS),
+            tag_keys=("endpoint",),
+        )
+        self.batch = {
+            what: Histogram(
+                f"{p}_search_batch_{what}",
+                description=f"{what.capitalize()} per search call, as batched (router, shards).",
+                boundaries=list(BATCH_BUCKETS),
+                tag_keys=("stage", "shard"),
+            )
+            for what in ("requests", "queries")
+        }
+
+    def observe(self, endpoint: str, status: int, seconds: float, queries: int = 0) -> None:
+        """One HTTP request the router answered."""
+        self.requests.inc(1, tags={"endpoint": endpoint, "status": str(int(status))})
+        self.seconds.observe(float(seconds), tags={"endpoint": endpoint})
+        if queries:
+            self.queries.inc(int(queries))
+
+    def count_retry(self) -> None:
+        """A shard call sent again because its replica died."""
+        self.retries.inc(1)
+
+    def observe_batch(self, stage: str, shard: str, requests: int, queries: int) -> None:
+        """One search call as batched: ``requests`` requests of ``queries`` query rows."""
+        tags = {"stage": stage, "shard": shard}
+        self.batch["requests"].observe(int(requests), tags=tags)
+        self.batch["queries"].observe(int(queries), tags=tags)
+
+
+def scrape_nodes(timeout_s: float = 2.0) -> tuple[list[str], list[str]]:
+    """``(texts, unreachable)``: the Prometheus text of every live node's Ray metrics agent,
+    and the nodes (``address:port``) whose agent did not answer within ``timeout_s``."""
+    import ray
+
+    texts, unreachable = [], []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        where = f"{node['NodeManagerAddress']}:{port}"
+        try:
+            with urllib.request.urlopen(f"http://{where}/metrics", timeout=timeout_s) as r:
+                texts.append(r.read().decode())
+        except OSError:
+            unreachable.append(where)
+    return texts, unreachable
+
+
+def sum_over_replicas(texts: Iterable[str], application: str | None = None) -> dict[str, dict]:
+    """Our families in Ray's exposition ``texts`` (``ray_raycompat_serving_*``) of the Serve
+    ``application`` (all: ``None``), each sample summed over every label but our own:
+    ``{family: {"type", "help", "samples": {(sample name, labels): value}}}``, names without
+    Ray's ``ray_`` prefix (a counter's with ``_total``, as its ``# TYPE`` line has it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith(f"ray_{PREFIX}_"):
+                continue
+            name = fam.name[4:] + ("_total" if fam.type == "counter" else "")  # as written
+            entry = out.setdefault(
+                name, {"type": fam.type, "help": fam.documentation, "samples": {}}
+            )
+            for s in fam.samples:
+                if application is not None and s.labels.get("application") != application:
+                    continue
+                own = {k: v for k, v in s.labels.items() if k in OWN_LABELS}
+                if own.get("le", "+Inf") != "+Inf":  # Ray writes 1.0: the bound as given
+                    own["le"] = format(float(own["le"]), "g")
+                labels = tuple(sorted(own.items()))
+                key = (s.name[4:], labels)
+                entry["samples"][key] = entry["samples"].get(key, 0.0) + float(s.value)
+    return out
 
 
 def _labels(d: dict[str, str]) -> str:
@@ -22,132 +137,29 @@ def _labels(d: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(d.items())) + "}"
 
 
-class RouterMetrics:
-    def __init__(self, prefix: str = "raycompat_serving"):
-        self.prefix = prefix
-        self.lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}
-        self.hist: dict[str, list] = {}
-        self.hist_sum: dict[str, float] = {}
-        self.queries = 0
-        self.retries = 0
-
-    def count_retry(self) -> None:
-        """A shard call sent again because its replica died."""
-        with self.lock:
-            self.retries += 1
-
-    def observe(self, endpoint: str, status: int, seconds: float, queries: int = 0) -> None:
-        with self.lock:
-            key = (endpoint, int(status))
-            self.requests[key] = self.requests.get(key, 0) + 1
-            h = self.hist.setdefault(endpoint, [0] * (len(BUCKETS) + 1))
-            for i, b in enumerate(BUCKETS):
-                if seconds <= b:
-                    h[i] += 1
-            h[-1] += 1
-            self.hist_sum[endpoint] = self.hist_sum.get(endpoint, 0.0) + seconds
-            self.queries += queries
-
-    def render(
-        self,
-        gauges: Iterable[tuple[str, str, dict[str, str], float]] = (),
-        batches: list[tuple[dict, dict]] = (),
-    ) -> str:
-        p = self.prefix
-        lines = [
-            f"# HELP {p}_requests_total HTTP requests by endpoint and status code.",
-            f"# TYPE {p}_requests_total counter",
-        ]
-        with self.lock:
-            for (ep, st), n in sorted(self.requests.items()):
-                lines.append(
-                    f"{p}_requests_total{_labels({'endpoint': ep, 'status': str(st)})} {n}"
-                )
-            lines += [
-                f"# HELP {p}_queries_total Query vectors searched.",
-                f"# TYPE {p}_queries_total counter",
-                f"{p}_queries_total {self.queries}",
-                f"# HELP {p}_shard_call_retries_total Shard calls sent again after their "
-                "replica died.",
-                f"# TYPE {p}_shard_call_retries_total counter",
-                f"{p}_shard_call_retries_total {self.retries}",
-                f"# HELP {p}_request_seconds Request latency in the router.",
-                f"# TYPE {p}_request_seconds histogram",
-            ]
-            for ep, h in sorted(self.hist.items()):
-                for b, c in zip(BUCKETS, h, strict=False):
-                    lines.append(
-                        f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': repr(b)})} {c}"
-                    )
-                lines.append(
-                    f"{p}_request_seconds_bucket{_labels({'endpoint': ep, 'le': '+Inf'})} {h[-1]}"
-                )
-                lines.append(
-                    f"{p}_request_seconds_sum{_labels({'endpoint': ep})} {self.hist_sum[ep]}"
-                )
-                lines.append(f"{p}_request_seconds_count{_labels({'endpoint': ep})} {h[-1]}")
-        seen = set()
-        for name, help_, labels, value in sorted(gauges, key=lambda g: g[0]):  # grouped
-            if name not in seen:
-                lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} gauge"]
-                seen.add(name)
-            lines.append(f"{p}_{name}{_labels(labels)} {float(value)}")
-        lines += batch_histogram_lines(p, list(batches))
-        return "\n".join(lines) + "\n"
+def _sample_order(key: tuple) -> tuple:
+    name, labels = key
+    d = dict(labels)
+    le = d.pop("le", None)
+    bound = float("inf") if le in (None, "+Inf") else float(le)
+    return (tuple(sorted(d.items())), name.rsplit("_", 1)[-1] != "bucket", bound, name)
 
 
-#: upper bounds of the batch-size histogram buckets (requests, or queries, per search call)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-class BatchSizes:
-    """Histograms of the search batches one process formed: requests and queries per batch
-    (``GET /metrics`` renders them as ``search_batch_requests`` / ``search_batch_queries``)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.counts = {
-            "requests": [0] * (len(BATCH_BUCKETS) + 1),
-            "queries": [0] * (len(BATCH_BUCKETS) + 1),
-        }
-        self.sums = {"requests": 0, "queries": 0}
-
-    def observe(self, requests: int, queries: int) -> None:
-        with self.lock:
-            for what, n in (("requests", requests), ("queries", queries)):
-                h = self.counts[what]
-                for i, b in enumerate(BATCH_BUCKETS):
-                    if n <= b:
-                        h[i] += 1
-                h[-1] += 1
-                self.sums[what] += int(n)
-
-    def as_json(self) -> dict:
-        """``{"buckets", "requests": {"counts", "sum"}, "queries": {...}}`` (cumulative counts,
-        the last one the total number of batches)."""
-        with self.lock:
-            return {
-                "buckets": list(BATCH_BUCKETS),
-                **{w: {"counts": list(self.counts[w]), "sum": self.sums[w]} for w in self.counts},
-            }
-
-
-def batch_histogram_lines(prefix: str, batches: list[tuple[dict, dict]]) -> list[str]:
-    """Prometheus lines of ``search_batch_{requests,queries}`` histograms from
-    ``[(labels, BatchSizes.as_json())]`` (the router's own, and one per shard replica)."""
-    lines = []
-    for what in ("requests", "queries"):
-        name = f"{prefix}_search_batch_{what}"
-        lines += [
-            f"# HELP {name} {what.capitalize()} per search call, as batched (router and shards).",
-            f"# TYPE {name} histogram",
-        ]
-        for labels, h in batches:
-            counts = h[what]["counts"]
-            for b, c in zip(h["buckets"], counts, strict=False):
-                lines.append(f"{name}_bucket{_labels({**labels, 'le': str(b)})} {c}")
-            lines.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {counts[-1]}")
-            lines.append(f"{name}_sum{_labels(labels)} {h[what]['sum']}")
-            lines.append(f"{name}_count{_labels(labels)} {counts[-1]}")
-    return lines
+def render_cluster_metrics(
+    families: dict[str, dict], gauges: Iterable[tuple[str, str, dict[str, str], float]] = ()
+) -> str:
+    """Prometheus text (format 0.0.4): the summed ``families`` (:func:`sum_over_replicas`),
+    then ``gauges`` ``(name, help, labels, value)`` (names without the prefix)."""
+    lines: list[str] = []
+    for name, fam in sorted(families.items()):
+        lines += [f"# HELP {name} {fam['help']}", f"# TYPE {name} {fam['type']}"]
+        for key in sorted(fam["samples"], key=_sample_order):
+            sample, labels = key
+            lines.append(f"{sample}{_labels(dict(labels))} {fam['samples'][key]}")
+    seen = set()
+    for name, help_, labels, value in sorted(gauges, key=lambda g: g[0]):  # grouped
+        if name not in seen:
+            lines += [f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} gauge"]
+            seen.add(name)
+        lines.append(f"{PREFIX}_{name}{_labels(labels)} {float(value)}")
+    return "\n".join(lines) + "\n"

@@ -66,7 +66,7 @@ class Router:
 
     def __init__(self, shards: list, controller, plan: ServingPlan, admin):
         from raycompat.serving.batching import Batcher
-        from raycompat.serving.metrics import BatchSizes, RouterMetrics
+        from raycompat.serving.metrics import ServingMetrics
 
         self.shards = list(shards)
         self.controller = controller
@@ -74,8 +74,7 @@ class Router:
         self.cfg = plan.config
         self.limits = plan.limits
         self.admin = admin  # raycompat.serving.auth.AdminToken: the token's hash only
-        self.recorder = RouterMetrics()
-        self.batches = BatchSizes()
+        self.recorder = ServingMetrics()
         self.batcher = Batcher(
             self.search_batch,
             self.cfg.search_batch_size,
@@ -444,7 +443,7 @@ class Router:
         from raycompat.serving.batching import query_rows, split_rows, stacked_groups
 
         sides, k, exact = (list(column) for column in zip(*requests, strict=True))
-        self.batches.observe(len(sides), sum(query_rows(s) for s in sides))
+        self.recorder.observe_batch("router", "", len(sides), sum(query_rows(s) for s in sides))
         out: list = [None] * len(sides)
         for members, stacked, kk, ex in stacked_groups(sides, k, exact):
             parts = await self.fan_out("search", stacked, kk, ex)
@@ -465,18 +464,26 @@ class Router:
         return {"ok": True}
 
     async def metrics(self):
+        """Prometheus text: the counters and histograms of every replica, summed (each node's
+        Ray metrics agent, read now), and the gauges of the status."""
+        from raycompat.serving.metrics import (
+            render_cluster_metrics,
+            scrape_nodes,
+            sum_over_replicas,
+        )
+
         try:
             st = await self.gather_status()
         except ApiError:
             st = None
-        batches = [({"stage": "router"}, self.batches.as_json())]
-        for sh in (st or {}).get("shards", []):
-            for j, rep in enumerate(sh["replicas"]):  # by start order: no Serve replica tags
-                labels = {"stage": "shard", "shard": str(sh["shard"]), "replica": str(j)}
-                batches.append((labels, rep["batches"]))
-        return PlainTextResponse(
-            self.recorder.render(status_gauges(st), batches), media_type="text/plain; version=0.0.4"
-        )
+        texts, unreachable = await asyncio.to_thread(scrape_nodes)
+        gauges = status_gauges(st) + [
+            ("metrics_nodes_unreachable", "Nodes whose Ray metrics agent did not answer.", {},
+             len(unreachable)),
+        ]  # fmt: skip
+        families = sum_over_replicas(texts, self.cfg.app_name)
+        text = render_cluster_metrics(families, gauges)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def upsert(self, req: BaseModel):
         from raycompat.serving.placement import split_by_shard

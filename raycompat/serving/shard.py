@@ -18,7 +18,7 @@ import time
 
 from raycompat.index.ann import configure_faiss
 from raycompat.serving.batching import Batcher, query_rows, split_rows, stacked_groups
-from raycompat.serving.metrics import BatchSizes
+from raycompat.serving.metrics import ServingMetrics
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.shard_cache import REPRESENTATIONS, CacheRule, ShardCache
 
@@ -65,7 +65,7 @@ class ShardServer:
         self.started = time.time()
         self.startup_s = time.perf_counter() - t0
         self.searches = 0
-        self.batches = BatchSizes()
+        self.recorder = ServingMetrics()
         self.batcher = Batcher(
             self._search_batch, cfg.search_batch_size, cfg.search_batch_wait_ms / 1000
         )
@@ -87,7 +87,8 @@ class ShardServer:
     async def _search_batch(self, calls: list) -> list:
         queries, k, exact = (list(column) for column in zip(*calls, strict=True))
         self.searches += len(queries)
-        self.batches.observe(len(queries), sum(query_rows(q) for q in queries))
+        rows = sum(query_rows(q) for q in queries)
+        self.recorder.observe_batch("shard", str(self.shard), len(queries), rows)
         return await asyncio.to_thread(search_grouped, self.state, queries, k, exact)
 
     def unknown(self, ids) -> list:
@@ -132,7 +133,6 @@ class ShardServer:
             "started": self.started,
             "pid": os.getpid(),
             "searches": self.searches,
-            "batches": self.batches.as_json(),
             "actor_id": ctx.get_actor_id(),
             "actor_name": ctx.get_actor_name(),
             "representations": list(REPRESENTATIONS),

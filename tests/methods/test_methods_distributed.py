@@ -230,6 +230,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str):
             torch.save(
                 {"gradients": gradients, "training": training}, os.path.join(out_dir, "results.pt")
             )
+        dist.barrier()  # neither worker tears its connections down while the other still reads
     finally:
         dist.destroy_process_group()
 

@@ -34,11 +34,13 @@ from serving_helpers import (
     deploy,
     fill,
     labelled_embeddings,
+    metric_value,
     mount_tmpfs,
     reset_backfill,
     scaled,
     umount,
     undeploy,
+    wait_for_metric,
 )
 
 from raycompat.embeddings.gallery import load_parquet
@@ -109,8 +111,16 @@ def test_search_status_metrics_and_openapi(api, gallery_parquet):
         sum(s["items"]["old"] for s in st["shards"]) == 600
         and min(s["items"]["old"] for s in st["shards"]) > 0
     )
+    # the counters are the sum over both router replicas (Ray's metrics agent): whichever
+    # replica answers a scrape, they never go down, and they reach every search sent
+    searches = 'raycompat_serving_requests_total{endpoint="/search",status="200"}'
+    before = [metric_value(api.metrics(), searches)]
+    for _ in range(5):
+        api.search(data.query_new[:1], k=5)
+    seen = wait_for_metric(api, searches, before[-1] + 5)
+    seen += [metric_value(api.metrics(), searches) for _ in range(6)]
+    assert before + seen == sorted(before + seen) and seen[-1] >= before[-1] + 5, (before, seen)
     text = api.metrics()
-    assert 'raycompat_serving_requests_total{endpoint="/search",status="200"}' in text
     assert "raycompat_serving_items{" in text and "raycompat_serving_request_seconds_bucket" in text
     spec = requests.get(api.base + "/openapi.json", timeout=10).json()
     for path in (

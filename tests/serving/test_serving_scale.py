@@ -14,7 +14,13 @@ import time
 import numpy as np
 import pytest
 import requests
-from serving_helpers import deploy, labelled_embeddings, reset_backfill, undeploy
+from serving_helpers import (
+    deploy,
+    labelled_embeddings,
+    reset_backfill,
+    undeploy,
+    wait_for_metric,
+)
 
 from raycompat.serving.gallery_source import write_gallery_parquet
 
@@ -93,7 +99,9 @@ def test_concurrent_searches_are_batched_and_equal_searches_alone(scaled_app):
         rows = q[j : j + (3 if j % 2 else 1)]
         bodies.append({"vectors": rows.tolist(), "k": 37 if j % 3 else 10, "model": model})
     name = "raycompat_serving_search_batch_requests"
-    router0 = _histogram(client.metrics(), name, 'stage="router"')  # the app's earlier searches
+    counted = 'raycompat_serving_requests_total{endpoint="/search",status="200"}'
+    searched = wait_for_metric(client, counted, 1)[-1]  # the app's search before this test
+    router0 = _histogram(client.metrics(), name, 'stage="router"')
     together = [None] * len(bodies)
     barrier = threading.Barrier(len(bodies))
 
@@ -106,6 +114,7 @@ def test_concurrent_searches_are_batched_and_equal_searches_alone(scaled_app):
         th.start()
     for th in threads:
         th.join()
+    wait_for_metric(client, counted, searched + len(bodies))  # both routers', summed by Ray
     metrics = client.metrics()
     alone = [_search(client.base, b) for b in bodies]
     assert together == alone

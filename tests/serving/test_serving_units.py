@@ -143,45 +143,72 @@ def test_bearer_check(header, token, why):
 
 
 # ----------------------------------------------------------------------------- metrics
-def test_prometheus_text_renders_and_parses():
+def _ray_exposition(worker: str, search_200: int, seconds: list[float]) -> str:
+    """A node agent's Prometheus text as Ray writes it: our families with Ray's and Serve's
+    labels (one replica's worker)."""
+    ray_labels = (
+        f'Component="core_worker",WorkerId="{worker}",application="index",'
+        f'deployment="router",replica="router#{worker}"'
+    )
+    bounds = (0.001, 0.01, 0.1)
+    lines = [
+        "# HELP ray_raycompat_serving_requests_total HTTP requests by endpoint and status code.",
+        "# TYPE ray_raycompat_serving_requests_total counter",
+        f'ray_raycompat_serving_requests_total{{{ray_labels},endpoint="/search",status="200"}} '
+        f"{search_200}.0",
+        f'ray_raycompat_serving_requests_total{{{ray_labels},endpoint="/status",status="503"}} 1.0',
+        "# HELP ray_raycompat_serving_request_seconds Request latency in the router.",
+        "# TYPE ray_raycompat_serving_request_seconds histogram",
+    ]
+    for b in bounds:
+        n = sum(x <= b for x in seconds)
+        lines.append(
+            f'ray_raycompat_serving_request_seconds_bucket{{{ray_labels},endpoint="/search",'
+            f'le="{b}"}} {n}.0'
+        )
+    lines += [
+        f'ray_raycompat_serving_request_seconds_bucket{{{ray_labels},endpoint="/search",'
+        f'le="+Inf"}} {len(seconds)}.0',
+        f'ray_raycompat_serving_request_seconds_count{{{ray_labels},endpoint="/search"}} '
+        f"{len(seconds)}.0",
+        f'ray_raycompat_serving_request_seconds_sum{{{ray_labels},endpoint="/search"}} '
+        f"{sum(seconds)}",
+        "# HELP ray_serve_num_http_requests_total Ray's own.",
+        "# TYPE ray_serve_num_http_requests_total counter",
+        f"ray_serve_num_http_requests_total{{{ray_labels}}} 99.0",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_metrics_sum_every_replica_and_render_as_prometheus_text():
+    """Two router replicas' counters (Ray's agents export each replica's series): /metrics
+    shows their sum under our names, Ray's and Serve's labels summed over, with the gauges."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from raycompat.serving.metrics import BUCKETS, RouterMetrics
+    from raycompat.serving.metrics import render_cluster_metrics, sum_over_replicas
 
-    m = RouterMetrics()
-    m.observe("/search", 200, 0.003, queries=4)
-    m.observe("/search", 200, 0.2, queries=2)
-    m.observe("/search", 422, 0.0005)
-    m.observe("/status", 503, 20.0)
-    text = m.render(
-        [
-            ("items", "Items held.", {"shard": "0", "representation": "old"}, 7),
-            ("items", "Items held.", {"shard": "1", "representation": 'we"ird\nname'}, 3),
-            ("shards_up", "Shards answering.", {}, 2),
-        ]
-    )
+    texts = [_ray_exposition("a", 2, [0.0005, 0.05]), _ray_exposition("b", 3, [0.005])]
+    gauges = [
+        ("items", "Items held.", {"shard": "0", "representation": "old"}, 7),
+        ("items", "Items held.", {"shard": "1", "representation": 'we"ird\nname'}, 3),
+        ("shards_up", "Shards answering.", {}, 2),
+    ]
+    text = render_cluster_metrics(sum_over_replicas(texts), gauges)
     fam = {f.name: f for f in text_string_to_metric_families(text)}
+    assert "ray_serve_num_http_requests" not in fam and "serve_num_http_requests" not in fam
     reqs = {
         (s.labels["endpoint"], s.labels["status"]): s.value
         for s in fam["raycompat_serving_requests"].samples
-        if s.name.endswith("_total")
     }
-    assert reqs == {("/search", "200"): 2, ("/search", "422"): 1, ("/status", "503"): 1}
-    assert fam["raycompat_serving_queries"].samples[0].value == 6
-    hist = [
-        s
-        for s in fam["raycompat_serving_request_seconds"].samples
-        if s.labels.get("endpoint") == "/search"
-    ]
-    buckets = [s.value for s in hist if s.name.endswith("_bucket")]
-    assert len(buckets) == len(BUCKETS) + 1 and buckets == sorted(buckets) and buckets[-1] == 3
-    assert next(s.value for s in hist if s.name.endswith("_count")) == 3
-    assert next(s.value for s in hist if s.name.endswith("_sum")) == pytest.approx(0.2035)
+    assert reqs == {("/search", "200"): 5.0, ("/status", "503"): 2.0}
+    hist = fam["raycompat_serving_request_seconds"]
+    assert hist.type == "histogram"
+    buckets = [(s.labels["le"], s.value) for s in hist.samples if s.name.endswith("_bucket")]
+    assert buckets == [("0.001", 1.0), ("0.01", 2.0), ("0.1", 3.0), ("+Inf", 3.0)]
+    assert next(s.value for s in hist.samples if s.name.endswith("_sum")) == pytest.approx(0.0555)
     items = {s.labels["representation"]: s.value for s in fam["raycompat_serving_items"].samples}
-    assert (
-        items == {"old": 7.0, 'we"ird\nname': 3.0}
-        and fam["raycompat_serving_items"].type == "gauge"
-    )
+    assert items == {"old": 7.0, 'we"ird\nname': 3.0}
+    assert fam["raycompat_serving_items"].type == "gauge"
     assert fam["raycompat_serving_shards_up"].samples[0].value == 2
 
 
