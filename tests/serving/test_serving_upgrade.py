@@ -398,9 +398,15 @@ def test_bodies_of_pause_and_canary_and_status_hides_replica_tags(up):
 def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up):
     """The default on a cluster with CPUs is two router replicas; when one dies, the next
     request is answered by the other (with one replica it would wait for Serve to start a
-    replacement)."""
+    replacement).  A stream of upserts runs across the kill: every acknowledged one is served
+    afterwards (its vector, normalised again by the store), and every item is on one shard in one representation."""
+    import threading
+
     import ray
+    from ray import serve
     from ray.util.state import list_actors
+
+    from raycompat.serving.placement import shard_of
 
     client, _, _, _ = up
     gcs = ray.get_runtime_context().gcs_address
@@ -411,6 +417,27 @@ def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up)
     ]
     assert len(routers) == 2, routers
     victim, survivor = routers
+    old = np.asarray(sorted(i for i, c in _items(APP).items() if c == 0))[-40:]
+    rng = np.random.default_rng(7)
+    vecs = rng.standard_normal((old.size, 24)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    acked, outcomes, stop = {}, [], threading.Event()
+
+    def stream():
+        for j, (i, v) in enumerate(zip(old.tolist(), vecs, strict=True)):
+            if stop.is_set():
+                return
+            item = {"id": i, "representation": "new", "vector": v.tolist()}
+            r = call(client, "POST", "/admin/upsert", {"items": [item]})
+            outcomes.append(r.status_code)
+            if r.status_code == 200:
+                acked[i] = j
+            else:  # a request the proxy still sent to the dead router: JSON 503, retryable
+                assert r.status_code == 503 and "error" in r.json(), r.text
+
+    writer = threading.Thread(target=stream)
+    writer.start()
+    _wait(lambda: len(outcomes) >= 5, timeout=60, what="upserts before the kill")
     ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
     for _ in range(20):  # a request the proxy still sends to the dead replica is a 503
         try:
@@ -421,6 +448,18 @@ def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up)
     assert first["pid"] == survivor.pid != victim.pid  # not a replacement: nobody waited
     answered = {client.status()["router"]["pid"] for _ in range(10)}
     assert victim.pid not in answered
+    writer.join(120)
+    stop.set()
+    assert len(outcomes) == old.size and len(acked) >= old.size - 5, outcomes
+    ids = np.asarray(sorted(acked))
+    on = shard_of(ids, 2)
+    for s in (0, 1):
+        h = serve.get_deployment_handle(f"shard-{s}", app_name=APP)
+        reps, got = h.lookup.remote(ids[on == s]).result()
+        assert reps == ["new"] * int((on == s).sum())
+        want = vecs[[acked[i] for i in ids[on == s].tolist()]]
+        assert np.allclose(np.asarray(got, np.float32), want, rtol=0, atol=1e-6)  # unit again
+    assert len(_items(APP)) == client.status()["items"]["old"] + client.status()["items"]["new"]
 
 
 def test_an_upsert_refused_by_a_full_disk_applies_nothing_and_is_retried_whole(up):
