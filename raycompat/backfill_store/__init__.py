@@ -18,8 +18,9 @@ between batches; on a stopped one the command applies them itself (a rollback or
 in the command's own process).
 
 Exit status: 0 done or paused (at ``--until``, by ``--pause``); 1 stopped in ``error`` (the
-store refused a write, named); 2 bad input (one ``error:`` line naming the column); 3 refused by
-the state machine (the live index's 409, one ``error:`` line); 4 paused by a canary guard.
+store refused a write, named); 2 bad input (one ``error:`` line naming the column, or the
+``--store`` that cannot be reached, opened or written); 3 refused by the state machine (the live
+index's 409, one ``error:`` line); 4 paused by a canary guard.
 """
 
 from raycompat.backfill_store.commands import main

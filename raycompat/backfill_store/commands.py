@@ -35,6 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a store that refuses a read or a write outside a batch
         if opts.verbose:
             raise
+        from raycompat.stores.backfill import is_full_disk
+
+        if is_full_disk(exc):  # nothing of this run can be written: as a store that is read-only
+            print(
+                f"error: --store {opts.store}: the store cannot be written, the disk under it is "
+                "full (No space left on device): free some space and run again",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT["bad_input"]
         print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT["error"]
 

@@ -14,9 +14,11 @@ marker (docs/stores.md#capabilities).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -26,6 +28,7 @@ import numpy as np
 
 try:
     from pymilvus import AnnSearchRequest, DataType, MilvusClient, WeightedRanker
+    from pymilvus.client.types import Status
     from pymilvus.exceptions import MilvusException
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
     from raycompat.stores.errors import MissingBackendError
@@ -66,6 +69,8 @@ LOAD_SUFFIX = "__raycompat_load"
 MAX_UPSERT_BYTES = 32 * 2**20
 #: Environment variable holding a Milvus server's token ("user:password" or an API key).
 TOKEN_ENV = "RAYCOMPAT_MILVUS_TOKEN"
+#: Seconds a Milvus server has to accept the connection (pymilvus waits 10 s by default).
+CONNECT_TIMEOUT_S = 3.0
 #: How long a store trusts the index types it read (an index another process builds shows
 #: after at most this long).
 INDEX_CACHE_S = 10.0
@@ -85,15 +90,34 @@ class _NoMvccWarning(logging.Filter):
 logging.getLogger("pymilvus.client.iterator.query_iterator").addFilter(_NoMvccWarning())
 
 
-class _NoLockTraceback(logging.Filter):
-    """Milvus Lite logs a traceback when another process holds the file; the StoreError that
-    follows says so in one line."""
+#: Why Milvus Lite could not start on a file: the exception its server manager logged (it
+#: returns None, and pymilvus raises "Open local milvus failed"), by absolute path.
+_LITE_FAILURES: dict[str, BaseException] = {}
+
+
+class _Quiet(logging.Filter):
+    """Milvus Lite and pymilvus log a traceback for every error they also hand to the caller
+    (the server manager's failure to start, each RPC the Lite server refuses, each RPC error
+    pymilvus raises): the StoreError or the exception that follows says it in one line. The
+    server manager's exception is kept, so that the StoreError can say why."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to start MilvusLite server" not in record.getMessage()
+        message = str(record.msg)
+        if message.startswith("Failed to start MilvusLite server") and record.exc_info:
+            if record.args:
+                _LITE_FAILURES[str(record.args[0])] = record.exc_info[1]
+            return False
+        if record.name == "pymilvus.decorators":
+            return record.levelno < logging.ERROR
+        return not (record.name.startswith("milvus_lite.adapter") and record.exc_info)
 
 
-logging.getLogger("milvus_lite.server_manager").addFilter(_NoLockTraceback())
+for _name in (
+    "milvus_lite.server_manager",
+    "milvus_lite.adapter.grpc.servicer",
+    "pymilvus.decorators",
+):
+    logging.getLogger(_name).addFilter(_Quiet())
 
 
 def _capabilities(lite: bool) -> Capabilities:
@@ -116,22 +140,104 @@ def _require_lite() -> None:
 
 
 def _connect(uri: StoreURI) -> MilvusClient:
-    """A client; for Milvus Lite, the file's in-process server (one process at a time)."""
+    """A client; for Milvus Lite, the file's in-process server (one process at a time). A
+    StoreError says in one line why there is none: a server that cannot be reached, a Lite
+    file that another process holds, that is read-only or on a full disk."""
     if not uri.is_local_file:
-        return MilvusClient(uri=uri.server_uri, token=os.environ.get(TOKEN_ENV, ""))
+        return _server_client(uri)
     _require_lite()
     path = os.path.abspath(uri.target)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     with _LITE_LOCK:  # a file's server starts and stops under the lock (threads of a process)
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             client = MilvusClient(uri=path)
-        except MilvusException as exc:
+        except (MilvusException, OSError) as exc:
+            cause = _LITE_FAILURES.pop(path, exc)
             raise StoreError(
-                f"Milvus Lite file {uri.target!r} cannot be opened (another process "
-                f"holds it? one process at a time): {exc}"
-            ) from exc
+                f"Milvus Lite file {uri.target!r} cannot be opened: {_lite_failure(path, cause)}"
+            ) from cause
         _LITE_USERS[path] = _LITE_USERS.get(path, 0) + 1
     return client
+
+
+def _lite_failure(path: str, cause: BaseException) -> str:
+    """Why Milvus Lite could not open the file (a folder) ``path``, in plain words. Only a
+    lock held elsewhere says "another process holds it" (``backfill-store`` then sends its
+    command through the files beside it)."""
+    from milvus_lite.exceptions import DataDirLockedError
+
+    if isinstance(cause, DataDirLockedError):
+        return "another process holds it (one process at a time)"
+    code = getattr(cause, "errno", None)
+    if code == errno.EROFS:
+        return "it is on a read-only file system (Milvus Lite writes to it even to read it)"
+    if code in (errno.EACCES, errno.EPERM) or (code is None and not _writable(path)):
+        return (
+            "it is read-only to this process: permission denied (Milvus Lite writes to it even "
+            "to read it)"
+        )
+    if code == errno.ENOSPC:
+        return "the disk under it is full (No space left on device)"
+    if isinstance(cause, OSError):
+        return f"{cause.strerror or cause}" + (f": {cause.filename}" if cause.filename else "")
+    text = (getattr(cause, "message", None) or str(cause)).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}"
+
+
+def _writable(path: str) -> bool:
+    """Whether this process may write the Lite folder ``path`` and its lock file."""
+    lock = os.path.join(path, "LOCK")
+    return os.access(path, os.W_OK | os.X_OK) and (
+        not os.path.exists(lock) or os.access(lock, os.W_OK)
+    )
+
+
+def _server_client(uri: StoreURI) -> MilvusClient:
+    """A client of the Milvus server at ``host:port``, or a StoreError within about
+    CONNECT_TIMEOUT_S: a refused connection or an unknown host at once (unless a proxy
+    carries gRPC), no answer after CONNECT_TIMEOUT_S."""
+    where = f"cannot reach the Milvus server at {uri.target}"
+    why = None if _grpc_proxy() else _unreachable(uri.target)
+    if why is not None:
+        raise StoreError(f"{where}: {why}")
+    try:
+        return MilvusClient(
+            uri=uri.server_uri, token=os.environ.get(TOKEN_ENV, ""), timeout=CONNECT_TIMEOUT_S
+        )
+    except MilvusException as exc:
+        if exc.code == Status.CONNECT_FAILED:
+            raise StoreError(
+                f"{where}: it did not answer as a Milvus server within {CONNECT_TIMEOUT_S:g} s "
+                "(is this its gRPC port, 19530 by default?)"
+            ) from exc
+        text = str(exc.message).strip().splitlines()
+        raise StoreError(
+            f"the Milvus server at {uri.target} refused the connection: {text[0] if text else exc}"
+        ) from exc
+
+
+def _grpc_proxy() -> bool:
+    """Whether gRPC may connect through a proxy (then only it knows whether the server is
+    reachable)."""
+    names = ("grpc_proxy", "https_proxy", "http_proxy")
+    return any(os.environ.get(n) or os.environ.get(n.upper()) for n in names)
+
+
+def _unreachable(target: str) -> str | None:
+    """Why no TCP connection opens to ``host:port`` (tried for CONNECT_TIMEOUT_S), in plain
+    words; None when one does."""
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except socket.gaierror:
+        return f"no host is named {host!r}"
+    except ConnectionRefusedError:
+        return f"connection refused (nothing listens on port {port})"
+    except TimeoutError:
+        return f"no answer within {CONNECT_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    return None
 
 
 def _disconnect(uri: StoreURI, client: MilvusClient) -> None:

@@ -506,6 +506,7 @@ def test_a_store_that_refuses_a_write_stops_the_job_in_error_naming_it(
     thread.join(timeout=60)
     rc, out, err = done["run"]
     assert rc == 1 and "No space left on device" in err and "refused" in err, err
+    assert len(err.strip().splitlines()) == 1, err  # (Milvus's tracebacks: the test below)
     assert "error" in out.splitlines()[-1]  # the phase line
     os.remove(disk / "filler")
     st = status(capsys, uri)
@@ -550,6 +551,98 @@ def test_bad_input_is_one_error_line_naming_the_column(tmp_path, small, bundle, 
     # the checks come before any write: the store is untouched
     st = status(capsys, uri)
     assert st["counts"]["upgraded"] == 0
+
+
+# -- a Milvus store that cannot be reached, opened or written ------------------------------
+def _cli_runs(cases: list[tuple[list, list]]) -> list[tuple[int, list[str]]]:
+    """``(exit status, non-empty stderr lines)`` of the job's command line for each
+    ``(prefix, argv)`` (``prefix``: e.g. ``setpriv ...``), run at once in child processes: what
+    a terminal shows, Milvus Lite's and pymilvus's own log lines included."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    job = [sys.executable, str(REPO / "jobs" / "backfill_store.py")]
+    procs = [
+        subprocess.Popen(
+            [*prefix, *job, *map(str, argv)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for prefix, argv in cases
+    ]
+    out = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        out.append((proc.returncode, [line for line in err.splitlines() if line.strip()]))
+    return out
+
+
+def _assert_one_error_line(runs, cases, uris, whys) -> None:
+    for (rc, lines), (_, argv), uri, why in zip(runs, cases, uris, whys, strict=True):
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, rc, lines)
+        assert f"--store {uri}: " in lines[0] and why in lines[0], (why, lines[0])
+        assert "another process" not in lines[0], lines[0]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_an_unreachable_milvus_server_or_an_unwritable_lite_file_is_one_error_line(
+    tmp_path, small, bundle
+):
+    """Nothing listening at host:port: refused at once (no wait for pymilvus's 10 s), naming
+    host:port; a Milvus Lite file this process may not write (Milvus Lite writes its lock file
+    even to read): "permission denied", not "held by another process". Root ignores the
+    permission bits: its run drops CAP_DAC_OVERRIDE (setpriv) so that they apply."""
+    import socket
+
+    pytest.importorskip("milvus_lite")
+    with socket.socket() as sock:  # a free port: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = f"milvus://127.0.0.1:{port}/gallery"
+    locked = make_store("milvus", tmp_path / "locked", small)
+    vec = gallery_vectors(tmp_path / "v.parquet", small)
+    job = ["--new-model", bundle, "--new-vectors", vec]
+    cases = [([], ["--store", server, *job])]
+    uris = [server]
+    whys = [f"cannot reach the Milvus server at 127.0.0.1:{port}: connection refused"]
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if os.geteuid() != 0 or shutil.which("setpriv"):
+        cases.append((drop if os.geteuid() == 0 else [], ["--store", locked, *job]))
+        uris.append(locked)
+        whys.append("cannot be opened: it is read-only to this process: permission denied")
+    subprocess.run(["chmod", "-R", "a-w", str(tmp_path / "locked")], check=True)
+    try:
+        started = time.monotonic()
+        runs = _cli_runs(cases)
+        took = time.monotonic() - started
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(tmp_path / "locked")], check=True)
+    _assert_one_error_line(runs, cases, uris, whys)
+    assert took < 30, took
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_milvus_lite_file_on_a_read_only_or_full_disk_is_one_error_line(
+    tmp_path, small, bundle, tiny_fs
+):
+    """A Milvus Lite file on a file system mounted read-only (what even root cannot write),
+    and one on a full disk when the job starts (its first write is the driver's claim): one
+    ``error:`` line each, exit status 2, none of Milvus Lite's and pymilvus's tracebacks."""
+    from conftest import fill_disk
+
+    pytest.importorskip("milvus_lite")
+    read_only, full = Path(tiny_fs(16 * 2**20, "ro")), Path(tiny_fs(16 * 2**20, "full"))
+    uris = [make_store("milvus", read_only, small), make_store("milvus", full, small)]
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
+    fill_disk(str(full))
+    vec = gallery_vectors(tmp_path / "v.parquet", small)
+    cases = [([], ["--store", uri, "--new-model", bundle, "--new-vectors", vec]) for uri in uris]
+    whys = ["cannot be opened: it is on a read-only file system", "the disk under it is full"]
+    _assert_one_error_line(_cli_runs(cases), cases, uris, whys)
 
 
 @pytest.mark.timeout(180)
