@@ -90,6 +90,8 @@ def _bind_shards(plan: ServingPlan) -> list:
         **HEALTH_CHECKS,
     )
     replicas = replica_options(cfg.shard_replicas, cfg.shard_autoscaling)
+    if cfg.shard_replicas_per_node:
+        replicas["max_replicas_per_node"] = int(cfg.shard_replicas_per_node)
     return [
         shard_cls.options(name=f"shard-{i}", ray_actor_options=opts, **replicas).bind(i, plan)
         for i in range(cfg.num_shards)

@@ -61,6 +61,11 @@ class ServingConfig:
         help="replicas per shard, each a cache of the shard's rows of the store (replaced by "
         "shard_autoscaling when that is given)",
     )
+    shard_replicas_per_node: int = nonnegative(
+        0,
+        help="at most this many replicas of one shard on a node (Serve's max_replicas_per_node; "
+        "0: no limit); 1 puts a shard's replicas on different nodes",
+    )
     shard_gpus: float = option(
         0.0, help="ray_actor_options num_gpus per shard replica (the index then lives on the GPU)"
     )

@@ -660,12 +660,12 @@ def _router_replica() -> str | None:
 
 def replica_summary(status: dict) -> dict:
     """What ``/status`` lists per replica of a shard."""
-    keys = ("replica", "pid", "actor_name", "seq", "searches", "startup_s", "store", "batches")
+    keys = ("replica", "pid", "actor_name", "node_id", "seq", "searches", "startup_s", "store")
     return {key: status.get(key) for key in keys}
 
 
 #: what /status shows only to the admin: where processes and files are, Serve's replica tags
-PRIVATE_STATUS_KEYS = ("pid", "actor_id", "actor_name", "path", "replica")
+PRIVATE_STATUS_KEYS = ("pid", "actor_id", "actor_name", "node_id", "path", "replica")
 
 
 def public_status(st: dict) -> dict:

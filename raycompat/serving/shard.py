@@ -134,6 +134,7 @@ class ShardServer:
             "pid": os.getpid(),
             "searches": self.searches,
             "actor_id": ctx.get_actor_id(),
+            "node_id": ctx.get_node_id(),
             "actor_name": ctx.get_actor_name(),
             "representations": list(REPRESENTATIONS),
         }
