@@ -399,7 +399,8 @@ def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up)
     """The default on a cluster with CPUs is two router replicas; when one dies, the next
     request is answered by the other (with one replica it would wait for Serve to start a
     replacement).  A stream of upserts runs across the kill: every acknowledged one is served
-    afterwards (its vector, normalised again by the store), and every item is on one shard in one representation."""
+    afterwards (its vector, normalised again by the store), and every item is on one shard in
+    one representation."""
     import threading
 
     import ray
