@@ -48,9 +48,6 @@ os.environ.setdefault(
 os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25")
 os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
-# ... but the index's counters (ray.serve.metrics) reach /metrics through each node's metrics
-# agent, every report interval (10 s by default): 2 s, so that a test waits less for them.
-os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # The Ray Train worker and controller actors need a few logical CPUs on this 2-core machine.
 TEST_RAY_CPUS = 4
 

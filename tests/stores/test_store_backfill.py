@@ -589,13 +589,21 @@ def _assert_one_error_line(runs, cases, uris, whys) -> None:
 @pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_an_unreachable_milvus_server_or_an_unwritable_lite_file_is_one_error_line(
-    tmp_path, small, bundle
+    tmp_path, small, bundle, tiny_fs
 ):
-    """Nothing listening at host:port: refused at once (no wait for pymilvus's 10 s), naming
-    host:port; a Milvus Lite file this process may not write (Milvus Lite writes its lock file
-    even to read): "permission denied", not "held by another process". Root ignores the
-    permission bits: its run drops CAP_DAC_OVERRIDE (setpriv) so that they apply."""
+    """One ``error:`` line each, exit status 2, none of Milvus Lite's and pymilvus's
+    tracebacks (the four runs start together):
+
+    * nothing listening at host:port: refused at once (no wait for pymilvus's 10 s), naming
+      host:port;
+    * a Milvus Lite file this process may not write (Milvus Lite writes its lock file even to
+      read): "permission denied", not "held by another process" (root ignores the permission
+      bits: its run drops CAP_DAC_OVERRIDE with setpriv so that they apply);
+    * a Milvus Lite file on a file system mounted read-only (what even root cannot write);
+    * one on a full disk when the job starts (its first write is the driver's claim)."""
     import socket
+
+    from conftest import fill_disk
 
     pytest.importorskip("milvus_lite")
     with socket.socket() as sock:  # a free port: nothing listens there
@@ -603,11 +611,19 @@ def test_an_unreachable_milvus_server_or_an_unwritable_lite_file_is_one_error_li
         port = sock.getsockname()[1]
     server = f"milvus://127.0.0.1:{port}/gallery"
     locked = make_store("milvus", tmp_path / "locked", small)
+    read_only, full = Path(tiny_fs(16 * 2**20, "ro")), Path(tiny_fs(16 * 2**20, "full"))
+    on_disks = [make_store("milvus", read_only, small), make_store("milvus", full, small)]
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
+    fill_disk(str(full))
     vec = gallery_vectors(tmp_path / "v.parquet", small)
     job = ["--new-model", bundle, "--new-vectors", vec]
-    cases = [([], ["--store", server, *job])]
-    uris = [server]
-    whys = [f"cannot reach the Milvus server at 127.0.0.1:{port}: connection refused"]
+    cases = [([], ["--store", uri, *job]) for uri in [server, *on_disks]]
+    uris = [server, *on_disks]
+    whys = [
+        f"cannot reach the Milvus server at 127.0.0.1:{port}: connection refused",
+        "cannot be opened: it is on a read-only file system",
+        "the disk under it is full",
+    ]
     drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
     if os.geteuid() != 0 or shutil.which("setpriv"):
         cases.append((drop if os.geteuid() == 0 else [], ["--store", locked, *job]))
@@ -621,28 +637,7 @@ def test_an_unreachable_milvus_server_or_an_unwritable_lite_file_is_one_error_li
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(tmp_path / "locked")], check=True)
     _assert_one_error_line(runs, cases, uris, whys)
-    assert took < 30, took
-
-
-@pytest.mark.subprocess
-@pytest.mark.timeout(120)
-def test_a_milvus_lite_file_on_a_read_only_or_full_disk_is_one_error_line(
-    tmp_path, small, bundle, tiny_fs
-):
-    """A Milvus Lite file on a file system mounted read-only (what even root cannot write),
-    and one on a full disk when the job starts (its first write is the driver's claim): one
-    ``error:`` line each, exit status 2, none of Milvus Lite's and pymilvus's tracebacks."""
-    from conftest import fill_disk
-
-    pytest.importorskip("milvus_lite")
-    read_only, full = Path(tiny_fs(16 * 2**20, "ro")), Path(tiny_fs(16 * 2**20, "full"))
-    uris = [make_store("milvus", read_only, small), make_store("milvus", full, small)]
-    subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
-    fill_disk(str(full))
-    vec = gallery_vectors(tmp_path / "v.parquet", small)
-    cases = [([], ["--store", uri, "--new-model", bundle, "--new-vectors", vec]) for uri in uris]
-    whys = ["cannot be opened: it is on a read-only file system", "the disk under it is full"]
-    _assert_one_error_line(_cli_runs(cases), cases, uris, whys)
+    assert took < 45, took
 
 
 @pytest.mark.timeout(180)
