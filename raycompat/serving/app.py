@@ -72,16 +72,22 @@ def replica_options(replicas: int, autoscaling: str | None) -> dict:
 HEALTH_CHECKS = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0}
 
 
+def actor_options(cfg: ServingConfig, **options) -> dict:
+    """A replica's ``ray_actor_options``: ``options``, and the metrics report interval of
+    ``metrics_interval_s`` in its environment (Ray reads it when the replica's process starts)."""
+    if cfg.metrics_interval_s:
+        interval = str(int(cfg.metrics_interval_s * 1000))
+        options["runtime_env"] = {"env_vars": {"RAY_metrics_report_interval_ms": interval}}
+    return options
+
+
 def _bind_shards(plan: ServingPlan) -> list:
     from ray import serve
 
     from raycompat.serving.shard import ShardServer
 
     cfg = plan.config
-    opts = {
-        "num_cpus": cfg.shard_cpus,
-        "num_gpus": cfg.shard_gpus,
-    }
+    opts = actor_options(cfg, num_cpus=cfg.shard_cpus, num_gpus=cfg.shard_gpus)
     if cfg.shard_memory_mb:
         opts["memory"] = int(cfg.shard_memory_mb) * 1024 * 1024
     shard_cls = serve.deployment(
@@ -122,7 +128,7 @@ def _bind_router(plan: ServingPlan, shards: list, controller):
     # read here (token_file, else RAYCOMPAT_ADMIN_TOKEN of this process); replicas get its hash
     admin = AdminToken.from_token(load_admin_token(cfg.token_file))
     return Router.options(
-        ray_actor_options={"num_cpus": cfg.router_cpus},
+        ray_actor_options=actor_options(cfg, num_cpus=cfg.router_cpus),
         max_ongoing_requests=256,
         **HEALTH_CHECKS,
         **replica_options(router_replicas(cfg), cfg.router_autoscaling),

@@ -91,6 +91,13 @@ class ServingConfig:
         help="router replicas (0: two where the cluster has at least 2 CPUs, else one; with one, "
         "requests wait while Serve replaces a router that died)",
     )
+    metrics_interval_s: float | None = option(
+        None,
+        min=0.1,
+        help="seconds between two pushes of a replica's counters to its node's Ray metrics "
+        "agent, which /metrics and Prometheus read (Ray's metrics_report_interval_ms; "
+        "default Ray's, 10 s)",
+    )
     host: str = option("127.0.0.1", help="HTTP host")
     port: int = positive(8000, help="HTTP port")
     app_name: str = option("raycompat", help="Serve application name")

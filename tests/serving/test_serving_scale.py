@@ -46,6 +46,7 @@ def scaled_app(serve_port, token_file, tmp_path_factory):
         router_autoscaling='{"min_replicas": 1, "max_replicas": 2}',
         search_batch_size=16,
         search_batch_wait_ms=50.0,
+        metrics_interval_s=1.0,
     )
     yield client
     undeploy(APP)

@@ -18,10 +18,12 @@ from serving_helpers import (
     TOKEN,
     deploy,
     fill,
+    metric_value,
     mount_tmpfs,
     reset_backfill,
     umount,
     undeploy,
+    wait_for_metric,
 )
 
 from raycompat.embeddings.gallery import load_parquet
@@ -45,7 +47,7 @@ def up(serve_port, gallery_parquet, token_file, tmp_path_factory):
     fs = str(tmp_path_factory.mktemp("upgrade_fs"))
     mounted = mount_tmpfs(fs, 32 << 20)
     _, client = deploy(serve_port, state, gallery_parquet, token_file, app=APP,
-                       prefix="/upgrade", num_shards=2, router_replicas=0,
+                       prefix="/upgrade", num_shards=2, router_replicas=0, metrics_interval_s=1.0,
                        store=fs if mounted else "")  # fmt: skip
     yield client, str(state), load_parquet(gallery_parquet), fs if mounted else None
     undeploy(APP)
@@ -417,6 +419,15 @@ def test_two_router_replicas_by_default_and_a_survivor_answers_when_one_dies(up)
         if a.class_name == f"ServeReplica:{APP}:router"
     ]
     assert len(routers) == 2, routers
+    # the counters are the sum over both routers (Ray's metrics agent): whichever one answers
+    # a scrape, they never go down, and they reach every search sent
+    searches = 'raycompat_serving_requests_total{endpoint="/search",status="200"}'
+    before = [metric_value(client.metrics(), searches)]
+    for j in range(6):
+        client.search(np.eye(1, 24, j), k=3)
+    seen = wait_for_metric(client, searches, before[-1] + 6)
+    seen += [metric_value(client.metrics(), searches) for _ in range(6)]
+    assert before + seen == sorted(before + seen) and seen[-1] >= before[-1] + 6, (before, seen)
     victim, survivor = routers
     old = np.asarray(sorted(i for i, c in _items(APP).items() if c == 0))[-40:]
     rng = np.random.default_rng(7)
