@@ -164,3 +164,13 @@ def wait_for_metric(client, sample: str, at_least: float, timeout_s: float = 30.
         if seen[-1] >= at_least or time.monotonic() > deadline:
             return seen
         time.sleep(0.5)
+
+
+def backfill_order(client) -> np.ndarray:
+    """The order of the index's backfill (item ids), read from the store it serves: the
+    backfill's record and order are records in the store."""
+    from raycompat.stores import open_store
+    from raycompat.stores.backfill import BackfillRecords
+
+    records = BackfillRecords(open_store(client.status()["backfill"]["store"]))
+    return records.read_order(records.load()["order"])

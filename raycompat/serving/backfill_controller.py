@@ -3,12 +3,14 @@ served store, at a given rate, pausable, resumable, and crash-safe; it is also t
 writer for the router's upserts (:meth:`BackfillController.upsert_items`, concurrent requests
 grouped into one commit).
 
-Progress is checkpointed in ``<state_dir>/backfill/`` after every batch the store has committed
-(``order.npy``: the order as item ids, written once; ``checkpoint.json``: policy, seed, source,
-position, until, rate, state; both written atomically).  A batch is one commit of the store, so:
+Its record is the store's upgrade record, the one ``raycompat backfill-store`` keeps
+(:class:`raycompat.backfill_store.record.StoreUpgrade`: the record and the order are records in
+the store; ``backfill-store --status`` reads it).  Every batch is one commit of the store that
+writes the items' new vectors with their positions in the order, then the record is saved, so:
 
-* a controller crash resumes at the checkpointed position (a batch committed but not yet
-  checkpointed is written again -- idempotent: same ids, same vectors, same representation);
+* a controller killed between the two finds the batch in the store when it starts again (its
+  items at their positions, with the model's fingerprint) and goes on after it: nothing is
+  written twice (:func:`raycompat.stores.backfill.reconciled_position`);
 * an item upgraded before a crash stays upgraded (nothing but a rollback moves an item back);
 * the shards are caches of the store: a shard replica that dies takes no write with it.
 
@@ -20,13 +22,13 @@ every search returned (:meth:`BackfillController.note_reads`); the controller ke
 ``read_window`` searches and, before a batch, when searches came in since the last batch,
 moves the items they returned that are still waiting to the front of the rest of the order
 (:func:`raycompat.serving.orders.reorder_on_read`, the simulator's ``upgrade-on-read`` rule)
-and saves ``order.npy`` before the batch.  Only the part after ``position`` moves, so the
+and saves the order in the store before the batch.  Only the part after ``position`` moves, so the
 backfilled prefix, exactly-once and the crash resume are as before.
 
 Every command and every event of the walking thread is decided by the upgrade state machine
 (:mod:`raycompat.upgrade.state_machine`, docs/live-index.md "The upgrade state machine"):
-:meth:`BackfillController._decide` asks it with the checkpoint's facts, :meth:`_enter` writes
-the state it answers back into the checkpoint.
+:meth:`BackfillController._decide` asks it with the record's facts, :meth:`_enter` writes
+the state it answers back into the record.
 
 A consistent ``/status`` (the router's ``gather_status``): :meth:`BackfillController.hold`
 waits (at most ``wait_s``) for the batch in flight to be acknowledged and then lets no new
@@ -39,14 +41,13 @@ and not acknowledged).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 import time
 
 import numpy as np
 
-from raycompat.serving.checkpoint_files import CorruptStateError, atomic_write
+from raycompat.backfill_store.record import StoreUpgrade
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
@@ -61,7 +62,7 @@ from raycompat.upgrade.state_machine import (
     state_of,
 )
 
-__all__ = ["BackfillController", "backfill_dir"]
+__all__ = ["BackfillController"]
 
 #: what the store's driver record calls a live index (``backfill-store`` names it)
 LIVE_DRIVER = "live index"
@@ -86,10 +87,6 @@ UPSERT_GROUP = 64
 COMPACT_EVERY = 64
 
 
-def backfill_dir(state_dir: str) -> str:
-    return os.path.join(state_dir, "backfill")
-
-
 class BackfillController(UpgradeCommands):
     """Serve deployment class (one replica); ``shards``: the shard deployment handles.  The
     canary gate, rollback, finalize and the stale listing: :class:`UpgradeCommands`."""
@@ -107,12 +104,9 @@ class BackfillController(UpgradeCommands):
         self._known: np.ndarray | None = None  # the store's ids, read at the first upsert
         self._commits = 0  # commits since the last compaction
         self.compact_error: str | None = None
-        self.dir = backfill_dir(self.cfg.state_dir)
-        os.makedirs(self.dir, exist_ok=True)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.order: np.ndarray | None = None
-        self.ck = {"state": "idle", "position": 0, "total": 0}
+        self.up = StoreUpgrade(self.store)  # the record, kept in the store
         self.resumed = False
         self.error: str | None = None
         self._sources = {}
@@ -130,7 +124,7 @@ class BackfillController(UpgradeCommands):
         self._hold_seq = 0
         self._send_waiting = False  # a batch waits for the holds to end (it goes first)
         self._finalizing_from: State | None = None  # while a finalize runs: where it began
-        self._load_checkpoint()
+        self._load_record()
         self._init_upgrade()
         self.thread: threading.Thread | None = None
         self.worker_restarts = 0
@@ -145,42 +139,73 @@ class BackfillController(UpgradeCommands):
         self.thread = threading.Thread(target=self._loop, name="backfill", daemon=True)
         self.thread.start()
 
-    # ------------------------------------------------------------------ checkpoint
-    def _load_checkpoint(self) -> None:
-        path = os.path.join(self.dir, "checkpoint.json")
-        if not os.path.exists(path):
+    # ------------------------------------------------------------------ the record
+    @property
+    def ck(self) -> dict:
+        """The upgrade's record (the store's; ``{"state": "idle", ...}`` before any backfill)."""
+        return self.up.rec
+
+    @property
+    def order(self) -> np.ndarray | None:
+        """The backfill's order (item ids), read from the store once; ``None`` without one."""
+        return self.up.order if self.ck.get("order") else None
+
+    def _load_record(self) -> None:
+        """The store's record; a batch written after it was saved (the controller killed in
+        between) is found in the store and the position moved past it."""
+        from raycompat.stores.backfill import reconciled_position
+        from raycompat.stores.errors import StoreError
+
+        rec = self.up.rec
+        if not rec.get("state"):
+            rec.update(state="idle", position=0, total=0)
+            return
+        if rec["state"] == State.FINALIZING.public:  # never saved; for safety
+            rec["state"] = State.PAUSED.public
+        rec.setdefault("source", "gallery")  # a record that backfill-store began
+        rec.setdefault("batch_size", 256)
+        st = self._state()
+        if rec.get("order") and st not in (State.ROLLING_BACK, State.ROLLBACK_PAUSED):
+            pos = int(rec.get("position") or 0)
+            base = int(rec.get("position_base") or 0)
+            try:
+                new = reconciled_position(self.store, self.up.order, pos, rec["new_model"], base)
+            except StoreError as exc:  # the store changed outside the upgrade: say so
+                self.error = rec["error"] = str(exc)
+                self._enter(self._decide(Command.FAILURE).state)
+                return
+            if new != pos:
+                rec["position"] = new
+                rec["recovered"] = {"from": pos, "to": new, "at": round(time.time(), 3)}
+        self.resumed = rec["state"] == "running"
+        self._rate_p0 = int(rec["position"])
+        self.reads = collections.deque(maxlen=int(rec.get("read_window") or 1))
+
+    def _save_record(self) -> None:
+        """Save the record in the store (while a finalize runs: the state it began in)."""
+        rec = self.up.rec
+        if self._finalizing_from is not None:
+            self.up.records.save({**rec, "state": self._finalizing_from.public})
             return
         try:
-            with open(path) as fh:
-                ck = json.load(fh)
-            self.order = np.load(os.path.join(self.dir, "order.npy"), allow_pickle=False)
-            int(ck["position"]), int(ck["total"]), ck["state"]
-        except Exception as exc:  # name the file and the cause, not only Serve's failure
-            raise CorruptStateError(
-                f"backfill checkpoint in {self.dir} is corrupt ({type(exc).__name__}: {exc}); "
-                "move the directory away to forget the backfill (items keep their state)"
+            self.up.records.save(rec)
+        except Exception as exc:
+            raise StorageError(
+                f"store {self.store.uri.raw} refused the backfill record: {exc}"
             ) from None
-        if ck.get("state") == State.FINALIZING.public:  # never saved; for safety
-            ck["state"] = State.PAUSED.public
-        self.ck = ck
-        if ck.get("state") == "running":
-            self.resumed = True
-        self._rate_p0 = int(ck["position"])
-        self.reads = collections.deque(maxlen=int(ck.get("read_window") or 1))
 
-    def _save_checkpoint(self) -> None:
-        ck = self.ck
-        if self._finalizing_from is not None:  # a restart mid-finalize: the state before it
-            ck = {**ck, "state": self._finalizing_from.public}
-        data = json.dumps(ck).encode()
-        atomic_write(os.path.join(self.dir, "checkpoint.json"), lambda fh: fh.write(data))
+    def _save_order(self, order: np.ndarray) -> None:
+        """The order into the store (the record names it; saved with the record)."""
+        from raycompat.stores.backfill import new_run_id
 
-    def _save_order(self) -> None:
-        order = self.order
-        atomic_write(
-            os.path.join(self.dir, "order.npy"),
-            lambda fh: np.save(fh, order, allow_pickle=False),
-        )
+        run = (self.ck.get("order") or {}).get("run") or new_run_id()
+        try:
+            self.ck["order"] = self.up.records.write_order(run, order)
+        except Exception as exc:
+            raise StorageError(
+                f"store {self.store.uri.raw} refused the backfill order: {exc}"
+            ) from None
+        self.up._order = np.asarray(order, np.int64)
 
     # ------------------------------------------------------------------ sources
     def gallery(self):
@@ -246,14 +271,14 @@ class BackfillController(UpgradeCommands):
 
     # ------------------------------------------------------------------ the state machine
     def _state(self) -> State:
-        """(lock held) The upgrade state of the checkpoint."""
+        """(lock held) The upgrade state of the record."""
         if self._finalizing_from is not None:
             return State.FINALIZING
         rb = self.ck.get("rollback") or {}
         return state_of(self.ck["state"], rb.get("state"), bool(self.ck.get("paused_by")))
 
     def _facts(self, **extra) -> Facts:
-        """(lock held) What the state machine is told: the checkpoint, the batch in flight,
+        """(lock held) What the state machine is told: the record, the batch in flight,
         and ``extra`` (the command's own input)."""
         rb = self.ck.get("rollback") or {}
         fin = self.ck.get("finalized") or {}
@@ -280,7 +305,7 @@ class BackfillController(UpgradeCommands):
         return LIVE_INDEX.decide(self._state(), command, self._facts(**extra))
 
     def _enter(self, state: State) -> None:
-        """(lock held) Write ``state`` into the checkpoint (not saved): its public name, the
+        """(lock held) Write ``state`` into the record (not saved): its public name, the
         rollback's own state (``running`` only while rolling back, ``paused`` while it is
         unfinished otherwise), ``paused_by`` only while a guard pauses the backfill."""
         enter_state(self.ck, state)
@@ -387,36 +412,51 @@ class BackfillController(UpgradeCommands):
             return {"error": f"backfill not started: {exc}", "status": 503}
 
     def _begin(self, command, order, policy, seed, source, rate, batch_size, until, reads) -> dict:
-        """Save the order and the first checkpoint, then wake the walking thread (decided
-        again: another command may have come while the order was computed)."""
+        """Save the order and the first record in the store, then wake the walking thread
+        (decided again: another command may have come while the order was computed).  This
+        backfill's positions in the store start above every position written before
+        (``position_base``), so that a batch found there after a crash is this order's."""
+        from raycompat.stores.backfill import new_run_id
+
         with self.lock:
             answer = self._decide(command)
             if not answer.ok:
                 return answer.as_error()
-            self.order = np.asarray(order, np.int64)
-            self._save_order()
+            try:
+                with self.store_lock:
+                    base = int(self.store._max_position()) + 1
+                meta = self.up.records.write_order(new_run_id(), np.asarray(order, np.int64))
+            except Exception as exc:
+                raise StorageError(
+                    f"store {self.store.uri.raw} refused the backfill order: {exc}"
+                ) from None
+            self.up._order = np.asarray(order, np.int64)
             self.reads = collections.deque(maxlen=reads["read_window"])
             self._reads_applied = self.reads_seen
-            self.ck = {
+            self.up.rec = {
                 "state": answer.state.public,
                 "policy": policy,
                 "seed": int(seed),
                 "source": source,
+                "new_model": self.plan.identities.default("new"),
                 "rate": rate,
                 "batch_size": int(batch_size),
                 "until": until,
                 "position": 0,
-                "total": int(self.order.size),
+                "position_base": base,
+                "total": int(len(order)),
+                "order": meta,
                 "mode": self.cfg.mode,
                 "started": time.time(),
                 **reads,
             }
+            self.up.records.drop_orders(keep_run=meta["run"])
             self.error = None
             self.resumed = False
             self.gate.new_run()
             self.generation += 1
             self._rate_t0, self._rate_p0 = time.perf_counter(), 0
-            self._save_checkpoint()
+            self._save_record()
             self.wake.notify_all()
             return self.status()
 
@@ -467,8 +507,7 @@ class BackfillController(UpgradeCommands):
         order = reorder_on_read(self.order, pos, window)
         self._reads_applied = self.reads_seen
         if not np.array_equal(order, self.order):
-            self.order = order
-            self._save_order()
+            self._save_order(order)
 
     def pause(self) -> dict:
         """Pause the walk (or a rollback in progress: ``resume`` continues it).  A batch
@@ -483,12 +522,12 @@ class BackfillController(UpgradeCommands):
             return self.status()
 
     def _try_save(self, what: str) -> None:
-        """Save the checkpoint; if that fails the change holds in memory and ``error`` says
+        """Save the record; if that fails the change holds in memory and ``error`` says
         that it is not durable."""
         try:
-            self._save_checkpoint()
+            self._save_record()
         except StorageError as exc:
-            self.error = f"{what}, but the checkpoint was not saved: {exc}"
+            self.error = f"{what}, but the record was not saved: {exc}"
 
     def resume(
         self,
@@ -512,6 +551,7 @@ class BackfillController(UpgradeCommands):
                 self.ck["rate"] = float(rate)
             if answer.state in (State.RUNNING, State.ROLLING_BACK):
                 self.error = None  # the loop marks it done or paused at its end
+                self.ck["error"] = None
             self._enter(answer.state)
             self._rate_t0, self._rate_p0 = time.perf_counter(), int(self.ck["position"])
             self._try_save("resumed")
@@ -539,6 +579,8 @@ class BackfillController(UpgradeCommands):
                     "read_window",
                 )
             }
+            out["store"] = self.store.uri.raw
+            out["recovered"] = self.ck.get("recovered")  # a batch found in the store at start
             out["reads_seen"] = self.reads_seen
             out.update(self.upgrade_status())
             out["in_flight"] = dict(self._in_flight) if self._in_flight else None
@@ -563,11 +605,17 @@ class BackfillController(UpgradeCommands):
             return out
 
     # ------------------------------------------------------------------ the loop
-    def _apply(self, ids: np.ndarray, vecs: np.ndarray) -> None:
-        """Write one batch of new vectors to the store: one commit."""
-        from raycompat.stores import ItemWrite
-
-        self.commit([ItemWrite(ids, "new", vecs, self.plan.identities.default("new"))])
+    def _apply(self, pos: int, ids: np.ndarray, vecs: np.ndarray) -> None:
+        """Write one batch of new vectors, the order's items from ``pos``, to the store with
+        their positions: one commit (a refusal names the store)."""
+        base = int(self.ck.get("position_base") or 0)
+        positions = np.arange(base + pos, base + pos + len(ids), dtype=np.int64)
+        try:
+            with self.store_lock:
+                self.store.write_new(ids, vecs, self.ck["new_model"], positions)
+                self._compact_now_and_then()
+        except Exception as exc:
+            raise StorageError(f"store {self.store.uri.raw} refused the write: {exc}") from None
 
     def commit(self, writes: list, revert: np.ndarray | None = None) -> dict:
         """One commit of the store (``writes``, or the rollback of ``revert``):
@@ -652,7 +700,7 @@ class BackfillController(UpgradeCommands):
 
     def _loop(self) -> None:
         """The controller's thread: walk the order batch by batch while the state is running.
-        Every failure (a shard, the vector source, a checkpoint write) lands in ``status``."""
+        Every failure (a shard, the vector source, the record) lands in ``status``."""
         while True:
             gen = self.generation
             try:
@@ -661,7 +709,7 @@ class BackfillController(UpgradeCommands):
                 self._fail(gen, exc)
 
     def _step(self) -> None:
-        """One batch: fetch its vectors, commit them to the store, checkpoint."""
+        """One batch: fetch its vectors, commit them to the store, save the record."""
         if self._rollback_step() or self._canary_step():
             return
         step = self._next_batch()
@@ -672,7 +720,7 @@ class BackfillController(UpgradeCommands):
         if not self._send(gen, pos, batch):
             return
         try:
-            self._apply(batch, vecs)
+            self._apply(pos, batch, vecs)
         except Exception:
             self._settle()
             raise
@@ -710,7 +758,7 @@ class BackfillController(UpgradeCommands):
             stop = min(stop, self._canary_stop(pos, total))  # the canary's next position
             if pos >= stop:
                 self._enter(self._decide(Command.END).state)
-                self._save_checkpoint()
+                self._save_record()
                 return None
             self._reorder_on_read(pos)
             rate = self.ck.get("rate")
@@ -719,17 +767,18 @@ class BackfillController(UpgradeCommands):
             return pos, batch, self.ck["source"], rate, self.generation
 
     def _fail(self, gen: int, exc: Exception) -> None:
-        """State ``error`` with the message (``resume`` retries from the checkpoint)."""
+        """State ``error`` with the message (``resume`` retries from the record)."""
         with self.lock:
             if gen != self.generation:  # restarted meanwhile: the failure is moot
                 return
             named = isinstance(exc, StorageError)  # its message says what and where
             self.error = str(exc) if named else f"{type(exc).__name__}: {exc}"
+            self.ck["error"] = self.error
             self._enter(self._decide(Command.FAILURE).state)  # an unfinished rollback: paused
             try:
-                self._save_checkpoint()
+                self._save_record()
             except StorageError as save_exc:
-                self.error += f" (and the checkpoint was not saved: {save_exc})"
+                self.error += f" (and the record was not saved: {save_exc})"
             self.errors += 1
 
     def _advance(self, gen: int, pos: int, batch: np.ndarray, rate: float | None) -> None:
@@ -742,7 +791,7 @@ class BackfillController(UpgradeCommands):
             ):  # not restarted meanwhile
                 self.ck["position"] = pos + int(batch.size)
                 self._enter(self._decide(Command.BATCH_DONE).state)  # the state stays
-                self._save_checkpoint()
+                self._save_record()
             p0, t0 = self._rate_p0, self._rate_t0
             cur = int(self.ck["position"])
         if rate:  # the next batch is due when cur items at `rate` have taken their time

@@ -144,7 +144,17 @@ class BackfillState(BaseModel):
     rate: float | None = None
     batch_size: int | None = None
     error: str | None = None
-    resumed_from_checkpoint: bool = False
+    resumed_from_checkpoint: bool = Field(
+        default=False, description="started again on a running backfill's record in the store"
+    )
+    store: str | None = Field(
+        default=None, description="the store's URI: the backfill's record and order are there"
+    )
+    recovered: dict | None = Field(
+        default=None,
+        description="at a start: a batch written after the record was saved, found in the "
+        "store (from, to: the position the record said, and where the order stands)",
+    )
     items_per_s: float | None = None
     upsert_retries: int = 0
     upgrade_on_read: bool | None = None

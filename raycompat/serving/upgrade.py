@@ -3,7 +3,7 @@ listing (docs/live-index.md, "Upgrading a live gallery safely").
 
 :class:`UpgradeCommands` is a part of
 :class:`raycompat.serving.backfill_controller.BackfillController`
-(it uses the controller's lock, checkpoint ``ck``, shard handles and order):
+(it uses the controller's lock, record ``ck``, shard handles and order):
 
 * **canary** -- registered once (:meth:`~UpgradeCommands.register_canary`, stored by
   :class:`~raycompat.serving.canary_gate.CanaryGate`), measured by the walking thread at every
@@ -13,9 +13,9 @@ listing (docs/live-index.md, "Upgrading a live gallery safely").
   unless ``resume`` was given ``override``;
 * **rollback** -- the items upgraded since the last finalize (the store keeps their old
   vectors) at or after a position of the order (or all) are turned back in batches, latest
-  upgraded first, each batch one commit of the store; ``rollback.npy`` holds the list,
-  ``ck["rollback"]`` how far the store committed it, so a crash resumes it; when it ends the
-  backfill is paused at the first position rolled back;
+  upgraded first, each batch one commit of the store; the list is kept in the store beside
+  the order, the record's ``rollback`` says how far the store committed it, so a crash resumes
+  it; when it ends the backfill is paused at the first position rolled back;
 * **finalize** -- the upgraded items' old vectors are no longer kept for a rollback; when every
   item is upgraded the store drops its old vector column (the space is freed);
 * **stale** -- the ids whose vector another model produced, paged in the backfill's order.
@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 
 import numpy as np
 
 from raycompat.serving.canary_gate import CanaryGate
-from raycompat.serving.checkpoint_files import atomic_write
 from raycompat.serving.placement import split_by_shard
 from raycompat.storage import StorageError
 from raycompat.upgrade.canary import CanarySet
@@ -44,8 +42,6 @@ from raycompat.upgrade.state_machine import Command, State
 __all__ = ["UpgradeCommands", "rollback_plan"]
 
 logger = logging.getLogger("raycompat.serving")
-
-ROLLBACK_NAME = "rollback.npy"
 
 
 def rollback_plan(
@@ -73,8 +69,8 @@ class UpgradeCommands:
 
     def _init_upgrade(self) -> None:
         self.gate = CanaryGate(self.cfg.state_dir, self.cfg.canary, self.cfg.mode)
-        path = os.path.join(self.dir, ROLLBACK_NAME)
-        self.rollback_order = np.load(path) if os.path.exists(path) else None
+        rb = self.ck.get("rollback") or {}
+        self.rollback_order = self.up.records.read_order(rb["ids"]) if rb.get("ids") else None
         self._router = None
 
     # ------------------------------------------------------------------ canary
@@ -247,18 +243,25 @@ class UpgradeCommands:
             rb = {"state": "running", "to": to, "done": 0, "total": int(ids.size), "first": first}
             rb.update(rolled_back=0, batch_size=int(batch_size), rate=rate, started=time.time())
             try:
-                atomic_write(
-                    os.path.join(self.dir, ROLLBACK_NAME),
-                    lambda fh: np.save(fh, ids, allow_pickle=False),
-                )
+                rb["ids"] = self._save_rollback_ids(ids)
                 self.ck["rollback"] = rb
                 self._enter(answer.state)
-                self._save_checkpoint()
+                self._save_record()
             except StorageError as exc:
                 return {"error": f"rollback not started: {exc}", "status": 503}
             logger.warning("rollback of %d item(s) started (to position %s)", ids.size, to)
             self.wake.notify_all()
             return self.status()
+
+    def _save_rollback_ids(self, ids: np.ndarray) -> dict:
+        """The rollback's ids, in the store beside the order (what the record keeps of them)."""
+        run = "rollback-" + str((self.ck.get("order") or {}).get("run") or "by-hand")
+        try:
+            return self.up.records.write_order(run, ids)
+        except Exception as exc:
+            raise StorageError(
+                f"store {self.store.uri.raw} refused the rollback's ids: {exc}"
+            ) from None
 
     def _rollback_step(self) -> bool:
         """One batch of a running rollback (the walking thread); ``False``: none runs.  The
@@ -291,7 +294,7 @@ class UpgradeCommands:
                 if rb["done"] >= rb["total"]:
                     self._end_rollback(rb)
                 else:
-                    self._save_checkpoint()
+                    self._save_record()
         if rb.get("rate"):
             time.sleep(batch.size / float(rb["rate"]))
         return True
@@ -310,7 +313,7 @@ class UpgradeCommands:
         self.ck["position"] = pos
         rb["state"] = "done"
         self._enter(answer.state)
-        self._save_checkpoint()
+        self._save_record()
         logger.warning(
             "rollback done: %d item(s) back to their old vectors; the backfill is %s at %d",
             rb["rolled_back"],

@@ -417,25 +417,26 @@ def _positions_of(store: VectorStore, ids: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def reconciled_position(
-    store: VectorStore, order: np.ndarray, position: int, fingerprint: str
+    store: VectorStore, order: np.ndarray, position: int, fingerprint: str, base: int = 0
 ) -> int:
     """Where the order really stands: ``position`` (the record's), moved on past every batch
     the store holds beyond it (written, then killed before the record was); each such item
-    must sit at its own index of the order with ``fingerprint``."""
-    high = int(store._max_position())
+    must sit at its own index of the order (plus ``base``, where the order's positions in the
+    store start) with ``fingerprint``."""
+    high = int(store._max_position()) - int(base)
     if high + 1 <= position:
         return int(position)
     ahead = np.asarray(order[position : high + 1], np.int64)
     pos, models = _positions_of(store, ahead)
-    want = np.arange(position, position + len(ahead))
+    want = np.arange(position, position + len(ahead)) + int(base)
     ok = (pos == want) & (models == fingerprint)
     if not ok.all():
         bad = int(np.flatnonzero(~ok)[0])
         raise StoreError(
             f"column {store.columns.position!r} of {store.where}: the store holds positions up "
-            f"to {high}, the backfill record says {position}, but item {int(ahead[bad])} (the "
-            f"order's item {position + bad}) is at position {int(pos[bad])} with model "
-            f"{models[bad]!r}: the store was changed outside the job"
+            f"to {high + int(base)}, the backfill record says {position + int(base)}, but item "
+            f"{int(ahead[bad])} (the order's item {position + bad}) is at position "
+            f"{int(pos[bad])} with model {models[bad]!r}: the store was changed outside the job"
         )
     return high + 1
 

@@ -588,6 +588,7 @@ class LanceStore(VectorStore):
             return 0, self.max_write_seq()
         self._check_known(ids)
         updates = self._item_columns(field_of, vectors, models)
+        self._position_high = None  # an item written by hand leaves the order (position -1)
         self._merge_rows(ids, updates, "write_items")
         return len(ids), int(updates[cols.write_seq][0].as_py())
 
@@ -605,6 +606,7 @@ class LanceStore(VectorStore):
         if not len(ids):
             return 0, self.max_write_seq()
         seq = self._next_seq()
+        self._position_high = None  # the largest position may have been turned back
         values = {cols.new: "NULL", cols.new_model: "NULL", cols.upgraded: "false"}
         if cols.position:
             values[cols.position] = "-1"

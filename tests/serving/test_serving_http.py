@@ -30,6 +30,7 @@ import pytest
 import requests
 from serving_helpers import (
     TOKEN,
+    backfill_order,
     cpu_index,
     deploy,
     fill,
@@ -1079,7 +1080,7 @@ def test_backfill_from_embedder_pool_and_pipeline_output_and_image_queries(live)
         policy="random", seed=0, batch_size=16, until=40, source="embedder", restart=True
     )
     client.wait_backfill(40, timeout=240)
-    order = np.load(os.path.join(live.state, "backfill", "order.npy"))
+    order = backfill_order(client)
     first = np.searchsorted(data.gallery_ids, order[:40])  # rows of the first 40 items
     ids, scores, reps = client.search(l2_normalize(g.new[first]), k=1)
     assert (
@@ -1174,7 +1175,7 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(live):
     from raycompat.index.search import l2_normalize
     from raycompat.serving.placement import shard_of
 
-    client, state, data = live.client, live.state, live.data
+    client, data = live.client, live.data
     reset_backfill(client)
     n = data.n_items
     outcomes = []  # (time, status code or exception name)
@@ -1207,7 +1208,7 @@ def test_kill_shard_replica_during_live_backfill_under_query_load(live):
             assert time.time() - t0 < 120, f"the backfill did not reach {n // 4}: {bf}"
             time.sleep(0.2)
         # an admin upsert acknowledged just before the crash: item moved back to 'old'
-        done_ids = set(np.load(os.path.join(state, "backfill", "order.npy"))[: n // 6].tolist())
+        done_ids = set(backfill_order(client)[: n // 6].tolist())
         victim = sorted(done_ids)[0]
         special = np.linspace(-1, 1, 16).tolist()
         assert (
@@ -1542,7 +1543,7 @@ def test_fault_injection_the_served_set_equals_the_acknowledged_set(disk_app, ga
         client.start_backfill(
             policy="random", seed=2, rate=40.0, batch_size=5, until=500, restart=True
         )
-        order = np.load(os.path.join(state, "backfill", "order.npy"))
+        order = backfill_order(client)
         pool_ids = np.sort(order[500:])  # only admin upserts touch these
         where = shard_of(pool_ids, 2)
         pool = [pool_ids[where == s] for s in range(2)]

@@ -16,6 +16,7 @@ import pytest
 import requests
 from serving_helpers import (
     TOKEN,
+    backfill_order,
     deploy,
     fill,
     metric_value,
@@ -233,7 +234,7 @@ def test_model_identity_rollback_under_a_shard_kill_stale_and_finalize(up):
     fp = _fingerprints(client.status())
     client.start_backfill(policy="random", seed=1, batch_size=25, until=300)
     _status_counts_agree_with_the_position(client, 300)
-    order = np.load(os.path.join(state, "backfill", "order.npy"))
+    order = backfill_order(client)
     st = client.status()
     assert st["items_by_model"] == {fp["old"]: 300, fp["new"]: 300}
     assert st["kept"] == {"items": 300}

@@ -206,3 +206,54 @@ def test_a_status_hold_stops_the_walk_between_batches(controller):
     assert ctl.status(release=token)["counts_consistent"] is False
     assert ctl.status()["counts_consistent"] is None  # no hold: no counts to agree with
     ctl.pause()
+
+
+def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice(
+    controller, monkeypatch
+):
+    """The walking thread stops for good after a batch is committed and before the record
+    says so (what a SIGKILL there leaves); a new controller on the same store finds the batch
+    there (``recovered``), goes on after it, and every item is written exactly once; the
+    record is the one ``backfill-store --status`` reads."""
+    import threading
+    import time
+    from collections import Counter
+
+    from raycompat.backfill_store.record import StoreUpgrade
+    from raycompat.stores.lance import LanceStore
+
+    ctl, _ = controller
+    written: Counter = Counter()
+    real = LanceStore.write_new
+
+    def counted(store, ids, vectors, fingerprint, positions):
+        out = real(store, ids, vectors, fingerprint, positions)
+        written.update(np.asarray(ids).tolist())
+        return out
+
+    monkeypatch.setattr(LanceStore, "write_new", counted)
+    killed, save = threading.Event(), ctl._save_record
+
+    def save_or_die():  # the third batch's record is never saved: its thread stops there
+        if threading.current_thread() is ctl.thread and sum(written.values()) >= 15:
+            killed.set()
+            threading.Event().wait()
+        save()
+
+    ctl._save_record = save_or_die
+    ctl.start(policy="sequential", batch_size=5)
+    assert killed.wait(10)
+    assert ctl.up.records.load()["position"] == 10  # the record: two batches
+    ctl.lease.__exit__(None, None, None)  # the dead controller's claim ends with it
+    again = type(ctl)([], ctl.plan)
+    st = again.status()
+    assert st["recovered"]["from"] == 10 and st["recovered"]["to"] == 15, st
+    assert st["resumed_from_checkpoint"] and st["state"] == "running"
+    t0 = time.time()
+    while again.status()["state"] != "done":
+        assert time.time() - t0 < 10, again.status()
+        time.sleep(0.01)
+    assert sorted(written) == list(range(40)) and set(written.values()) == {1}, written
+    rec = StoreUpgrade(again.store).status()
+    assert (rec["position"], rec["total"], rec["state"]) == (40, 40, "done")
+    assert rec["counts"]["upgraded"] == 40

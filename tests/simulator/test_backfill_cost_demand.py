@@ -421,7 +421,7 @@ def test_live_index_walks_cost_aware_and_moves_searched_items_to_the_front(
     """Through HTTP: a cost-aware backfill walks the simulator's order; with upgrade_on_read the
     items two searches returned (most recent search first) lead the rest of the order."""
     from ray import serve
-    from serving_helpers import deploy
+    from serving_helpers import backfill_order, deploy
 
     data = costed(3, n=80, n_q=8)
     path = write_gallery_parquet(
@@ -439,12 +439,11 @@ def test_live_index_walks_cost_aware_and_moves_searched_items_to_the_front(
         serve_port, tmp_path / "state", path, token_file, app="reads", prefix="/reads",
         num_shards=1,
     )  # fmt: skip
-    order_file = os.path.join(str(tmp_path / "state"), "backfill", "order.npy")
     try:
         client.start_backfill(policy="cost-aware", cost_column="bytes")
         client.wait_backfill(data.n_items, timeout=120)
         want = data.gallery_ids[sim.orders[("cost-aware", "compatible")]]
-        assert np.array_equal(np.load(order_file), want)
+        assert np.array_equal(backfill_order(client), want)
         st = client.start_backfill(
             policy="sequential", upgrade_on_read=True, read_window=2, until=0, restart=True
         )
@@ -462,7 +461,7 @@ def test_live_index_walks_cost_aware_and_moves_searched_items_to_the_front(
         client.wait_backfill(20, timeout=120)
         window = np.concatenate(returned[::-1])
         expected = reorder_on_read(data.gallery_ids, 0, window)
-        assert np.array_equal(np.load(order_file), expected)
+        assert np.array_equal(backfill_order(client), expected)
         assert set(expected[:4]) <= set(window) and not np.array_equal(expected, data.gallery_ids)
     finally:
         serve.delete("reads")
