@@ -209,7 +209,7 @@ def test_a_status_hold_stops_the_walk_between_batches(controller):
 
 
 def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice(
-    controller, monkeypatch
+    controller, monkeypatch, capsys
 ):
     """The walking thread stops for good after a batch is committed and before the record
     says so (what a SIGKILL there leaves); a new controller on the same store finds the batch
@@ -219,7 +219,9 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
     import time
     from collections import Counter
 
-    from raycompat.backfill_store.record import StoreUpgrade
+    import json
+
+    from raycompat.backfill_store.commands import main
     from raycompat.stores.lance import LanceStore
 
     ctl, _ = controller
@@ -254,6 +256,7 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
         assert time.time() - t0 < 10, again.status()
         time.sleep(0.01)
     assert sorted(written) == list(range(40)) and set(written.values()) == {1}, written
-    rec = StoreUpgrade(again.store).status()
+    assert main(["--store", again.store.uri.raw, "--status"]) == 0  # while the index serves
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rec["position"], rec["total"], rec["state"]) == (40, 40, "done")
-    assert rec["counts"]["upgraded"] == 40
+    assert rec["counts"]["upgraded"] == 40 and rec["driver"]["what"] == "live index"
