@@ -215,11 +215,10 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
     says so (what a SIGKILL there leaves); a new controller on the same store finds the batch
     there (``recovered``), goes on after it, and every item is written exactly once; the
     record is the one ``backfill-store --status`` reads."""
+    import json
     import threading
     import time
     from collections import Counter
-
-    import json
 
     from raycompat.backfill_store.commands import main
     from raycompat.stores.lance import LanceStore
