@@ -11,11 +11,11 @@ import os
 import numpy as np
 
 from raycompat.backfill_store.options import BackfillStoreOptions
-from raycompat.backfill_store.record import StoreUpgrade
 from raycompat.backfill_store.sources import store_labels
 from raycompat.config import ConfigError
 from raycompat.upgrade.canary import CanaryOptions
 from raycompat.upgrade.state_machine import Command, State
+from raycompat.upgrade.store_record import StoreUpgrade
 
 
 # -- the canary -------------------------------------------------------------------------------

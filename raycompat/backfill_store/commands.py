@@ -15,11 +15,11 @@ from raycompat.backfill_store.options import (
     Refused,
     build_parser,
 )
-from raycompat.backfill_store.record import StoreUpgrade, command_of, record_facts, record_state
 from raycompat.backfill_store.walk import one_line, run_upgrade, store_flags
 from raycompat.config import ConfigError, options_from_args
 from raycompat.console import job_main
 from raycompat.upgrade.state_machine import CLI, Command, State, StateMachine
+from raycompat.upgrade.store_record import StoreUpgrade, command_of, record_facts, record_state
 
 
 @job_main
@@ -225,8 +225,8 @@ def _held(opts: BackfillStoreOptions) -> bool:
 def _copy_status(rec: dict, opts: BackfillStoreOptions) -> dict:
     """The status of a running Milvus Lite job's copy of its record: the keys of every
     ``--status`` (what only the store knows is None), and ``from``."""
-    from raycompat.backfill_store.record import record_status
     from raycompat.stores.uri import parse_store_uri
+    from raycompat.upgrade.store_record import record_status
 
     uri = parse_store_uri(opts.store)
     where = f"Milvus collection {uri.name!r} at {uri.target!r}"

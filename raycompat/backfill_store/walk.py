@@ -13,11 +13,11 @@ import numpy as np
 
 from raycompat.backfill_store.canary import attach_canary, judge_point, read_canary
 from raycompat.backfill_store.options import COMPACT_EVERY, EXIT, BackfillStoreOptions, Refused
-from raycompat.backfill_store.record import StoreUpgrade, record_facts, record_state
 from raycompat.backfill_store.sources import vector_source
 from raycompat.config import ConfigError
 from raycompat.console import Progress, phase
 from raycompat.upgrade.state_machine import Command, State
+from raycompat.upgrade.store_record import StoreUpgrade, record_facts, record_state
 
 
 # -- the job: start, continue, walk ----------------------------------------------------------

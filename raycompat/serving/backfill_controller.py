@@ -4,7 +4,7 @@ writer for the router's upserts (:meth:`BackfillController.upsert_items`, concur
 grouped into one commit).
 
 Its record is the store's upgrade record, the one ``raycompat backfill-store`` keeps
-(:class:`raycompat.backfill_store.record.StoreUpgrade`: the record and the order are records in
+(:class:`raycompat.upgrade.store_record.StoreUpgrade`: the record and the order are records in
 the store; ``backfill-store --status`` reads it).  Every batch is one commit of the store that
 writes the items' new vectors with their positions in the order, then the record is saved, so:
 
@@ -47,7 +47,6 @@ import time
 
 import numpy as np
 
-from raycompat.backfill_store.record import StoreUpgrade
 from raycompat.serving.plan import ServingPlan
 from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
@@ -61,6 +60,7 @@ from raycompat.upgrade.state_machine import (
     enter_state,
     state_of,
 )
+from raycompat.upgrade.store_record import StoreUpgrade
 
 __all__ = ["BackfillController"]
 
@@ -81,6 +81,9 @@ def claim_store(store):
         raise ConfigError(f"serving: {exc}") from None
 
 
+#: seconds between two saves of the record while batches go on (every other change of the
+#: record is saved at once): the store's positions say where the order stands after a crash
+RECORD_EVERY_S = 1.0
 #: most upsert requests grouped into one commit of the store
 UPSERT_GROUP = 64
 #: commits of the store between two compactions
@@ -107,6 +110,8 @@ class BackfillController(UpgradeCommands):
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.up = StoreUpgrade(self.store)  # the record, kept in the store
+        self._record_saved = -float("inf")
+        self.record_every_s = RECORD_EVERY_S
         self.resumed = False
         self.error: str | None = None
         self._sources = {}
@@ -183,6 +188,7 @@ class BackfillController(UpgradeCommands):
 
     def _save_record(self) -> None:
         """Save the record in the store (while a finalize runs: the state it began in)."""
+        self._record_saved = time.monotonic()
         rec = self.up.rec
         if self._finalizing_from is not None:
             self.up.records.save({**rec, "state": self._finalizing_from.public})
@@ -791,7 +797,8 @@ class BackfillController(UpgradeCommands):
             ):  # not restarted meanwhile
                 self.ck["position"] = pos + int(batch.size)
                 self._enter(self._decide(Command.BATCH_DONE).state)  # the state stays
-                self._save_record()
+                if time.monotonic() - self._record_saved >= self.record_every_s:
+                    self._save_record()
             p0, t0 = self._rate_p0, self._rate_t0
             cur = int(self.ck["position"])
         if rate:  # the next batch is due when cur items at `rate` have taken their time

@@ -293,8 +293,9 @@ class UpgradeCommands:
                 rb["rolled_back"] += moved
                 if rb["done"] >= rb["total"]:
                     self._end_rollback(rb)
-                else:
-                    self._save_record()
+                elif time.monotonic() - self._record_saved >= self.record_every_s:
+                    self._save_record()  # a rollback resumed from an older record reverts
+                    # the same items again: reverting an item that is old changes nothing
         if rb.get("rate"):
             time.sleep(batch.size / float(rb["rate"]))
         return True

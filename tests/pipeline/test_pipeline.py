@@ -639,7 +639,7 @@ def test_kill_and_resume_is_exactly_once(ray_cluster, bundles, scenario, tmp_pat
     a submitted job's driver is; its tasks and actors die with it) once a shard exists, rerun,
     check every id once."""
     out = tmp_path / "killed"
-    items = 960
+    items = 1600
     address = ray_cluster.get_runtime_context().gcs_address
     cmd, env = _job(out, bundles, items, extra=("--address", address))
     log = open(tmp_path / "first.log", "w")

@@ -235,6 +235,8 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
     monkeypatch.setattr(LanceStore, "write_new", counted)
     killed, save = threading.Event(), ctl._save_record
 
+    ctl.record_every_s = 0.0  # a record after every batch
+
     def save_or_die():  # the third batch's record is never saved: its thread stops there
         if threading.current_thread() is ctl.thread and sum(written.values()) >= 15:
             killed.set()
