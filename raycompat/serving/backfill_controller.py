@@ -514,6 +514,7 @@ class BackfillController(UpgradeCommands):
         self._reads_applied = self.reads_seen
         if not np.array_equal(order, self.order):
             self._save_order(order)
+            self._save_record()  # at once: the record names the order's digest
 
     def pause(self) -> dict:
         """Pause the walk (or a rollback in progress: ``resume`` continues it).  A batch
