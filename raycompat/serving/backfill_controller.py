@@ -25,7 +25,7 @@ moves the items they returned that are still waiting to the front of the rest of
 and saves the order in the store before the batch.  Only the part after ``position`` moves, so the
 backfilled prefix, exactly-once and the crash resume are as before.
 
-Every command and every event of the walking thread is decided by the upgrade state machine
+Every command and every event of the walk is decided by the upgrade state machine
 (:mod:`raycompat.upgrade.state_machine`, docs/live-index.md "The upgrade state machine"):
 :meth:`BackfillController._decide` asks it with the record's facts, :meth:`_enter` writes
 the state it answers back into the record.
@@ -40,6 +40,7 @@ and not acknowledged).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import threading
@@ -48,7 +49,6 @@ import time
 import numpy as np
 
 from raycompat.serving.plan import ServingPlan
-from raycompat.serving.thread_handles import ThreadHandle
 from raycompat.serving.upgrade import UpgradeCommands
 from raycompat.storage import StorageError
 from raycompat.upgrade.state_machine import (
@@ -97,7 +97,7 @@ class BackfillController(UpgradeCommands):
     def __init__(self, shards: list, plan: ServingPlan):
         from raycompat.serving.served_store import open_served_store
 
-        self.shards = [ThreadHandle(h) for h in shards]  # called from the walking thread
+        self.shards = list(shards)  # deployment handles, awaited on the replica's event loop
         self.plan = plan
         self.cfg = plan.config
         self.store = open_served_store(self.cfg)
@@ -131,18 +131,43 @@ class BackfillController(UpgradeCommands):
         self._finalizing_from: State | None = None  # while a finalize runs: where it began
         self._load_record()
         self._init_upgrade()
-        self.thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None  # the walk
+        self._walk_wake: asyncio.Event | None = None
         self.worker_restarts = 0
+        self._loop = _event_loop()
         self._ensure_worker()
 
     def _ensure_worker(self) -> None:
-        """Start the walking thread, or a new one if the last one died."""
-        if self.thread is not None and self.thread.is_alive():
+        """Start the walk (an asyncio task on the replica's event loop), or a new one if the
+        last one ended; from a command's thread it is started on that loop."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is self._loop:
+            self._spawn()
+        else:
+            asyncio.run_coroutine_threadsafe(self._aspawn(), self._loop).result(timeout=30)
+
+    async def _aspawn(self) -> None:
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """(on the loop) The walk's task, unless it runs."""
+        if self._task is not None and not self._task.done():
             return
-        if self.thread is not None:
+        if self._task is not None:
             self.worker_restarts += 1
-        self.thread = threading.Thread(target=self._loop, name="backfill", daemon=True)
-        self.thread.start()
+        if self._walk_wake is None:
+            self._walk_wake = asyncio.Event()
+        self._task = self._loop.create_task(self._walk(), name="backfill")
+
+    def _notify(self) -> None:
+        """(lock held) Wake what waits for the controller: the walk and the threads of
+        commands (a hold, a command waiting for the batch in flight)."""
+        self.wake.notify_all()
+        if self._walk_wake is not None:
+            self._loop.call_soon_threadsafe(self._walk_wake.set)
 
     # ------------------------------------------------------------------ the record
     @property
@@ -323,7 +348,7 @@ class BackfillController(UpgradeCommands):
         """The batch in flight is acknowledged (or failed): wake who waits for it."""
         with self.lock:
             self._in_flight = None
-            self.wake.notify_all()
+            self._notify()
 
     def _await_rest(self, timeout: float | None = None) -> None:
         """(lock held) Wait (at most ``timeout``, default a third of ``shard_timeout_s`` up to
@@ -418,7 +443,7 @@ class BackfillController(UpgradeCommands):
             return {"error": f"backfill not started: {exc}", "status": 503}
 
     def _begin(self, command, order, policy, seed, source, rate, batch_size, until, reads) -> dict:
-        """Save the order and the first record in the store, then wake the walking thread
+        """Save the order and the first record in the store, then wake the walk
         (decided again: another command may have come while the order was computed).  This
         backfill's positions in the store start above every position written before
         (``position_base``), so that a batch found there after a crash is this order's."""
@@ -463,7 +488,7 @@ class BackfillController(UpgradeCommands):
             self.generation += 1
             self._rate_t0, self._rate_p0 = time.perf_counter(), 0
             self._save_record()
-            self.wake.notify_all()
+            self._notify()
             return self.status()
 
     def _policy_order(self, policy: str, seed: int, inputs: dict) -> np.ndarray:
@@ -562,9 +587,9 @@ class BackfillController(UpgradeCommands):
             self._enter(answer.state)
             self._rate_t0, self._rate_p0 = time.perf_counter(), int(self.ck["position"])
             self._try_save("resumed")
-            self._ensure_worker()  # a worker that died is started again
-            self.wake.notify_all()
-            return self.status()
+            self._notify()
+        self._ensure_worker()  # a walk that ended is started again
+        return self.status()
 
     def status(self, release: int | None = None) -> dict:
         """The controller's status; ``release``: the token of a :meth:`hold`, ended here
@@ -598,7 +623,7 @@ class BackfillController(UpgradeCommands):
             moved = int(self.ck["position"]) - self._rate_p0
             out["items_per_s"] = moved / dt if dt > 0 and moved > 0 else None
             out["upsert_retries"] = self.upsert_retries
-            out["worker_alive"] = bool(self.thread and self.thread.is_alive())
+            out["worker_alive"] = bool(self._task and not self._task.done())
             out["worker_restarts"] = self.worker_restarts
             out["errors"] = self.errors
             out["compact_error"] = self.compact_error
@@ -705,33 +730,50 @@ class BackfillController(UpgradeCommands):
                 pass
         return [await asyncio.to_thread(one, groups) for groups in requests]
 
-    def _loop(self) -> None:
-        """The controller's thread: walk the order batch by batch while the state is running.
-        Every failure (a shard, the vector source, the record) lands in ``status``."""
+    async def _walk(self) -> None:
+        """The walk, an asyncio task on the replica's event loop: rollback batches, canary
+        points and batches while the state says so, each piece's blocking part on a worker
+        thread; it waits for a command when there is nothing to do.  Every failure (the
+        store, the vector source, the record) lands in ``status``."""
         while True:
+            self._walk_wake.clear()
             gen = self.generation
             try:
-                self._step()
+                busy = await self._step()
             except Exception as exc:
-                self._fail(gen, exc)
+                await asyncio.to_thread(self._fail, gen, exc)
+                busy = True
+            if not busy:
+                try:
+                    await asyncio.wait_for(self._walk_wake.wait(), 1.0)
+                except TimeoutError:
+                    pass
 
-    def _step(self) -> None:
-        """One batch: fetch its vectors, commit them to the store, save the record."""
-        if self._rollback_step() or self._canary_step():
-            return
+    async def _step(self) -> bool:
+        """One piece of work; ``False``: none now."""
+        if await asyncio.to_thread(self._rollback_step):
+            return True
+        if await self._canary_step():
+            return True
+        return await asyncio.to_thread(self._batch_step)
+
+    def _batch_step(self) -> bool:
+        """(a worker thread) One batch: fetch its vectors, commit them to the store, save the
+        record; ``False``: not running."""
         step = self._next_batch()
         if step is None:
-            return
+            return self._still(self.generation)
         pos, batch, source, rate, gen = step
         vecs = self._vector_source(source).new_vectors(batch)
         if not self._send(gen, pos, batch):
-            return
+            return True
         try:
             self._apply(pos, batch, vecs)
         except Exception:
             self._settle()
             raise
         self._advance(gen, pos, batch, rate)
+        return True
 
     def _send(self, gen: int, pos: int, batch: np.ndarray) -> bool:
         """Mark the batch in flight once no ``/status`` holds the walk; ``False``: paused or
@@ -748,15 +790,11 @@ class BackfillController(UpgradeCommands):
             return True
 
     def _next_batch(self):
-        """``(position, ids, source, rate, generation)`` of the next batch once running, or
-        ``None`` after marking the backfill done / paused at its end or ``until``."""
+        """``(position, ids, source, rate, generation)`` of the next batch, or ``None``: not
+        running, the canary due first, or marked done / paused at its end or ``until``."""
         with self.lock:
-            while self.ck["state"] != "running":
-                if self._state() is State.ROLLING_BACK:  # the rollback's step takes the turn
-                    if not self.ck.get("rollback"):
-                        self.wake.wait(timeout=1.0)
-                    return None
-                self.wake.wait(timeout=1.0)
+            if self.ck["state"] != "running":
+                return None
             pos, total = int(self.ck["position"]), int(self.ck["total"])
             if self.gate.due(self.ck.get("started"), pos, total):
                 return None  # the canary is measured here first (:meth:`_canary_step`)
@@ -792,7 +830,7 @@ class BackfillController(UpgradeCommands):
         """Checkpoint the position after an acknowledged batch, then keep to ``rate``."""
         with self.lock:
             self._in_flight = None
-            self.wake.notify_all()
+            self._notify()
             if (
                 gen == self.generation and int(self.ck["position"]) == pos
             ):  # not restarted meanwhile
@@ -812,6 +850,17 @@ class BackfillController(UpgradeCommands):
         new rate ends a wait)."""
         with self.lock:
             return gen == self.generation and self.ck["state"] == "running"
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The loop the walk runs on: the replica's (Serve builds the controller on it); outside
+    Serve (a test), a loop on a daemon thread of its own."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="backfill-loop", daemon=True).start()
+        return loop
 
 
 def _batch_size(batch_size: int, rate: float | None) -> int:

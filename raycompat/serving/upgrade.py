@@ -6,8 +6,8 @@ listing (docs/live-index.md, "Upgrading a live gallery safely").
 (it uses the controller's lock, record ``ck``, shard handles and order):
 
 * **canary** -- registered once (:meth:`~UpgradeCommands.register_canary`, stored by
-  :class:`~raycompat.serving.canary_gate.CanaryGate`), measured by the walking thread at every
-  ``canary_every``-th position (batches stop there), through the router's search path
+  :class:`~raycompat.serving.canary_gate.CanaryGate`), measured by the walk (an asyncio
+  task) at every ``canary_every``-th position (batches stop there), through the router's search path
   (``Router.canary_search``: the same query sides and batcher as ``POST /search``).  A point
   whose guard trips pauses the backfill (``paused_by``, a warning in the controller's log)
   unless ``resume`` was given ``override``;
@@ -27,6 +27,7 @@ accepted commands out.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -137,45 +138,55 @@ class UpgradeCommands:
     def _canary_stop(self, pos: int, total: int) -> int:
         return self.gate.next_stop(pos, total)
 
-    def _router_handle(self):
+    async def _search_canary(self, vectors, model: str, old_vectors=None) -> np.ndarray:
+        """Result ids of the canary's queries through the router's search path."""
         if self._router is None:
             from ray import serve
 
-            from raycompat.serving.thread_handles import ThreadHandle
-
-            router = serve.get_deployment_handle("router", app_name=self.cfg.app_name)
-            self._router = ThreadHandle(router)
-        return self._router
-
-    def _search_canary(self, vectors, model: str, old_vectors=None) -> np.ndarray:
-        """Result ids of the canary's queries through the router's search path."""
+            self._router = serve.get_deployment_handle("router", app_name=self.cfg.app_name)
         k = self.cfg.canary.canary_k
-        call = self._router_handle().canary_search.remote(vectors, k, model, old_vectors)
-        return np.asarray(call.result(timeout_s=self.cfg.shard_timeout_s))
+
+        async def call():
+            return await self._router.canary_search.remote(vectors, k, model, old_vectors)
+
+        return np.asarray(await asyncio.wait_for(call(), self.cfg.shard_timeout_s))
 
     def _has_new_items(self) -> bool:
         with self.store_lock:
             return self.store.count_upgraded() > 0
 
-    def _canary_step(self) -> bool:
-        """Measure the canary when it is due at the current position (the walking thread)."""
+    def _canary_due(self):
+        """(a worker thread) ``(run, position, generation, canary, wants old-old)`` when the
+        canary is due at the current position, else ``None``."""
         with self.lock:
             run, pos, total = self.ck.get("started"), int(self.ck["position"]), self.ck["total"]
             if self.ck["state"] != "running" or not self.gate.due(run, pos, int(total)):
-                return False
-            gen, canary = self.generation, self.gate.canary
-            wants_old = self.gate.wants_old_old(False)
+                return None
+            wants_old = self.gate.wants_old_old(False) and not self._has_new_items()
+            return run, pos, self.generation, self.gate.canary, wants_old
+
+    async def _canary_step(self) -> bool:
+        """Measure the canary when it is due at the current position (the walk)."""
+        due = await asyncio.to_thread(self._canary_due)
+        if due is None:
+            return False
+        run, pos, gen, canary, wants_old = due
         old_ids = None
-        if wants_old and not self._has_new_items():
-            old_ids = self._search_canary(canary.old_vectors, "old")
-        ids = self._search_canary(canary.vectors, "new", canary.old_vectors)
+        if wants_old:
+            old_ids = await self._search_canary(canary.old_vectors, "old")
+        ids = await self._search_canary(canary.vectors, "new", canary.old_vectors)
+        await asyncio.to_thread(self._canary_point, run, pos, gen, canary, ids, old_ids)
+        return True
+
+    def _canary_point(self, run, pos: int, gen: int, canary, ids, old_ids) -> None:
+        """(a worker thread) Record the point measured at ``pos`` and judge it, unless the
+        backfill restarted or another canary came meanwhile (then it is measured again)."""
         with self.lock:
             if gen != self.generation or canary is not self.gate.canary:
-                return True  # restarted, or another canary: measure again
+                return
             self.gate.last = (run, pos)
             point = self.gate.measure(pos, ids, old_ids)
             self._judge(point)
-        return True
 
     def _judge(self, point: dict) -> None:
         """(lock held) A tripped guard is the state machine's ``canary_trip``: it pauses a
@@ -250,7 +261,7 @@ class UpgradeCommands:
             except StorageError as exc:
                 return {"error": f"rollback not started: {exc}", "status": 503}
             logger.warning("rollback of %d item(s) started (to position %s)", ids.size, to)
-            self.wake.notify_all()
+            self._notify()
             return self.status()
 
     def _save_rollback_ids(self, ids: np.ndarray) -> dict:
@@ -264,9 +275,9 @@ class UpgradeCommands:
             ) from None
 
     def _rollback_step(self) -> bool:
-        """One batch of a running rollback (the walking thread); ``False``: none runs.  The
-        batch waits out a ``/status`` hold; its last acknowledgement ends the rollback, even
-        when a pause came while it was in flight."""
+        """One batch of a running rollback (the walk, on a worker thread); ``False``: none
+        runs.  The batch waits out a ``/status`` hold; its last acknowledgement ends the
+        rollback, even when a pause came while it was in flight."""
         with self.lock:
             rb = self.ck.get("rollback")
             if self._state() is not State.ROLLING_BACK or not rb:
@@ -383,19 +394,15 @@ class UpgradeCommands:
                 self.store.finalize()
             return dropped, column, self.store.max_write_seq()
 
-    def stale(self, model: str, cursor: int = 0, limit: int = 1000) -> dict:
+    async def stale(self, model: str, cursor: int = 0, limit: int = 1000) -> dict:
         """A page of the ids whose vector ``model`` did not produce, in the backfill's order
         (the gallery's before any backfill), from position ``cursor`` of that order."""
-        with self.lock:
-            order = self.order
-            kind = "backfill" if order is not None else "gallery"
-        if order is None:
-            order = self.gallery().gallery_ids()
+        order, kind = await asyncio.to_thread(self._stale_order)
         out: list[int] = []
         pos = int(cursor)
         while pos < order.size and len(out) < limit:
             chunk = order[pos : pos + max(4 * limit, 1024)]
-            stale = np.flatnonzero(self._models_of(chunk) != model)
+            stale = np.flatnonzero(await self._models_of(chunk) != model)
             need = limit - len(out)
             if stale.size >= need:
                 out += chunk[stale[:need]].tolist()
@@ -410,13 +417,25 @@ class UpgradeCommands:
             "order": kind,
         }
 
-    def _models_of(self, ids: np.ndarray) -> np.ndarray:
+    def _stale_order(self) -> tuple[np.ndarray, str]:
+        with self.lock:
+            order = self.order
+        if order is not None:
+            return order, "backfill"
+        return self.gallery().gallery_ids(), "gallery"
+
+    async def _models_of(self, ids: np.ndarray) -> np.ndarray:
         """The model fingerprint of every id (``""`` where no shard holds it)."""
         out = np.full(ids.size, "", dtype=object)
-        for s, p in enumerate(split_by_shard(ids, len(self.shards))):
-            if p.size:
-                res = self.shards[s].models_of.remote(ids[p]).result(timeout_s=60)
-                out[p] = [m or "" for m in res]
+        parts = split_by_shard(ids, len(self.shards))
+        calls = {s: self.shards[s].models_of.remote(ids[p]) for s, p in enumerate(parts) if p.size}
+        for s, call in calls.items():
+
+            async def answer(call=call):
+                return await call
+
+            res = await asyncio.wait_for(answer(), 60)
+            out[parts[s]] = [m or "" for m in res]
         return out
 
     def upgrade_status(self) -> dict:

@@ -4,7 +4,7 @@ finalizing (docs/live-index.md, "The upgrade state machine").
 
 Pure Python (no Ray, no numpy).  The live index's backfill controller
 (:mod:`raycompat.serving.backfill_controller`) asks :meth:`StateMachine.decide` about every
-command and every event of its walking thread, and a store backfill job is to ask the same,
+command and every event of its walk, and a store backfill job is to ask the same,
 so that both answer alike.  :data:`TABLE` is the whole table; a cell is
 
 * a :class:`State`: the state after the command;
@@ -66,7 +66,7 @@ class State(str, enum.Enum):
 
 
 class Command(str, enum.Enum):
-    """What an operator asks (the first seven) and what the walking thread reports (the rest)."""
+    """What an operator asks (the first seven) and what the walk reports (the rest)."""
 
     START = "start"
     RESTART = "restart"  # start with "restart": true

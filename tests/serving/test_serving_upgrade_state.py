@@ -211,7 +211,7 @@ def test_a_status_hold_stops_the_walk_between_batches(controller):
 def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice(
     controller, monkeypatch, capsys
 ):
-    """The walking thread stops for good after a batch is committed and before the record
+    """The walk stops for good after a batch is committed and before the record
     says so (what a SIGKILL there leaves); a new controller on the same store finds the batch
     there (``recovered``), goes on after it, and every item is written exactly once; the
     record is the one ``backfill-store --status`` reads."""
@@ -237,8 +237,8 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
 
     ctl.record_every_s = 0.0  # a record after every batch
 
-    def save_or_die():  # the third batch's record is never saved: its thread stops there
-        if threading.current_thread() is ctl.thread and sum(written.values()) >= 15:
+    def save_or_die():  # the third batch's record is never saved: the walk stops there
+        if sum(written.values()) >= 15:
             killed.set()
             threading.Event().wait()
         save()
