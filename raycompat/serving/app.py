@@ -69,7 +69,13 @@ def replica_options(replicas: int, autoscaling: str | None) -> dict:
 
 #: Serve's health checks of every replica (shards, router, backfill controller): a replica that
 #: died is found, and its replacement started, within 2 s (Serve's default period is 10 s)
-HEALTH_CHECKS = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0}
+#: every deployment's health checks and shutdown: a replica that is stopped (a redeploy, a
+#: scale-down, ``--stop``) looks for its last request every 0.5 s, not Serve's 2 s
+HEALTH_CHECKS = {
+    "health_check_period_s": 2.0,
+    "health_check_timeout_s": 30.0,
+    "graceful_shutdown_wait_loop_s": 0.5,
+}
 
 
 def actor_options(cfg: ServingConfig, **options) -> dict:

@@ -102,6 +102,18 @@ def scrape_nodes(timeout_s: float = 2.0) -> tuple[list[str], list[str]]:
     return texts, unreachable
 
 
+def _our_lines(text: str) -> str:
+    """The lines of our families in an agent's text (a long-running cluster's agent exports
+    thousands of Ray's own samples, which the parser would read one by one)."""
+    ours = f"ray_{PREFIX}_"
+    keep = [
+        line
+        for line in text.splitlines()
+        if line.startswith(ours) or (line.startswith("# ") and line[7:].startswith(ours))
+    ]
+    return "\n".join(keep) + "\n"
+
+
 def sum_over_replicas(texts: Iterable[str], application: str | None = None) -> dict[str, dict]:
     """Our families in Ray's exposition ``texts`` (``ray_raycompat_serving_*``) of the Serve
     ``application`` (all: ``None``), each sample summed over every label but our own:
@@ -111,7 +123,7 @@ def sum_over_replicas(texts: Iterable[str], application: str | None = None) -> d
 
     out: dict[str, dict] = {}
     for text in texts:
-        for fam in text_string_to_metric_families(text):
+        for fam in text_string_to_metric_families(_our_lines(text)):
             if not fam.name.startswith(f"ray_{PREFIX}_"):
                 continue
             name = fam.name[4:] + ("_total" if fam.type == "counter" else "")  # as written

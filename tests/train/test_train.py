@@ -58,42 +58,14 @@ def tiny_config(scenario, tmp_path, **overrides) -> TrainConfig:
     return TrainConfig.from_dict(values)
 
 
-def test_two_worker_ddp_keeps_parameters_identical_on_a_uri_storage(
-    ray_cluster, tiny_scenario, tmp_path
+def test_two_ddp_workers_on_a_uri_storage_stay_identical_and_resume_after_a_kill(
+    ray_cluster, tmp_path
 ):
-    """2 DDP workers stay in sync (their parameter digests agree every epoch); checkpoints
-    and the exported bundle live under a file:// URI (pyarrow's filesystem path, as for s3://
-    or gs://), and the bundle loads back from its URI."""
-    store = f"file://{tmp_path}/store"
-    cfg = tiny_config(
-        tiny_scenario, tmp_path, num_workers=2, epochs=2, run_name="ddp", storage_path=store
-    )
-    run = fit(cfg, export_to=f"{store}/models/ddp")
-    assert run.bundle_path == f"{store}/models/ddp"
-    assert run.checkpoint_path.startswith(f"{store}/ddp/")
-    assert (tmp_path / "store" / "models" / "ddp" / "manifest.json").is_file()
-    assert [h["epoch"] for h in run.history] == [1, 2]
-    assert all(h["num_workers"] == 2 for h in run.history)
-    # the training time beside the manifest (not in the fingerprint): plan-upgrade's cost
-    trained = json.loads((tmp_path / "store" / "models" / "ddp" / "training.json").read_text())
-    wall_h = sum(h["epoch_time_s"] for h in run.history) / 3600
-    assert (trained["epochs"], trained["workers"], trained["device"]) == (2, 2, "cpu")
-    assert trained["device_hours"] == pytest.approx(2 * wall_h, rel=1e-12) and wall_h > 0
-    diag = tmp_path / "diag"
-    digests = {}
-    for epoch in (1, 2):
-        ranks = [(diag / f"digest_rank{r}_epoch{epoch}.txt").read_text() for r in (0, 1)]
-        assert ranks[0] == ranks[1], f"workers diverged at epoch {epoch}"
-        digests[epoch] = ranks[0]
-    assert digests[1] != digests[2], "parameters did not change between epochs"
-    bundle = run.load()
-    assert bundle.manifest["method"] == "independent"
-    assert bundle.manifest["train_config"]["num_workers"] == 2
-
-
-def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
-    """SIGKILL the training worker once Ray Train has registered the epoch-2 checkpoint; the run
-    must restart the worker (FailureConfig) and go on from that checkpoint, not from scratch."""
+    """2 DDP workers, checkpoints and the exported bundle under a file:// URI (pyarrow's
+    filesystem path, as for s3:// or gs://).  Rank 0 is SIGKILLed once Ray Train has registered
+    the epoch-2 checkpoint: the run restarts its workers (FailureConfig) and goes on from that
+    checkpoint, not from scratch; the workers' parameter digests agree at every epoch, and the
+    bundle loads back from its URI."""
     scenario = build_scenario(
         "extended-data",
         num_train_classes=12,
@@ -104,12 +76,17 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
         num_distractor_classes=0,
         seed=5,
     )
-    cfg = tiny_config(scenario, tmp_path, epochs=6, run_name="kill", max_failures=2)
+    store = f"file://{tmp_path}/store"
+    cfg = tiny_config(scenario, tmp_path, epochs=4, run_name="kill", max_failures=2,
+                      num_workers=2, storage_path=store)  # fmt: skip
     outcome = {}
-    thread = threading.Thread(target=lambda: outcome.update(run=fit(cfg)), daemon=True)
+    export = f"{store}/models/ddp"
+    thread = threading.Thread(
+        target=lambda: outcome.update(run=fit(cfg, export_to=export)), daemon=True
+    )
     thread.start()
     # Ray Train's controller records each registered checkpoint in this snapshot file.
-    snapshot = tmp_path / "runs" / "kill" / "checkpoint_manager_snapshot.json"
+    snapshot = tmp_path / "store" / "kill" / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 240
     while time.time() < deadline and not (
         snapshot.exists() and "epoch_0002" in snapshot.read_text()
@@ -123,12 +100,29 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tmp_path):
     assert "run" in outcome, "fit() raised instead of recovering"
     run = outcome["run"]
     assert int((tmp_path / "diag" / "pid_rank0.txt").read_text()) != pid, "worker not restarted"
-    assert [h["epoch"] for h in run.history] == list(range(1, 7))
+    assert [h["epoch"] for h in run.history] == [1, 2, 3, 4]
+    assert all(h["num_workers"] == 2 for h in run.history)
     starts = [h["start_epoch"] for h in run.history]
     # The first attempt started from scratch; the epochs after the kill ran in an attempt that
     # resumed from a registered checkpoint (epoch 2 or later), never from scratch again.
     assert starts[0] == 0 and starts[-1] >= 2, starts
     assert not any(h["epoch"] <= h["start_epoch"] for h in run.history), starts
+    assert run.bundle_path == export and run.checkpoint_path.startswith(f"{store}/kill/")
+    # the training time beside the manifest (not in the fingerprint): plan-upgrade's cost
+    trained = json.loads((tmp_path / "store" / "models" / "ddp" / "training.json").read_text())
+    wall_h = sum(h["epoch_time_s"] for h in run.history) / 3600
+    assert (trained["epochs"], trained["workers"], trained["device"]) == (4, 2, "cpu")
+    assert trained["device_hours"] == pytest.approx(2 * wall_h, rel=1e-12) and wall_h > 0
+    diag = tmp_path / "diag"
+    digests = {}
+    for epoch in (1, 2, 3, 4):
+        ranks = [(diag / f"digest_rank{r}_epoch{epoch}.txt").read_text() for r in (0, 1)]
+        assert ranks[0] == ranks[1], f"workers diverged at epoch {epoch}"
+        digests[epoch] = ranks[0]
+    assert len(set(digests.values())) == 4, "parameters did not change between epochs"
+    bundle = run.load()
+    assert bundle.manifest["method"] == "independent"
+    assert bundle.manifest["train_config"]["num_workers"] == 2
 
 
 def test_bad_configuration_names_the_key():
