@@ -73,6 +73,26 @@ class UpgradeCommands:
         rb = self.ck.get("rollback") or {}
         self.rollback_order = self.up.records.read_order(rb["ids"]) if rb.get("ids") else None
         self._router = None
+        if rb.get("state") in ("running", "paused") and self.rollback_order is not None:
+            self._reconcile_rollback(rb)
+
+    def _reconcile_rollback(self, rb: dict) -> None:
+        """An unfinished rollback's progress as the store has it: its items are turned back
+        in their order, so ``done`` is the number of leading ids no longer upgraded (the
+        record, saved at most once a second, may say fewer)."""
+        from raycompat.stores import Filter
+
+        ids = self.rollback_order
+        still = set()
+        for start in range(0, ids.size, 4096):
+            chunk = tuple(int(i) for i in ids[start : start + 4096])
+            for block in self.store.read_blocks(("id", "upgraded"), filter=Filter(ids=chunk)):
+                still.update(block["id"][block["upgraded"]].tolist())
+        up = np.fromiter((int(i) in still for i in ids), bool, ids.size)
+        done = int(np.argmax(up)) if up.any() else int(ids.size)
+        if done > int(rb.get("done") or 0):
+            rb["rolled_back"] = int(rb.get("rolled_back") or 0) + done - int(rb["done"] or 0)
+            rb["done"] = done
 
     # ------------------------------------------------------------------ canary
     def register_canary(

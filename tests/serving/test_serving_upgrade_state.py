@@ -5,6 +5,8 @@ the rollback plan, and the model fingerprint of every vector."""
 import numpy as np
 import pytest
 
+from raycompat.upgrade.state_machine import State
+
 
 def test_rollback_plan_takes_the_kept_ids_from_a_position_latest_first():
     from raycompat.serving.upgrade import rollback_plan
@@ -261,3 +263,176 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rec["position"], rec["total"], rec["state"]) == (40, 40, "done")
     assert rec["counts"]["upgraded"] == 40 and rec["driver"]["what"] == "live index"
+
+
+# ----------------------------------------------------------------------------- the table
+#: The live index's answer to each command in each state (a 40-item gallery; ``paused``: at 20;
+#: ``rollback`` asks for ``to`` 10): the machine state after it, or ``409 <words of the
+#: refusal>``.  Written out here, not read from raycompat.upgrade.state_machine: the controller
+#: must give these answers, whatever the table module says.
+LIVE_TABLE = {
+    "idle": dict(start="running", restart="running", pause="idle",
+                 resume="409 no backfill to resume", resume_override="409 no backfill to resume",
+                 rollback="409 no backfill order: roll back without 'to'", finalize="idle"),
+    "running": dict(start="409 already running", restart="running", pause="paused",
+                    resume="running", resume_override="running",
+                    rollback="409 while the backfill is running: pause it first",
+                    finalize="409 while the backfill is running: pause it first"),
+    "paused": dict(start="409 already paused", restart="running", pause="paused",
+                   resume="running", resume_override="running", rollback="rolling_back",
+                   finalize="paused"),
+    "guard_paused": dict(start="409 already paused", restart="running", pause="guard_paused",
+                         resume="409 paused by the canary guard map",
+                         resume_override="running", rollback="rolling_back",
+                         finalize="409 cannot finalize while the backfill is paused by the"),
+    "rolling_back": dict(start="409 already rolling_back", restart="running",
+                         pause="rollback_paused", resume="rolling_back",
+                         resume_override="rolling_back",
+                         rollback="409 while the backfill is rolling_back: pause it first",
+                         finalize="409 while the backfill is rolling_back: pause it first"),
+    "rollback_paused": dict(start="409 already paused", restart="running",
+                            pause="rollback_paused", resume="rolling_back",
+                            resume_override="rolling_back", rollback="rolling_back",
+                            finalize="409 while a rollback is unfinished (paused after 5 of 10"),
+    "done": dict(start="running", restart="running", pause="done", resume="done",
+                 resume_override="done", rollback="rolling_back", finalize="done"),
+    "error": dict(start="running", restart="running", pause="error", resume="rolling_back",
+                  resume_override="rolling_back", rollback="rolling_back",
+                  finalize="409 while a rollback is unfinished (stopped by an error after 5"),
+    "finalizing": dict(start="409 while a finalize is in progress",
+                       restart="409 while a finalize is in progress", pause="finalizing",
+                       resume="409 while a finalize is in progress",
+                       resume_override="409 while a finalize is in progress",
+                       rollback="409 while a finalize is in progress",
+                       finalize="409 while a finalize is in progress"),
+}  # fmt: skip
+
+
+def _command(ctl, name: str) -> dict:
+    return {
+        "start": lambda: ctl.start(policy="sequential", batch_size=5, rate=2),
+        "restart": lambda: ctl.start(policy="sequential", batch_size=5, rate=2, restart=True),
+        "pause": ctl.pause,
+        "resume": lambda: ctl.resume(rate=2, clear_until=True),
+        "resume_override": lambda: ctl.resume(rate=2, clear_until=True, override=True),
+        "rollback": lambda: ctl.rollback(to=10, batch_size=5),
+        "finalize": ctl.finalize,
+    }[name]()
+
+
+def _close(ctl) -> None:
+    """End a controller of this process: its claim on the store, its walk's loop."""
+    ctl.held.set()
+    ctl.lease.__exit__(None, None, None)
+    ctl._loop.call_soon_threadsafe(ctl._loop.stop)
+
+
+def _stopped_states(root):
+    """``{state: state dir}``: a controller's state dir (its LanceDB store) left in each state
+    that a stopped controller can hold, built through its commands (``guard_paused``: the
+    record a tripped guard writes; a canary needs the router)."""
+    import shutil
+
+    from raycompat.serving.config import serving_config
+    from raycompat.serving.plan import build_plan
+    from raycompat.serving.served_store import ensure_store
+
+    cfg = serving_config(gallery="synthetic:40:8:12:0", state_dir=str(root / "base"),
+                         num_shards=1, shard_timeout_s=1.5)  # fmt: skip
+    plan = build_plan(cfg)
+    ensure_store(cfg, plan.identities.default("old"), plan.query_dims.new)
+    out = {}
+
+    def keep(state, ctl):
+        _close(ctl)
+        shutil.copytree(root / "base", root / state)
+        out[state] = root / state
+        return _gated_controller()([], plan)
+
+    ctl = keep("idle", _gated_controller()([], plan))
+    ctl.start(policy="sequential", batch_size=5, until=20)
+    _until(ctl, lambda s: s["state"] == "paused" and s["position"] == 20, "paused at 20")
+    ctl = keep("paused", ctl)
+    with ctl.lock:
+        ctl.ck["paused_by"] = {"guard": "map", "position": 20, "reason": "map fell"}
+        ctl._enter(State.GUARD_PAUSED)
+        ctl._save_record()
+    ctl = keep("guard_paused", ctl)
+    ctl.ck["paused_by"] = None
+    ctl._enter(State.PAUSED)
+    ctl.held.clear()
+    ctl.rollback(to=10, batch_size=5)
+    assert ctl.entered.wait(5)
+    ctl.pause()
+    ctl.held.set()  # the first batch lands, the second waits for a resume
+    _until(ctl, lambda s: s["rollback"]["done"] == 5 and not s["in_flight"], "5 rolled back")
+    ctl = keep("rollback_paused", ctl)
+    ctl.fail_rollbacks = 1
+    ctl.resume()
+    _until(ctl, lambda s: s["state"] == "error", "the failed rollback batch")
+    ctl = keep("error", ctl)
+    ctl.start(policy="sequential", batch_size=10, restart=True)
+    _until(ctl, lambda s: s["state"] == "done", "the end")
+    _close(keep("done", ctl))
+    return out, plan
+
+
+def test_every_command_in_every_state_answers_as_the_table(tmp_path):
+    """The live index's state-machine table, cell by cell, on its controller (the answers its
+    HTTP endpoints give: a 409 naming why, or the state after): each stopped state restored
+    from a copy of its store (the record and order live there), ``running``, ``rolling_back``
+    and ``finalizing`` entered from ``paused`` with the store's writes held; a refused command
+    changes nothing, and the store's upgraded items agree with the position at rest."""
+    import dataclasses
+    import shutil
+    import threading
+
+    from raycompat.serving.config import serving_config
+
+    stopped, plan = _stopped_states(tmp_path / "templates")
+    cells = 0
+    for state, row in LIVE_TABLE.items():
+        for command, want in row.items():
+            cell = tmp_path / f"{state}-{command}"
+            shutil.copytree(stopped.get(state, stopped["paused"]), cell)
+            cfg = serving_config(gallery="synthetic:40:8:12:0", state_dir=str(cell),
+                                 num_shards=1, shard_timeout_s=1.5)  # fmt: skip
+            ctl = _gated_controller()([], dataclasses.replace(plan, config=cfg))
+            finalizing = None
+            try:
+                if state == "running":
+                    ctl.resume(rate=2, clear_until=True)
+                elif state == "rolling_back":
+                    ctl.held.clear()
+                    ctl.rollback(to=0, batch_size=5)
+                    assert ctl.entered.wait(5)
+                elif state == "finalizing":
+                    ctl.held.clear()
+                    finalizing = threading.Thread(target=ctl.finalize)
+                    finalizing.start()
+                    assert ctl.entered.wait(5)
+                before = ctl._state().value
+                assert before == state, (state, command, before)
+                position = ctl.status()["position"]
+                answer = _command(ctl, command)
+                where = f"{command} in {state}: {answer}"
+                if want.startswith("409 "):
+                    assert answer.get("status") == 409 and want[4:] in answer["error"], where
+                    assert ctl._state().value == state, where  # nothing changed
+                    if state != "running":  # (a running walk moves on by itself)
+                        assert ctl.status()["position"] == position, where
+                else:
+                    assert answer.get("status") is None, where
+                    assert ctl._state().value == want, where
+                ctl.held.set()
+                if finalizing is not None:
+                    finalizing.join(10)
+                token = ctl.hold(lease_s=5, wait_s=5)["token"]  # what /status does
+                at_rest = ctl._state().value in ("idle", "paused", "guard_paused", "done")
+                if at_rest:
+                    assert ctl.new() == ctl.status()["position"], where
+                assert ctl.status(release=token)["counts_consistent"], where
+            finally:
+                _close(ctl)
+            cells += 1
+    assert cells == 9 * 7
