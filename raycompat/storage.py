@@ -8,7 +8,7 @@ its :attr:`Location.uri` (the absolute path, or the URI with a lower-case scheme
 trailing ``/``) is the one form in which a place is shown, recorded and compared. Every job's
 outputs (:mod:`raycompat.outputs`), the gallery pipeline's writer (:mod:`raycompat.pipeline`),
 the simulator's inputs and the live index's state directory
-(:mod:`raycompat.serving.checkpoint_files`) name their places this way.
+(:func:`raycompat.serving.config.state_directory`) name their places this way.
 
 Every job takes ``--storage``: a local folder (default ``~/raycompat_runs``) or a URI. On a
 cluster it must be a place every node can reach: an object store, or a network file system

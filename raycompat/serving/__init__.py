@@ -16,10 +16,9 @@ One module per concept:
 * :mod:`.orders`         -- the simulator's backfill policies as item-id orders
 * :mod:`.embedder_pool`  -- Ray actors holding the new model; image decoding
 * :mod:`.backfill_controller` -- the backfill controller deployment (rate, pause/resume,
-  checkpoints; the store's one writer, upserts grouped into one commit)
-* :mod:`.checkpoint_files` -- the controller's checkpoint files
-* :mod:`.upgrade`, :mod:`.canary_gate` -- the guarded upgrade: canary and guards, rollback,
-  finalize, the stale listing
+  its record in the store; the store's one writer, upserts grouped into one commit)
+* :mod:`.upgrade`, :mod:`.canary_gate` -- the guarded upgrade: canary and guards (kept in the
+  store), rollback, finalize, the stale listing
 * :mod:`.schemas`, :mod:`.router`, :mod:`.errors`, :mod:`.auth`, :mod:`.metrics` -- the HTTP API
 * :mod:`.config`, :mod:`.plan` -- options, and the frozen plan every deployment receives
   (options + dims, item count, model versions derived once)

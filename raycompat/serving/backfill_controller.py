@@ -484,7 +484,8 @@ class BackfillController(UpgradeCommands):
             self.up.records.drop_orders(keep_run=meta["run"])
             self.error = None
             self.resumed = False
-            self.gate.new_run()
+            self.gate.new_run(meta["run"])
+            self.ck["canary"] = self.gate.record_info(int(len(order)))
             self.generation += 1
             self._rate_t0, self._rate_p0 = time.perf_counter(), 0
             self._save_record()

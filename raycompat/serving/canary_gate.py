@@ -1,28 +1,27 @@
 """The canary gate of the backfill controller: the registered canary, its reference answers and
-the history of its points, kept in ``<state_dir>/canary/`` (docs/live-index.md, "Upgrading a
-live gallery safely"; the numbers: :mod:`raycompat.upgrade.canary`).
+the history of its points, kept in the store the index serves, beside the upgrade's record
+(docs/live-index.md, "Upgrading a live gallery safely"; the numbers:
+:mod:`raycompat.upgrade.canary`).  A controller started again on any node finds them there,
+and ``raycompat backfill-store --store URI --status`` shows the points.
 
-Files (each written atomically):
+Records (:class:`raycompat.stores.backfill.BackfillRecords`):
 
-* ``canary.parquet`` -- the canary set (:class:`raycompat.upgrade.canary.CanarySet`), what
-  ``simulate-backfill --canary`` reads too;
-* ``reference.npz`` -- the reference answers (per query AP@k and top-1 correctness, and their
-  kind); measured once, at the first point of a backfill on a gallery that holds no new item
-  (``old-old`` when the canary has old-model vectors and the mode stores old vectors), else
-  the first point's own answers (``first point``);
-* ``history.json`` -- every point measured, in the order it was measured (a rollback or a
-  resume adds points at positions already seen); a new backfill or canary starts it afresh.
+* the canary set (:class:`raycompat.upgrade.canary.CanarySet`, its parquet bytes), under a
+  registration id; ``simulate-backfill --canary <store URI>`` reads it;
+* the reference answers (per query AP@k and top-1 correctness, and their kind), one per
+  registration; measured once, at the first point of a backfill on a gallery that holds no
+  new item (``old-old`` when the canary has old-model vectors and the mode stores old
+  vectors), else the first point's own answers (``first point``);
+* every point measured, per backfill and registration (``<order run>-<registration>``), in
+  the order it was measured (a rollback or a resume adds points at positions already seen).
 """
 
 from __future__ import annotations
 
-import io
-import json
-import os
+import time
 
 import numpy as np
 
-from raycompat.serving.checkpoint_files import atomic_write
 from raycompat.upgrade.canary import (
     CanaryOptions,
     CanaryReference,
@@ -33,75 +32,70 @@ from raycompat.upgrade.canary import (
     stores_old_vectors,
 )
 
-__all__ = ["CanaryGate", "CANARY_DIR", "CANARY_FILE"]
-
-CANARY_DIR = "canary"
-CANARY_FILE = "canary.parquet"
+__all__ = ["CanaryGate"]
 
 
 class CanaryGate:
     """The canary of one index (see the module docstring); not thread-safe: the controller
-    calls it under its lock, except :meth:`measure`, which only reads what it is given."""
+    calls it under its lock, except :meth:`measure`, which only reads what it is given.
+    ``records``: the store's :class:`~raycompat.stores.backfill.BackfillRecords`; ``run``: the
+    backfill's order run (``None`` before any)."""
 
-    def __init__(self, state_dir: str, opts: CanaryOptions, mode: str):
-        self.dir = os.path.join(state_dir, CANARY_DIR)
+    def __init__(self, records, opts: CanaryOptions, mode: str, run: str | None):
+        self.records = records
         self.opts = opts
         self.mode = mode
+        self.run = run
         self.canary: CanarySet | None = None
+        self.reg: str | None = None  # the registration id
         self.reference: CanaryReference | None = None
         self.history: list[dict] = []
         self.last: tuple | None = None  # (run, position) of the last point measured
-        path = os.path.join(self.dir, CANARY_FILE)
-        if os.path.exists(path):
-            self.canary = CanarySet.read(path)
+        meta = records.live_canary_meta()
+        if meta is not None:
+            where = f"the canary of {records.store.where}"
+            self.canary = CanarySet.from_bytes(records.live_canary(), where)
+            self.reg = meta["reg"]
             self.reference = self._read_reference()
-            self.history = self._read_json("history.json", [])
-
-    # ------------------------------------------------------------------ files
-    def _read_json(self, name: str, default):
-        path = os.path.join(self.dir, name)
-        if not os.path.exists(path):
-            return default
-        with open(path) as fh:
-            return json.load(fh)
-
-    def _write(self, name: str, data: bytes) -> None:
-        os.makedirs(self.dir, exist_ok=True)
-        atomic_write(os.path.join(self.dir, name), lambda fh: fh.write(data), f"writing {name}")
-
-    def _read_reference(self) -> CanaryReference | None:
-        path = os.path.join(self.dir, "reference.npz")
-        if not os.path.exists(path):
-            return None
-        with np.load(path, allow_pickle=False) as z:
-            return CanaryReference(str(z["kind"]), z["ap"], z["correct"])
-
-    def _save_reference(self, ref: CanaryReference) -> None:
-        buf = io.BytesIO()
-        np.savez(buf, kind=np.array(ref.kind), ap=ref.ap, correct=ref.correct)
-        self._write("reference.npz", buf.getvalue())
-
-    def _save_history(self) -> None:
-        self._write("history.json", json.dumps(self.history).encode())
+            self.history = records.canary_points(self.points_key) if run else []
 
     @property
-    def path(self) -> str:
-        return os.path.join(self.dir, CANARY_FILE)
+    def points_key(self) -> str:
+        """Where this backfill's points of this registration are kept."""
+        return f"{self.run}-{self.reg}"
+
+    def _read_reference(self) -> CanaryReference | None:
+        doc = self.records.canary_reference(f"live-{self.reg}")
+        if doc is None:
+            return None
+        return CanaryReference(doc["kind"], np.asarray(doc["ap"]), np.asarray(doc["correct"]))
 
     # ------------------------------------------------------------------ commands
     def register(self, canary: CanarySet) -> None:
-        """Store ``canary`` (replacing an earlier one, its reference and its history)."""
-        self._write(CANARY_FILE, canary.to_bytes())
-        for name in ("reference.npz", "history.json"):
-            if os.path.exists(os.path.join(self.dir, name)):
-                os.unlink(os.path.join(self.dir, name))
-        self.canary, self.reference, self.history, self.last = canary, None, [], None
+        """Keep ``canary`` (replacing an earlier one: a new reference and history)."""
+        reg = f"{int(time.time() * 1000):x}"
+        self.records.put_live_canary(canary.to_bytes(), reg)
+        self.canary, self.reg, self.reference, self.history, self.last = (
+            canary, reg, None, [], None
+        )  # fmt: skip
 
-    def new_run(self) -> None:
-        """A new backfill: a new history (the reference stays)."""
-        self.history, self.last = [], None
-        if self.canary is not None:
-            self._save_history()
+    def new_run(self, run: str) -> None:
+        """A new backfill (its order's ``run``): a new history (the reference stays)."""
+        self.run, self.history, self.last = run, [], None
+
+    def record_info(self, total: int) -> dict | None:
+        """What the upgrade's record says of the canary (``backfill-store --status`` reads the
+        points and the reference by it)."""
+        if self.canary is None:
+            return None
+        return {
+            "file": "registered with the live index (POST /admin/canary)",
+            "every": self.every(total),
+            "k": self.opts.canary_k,
+            "guard": self.opts.canary_guard,
+            "points_run": self.points_key,
+            "reference_run": f"live-{self.reg}",
+        }
 
     def every(self, total: int) -> int:
         return self.opts.every(total)
@@ -132,18 +126,19 @@ class CanaryGate:
 
     def measure(self, position: int, ids: np.ndarray, old_ids: np.ndarray | None) -> dict:
         """The point at ``position`` from the canary's result ids (``old_ids``: the old model's
-        queries' results, when the reference is measured now), recorded in the history."""
+        queries' results, when the reference is measured now), kept in the store."""
         k = self.opts.canary_k
         if self.reference is None:
             if old_ids is not None:
                 ref = CanaryReference("old-old", *canary_terms(old_ids, self.canary, k))
             else:
                 ref = CanaryReference("first point", *canary_terms(ids, self.canary, k))
-            self._save_reference(ref)
+            doc = {"kind": ref.kind, "ap": ref.ap.tolist(), "correct": ref.correct.tolist()}
+            self.records.put_canary_reference(f"live-{self.reg}", doc)
             self.reference = ref
         point = canary_point(position, ids, self.canary, self.reference, self.opts)
+        self.records.add_canary_point(self.points_key, len(self.history), point)
         self.history.append(point)
-        self._save_history()
         return point
 
     def status(self, total: int) -> dict | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from raycompat.config import ConfigError, choices, nonnegative, option, parse_options, positive
 from raycompat.index.ann import IndexOptions
+from raycompat.storage import StorageError, resolve_location
 from raycompat.upgrade.canary import CanaryOptions
 from raycompat.upgrade.modes import SERVED_MODES
 
@@ -160,7 +161,6 @@ class ServingConfig:
 def serving_config(values: Mapping[str, Any] | None = None, **kw: Any) -> ServingConfig:
     """Build and check a :class:`ServingConfig` (unknown keys or bad values raise ``ConfigError``);
     ``state_dir`` and a ``store`` folder become absolute local paths."""
-    from raycompat.serving.checkpoint_files import state_directory
 
     cfg = parse_options(ServingConfig, {**(values or {}), **kw}, owner="serving")
     _check_paths(cfg)
@@ -223,3 +223,15 @@ def _check_paths(cfg: ServingConfig) -> None:
         p = getattr(cfg, name)
         if p and not os.path.exists(p):
             raise ConfigError(f"serving: option {name!r}: path not found: {p}")
+
+
+def state_directory(location: str, what: str = "state_dir") -> str:
+    """The live index's state directory as an absolute local path (``~`` expanded; a
+    ``file://`` URI's path); StorageError naming ``what`` for a place off this machine's disk."""
+    place = resolve_location(location, what)
+    if not place.on_disk:
+        raise StorageError(
+            f"{what} {place.uri}: the live index's state must be a local folder "
+            "(its default store, an embedded LanceDB table, is made there)"
+        )
+    return place.root

@@ -69,7 +69,8 @@ class UpgradeCommands:
     """The guarded-upgrade part of the backfill controller (see the module docstring)."""
 
     def _init_upgrade(self) -> None:
-        self.gate = CanaryGate(self.cfg.state_dir, self.cfg.canary, self.cfg.mode)
+        run = (self.ck.get("order") or {}).get("run")
+        self.gate = CanaryGate(self.up.records, self.cfg.canary, self.cfg.mode, run)
         rb = self.ck.get("rollback") or {}
         self.rollback_order = self.up.records.read_order(rb["ids"]) if rb.get("ids") else None
         self._router = None
@@ -115,11 +116,14 @@ class UpgradeCommands:
         except ValueError as exc:
             return {"error": str(exc), "status": 422}
         with self.lock:
+            total = int(self.ck.get("total") or self.plan.n_items)
             try:
                 self.gate.register(canary)
-            except StorageError as exc:
-                return {"error": f"canary not stored: {exc}", "status": 503}
-            total = int(self.ck.get("total") or self.plan.n_items)
+                if self.ck.get("order"):  # backfill-store --status shows its points
+                    self.ck["canary"] = self.gate.record_info(total)
+                    self._save_record()
+            except Exception as exc:  # the store refused the records
+                return {"error": f"canary not stored in {self.store.uri.raw}: {exc}", "status": 503}
             return {
                 "queries": canary.n_queries,
                 "groups": int(np.unique(canary.groups).size),

@@ -121,8 +121,9 @@ class BackfillJobOptions:
     )
     canary: str | None = option(
         None,
-        help="a canary parquet (the live index's <state_dir>/canary/canary.parquet): its curve "
-        "along every simulated order, as the live index measures it, into canary.json",
+        help="a canary parquet, or the URI of a store a live index serves (its registered "
+        "canary): its curve along every simulated order, as the live index measures it, "
+        "into canary.json",
     )
     canary_options: CanaryOptions = option(
         CanaryOptions(), help="the canary's positions, cut-off, intervals and guards (--canary)"

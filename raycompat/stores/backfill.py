@@ -69,9 +69,14 @@ ORDER_PREFIX = "backfill:order:"
 COMMAND_KEY = "backfill:command"
 CANARY_PREFIX = "backfill:canary:"
 CANARY_REFERENCE_KEY = "backfill:canary-reference"
+#: The canary registered with a live index: its parquet bytes in records, and what reads them.
+LIVE_CANARY_KEY = "backfill:live-canary"
+LIVE_CANARY_PREFIX = "backfill:live-canary:"
 #: Item ids per order record: 4,096 int64 ids are 43,692 characters of base64 (a Milvus
 #: VARCHAR holds 65,535).
 ORDER_CHUNK_IDS = 4096
+#: Bytes per record of a file kept in records (base64: 43,692 characters, as an order's).
+BLOB_CHUNK_BYTES = 8 * ORDER_CHUNK_IDS
 #: Seconds between two heartbeats of a driver, and after which a silent driver counts as gone
 #: (a driver on this host is also checked by its process id, so a killed one is seen at once).
 BEAT_S = 5.0
@@ -234,6 +239,45 @@ class BackfillRecords:
     def put_canary_reference(self, run: str, reference: dict) -> None:
         with self.lock:
             self.store._put_record(f"{CANARY_REFERENCE_KEY}:{run}", json.dumps(reference))
+
+    # -- the live index's registered canary ---------------------------------------------------
+    def put_live_canary(self, data: bytes, reg: str) -> dict:
+        """Keep a canary registered with the live index (its parquet bytes, registration
+        ``reg``) in records; the last one is what :meth:`live_canary` reads."""
+        chunks = {
+            f"{LIVE_CANARY_PREFIX}{reg}:{c:06d}": base64.b64encode(
+                data[start : start + BLOB_CHUNK_BYTES]
+            ).decode()
+            for c, start in enumerate(range(0, max(len(data), 1), BLOB_CHUNK_BYTES))
+        }
+        meta = {"reg": reg, "chunks": len(chunks), "sha256": hashlib.sha256(data).hexdigest()}
+        with self.lock:
+            self.store._put_records(chunks)
+            self.store._put_record(LIVE_CANARY_KEY, json.dumps(meta))
+            for key in {k.rsplit(":", 1)[0] for k in self.store._records(LIVE_CANARY_PREFIX)}:
+                if key != f"{LIVE_CANARY_PREFIX}{reg}":  # an earlier registration's bytes
+                    self.store._delete_records(key + ":")
+        return meta
+
+    def live_canary_meta(self) -> dict | None:
+        text = self.store._get_record(LIVE_CANARY_KEY)
+        return json.loads(text) if text else None
+
+    def live_canary(self) -> bytes | None:
+        """The bytes of the canary registered last (``None``: none), checked against their
+        digest."""
+        meta = self.live_canary_meta()
+        if meta is None:
+            return None
+        prefix = f"{LIVE_CANARY_PREFIX}{meta['reg']}:"
+        found = self.store._records(prefix)
+        keys = [f"{prefix}{c:06d}" for c in range(int(meta["chunks"]))]
+        if any(k not in found for k in keys):
+            raise StoreError(f"{self.store.where}: the live canary's records are missing")
+        data = b"".join(base64.b64decode(found[k]) for k in keys)
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise StoreError(f"{self.store.where}: the live canary's records do not match")
+        return data
 
 
 class DriverHeld(StoreError):

@@ -144,12 +144,27 @@ class CanarySet:
 
     @classmethod
     def read(cls, path: str) -> CanarySet:
-        """Read a canary parquet (:meth:`to_bytes`); ``BackfillInputError`` naming the file and
-        the column that is missing or wrong."""
+        """Read a canary parquet (:meth:`to_bytes`), or the canary registered with a live
+        index whose store ``path`` names (``lance://...``, ``milvus://...``: it is kept in the
+        store's records); ``BackfillInputError`` naming the file and the column that is
+        missing or wrong."""
+        if path.startswith(("lance://", "milvus://")):
+            return cls.from_bytes(_registered_canary(path), f"the canary of store {path}")
+        return cls._from_parquet(path, path)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> CanarySet:
+        """:meth:`read` of the bytes of :meth:`to_bytes` (``where``: named in errors)."""
+        import pyarrow as pa
+
+        return cls._from_parquet(pa.BufferReader(data), where)
+
+    @classmethod
+    def _from_parquet(cls, source, path: str) -> CanarySet:
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(path)
+            table = pq.read_table(source)
         except Exception as exc:  # pyarrow raises several types for unreadable files
             raise BackfillInputError(f"canary {path}: cannot read it ({exc})") from None
         for column in ("vector", "relevant", "group"):
@@ -172,6 +187,18 @@ class CanarySet:
             )
         except BackfillInputError as exc:
             raise BackfillInputError(f"{exc} (file {path})") from None
+
+
+def _registered_canary(uri: str) -> bytes:
+    """The canary registered with the live index that serves the store ``uri``."""
+    from raycompat.stores import open_store
+    from raycompat.stores.backfill import BackfillRecords
+
+    with open_store(uri) as store:
+        data = BackfillRecords(store).live_canary()
+    if data is None:
+        raise BackfillInputError(f"canary of store {uri}: no canary was registered with it")
+    return data
 
 
 @dataclass

@@ -78,20 +78,20 @@ def test_one_form_of_a_place(tmp_path, monkeypatch):
 def test_one_storage_error_for_jobs_and_the_live_index(capsys):
     """The live index's StorageError is this one; a job stops on it with one line, exit 2."""
     from raycompat.console import job_main
-    from raycompat.serving import checkpoint_files as durability
+    from raycompat.serving import config as serving_config
 
-    assert durability.StorageError is StorageError and issubclass(StorageError, ConfigError)
+    assert serving_config.StorageError is StorageError and issubclass(StorageError, ConfigError)
 
     @job_main
     def job() -> int:
-        raise durability.storage_error(OSError(28, "No space left on device"), "/s/upserts.log")
+        raise StorageError("no space left on device at /s/upserts.log")
 
     assert job() == 2
     assert capsys.readouterr().err == "error: no space left on device at /s/upserts.log\n"
 
 
 def test_state_directory_is_a_local_folder(tmp_path, monkeypatch):
-    from raycompat.serving.checkpoint_files import state_directory
+    from raycompat.serving.config import state_directory
 
     monkeypatch.chdir(tmp_path)
     assert state_directory("state") == str(tmp_path / "state")

@@ -7,6 +7,7 @@ Two apps: ``gate`` (one shard) for both models of the canary gate (the second mo
 come from a pipeline output, after a rollback), and ``up`` (two shards, two routers) for the
 other tests, in file order (the last of them fills shard 1's disk)."""
 
+import json
 import os
 import time
 
@@ -153,7 +154,7 @@ def _log_lines(pid: int, needle: str) -> list[str]:
 
 
 def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
-    serve_port, token_file, tmp_path, gate
+    serve_port, token_file, tmp_path, gate, capsys
 ):
     """One app serves the glyph gallery with the independent model's new vectors; the canary
     pauses that backfill early (a resume needs ``override``).  Rolled back to its deployed
@@ -163,6 +164,7 @@ def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from raycompat.backfill_store.commands import main as backfill_store_main
     from raycompat.simulator.job import BackfillJobOptions, run
 
     parquets, arrays = gate
@@ -207,7 +209,7 @@ def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
         reset_backfill(client)  # every item back to its deployed (old) vector
         _gated_backfill(client, arrays, "bct", source="pipeline")
         bf = client.status()["backfill"]
-        history = bf["canary"]["history"]
+        history, store = bf["canary"]["history"], bf["store"]
         assert bf["state"] == "done" and not bf["paused_by"], bf
         assert not [p for p in history if p["guard"]] and history[-1]["position"] == n
         worst = min(history, key=lambda p: p["delta_high"])
@@ -217,12 +219,15 @@ def test_the_canary_gate_pauses_an_incompatible_model_and_lets_bct_finish(
               f"{max(p['nfr'] for p in history):.4f}")  # fmt: skip
     finally:
         undeploy("gate")
+    # the canary, its reference and its points live in the store: backfill-store reads them
+    assert backfill_store_main(["--store", store, "--status"]) == 0
+    st = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert st["driver"]["what"] == "live index" and st["canary"]["reference"] == "old-old"
+    assert st["canary"]["points"] == len(history) and st["canary"]["last"] == history[-1]
     opts = BackfillJobOptions(embeddings=parquets["bct"], policies="random", modes="compatible",
-                              canary=str(state / "canary" / "canary.parquet"),
+                              canary=store,
                               out=str(tmp_path / "sim"), plots=False, quiet=True)  # fmt: skip
     paths = run(opts)
-    import json
-
     (curve,) = json.loads(open(paths["canary"]).read())["curves"]
     assert curve["policy"] == "random" and curve["reference"] == "old-old"
     assert curve["points"] == [{k: p[k] for k in curve["points"][0]} for p in history]
