@@ -189,7 +189,9 @@ def describe_options(cls: type) -> list[str]:
     """One ``name=default [choices]`` line per option, for ``--help``."""
     lines = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         extra = f" {list(f.metadata['choices'])}" if "choices" in f.metadata else ""
         lines.append(f"{f.name}={default!r}{extra}")
     return lines

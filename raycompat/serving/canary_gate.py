@@ -127,16 +127,18 @@ class CanaryGate:
     def measure(self, position: int, ids: np.ndarray, old_ids: np.ndarray | None) -> dict:
         """The point at ``position`` from the canary's result ids (``old_ids``: the old model's
         queries' results, when the reference is measured now), kept in the store."""
-        k = self.opts.canary_k
+        k, canary = self.opts.canary_k, self.canary
+        if canary is None:
+            raise RuntimeError("no canary is registered: nothing to measure")
         if self.reference is None:
             if old_ids is not None:
-                ref = CanaryReference("old-old", *canary_terms(old_ids, self.canary, k))
+                ref = CanaryReference("old-old", *canary_terms(old_ids, canary, k))
             else:
-                ref = CanaryReference("first point", *canary_terms(ids, self.canary, k))
+                ref = CanaryReference("first point", *canary_terms(ids, canary, k))
             doc = {"kind": ref.kind, "ap": ref.ap.tolist(), "correct": ref.correct.tolist()}
             self.records.put_canary_reference(f"live-{self.reg}", doc)
             self.reference = ref
-        point = canary_point(position, ids, self.canary, self.reference, self.opts)
+        point = canary_point(position, ids, canary, self.reference, self.opts)
         self.records.add_canary_point(self.points_key, len(self.history), point)
         self.history.append(point)
         return point

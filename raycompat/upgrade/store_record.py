@@ -266,10 +266,10 @@ class StoreUpgrade:
         run = (rec.get("order") or {}).get("run")
         live = rec.get("canary") or {}  # the live index's keys name its registration's
         points_run, reference_run = live.get("points_run") or run, live.get("reference_run") or run
-        points = self.records.canary_points(points_run) if run and rec.get("canary") else []
+        points = self.records.canary_points(str(points_run)) if run and live else []
         canary = None
-        if rec.get("canary"):
-            ref = self.records.canary_reference(reference_run) if run else None
+        if live:
+            ref = self.records.canary_reference(str(reference_run)) if run else None
             canary = {
                 **{k: rec["canary"].get(k) for k in ("file", "every", "k", "guard")},
                 "reference": ref and ref.get("kind"),
