@@ -91,7 +91,9 @@ def controller(tmp_path):
     plan = build_plan(cfg)
     ensure_store(cfg, plan.identities.default("old"), plan.query_dims.new)
     ctl = _gated_controller()([], plan)
-    return ctl, ctl
+    yield ctl, ctl
+    ctl.pause()
+    _close(ctl)
 
 
 def _until(ctl, check, what, timeout=10.0):
@@ -235,14 +237,15 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
         return out
 
     monkeypatch.setattr(LanceStore, "write_new", counted)
-    killed, save = threading.Event(), ctl._save_record
+    killed, save, dead = threading.Event(), ctl._save_record, threading.Event()
 
     ctl.record_every_s = 0.0  # a record after every batch
 
     def save_or_die():  # the third batch's record is never saved: the walk stops there
         if sum(written.values()) >= 15:
             killed.set()
-            threading.Event().wait()
+            dead.wait(60)  # until the test's end (a thread left waiting would hold the exit)
+            raise RuntimeError("the killed controller")
         save()
 
     ctl._save_record = save_or_die
@@ -263,6 +266,8 @@ def test_a_controller_killed_between_a_batch_and_its_record_writes_nothing_twice
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rec["position"], rec["total"], rec["state"]) == (40, 40, "done")
     assert rec["counts"]["upgraded"] == 40 and rec["driver"]["what"] == "live index"
+    dead.set()
+    _close(again)
 
 
 # ----------------------------------------------------------------------------- the table
